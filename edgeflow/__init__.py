@@ -1,0 +1,14 @@
+"""edgeflow: run and train int8 ONNX models on small boards, federate over MQTT.
+
+The runtime is split into independent modules behind small interfaces:
+``edgeflow.profiles`` (boards as data), ``edgeflow.model`` (loading and
+checking ONNX), ``edgeflow.backends`` (onnxruntime or pure numpy),
+``edgeflow.kernels`` (the numpy op library), and, as they are used,
+quantization, training, transport, codecs and the gateway.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__"]

@@ -1,0 +1,90 @@
+"""One exception hierarchy for all of edgeflow.
+
+Every error a user can hit derives from :class:`EdgeflowError`, so an
+application can catch one type. Each message says what went wrong *and* what
+to do about it; callers should never have to read a traceback to find the
+file, field or op at fault.
+
+The kernel library (``edgeflow.kernels``) is usable without the rest of
+edgeflow and so defines its own small ``KernelError``; the runtime re-raises
+those as :class:`UnsupportedOpError` / :class:`ShapeError` where it matters.
+"""
+
+from __future__ import annotations
+
+
+class EdgeflowError(Exception):
+    """Base class of every error edgeflow raises on purpose."""
+
+
+class ProfileError(EdgeflowError, ValueError):
+    """A device profile file is missing, malformed or has a bad field."""
+
+
+class ModelError(EdgeflowError, ValueError):
+    """An ONNX model cannot be loaded, checked or served."""
+
+
+class UnsupportedOpError(ModelError):
+    """The model uses ops that the chosen backend cannot run.
+
+    ``ops`` lists every missing ``domain::OpType`` at once, so the user sees
+    the whole problem on load rather than one op per failed run.
+    """
+
+    def __init__(self, message: str, ops: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.ops = list(ops or [])
+
+
+class InputError(EdgeflowError, ValueError):
+    """Inputs given to a model or API are missing, misnamed or malformed."""
+
+
+class ShapeError(InputError):
+    """An array has the wrong shape or dtype for where it is used."""
+
+
+class BackendError(EdgeflowError, RuntimeError):
+    """A backend is unavailable or failed while running a model."""
+
+
+class MemoryBudgetError(EdgeflowError, MemoryError):
+    """Planned peak memory exceeds the device profile's budget."""
+
+    def __init__(self, message: str, planned_bytes: int = 0, budget_bytes: int = 0) -> None:
+        super().__init__(message)
+        self.planned_bytes = planned_bytes
+        self.budget_bytes = budget_bytes
+
+
+class QuantizationError(EdgeflowError, ValueError):
+    """A model or calibration set cannot be quantized as asked."""
+
+
+class TrainingError(EdgeflowError, RuntimeError):
+    """Training cannot start or had to stop (NaN loss, op without backward...)."""
+
+
+class TransportError(EdgeflowError, ConnectionError):
+    """The MQTT transport failed: connect, auth, publish, subscribe or timeout."""
+
+
+class CodecError(EdgeflowError, ValueError):
+    """An update envelope cannot be encoded or decoded (corrupt, unknown codec...)."""
+
+
+class SignatureError(CodecError):
+    """A signature is missing, wrong, or from an unknown key; or a replay."""
+
+
+class AggregationError(EdgeflowError, RuntimeError):
+    """A federated round cannot aggregate (no updates, mismatched tensors...)."""
+
+
+class FleetError(EdgeflowError, RuntimeError):
+    """A fleet operation failed (deployment, command, registry)."""
+
+
+class ConfigError(EdgeflowError, ValueError):
+    """A configuration file or command-line setting is invalid."""

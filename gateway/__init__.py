@@ -1,0 +1,1 @@
+"""edgeflow.gateway: the aggregator and fleet manager service."""
