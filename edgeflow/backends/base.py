@@ -1,0 +1,116 @@
+"""The backend interface: ``load`` a model into a session that can ``run``
+and describes its ``io``.
+
+Backends are found by name (see :mod:`edgeflow.backends`), like tinygrad's
+devices: the rest of edgeflow never branches on which board it is on, it
+asks the profile for a backend name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+import onnx
+
+from ..errors import InputError, ShapeError
+from ..model import TensorInfo
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    """Per-session settings a profile translates into backend knobs."""
+
+    threads: int = 1
+    providers: tuple[str, ...] = ("CPUExecutionProvider",)
+    memory_arena: bool = True
+    optimization: str = "all"  # "disabled" | "basic" | "extended" | "all"
+    extra: dict = field(default_factory=dict)
+
+
+class Session:
+    """A loaded model. Subclasses implement ``_run``."""
+
+    backend_name = "base"
+
+    def __init__(self, inputs: list[TensorInfo], outputs: list[TensorInfo]) -> None:
+        self.inputs = inputs
+        self.outputs = outputs
+
+    def io(self) -> dict[str, list[TensorInfo]]:
+        return {"inputs": list(self.inputs), "outputs": list(self.outputs)}
+
+    def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Run the model; returns the requested outputs (all by default) by name."""
+        checked = check_feeds(self.inputs, feeds)
+        names = list(output_names) if output_names else [o.name for o in self.outputs]
+        known = {o.name for o in self.outputs}
+        bad = [n for n in names if n not in known]
+        if bad:
+            raise InputError(f"unknown output name(s) {bad}; the model's outputs are {sorted(known)}")
+        return self._run(checked, names)
+
+    def _run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
+        raise NotImplementedError("need _run")
+
+
+class Backend:
+    """A way to execute ONNX models. Subclasses set ``name`` and implement the hooks."""
+
+    name = "base"
+
+    @classmethod
+    def available(cls) -> bool:
+        """Can this backend run on this host (its libraries importable)?"""
+        raise NotImplementedError("need available")
+
+    def unsupported_ops(self, model: onnx.ModelProto) -> list[str]:
+        """Every op of ``model`` this backend cannot run (all at once)."""
+        raise NotImplementedError("need unsupported_ops")
+
+    def load(self, model: onnx.ModelProto, options: SessionOptions | None = None) -> Session:
+        raise NotImplementedError("need load")
+
+
+def check_feeds(inputs: list[TensorInfo], feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Validate names, dtypes, ranks and fixed dims of the inputs; cast losslessly.
+
+    Every problem is reported at once, naming the input and what was expected.
+    """
+    if not isinstance(feeds, Mapping):
+        raise InputError("inputs must be a mapping of input name -> array")
+    expected = {t.name: t for t in inputs}
+    missing = [n for n in expected if n not in feeds]
+    extra = [n for n in feeds if n not in expected]
+    problems = []
+    if missing:
+        problems.append(f"missing input(s): {missing}")
+    if extra:
+        problems.append(f"unknown input(s): {extra} (the model takes {list(expected)})")
+    out: dict[str, np.ndarray] = {}
+    for name, t in expected.items():
+        if name not in feeds:
+            continue
+        a = np.asarray(feeds[name])
+        want = np.dtype(t.dtype) if t.dtype else a.dtype
+        if a.dtype != want:
+            if np.can_cast(a.dtype, want, casting="same_kind") and not (
+                np.issubdtype(a.dtype, np.floating) and np.issubdtype(want, np.integer)
+            ):
+                a = a.astype(want)
+            else:
+                problems.append(f"input {name!r} has dtype {a.dtype}, expected {want}")
+                continue
+        if t.shape and len(t.shape) != a.ndim:
+            problems.append(f"input {name!r} has shape {a.shape}, expected rank {len(t.shape)} {list(t.shape)}")
+            continue
+        for i, (d, s) in enumerate(zip(t.shape, a.shape)):
+            if isinstance(d, int) and d > 0 and d != s:
+                problems.append(f"input {name!r} has shape {a.shape}, expected {list(t.shape)} (dim {i})")
+                break
+        out[name] = a
+    if problems:
+        cls = ShapeError if not missing and not extra else InputError
+        raise cls("; ".join(problems))
+    return out

@@ -1,0 +1,95 @@
+"""The onnxruntime backend: an InferenceSession configured from the profile.
+
+Execution providers come from the profile's preference list, filtered by
+what the installed onnxruntime build offers (``get_available_providers``),
+with CPU always last as the fallback. onnxruntime is imported lazily so
+that edgeflow imports on boards without a wheel.
+"""
+
+from __future__ import annotations
+
+import onnx
+
+from ..errors import BackendError
+from ..model import graph_inputs, graph_outputs
+from .base import Backend, Session, SessionOptions
+
+_OPT_LEVELS = {
+    "disabled": "ORT_DISABLE_ALL",
+    "basic": "ORT_ENABLE_BASIC",
+    "extended": "ORT_ENABLE_EXTENDED",
+    "all": "ORT_ENABLE_ALL",
+}
+
+
+def _ort():
+    try:
+        import onnxruntime
+    except ImportError as exc:
+        raise BackendError(
+            "onnxruntime is not installed on this host; use the 'numpy' backend "
+            "(boards such as armv7 and riscv64 have no onnxruntime wheel)"
+        ) from exc
+    return onnxruntime
+
+
+def choose_providers(preferred: tuple[str, ...] | list[str], available: list[str]) -> list[str]:
+    """Keep the preferred providers this build has, in order, CPU last."""
+    chosen = [p for p in preferred if p in available and p != "CPUExecutionProvider"]
+    chosen.append("CPUExecutionProvider")
+    return chosen
+
+
+class OrtSession(Session):
+    backend_name = "ort"
+
+    def __init__(self, model: onnx.ModelProto, options: SessionOptions) -> None:
+        super().__init__(graph_inputs(model), graph_outputs(model))
+        ort = _ort()
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = max(1, int(options.threads))
+        so.inter_op_num_threads = 1
+        so.enable_cpu_mem_arena = bool(options.memory_arena)
+        so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _OPT_LEVELS[options.optimization])
+        so.log_severity_level = 3
+        self.providers = choose_providers(options.providers, ort.get_available_providers())
+        try:
+            self._sess = ort.InferenceSession(model.SerializeToString(), sess_options=so, providers=self.providers)
+        except Exception as exc:  # onnxruntime raises its own exception types
+            raise BackendError(f"onnxruntime could not load the model: {exc}") from exc
+
+    def _run(self, feeds, output_names):
+        try:
+            values = self._sess.run(output_names, feeds)
+        except Exception as exc:
+            raise BackendError(f"onnxruntime failed to run the model: {exc}") from exc
+        return dict(zip(output_names, values))
+
+
+class OrtBackend(Backend):
+    name = "ort"
+
+    @classmethod
+    def available(cls) -> bool:
+        try:
+            import onnxruntime  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    def unsupported_ops(self, model: onnx.ModelProto) -> list[str]:
+        # onnxruntime implements the whole default domain and com.microsoft;
+        # anything else needs a custom-op library.
+        out = []
+        for n in model.graph.node:
+            if n.domain not in ("", "ai.onnx", "com.microsoft", "ai.onnx.ml"):
+                label = f"{n.domain}::{n.op_type}"
+                if label not in out:
+                    out.append(label)
+        return out
+
+    def load(self, model: onnx.ModelProto, options: SessionOptions | None = None) -> OrtSession:
+        return OrtSession(model, options or SessionOptions())
+
+
+__all__ = ["OrtBackend", "OrtSession", "choose_providers"]

@@ -1,0 +1,106 @@
+"""Codec interface and the registry that finds codecs by name or wire id.
+
+A codec turns one flat float32 tensor into a byte section of the envelope
+and back. Everything else (names, shapes, dtypes, signing, validation of the
+envelope) is the envelope's job, so a codec module stays a page long.
+
+Wire ids are part of the format: never renumber them, only add.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from edgeflow.codecs.rejects import codec_error
+
+__all__ = ["Codec", "EncodeContext", "available_codecs", "codec_by_id", "get_codec", "register_codec"]
+
+
+@dataclass
+class EncodeContext:
+    """Per-call inputs a codec may use: the RNG for stochastic rounding and its options."""
+
+    rng: np.random.Generator
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+class Codec:
+    """Base class. Subclasses set ``name``, ``codec_id`` and implement encode/decode.
+
+    ``encode`` receives a 1-D, C-contiguous, finite float32 array and, for
+    codecs with ``uses_feedback``, the device's residual for that tensor (or
+    None). It returns the section as a list of buffers (joined once by the
+    envelope, so a dense codec can hand over the array without a copy) and
+    the new residual (None for codecs without error feedback).
+
+    ``decode`` receives the section and the declared element count and must
+    return a 1-D float32 array of exactly that many finite values, or raise
+    a CodecError with a reason: it must validate its own section layout,
+    because the section comes straight from the network.
+    """
+
+    name: ClassVar[str] = ""
+    codec_id: ClassVar[int] = 0
+    option_names: ClassVar[tuple[str, ...]] = ()
+    uses_feedback: ClassVar[bool] = False
+    lossless: ClassVar[bool] = False
+
+    def check_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(options) - set(self.option_names))
+        if unknown:
+            valid = ", ".join(self.option_names) or "none"
+            msg = f"unknown option(s) {', '.join(unknown)} for codec {self.name!r}; valid options: {valid}"
+            raise codec_error("bad_option", msg)
+        return dict(options)
+
+    def encode(
+        self, x: np.ndarray, ctx: EncodeContext, residual: np.ndarray | None = None
+    ) -> tuple[list[Any], np.ndarray | None]:
+        raise NotImplementedError(f"codec {self.name!r} needs encode")
+
+    def decode(self, section: memoryview, size: int) -> np.ndarray:
+        raise NotImplementedError(f"codec {self.name!r} needs decode")
+
+
+_BY_NAME: dict[str, Codec] = {}
+_BY_ID: dict[int, Codec] = {}
+
+
+def register_codec(codec: Codec) -> Codec:
+    if not codec.name or not 0 < codec.codec_id < 256:
+        msg = f"codec {codec!r} needs a name and a wire id in 1..255"
+        raise ValueError(msg)
+    other = _BY_ID.get(codec.codec_id)
+    if other is not None and other.name != codec.name:
+        msg = f"codec id {codec.codec_id} is taken by {other.name!r}"
+        raise ValueError(msg)
+    _BY_NAME[codec.name] = codec
+    _BY_ID[codec.codec_id] = codec
+    return codec
+
+
+def available_codecs() -> list[str]:
+    return sorted(_BY_NAME, key=lambda n: _BY_NAME[n].codec_id)
+
+
+def get_codec(name: str) -> Codec:
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        msg = f"unknown codec {name!r}; available codecs: {', '.join(available_codecs())}"
+        raise codec_error("unknown_codec", msg) from None
+
+
+def codec_by_id(codec_id: int) -> Codec:
+    try:
+        return _BY_ID[codec_id]
+    except KeyError:
+        msg = (
+            f"unknown codec id {codec_id} in envelope; this edgeflow knows "
+            f"{', '.join(f'{c.codec_id}={c.name}' for c in _BY_ID.values())}: upgrade the receiver "
+            "or make the device use a codec both sides support"
+        )
+        raise codec_error("unknown_codec", msg) from None

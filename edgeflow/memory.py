@@ -1,0 +1,169 @@
+"""Planned peak memory of running a model, for the profile's memory budget.
+
+The plan fixes the input shapes (dynamic dims -> the given batch size),
+runs ONNX shape inference to size every intermediate, and walks the
+schedule of :mod:`edgeflow.graph` keeping the set of live values — the same
+lifetimes the numpy executor uses to free intermediates — plus each kernel's
+workspace (e.g. Conv's im2col buffer). Weights count in full.
+
+Values whose size inference cannot tell (data-dependent shapes) are
+reported in ``unknown``; then :func:`measure_peak` can trace one real run.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from .errors import InputError
+from .graph import CompiledGraph
+from .model import TensorInfo, elem_dtype
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes needed by one inference at the planned input shapes."""
+
+    weights_bytes: int
+    peak_activation_bytes: int
+    peak_node: str
+    input_shapes: dict[str, tuple[int, ...]]
+    unknown: tuple[str, ...] = field(default=())
+    workspace_bytes: int = 0
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.weights_bytes + self.peak_activation_bytes
+
+    def to_dict(self) -> dict:
+        return {
+            "weights_bytes": self.weights_bytes,
+            "peak_activation_bytes": self.peak_activation_bytes,
+            "peak_bytes": self.peak_bytes,
+            "peak_node": self.peak_node,
+            "workspace_bytes": self.workspace_bytes,
+            "input_shapes": {k: list(v) for k, v in self.input_shapes.items()},
+            "unknown": list(self.unknown),
+        }
+
+
+def concrete_shapes(inputs: list[TensorInfo], batch_size: int = 1,
+                    shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, tuple[int, ...]]:
+    """Fill dynamic dims of each input: the first with ``batch_size``, others must be given."""
+    out: dict[str, tuple[int, ...]] = {}
+    for t in inputs:
+        if shapes and t.name in shapes:
+            out[t.name] = tuple(int(d) for d in shapes[t.name])
+            continue
+        dims = []
+        for i, d in enumerate(t.shape):
+            if isinstance(d, int) and d > 0:
+                dims.append(d)
+            elif i == 0:
+                dims.append(batch_size)
+            else:
+                raise InputError(
+                    f"input {t.name!r} has a dynamic dimension {i} ({d!r}) other than the batch; "
+                    "give its shape explicitly (input_shapes={name: shape})"
+                )
+        out[t.name] = tuple(dims)
+    return out
+
+
+def _fixed_model(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> onnx.ModelProto:
+    m = copy.deepcopy(model)
+    del m.graph.value_info[:]
+    for vi in m.graph.input:
+        if vi.name in shapes:
+            dims = vi.type.tensor_type.shape.dim
+            del dims[:]
+            for d in shapes[vi.name]:
+                dims.add().dim_value = int(d)
+    for vi in m.graph.output:
+        vi.type.tensor_type.ClearField("shape")
+    return onnx.shape_inference.infer_shapes(m, data_prop=True)
+
+
+def _sizes(model: onnx.ModelProto) -> dict[str, tuple[int, ...] | None]:
+    out: dict[str, tuple[int, ...] | None] = {}
+    for vi in list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output):
+        t = vi.type.tensor_type
+        if not t.HasField("shape"):
+            out[vi.name] = None
+            continue
+        dims = []
+        for d in t.shape.dim:
+            if d.HasField("dim_value"):
+                dims.append(int(d.dim_value))
+            else:
+                dims = None
+                break
+        out[vi.name] = tuple(dims) if dims is not None else None
+    return out
+
+
+def _itemsize(dtype: str) -> int:
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:
+        return 4
+
+
+def plan_memory(graph: CompiledGraph, batch_size: int = 1,
+                input_shapes: dict[str, tuple[int, ...]] | None = None) -> MemoryPlan:
+    """Plan the peak memory of one run at ``batch_size`` (or explicit shapes)."""
+    shapes = concrete_shapes(graph.inputs, batch_size, input_shapes)
+    fixed = _fixed_model(graph.model, shapes)
+    sizes = _sizes(fixed)
+    types = dict(graph.types)
+    for vi in list(fixed.graph.value_info) + list(fixed.graph.output):
+        if vi.type.tensor_type.elem_type:
+            types[vi.name] = elem_dtype(vi.type.tensor_type.elem_type)
+
+    def nbytes(name: str) -> int | None:
+        if name in graph.initializers:
+            return 0  # counted in weights
+        shp = sizes.get(name)
+        if shp is None:
+            return None
+        return int(np.prod(shp, dtype=np.int64)) * _itemsize(types.get(name, "float32"))
+
+    weights = sum(int(a.nbytes) for a in graph.initializers.values())
+    unknown: list[str] = []
+    live: dict[str, int] = {}
+    for name in shapes:
+        live[name] = int(np.prod(shapes[name], dtype=np.int64)) * _itemsize(types.get(name, "float32"))
+    peak, peak_node, peak_ws = sum(live.values()), "(inputs)", 0
+    for node in graph.nodes:
+        for o in node.outputs:
+            if not o:
+                continue
+            b = nbytes(o)
+            if b is None:
+                unknown.append(o)
+                b = 0
+            live[o] = b
+        ws = 0
+        if node.kernel.workspace_fn is not None:
+            in_shapes = [sizes.get(x) if x and x not in graph.initializers
+                         else (graph.initializers[x].shape if x else None) for x in node.inputs]
+            try:
+                ws = int(node.kernel.workspace_fn(in_shapes, node.attrs) or 0)
+            except Exception:  # a workspace estimate must never break planning
+                ws = 0
+        total = sum(live.values()) + ws
+        if total > peak:
+            peak, peak_node, peak_ws = total, node.name, ws
+        for name in node.free_after:
+            live.pop(name, None)
+    return MemoryPlan(
+        weights_bytes=weights,
+        peak_activation_bytes=peak,
+        peak_node=peak_node,
+        input_shapes=shapes,
+        unknown=tuple(unknown),
+        workspace_bytes=peak_ws,
+    )

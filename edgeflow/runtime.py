@@ -1,0 +1,158 @@
+"""The runtime: a model loaded for a device profile.
+
+``edgeflow.load(model, profile="raspberry-pi-4")`` checks the model, plans
+its peak memory against the profile's budget, and opens a session on the
+first backend in the profile's list that is installed here and can run
+every op of the model — falling back down the list (e.g. ``ort`` ->
+``numpy`` on a board without an onnxruntime wheel) and saying why.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+import onnx
+
+from .backends import SessionOptions, get_backend
+from .backends.base import Session
+from .errors import BackendError, EdgeflowError, InputError, MemoryBudgetError, UnsupportedOpError
+from .graph import compile_graph
+from .memory import MemoryPlan, plan_memory
+from .model import ModelSource, TensorInfo, load_model
+from .profiles import DeviceProfile, detect, get_profile
+
+log = logging.getLogger(__name__)
+
+
+def session_options(profile: DeviceProfile, threads: int | None = None) -> SessionOptions:
+    return SessionOptions(
+        threads=threads or profile.threads,
+        providers=tuple(profile.execution_providers) or ("CPUExecutionProvider",),
+        memory_arena=profile.memory_arena,
+    )
+
+
+@dataclass
+class BackendChoice:
+    name: str
+    tried: list[tuple[str, str]] = field(default_factory=list)  # (backend, why not)
+
+
+def choose_backend(model: onnx.ModelProto, profile: DeviceProfile, backend: str | None = None) -> BackendChoice:
+    """The first backend of the profile's list (or ``backend``) that can run ``model``."""
+    order = [backend] if backend else list(profile.backends)
+    tried: list[tuple[str, str]] = []
+    missing_ops: set[str] = set()
+    unavailable = 0
+    for name in order:
+        try:
+            b = get_backend(name)
+        except BackendError as exc:
+            tried.append((name, str(exc)))
+            unavailable += 1
+            continue
+        missing = b.unsupported_ops(model)
+        if missing:
+            tried.append((name, f"cannot run op(s) {', '.join(missing)}"))
+            missing_ops.update(missing)
+            continue
+        return BackendChoice(name, tried)
+    reasons = "; ".join(f"{n}: {why}" for n, why in tried)
+    if unavailable == 0:
+        raise UnsupportedOpError(
+            f"no backend of profile {profile.name!r} can run this model ({reasons})", ops=sorted(missing_ops)
+        )
+    raise BackendError(f"no usable backend for profile {profile.name!r}: {reasons}")
+
+
+class Runtime:
+    """A model ready to run on one device profile."""
+
+    def __init__(
+        self,
+        model: ModelSource,
+        profile: "str | DeviceProfile | None" = None,
+        *,
+        backend: str | None = None,
+        batch_size: int = 1,
+        input_shapes: dict[str, tuple[int, ...]] | None = None,
+        threads: int | None = None,
+        allow_over_budget: bool = False,
+    ) -> None:
+        self.model = load_model(model)
+        self.profile = get_profile(profile) if profile is not None else detect()
+        choice = choose_backend(self.model, self.profile, backend)
+        self.backend_name = choice.name
+        self.fallbacks = choice.tried
+        for name, why in choice.tried:
+            log.info("backend %s skipped for profile %s: %s", name, self.profile.name, why)
+        self.plan = self._plan(batch_size, input_shapes)
+        if self.plan is not None and self.plan.peak_bytes > self.profile.memory_budget_bytes and not allow_over_budget:
+            raise MemoryBudgetError(
+                f"planned peak memory {self.plan.peak_bytes / 2**20:.1f} MiB at batch {batch_size} "
+                f"(weights {self.plan.weights_bytes / 2**20:.1f} MiB, activations peak at node "
+                f"{self.plan.peak_node}) exceeds profile {self.profile.name!r}'s budget of "
+                f"{self.profile.memory_budget_mb} MiB; use a smaller batch, quantize the model, "
+                "or pass allow_over_budget=True (--allow-over-budget) to run anyway",
+                planned_bytes=self.plan.peak_bytes,
+                budget_bytes=self.profile.memory_budget_bytes,
+            )
+        self.session: Session = get_backend(self.backend_name).load(
+            self.model, session_options(self.profile, threads)
+        )
+
+    def _plan(self, batch_size: int, input_shapes) -> MemoryPlan | None:
+        try:
+            graph = compile_graph(self.model)
+        except UnsupportedOpError:
+            return None  # ort-only model: no numpy plan; onnxruntime plans itself
+        try:
+            return plan_memory(graph, batch_size, input_shapes)
+        except InputError:
+            raise
+        except EdgeflowError as exc:  # pragma: no cover - planning is best effort
+            log.warning("memory plan failed: %s", exc)
+            return None
+
+    @property
+    def inputs(self) -> list[TensorInfo]:
+        return self.session.inputs
+
+    @property
+    def outputs(self) -> list[TensorInfo]:
+        return self.session.outputs
+
+    def run(
+        self,
+        feeds: "Mapping[str, np.ndarray] | np.ndarray",
+        output_names: Sequence[str] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Run on a feed dict (or one array for a single-input model)."""
+        if isinstance(feeds, np.ndarray):
+            if len(self.inputs) != 1:
+                raise InputError(
+                    f"the model has {len(self.inputs)} inputs {[i.name for i in self.inputs]}; pass a dict"
+                )
+            feeds = {self.inputs[0].name: feeds}
+        return self.session.run(feeds, output_names)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """First output for a single-input model: ``y = rt(x)``."""
+        return next(iter(self.run(x).values()))
+
+    def describe(self) -> dict:
+        return {
+            "profile": self.profile.name,
+            "backend": self.backend_name,
+            "fallbacks": [{"backend": n, "reason": why} for n, why in self.fallbacks],
+            "memory_plan": self.plan.to_dict() if self.plan else None,
+            "budget_bytes": self.profile.memory_budget_bytes,
+        }
+
+
+def load(model: ModelSource, profile: "str | DeviceProfile | None" = None, **kwargs) -> Runtime:
+    """Load ``model`` for ``profile`` (detected from the host when omitted)."""
+    return Runtime(model, profile, **kwargs)

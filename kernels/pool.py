@@ -1,0 +1,179 @@
+"""Pooling: MaxPool (with optional Indices), AveragePool, GlobalAveragePool,
+GlobalMaxPool.
+
+Windows are reduced by looping over kernel offsets with strided slices
+(``spatial.window_slices``): prod(kernel) vectorised element-wise ops over
+the whole output, far faster in numpy than reducing a 6-D strided view.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from . import spatial
+from .registry import FLOAT_TYPES, register
+
+_POOL_TYPES = FLOAT_TYPES | {"int8", "uint8"}
+
+
+def pool_geometry(
+    x: np.ndarray,
+    kernel_shape: list[int],
+    *,
+    auto_pad: str = "NOTSET",
+    ceil_mode: int = 0,
+    dilations: list[int] | None = None,
+    pads: list[int] | None = None,
+    strides: list[int] | None = None,
+) -> spatial.WindowGeometry:
+    if kernel_shape is None:
+        raise ValueError("pooling needs the kernel_shape attribute")
+    if x.ndim != len(kernel_shape) + 2:
+        raise ValueError(
+            f"pooling with kernel_shape {list(kernel_shape)} expects a rank-"
+            f"{len(kernel_shape) + 2} input (N, C, *spatial), got shape {x.shape}"
+        )
+    return spatial.resolve(
+        tuple(x.shape[2:]), kernel_shape, strides=strides, dilations=dilations,
+        pads=pads, auto_pad=auto_pad, ceil_mode=ceil_mode,
+    )
+
+
+def _offsets(g: spatial.WindowGeometry):
+    return itertools.product(*(range(k) for k in g.kernel))
+
+
+def _lowest(dtype: np.dtype):
+    if np.issubdtype(dtype, np.floating):
+        return -np.inf
+    return np.iinfo(dtype).min
+
+
+@register("MaxPool", dtypes=_POOL_TYPES)
+def max_pool(
+    x: np.ndarray,
+    *,
+    auto_pad: str = "NOTSET",
+    ceil_mode: int = 0,
+    dilations: list[int] | None = None,
+    kernel_shape: list[int] | None = None,
+    pads: list[int] | None = None,
+    storage_order: int = 0,
+    strides: list[int] | None = None,
+    n_outputs: int = 2,
+):
+    g = pool_geometry(
+        x, kernel_shape, auto_pad=auto_pad, ceil_mode=ceil_mode,
+        dilations=dilations, pads=pads, strides=strides,
+    )
+    xp = spatial.pad_spatial(x, g, _lowest(x.dtype))
+    out = None
+    arg = None  # flat offset index of the winning kernel position
+    want_indices = n_outputs > 1
+    for i, off in enumerate(_offsets(g)):
+        v = xp[(Ellipsis,) + spatial.window_slices(g, off)]
+        if out is None:
+            out = v.copy()
+            if want_indices:
+                arg = np.zeros(out.shape, dtype=np.int64)
+        elif want_indices:
+            better = v > out
+            np.copyto(out, v, where=better)
+            arg[better] = i
+        else:
+            np.maximum(out, v, out=out)
+    if not want_indices:
+        return out
+    indices = _max_indices(x.shape, g, arg, storage_order)
+    return out, indices
+
+
+def _max_indices(x_shape, g: spatial.WindowGeometry, arg: np.ndarray, storage_order: int) -> np.ndarray:
+    """Flat indices (into N*C*spatial, as ONNX defines them) of the maxima."""
+    n = len(g.kernel)
+    offs = np.array(list(_offsets(g)), dtype=np.int64)  # (K, n)
+    coords = []
+    for ax in range(n):
+        o = np.arange(g.out_shape[ax], dtype=np.int64) * g.strides[ax] - g.pads_begin[ax]
+        shape = [1] * (2 + n)
+        shape[2 + ax] = g.out_shape[ax]
+        coords.append(o.reshape(shape) + offs[arg, ax] * g.dilations[ax])
+    sp = x_shape[2:]
+    flat = np.zeros(arg.shape, dtype=np.int64)
+    if storage_order == 0:
+        for ax in range(n):
+            flat = flat * sp[ax] + coords[ax]
+    else:  # column-major within each (n, c) plane
+        for ax in reversed(range(n)):
+            flat = flat * sp[ax] + coords[ax]
+    plane = int(np.prod(sp))
+    nc = np.arange(x_shape[0] * x_shape[1], dtype=np.int64).reshape(x_shape[:2] + (1,) * n)
+    return flat + nc * plane
+
+
+@register("AveragePool", dtypes=FLOAT_TYPES)
+def average_pool(
+    x: np.ndarray,
+    *,
+    auto_pad: str = "NOTSET",
+    ceil_mode: int = 0,
+    count_include_pad: int = 0,
+    dilations: list[int] | None = None,
+    kernel_shape: list[int] | None = None,
+    pads: list[int] | None = None,
+    strides: list[int] | None = None,
+) -> np.ndarray:
+    g = pool_geometry(
+        x, kernel_shape, auto_pad=auto_pad, ceil_mode=ceil_mode,
+        dilations=dilations, pads=pads, strides=strides,
+    )
+    xp = spatial.pad_spatial(x, g, 0)
+    acc = np.zeros(x.shape[:2] + g.out_shape, dtype=np.float64 if x.dtype == np.float16 else x.dtype)
+    for off in _offsets(g):
+        acc += xp[(Ellipsis,) + spatial.window_slices(g, off)]
+    count = average_counts(x.shape, g, count_include_pad, auto_pad)
+    if count is None:
+        acc /= int(np.prod(g.kernel))
+    else:
+        acc /= count
+    return acc.astype(x.dtype, copy=False)
+
+
+def average_counts(x_shape, g: spatial.WindowGeometry, count_include_pad: int, auto_pad: str = "NOTSET"):
+    """Per-output divisor of AveragePool, or None when it is prod(kernel).
+
+    Cells of the real input always count; explicit padding counts when
+    ``count_include_pad``; ceil-mode overhang never does.
+    """
+    if isinstance(auto_pad, bytes):
+        auto_pad = auto_pad.decode()
+    if not g.padded:
+        return None
+    n = len(g.kernel)
+    mask_shape = (1, 1) + tuple(x_shape[2:])
+    if count_include_pad and auto_pad not in ("SAME_UPPER", "SAME_LOWER"):
+        # ones over input + explicit pads, zeros over the ceil overhang
+        explicit = tuple(e - c for e, c in zip(g.pads_end, g.ceil_extra or (0,) * n))
+        ones = np.ones(tuple(s + b + e for s, b, e in zip(x_shape[2:], g.pads_begin, explicit)), dtype=np.float64)
+        widths = [(0, c) for c in (g.ceil_extra or (0,) * n)]
+        m = np.pad(ones, widths)[None, None]
+    else:
+        m = spatial.pad_spatial(np.ones(mask_shape, dtype=np.float64), g, 0)
+    cnt = np.zeros((1, 1) + g.out_shape, dtype=np.float64)
+    for off in _offsets(g):
+        cnt += m[(Ellipsis,) + spatial.window_slices(g, off)]
+    return cnt
+
+
+@register("GlobalAveragePool", dtypes=FLOAT_TYPES)
+def global_average_pool(x: np.ndarray) -> np.ndarray:
+    axes = tuple(range(2, x.ndim))
+    return np.mean(x, axis=axes, keepdims=True, dtype=x.dtype)
+
+
+@register("GlobalMaxPool", dtypes=FLOAT_TYPES)
+def global_max_pool(x: np.ndarray) -> np.ndarray:
+    axes = tuple(range(2, x.ndim))
+    return np.max(x, axis=axes, keepdims=True)

@@ -1,0 +1,197 @@
+"""Ops that move or re-view data without arithmetic: Flatten, Reshape,
+Transpose, Concat, Split, Slice, Shape, Gather, Unsqueeze, Squeeze, Expand,
+Identity, Constant, Cast.
+
+Where ONNX moved an attribute to an input (Squeeze/Unsqueeze axes at opset
+13, Split at 13), both versions are registered and the registry picks by the
+model's opset.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .registry import ANY_TYPE, register
+
+# TensorProto.DataType enum -> numpy dtype, for Cast's ``to`` attribute. The
+# kernel library cannot import onnx, so the (stable, spec-defined) numbers are
+# written out here.
+TENSOR_TYPES: dict[int, np.dtype] = {
+    1: np.dtype(np.float32),
+    2: np.dtype(np.uint8),
+    3: np.dtype(np.int8),
+    4: np.dtype(np.uint16),
+    5: np.dtype(np.int16),
+    6: np.dtype(np.int32),
+    7: np.dtype(np.int64),
+    9: np.dtype(np.bool_),
+    10: np.dtype(np.float16),
+    11: np.dtype(np.float64),
+    12: np.dtype(np.uint32),
+    13: np.dtype(np.uint64),
+}
+
+
+def _axes(axes, ndim: int) -> list[int]:
+    return sorted(int(a) % ndim for a in np.asarray(axes).reshape(-1))
+
+
+@register("Flatten", dtypes=ANY_TYPE)
+def flatten(x: np.ndarray, *, axis: int = 1) -> np.ndarray:
+    axis = axis % x.ndim if x.ndim and axis < 0 else axis
+    lead = int(np.prod(x.shape[:axis], dtype=np.int64))
+    return x.reshape(lead, -1) if x.size or lead else x.reshape(lead, 0)
+
+
+@register("Reshape", dtypes=ANY_TYPE, since=5)
+def reshape(x: np.ndarray, shape: np.ndarray, *, allowzero: int = 0) -> np.ndarray:
+    target = [int(s) for s in np.asarray(shape).reshape(-1)]
+    if not allowzero:
+        target = [x.shape[i] if s == 0 else s for i, s in enumerate(target)]
+    return x.reshape(target)
+
+
+@register("Transpose", dtypes=ANY_TYPE)
+def transpose(x: np.ndarray, *, perm: list[int] | None = None) -> np.ndarray:
+    return np.transpose(x, perm if perm else None)
+
+
+@register("Concat", dtypes=ANY_TYPE)
+def concat(*inputs: np.ndarray, axis: int) -> np.ndarray:
+    return np.concatenate(inputs, axis=axis)
+
+
+def _split_points(length: int, split, num_outputs: int) -> list[int]:
+    if split is not None:
+        sizes = [int(s) for s in np.asarray(split).reshape(-1)]
+    else:
+        chunk = -(-length // num_outputs)
+        sizes = [min(chunk, length - i * chunk) for i in range(num_outputs)]
+    return list(np.cumsum(sizes)[:-1])
+
+
+@register("Split", dtypes=ANY_TYPE, since=13)
+def split(
+    x: np.ndarray, split: np.ndarray | None = None, *, axis: int = 0,
+    num_outputs: int | None = None, n_outputs: int = 1,
+) -> tuple[np.ndarray, ...]:
+    n = num_outputs or n_outputs
+    return tuple(np.split(x, _split_points(x.shape[axis], split, n), axis=axis))
+
+
+@register("Split", dtypes=ANY_TYPE, since=2)
+def split_v2(x: np.ndarray, *, axis: int = 0, split: list[int] | None = None, n_outputs: int = 1):
+    return tuple(np.split(x, _split_points(x.shape[axis], split, n_outputs), axis=axis))
+
+
+@register("Slice", dtypes=ANY_TYPE, since=10)
+def slice_(
+    x: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    axes: np.ndarray | None = None,
+    steps: np.ndarray | None = None,
+) -> np.ndarray:
+    starts = np.asarray(starts).reshape(-1)
+    ends = np.asarray(ends).reshape(-1)
+    axes = range(len(starts)) if axes is None else np.asarray(axes).reshape(-1)
+    steps = np.ones(len(starts), dtype=np.int64) if steps is None else np.asarray(steps).reshape(-1)
+    index = [slice(None)] * x.ndim
+    for s, e, a, st in zip(starts, ends, axes, steps):
+        dim = x.shape[int(a)]
+        s, e, st = int(s), int(e), int(st)
+        # Clamp huge sentinel values (INT64_MAX/MIN) the way the spec does.
+        s = max(-dim - 1, min(dim, s))
+        e = max(-dim - 1, min(dim, e))
+        if st < 0 and e < -dim:
+            e = None  # slice to the very beginning
+        index[int(a) % x.ndim] = slice(s, e, st)
+    return x[tuple(index)]
+
+
+@register("Shape", dtypes=ANY_TYPE)
+def shape(x: np.ndarray, *, start: int = 0, end: int | None = None) -> np.ndarray:
+    return np.array(x.shape[start:end], dtype=np.int64)
+
+
+@register("Size", dtypes=ANY_TYPE)
+def size(x: np.ndarray) -> np.ndarray:
+    return np.array(x.size, dtype=np.int64)
+
+
+@register("Gather", dtypes=ANY_TYPE)
+def gather(x: np.ndarray, indices: np.ndarray, *, axis: int = 0) -> np.ndarray:
+    idx = np.asarray(indices)
+    dim = x.shape[axis]
+    if idx.size and (idx.min() < -dim or idx.max() >= dim):
+        raise IndexError(f"Gather index out of range [-{dim}, {dim - 1}] on axis {axis}")
+    return np.take(x, idx.astype(np.int64), axis=axis)
+
+
+@register("Unsqueeze", dtypes=ANY_TYPE, since=13)
+def unsqueeze(x: np.ndarray, axes: np.ndarray) -> np.ndarray:
+    out_rank = x.ndim + np.asarray(axes).size
+    return np.expand_dims(x, tuple(_axes(axes, out_rank)))
+
+
+@register("Unsqueeze", dtypes=ANY_TYPE, since=1)
+def unsqueeze_v1(x: np.ndarray, *, axes: list[int]) -> np.ndarray:
+    return unsqueeze.forward(x, np.asarray(axes))
+
+
+@register("Squeeze", dtypes=ANY_TYPE, since=13)
+def squeeze(x: np.ndarray, axes: np.ndarray | None = None) -> np.ndarray:
+    if axes is None:
+        return np.squeeze(x)
+    return np.squeeze(x, axis=tuple(_axes(axes, x.ndim)))
+
+
+@register("Squeeze", dtypes=ANY_TYPE, since=1)
+def squeeze_v1(x: np.ndarray, *, axes: list[int] | None = None) -> np.ndarray:
+    return squeeze.forward(x, None if axes is None else np.asarray(axes))
+
+
+@register("Expand", dtypes=ANY_TYPE, since=8)
+def expand(x: np.ndarray, shape: np.ndarray) -> np.ndarray:
+    target = np.broadcast_shapes(x.shape, tuple(int(s) for s in np.asarray(shape).reshape(-1)))
+    return np.broadcast_to(x, target).copy()
+
+
+@register("Identity", dtypes=ANY_TYPE)
+def identity(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+@register("Constant", dtypes=ANY_TYPE)
+def constant(
+    *,
+    value: np.ndarray | None = None,
+    value_float: float | None = None,
+    value_floats: list[float] | None = None,
+    value_int: int | None = None,
+    value_ints: list[int] | None = None,
+) -> np.ndarray:
+    if value is not None:
+        return np.asarray(value)
+    if value_float is not None:
+        return np.array(value_float, dtype=np.float32)
+    if value_floats is not None:
+        return np.array(value_floats, dtype=np.float32)
+    if value_int is not None:
+        return np.array(value_int, dtype=np.int64)
+    if value_ints is not None:
+        return np.array(value_ints, dtype=np.int64)
+    raise ValueError("Constant needs one of value, value_float(s), value_int(s)")
+
+
+@register("Cast", dtypes=ANY_TYPE)
+def cast(x: np.ndarray, *, to: int, saturate: int = 1) -> np.ndarray:
+    # ``saturate`` only affects float8 targets, which are not supported here.
+    try:
+        dtype = TENSOR_TYPES[int(to)]
+    except KeyError:
+        raise ValueError(f"Cast to tensor type {to} is not supported by the numpy kernels") from None
+    if np.issubdtype(dtype, np.integer) and np.issubdtype(x.dtype, np.floating):
+        with np.errstate(invalid="ignore"):
+            return np.trunc(x).astype(dtype)
+    return x.astype(dtype)

@@ -1,0 +1,51 @@
+"""Softmax and LogSoftmax.
+
+Opset 13 changed the semantics: before it, the input is coerced to 2-D at
+``axis`` (default 1) and the softmax runs over the flattened trailing block;
+from 13 it runs over the single ``axis`` (default -1).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .registry import register
+
+
+def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    m = np.max(x, axis=axis, keepdims=True)
+    e = np.exp(x - m)
+    e /= np.sum(e, axis=axis, keepdims=True)
+    return e
+
+
+def _log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    m = np.max(x, axis=axis, keepdims=True)
+    s = x - m
+    return s - np.log(np.sum(np.exp(s), axis=axis, keepdims=True))
+
+
+def _coerced(fn, x: np.ndarray, axis: int) -> np.ndarray:
+    axis = axis % x.ndim if x.ndim else 0
+    lead = int(np.prod(x.shape[:axis], dtype=np.int64))
+    return fn(x.reshape(lead, -1), 1).reshape(x.shape)
+
+
+@register("Softmax", since=13)
+def softmax(x: np.ndarray, *, axis: int = -1) -> np.ndarray:
+    return _softmax(x, axis)
+
+
+@register("Softmax", since=1)
+def softmax_v1(x: np.ndarray, *, axis: int = 1) -> np.ndarray:
+    return _coerced(_softmax, x, axis)
+
+
+@register("LogSoftmax", since=13)
+def log_softmax(x: np.ndarray, *, axis: int = -1) -> np.ndarray:
+    return _log_softmax(x, axis)
+
+
+@register("LogSoftmax", since=1)
+def log_softmax_v1(x: np.ndarray, *, axis: int = 1) -> np.ndarray:
+    return _coerced(_log_softmax, x, axis)
