@@ -10,6 +10,7 @@ every op of the model — falling back down the list (e.g. ``ort`` ->
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -28,8 +29,11 @@ log = logging.getLogger(__name__)
 
 
 def session_options(profile: DeviceProfile, threads: int | None = None) -> SessionOptions:
+    """Backend settings from the profile; threads capped at this host's cores
+    (a profile for a 4-core board emulated on 2 cores must not oversubscribe)."""
+    wanted = threads or profile.threads
     return SessionOptions(
-        threads=threads or profile.threads,
+        threads=max(1, min(wanted, os.cpu_count() or 1)),
         providers=tuple(profile.execution_providers) or ("CPUExecutionProvider",),
         memory_arena=profile.memory_arena,
     )

@@ -69,23 +69,20 @@ def max_pool(
         dilations=dilations, pads=pads, strides=strides,
     )
     xp = spatial.pad_spatial(x, g, _lowest(x.dtype))
-    out = None
-    arg = None  # flat offset index of the winning kernel position
-    want_indices = n_outputs > 1
-    for i, off in enumerate(_offsets(g)):
-        v = xp[(Ellipsis,) + spatial.window_slices(g, off)]
-        if out is None:
-            out = v.copy()
-            if want_indices:
-                arg = np.zeros(out.shape, dtype=np.int64)
-        elif want_indices:
-            better = v > out
-            np.copyto(out, v, where=better)
-            arg[better] = i
-        else:
+    views = [xp[s] for s in g.offset_slices]
+    if n_outputs == 1:
+        if len(views) == 1:
+            return views[0].copy()
+        out = np.maximum(views[0], views[1])
+        for v in views[2:]:
             np.maximum(out, v, out=out)
-    if not want_indices:
         return out
+    out = views[0].copy()
+    arg = np.zeros(out.shape, dtype=np.int64)
+    for i, v in enumerate(views[1:], start=1):
+        better = v > out
+        np.copyto(out, v, where=better)
+        arg[better] = i
     indices = _max_indices(x.shape, g, arg, storage_order)
     return out, indices
 
@@ -131,8 +128,8 @@ def average_pool(
     )
     xp = spatial.pad_spatial(x, g, 0)
     acc = np.zeros(x.shape[:2] + g.out_shape, dtype=np.float64 if x.dtype == np.float16 else x.dtype)
-    for off in _offsets(g):
-        acc += xp[(Ellipsis,) + spatial.window_slices(g, off)]
+    for s in g.offset_slices:
+        acc += xp[s]
     count = average_counts(x.shape, g, count_include_pad, auto_pad)
     if count is None:
         acc /= int(np.prod(g.kernel))
@@ -162,8 +159,8 @@ def average_counts(x_shape, g: spatial.WindowGeometry, count_include_pad: int, a
     else:
         m = spatial.pad_spatial(np.ones(mask_shape, dtype=np.float64), g, 0)
     cnt = np.zeros((1, 1) + g.out_shape, dtype=np.float64)
-    for off in _offsets(g):
-        cnt += m[(Ellipsis,) + spatial.window_slices(g, off)]
+    for s in g.offset_slices:
+        cnt += m[s]
     return cnt
 
 

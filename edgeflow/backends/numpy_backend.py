@@ -8,6 +8,8 @@ decides small-batch latency.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import onnx
 
@@ -24,11 +26,10 @@ class NumpySession(Session):
         self.graph = graph
         self.options = options
         self._threads = max(1, int(options.threads))
-        self._limiter = _thread_limiter(self._threads)
 
     def _run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
-        with self._limiter():
-            env = execute(self.graph, feeds)
+        _set_blas_threads(self._threads)
+        env = execute(self.graph, feeds)
         return {n: env[n] for n in output_names}
 
 
@@ -50,32 +51,40 @@ def execute(graph: CompiledGraph, feeds: dict[str, np.ndarray]) -> dict[str, np.
                 if name:
                     env[name] = value
         else:
+            if node.fused_relu:
+                np.maximum(result, 0, out=result)
             env[node.outputs[0]] = result
         for name in node.free_after:
             env.pop(name, None)
     return env
 
 
-def _thread_limiter(threads: int):
-    """Context manager limiting BLAS threads to the profile's count, if possible."""
+_CONTROLLER = None
+_BLAS_THREADS: int | None = None
+
+
+def _set_blas_threads(threads: int) -> None:
+    """Set the BLAS pool size for this process, only when it changes.
+
+    This is deliberately sticky (not restored after each run): switching the
+    OpenBLAS pool back and forth costs ~100 us per inference, a third of a
+    small CNN's batch-1 latency. Sessions of different thread counts in one
+    process (the demo's simulated fleet) each set it before they run. Never
+    more threads than host cores: an oversubscribed OpenBLAS spins and runs
+    ~100x slower.
+    """
+    global _CONTROLLER, _BLAS_THREADS
+    threads = max(1, min(threads, os.cpu_count() or 1))
+    if threads == _BLAS_THREADS:
+        return
     try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # pragma: no cover - threadpoolctl is optional
-        import contextlib
-
-        return contextlib.nullcontext
-    # Entering threadpool_limits costs ~50 us; pay it only if it changes anything.
-    try:
-        from threadpoolctl import threadpool_info
-
-        current = max((i.get("num_threads", 1) for i in threadpool_info()), default=1)
-    except Exception:  # pragma: no cover
-        current = threads + 1
-    if current == threads:
-        import contextlib
-
-        return contextlib.nullcontext
-    return lambda: threadpool_limits(limits=threads, user_api="blas")
+        from threadpoolctl import ThreadpoolController
+    except ImportError:  # pragma: no cover - threadpoolctl is a dependency
+        return
+    if _CONTROLLER is None:
+        _CONTROLLER = ThreadpoolController()
+    _CONTROLLER.limit(limits=threads, user_api="blas")
+    _BLAS_THREADS = threads
 
 
 class NumpyBackend(Backend):

@@ -1,0 +1,61 @@
+"""Helpers shared by the subcommands: console, JSON output, input files."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import InputError
+
+
+def console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False)
+
+
+def emit_json(obj: Any) -> None:
+    """Machine output: one JSON document on stdout."""
+    json.dump(obj, sys.stdout, indent=2, default=_jsonable)
+    sys.stdout.write("\n")
+
+
+def _jsonable(o: Any) -> Any:
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def load_arrays(path: str) -> dict[str, np.ndarray] | np.ndarray:
+    """A .npy file (one array) or .npz file (named arrays); never pickles."""
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"input file not found: {p}")
+    try:
+        data = np.load(p, allow_pickle=False)
+    except ValueError as exc:
+        raise InputError(f"{p}: not a .npy/.npz file without pickled objects ({exc})") from exc
+    except OSError as exc:
+        raise InputError(f"{p}: cannot read ({exc})") from exc
+    if isinstance(data, np.ndarray):
+        return data
+    with data:
+        return {k: data[k] for k in data.files}
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
