@@ -26,19 +26,22 @@ from .registry import (
     supported_ops,
 )
 
-# Importing the op modules registers their kernels.
-from . import (  # noqa: E402,F401  (import for side effect)
-    activations,
-    conv,
-    dropout,
-    elementwise,
-    linalg,
-    normalization,
-    pool,
-    reduce,
-    shape_ops,
-    softmax,
-)
+
+def _import_op_modules() -> None:
+    """Import every module of this package: importing registers its kernels.
+
+    Discovery (rather than a list) lets a new op file register itself
+    without touching this one.
+    """
+    import importlib
+    import pkgutil
+
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+        if info.name not in ("registry", "spatial") and not info.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{info.name}")
+
+
+_import_op_modules()
 
 __all__ = [
     "ANY_TYPE",

@@ -1,0 +1,1 @@
+"""edgeflow.device (in progress)."""

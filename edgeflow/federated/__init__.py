@@ -1,0 +1,1 @@
+"""edgeflow.federated (in progress)."""

@@ -1,0 +1,1 @@
+"""edgeflow.quantization (in progress)."""

@@ -1,0 +1,1 @@
+"""edgeflow.train (in progress)."""
