@@ -1,1 +1,46 @@
-"""edgeflow.codecs"""
+"""Update codecs: compress, sign and validate model updates for the wire.
+
+>>> data = encode_update({"w": w}, "int8", round_id=3, device_id="pi-7", seq=12, signer=signer)
+>>> update = decode_update(data, verifier=keyring, replay_guard=guard)
+
+Codecs, by registry name: ``dense`` (fp32, lossless), ``fp16``, ``int8``
+(per-tensor scale, unbiased stochastic rounding), ``topk`` (sparsification
+with error feedback) and ``topk-int8`` (both). See docs/codecs.md.
+"""
+
+from __future__ import annotations
+
+from edgeflow.codecs import dense, fp16, int8, topk, topk_int8  # noqa: F401  (register the codecs)
+from edgeflow.codecs.envelope import MAGIC, VERSION, EnvelopeHeader, TensorSpec
+from edgeflow.codecs.feedback import ErrorFeedback
+from edgeflow.codecs.registry import Codec, EncodeContext, available_codecs, get_codec, register_codec
+from edgeflow.codecs.rejects import RejectStats, rejections
+from edgeflow.codecs.update import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_ELEMENTS,
+    Update,
+    decode_update,
+    encode_update,
+    peek_update,
+)
+
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "DEFAULT_MAX_ELEMENTS",
+    "MAGIC",
+    "VERSION",
+    "Codec",
+    "EncodeContext",
+    "EnvelopeHeader",
+    "ErrorFeedback",
+    "RejectStats",
+    "TensorSpec",
+    "Update",
+    "available_codecs",
+    "decode_update",
+    "encode_update",
+    "get_codec",
+    "peek_update",
+    "register_codec",
+    "rejections",
+]

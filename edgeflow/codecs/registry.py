@@ -21,10 +21,16 @@ __all__ = ["Codec", "EncodeContext", "available_codecs", "codec_by_id", "get_cod
 
 @dataclass
 class EncodeContext:
-    """Per-call inputs a codec may use: the RNG for stochastic rounding and its options."""
+    """Per-call inputs a codec may use.
+
+    ``rng`` drives stochastic rounding, ``options`` are the codec's checked
+    options, and ``feedback`` says whether the caller keeps an error-feedback
+    state, i.e. whether ``encode`` must return the new residual.
+    """
 
     rng: np.random.Generator
     options: dict[str, Any] = field(default_factory=dict)
+    feedback: bool = False
 
 
 class Codec:

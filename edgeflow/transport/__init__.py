@@ -1,1 +1,70 @@
-"""edgeflow.transport"""
+"""edgeflow.transport: MQTT for devices and the gateway.
+
+Pure modules import nothing heavy: :mod:`.topics` (the topic scheme),
+:mod:`.chunking` (split/reassemble), :mod:`.url`, :mod:`.backoff`,
+:mod:`.outbox`, :mod:`.message`. :class:`MqttTransport` (the only code that
+imports paho) and the broker launchers in :mod:`.broker` are imported
+lazily, on first attribute access, so ``import edgeflow.transport.topics``
+stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from edgeflow.transport.message import ConnectionEvent, Delivery, Message, Subscription, TlsConfig, Will
+from edgeflow.transport.topics import (
+    Topic,
+    TopicFilter,
+    device_filter,
+    device_topic,
+    gateway_topic,
+    parse_topic,
+)
+from edgeflow.transport.url import BrokerAddress, parse_broker_url
+
+if TYPE_CHECKING:
+    from edgeflow.transport.broker import EmbeddedBroker, ExternalBroker, MosquittoBroker, start_broker
+    from edgeflow.transport.mqtt import MqttTransport
+
+__all__ = [
+    "BrokerAddress",
+    "ConnectionEvent",
+    "Delivery",
+    "EmbeddedBroker",
+    "ExternalBroker",
+    "Message",
+    "MosquittoBroker",
+    "MqttTransport",
+    "Subscription",
+    "TlsConfig",
+    "Topic",
+    "TopicFilter",
+    "Will",
+    "device_filter",
+    "device_topic",
+    "gateway_topic",
+    "parse_broker_url",
+    "parse_topic",
+    "start_broker",
+]
+
+_LAZY = {
+    "MqttTransport": "edgeflow.transport.mqtt",
+    "MosquittoBroker": "edgeflow.transport.broker",
+    "EmbeddedBroker": "edgeflow.transport.broker",
+    "ExternalBroker": "edgeflow.transport.broker",
+    "start_broker": "edgeflow.transport.broker",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        msg = f"module 'edgeflow.transport' has no attribute {name!r}"
+        raise AttributeError(msg)
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

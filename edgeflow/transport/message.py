@@ -1,0 +1,159 @@
+"""The value types of the transport: messages, deliveries, wills, TLS settings."""
+
+from __future__ import annotations
+
+import json
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from edgeflow.errors import TransportError
+
+__all__ = ["ConnectionEvent", "Delivery", "Message", "Subscription", "TlsConfig", "Will"]
+
+
+@dataclass(frozen=True)
+class Message:
+    """One received message, reassembled if it travelled in chunks.
+
+    ``properties`` holds the MQTT 5 properties that edgeflow maps
+    (``response_topic``, ``correlation_data``, ``content_type``,
+    ``message_expiry_s``, ``user_properties``); it is empty on MQTT 3.1.1.
+    ``retain`` is True when the message came from the broker's retained store
+    (for a chunked payload: every chunk did).
+    """
+
+    topic: str
+    payload: bytes
+    qos: int = 0
+    retain: bool = False
+    properties: dict[str, Any] = field(default_factory=dict)
+    chunks: int = 1
+    transfer_id: str | None = None
+
+    def text(self) -> str:
+        return self.payload.decode("utf-8")
+
+    def json(self) -> Any:
+        return json.loads(self.payload)
+
+
+@dataclass(frozen=True)
+class Will:
+    """Last will: published by the broker if the client vanishes without DISCONNECT."""
+
+    topic: str
+    payload: bytes | str = b""
+    qos: int = 1
+    retain: bool = True
+    delay_s: int = 0
+    """MQTT 5 will delay: a reconnect within this time cancels the will."""
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """TLS to the broker. ``ca_file`` None uses the system trust store.
+
+    ``cert_file``/``key_file`` give a client certificate (mutual TLS);
+    ``insecure`` skips the host name check (test set-ups only); ``context``
+    overrides everything with a ready ``ssl.SSLContext``.
+    """
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    insecure: bool = False
+    context: ssl.SSLContext | None = None
+
+
+@dataclass(frozen=True)
+class ConnectionEvent:
+    """Passed to connection listeners on every connect and disconnect."""
+
+    connected: bool
+    session_present: bool = False
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Subscription:
+    """Handle returned by ``subscribe``; pass it to ``unsubscribe``."""
+
+    filter: str
+    handler: Callable[[Message], Any]
+    qos: int
+
+
+class Delivery:
+    """Tracks one ``publish`` until the broker acknowledged every frame.
+
+    A chunked payload is acknowledged chunk by chunk; :attr:`acked` and
+    :attr:`total` show progress. QoS 0 frames count as delivered once
+    written to the socket (there is no acknowledgement to wait for).
+    """
+
+    def __init__(self, topic: str, total: int, size: int, qos: int, transfer_id: str | None = None) -> None:
+        self.topic = topic
+        self.total = total
+        self.size = size
+        self.qos = qos
+        self.transfer_id = transfer_id
+        self.created = time.monotonic()
+        self._acked: set[int] = set()
+        self._error: TransportError | None = None
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        if total == 0:
+            self._event.set()
+
+    @property
+    def acked(self) -> int:
+        with self._lock:
+            return len(self._acked)
+
+    @property
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    @property
+    def error(self) -> TransportError | None:
+        return self._error
+
+    @property
+    def succeeded(self) -> bool:
+        return self._event.is_set() and self._error is None
+
+    def _ack(self, index: int) -> None:
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._acked.add(index)
+            if len(self._acked) >= self.total:
+                self._event.set()
+
+    def _fail(self, error: TransportError) -> None:
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._error = error
+            self._event.set()
+
+    def wait(self, timeout: float | None = None) -> Delivery:
+        """Block until every frame is acknowledged; raise TransportError on failure or timeout."""
+        if not self._event.wait(timeout):
+            msg = (
+                f"publish to {self.topic} not acknowledged within {timeout} s "
+                f"({self.acked} of {self.total} frames acked); is the broker reachable? "
+                "The message stays queued and is sent after reconnect."
+            )
+            raise TransportError(msg)
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else ("done" if self.done else "pending")
+        return f"<Delivery {self.topic} {self.acked}/{self.total} {state}>"

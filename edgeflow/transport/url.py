@@ -1,0 +1,75 @@
+"""Broker URLs: ``mqtt://``, ``mqtts://``, ``ws://``, ``wss://``.
+
+One string is the easiest thing to put in a config file, an environment
+variable or on a command line (``edgeflow demo --broker mqtts://gw:8883``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
+
+from edgeflow.errors import ConfigError
+
+__all__ = ["BrokerAddress", "parse_broker_url"]
+
+_SCHEMES = {
+    "mqtt": (False, False, 1883),
+    "tcp": (False, False, 1883),
+    "mqtts": (True, False, 8883),
+    "ssl": (True, False, 8883),
+    "ws": (False, True, 80),
+    "wss": (True, True, 443),
+}
+
+
+@dataclass(frozen=True)
+class BrokerAddress:
+    host: str
+    port: int
+    tls: bool = False
+    websockets: bool = False
+    ws_path: str = "/mqtt"
+    username: str | None = None
+    password: str | None = None
+
+    @property
+    def url(self) -> str:
+        scheme = ("wss" if self.tls else "ws") if self.websockets else ("mqtts" if self.tls else "mqtt")
+        path = self.ws_path if self.websockets else ""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{scheme}://{host}:{self.port}{path}"
+
+
+def parse_broker_url(url: str) -> BrokerAddress:
+    """Parse ``scheme://[user[:password]@]host[:port][/path]`` (path only for websockets)."""
+    hint = "expected e.g. mqtt://127.0.0.1:1883, mqtts://host:8883 or ws://host:9001/mqtt"
+    if not isinstance(url, str) or "://" not in url:
+        msg = f"broker URL {url!r} has no scheme; {hint}"
+        raise ConfigError(msg)
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in _SCHEMES:
+        msg = f"broker URL {url!r} has unknown scheme {parts.scheme!r}; {hint}"
+        raise ConfigError(msg)
+    tls, ws, default_port = _SCHEMES[scheme]
+    try:
+        port = parts.port or default_port
+    except ValueError:
+        msg = f"broker URL {url!r} has an invalid port; {hint}"
+        raise ConfigError(msg) from None
+    if not parts.hostname:
+        msg = f"broker URL {url!r} has no host; {hint}"
+        raise ConfigError(msg)
+    if parts.path not in ("", "/") and not ws:
+        msg = f"broker URL {url!r}: a path only makes sense for ws:// and wss://"
+        raise ConfigError(msg)
+    return BrokerAddress(
+        host=parts.hostname,
+        port=port,
+        tls=tls,
+        websockets=ws,
+        ws_path=(parts.path or "/mqtt") if ws else "/mqtt",
+        username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password else None,
+    )
