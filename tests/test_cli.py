@@ -1,0 +1,93 @@
+"""The edgeflow command: each subcommand on a model built here, human and --json output."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import numpy as np
+import onnx
+import pytest
+
+from edgeflow import zoo
+from edgeflow.cli.main import main
+
+
+@pytest.fixture(scope="module")
+def cnn_path(tmp_path_factory):
+    p = tmp_path_factory.mktemp("m") / "cnn.onnx"
+    onnx.save(zoo.small_cnn((1, 16, 16), channels=(8, 16), hidden=32), p)
+    return p
+
+
+def _json(capsys):
+    return json.loads(capsys.readouterr().out)
+
+
+def test_help_teaches(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for cmd in ("profile", "inspect", "run", "bench"):
+        assert cmd in out
+    assert "examples:" in out
+
+
+def test_profile_list_and_show(capsys):
+    assert main(["profile", "list", "--json"]) == 0
+    names = {p["name"] for p in _json(capsys)}
+    assert "raspberry-pi-4" in names
+    assert main(["profile", "show", "visionfive-2", "--json"]) == 0
+    assert _json(capsys)["backends"] == ["numpy"]
+    assert main(["profile", "show", "nope"]) == 2
+    assert "unknown device profile 'nope'" in capsys.readouterr().err
+
+
+def test_inspect(cnn_path, capsys):
+    assert main(["inspect", str(cnn_path), "--json"]) == 0
+    info = _json(capsys)
+    assert info["op_counts"]["Conv"] == 2
+    assert info["backends"]["numpy"]["can_run"] and info["backends"]["ort"]["can_run"]
+    assert info["memory_plan"]["peak_bytes"] > info["num_parameters"] * 4
+    assert main(["inspect", str(cnn_path)]) == 0
+    assert "backend numpy: can run" in capsys.readouterr().out
+
+
+def test_run_matches_library(cnn_path, tmp_path, capsys):
+    x = np.random.default_rng(0).standard_normal((3, 1, 16, 16)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    out = tmp_path / "y.npz"
+    assert main(["run", str(cnn_path), "-i", str(tmp_path / "x.npy"), "--backend", "numpy", "-o", str(out), "--json"]) == 0
+    res = _json(capsys)
+    assert res["backend"] == "numpy"
+    got = np.asarray(res["outputs"]["logits"]["data"], dtype=np.float32)
+    from edgeflow.runtime import load
+
+    np.testing.assert_allclose(got, load(cnn_path, backend="ort")(x), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.load(out)["logits"], got, rtol=1e-6)
+
+
+def test_run_bad_input_file(cnn_path, tmp_path, capsys):
+    assert main(["run", str(cnn_path), "-i", str(tmp_path / "missing.npy")]) == 2
+    assert "input file not found" in capsys.readouterr().err
+    np.save(tmp_path / "bad.npy", np.zeros((2, 3), np.float32))
+    assert main(["run", str(cnn_path), "-i", str(tmp_path / "bad.npy")]) == 2
+    assert "expected rank 4" in capsys.readouterr().err
+
+
+def test_bench(cnn_path, capsys):
+    assert main(["bench", str(cnn_path), "--batch", "4", "--runs", "5", "--warmup", "1", "--backend", "numpy", "--json"]) == 0
+    r = _json(capsys)
+    assert r["runs"] == 5 and r["batch_size"] == 4
+    assert 0 < r["p50_ms"] <= r["p95_ms"]
+    assert r["peak_rss_bytes"] > 0
+
+
+def test_installed_entry_point(cnn_path):
+    exe = shutil.which("edgeflow")
+    if exe is None:
+        pytest.skip("the edgeflow console script is not on PATH (package not installed)")
+    out = subprocess.run([exe, "inspect", str(cnn_path), "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["node_count"] == 10
