@@ -51,6 +51,11 @@ class ErrorFeedback:
                 res = None
             return res
 
+    def get(self, name: str) -> np.ndarray | None:
+        """The stored residual for ``name`` (flat float32), without a size check."""
+        with self._lock:
+            return self._residual.get(name)
+
     def commit(self, residuals: dict[str, np.ndarray]) -> None:
         with self._lock:
             for name, res in residuals.items():
