@@ -3,6 +3,9 @@ HardSigmoid, Softplus, Selu.
 
 Sigmoid is computed in the numerically stable split form so that large
 negative inputs do not overflow ``exp``.
+
+Backwards of Relu, Sigmoid and Tanh read only the output (``uses="outputs"``),
+so the trainer need not keep their inputs alive until the backward pass.
 """
 
 from __future__ import annotations
@@ -17,9 +20,26 @@ def relu(x: np.ndarray) -> np.ndarray:
     return np.maximum(x, x.dtype.type(0))
 
 
+@relu.backward(uses="outputs")
+def _(grads, inputs, outputs):
+    (dy,), (y,) = grads[:1], outputs[:1]
+    if dy is None:
+        return (None,)
+    # y > 0 exactly where x > 0; the gradient at 0 is 0 (as in PyTorch).
+    return (np.multiply(dy, y > 0, dtype=dy.dtype),)
+
+
 @register("LeakyRelu")
 def leaky_relu(x: np.ndarray, *, alpha: float = 0.01) -> np.ndarray:
     return np.where(x >= 0, x, x * x.dtype.type(alpha))
+
+
+@leaky_relu.backward(uses="inputs")
+def _(grads, inputs, outputs, *, alpha=0.01):
+    (dy,), (x,) = grads[:1], inputs[:1]
+    if dy is None:
+        return (None,)
+    return (np.where(x >= 0, dy, dy * dy.dtype.type(alpha)),)
 
 
 @register("Sigmoid")
@@ -29,9 +49,25 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
     return np.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(x.dtype, copy=False)
 
 
+@sigmoid.backward(uses="outputs")
+def _(grads, inputs, outputs):
+    (dy,), (y,) = grads[:1], outputs[:1]
+    if dy is None:
+        return (None,)
+    return (dy * y * (1 - y),)
+
+
 @register("Tanh")
 def tanh(x: np.ndarray) -> np.ndarray:
     return np.tanh(x)
+
+
+@tanh.backward(uses="outputs")
+def _(grads, inputs, outputs):
+    (dy,), (y,) = grads[:1], outputs[:1]
+    if dy is None:
+        return (None,)
+    return (dy * (1 - y * y),)
 
 
 @register("Clip", dtypes=NUMERIC_TYPES, since=11)

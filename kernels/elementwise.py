@@ -2,6 +2,10 @@
 
 Add, Sub, Mul, Div, Pow, Neg, Abs, Exp, Log, Sqrt, Reciprocal, Sum, Max,
 Min, Mean, Equal, Less, Greater, Where.
+
+Backwards (Add, Sub, Mul, Div, Neg) reduce each gradient back to its
+input's shape with :func:`reduce_to_shape`: broadcasting in the forward is a
+sum in the backward.
 """
 
 from __future__ import annotations
@@ -13,9 +17,42 @@ from .registry import FLOAT_TYPES, NUMERIC_TYPES, register
 _BOOL_NUMERIC = NUMERIC_TYPES | {"bool"}
 
 
+def reduce_to_shape(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Sum a broadcast gradient back down to ``shape`` (numpy broadcasting rules)."""
+    shape = tuple(shape)
+    if g.shape == shape:
+        return g
+    lead = g.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(
+        lead + i for i, s in enumerate(shape) if s == 1 and g.shape[lead + i] != 1
+    )
+    if axes:
+        g = g.sum(axis=axes, keepdims=True)
+    return g.reshape(shape)
+
+
+def _float(x: np.ndarray | None) -> bool:
+    return x is not None and np.issubdtype(x.dtype, np.floating)
+
+
+def _wanted(needs_grad, i: int, x: np.ndarray | None) -> bool:
+    return _float(x) and (needs_grad is None or needs_grad[i])
+
+
 @register("Add", dtypes=NUMERIC_TYPES)
 def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.add(a, b, dtype=a.dtype)
+
+
+@add.backward(uses="inputs")
+def _(grads, inputs, outputs, *, needs_grad=None):
+    (dy,), (a, b) = grads[:1], inputs[:2]
+    if dy is None:
+        return (None, None)
+    return (
+        reduce_to_shape(dy, a.shape) if _wanted(needs_grad, 0, a) else None,
+        reduce_to_shape(dy, b.shape) if _wanted(needs_grad, 1, b) else None,
+    )
 
 
 @register("Sub", dtypes=NUMERIC_TYPES)
@@ -23,9 +60,31 @@ def sub(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.subtract(a, b, dtype=a.dtype)
 
 
+@sub.backward(uses="inputs")
+def _(grads, inputs, outputs, *, needs_grad=None):
+    (dy,), (a, b) = grads[:1], inputs[:2]
+    if dy is None:
+        return (None, None)
+    return (
+        reduce_to_shape(dy, a.shape) if _wanted(needs_grad, 0, a) else None,
+        -reduce_to_shape(dy, b.shape) if _wanted(needs_grad, 1, b) else None,
+    )
+
+
 @register("Mul", dtypes=NUMERIC_TYPES)
 def mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.multiply(a, b, dtype=a.dtype)
+
+
+@mul.backward(uses="inputs")
+def _(grads, inputs, outputs, *, needs_grad=None):
+    (dy,), (a, b) = grads[:1], inputs[:2]
+    if dy is None:
+        return (None, None)
+    return (
+        reduce_to_shape(dy * b, a.shape) if _wanted(needs_grad, 0, a) else None,
+        reduce_to_shape(dy * a, b.shape) if _wanted(needs_grad, 1, b) else None,
+    )
 
 
 @register("Div", dtypes=NUMERIC_TYPES)
@@ -38,6 +97,19 @@ def div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.divide(a, b, dtype=a.dtype)
 
 
+@div.backward(uses="inputs")
+def _(grads, inputs, outputs, *, needs_grad=None):
+    (dy,), (a, b) = grads[:1], inputs[:2]
+    if dy is None:
+        return (None, None)
+    da = db = None
+    if _wanted(needs_grad, 0, a):
+        da = reduce_to_shape(dy / b, a.shape)
+    if _wanted(needs_grad, 1, b):
+        db = reduce_to_shape(-dy * a / (b * b), b.shape)
+    return (da, db)
+
+
 @register("Pow", dtypes=NUMERIC_TYPES)
 def pow_(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     if np.issubdtype(x.dtype, np.integer):
@@ -48,6 +120,12 @@ def pow_(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 @register("Neg", dtypes=NUMERIC_TYPES)
 def neg(x: np.ndarray) -> np.ndarray:
     return np.negative(x)
+
+
+@neg.backward(uses="none")
+def _(grads, inputs, outputs):
+    dy = grads[0]
+    return (None if dy is None else np.negative(dy),)
 
 
 @register("Abs", dtypes=NUMERIC_TYPES)

@@ -1,4 +1,9 @@
-"""BatchNormalization (inference, and training mode with running stats)."""
+"""BatchNormalization (inference, and training mode with running stats).
+
+The backward covers both modes. In training mode the batch statistics depend
+on ``x``, which adds the two mean terms of the classic formula; the running
+mean and variance are statistics, not parameters, and get no gradient.
+"""
 
 from __future__ import annotations
 
@@ -54,3 +59,32 @@ def batch_normalization(
     if n_outputs == 1:
         return y
     return (y, mean, var)[:n_outputs]
+
+
+@batch_normalization.backward(uses="inputs")
+def _(grads, inputs, outputs, *, epsilon=1e-5, momentum=0.9, training_mode=0, needs_grad=None):
+    dy = grads[0]
+    x, scale = inputs[0], inputs[1]
+    if dy is None:
+        return (None,) * 5
+    want = needs_grad or (True,) * 5
+    cs, axes = _channel_shape(x), _reduce_axes(x)
+    if training_mode:
+        mean = x.mean(axis=axes)
+        var = x.var(axis=axes)
+    else:
+        mean, var = inputs[3], inputs[4]
+    inv = (1.0 / np.sqrt(var + epsilon)).astype(dy.dtype, copy=False)
+    xhat = (x - mean.reshape(cs)) * inv.reshape(cs)
+    dbias = dy.sum(axis=axes)
+    dscale = (dy * xhat).sum(axis=axes)
+    dx = None
+    if want[0]:
+        k = (scale * inv).reshape(cs)
+        if training_mode:
+            m = x.size // x.shape[1]
+            dx = k * (dy - (dbias / m).reshape(cs) - xhat * (dscale / m).reshape(cs))
+        else:
+            dx = dy * k
+        dx = dx.astype(dy.dtype, copy=False)
+    return (dx, dscale if want[1] else None, dbias if want[2] else None, None, None)

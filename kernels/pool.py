@@ -4,6 +4,12 @@ GlobalMaxPool.
 Windows are reduced by looping over kernel offsets with strided slices
 (``spatial.window_slices``): prod(kernel) vectorised element-wise ops over
 the whole output, far faster in numpy than reducing a 6-D strided view.
+
+Backwards use the same offset loop in reverse: each offset's gradient slab
+is added into the padded input at that offset's slice. MaxPool routes the
+gradient to the first maximum of each window (PyTorch's rule, and what the
+forward's strict ``>`` picks); its training forward saves the winning
+offset so the backward need not compare again.
 """
 
 from __future__ import annotations
@@ -77,14 +83,72 @@ def max_pool(
         for v in views[2:]:
             np.maximum(out, v, out=out)
         return out
+    out, arg = _max_and_arg(views)
+    indices = _max_indices(x.shape, g, arg, storage_order)
+    return out, indices
+
+
+def _max_and_arg(views: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Window maxima and the offset (0..K-1) of each window's first maximum."""
     out = views[0].copy()
-    arg = np.zeros(out.shape, dtype=np.int64)
+    arg = np.zeros(out.shape, dtype=np.uint8 if len(views) < 256 else np.int64)
     for i, v in enumerate(views[1:], start=1):
         better = v > out
         np.copyto(out, v, where=better)
         arg[better] = i
-    indices = _max_indices(x.shape, g, arg, storage_order)
-    return out, indices
+    return out, arg
+
+
+@max_pool.saving
+def _(x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None, pads=None,
+      storage_order=0, strides=None, n_outputs=1):
+    """Training forward: also return the argmax offset of every window."""
+    g = pool_geometry(
+        x, kernel_shape, auto_pad=auto_pad, ceil_mode=ceil_mode,
+        dilations=dilations, pads=pads, strides=strides,
+    )
+    xp = spatial.pad_spatial(x, g, _lowest(x.dtype))
+    out, arg = _max_and_arg([xp[s] for s in g.offset_slices])
+    if n_outputs == 1:
+        return out, arg
+    return (out, _max_indices(x.shape, g, arg, storage_order)), arg
+
+
+def _scatter_windows(slabs, x_shape, g: spatial.WindowGeometry, dtype) -> np.ndarray:
+    """Add per-offset (N, C, *out) slabs into a zero padded input; crop the padding."""
+    padded = tuple(x_shape[:2]) + tuple(
+        s + b + e for s, b, e in zip(x_shape[2:], g.pads_begin, g.pads_end)
+    )
+    dxp = np.zeros(padded, dtype=dtype)
+    disjoint = all(s >= (k - 1) * d + 1 for s, k, d in zip(g.strides, g.kernel, g.dilations))
+    for sl, slab in zip(g.offset_slices, slabs):
+        if disjoint:
+            dxp[sl] = slab  # windows do not overlap: each cell written at most once
+        else:
+            dxp[sl] += slab
+    if not g.padded:
+        return dxp
+    inner = tuple(slice(b, b + s) for b, s in zip(g.pads_begin, x_shape[2:]))
+    return dxp[(slice(None), slice(None)) + inner]
+
+
+@max_pool.backward(uses="inputs")
+def _(grads, inputs, outputs, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None,
+      pads=None, storage_order=0, strides=None, saved=None):
+    dy, x = grads[0], inputs[0]
+    if dy is None:
+        return (None,)
+    g = pool_geometry(
+        x, kernel_shape, auto_pad=auto_pad, ceil_mode=ceil_mode,
+        dilations=dilations, pads=pads, strides=strides,
+    )
+    arg = saved
+    if arg is None:
+        xp = spatial.pad_spatial(x, g, _lowest(x.dtype))
+        arg = _max_and_arg([xp[s] for s in g.offset_slices])[1]
+    zero = dy.dtype.type(0)
+    slabs = (np.where(arg == i, dy, zero) for i in range(len(g.offset_slices)))
+    return (_scatter_windows(slabs, x.shape, g, dy.dtype),)
 
 
 def _max_indices(x_shape, g: spatial.WindowGeometry, arg: np.ndarray, storage_order: int) -> np.ndarray:
@@ -138,6 +202,24 @@ def average_pool(
     return acc.astype(x.dtype, copy=False)
 
 
+@average_pool.backward(uses="inputs")
+def _(grads, inputs, outputs, *, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dilations=None,
+      kernel_shape=None, pads=None, strides=None):
+    dy, x = grads[0], inputs[0]
+    if dy is None:
+        return (None,)
+    g = pool_geometry(
+        x, kernel_shape, auto_pad=auto_pad, ceil_mode=ceil_mode,
+        dilations=dilations, pads=pads, strides=strides,
+    )
+    count = average_counts(x.shape, g, count_include_pad, auto_pad)
+    share = dy / (int(np.prod(g.kernel)) if count is None else count.astype(dy.dtype))
+    share = share.astype(dy.dtype, copy=False)
+    # Every offset receives the same share: the generator repeats one array.
+    slabs = (share for _ in g.offset_slices)
+    return (_scatter_windows(slabs, x.shape, g, dy.dtype),)
+
+
 def average_counts(x_shape, g: spatial.WindowGeometry, count_include_pad: int, auto_pad: str = "NOTSET"):
     """Per-output divisor of AveragePool, or None when it is prod(kernel).
 
@@ -168,6 +250,15 @@ def average_counts(x_shape, g: spatial.WindowGeometry, count_include_pad: int, a
 def global_average_pool(x: np.ndarray) -> np.ndarray:
     axes = tuple(range(2, x.ndim))
     return np.mean(x, axis=axes, keepdims=True, dtype=x.dtype)
+
+
+@global_average_pool.backward(uses="inputs")
+def _(grads, inputs, outputs):
+    dy, x = grads[0], inputs[0]
+    if dy is None:
+        return (None,)
+    k = int(np.prod(x.shape[2:]))
+    return (np.broadcast_to(dy / dy.dtype.type(k), x.shape).copy(),)
 
 
 @register("GlobalMaxPool", dtypes=FLOAT_TYPES)

@@ -21,6 +21,21 @@ micrograd's ``_backward``)::
 forward output (``None`` where the output is unused) and returns one
 gradient per forward input (``None`` where it is not differentiable).
 
+Three optional extras serve the trainer (``edgeflow.train``), all additive:
+
+- ``@kernel.backward(uses="outputs")`` says which forward values the
+  backward reads (``"inputs"``, ``"outputs"``, ``"all"`` — the default — or
+  ``"none"``), so the trainer keeps only those alive until the backward pass
+  (values it does not keep arrive as ``None``).
+- A backward that declares the keyword ``needs_grad`` receives a tuple of
+  booleans, one per input, and may skip the gradients nobody wants (the
+  first layer's input gradient is a quarter of an MLP's backward cost).
+- ``@kernel.saving`` registers a training forward ``fn(*inputs, **attrs) ->
+  (outputs, saved)`` that also returns something the backward would
+  otherwise recompute (Conv's im2col columns, MaxPool's argmax); the
+  backward then receives it as the keyword ``saved`` (``None`` when the
+  plain forward ran, so the backward must be able to recompute).
+
 Several kernels may be registered under one op name: one per opset version
 range (``since``) — the lookup takes the highest ``since`` that is <= the
 model's opset, like onnx.reference's ``load_op`` — and per input dtype
@@ -77,13 +92,36 @@ class Kernel:
     workspace_fn: Callable[[list, dict], int] | None = None
     # Optional: bytes of scratch memory one call needs, from the input shapes
     # and attributes (e.g. Conv's im2col buffer); used by memory planning.
+    backward_uses: str = "all"
+    # Which forward values the backward reads: "inputs", "outputs", "all", "none".
+    backward_wants_needs: bool = False
+    # The backward declares ``needs_grad`` (tuple of bools, one per input).
+    forward_train: Callable[..., tuple[Any, Any]] | None = None
+    # Optional training forward returning (outputs, saved) for the backward.
 
     def __call__(self, *inputs: Any, **attrs: Any) -> Any:
         return self.forward(*inputs, **attrs)
 
-    def backward(self, fn: BackwardFn) -> BackwardFn:
-        """Decorator: register ``fn`` as this kernel's backward."""
-        self.backward_fn = fn
+    def backward(self, fn: BackwardFn | None = None, *, uses: str = "all"):
+        """Decorator: register ``fn`` as this kernel's backward.
+
+        Used bare (``@k.backward``) or with ``uses=`` naming the forward
+        values the backward reads (``@k.backward(uses="outputs")``).
+        """
+        if uses not in _USES:
+            raise KernelError(f"backward uses={uses!r}: expected one of {', '.join(_USES)}")
+
+        def deco(f: BackwardFn) -> BackwardFn:
+            self.backward_fn = f
+            self.backward_uses = uses
+            self.backward_wants_needs = "needs_grad" in inspect.signature(f).parameters
+            return f
+
+        return deco(fn) if fn is not None else deco
+
+    def saving(self, fn: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[Any, Any]]:
+        """Decorator: register a training forward returning ``(outputs, saved)``."""
+        self.forward_train = fn
         return fn
 
     def workspace(self, fn: Callable[[list, dict], int]) -> Callable[[list, dict], int]:
@@ -100,6 +138,8 @@ class Kernel:
             return True
         return np.dtype(dtype).name in self.dtypes
 
+
+_USES = ("all", "inputs", "outputs", "none")
 
 _REGISTRY: dict[tuple[str, str], list[Kernel]] = {}
 

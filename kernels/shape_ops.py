@@ -5,6 +5,10 @@ Identity, Constant, Cast.
 Where ONNX moved an attribute to an input (Squeeze/Unsqueeze axes at opset
 13, Split at 13), both versions are registered and the registry picks by the
 model's opset.
+
+Backwards of the data-moving ops are the inverse moves: reshape the
+gradient back, transpose by the inverse permutation, split a Concat's
+gradient at the input boundaries.
 """
 
 from __future__ import annotations
@@ -43,6 +47,14 @@ def flatten(x: np.ndarray, *, axis: int = 1) -> np.ndarray:
     return x.reshape(lead, -1) if x.size or lead else x.reshape(lead, 0)
 
 
+def _reshape_back(grads, inputs, outputs, **attrs):
+    dy = grads[0]
+    return (None if dy is None else dy.reshape(inputs[0].shape),) + (None,) * (len(inputs) - 1)
+
+
+flatten.backward(_reshape_back, uses="inputs")
+
+
 @register("Reshape", dtypes=ANY_TYPE, since=5)
 def reshape(x: np.ndarray, shape: np.ndarray, *, allowzero: int = 0) -> np.ndarray:
     target = [int(s) for s in np.asarray(shape).reshape(-1)]
@@ -51,14 +63,36 @@ def reshape(x: np.ndarray, shape: np.ndarray, *, allowzero: int = 0) -> np.ndarr
     return x.reshape(target)
 
 
+reshape.backward(_reshape_back, uses="inputs")
+
+
 @register("Transpose", dtypes=ANY_TYPE)
 def transpose(x: np.ndarray, *, perm: list[int] | None = None) -> np.ndarray:
     return np.transpose(x, perm if perm else None)
 
 
+@transpose.backward(uses="none")
+def _(grads, inputs, outputs, *, perm=None):
+    dy = grads[0]
+    if dy is None:
+        return (None,)
+    if not perm:
+        return (np.transpose(dy),)  # reversing the axes is its own inverse
+    return (np.transpose(dy, np.argsort(perm)),)
+
+
 @register("Concat", dtypes=ANY_TYPE)
 def concat(*inputs: np.ndarray, axis: int) -> np.ndarray:
     return np.concatenate(inputs, axis=axis)
+
+
+@concat.backward(uses="inputs")
+def _(grads, inputs, outputs, *, axis):
+    dy = grads[0]
+    if dy is None:
+        return (None,) * len(inputs)
+    cuts = np.cumsum([x.shape[axis] for x in inputs])[:-1]
+    return tuple(np.split(dy, cuts, axis=axis))
 
 
 def _split_points(length: int, split, num_outputs: int) -> list[int]:
@@ -134,9 +168,15 @@ def unsqueeze(x: np.ndarray, axes: np.ndarray) -> np.ndarray:
     return np.expand_dims(x, tuple(_axes(axes, out_rank)))
 
 
+unsqueeze.backward(_reshape_back, uses="inputs")
+
+
 @register("Unsqueeze", dtypes=ANY_TYPE, since=1)
 def unsqueeze_v1(x: np.ndarray, *, axes: list[int]) -> np.ndarray:
     return unsqueeze.forward(x, np.asarray(axes))
+
+
+unsqueeze_v1.backward(_reshape_back, uses="inputs")
 
 
 @register("Squeeze", dtypes=ANY_TYPE, since=13)
@@ -146,9 +186,15 @@ def squeeze(x: np.ndarray, axes: np.ndarray | None = None) -> np.ndarray:
     return np.squeeze(x, axis=tuple(_axes(axes, x.ndim)))
 
 
+squeeze.backward(_reshape_back, uses="inputs")
+
+
 @register("Squeeze", dtypes=ANY_TYPE, since=1)
 def squeeze_v1(x: np.ndarray, *, axes: list[int] | None = None) -> np.ndarray:
     return squeeze.forward(x, None if axes is None else np.asarray(axes))
+
+
+squeeze_v1.backward(_reshape_back, uses="inputs")
 
 
 @register("Expand", dtypes=ANY_TYPE, since=8)
@@ -160,6 +206,11 @@ def expand(x: np.ndarray, shape: np.ndarray) -> np.ndarray:
 @register("Identity", dtypes=ANY_TYPE)
 def identity(x: np.ndarray) -> np.ndarray:
     return x
+
+
+@identity.backward(uses="none")
+def _(grads, inputs, outputs):
+    return (grads[0],)
 
 
 @register("Constant", dtypes=ANY_TYPE)

@@ -2,7 +2,8 @@
 
 Opset 13 changed the semantics: before it, the input is coerced to 2-D at
 ``axis`` (default 1) and the softmax runs over the flattened trailing block;
-from 13 it runs over the single ``axis`` (default -1).
+from 13 it runs over the single ``axis`` (default -1). The backwards follow
+the same two semantics (the coerced form reshapes to 2-D and back).
 """
 
 from __future__ import annotations
@@ -49,3 +50,43 @@ def log_softmax(x: np.ndarray, *, axis: int = -1) -> np.ndarray:
 @register("LogSoftmax", since=1)
 def log_softmax_v1(x: np.ndarray, *, axis: int = 1) -> np.ndarray:
     return _coerced(_log_softmax, x, axis)
+
+
+def _softmax_grad(dy: np.ndarray, y: np.ndarray, axis: int) -> np.ndarray:
+    # J^T dy for y = softmax(x): y * (dy - <dy, y>)
+    return y * (dy - np.sum(dy * y, axis=axis, keepdims=True))
+
+
+def _log_softmax_grad(dy: np.ndarray, y: np.ndarray, axis: int) -> np.ndarray:
+    # y = x - logsumexp(x): dx = dy - softmax(x) * sum(dy)
+    return dy - np.exp(y) * np.sum(dy, axis=axis, keepdims=True)
+
+
+def _coerced_grad(fn, dy: np.ndarray, y: np.ndarray, axis: int) -> np.ndarray:
+    axis = axis % y.ndim if y.ndim else 0
+    lead = int(np.prod(y.shape[:axis], dtype=np.int64))
+    return fn(dy.reshape(lead, -1), y.reshape(lead, -1), 1).reshape(y.shape)
+
+
+@softmax.backward(uses="outputs")
+def _(grads, inputs, outputs, *, axis=-1):
+    dy = grads[0]
+    return (None if dy is None else _softmax_grad(dy, outputs[0], axis),)
+
+
+@softmax_v1.backward(uses="outputs")
+def _(grads, inputs, outputs, *, axis=1):
+    dy = grads[0]
+    return (None if dy is None else _coerced_grad(_softmax_grad, dy, outputs[0], axis),)
+
+
+@log_softmax.backward(uses="outputs")
+def _(grads, inputs, outputs, *, axis=-1):
+    dy = grads[0]
+    return (None if dy is None else _log_softmax_grad(dy, outputs[0], axis),)
+
+
+@log_softmax_v1.backward(uses="outputs")
+def _(grads, inputs, outputs, *, axis=1):
+    dy = grads[0]
+    return (None if dy is None else _coerced_grad(_log_softmax_grad, dy, outputs[0], axis),)

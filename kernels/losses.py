@@ -1,0 +1,161 @@
+"""Training losses, registered under the private domain ``edgeflow.train``.
+
+They are kernels like any other (forward + backward beside it), so the
+finite-difference tests and the trainer treat them uniformly, but they never
+appear in a deployed ONNX graph: the trainer applies the loss to the model's
+output outside the graph.
+
+- ``SoftmaxCrossEntropy(logits (N, C), labels)``: labels are class indices
+  (N,) or per-class target probabilities (N, C); optional label smoothing.
+- ``MeanSquaredError(pred, target)``.
+- ``BinaryCrossEntropy(x, target)``: on logits by default (stable form,
+  ``from_logits=1``) or on probabilities (``from_logits=0``, clipped).
+
+Every loss returns the mean over all elements (``reduction="mean"``) or the
+sum (``"sum"``) as a 0-d array of the input's dtype.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .registry import FLOAT_TYPES, register
+
+DOMAIN = "edgeflow.train"
+_REDUCTIONS = ("mean", "sum")
+
+
+def _check_reduction(reduction: str) -> None:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+
+
+def _log_softmax_rows(z: np.ndarray) -> np.ndarray:
+    s = z - z.max(axis=1, keepdims=True)
+    return s - np.log(np.exp(s).sum(axis=1, keepdims=True))
+
+
+def _targets(labels: np.ndarray, n: int, c: int, dtype, label_smoothing: float) -> np.ndarray | None:
+    """Dense (N, C) targets, or None for plain integer labels (the fast path)."""
+    if np.issubdtype(labels.dtype, np.integer):
+        if labels.shape != (n,):
+            raise ValueError(f"class labels must have shape ({n},), got {labels.shape}")
+        if label_smoothing == 0.0:
+            return None
+        t = np.full((n, c), label_smoothing / c, dtype=dtype)
+        t[np.arange(n), labels] += 1.0 - label_smoothing
+        return t
+    if labels.shape != (n, c):
+        raise ValueError(f"target probabilities must have shape ({n}, {c}), got {labels.shape}")
+    t = labels.astype(dtype, copy=False)
+    if label_smoothing:
+        t = t * (1.0 - label_smoothing) + label_smoothing / c
+    return t
+
+
+def _check_logits(logits: np.ndarray) -> None:
+    if logits.ndim != 2:
+        raise ValueError(f"SoftmaxCrossEntropy expects logits (N, C), got shape {logits.shape}")
+
+
+@register("SoftmaxCrossEntropy", domain=DOMAIN, dtypes=FLOAT_TYPES)
+def softmax_cross_entropy(
+    logits: np.ndarray, labels: np.ndarray, *, reduction: str = "mean", label_smoothing: float = 0.0
+) -> np.ndarray:
+    _check_logits(logits)
+    _check_reduction(reduction)
+    n, c = logits.shape
+    logp = _log_softmax_rows(logits)
+    t = _targets(labels, n, c, logits.dtype, label_smoothing)
+    if t is None:
+        total = -logp[np.arange(n), labels].sum()
+    else:
+        total = -(t * logp).sum()
+    out = total / n if reduction == "mean" else total
+    return np.asarray(out, dtype=logits.dtype)
+
+
+@softmax_cross_entropy.backward(uses="inputs")
+def _(grads, inputs, outputs, *, reduction="mean", label_smoothing=0.0):
+    dl = grads[0]
+    logits, labels = inputs[0], inputs[1]
+    if dl is None:
+        return (None, None)
+    n, c = logits.shape
+    p = np.exp(_log_softmax_rows(logits))
+    t = _targets(labels, n, c, logits.dtype, label_smoothing)
+    if t is None:
+        p[np.arange(n), labels] -= 1
+    else:
+        # d/dz of -sum_c t_c log p_c is p * sum_c t_c - t (rows need not sum to 1)
+        p *= t.sum(axis=1, keepdims=True)
+        p -= t
+    scale = float(np.asarray(dl)) / (n if reduction == "mean" else 1)
+    p *= logits.dtype.type(scale)
+    return (p, None)
+
+
+@register("MeanSquaredError", domain=DOMAIN, dtypes=FLOAT_TYPES)
+def mean_squared_error(pred: np.ndarray, target: np.ndarray, *, reduction: str = "mean") -> np.ndarray:
+    _check_reduction(reduction)
+    if pred.shape != target.shape:
+        raise ValueError(f"MeanSquaredError: prediction {pred.shape} and target {target.shape} differ")
+    d = pred - target.astype(pred.dtype, copy=False)
+    total = np.dot(d.ravel(), d.ravel())
+    out = total / d.size if reduction == "mean" else total
+    return np.asarray(out, dtype=pred.dtype)
+
+
+@mean_squared_error.backward(uses="inputs")
+def _(grads, inputs, outputs, *, reduction="mean"):
+    dl = grads[0]
+    pred, target = inputs[0], inputs[1]
+    if dl is None:
+        return (None, None)
+    d = pred - target.astype(pred.dtype, copy=False)
+    scale = 2.0 * float(np.asarray(dl)) / (d.size if reduction == "mean" else 1)
+    return (d * pred.dtype.type(scale), None)
+
+
+def _bce_probs_eps(dtype) -> float:
+    return 1e-7 if np.dtype(dtype) != np.float64 else 1e-12
+
+
+@register("BinaryCrossEntropy", domain=DOMAIN, dtypes=FLOAT_TYPES)
+def binary_cross_entropy(
+    x: np.ndarray, target: np.ndarray, *, from_logits: int = 1, reduction: str = "mean"
+) -> np.ndarray:
+    _check_reduction(reduction)
+    if x.shape != target.shape:
+        raise ValueError(f"BinaryCrossEntropy: input {x.shape} and target {target.shape} differ")
+    t = target.astype(x.dtype, copy=False)
+    if from_logits:
+        # max(z, 0) - z t + log(1 + exp(-|z|)): never overflows
+        per = np.maximum(x, 0) - x * t + np.log1p(np.exp(-np.abs(x)))
+    else:
+        eps = _bce_probs_eps(x.dtype)
+        p = np.clip(x, eps, 1 - eps)
+        per = -(t * np.log(p) + (1 - t) * np.log1p(-p))
+    total = per.sum()
+    out = total / x.size if reduction == "mean" else total
+    return np.asarray(out, dtype=x.dtype)
+
+
+@binary_cross_entropy.backward(uses="inputs")
+def _(grads, inputs, outputs, *, from_logits=1, reduction="mean"):
+    dl = grads[0]
+    x, target = inputs[0], inputs[1]
+    if dl is None:
+        return (None, None)
+    t = target.astype(x.dtype, copy=False)
+    if from_logits:
+        e = np.exp(-np.abs(x))
+        sig = np.where(x >= 0, 1 / (1 + e), e / (1 + e))
+        g = sig - t
+    else:
+        eps = _bce_probs_eps(x.dtype)
+        p = np.clip(x, eps, 1 - eps)
+        g = (p - t) / (p * (1 - p))
+        g = np.where((x > eps) & (x < 1 - eps), g, 0)  # clip has zero slope outside
+    scale = float(np.asarray(dl)) / (x.size if reduction == "mean" else 1)
+    return ((g * scale).astype(x.dtype, copy=False), None)
