@@ -266,6 +266,11 @@ class MosquittoBroker(_BrokerBase):
         return self.workdir / "mosquitto.log"
 
     @property
+    def output_path(self) -> Path:
+        """stdout/stderr of the process: errors printed before the log file is open."""
+        return self.workdir / "mosquitto.out"
+
+    @property
     def url(self) -> str:
         if self.plain:
             return f"mqtt://{self.host}:{self.port}"
@@ -315,7 +320,7 @@ class MosquittoBroker(_BrokerBase):
             store = self.workdir / "store"
             store.mkdir(exist_ok=True)
             lines += ["persistence true", f"persistence_location {store}/"]
-        lines += ["log_dest stdout", "log_type error", "log_type warning", "log_type notice",
+        lines += [f"log_dest file {self.log_path}", "log_type error", "log_type warning", "log_type notice",
                   "log_type information", "connection_messages true", "log_timestamp true"]
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             lines.append("user root")  # otherwise mosquitto drops to user 'mosquitto' and cannot read workdir
@@ -357,10 +362,13 @@ class MosquittoBroker(_BrokerBase):
 
     def log(self) -> str:
         """The broker's log so far (for test failure messages)."""
-        try:
-            return self.log_path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return ""
+        parts = []
+        for path in (self.output_path, self.log_path):
+            try:
+                parts.append(path.read_text(encoding="utf-8", errors="replace"))
+            except OSError:
+                pass
+        return "".join(parts)
 
     def start(self) -> MosquittoBroker:
         if self.running:
@@ -375,7 +383,7 @@ class MosquittoBroker(_BrokerBase):
                     self.ws_port = free_port(self.host)
             self.config_path.write_text(self._config_text(), encoding="utf-8")
             if self._state["log"] is None:
-                self._state["log"] = open(self.log_path, "ab")  # noqa: SIM115 - closed in _cleanup
+                self._state["log"] = open(self.output_path, "ab")  # noqa: SIM115 - closed in _cleanup
             proc = subprocess.Popen(  # noqa: S603 - our own binary and config
                 [self.binary, "-c", str(self.config_path)],
                 stdout=self._state["log"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import ssl
 import threading
 import time
@@ -106,8 +107,27 @@ class Delivery:
         self._error: TransportError | None = None
         self._event = threading.Event()
         self._lock = threading.Lock()
+        self._callbacks: list[Callable[[Delivery], Any]] = []
         if total == 0:
             self._event.set()
+
+    def add_progress_callback(self, fn: Callable[[Delivery], Any]) -> None:
+        """Call ``fn(delivery)`` after every acknowledged frame and on failure.
+
+        It runs on the transport's network thread, so it must be quick (update
+        a progress bar, set an event); exceptions are logged and ignored.
+        """
+        with self._lock:
+            self._callbacks.append(fn)
+
+    def _run_callbacks(self) -> None:
+        with self._lock:
+            callbacks = list(self._callbacks)
+        for fn in callbacks:
+            try:
+                fn(self)
+            except Exception:  # noqa: BLE001 - a progress callback must not break the transport
+                logging.getLogger("edgeflow.transport").exception("delivery progress callback failed")
 
     @property
     def acked(self) -> int:
@@ -128,11 +148,12 @@ class Delivery:
 
     def _ack(self, index: int) -> None:
         with self._lock:
-            if self._event.is_set():
+            if self._event.is_set() or index in self._acked:
                 return
             self._acked.add(index)
             if len(self._acked) >= self.total:
                 self._event.set()
+        self._run_callbacks()
 
     def _fail(self, error: TransportError) -> None:
         with self._lock:
@@ -140,6 +161,7 @@ class Delivery:
                 return
             self._error = error
             self._event.set()
+        self._run_callbacks()
 
     def wait(self, timeout: float | None = None) -> Delivery:
         """Block until every frame is acknowledged; raise TransportError on failure or timeout."""

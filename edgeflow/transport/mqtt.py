@@ -27,13 +27,14 @@ commands).
 
 Sessions and resume. By default the client uses a persistent session
 (``clean_start=False``, ``session_expiry_s=3600``): the broker keeps its
-subscriptions and queues QoS 1 messages while it is away. Frames the broker
-has not acknowledged stay with paho and are re-sent (DUP) after reconnect;
-acknowledged ones are never re-sent, so an interrupted chunked publish
-resumes where it stopped.
+subscriptions and queues QoS 1 messages while it is away. The transport,
+not paho, owns retransmission: each connection gets a fresh paho client,
+and frames the broker had not acknowledged (PUBACK) go back to the head of
+the outbox and are re-sent after reconnect; acknowledged ones never are, so
+an interrupted chunked publish resumes where it stopped.
 
 Protocol. MQTT 5 first; if the broker answers "unsupported protocol
-version" (or hangs up before CONNACK on the very first attempt) the
+version" (or does not answer the very first CONNECT within 2 s) the
 transport falls back to MQTT 3.1.1 (no properties, no PUBACK reason codes:
 an ACL-denied publish then looks delivered).
 """
@@ -125,6 +126,16 @@ class _Raw:
 
 
 _STOP = object()
+
+
+_PROPERTY_NAMES = ("response_topic", "correlation_data", "content_type", "message_expiry_s", "user_properties")
+
+
+def _check_properties(props: dict[str, Any]) -> None:
+    unknown = sorted(set(props) - set(_PROPERTY_NAMES))
+    if unknown:
+        msg = f"unknown MQTT property {unknown[0]!r}; use {', '.join(_PROPERTY_NAMES)}"
+        raise ConfigError(msg)
 
 
 def _fmt_reason(rc: Any) -> str:
@@ -241,6 +252,9 @@ class MqttTransport:
         self._resubscribe = False
         self._closing = False
         self._abort = False
+        self._probe = False
+        self._client_used = False
+        self._paho_error: str | None = None
 
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -364,6 +378,7 @@ class MqttTransport:
         client.on_subscribe = self._on_subscribe
         client.on_unsubscribe = self._on_unsubscribe
         client.on_message = self._on_message
+        client.on_log = self._on_log
         if self._protocol == _V5:
             props = Properties(PacketTypes.CONNECT)
             if self.session_expiry_s > 0:
@@ -514,6 +529,8 @@ class MqttTransport:
         if not raw and has_reserved_level(topic):
             msg = f"topic {topic!r}: the level '_chunk' is reserved for edgeflow's chunked transfers; rename the topic"
             raise ConfigError(msg)
+        if properties:
+            _check_properties(properties)
         data = payload.encode("utf-8") if isinstance(payload, str) else bytes(payload)
         limit = self._effective_max_payload(topic)
         frames: list[Frame] = []
@@ -721,6 +738,12 @@ class MqttTransport:
                 pass
 
     def _attempt(self, client: paho.Client) -> None:
+        if self._client_used:
+            # A fresh paho client per connection: un-acked frames are re-sent from our own queue,
+            # so paho must not also replay its copies of them.
+            client = self._client = self._make_client()
+        self._client_used = True
+        self._paho_error = None
         self._attempt_started = time.monotonic()
         self._attempt_done = False
         try:
@@ -794,6 +817,7 @@ class MqttTransport:
         old = self._client
         self._protocol = _V311
         self._client = self._make_client()
+        self._client_used = False
         if old is not None:
             self._drop_socket(old)
         self._attempt_done = True
@@ -845,17 +869,20 @@ class MqttTransport:
         was_up = self._up
         self._up = False
         self._connected.clear()
-        # QoS 0 frames written before the loss are gone; paho keeps QoS 1 frames and re-sends them.
-        for mid, frame in list(self._inflight.items()):
-            if frame.qos == 0:
-                del self._inflight[mid]
-                self._outbox.release(frame)
-                if frame.delivery is not None:
-                    frame.delivery._fail(TransportError(f"connection lost before QoS 0 message on {frame.topic} was sent"))
+        self._requeue_inflight(protocol_error=_rc_value(reason) == 130)
         self._pending_subacks.clear()
         if self._closing:
             return
         if not was_up:
+            detail = self._paho_error or _fmt_reason(reason)
+            tls_refusal = self.tls is not None and "ALERT" in detail.upper()
+            if tls_refusal:
+                msg = (
+                    f"the TLS listener at {self.url} rejected this client ({detail}); it probably requires a "
+                    "client certificate signed by its CA: set TlsConfig.cert_file and key_file"
+                )
+                self._attempt_failed(TransportError(msg), fatal=True)
+                return
             if (
                 self.protocol_choice == "auto" and self._protocol == _V5 and not self._ever_connected
                 and not self._attempt_done
@@ -863,13 +890,57 @@ class MqttTransport:
                 self._attempt_done = True
                 self._cmds.append(lambda: self._fallback("broker closed the connection before CONNACK"))
                 return
-            self._attempt_failed(TransportError(f"broker at {self.url} closed the connection before CONNACK ({_fmt_reason(reason)})"))
+            self._attempt_failed(TransportError(f"broker at {self.url} closed the connection before CONNACK ({detail})"))
             return
         delay = self._backoff.next()
         self._next_attempt = time.monotonic() + delay
         self._last_error = TransportError(f"connection to {self.url} lost: {_fmt_reason(reason)}")
         log.warning("%s: connection lost (%s); reconnecting in %.1f s", self.name, _fmt_reason(reason), delay)
         self._notify(ConnectionEvent(False, False, _fmt_reason(reason)))
+
+    def _requeue_inflight(self, *, protocol_error: bool) -> None:
+        """Put un-acknowledged frames back at the front of the queue, to re-send after reconnect.
+
+        QoS 0 frames are dropped (at most once). A connection that paho
+        dropped with a protocol error while frames were in flight may have
+        been killed by one of them: Mosquitto answers a message over its
+        ``message_size_limit`` with a PUBACK reason code (0x95) that paho
+        cannot parse. Re-sending such a frame would loop forever, so after a
+        protocol error frames are re-sent one at a time ("probe mode"), and a
+        frame that is alone in flight at a second protocol error fails.
+        """
+        frames = list(self._inflight.values())
+        self._inflight.clear()
+        self._early_acks.clear()
+        keep: list[Frame] = []
+        for frame in frames:
+            if frame.qos == 0:
+                self._outbox.release(frame)
+                if frame.delivery is not None:
+                    frame.delivery._fail(TransportError(f"connection lost before QoS 0 message on {frame.topic} was sent"))
+                continue
+            if protocol_error and self._probe and len(frames) == 1:
+                self._outbox.release(frame)
+                self._count("publish_failures")
+                msg = (
+                    f"the broker dropped the connection twice while receiving a {frame.size}-byte message on "
+                    f"{frame.topic}; it probably refuses it (message_size_limit?): lower max_payload so it is "
+                    "chunked smaller; not retrying"
+                )
+                log.warning("%s: %s", self.name, msg)
+                if frame.delivery is not None:
+                    frame.delivery._fail(TransportError(msg))
+                continue
+            keep.append(frame)
+        if protocol_error and keep:
+            self._probe = True
+        self._outbox.push_front(keep)
+        self._count("resent_frames", len(keep))
+
+    def _on_log(self, client: paho.Client, userdata: Any, level: int, buf: str) -> None:
+        """Keep paho's last error (e.g. a TLS alert it swallowed) to explain the next disconnect."""
+        if level == paho.MQTT_LOG_ERR and client is self._client:
+            self._paho_error = buf
 
     def _props_out(self, props: dict[str, Any] | None) -> Properties | None:
         if not props or self._protocol != _V5:
@@ -887,12 +958,6 @@ class MqttTransport:
             elif key == "user_properties":
                 items = value.items() if isinstance(value, dict) else value
                 p.UserProperty = [(str(k), str(v)) for k, v in items]
-            else:
-                msg = (
-                    f"unknown MQTT property {key!r}; use response_topic, correlation_data, content_type, "
-                    "message_expiry_s or user_properties"
-                )
-                raise ConfigError(msg)
         return p
 
     @staticmethod
@@ -913,13 +978,26 @@ class MqttTransport:
         return out
 
     def _pump(self, client: paho.Client) -> None:
-        window = self.max_inflight
+        window = 1 if self._probe else self.max_inflight
         if self._server_receive_max:
             window = min(window, int(self._server_receive_max))
         while len(self._inflight) < window:
             frame = self._outbox.pop()
             if frame is None:
                 return
+            if self._server_max_packet and frame.size + len(frame.topic.encode("utf-8")) + 16 > self._server_max_packet:
+                # The broker would drop the connection, and paho would re-send the message after every
+                # reconnect: fail it here instead of looping forever.
+                self._outbox.release(frame)
+                self._count("publish_failures")
+                msg = (
+                    f"message of {frame.size} bytes on {frame.topic} exceeds the broker's maximum packet size "
+                    f"({self._server_max_packet} bytes); publish without raw=True so it is chunked, or lower max_payload"
+                )
+                log.warning("%s: %s", self.name, msg)
+                if frame.delivery is not None:
+                    frame.delivery._fail(TransportError(msg))
+                continue
             try:
                 info = client.publish(
                     frame.topic, frame.payload(), qos=frame.qos, retain=frame.retain,
@@ -968,6 +1046,7 @@ class MqttTransport:
             frame.delivery._fail(TransportError(msg))
             return
         self._count("acked_frames")
+        self._probe = False
         if frame.delivery is not None:
             frame.delivery._ack(frame.index)
 

@@ -87,6 +87,14 @@ class Outbox:
             self._queue.extend(batch)
             self._bytes += size
 
+    def push_front(self, frames: list[Frame]) -> None:
+        """Return un-acknowledged frames to the head of the queue, in their original order.
+
+        Their bytes were never released, so the byte budget is unchanged.
+        """
+        with self._lock:
+            self._queue.extendleft(reversed(frames))
+
     def pop(self) -> Frame | None:
         """Next frame to send, skipping (and releasing) frames of failed deliveries."""
         with self._lock:
