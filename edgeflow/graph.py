@@ -229,6 +229,10 @@ def compile_graph(model: onnx.ModelProto, *, optimize: bool = True) -> CompiledG
         raise UnsupportedOpError("the model cannot run on the numpy backend:\n  " + "\n  ".join(problems))
 
     if optimize:
+        # QDQ patterns -> integer kernels (a no-op for float models)
+        from .quantization.fuse import fuse_qdq
+
+        nodes = fuse_qdq(nodes, inits, {o.name for o in outputs}, opset, types)
         _prepack_gemm(nodes, inits)
         nodes = _fuse_relu(nodes, {o.name for o in outputs})
     _assign_lifetimes(nodes, set(inits), {o.name for o in outputs})
