@@ -393,3 +393,40 @@ def test_websockets_listener(mosquitto_factory, transport_factory) -> None:
     t.publish(update_topic("pi"), payload).wait(5)
     assert inbox.wait(1)[0].payload == payload
     assert t.url.startswith("ws://")
+
+
+def test_chunks_fit_the_maximum_packet_size_the_broker_announces(mosquitto_factory, transport_factory) -> None:
+    broker = mosquitto_factory(max_packet_size=64 * 1024)
+    t = transport_factory(broker)  # default max_payload (256 KiB) is above the broker's limit
+    inbox = Inbox()
+    t.subscribe("edgeflow/lab/#", inbox)
+    payload = os.urandom(300_000)
+    d = t.publish(update_topic("pi"), payload)
+    d.wait(10)
+    assert d.total >= 5 and inbox.wait(1)[0].payload == payload
+    with pytest.raises(TransportError, match="exceeds the broker's maximum packet size"):
+        t.publish(update_topic("pi"), payload, raw=True).wait(5)
+    assert t.is_connected and t.stats().get("reconnects", 0) == 0
+
+
+def test_connection_listener_sees_reconnects(mosquitto_factory, transport_factory) -> None:
+    broker = mosquitto_factory(persistence=True)
+    events = []
+    births = Inbox()
+    watcher = transport_factory(broker, client_id="watcher")
+    watcher.subscribe(device_topic(FLEET, "pi", "birth").value, births)
+    device = transport_factory(broker, client_id="pi", connect=False)
+
+    def on_change(ev) -> None:
+        events.append(ev)
+        if ev.connected:
+            device.publish(device_topic(FLEET, "pi", "birth").value, b'{"online": true}', retain=True)
+
+    device.add_connection_listener(on_change)
+    device.connect()
+    births.wait(1)
+    broker.restart()
+    assert wait_until(lambda: sum(e.connected for e in events) == 2, 10)
+    assert [e.connected for e in events] == [True, False, True]
+    assert events[0].session_present is False and events[2].session_present is True
+    births.wait(2)

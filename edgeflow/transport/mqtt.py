@@ -481,14 +481,6 @@ class MqttTransport:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self) -> None:  # pragma: no cover - best effort if the user forgot close()
-        try:
-            if self._started and not self._closed:
-                self._closing = True
-                self._wake()
-        except Exception:
-            pass
-
     # ---------------------------------------------------------------- publish
 
     def _effective_max_payload(self, topic: str) -> int:
@@ -1154,6 +1146,9 @@ class MqttTransport:
             if isinstance(item, _Raw):
                 try:
                     self._handle_raw(item)
+                except Exception:  # noqa: BLE001 - a bug here must not stop the worker thread
+                    self._count("worker_errors")
+                    log.exception("%s: failed to process a message on %s", self.name, item.topic)
                 finally:
                     if item.qos:
                         self._call_net(lambda r=item: self._ack(r))
