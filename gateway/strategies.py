@@ -1,0 +1,712 @@
+"""Aggregation strategies: the math as pure functions, the strategies as classes.
+
+Like Flower's ``server/strategy/aggregate.py``, each rule is first a small
+pure function on arrays (easy to test against a reference), then a
+:class:`~edgeflow.gateway.aggregation.Aggregator` that applies it to
+updates arriving one at a time.
+
+=================  =============================================  ==========================
+name               rule                                           server memory
+=================  =============================================  ==========================
+``fedavg``         sum_i n_i d_i / sum_i n_i  (streaming)         O(P): float64 accumulator
+``fedprox``        FedAvg on the server; mu sent to clients       O(P)
+``fedavgm``        FedAvg + server momentum                       O(P) + momentum (8 B/param)
+``fedadam``        FedAvg + Adam on the pseudo-gradient           O(P) + m, v (16 B/param)
+``fedyogi``        FedAvg + Yogi                                  O(P) + m, v
+``fedadagrad``     FedAvg + Adagrad                               O(P) + m, v
+``median``         coordinate-wise median                         holds n x P updates
+``trimmed-mean``   coordinate-wise beta-trimmed mean              holds n x P updates
+``krum``           the update with the lowest Krum score          holds n x P + n x n
+``multi-krum``     mean of the m lowest-score updates             holds n x P + n x n
+=================  =============================================  ==========================
+
+(P parameters, n clients, d_i client i's delta, n_i its sample count.)
+All server optimizers follow Reddi et al., "Adaptive Federated Optimization"
+(ICLR 2021), Algorithm 2, with the aggregated delta as Delta_t; FedAvgM
+follows Hsu et al. 2019 (and Flower's FedAvgM).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from edgeflow.errors import AggregationError, ConfigError
+from edgeflow.gateway.aggregation import Aggregator, Schema, Weights, check_num_samples, iter_chunks
+from edgeflow.gateway.privacy import CentralDP
+
+__all__ = [
+    "FedAdagrad",
+    "FedAdam",
+    "FedAvg",
+    "FedAvgM",
+    "FedProx",
+    "FedYogi",
+    "Krum",
+    "Median",
+    "MultiKrum",
+    "ServerAdagrad",
+    "ServerAdam",
+    "ServerMomentum",
+    "ServerYogi",
+    "TrimmedMean",
+    "available_aggregators",
+    "coordinate_median",
+    "krum_scores",
+    "krum_select",
+    "make_aggregator",
+    "pairwise_sq_distances",
+    "proximal_gradient",
+    "proximal_term",
+    "register_aggregator",
+    "trimmed_mean",
+    "weighted_average",
+]
+
+
+# ---------------------------------------------------------------------------
+# Pure math
+# ---------------------------------------------------------------------------
+
+
+def weighted_average(updates: Sequence[Weights], weights: Sequence[float]) -> dict[str, np.ndarray]:
+    """sum_i w_i u_i / sum_i w_i per tensor, in float64 (reference; holds all)."""
+    if not updates or len(updates) != len(weights):
+        raise AggregationError("weighted_average needs as many weights as updates, and at least one")
+    total = float(sum(weights))
+    if not total > 0:
+        raise AggregationError(f"weights must sum to > 0, got {total}")
+    return {name: sum(np.asarray(u[name], dtype=np.float64) * w for u, w in zip(updates, weights)) / total
+            for name in updates[0]}
+
+
+def coordinate_median(stack: np.ndarray) -> np.ndarray:
+    """Median over axis 0 (clients) of an (n, ...) array; mean of the two
+    middle values when n is even (numpy's convention)."""
+    return np.median(stack, axis=0)
+
+
+def trimmed_mean(stack: np.ndarray, proportion: float) -> np.ndarray:
+    """Mean over axis 0 after cutting ``int(proportion * n)`` values from each
+    end of every coordinate: exactly ``scipy.stats.trim_mean(stack, proportion)``."""
+    if not 0.0 <= proportion < 0.5:
+        raise ConfigError(f"trimmed mean proportion must be in [0, 0.5), got {proportion}")
+    n = stack.shape[0]
+    lo = int(proportion * n)
+    hi = n - lo
+    if lo == 0:
+        return stack.mean(axis=0, dtype=np.float64)
+    part = np.partition(stack, (lo, hi - 1), axis=0)
+    return part[lo:hi].mean(axis=0, dtype=np.float64)
+
+
+def pairwise_sq_distances(vectors: Sequence[np.ndarray], chunk: int = 1 << 18) -> np.ndarray:
+    """(n, n) squared Euclidean distances between flat vectors, in float64.
+
+    Uses the Gram matrix accumulated over coordinate chunks, so the temporary
+    memory is n x chunk x 8 bytes rather than n x n x P. In float64 the
+    cancellation in |a|^2 + |b|^2 - 2ab costs about 1e-16 |a|^2, far below
+    the gaps Krum cares about.
+    """
+    n = len(vectors)
+    size = vectors[0].shape[0]
+    gram = np.zeros((n, n), dtype=np.float64)
+    block = np.empty((n, min(chunk, size)), dtype=np.float64)
+    for a, b in iter_chunks(size, chunk):
+        x = block[:, : b - a]
+        for i, v in enumerate(vectors):
+            x[i] = v[a:b]
+        gram += x @ x.T
+    sq = np.diag(gram).copy()
+    dist = sq[:, None] + sq[None, :] - 2.0 * gram
+    np.maximum(dist, 0.0, out=dist)
+    np.fill_diagonal(dist, 0.0)
+    return dist
+
+
+def krum_scores(dist: np.ndarray, num_byzantine: int) -> np.ndarray:
+    """Krum score of each client: the sum of squared distances to its
+    n - f - 2 nearest other clients (Blanchard et al., NeurIPS 2017)."""
+    n = dist.shape[0]
+    k = n - num_byzantine - 2
+    if k < 1:
+        raise AggregationError(
+            f"Krum needs n - f - 2 >= 1 neighbours: n={n} clients, f={num_byzantine} Byzantine"
+        )
+    scores = np.empty(n, dtype=np.float64)
+    for i in range(n):
+        others = np.delete(dist[i], i)
+        scores[i] = np.partition(others, k - 1)[:k].sum()
+    return scores
+
+
+def krum_select(dist: np.ndarray, num_byzantine: int, num_selected: int = 1) -> np.ndarray:
+    """Indices of the ``num_selected`` lowest Krum scores (ties: lowest index first)."""
+    scores = krum_scores(dist, num_byzantine)
+    if not 1 <= num_selected <= len(scores):
+        raise AggregationError(f"cannot select {num_selected} of {len(scores)} updates")
+    return np.argsort(scores, kind="stable")[:num_selected]
+
+
+def proximal_term(weights: Weights, global_weights: Weights, mu: float) -> float:
+    """FedProx's client-side penalty (mu / 2) * ||w - w_global||^2.
+
+    FedProx (Li et al., MLSys 2020) changes only the *client* objective: each
+    device minimises loss(w) + this term, which keeps heterogeneous clients
+    from drifting far from the global model in long local epochs. The server
+    side is plain FedAvg. The trainer adds this to its loss.
+    """
+    return 0.5 * mu * sum(float(np.sum((np.asarray(weights[n], np.float64) - global_weights[n]) ** 2))
+                          for n in global_weights)
+
+
+def proximal_gradient(weights: Weights, global_weights: Weights, mu: float) -> dict[str, np.ndarray]:
+    """Gradient of :func:`proximal_term`: mu * (w - w_global), added to each local gradient."""
+    return {n: (mu * (np.asarray(weights[n]) - global_weights[n])).astype(np.asarray(weights[n]).dtype)
+            for n in global_weights}
+
+
+# ---------------------------------------------------------------------------
+# Server optimizers (state persists across rounds)
+# ---------------------------------------------------------------------------
+
+
+class _ServerOpt:
+    """Per-tensor float64 state keyed by tensor name."""
+
+    def __init__(self) -> None:
+        self.t = 0
+        self.state: dict[str, dict[str, np.ndarray]] = {}
+
+    def reset(self) -> None:
+        self.t = 0
+        self.state = {}
+
+    def _slot(self, slot: str, name: str, like: np.ndarray, init: float = 0.0) -> np.ndarray:
+        bucket = self.state.setdefault(slot, {})
+        arr = bucket.get(name)
+        if arr is None:
+            arr = np.full(like.shape, init, dtype=np.float64)
+            bucket[name] = arr
+        elif arr.shape != like.shape:
+            raise AggregationError(
+                f"server optimizer state for tensor {name!r} has shape {arr.shape} but the round's delta has "
+                f"{like.shape}: the model changed; call reset() on the aggregator first"
+            )
+        return arr
+
+    def state_dict(self) -> dict[str, Any]:
+        """Copy of the state, for checkpointing the gateway."""
+        return {"t": self.t, "state": {s: {n: a.copy() for n, a in d.items()} for s, d in self.state.items()}}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        self.t = int(sd["t"])
+        self.state = {s: {n: np.array(a, dtype=np.float64) for n, a in d.items()} for s, d in sd["state"].items()}
+
+
+def _positive(name: str, value: float, *, allow_zero: bool = False) -> float:
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+    return value
+
+
+def _unit(name: str, value: float) -> float:
+    value = float(value)
+    if not 0.0 <= value < 1.0:
+        raise ConfigError(f"{name} must be in [0, 1), got {value}")
+    return value
+
+
+class ServerMomentum(_ServerOpt):
+    """FedAvgM: v <- momentum * v + Delta; step = lr * v (Nesterov: lr * (momentum * v + Delta)).
+
+    In Flower's sign convention (pseudo-gradient = w_global - w_avg = -Delta)
+    this is exactly its FedAvgM; lr = 1, momentum = 0 is FedAvg.
+    """
+
+    def __init__(self, lr: float = 1.0, momentum: float = 0.9, nesterov: bool = False) -> None:
+        super().__init__()
+        self.lr = _positive("server_lr", lr)
+        self.momentum = _unit("server_momentum", momentum)
+        self.nesterov = bool(nesterov)
+
+    def step(self, delta: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.t += 1
+        out = {}
+        for name, d in delta.items():
+            v = self._slot("v", name, d)
+            v *= self.momentum
+            v += d
+            out[name] = self.lr * (self.momentum * v + d if self.nesterov else v)
+        return out
+
+
+class _Adaptive(_ServerOpt):
+    def __init__(self, eta: float, beta_1: float, beta_2: float, tau: float, v_init: float) -> None:
+        super().__init__()
+        self.eta = _positive("eta", eta)
+        self.beta_1 = _unit("beta_1", beta_1)
+        self.beta_2 = _unit("beta_2", beta_2)
+        self.tau = _positive("tau", tau)
+        self.v_init = _positive("v_init", v_init, allow_zero=True)
+
+    def _update_v(self, v: np.ndarray, d2: np.ndarray) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError("need _update_v")
+
+    def _lr(self) -> float:
+        return self.eta
+
+    def step(self, delta: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.t += 1
+        lr = self._lr()
+        out = {}
+        for name, d in delta.items():
+            m = self._slot("m", name, d)
+            v = self._slot("v", name, d, self.v_init)
+            m *= self.beta_1
+            m += (1.0 - self.beta_1) * d
+            self._update_v(v, d * d)
+            out[name] = lr * m / (np.sqrt(v) + self.tau)
+        return out
+
+
+class ServerAdam(_Adaptive):
+    """FedAdam: m <- b1 m + (1-b1) D; v <- b2 v + (1-b2) D^2; step = eta_t m / (sqrt(v) + tau).
+
+    With ``bias_correction`` (default, as Flower and Kingma & Ba) eta_t =
+    eta * sqrt(1 - b2^t) / (1 - b1^t), t = server steps taken (1-based);
+    without it, Reddi et al.'s Algorithm 2 as printed.
+    """
+
+    def __init__(self, eta: float = 0.1, beta_1: float = 0.9, beta_2: float = 0.99, tau: float = 1e-3,
+                 v_init: float = 0.0, bias_correction: bool = True) -> None:
+        super().__init__(eta, beta_1, beta_2, tau, v_init)
+        self.bias_correction = bool(bias_correction)
+
+    def _lr(self) -> float:
+        if not self.bias_correction:
+            return self.eta
+        return self.eta * math.sqrt(1.0 - self.beta_2 ** self.t) / (1.0 - self.beta_1 ** self.t)
+
+    def _update_v(self, v: np.ndarray, d2: np.ndarray) -> None:
+        v *= self.beta_2
+        v += (1.0 - self.beta_2) * d2
+
+
+class ServerYogi(_Adaptive):
+    """FedYogi: v <- v - (1-b2) D^2 sign(v - D^2); additive, so v grows slowly
+    and a burst of large deltas does not collapse the step as in Adam."""
+
+    def __init__(self, eta: float = 0.1, beta_1: float = 0.9, beta_2: float = 0.99, tau: float = 1e-3,
+                 v_init: float = 0.0) -> None:
+        super().__init__(eta, beta_1, beta_2, tau, v_init)
+
+    def _update_v(self, v: np.ndarray, d2: np.ndarray) -> None:
+        v -= (1.0 - self.beta_2) * d2 * np.sign(v - d2)
+
+
+class ServerAdagrad(_Adaptive):
+    """FedAdagrad: v <- v + D^2 (beta_2 unused; beta_1 = 0 by default as in Flower)."""
+
+    def __init__(self, eta: float = 0.1, beta_1: float = 0.0, tau: float = 1e-3, v_init: float = 0.0) -> None:
+        super().__init__(eta, beta_1, 0.0, tau, v_init)
+
+    def _update_v(self, v: np.ndarray, d2: np.ndarray) -> None:
+        v += d2
+
+
+# ---------------------------------------------------------------------------
+# Streaming mean (FedAvg family)
+# ---------------------------------------------------------------------------
+
+
+class FedAvg(Aggregator):
+    """Sample-weighted mean of deltas, folded in as they arrive.
+
+    Memory: one float64 accumulator per tensor (8 bytes/parameter) plus one
+    float64 scratch buffer the size of the largest tensor - independent of
+    the number of clients. float64 was measured against float32 with Kahan
+    compensation: same memory (two float32 arrays), ~1.5x slower, no more
+    accurate (see docs/aggregation.md).
+
+    Staleness: an update's weight is ``n_i * s(tau_i)``; the denominator is
+    ``sum n_i`` (FedBuff: stale updates shrink the step) unless
+    ``normalize_staleness`` makes it ``sum n_i s(tau_i)`` (stale updates only
+    lose share).
+
+    ``weighted=False`` gives every client weight 1 (a client's claimed
+    sample count then cannot buy influence). With ``privacy`` (central DP)
+    weights are always uniform: each delta is clipped to ``clip_norm`` and
+    Gaussian noise is added to the mean, see :class:`CentralDP`.
+
+    Pre-summed partial aggregates (a secure-aggregation sum, a sub-gateway)
+    enter with :meth:`add_partial`.
+    """
+
+    name = "fedavg"
+
+    def __init__(self, *, weighted: bool = True, normalize_staleness: bool = False,
+                 privacy: CentralDP | None = None, server_optimizer=None,
+                 staleness_fn: Callable[[int], float] | None = None) -> None:
+        super().__init__(server_optimizer=server_optimizer, staleness_fn=staleness_fn)
+        if privacy is not None and not isinstance(privacy, CentralDP):
+            raise ConfigError(f"privacy must be a CentralDP, got {type(privacy).__name__}")
+        self.weighted = bool(weighted)
+        self.normalize_staleness = bool(normalize_staleness)
+        self.privacy = privacy
+        self._acc: dict[str, np.ndarray] | None = None
+        self._scratch: np.ndarray | None = None
+        self._denom = 0.0
+        self._weight_sum = 0.0
+        self._clipped = 0
+
+    def _start(self, schema: Schema) -> None:
+        self._acc = schema.zeros(np.float64)
+        self._scratch = np.empty(max(s.size for s in schema.specs.values()), dtype=np.float64)
+        self._denom = 0.0
+        self._weight_sum = 0.0
+        self._clipped = 0
+
+    def _release(self) -> None:
+        self._acc = None
+        self._scratch = None
+
+    def _fold(self, update: Weights, num_samples: int, staleness_weight: float, client_id: str) -> None:
+        base = float(num_samples) if self.weighted and self.privacy is None else 1.0
+        weight = base * staleness_weight
+        if self.privacy is not None:
+            clip, _norm = self.privacy.clip_factor(update)
+            if clip < 1.0:
+                self._clipped += 1
+            weight *= clip
+        self._accumulate(update, weight)
+        self._denom += base * staleness_weight if self.normalize_staleness else base
+        self._weight_sum += weight
+
+    def _accumulate(self, update: Weights, weight: float) -> None:
+        assert self._acc is not None and self._scratch is not None
+        for name, acc in self._acc.items():
+            u = update[name]
+            if weight == 1.0:
+                np.add(acc, u, out=acc)
+            else:
+                tmp = self._scratch[: acc.size].reshape(acc.shape)
+                np.multiply(u, weight, out=tmp)
+                acc += tmp
+
+    def add_partial(self, weighted_sum: Weights, total_samples: int, num_clients: int, client_id: str = "") -> None:
+        """Fold in ``sum_i n_i d_i`` over ``num_clients`` clients whose ``sum_i n_i`` is ``total_samples``.
+
+        For hierarchical gateways and the output of secure aggregation (which
+        reveals only the sum). The sum's own arithmetic was done elsewhere;
+        here it is validated like an update and added to the accumulator.
+        Not available with central DP (clipping needs each client's delta).
+        """
+        self._require_open("add_partial")
+        if self.privacy is not None:
+            raise AggregationError("add_partial cannot be used with central DP: each delta must be clipped here")
+        total = check_num_samples(total_samples, client_id)
+        if isinstance(num_clients, bool) or not isinstance(num_clients, (int, np.integer)) or num_clients < 1:
+            raise AggregationError(f"num_clients must be an int >= 1, got {num_clients!r}")
+        schema = self._schema or Schema.of(weighted_sum, what=f"partial sum {client_id!r}")
+        schema.check(weighted_sum, client_id)
+        for name in schema.names:
+            if not np.isfinite(weighted_sum[name]).all():
+                self._reject(client_id, "non_finite", f"tensor {name!r} of the partial sum has NaN or Inf")
+                return
+        if self._schema is None:
+            self._schema = schema
+            self._start(schema)
+        if self.weighted:
+            self._accumulate(weighted_sum, 1.0)
+            self._denom += total
+        else:  # the sum was formed with weight 1 per client
+            self._accumulate(weighted_sum, 1.0)
+            self._denom += num_clients
+        self._weight_sum += total if self.weighted else num_clients
+        self._client_ids.append(client_id)
+        self._num_clients += int(num_clients)
+        self._total_samples += total
+
+    def _reduce(self) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        assert self._acc is not None
+        metrics: dict[str, float] = {"weight_sum": self._weight_sum}
+        denom = self._denom
+        if self.privacy is not None:
+            denom = float(self.privacy.denominator(self._num_clients))
+        if not denom > 0:
+            raise AggregationError(f"round {self._round_id}: aggregation weights sum to {denom}")
+        mean = self._acc
+        for acc in mean.values():
+            acc /= denom
+        if self.privacy is not None:
+            metrics.update(self.privacy.privatize(mean, denom, self._num_clients, self._clipped,
+                                                  scratch=self._scratch))
+        return mean, metrics
+
+
+class FedProx(FedAvg):
+    """FedProx: FedAvg on the server; the proximal term lives on the client.
+
+    The server's only job is to tell devices ``mu`` (via
+    :meth:`client_config`, which the orchestrator sends with the round) so
+    their trainer adds :func:`proximal_term` / :func:`proximal_gradient`.
+    """
+
+    name = "fedprox"
+
+    def __init__(self, mu: float = 0.01, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.mu = _positive("mu", mu, allow_zero=True)
+
+    def client_config(self) -> dict[str, float | int | str]:
+        return {"proximal_mu": self.mu}
+
+
+class FedAvgM(FedAvg):
+    """FedAvg + server momentum (Hsu et al. 2019)."""
+
+    name = "fedavgm"
+
+    def __init__(self, server_lr: float = 1.0, server_momentum: float = 0.9, nesterov: bool = False,
+                 **kwargs: Any) -> None:
+        super().__init__(server_optimizer=ServerMomentum(server_lr, server_momentum, nesterov), **kwargs)
+
+
+class FedAdam(FedAvg):
+    """FedAvg + server Adam (Reddi et al. 2021)."""
+
+    name = "fedadam"
+
+    def __init__(self, eta: float = 0.1, beta_1: float = 0.9, beta_2: float = 0.99, tau: float = 1e-3,
+                 bias_correction: bool = True, v_init: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(server_optimizer=ServerAdam(eta, beta_1, beta_2, tau, v_init, bias_correction), **kwargs)
+
+
+class FedYogi(FedAvg):
+    """FedAvg + server Yogi (Reddi et al. 2021)."""
+
+    name = "fedyogi"
+
+    def __init__(self, eta: float = 0.1, beta_1: float = 0.9, beta_2: float = 0.99, tau: float = 1e-3,
+                 v_init: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(server_optimizer=ServerYogi(eta, beta_1, beta_2, tau, v_init), **kwargs)
+
+
+class FedAdagrad(FedAvg):
+    """FedAvg + server Adagrad (Reddi et al. 2021)."""
+
+    name = "fedadagrad"
+
+    def __init__(self, eta: float = 0.1, beta_1: float = 0.0, tau: float = 1e-3, v_init: float = 0.0,
+                 **kwargs: Any) -> None:
+        super().__init__(server_optimizer=ServerAdagrad(eta, beta_1, tau, v_init), **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Robust strategies: they must see every update, so they hold them
+# ---------------------------------------------------------------------------
+
+
+class _Holding(Aggregator):
+    """Keeps one flat copy per update (schema dtype, scaled by its staleness weight).
+
+    Memory: n x P x itemsize for the held updates, plus a temporary of
+    ``chunk_elems`` elements (x2 for the partition) while reducing. For 100
+    clients of a 1M-parameter float32 model: 400 MB held, 32 MB temporary.
+    """
+
+    holds_updates = True
+
+    def __init__(self, *, chunk_elems: int = 1 << 22, server_optimizer=None,
+                 staleness_fn: Callable[[int], float] | None = None) -> None:
+        super().__init__(server_optimizer=server_optimizer, staleness_fn=staleness_fn)
+        if chunk_elems < 1:
+            raise ConfigError(f"chunk_elems must be >= 1, got {chunk_elems}")
+        self.chunk_elems = int(chunk_elems)
+        self._held: list[np.ndarray] = []
+        self._samples: list[int] = []
+
+    def _start(self, schema: Schema) -> None:
+        self._held = []
+        self._samples = []
+
+    def _release(self) -> None:
+        self._held = []
+        self._samples = []
+
+    def _fold(self, update: Weights, num_samples: int, staleness_weight: float, client_id: str) -> None:
+        assert self._schema is not None
+        self._held.append(self._schema.flatten(update, scale=staleness_weight))
+        self._samples.append(num_samples)
+
+    def _coordinatewise(self, fn: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """Apply ``fn`` ((n, c) -> (c,)) over coordinate chunks of the held updates."""
+        assert self._schema is not None
+        n = len(self._held)
+        out = np.empty(self._schema.size, dtype=np.float64)
+        step = max(1, self.chunk_elems // n)
+        block = np.empty((n, min(step, self._schema.size)), dtype=self._held[0].dtype)
+        for a, b in iter_chunks(self._schema.size, step):
+            x = block[:, : b - a]
+            for i, v in enumerate(self._held):
+                x[i] = v[a:b]
+            out[a:b] = fn(x)
+        return out
+
+    def _as_tensors(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        assert self._schema is not None
+        return self._schema.unflatten(flat)
+
+
+class Median(_Holding):
+    """Coordinate-wise median (Yin et al., ICML 2018). Unweighted: a sample
+    count is a client's claim, and weighting by it would let one Byzantine
+    client move the median. Tolerates < 50% Byzantine clients per coordinate."""
+
+    name = "median"
+
+    def _reduce(self) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        return self._as_tensors(self._coordinatewise(coordinate_median)), {}
+
+
+class TrimmedMean(_Holding):
+    """Coordinate-wise trimmed mean: drop the ``int(proportion * n)`` largest and
+    smallest values of each coordinate, average the rest (Yin et al. 2018).
+    Unweighted; tolerates up to ``proportion`` Byzantine clients."""
+
+    name = "trimmed-mean"
+
+    def __init__(self, proportion: float = 0.2, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if not 0.0 <= float(proportion) < 0.5:
+            raise ConfigError(f"trimmed-mean proportion must be in [0, 0.5), got {proportion}")
+        self.proportion = float(proportion)
+
+    def _reduce(self) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        cut = int(self.proportion * len(self._held))
+        flat = self._coordinatewise(lambda x: trimmed_mean(x, self.proportion))
+        return self._as_tensors(flat), {"trimmed_per_side": float(cut)}
+
+
+class MultiKrum(_Holding):
+    """Multi-Krum (Blanchard et al. 2017): score each update by the summed squared
+    distance to its n - f - 2 nearest neighbours, keep the ``num_selected``
+    lowest, and average them (unweighted unless ``weighted``).
+
+    ``num_selected`` defaults to n - f. Needs n >= 2f + 3 clients (the bound
+    under which Krum's guarantee holds); fewer raise AggregationError at
+    finish rather than silently giving up robustness.
+    """
+
+    name = "multi-krum"
+
+    def __init__(self, num_byzantine: int = 0, num_selected: int | None = None, weighted: bool = False,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if isinstance(num_byzantine, bool) or not isinstance(num_byzantine, int) or num_byzantine < 0:
+            raise ConfigError(f"num_byzantine must be an int >= 0, got {num_byzantine!r}")
+        if num_selected is not None and (not isinstance(num_selected, int) or num_selected < 1):
+            raise ConfigError(f"num_selected must be an int >= 1 or None, got {num_selected!r}")
+        self.num_byzantine = num_byzantine
+        self.num_selected = num_selected
+        self.weighted = bool(weighted)
+
+    def _m(self, n: int) -> int:
+        return self.num_selected if self.num_selected is not None else n - self.num_byzantine
+
+    def _reduce(self) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        n, f = len(self._held), self.num_byzantine
+        if n < 2 * f + 3:
+            raise AggregationError(
+                f"round {self._round_id}: {type(self).__name__} with f={f} Byzantine needs at least "
+                f"{2 * f + 3} updates, got {n}"
+            )
+        m = self._m(n)
+        if m > n:
+            raise AggregationError(f"round {self._round_id}: cannot select {m} of {n} updates")
+        dist = pairwise_sq_distances(self._held, chunk=max(1, self.chunk_elems // n))
+        chosen = krum_select(dist, f, m)
+        w = np.array([self._samples[i] if self.weighted else 1.0 for i in chosen], dtype=np.float64)
+        out = np.zeros(self._held[0].shape, dtype=np.float64)
+        for i, wi in zip(chosen, w):
+            out += self._held[i] * (wi / w.sum())
+        self.selected_clients = tuple(self._client_ids[i] for i in chosen)
+        return self._as_tensors(out), {"num_selected": float(m), "selected_index_0": float(chosen[0])}
+
+
+class Krum(MultiKrum):
+    """Krum: the single update with the lowest score (Multi-Krum with m = 1)."""
+
+    name = "krum"
+
+    def __init__(self, num_byzantine: int = 0, **kwargs: Any) -> None:
+        kwargs.pop("num_selected", None)
+        super().__init__(num_byzantine=num_byzantine, num_selected=1, **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Registry
+# ---------------------------------------------------------------------------
+
+_REGISTRY: dict[str, type[Aggregator]] = {}
+
+
+def register_aggregator(name: str, cls: type[Aggregator]) -> None:
+    """Make ``cls`` available to :func:`make_aggregator` as ``name``."""
+    if not (isinstance(cls, type) and issubclass(cls, Aggregator)):
+        raise ConfigError(f"{cls!r} is not an Aggregator subclass")
+    _REGISTRY[name] = cls
+
+
+for _cls in (FedAvg, FedProx, FedAvgM, FedAdam, FedYogi, FedAdagrad, Median, TrimmedMean, Krum, MultiKrum):
+    register_aggregator(_cls.name, _cls)
+
+
+def available_aggregators() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def make_aggregator(name: str, **params: Any) -> Aggregator:
+    """Build a registered aggregator by name, e.g. ``make_aggregator("krum", num_byzantine=2)``.
+
+    Unknown names and parameters raise :class:`ConfigError` listing what exists,
+    so a typo in a gateway config fails at start, not at the first round.
+    """
+    key = name.strip().lower().replace("_", "-")
+    cls = _REGISTRY.get(key)
+    if cls is None:
+        raise ConfigError(f"unknown aggregator {name!r}; available: {', '.join(available_aggregators())}")
+    accepted = _accepted_params(cls)
+    unknown = sorted(set(params) - accepted)
+    if unknown:
+        raise ConfigError(f"aggregator {key!r} has no parameter {unknown[0]!r}; accepted: {', '.join(sorted(accepted))}")
+    try:
+        return cls(**params)
+    except TypeError as exc:
+        raise ConfigError(f"aggregator {key!r}: {exc}") from exc
+
+
+def _accepted_params(cls: type) -> set[str]:
+    out: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        sig = inspect.signature(init)
+        out.update(p.name for p in sig.parameters.values()
+                   if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+        if not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+            break
+    # FedAvgM & co. pass server_optimizer themselves
+    if "server_optimizer" in out and cls.__init__ is not FedAvg.__init__ and issubclass(cls, FedAvg) \
+            and cls not in (FedAvg, FedProx):
+        out.discard("server_optimizer")
+    if issubclass(cls, Krum):
+        out.discard("num_selected")
+    return out
