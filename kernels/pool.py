@@ -108,14 +108,39 @@ def _(x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None, p
         dilations=dilations, pads=pads, strides=strides,
     )
     xp = spatial.pad_spatial(x, g, _lowest(x.dtype))
-    out, arg = _max_and_arg([xp[s] for s in g.offset_slices])
+    views = [xp[s] for s in g.offset_slices]
     if n_outputs == 1:
-        return out, arg
+        return _max_then_first_arg(views)
+    out, arg = _max_and_arg(views)  # the exact forward path when Indices are asked for
     return (out, _max_indices(x.shape, g, arg, storage_order)), arg
 
 
+def _max_then_first_arg(views: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Maxima by ``np.maximum`` (as the plain forward), then the first offset equal to them.
+
+    arg = the number of leading offsets that do not hold the maximum; every
+    step is a contiguous element-wise op, ~5x faster than masked copies into
+    strided views.
+    """
+    if len(views) == 1:
+        return views[0].copy(), np.zeros(views[0].shape, np.uint8)
+    out = np.maximum(views[0], views[1])
+    for v in views[2:]:
+        np.maximum(out, v, out=out)
+    not_yet = views[0] != out
+    arg = not_yet.astype(np.uint8 if len(views) < 256 else np.int64)
+    for v in views[1:-1]:
+        not_yet &= v != out
+        arg += not_yet
+    return out, arg
+
+
 def _scatter_windows(slabs, x_shape, g: spatial.WindowGeometry, dtype) -> np.ndarray:
-    """Add per-offset (N, C, *out) slabs into a zero padded input; crop the padding."""
+    """Add per-offset (N, C, *out) slabs into a zero padded input; crop the padding.
+
+    ``slabs`` yields one callable per offset: ``slab(out)`` writes the slab
+    into ``out`` (a strided view) when given one, else returns it.
+    """
     padded = tuple(x_shape[:2]) + tuple(
         s + b + e for s, b, e in zip(x_shape[2:], g.pads_begin, g.pads_end)
     )
@@ -123,9 +148,9 @@ def _scatter_windows(slabs, x_shape, g: spatial.WindowGeometry, dtype) -> np.nda
     disjoint = all(s >= (k - 1) * d + 1 for s, k, d in zip(g.strides, g.kernel, g.dilations))
     for sl, slab in zip(g.offset_slices, slabs):
         if disjoint:
-            dxp[sl] = slab  # windows do not overlap: each cell written at most once
+            slab(dxp[sl])  # windows do not overlap: each cell written at most once
         else:
-            dxp[sl] += slab
+            dxp[sl] += slab(None)
     if not g.padded:
         return dxp
     inner = tuple(slice(b, b + s) for b, s in zip(g.pads_begin, x_shape[2:]))
@@ -145,9 +170,11 @@ def _(grads, inputs, outputs, *, auto_pad="NOTSET", ceil_mode=0, dilations=None,
     arg = saved
     if arg is None:
         xp = spatial.pad_spatial(x, g, _lowest(x.dtype))
-        arg = _max_and_arg([xp[s] for s in g.offset_slices])[1]
-    zero = dy.dtype.type(0)
-    slabs = (np.where(arg == i, dy, zero) for i in range(len(g.offset_slices)))
+        arg = _max_then_first_arg([xp[s] for s in g.offset_slices])[1]
+    def slab(i):
+        return lambda out: np.multiply(dy, arg == i, out=out, dtype=dy.dtype)
+
+    slabs = (slab(i) for i in range(len(g.offset_slices)))
     return (_scatter_windows(slabs, x.shape, g, dy.dtype),)
 
 
@@ -215,8 +242,13 @@ def _(grads, inputs, outputs, *, auto_pad="NOTSET", ceil_mode=0, count_include_p
     count = average_counts(x.shape, g, count_include_pad, auto_pad)
     share = dy / (int(np.prod(g.kernel)) if count is None else count.astype(dy.dtype))
     share = share.astype(dy.dtype, copy=False)
-    # Every offset receives the same share: the generator repeats one array.
-    slabs = (share for _ in g.offset_slices)
+    # Every offset receives the same share.
+    def write(out):
+        if out is None:
+            return share
+        out[...] = share
+
+    slabs = (write for _ in g.offset_slices)
     return (_scatter_windows(slabs, x.shape, g, dy.dtype),)
 
 

@@ -1,0 +1,272 @@
+"""Training data: arrays, ``.npz`` files and generators, batched and shuffled.
+
+Separate from the trainer on purpose: a device's data pipeline (reading
+sensor logs, a camera roll, a federated partition) is written and tested on
+its own, and the trainer only ever sees ``(x_batch, y_batch)`` pairs.
+
+- :class:`Dataset` — validated in-memory arrays (``from_arrays``, ``load_npz``).
+- :class:`DataLoader` — batches of a dataset, reshuffled every epoch from a
+  seeded generator (so a run is reproducible), or of a *generator source*:
+  a callable returning an iterator of ``(x, y)`` chunks (any chunk length),
+  re-sliced into fixed-size batches; a bare iterator is good for one epoch.
+- :func:`check_labels` / :func:`check_inputs` — the error messages say which
+  sample is wrong and what was expected.
+
+``.npz`` files are read with ``allow_pickle=False``: data from a device
+never executes code on load.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence, Union
+
+import numpy as np
+
+from .errors import InputError, ShapeError
+
+#: Key pairs tried, in order, when a .npz file does not name its arrays.
+NPZ_KEYS: tuple[tuple[str, str], ...] = (
+    ("x", "y"), ("x_train", "y_train"), ("inputs", "labels"), ("data", "labels"), ("images", "labels"),
+    ("features", "targets"), ("X", "y"),
+)
+
+Chunk = tuple[np.ndarray, np.ndarray]
+ChunkSource = Union[Callable[[], Iterable[Chunk]], Iterator[Chunk]]
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Inputs ``x`` (N, ...) and targets ``y`` (N,) class indices or (N, ...) values."""
+
+    x: np.ndarray
+    y: np.ndarray
+
+    def __post_init__(self) -> None:
+        if self.x.ndim < 1 or self.y.ndim < 1:
+            raise ShapeError(f"x and y need a leading sample dimension; got shapes {self.x.shape} and {self.y.shape}")
+        if len(self.x) != len(self.y):
+            raise ShapeError(f"x has {len(self.x)} samples but y has {len(self.y)}; they must match")
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        return tuple(self.x.shape[1:])
+
+    def subset(self, index: np.ndarray | Sequence[int]) -> "Dataset":
+        idx = np.asarray(index, dtype=np.int64)
+        return Dataset(self.x[idx], self.y[idx])
+
+    def split(self, fraction: float, *, seed: int = 0) -> tuple["Dataset", "Dataset"]:
+        """(rest, held-out ``fraction``) after a seeded shuffle."""
+        if not 0.0 < fraction < 1.0:
+            raise InputError(f"split fraction must be in (0, 1), got {fraction}")
+        perm = np.random.default_rng(seed).permutation(len(self))
+        k = max(1, int(round(len(self) * fraction)))
+        return self.subset(perm[k:]), self.subset(perm[:k])
+
+
+def from_arrays(x: np.ndarray, y: np.ndarray, *, dtype: str | np.dtype = "float32") -> Dataset:
+    """Validate and convert: float inputs of ``dtype``, int64 class labels (or float targets)."""
+    x = np.asarray(x)
+    y = np.asarray(y)
+    if not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
+        raise InputError(f"x must be numeric, got dtype {x.dtype}")
+    x = np.ascontiguousarray(x, dtype=dtype)
+    if x.size and not np.isfinite(x).all():
+        bad = int(np.argwhere(~np.isfinite(x.reshape(len(x), -1)))[0][0])
+        raise InputError(f"x contains NaN or infinity (first at sample {bad}); clean or drop those samples")
+    if np.issubdtype(y.dtype, np.integer) or y.dtype == np.bool_:
+        y = y.astype(np.int64)
+    elif np.issubdtype(y.dtype, np.floating):
+        y = np.ascontiguousarray(y, dtype=dtype)
+        if y.size and not np.isfinite(y).all():
+            raise InputError("y contains NaN or infinity; clean or drop those samples")
+    else:
+        raise InputError(f"y must be integer class labels or float targets, got dtype {y.dtype}")
+    return Dataset(x, y)
+
+
+def load_npz(path: str | os.PathLike, *, x_key: str | None = None, y_key: str | None = None,
+             dtype: str | np.dtype = "float32") -> Dataset:
+    """A dataset from a ``.npz`` file (never unpickles).
+
+    Without keys, the first pair of :data:`NPZ_KEYS` present is used.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"data file not found: {p}")
+    try:
+        archive = np.load(p, allow_pickle=False)
+    except ValueError as exc:
+        raise InputError(f"{p}: not a .npz file of plain arrays ({exc})") from exc
+    except OSError as exc:
+        raise InputError(f"{p}: cannot read ({exc})") from exc
+    if isinstance(archive, np.ndarray):
+        raise InputError(f"{p}: a single .npy array has no labels; save x and y with np.savez(path, x=..., y=...)")
+    with archive:
+        names = list(archive.files)
+        if x_key is None or y_key is None:
+            pair = next(((a, b) for a, b in NPZ_KEYS if a in names and b in names), None)
+            if pair is None:
+                raise InputError(
+                    f"{p}: cannot tell inputs from labels among arrays {names}; name them x and y "
+                    "(np.savez(path, x=..., y=...)) or pass x_key/y_key (--x-key/--y-key)"
+                )
+            x_key = x_key or pair[0]
+            y_key = y_key or pair[1]
+        for k in (x_key, y_key):
+            if k not in names:
+                raise InputError(f"{p}: no array named {k!r}; it has {names}")
+        try:
+            return from_arrays(archive[x_key], archive[y_key], dtype=dtype)
+        except ValueError as exc:
+            if isinstance(exc, InputError):
+                raise
+            raise InputError(f"{p}: {exc}") from exc
+
+
+def save_npz(path: str | os.PathLike, data: Dataset) -> None:
+    np.savez(path, x=data.x, y=data.y)
+
+
+def check_labels(y: np.ndarray, n_classes: int) -> None:
+    """Class labels must be integers in [0, n_classes)."""
+    if not np.issubdtype(y.dtype, np.integer):
+        raise InputError(f"class labels must be integers, got dtype {y.dtype}")
+    if y.ndim != 1:
+        raise ShapeError(f"class labels must have shape (N,), got {y.shape}")
+    if y.size == 0:
+        return
+    bad = np.flatnonzero((y < 0) | (y >= n_classes))
+    if bad.size:
+        i = int(bad[0])
+        raise InputError(
+            f"label {int(y[i])} at sample {i} is out of range [0, {n_classes - 1}] for a {n_classes}-class "
+            f"model ({bad.size} bad label(s) in all); relabel or drop them"
+        )
+
+
+def check_inputs(x: np.ndarray, expected: Sequence[int | str | None], name: str = "input") -> None:
+    """``x`` must match the model input's rank and every static dimension."""
+    exp = tuple(expected)
+    shown = "(" + ", ".join(str(d) if isinstance(d, int) and d > 0 else "N" if i == 0 else "?"
+                            for i, d in enumerate(exp)) + ")"
+    if x.ndim != len(exp):
+        raise ShapeError(f"{name!r} expects shape {shown} (rank {len(exp)}); got {x.shape} (rank {x.ndim})")
+    for i, (got, want) in enumerate(zip(x.shape, exp)):
+        if isinstance(want, int) and want > 0 and got != want:
+            raise ShapeError(f"{name!r} expects shape {shown}; got {x.shape} (dimension {i} is {got}, not {want})")
+
+
+class DataLoader:
+    """Batches of a :class:`Dataset` or of a generator source.
+
+    Each pass (``iter(loader)``) is one epoch. Arrays are reshuffled every
+    epoch from ``np.random.default_rng(seed)`` — epoch k of two loaders with
+    the same seed yields the same batches.
+    """
+
+    def __init__(
+        self,
+        source: "Dataset | tuple[np.ndarray, np.ndarray] | ChunkSource",
+        batch_size: int = 32,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        sample_shape: Sequence[int] | None = None,
+    ) -> None:
+        if int(batch_size) < 1:
+            raise InputError(f"batch_size must be >= 1, got {batch_size}")
+        self.batch_size = int(batch_size)
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.sample_shape = None if sample_shape is None else tuple(sample_shape)
+        self._rng = np.random.default_rng(seed)
+        self._used_iterator = False
+        if isinstance(source, tuple) and len(source) == 2 and all(isinstance(a, np.ndarray) for a in source):
+            source = from_arrays(*source)
+        self.dataset: Dataset | None = source if isinstance(source, Dataset) else None
+        self._source = None if self.dataset is not None else source
+        if self.dataset is None and not (callable(source) or isinstance(source, Iterator)):
+            raise InputError(
+                f"cannot load data from {type(source).__name__}: give a Dataset, (x, y) arrays, "
+                "a callable returning (x, y) chunks, or an iterator of them"
+            )
+
+    @property
+    def num_samples(self) -> int | None:
+        """Samples per epoch, when known (arrays); None for generators."""
+        return None if self.dataset is None else len(self.dataset)
+
+    def __len__(self) -> int:
+        n = self.num_samples
+        if n is None:
+            raise TypeError("a generator-backed DataLoader has no length")
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self) -> Iterator[Chunk]:
+        if self.dataset is not None:
+            return self._array_batches(self.dataset)
+        return self._stream_batches()
+
+    def _array_batches(self, d: Dataset) -> Iterator[Chunk]:
+        n, b = len(d), self.batch_size
+        order = self._rng.permutation(n) if self.shuffle else None
+        stop = n - n % b if self.drop_last else n
+        for start in range(0, stop, b):
+            if order is None:
+                yield d.x[start:start + b], d.y[start:start + b]
+            else:
+                idx = order[start:start + b]
+                yield d.x[idx], d.y[idx]
+
+    def _chunks(self) -> Iterator[Chunk]:
+        src = self._source
+        if isinstance(src, Iterator):
+            if self._used_iterator:
+                raise InputError(
+                    "this data iterator is exhausted after one epoch; pass a callable that returns a fresh "
+                    "iterator (e.g. lambda: my_generator()) to train several epochs"
+                )
+            self._used_iterator = True
+            return src
+        return iter(src())  # type: ignore[operator]
+
+    def _stream_batches(self) -> Iterator[Chunk]:
+        bx: list[np.ndarray] = []
+        by: list[np.ndarray] = []
+        have = 0
+        for k, item in enumerate(self._chunks()):
+            try:
+                x, y = item
+            except (TypeError, ValueError):
+                raise InputError(f"data chunk {k} is not an (x, y) pair") from None
+            x, y = np.asarray(x), np.asarray(y)
+            if self.sample_shape is not None and x.shape == self.sample_shape:
+                x, y = x[None], y.reshape((1,) + y.shape)  # a single sample
+            d = from_arrays(x, y, dtype=x.dtype if np.issubdtype(x.dtype, np.floating) else "float32")
+            bx.append(d.x)
+            by.append(d.y)
+            have += len(d)
+            while have >= self.batch_size:
+                xs, ys = np.concatenate(bx), np.concatenate(by)
+                yield xs[: self.batch_size], ys[: self.batch_size]
+                bx, by = [xs[self.batch_size:]], [ys[self.batch_size:]]
+                have -= self.batch_size
+        if have and not self.drop_last:
+            yield np.concatenate(bx), np.concatenate(by)
+
+
+def as_loader(data, batch_size: int, *, shuffle: bool = True, seed: int = 0) -> DataLoader:
+    """Anything :class:`DataLoader` accepts, or a ``.npz`` path, or a loader (returned as is)."""
+    if isinstance(data, DataLoader):
+        return data
+    if isinstance(data, (str, os.PathLike)):
+        data = load_npz(data)
+    return DataLoader(data, batch_size, shuffle=shuffle, seed=seed)

@@ -1,0 +1,349 @@
+"""Reverse-mode autograd over a compiled ONNX graph.
+
+A :class:`Tape` is built once per (graph, trainable set, target output). It
+decides, before any data flows:
+
+- which values *require grad* (they depend on a trainable initializer) and
+  which of those *reach the target* — only the nodes on that path run a
+  backward, so a frozen body costs a forward pass and nothing else;
+- that every node on the path has a backward (else one error naming them all);
+- which forward values each backward reads (``Kernel.backward_uses``), so
+  everything else is freed during the forward, and when each kept value's
+  last backward reader has run, so it is freed during the backward;
+- how training mode changes a node: BatchNormalization switches to batch
+  statistics and returns running stats (written back as buffer updates),
+  Dropout draws a fresh seeded mask per step and returns the mask.
+
+:meth:`Tape.forward` then runs the schedule and returns a :class:`Forward`
+record; :meth:`Tape.backward` walks it in reverse from the target's gradient
+and returns the gradient of every trainable initializer.
+
+Hooks (``Tape.add_hook``) let quantization-aware training replace a node's
+input by a fake-quantized value and mask its gradient (straight-through
+estimator) without the tape knowing about quantization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import TrainingError
+from ..graph import CompiledGraph, Node
+from ..kernels import Kernel, get_kernel
+
+#: Input positions that never get a gradient (statistics, ratios, shapes...).
+NON_DIFFERENTIABLE_INPUTS: dict[str, frozenset[int]] = {
+    "BatchNormalization": frozenset({3, 4}),
+    "Dropout": frozenset({1, 2}),
+    "Reshape": frozenset({1}),
+    "Squeeze": frozenset({1}),
+    "Unsqueeze": frozenset({1}),
+    "Clip": frozenset({1, 2}),
+}
+#: Ops whose outputs past the first carry no gradient (stats, masks, indices).
+FIRST_OUTPUT_ONLY = frozenset({"BatchNormalization", "Dropout", "MaxPool"})
+
+#: A hook: (value, training) -> (value to use, gradient mask or None).
+Hook = Callable[[np.ndarray, bool], "tuple[np.ndarray, np.ndarray | None]"]
+
+_TRUE = np.array(True)
+
+
+@dataclass
+class Step:
+    """One node as the trainer runs it (training-mode variant included)."""
+
+    node: Node
+    kernel: Kernel  # kernel used in training (Dropout: the opset-12 form)
+    inputs: list[str]  # training-mode inputs (Dropout gets ratio + training_mode)
+    outputs: list[str]  # training-mode outputs (internal names for stats, masks)
+    train_attrs: dict[str, Any]
+    bwd_attrs: dict[str, Any]
+    needs: tuple[bool, ...] = ()
+    differentiable: bool = False
+    save: bool = False  # call kernel.forward_train and keep what it saves
+    keep_inputs: bool = False
+    keep_outputs: bool = False
+    reseed: bool = False  # Dropout: a fresh seed per training step
+    free_train: list[str] = field(default_factory=list)
+    free_eval: list[str] = field(default_factory=list)
+    free_backward: list[str] = field(default_factory=list)
+    state_updates: list[tuple[str, str]] = field(default_factory=list)  # (output, buffer)
+
+
+@dataclass
+class Forward:
+    """What one training forward leaves for the backward."""
+
+    env: dict[str, np.ndarray]
+    saved: dict[int, Any]
+    args: dict[int, list]  # actual (hooked) inputs of steps that have hooks
+    masks: dict[tuple[int, int], np.ndarray]
+    output: np.ndarray
+    state: dict[str, np.ndarray]  # buffer name -> new value (BatchNorm running stats)
+
+
+def _is_float(types: dict[str, str], name: str) -> bool:
+    t = types.get(name)
+    return t is None or t.startswith("float")
+
+
+class Tape:
+    """Forward/backward schedule for one graph, trainable set and target."""
+
+    def __init__(
+        self,
+        graph: CompiledGraph,
+        trainable: set[str] | frozenset[str],
+        target: str,
+        *,
+        save_workspace: bool = True,
+        constants: dict[str, np.ndarray] | None = None,
+    ) -> None:
+        if target not in {n for s in graph.nodes for n in s.outputs} | set(graph.input_names):
+            raise TrainingError(f"output {target!r} is not produced by the graph; outputs: {graph.output_names}")
+        self.graph = graph
+        self.target = target
+        self.trainable = frozenset(trainable)
+        self.save_workspace = save_workspace
+        self.constants: dict[str, np.ndarray] = dict(constants if constants is not None else graph.initializers)
+        self.hooks: dict[int, list[tuple[int, Hook]]] = {}
+        self.steps = [self._step(n) for n in graph.nodes]
+        self._analyse()
+
+    # ------------------------------------------------------------ building
+
+    def _step(self, node: Node) -> Step:
+        attrs = dict(node.attrs)
+        inputs, outputs, kernel = list(node.inputs), list(node.outputs), node.kernel
+        step_updates: list[tuple[str, str]] = []
+        reseed = False
+        if node.op_type == "BatchNormalization" and not node.domain:
+            attrs["training_mode"] = 1
+            attrs["n_outputs"] = 3
+            outputs = (outputs + ["", ""])[:3]
+            for k, pos in ((1, 3), (2, 4)):
+                if not outputs[k]:
+                    outputs[k] = f"__train.{node.name}.running{k}"
+                if len(inputs) > pos and inputs[pos] in self.graph.initializers:
+                    step_updates.append((outputs[k], inputs[pos]))
+        elif node.op_type == "Dropout" and not node.domain:
+            kernel = get_kernel("Dropout", "", 13, None)
+            ratio = inputs[1] if len(inputs) > 1 else ""
+            if "ratio" in attrs:  # opset < 12: ratio was an attribute
+                ratio = f"__train.{node.name}.ratio"
+                self.constants[ratio] = np.array(attrs.pop("ratio"), np.float32)
+            inputs = [inputs[0], ratio, "__train.true"]
+            outputs = [outputs[0], outputs[1] if len(outputs) > 1 and outputs[1] else f"__train.{node.name}.mask"]
+            attrs = {"seed": attrs.get("seed"), "n_outputs": 2}
+            reseed = True
+        bwd = {k: v for k, v in attrs.items() if k != "n_outputs"}
+        return Step(node, kernel, inputs, outputs, attrs, bwd, reseed=reseed, state_updates=step_updates)
+
+    def _analyse(self) -> None:
+        types = self.graph.types
+        req: set[str] = set(self.trainable)
+        diff_inputs: list[list[int]] = []
+        for st in self.steps:
+            nd = NON_DIFFERENTIABLE_INPUTS.get(st.node.op_type, frozenset()) if not st.node.domain else frozenset()
+            idx = [i for i, x in enumerate(st.inputs) if x and x in req and i not in nd]
+            diff_inputs.append(idx)
+            if idx:
+                outs = st.outputs[:1] if st.node.op_type in FIRST_OUTPUT_ONLY else st.outputs
+                req.update(o for o in outs if o and _is_float(types, o))
+        useful: set[str] = {self.target}
+        for st, idx in zip(reversed(self.steps), reversed(diff_inputs)):
+            if idx and any(o in useful for o in st.outputs if o):
+                useful.update(st.inputs[i] for i in idx)
+        missing: list[str] = []
+        for st, idx in zip(self.steps, diff_inputs):
+            needs = tuple(i in idx and st.inputs[i] in useful for i in range(len(st.inputs)))
+            st.needs = needs
+            st.differentiable = any(needs) and any(o in useful for o in st.outputs if o)
+            if not st.differentiable:
+                continue
+            if not st.kernel.trainable:
+                missing.append(f"{st.node.op_type} (node {st.node.name!r})")
+                continue
+            uses = st.kernel.backward_uses
+            st.keep_inputs = uses in ("all", "inputs")
+            st.keep_outputs = uses in ("all", "outputs")
+            st.save = self.save_workspace and st.kernel.forward_train is not None
+        if missing:
+            raise TrainingError(
+                f"{len(missing)} op(s) on the gradient path have no backward kernel: {', '.join(missing)}. "
+                "Freeze the layers before them (freeze=[prefix, ...] so that no trainable weight feeds them) "
+                "or re-export the model without these ops"
+            )
+        self.reaches_target = frozenset(p for p in self.trainable if p in useful)
+        self._lifetimes()
+
+    def _lifetimes(self) -> None:
+        persistent = set(self.constants) | set(self.trainable) | {self.target}
+        kept: set[str] = set()
+        for st in self.steps:
+            if st.differentiable:
+                if st.keep_inputs:
+                    kept.update(x for x in st.inputs if x)
+                if st.keep_outputs:
+                    kept.update(o for o in st.outputs if o)
+        state_outputs = {o for st in self.steps for o, _ in st.state_updates}
+        last_read: dict[str, int] = {}
+        for i, st in enumerate(self.steps):
+            for x in st.inputs:
+                if x:
+                    last_read[x] = i
+            for o in st.outputs:
+                if o and o not in last_read:
+                    last_read[o] = i
+        for name, i in last_read.items():
+            if name in persistent or name in state_outputs:
+                continue
+            self.steps[i].free_eval.append(name)
+            if name not in kept:
+                self.steps[i].free_train.append(name)
+        # During the backward a kept value dies after its earliest-scheduled reader ran.
+        first_bwd: dict[str, int] = {}
+        for i, st in enumerate(self.steps):
+            if not st.differentiable:
+                continue
+            names = (st.inputs if st.keep_inputs else []) + (st.outputs if st.keep_outputs else [])
+            for x in names:
+                if x and x not in first_bwd:
+                    first_bwd[x] = i
+        for name, i in first_bwd.items():
+            if name not in persistent:
+                self.steps[i].free_backward.append(name)
+        self.kept_values = frozenset(kept - persistent)
+
+    def set_save_workspace(self, flag: bool) -> None:
+        """Keep training-forward savings (im2col columns...) or recompute them in the backward."""
+        self.save_workspace = bool(flag)
+        for st in self.steps:
+            st.save = self.save_workspace and st.differentiable and st.kernel.forward_train is not None
+
+    # ------------------------------------------------------------ hooks
+
+    def add_hook(self, step_index: int, position: int, hook: Hook) -> None:
+        """Transform input ``position`` of step ``step_index`` on every forward."""
+        self.hooks.setdefault(step_index, []).append((position, hook))
+
+    # ------------------------------------------------------------ running
+
+    def _env(self, params: dict[str, np.ndarray], feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        env = dict(self.constants)
+        env.update(params)
+        env.update(feeds)
+        env["__train.true"] = _TRUE
+        return env
+
+    def forward(
+        self,
+        params: dict[str, np.ndarray],
+        feeds: dict[str, np.ndarray],
+        *,
+        seed: int = 0,
+    ) -> Forward:
+        """Training-mode forward keeping what the backward needs."""
+        env = self._env(params, feeds)
+        saved: dict[int, Any] = {}
+        args_kept: dict[int, list] = {}
+        masks: dict[tuple[int, int], np.ndarray] = {}
+        for i, st in enumerate(self.steps):
+            args = [env[x] if x else None for x in st.inputs]
+            hooks = self.hooks.get(i)
+            if hooks:
+                for pos, hook in hooks:
+                    args[pos], mask = hook(args[pos], True)
+                    if mask is not None and st.differentiable:
+                        masks[(i, pos)] = mask
+                if st.differentiable:
+                    args_kept[i] = args
+            attrs = st.train_attrs
+            if st.reseed:
+                attrs = dict(attrs, seed=(seed * 1_000_003 + i) % (2**31 - 1))
+            if st.save:
+                result, saved[i] = st.kernel.forward_train(*args, **attrs)
+            else:
+                result = st.kernel.forward(*args, **attrs)
+            _store(env, st.outputs, result)
+            for name in st.free_train:
+                env.pop(name, None)
+        state = {buf: env[o] for st in self.steps for o, buf in st.state_updates if o in env}
+        return Forward(env, saved, args_kept, masks, env[self.target], state)
+
+    def infer(self, params: dict[str, np.ndarray], feeds: dict[str, np.ndarray]) -> np.ndarray:
+        """Inference-mode forward (running stats, no dropout) of the target."""
+        env = self._env(params, feeds)
+        for i, st in enumerate(self.steps):
+            node = st.node
+            args = [env[x] if x else None for x in node.inputs]
+            hooks = self.hooks.get(i)
+            if hooks:
+                for pos, hook in hooks:
+                    args[pos], _ = hook(args[pos], False)
+            attrs = node.attrs
+            if node.op_type == "BatchNormalization" and attrs.get("training_mode"):
+                attrs = dict(attrs, training_mode=0)
+            _store(env, node.outputs, node.kernel.forward(*args, **attrs))
+            for name in st.free_eval:
+                env.pop(name, None)
+        return env[self.target]
+
+    def backward(self, fwd: Forward, grad_target: np.ndarray) -> dict[str, np.ndarray]:
+        """Gradients of every trainable initializer (zeros where it does not reach the target)."""
+        env = fwd.env
+        grads: dict[str, np.ndarray] = {self.target: grad_target}
+        for i in range(len(self.steps) - 1, -1, -1):
+            st = self.steps[i]
+            if not st.differentiable:
+                continue
+            gy = [grads.pop(o, None) if o else None for o in st.outputs]
+            if any(g is not None for g in gy):
+                if i in fwd.args:
+                    ins = fwd.args.pop(i)
+                elif st.keep_inputs:
+                    ins = [env.get(x) if x else None for x in st.inputs]
+                else:
+                    ins = [None] * len(st.inputs)
+                outs = [env.get(o) if o else None for o in st.outputs] if st.keep_outputs else [None] * len(st.outputs)
+                kw = st.bwd_attrs
+                if st.kernel.backward_wants_needs or st.save:
+                    kw = dict(kw)
+                    if st.kernel.backward_wants_needs:
+                        kw["needs_grad"] = st.needs
+                    if st.save:
+                        kw["saved"] = fwd.saved.pop(i, None)
+                gx = st.kernel.backward_fn(gy, ins, outs, **kw)
+                for pos, (name, need, g) in enumerate(zip(st.inputs, st.needs, gx)):
+                    if not need or g is None:
+                        continue
+                    mask = fwd.masks.get((i, pos))
+                    if mask is not None:
+                        g = g * mask
+                    prev = grads.get(name)
+                    grads[name] = g if prev is None else prev + g
+            for name in st.free_backward:
+                env.pop(name, None)
+        out: dict[str, np.ndarray] = {}
+        for p in self.trainable:
+            g = grads.get(p)
+            ref = env[p] if p in env else self.constants[p]
+            if g is None:
+                g = np.zeros_like(ref)
+            elif g.dtype != ref.dtype:
+                g = g.astype(ref.dtype)
+            out[p] = g
+        return out
+
+
+def _store(env: dict[str, np.ndarray], names: list[str], result: Any) -> None:
+    if isinstance(result, tuple):
+        for name, value in zip(names, result):
+            if name:
+                env[name] = value
+    else:
+        env[names[0]] = result

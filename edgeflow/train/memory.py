@@ -1,0 +1,243 @@
+"""Planned peak memory of one training step, checked against a profile.
+
+Inference memory (``edgeflow.memory``) only holds values until their last
+reader. A training step also holds, until the backward pass reaches them,
+every value a backward reads (the tape's ``kept`` values), what training
+forwards save (Conv's im2col columns, MaxPool's argmax), the gradients in
+flight, one gradient per trainable weight, and the optimizer's state
+(momentum: 1 array per weight; Adam: 2).
+
+The plan replays the tape's exact schedule — the same free lists the
+forward and backward use — over value sizes from ONNX shape inference at
+the planned batch size, so what it reports is what the step allocates
+(plus numpy temporaries inside kernels, which the workspace terms estimate).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import onnx
+
+from ..errors import MemoryBudgetError
+from ..memory import concrete_shapes
+from .autograd import Tape
+
+
+@dataclass(frozen=True)
+class TrainingMemoryPlan:
+    """Bytes of one training step at ``batch_size``."""
+
+    batch_size: int
+    weights_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    kept_bytes: int  # activations + saved workspace alive at the end of the forward
+    peak_activation_bytes: int  # activations + their gradients + scratch at the worst moment
+    # (weight gradients are counted once, in gradient_bytes, for the whole step)
+    peak_phase: str
+    peak_node: str
+    unknown: tuple[str, ...] = field(default=())
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.weights_bytes + self.gradient_bytes + self.optimizer_bytes + self.peak_activation_bytes
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["unknown"] = list(self.unknown)
+        d["peak_bytes"] = self.peak_bytes
+        return d
+
+    def describe(self) -> str:
+        mib = 2**20
+        return (
+            f"{self.peak_bytes / mib:.1f} MiB at batch {self.batch_size} (weights {self.weights_bytes / mib:.1f}, "
+            f"gradients {self.gradient_bytes / mib:.1f}, optimizer state {self.optimizer_bytes / mib:.1f}, "
+            f"activations peak {self.peak_activation_bytes / mib:.1f} in the {self.peak_phase} at {self.peak_node})"
+        )
+
+
+def infer_values(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]
+                 ) -> dict[str, tuple[tuple[int, ...] | None, int]]:
+    """(shape or None, itemsize) of every value, with the inputs fixed to ``shapes``."""
+    m = copy.deepcopy(model)
+    del m.graph.value_info[:]
+    for vi in m.graph.input:
+        if vi.name in shapes:
+            dims = vi.type.tensor_type.shape.dim
+            del dims[:]
+            for d in shapes[vi.name]:
+                dims.add().dim_value = int(d)
+    for vi in m.graph.output:
+        vi.type.tensor_type.ClearField("shape")
+    m = onnx.shape_inference.infer_shapes(m, data_prop=True)
+    out: dict[str, tuple[tuple[int, ...] | None, int]] = {}
+    for vi in list(m.graph.input) + list(m.graph.value_info) + list(m.graph.output):
+        t = vi.type.tensor_type
+        try:
+            item = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)).itemsize
+        except (KeyError, TypeError, ValueError):
+            item = 4
+        if not t.HasField("shape") or any(not d.HasField("dim_value") for d in t.shape.dim):
+            out[vi.name] = (None, item)
+        else:
+            out[vi.name] = (tuple(int(d.dim_value) for d in t.shape.dim), item)
+    return out
+
+
+def _workspace(st, shape_of: dict[str, tuple[int, ...] | None], consts: dict[str, np.ndarray]) -> int:
+    fn = st.kernel.workspace_fn
+    if fn is None:
+        return 0
+    shapes = [None if not x else (consts[x].shape if x in consts else shape_of.get(x)) for x in st.inputs]
+    try:
+        return int(fn(shapes, st.bwd_attrs) or 0)
+    except Exception:  # an estimate must never break planning
+        return 0
+
+
+def plan_training_step(tape: Tape, batch_size: int, *, trainable_bytes: int, optimizer_slots: int,
+                       itemsize: int = 4) -> TrainingMemoryPlan:
+    """Replay ``tape``'s schedule at ``batch_size`` and return the peak."""
+    graph = tape.graph
+    shapes = concrete_shapes(graph.inputs, batch_size)
+    info = infer_values(graph.model, shapes)
+    shape_of: dict[str, tuple[int, ...] | None] = {k: v[0] for k, v in info.items()}
+    shape_of.update({k: tuple(a.shape) for k, a in graph.initializers.items()})
+    consts = tape.constants
+    unknown: list[str] = []
+
+    def nbytes(name: str) -> int:
+        if not name or name in consts or name in tape.trainable:
+            return 0
+        shp, item = info.get(name, (None, 4))
+        if shp is None:
+            if name.startswith("__train."):
+                return 0  # running stats (per channel) or a mask (counted with its Dropout)
+            unknown.append(name)
+            return 0
+        if item == 4:  # float32 values run in the compute dtype
+            item = itemsize
+        return int(np.prod(shp, dtype=np.int64)) * item
+
+    live: dict[str, int] = {n: nbytes(n) for n in shapes}
+    peak, phase, where = sum(live.values()), "forward", "(inputs)"
+    saved: dict[int, int] = {}
+    for i, st in enumerate(tape.steps):
+        for o in st.outputs:
+            if o:
+                live[o] = nbytes(o)
+                if o.endswith(".mask"):
+                    live[o] = nbytes(st.inputs[0]) // itemsize  # bool mask, one byte per element
+        ws = _workspace(st, shape_of, consts) * itemsize // 4
+        if st.save and st.differentiable:
+            if st.node.op_type == "Conv":
+                saved[i] = ws
+                ws = 0
+            elif st.node.op_type == "MaxPool":
+                saved[i] = nbytes(st.outputs[0]) // itemsize
+        total = sum(live.values()) + sum(saved.values()) + ws
+        if total > peak:
+            peak, phase, where = total, "forward", st.node.name
+        for name in st.free_train:
+            live.pop(name, None)
+    kept = sum(live.values()) + sum(saved.values())
+    grads: dict[str, int] = {tape.target: nbytes(tape.target)}
+    for i in range(len(tape.steps) - 1, -1, -1):
+        st = tape.steps[i]
+        if not st.differentiable:
+            continue
+        new = {x: nbytes(x) for x, need in zip(st.inputs, st.needs) if need and x not in tape.trainable}
+        # Kernel temporaries: about one array the size of the largest gradient made here
+        # (masks, products), plus Conv's column gradient and per-sample weight gradients.
+        scratch = max(new.values(), default=0)
+        if st.node.op_type == "Conv":
+            cols = saved.get(i) or _workspace(st, shape_of, consts) * itemsize // 4
+            scratch += cols if i in saved else 2 * cols  # dcols (+ recomputed cols)
+            w_shape = shape_of.get(st.inputs[1]) or ()
+            n = shapes[graph.inputs[0].name][0] if graph.inputs else batch_size
+            scratch += int(n) * int(np.prod(w_shape, dtype=np.int64)) * itemsize  # (N, M, CK) before the sum
+        total = sum(live.values()) + sum(saved.values()) + sum(grads.values()) + sum(new.values()) + scratch
+        if total > peak:
+            peak, phase, where = total, "backward", st.node.name
+        for o in st.outputs:
+            grads.pop(o, None)
+        for x, b in new.items():
+            grads[x] = grads.get(x, 0) or b
+        saved.pop(i, None)
+        for name in st.free_backward:
+            live.pop(name, None)
+    # The optimizer runs after the backward, when only gradients are live: its
+    # element-wise temporaries (1 array for SGD, ~3 for Adam) of the largest weight.
+    largest = max((int(a.size) for n, a in graph.initializers.items() if n in tape.trainable), default=0)
+    opt_peak = largest * itemsize * (1 if optimizer_slots < 2 else 3)  # + the gradients (gradient_bytes)
+    if opt_peak > peak:
+        peak, phase, where = opt_peak, "optimizer", "(update)"
+    weights = sum(int(a.size) * itemsize for n, a in consts.items() if np.issubdtype(a.dtype, np.floating))
+    weights += sum(int(a.size) * a.itemsize for a in consts.values() if not np.issubdtype(a.dtype, np.floating))
+    weights += trainable_bytes
+    return TrainingMemoryPlan(
+        batch_size=batch_size,
+        weights_bytes=int(weights),
+        gradient_bytes=int(trainable_bytes),
+        optimizer_bytes=int(trainable_bytes * optimizer_slots),
+        kept_bytes=int(kept),
+        peak_activation_bytes=int(peak),
+        peak_phase=phase,
+        peak_node=where,
+        unknown=tuple(dict.fromkeys(unknown)),
+    )
+
+
+@dataclass(frozen=True)
+class BudgetDecision:
+    """How a step fits the budget: the micro-batch size and whether im2col columns are kept."""
+
+    micro_batch: int
+    save_workspace: bool
+    plan: TrainingMemoryPlan
+
+
+def fit_budget(plan_at, batch_size: int, budget_bytes: int, *, allow_accumulation: bool,
+               profile_name: str = "") -> BudgetDecision:
+    """Pick how to run a ``batch_size`` step within ``budget_bytes``.
+
+    ``plan_at(micro_batch, save_workspace)`` returns a plan. Tried in order:
+    the whole batch with saved im2col columns; the whole batch recomputing
+    them in the backward (slower, smaller); then, when gradient accumulation
+    is allowed, the largest micro-batch that fits. Otherwise a
+    :class:`MemoryBudgetError` that says what would fit.
+    """
+    for save in (True, False):
+        p = plan_at(batch_size, save)
+        if p.peak_bytes <= budget_bytes:
+            return BudgetDecision(batch_size, save, p)
+    full = plan_at(batch_size, True)
+    # Activation memory grows linearly with the batch: find the largest fit by bisection.
+    lo, hi, best = 1, batch_size - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        p = plan_at(mid, False)
+        if p.peak_bytes <= budget_bytes:
+            best, lo = (mid, p), mid + 1
+        else:
+            hi = mid - 1
+    where = f"profile {profile_name!r}'s " if profile_name else "the "
+    if best is None:
+        raise MemoryBudgetError(
+            f"a training step needs {full.describe()}; even batch 1 exceeds {where}training budget of "
+            f"{budget_bytes / 2**20:.1f} MiB. Freeze more layers (fine-tune the head only), use SGD without "
+            "momentum instead of Adam, or train on a board with more memory",
+            planned_bytes=full.peak_bytes, budget_bytes=budget_bytes,
+        )
+    if not allow_accumulation:
+        raise MemoryBudgetError(
+            f"a training step needs {full.describe()}, over {where}training budget of "
+            f"{budget_bytes / 2**20:.1f} MiB. Use batch_size <= {best[0]}, or allow gradient accumulation "
+            f"(grad_accumulation=True / --grad-accumulation) to run micro-batches of {best[0]}",
+            planned_bytes=full.peak_bytes, budget_bytes=budget_bytes,
+        )
+    return BudgetDecision(best[0], False, best[1])

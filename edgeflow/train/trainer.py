@@ -1,0 +1,566 @@
+"""The on-device trainer: an ONNX model, a loss, an optimizer, and data.
+
+    trainer = Trainer(model, loss="cross_entropy", optimizer="sgd", lr=0.05, momentum=0.9,
+                      freeze=["conv"], batch_size=32, seed=0)
+    history = trainer.fit((x, y), epochs=5)
+    trainer.export("trained.onnx")
+
+Everything runs on the numpy kernels (``edgeflow.train.autograd``). What a
+federated client needs is here too: ``get_weights`` / ``set_weights``,
+``delta_from``, ``proximal_mu`` (FedProx), ``evaluate``, a deterministic
+``seed``, and the number of samples and mean loss in the returned History.
+
+Failure is loud and early: an op without a backward on the gradient path,
+labels out of range, inputs of the wrong shape and a step over the memory
+budget are errors at construction or before the first step; a NaN/inf
+loss or gradient stops training with :class:`TrainingError` and the step
+that produced it is not applied, so the weights stay the last good ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+import onnx
+
+from ..data import DataLoader, Dataset, as_loader, check_inputs, check_labels, from_arrays
+from ..errors import InputError, ShapeError, TrainingError
+from ..graph import compile_graph
+from ..model import ModelSource, load_model
+from ..profiles import DeviceProfile, get_profile
+from .autograd import NON_DIFFERENTIABLE_INPUTS, Tape
+from .export import save as save_model
+from .export import with_weights
+from .losses import Loss, get_loss
+from .memory import BudgetDecision, TrainingMemoryPlan, fit_budget, plan_training_step
+from .optim import Optimizer, clip_by_global_norm, global_norm, make_optimizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step: mean loss over the batch, correct predictions, samples, gradient norm."""
+
+    loss: float
+    correct: int | None
+    samples: int
+    grad_norm: float
+
+
+@dataclass(frozen=True)
+class EpochStats:
+    epoch: int
+    loss: float
+    accuracy: float | None
+    samples: int
+    steps: int
+    seconds: float
+    val_loss: float | None = None
+    val_accuracy: float | None = None
+
+
+@dataclass
+class History:
+    """What one ``fit`` did, epoch by epoch."""
+
+    epochs: list[EpochStats] = field(default_factory=list)
+
+    @property
+    def loss(self) -> list[float]:
+        return [e.loss for e in self.epochs]
+
+    @property
+    def accuracy(self) -> list[float | None]:
+        return [e.accuracy for e in self.epochs]
+
+    @property
+    def num_samples(self) -> int:
+        """Samples in one epoch (the weight of this client's update in FedAvg)."""
+        return self.epochs[-1].samples if self.epochs else 0
+
+    @property
+    def samples_seen(self) -> int:
+        return sum(e.samples for e in self.epochs)
+
+    @property
+    def mean_loss(self) -> float:
+        """Sample-weighted mean training loss over every step of the fit."""
+        n = self.samples_seen
+        return sum(e.loss * e.samples for e in self.epochs) / n if n else float("nan")
+
+    def to_dict(self) -> dict:
+        return {"epochs": [asdict(e) for e in self.epochs], "num_samples": self.num_samples,
+                "mean_loss": self.mean_loss}
+
+
+def _matches(name: str, patterns: Sequence[str]) -> bool:
+    return any(name == p or name.startswith(p) for p in patterns)
+
+
+class Trainer:
+    """Trains the initializers of an ONNX model in numpy.
+
+    Args:
+        model: path, bytes or ModelProto (checked with ``load_model``).
+        loss: "cross_entropy" (logits + class indices or probabilities), "mse",
+            "bce" (logits), "bce_probs"; ``loss_options`` go to the loss kernel
+            (e.g. ``{"label_smoothing": 0.1}``).
+        optimizer: "sgd", "adam", "adamw", or an :class:`Optimizer`.
+        lr, momentum, weight_decay, nesterov: optimizer settings (PyTorch defaults).
+        trainable: names or name prefixes to train (default: every float weight).
+        freeze: names or prefixes never to train (applied after ``trainable``).
+        batch_size, epochs: defaults for :meth:`fit`.
+        seed: fixes shuffling and Dropout masks: same seed, same data, same result.
+        clip_norm: clip gradients to this global L2 norm.
+        proximal_mu: FedProx: add mu * (w - w_anchor) to every gradient (anchor =
+            the weights at the start of each ``fit``, i.e. the round's global model).
+        qat: quantization-aware training (True or a :class:`~edgeflow.train.qat.QATConfig`).
+        profile: a device profile (name, path or DeviceProfile): checks ``can_train``,
+            uses its thread count, and plans the step against its training budget.
+        grad_accumulation: when the batch does not fit the budget, run micro-batches
+            and accumulate (else a MemoryBudgetError says what fits).
+        output / input: which model output is the loss input / which input is fed.
+        dtype: compute dtype ("float32"; "float64" for gradient checks).
+    """
+
+    def __init__(
+        self,
+        model: ModelSource,
+        *,
+        loss: str | Loss = "cross_entropy",
+        optimizer: str | Optimizer = "sgd",
+        lr: float | None = None,
+        momentum: float = 0.0,
+        weight_decay: float | None = None,
+        nesterov: bool = False,
+        trainable: Sequence[str] | None = None,
+        freeze: Sequence[str] = (),
+        batch_size: int = 32,
+        epochs: int = 1,
+        seed: int = 0,
+        clip_norm: float | None = None,
+        proximal_mu: float = 0.0,
+        qat: Any = None,
+        profile: "str | os.PathLike | DeviceProfile | None" = None,
+        grad_accumulation: bool = False,
+        output: str | None = None,
+        input: str | None = None,  # noqa: A002
+        dtype: str | np.dtype = "float32",
+        loss_options: Mapping[str, Any] | None = None,
+        save_workspace: bool = True,
+    ) -> None:
+        if int(batch_size) < 1 or int(epochs) < 0:
+            raise InputError(f"batch_size must be >= 1 and epochs >= 0; got {batch_size} and {epochs}")
+        if clip_norm is not None and clip_norm <= 0:
+            raise InputError(f"clip_norm must be > 0, got {clip_norm}")
+        if proximal_mu < 0:
+            raise InputError(f"proximal_mu must be >= 0, got {proximal_mu}")
+        self.model = load_model(model)
+        self.graph = compile_graph(self.model, optimize=False)
+        self.dtype = np.dtype(dtype)
+        if self.dtype.kind != "f":
+            raise InputError(f"dtype must be a float type, got {self.dtype}")
+        self.batch_size = int(batch_size)
+        self.epochs = int(epochs)
+        self.seed = int(seed)
+        self.clip_norm = clip_norm
+        self.proximal_mu = float(proximal_mu)
+        self.grad_accumulation = grad_accumulation
+        self.loss = loss if isinstance(loss, Loss) else get_loss(loss, **dict(loss_options or {}))
+        self.optimizer = optimizer if isinstance(optimizer, Optimizer) else make_optimizer(
+            optimizer, lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+
+        self.input_name, self.input_shape = self._pick_input(input)
+        self.output_name = output or self.graph.output_names[0]
+        if self.output_name not in self.graph.output_names:
+            raise TrainingError(f"output {self.output_name!r} is not a model output; outputs: {self.graph.output_names}")
+
+        self.trainable_names = self._select_trainable(trainable, freeze)
+        inits = self.graph.initializers
+        self._orig_dtypes = {n: a.dtype for n, a in inits.items()}
+        self.params: dict[str, np.ndarray] = {
+            n: np.array(inits[n], dtype=self.dtype, order="C", copy=True) for n in self.trainable_names
+        }
+        constants = {
+            n: (np.array(a, dtype=self.dtype) if a.dtype.kind == "f" else a)
+            for n, a in inits.items() if n not in self.params
+        }
+        self.tape = Tape(self.graph, set(self.trainable_names), self.output_name,
+                         save_workspace=save_workspace, constants=constants)
+        unused = sorted(set(self.trainable_names) - self.tape.reaches_target)
+        if unused:
+            log.warning("trainable weight(s) %s do not influence output %s; they will not change",
+                        unused, self.output_name)
+        self.n_classes = self._output_classes()
+
+        self.qat = None
+        if qat:
+            from .qat import FakeQuantizer, QATConfig
+
+            cfg = qat if isinstance(qat, QATConfig) else QATConfig()
+            self.qat = FakeQuantizer(self.tape, cfg, self.trainable_names)
+
+        self.profile = get_profile(profile) if profile is not None else None
+        self.micro_batch = self.batch_size
+        self.memory: BudgetDecision | None = None
+        if self.profile is not None:
+            self._apply_profile(self.profile)
+
+        self._rng = np.random.default_rng(self.seed)
+        self.global_step = 0
+        self.last_gradients: dict[str, np.ndarray] = {}
+        self._pending_state: dict[str, np.ndarray] = {}
+
+    # ------------------------------------------------------------ construction helpers
+
+    def _pick_input(self, name: str | None) -> tuple[str, tuple]:
+        ins = self.graph.inputs
+        if name is None:
+            if len(ins) != 1:
+                raise TrainingError(f"the model has {len(ins)} inputs {[i.name for i in ins]}; name one with input=")
+            return ins[0].name, tuple(ins[0].shape)
+        for i in ins:
+            if i.name == name:
+                return i.name, tuple(i.shape)
+        raise TrainingError(f"model has no input {name!r}; inputs: {[i.name for i in ins]}")
+
+    def _candidates(self) -> list[str]:
+        """Float initializers fed to at least one differentiable input slot."""
+        inits = self.graph.initializers
+        found: dict[str, None] = {}
+        for node in self.graph.nodes:
+            nd = NON_DIFFERENTIABLE_INPUTS.get(node.op_type, frozenset()) if not node.domain else frozenset()
+            for pos, x in enumerate(node.inputs):
+                if x in inits and inits[x].dtype.kind == "f" and pos not in nd:
+                    found[x] = None
+        return list(found)
+
+    def _select_trainable(self, trainable: Sequence[str] | None, freeze: Sequence[str]) -> list[str]:
+        cands = self._candidates()
+        if isinstance(trainable, str) or isinstance(freeze, str):
+            raise InputError("trainable and freeze take a list of names or prefixes, e.g. freeze=['conv']")
+        if trainable is None:
+            chosen = list(cands)
+        else:
+            bad = [p for p in trainable if not any(_matches(c, [p]) for c in cands)]
+            if bad:
+                raise TrainingError(f"trainable pattern(s) {bad} match no weight; weights: {cands}")
+            chosen = [c for c in cands if _matches(c, trainable)]
+        bad = [p for p in freeze if not any(_matches(c, [p]) for c in cands)]
+        if bad:
+            raise TrainingError(f"freeze pattern(s) {bad} match no weight; weights: {cands}")
+        chosen = [c for c in chosen if not _matches(c, freeze)]
+        if not chosen:
+            raise TrainingError("no weight is left to train: loosen trainable= / freeze=")
+        return chosen
+
+    def _output_classes(self) -> int | None:
+        out = next(o for o in self.graph.outputs if o.name == self.output_name)
+        if len(out.shape) >= 2 and isinstance(out.shape[1], int) and out.shape[1] > 0:
+            return int(out.shape[1])
+        return None
+
+    def _apply_profile(self, profile: DeviceProfile) -> None:
+        if not profile.can_train:
+            raise TrainingError(
+                f"profile {profile.name!r} does not train (can_train = false): train on another board "
+                "or only run inference here"
+            )
+        from ..backends.numpy_backend import _set_blas_threads
+
+        _set_blas_threads(profile.threads)
+        decision = fit_budget(
+            lambda m, save: self.plan_memory(m, save_workspace=save), self.batch_size,
+            profile.train_memory_budget_bytes, allow_accumulation=self.grad_accumulation,
+            profile_name=profile.name,
+        )
+        self.memory = decision
+        self.micro_batch = decision.micro_batch
+        self.tape.set_save_workspace(decision.save_workspace)
+        if decision.micro_batch < self.batch_size:
+            log.info("batch %d does not fit %s: micro-batches of %d with gradient accumulation",
+                     self.batch_size, profile.name, decision.micro_batch)
+
+    def plan_memory(self, batch_size: int | None = None, *, save_workspace: bool | None = None) -> TrainingMemoryPlan:
+        """Planned peak memory of one step at ``batch_size`` (default: the trainer's)."""
+        keep = self.tape.save_workspace
+        if save_workspace is not None:
+            self.tape.set_save_workspace(save_workspace)
+        try:
+            nbytes = sum(int(p.nbytes) for p in self.params.values())
+            return plan_training_step(self.tape, batch_size or self.batch_size, trainable_bytes=nbytes,
+                                      optimizer_slots=self.optimizer.slots, itemsize=self.dtype.itemsize)
+        finally:
+            self.tape.set_save_workspace(keep)
+
+    # ------------------------------------------------------------ validation
+
+    def _check_batch(self, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        x = np.asarray(x)
+        y = np.asarray(y)
+        check_inputs(x, self.input_shape, self.input_name)
+        if len(x) != len(y):
+            raise ShapeError(f"batch has {len(x)} inputs but {len(y)} labels")
+        if x.dtype != self.dtype:
+            x = x.astype(self.dtype)
+        if self.loss.classifies and np.issubdtype(y.dtype, np.integer) and self.n_classes:
+            check_labels(y, self.n_classes)
+        elif np.issubdtype(y.dtype, np.floating) and y.dtype != self.dtype:
+            y = y.astype(self.dtype)
+        return x, y
+
+    def _check_dataset(self, d: Dataset) -> None:
+        check_inputs(d.x, self.input_shape, self.input_name)
+        if self.loss.classifies and np.issubdtype(d.y.dtype, np.integer):
+            if self.n_classes:
+                check_labels(d.y, self.n_classes)
+        elif self.loss.classifies and d.y.ndim != 2:
+            raise ShapeError(f"cross-entropy targets must be class indices (N,) or probabilities (N, C); got {d.y.shape}")
+
+    # ------------------------------------------------------------ one step
+
+    def _grads(self, x: np.ndarray, y: np.ndarray, scale: float
+               ) -> tuple[float, int | None, dict[str, np.ndarray], dict[str, np.ndarray]]:
+        # Overflow shows up as a non-finite loss or gradient, which is checked and
+        # reported as a TrainingError; numpy's warnings would only add noise.
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            return self._grads_unchecked(x, y, scale)
+
+    def _grads_unchecked(self, x: np.ndarray, y: np.ndarray, scale: float
+                         ) -> tuple[float, int | None, dict[str, np.ndarray], dict[str, np.ndarray]]:
+        fwd = self.tape.forward(self.params, {self.input_name: x}, seed=self.seed * 7919 + self.global_step)
+        out = fwd.output
+        if self.n_classes is None and self.loss.classifies and np.issubdtype(y.dtype, np.integer):
+            check_labels(y, out.shape[1])
+        loss, dout = self.loss.value_and_grad(out, y, scale)
+        if not math.isfinite(loss):
+            raise TrainingError(
+                f"the loss became {loss} at step {self.global_step}; training stopped and the weights are "
+                f"those of the last good step. Lower the learning rate (now {self.optimizer.lr:g}), set "
+                "clip_norm, or check the data for extreme values"
+            )
+        grads = self.tape.backward(fwd, dout)
+        return loss, self.loss.correct(out, y), grads, fwd.state
+
+    def compute_gradients(self, x: np.ndarray, y: np.ndarray) -> tuple[float, int | None, dict[str, np.ndarray]]:
+        """Loss, correct count and gradients of the mean loss over a batch (micro-batched if planned)."""
+        x, y = self._check_batch(x, y)
+        n = len(x)
+        if n == 0:
+            raise InputError("empty batch")
+        total_loss, total_correct = 0.0, 0
+        grads: dict[str, np.ndarray] = {}
+        states: dict[str, np.ndarray] = {}
+        m = self.micro_batch
+        for start in range(0, n, m):
+            xb, yb = x[start:start + m], y[start:start + m]
+            w = len(xb) / n
+            loss, correct, g, state = self._grads(xb, yb, w)
+            total_loss += w * loss
+            total_correct = None if correct is None or total_correct is None else total_correct + correct
+            if not grads:
+                grads = g
+            else:
+                for k, v in g.items():
+                    grads[k] += v
+            states.update(state)
+            if len(range(0, n, m)) > 1:
+                self._apply_state(state)  # each micro-batch updates the running stats in turn
+        self._pending_state = states if m >= n else {}
+        return total_loss, total_correct, grads
+
+    def gradients(self, x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
+        """Gradients of the loss on one batch as named float32 arrays; weights unchanged."""
+        _, _, g = self.compute_gradients(x, y)
+        self._pending_state = {}
+        return {k: v.astype(np.float32) for k, v in g.items()}
+
+    def _apply_state(self, state: dict[str, np.ndarray]) -> None:
+        for buf, value in state.items():
+            self.tape.constants[buf] = value
+
+    def step(self, x: np.ndarray, y: np.ndarray, *, anchor: dict[str, np.ndarray] | None = None) -> StepResult:
+        """One optimizer step on a batch (forward, backward, clip, update)."""
+        loss, correct, grads = self.compute_gradients(x, y)
+        if self.proximal_mu and anchor is not None:
+            mu = self.dtype.type(self.proximal_mu)
+            grads = {k: g + mu * (self.params[k] - anchor[k]) for k, g in grads.items()}
+        with np.errstate(over="ignore", invalid="ignore"):
+            norm = global_norm(grads)
+        if not math.isfinite(norm):
+            raise TrainingError(
+                f"a gradient became non-finite at step {self.global_step} (norm {norm}); training stopped and "
+                "the weights are those of the last good step. Lower the learning rate or set clip_norm"
+            )
+        if self.clip_norm:
+            grads, norm = clip_by_global_norm(grads, self.clip_norm, norm)
+        self.optimizer.step(self.params, grads)
+        self._apply_state(self._pending_state)
+        self.last_gradients = grads
+        self.global_step += 1
+        return StepResult(loss, correct, len(x), norm)
+
+    # ------------------------------------------------------------ epochs
+
+    def fit(
+        self,
+        data: Any,
+        epochs: int | None = None,
+        *,
+        batch_size: int | None = None,
+        shuffle: bool = True,
+        validation: "Dataset | tuple[np.ndarray, np.ndarray] | None" = None,
+        on_batch: Callable[[StepResult], None] | None = None,
+        on_epoch: Callable[[EpochStats], None] | None = None,
+        anchor: Mapping[str, np.ndarray] | None = None,
+    ) -> History:
+        """Train ``epochs`` passes over ``data``: (x, y) arrays, a Dataset, a .npz path,
+        a DataLoader, or a callable/iterator of (x, y) chunks."""
+        epochs = self.epochs if epochs is None else int(epochs)
+        if epochs < 0:
+            raise InputError(f"epochs must be >= 0, got {epochs}")
+        if isinstance(data, tuple) and len(data) == 2:
+            data = from_arrays(*data, dtype=self.dtype)
+        loader = as_loader(data, batch_size or self.batch_size, shuffle=shuffle,
+                           seed=int(self._rng.integers(2**31)))
+        if loader.dataset is not None:
+            self._check_dataset(loader.dataset)
+        val = None
+        if validation is not None:
+            val = validation if isinstance(validation, Dataset) else from_arrays(*validation, dtype=self.dtype)
+            self._check_dataset(val)
+        prox_anchor = None
+        if self.proximal_mu:
+            src = anchor if anchor is not None else self.params
+            prox_anchor = {k: np.array(src[k], dtype=self.dtype) for k in self.params}
+        history = History()
+        for epoch in range(epochs):
+            t0 = time.perf_counter()
+            loss_sum, correct_sum, seen, steps = 0.0, 0, 0, 0
+            scored = True
+            for xb, yb in loader:
+                r = self.step(xb, yb, anchor=prox_anchor)
+                loss_sum += r.loss * r.samples
+                if r.correct is None:
+                    scored = False
+                else:
+                    correct_sum += r.correct
+                seen += r.samples
+                steps += 1
+                if on_batch:
+                    on_batch(r)
+            if seen == 0:
+                raise InputError("the data yielded no samples")
+            stats = EpochStats(epoch + 1, loss_sum / seen, correct_sum / seen if scored else None, seen, steps,
+                               time.perf_counter() - t0)
+            if val is not None:
+                vl, va = self.evaluate(val.x, val.y)
+                stats = EpochStats(**{**asdict(stats), "val_loss": vl, "val_accuracy": va})
+            history.epochs.append(stats)
+            if on_epoch:
+                on_epoch(stats)
+        return history
+
+    # ------------------------------------------------------------ inference
+
+    def predict(self, x: np.ndarray, *, batch_size: int = 256) -> np.ndarray:
+        """The target output in inference mode (running BatchNorm stats, no Dropout)."""
+        x = np.asarray(x)
+        check_inputs(x, self.input_shape, self.input_name)
+        x = x.astype(self.dtype, copy=False)
+        outs = [self.tape.infer(self.params, {self.input_name: x[i:i + batch_size]})
+                for i in range(0, len(x), batch_size)]
+        return np.concatenate(outs) if outs else np.zeros((0,), self.dtype)
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray, *, batch_size: int = 256) -> tuple[float, float | None]:
+        """(mean loss, accuracy) in inference mode; accuracy is None for regression losses."""
+        x, y = self._check_batch(x, y)
+        if len(x) == 0:
+            raise InputError("cannot evaluate on zero samples")
+        loss_sum, correct, scored = 0.0, 0, True
+        for i in range(0, len(x), batch_size):
+            xb, yb = x[i:i + batch_size], y[i:i + batch_size]
+            out = self.tape.infer(self.params, {self.input_name: xb})
+            loss_sum += self.loss.value(out, yb) * len(xb)
+            c = self.loss.correct(out, yb)
+            if c is None:
+                scored = False
+            else:
+                correct += c
+        return loss_sum / len(x), (correct / len(x) if scored else None)
+
+    # ------------------------------------------------------------ weights (federated API)
+
+    @property
+    def weight_names(self) -> list[str]:
+        """Every float initializer: trainable weights and frozen weights / BatchNorm statistics."""
+        return [n for n, a in self.graph.initializers.items() if a.dtype.kind == "f" and not n.startswith("__train.")]
+
+    def _value(self, name: str) -> np.ndarray:
+        return self.params[name] if name in self.params else self.tape.constants[name]
+
+    def get_weights(self, *, trainable_only: bool = False) -> dict[str, np.ndarray]:
+        """Copies (float32, or the model's dtype) of the current weights by initializer name."""
+        names = self.trainable_names if trainable_only else self.weight_names
+        return {n: np.array(self._value(n), dtype=self._orig_dtypes[n]) for n in names}
+
+    def set_weights(self, weights: Mapping[str, np.ndarray], *, strict: bool = False) -> None:
+        """Load weights by name (all validated before any is written).
+
+        ``strict`` requires every trainable weight to be present. Optimizer
+        state is kept; call ``trainer.optimizer.reset()`` to drop it.
+        """
+        known = set(self.weight_names)
+        unknown = sorted(set(weights) - known)
+        if unknown:
+            raise InputError(f"unknown weight name(s) {unknown[:5]}; the model's weights are {sorted(known)[:8]}...")
+        if strict:
+            missing = sorted(set(self.trainable_names) - set(weights))
+            if missing:
+                raise InputError(f"set_weights(strict=True) is missing trainable weight(s) {missing}")
+        staged: dict[str, np.ndarray] = {}
+        for name, value in weights.items():
+            arr = np.asarray(value)
+            want = self._value(name).shape
+            if arr.shape != want:
+                raise ShapeError(f"weight {name!r} has shape {arr.shape}; the model needs {want}")
+            if arr.dtype.kind != "f" or not np.isfinite(arr).all():
+                raise InputError(f"weight {name!r} must be finite floats")
+            staged[name] = arr
+        for name, arr in staged.items():
+            if name in self.params:
+                np.copyto(self.params[name], arr, casting="unsafe")
+            else:
+                self.tape.constants[name] = np.array(arr, dtype=self.dtype)
+
+    def delta_from(self, reference: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """current - reference (float32) for every weight named in ``reference``."""
+        out: dict[str, np.ndarray] = {}
+        known = set(self.weight_names)
+        for name, ref in reference.items():
+            if name not in known:
+                raise InputError(f"unknown weight name {name!r}")
+            cur = self._value(name)
+            ref = np.asarray(ref)
+            if ref.shape != cur.shape:
+                raise ShapeError(f"weight {name!r}: reference shape {ref.shape}, current {cur.shape}")
+            out[name] = (cur.astype(np.float64) - ref.astype(np.float64)).astype(np.float32)
+        return out
+
+    # ------------------------------------------------------------ export
+
+    def to_onnx(self) -> onnx.ModelProto:
+        """The model with the trained weights (and BatchNorm running stats) written back."""
+        meta = {"steps": self.global_step, "trainable": len(self.trainable_names),
+                "optimizer": type(self.optimizer).__name__, "qat": bool(self.qat)}
+        return with_weights(self.model, self.get_weights(), metadata=meta)
+
+    def export(self, path: str | os.PathLike) -> None:
+        save_model(self.to_onnx(), path)
