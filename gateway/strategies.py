@@ -396,7 +396,7 @@ class FedAvg(Aggregator):
                 np.add(acc, u, out=acc)
             else:
                 tmp = self._scratch[: acc.size].reshape(acc.shape)
-                np.multiply(u, weight, out=tmp)
+                np.multiply(u, weight, out=tmp, dtype=np.float64)  # exact product; a float32 one loses 1e-7
                 acc += tmp
 
     def add_partial(self, weighted_sum: Weights, total_samples: int, num_clients: int, client_id: str = "") -> None:
@@ -616,6 +616,8 @@ class MultiKrum(_Holding):
         self.num_byzantine = num_byzantine
         self.num_selected = num_selected
         self.weighted = bool(weighted)
+        self.selected_clients: tuple[str, ...] = ()
+        """Client ids chosen in the last finished round (for logs and audits)."""
 
     def _m(self, n: int) -> int:
         return self.num_selected if self.num_selected is not None else n - self.num_byzantine

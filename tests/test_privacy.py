@@ -1,0 +1,146 @@
+"""Central DP: clipping, noise, and the RDP accountant against published values.
+
+Reference values come from TF-Privacy's rdp_accountant_test and Google's
+dp_accounting tests (same functions, same arguments), and from direct
+numerical integration of A_alpha with mpmath.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from edgeflow.errors import AggregationError, ConfigError
+from edgeflow.gateway.privacy import (
+    CentralDP,
+    RDPAccountant,
+    _log_a_frac,
+    _log_a_int,
+    clip_by_global_norm,
+    compute_rdp,
+    global_norm,
+    rdp_to_epsilon,
+)
+from edgeflow.gateway.strategies import FedAdam, FedAvg
+
+
+def test_compute_rdp_known_values():
+    assert compute_rdp(0, 10, 1, 20) == 0
+    assert compute_rdp(1, 10, 1, 20) == pytest.approx(0.1)
+    assert compute_rdp(0.1, 2, 10, 5) == pytest.approx(0.07737, abs=1e-5)
+    got = compute_rdp(0.01, 2.5, 50, [1.5, 2.5, 5, 50, 100, np.inf])
+    np.testing.assert_allclose(got[:-1], [0.00065, 0.001085, 0.00218075, 0.023846, 167.416307], atol=1e-5)
+    np.testing.assert_allclose(got[2:5], [2.18075656e-03, 2.38460375e-02, 1.67416308e02], rtol=1e-6)
+    assert got[-1] == np.inf
+
+
+def test_classic_conversion_known_values():
+    orders = range(2, 33)
+    rdp = compute_rdp(0.01, 4, 10000, orders)
+    eps, order = rdp_to_epsilon(orders, rdp, 1e-5, method="classic")
+    assert eps == pytest.approx(1.258575, abs=1e-6) and order == 20
+    orders = (1.25, 1.5, 1.75, 2., 2.5, 3., 4., 5., 6., 7., 8., 10., 12., 14., 16., 20., 24., 28., 32., 64., 256.)
+    rdp = compute_rdp(1e-4, 0.4, 40000, orders) + compute_rdp(0.1, 2, 100, orders)
+    eps, order = rdp_to_epsilon(orders, rdp, 1e-5, method="classic")
+    assert eps == pytest.approx(8.509656, abs=1e-6) and order == 2.5
+
+
+def test_improved_conversion_known_values():
+    eps, order = rdp_to_epsilon(range(2, 33), [1.1] * 31, 1e-5)
+    assert eps == pytest.approx(1.32783806176, abs=1e-9) and order == 32
+    # sigma chosen (by dp_accounting) so that the Gaussian mechanism is exactly (1, 1e-6)-DP
+    orders = [0.001 * i for i in range(1000, 100000)]
+    eps, _ = rdp_to_epsilon(orders, compute_rdp(1, 4.530877117, 1, orders), 1e-6)
+    assert eps == pytest.approx(1.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("q, sigma, alpha", [(0.01, 2.5, 1.5), (0.1, 1.0, 5.5), (0.5, 2.0, 32.5), (1e-3, 1.0, 2),
+                                             (0.01, 10, 20), (0.2, 0.8, 7)])
+def test_log_a_matches_numerical_integration(q, sigma, alpha):
+    mpmath = pytest.importorskip("mpmath")
+
+    def integrand(z):
+        ratio = (1 - q) + q * mpmath.exp((2 * z - 1) / (2 * sigma ** 2))
+        return mpmath.npdf(z, mu=0, sigma=sigma) * ratio ** alpha
+
+    exact = float(mpmath.log(mpmath.quad(integrand, [-mpmath.inf, 0, 1, mpmath.inf])))
+    ours = _log_a_int(q, sigma, int(alpha)) if float(alpha).is_integer() else _log_a_frac(q, sigma, alpha)
+    assert ours == pytest.approx(exact, rel=1e-6, abs=1e-12)
+
+
+def test_accountant_composes_by_adding_rdp():
+    acc = RDPAccountant()
+    for _ in range(10):
+        acc.step(1.1, 0.05)
+    direct = rdp_to_epsilon(acc.orders, compute_rdp(0.05, 1.1, 10, acc.orders), 1e-5)[0]
+    assert acc.get_epsilon(1e-5) == pytest.approx(direct)
+    assert RDPAccountant().get_epsilon(1e-5) == 0.0
+    with pytest.raises(ConfigError):
+        rdp_to_epsilon([2], [0.1], 0)
+    with pytest.raises(ConfigError):
+        compute_rdp(1.5, 1, 1, [2])
+
+
+def test_clipping():
+    rng = np.random.default_rng(0)
+    u = {"a": rng.standard_normal((10, 10)).astype(np.float32), "b": rng.standard_normal(5).astype(np.float32)}
+    norm = global_norm(u)
+    assert norm == pytest.approx(math.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2)) for v in u.values())))
+    clipped, n0 = clip_by_global_norm(u, 1.0)
+    assert n0 == pytest.approx(norm) and global_norm(clipped) == pytest.approx(1.0, rel=1e-6)
+    small, _ = clip_by_global_norm(u, 1e6)
+    np.testing.assert_array_equal(small["a"], u["a"])
+
+
+def test_dp_fedavg_clips_averages_uniformly_and_adds_calibrated_noise():
+    rng = np.random.default_rng(1)
+    size, n, clip, z = 200_000, 8, 0.5, 1.3
+    ups = [{"w": rng.standard_normal(size).astype(np.float32) * 0.01 * (i + 1)} for i in range(n)]
+    g = {"w": np.zeros(size, np.float32)}
+    agg = FedAvg(privacy=CentralDP(clip, z, seed=7, delta=1e-5))
+    agg.begin_round(g, 0)
+    for i, u in enumerate(ups):
+        agg.add(u, 1000 * (i + 1), f"c{i}")  # sample counts must not matter under DP
+    res = agg.finish()
+    clipped = [clip_by_global_norm(u, clip)[0]["w"].astype(np.float64) for u in ups]
+    noise = res.delta["w"].astype(np.float64) - np.mean(clipped, axis=0)
+    assert noise.mean() == pytest.approx(0, abs=5 * z * clip / n / math.sqrt(size))
+    assert noise.std() == pytest.approx(z * clip / n, rel=0.01)
+    m = res.metrics
+    assert m["dp_noise_std"] == pytest.approx(z * clip / n)
+    assert m["dp_clipped_fraction"] == pytest.approx(sum(global_norm(u) > clip for u in ups) / n)
+    assert m["dp_epsilon"] == pytest.approx(rdp_to_epsilon(agg.privacy.accountant.orders,
+                                                           compute_rdp(1.0, z, 1, agg.privacy.accountant.orders),
+                                                           1e-5)[0])
+
+
+def test_dp_epsilon_is_reported_and_grows_per_round_with_subsampling():
+    g = {"w": np.zeros(10, np.float32)}
+    dp = CentralDP(1.0, 1.1, sampling_rate=0.1, expected_clients=5, seed=0)
+    agg = FedAdam(privacy=dp)
+    eps = []
+    for r in range(4):
+        agg.begin_round(g, r)
+        for i in range(3):  # fewer than expected: the denominator stays 5
+            agg.add({"w": np.full(10, 0.01, np.float32)}, 1, f"c{i}")
+        res = agg.finish()
+        assert res.metrics["dp_noise_std"] == pytest.approx(1.1 / 5)
+        eps.append(res.metrics["dp_epsilon"])
+    assert all(a < b for a, b in zip(eps, eps[1:]))
+    ref = RDPAccountant()
+    ref.step(1.1, 0.1, steps=4)
+    assert eps[-1] == pytest.approx(ref.get_epsilon(1e-5)) and dp.epsilon() == pytest.approx(eps[-1])
+
+
+def test_dp_config_errors_and_no_partial_sums():
+    for kwargs in ({"clip_norm": 0, "noise_multiplier": 1}, {"clip_norm": 1, "noise_multiplier": -1},
+                   {"clip_norm": 1, "noise_multiplier": 1, "sampling_rate": 0},
+                   {"clip_norm": 1, "noise_multiplier": 1, "delta": 1}):
+        with pytest.raises(ConfigError):
+            CentralDP(**kwargs)
+    agg = FedAvg(privacy=CentralDP(1, 1))
+    agg.begin_round({"w": np.zeros(2, np.float32)}, 0)
+    with pytest.raises(AggregationError, match="central DP"):
+        agg.add_partial({"w": np.zeros(2, np.float32)}, 10, 2)
