@@ -11,4 +11,13 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "quantize"]
+
+
+def __getattr__(name: str):
+    # Lazy: ``import edgeflow`` must stay light (no onnx/onnxruntime import).
+    if name == "quantize":
+        from .quantization.api import quantize
+
+        return quantize
+    raise AttributeError(f"module 'edgeflow' has no attribute {name!r}")

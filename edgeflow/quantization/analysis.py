@@ -1,0 +1,239 @@
+"""Which layers of a model get quantized, and which tensors that touches.
+
+Quantization targets are the ops that carry the weights and the FLOPs —
+Conv, Gemm and MatMul with a constant float weight. Around them:
+
+- the activation input and the output of each target are quantized (Q->DQ);
+  a Relu that is the output's only reader is *removable*: its output is
+  quantized instead, with a range starting at 0, so the Q's saturation at
+  the zero point is the Relu (as onnxruntime does);
+- ops that only move values (MaxPool, Flatten, Reshape, ...) pass the
+  quantization of their input through to their output with the *same*
+  parameters, so the numpy backend can run them on the integers;
+- graph outputs stay float: the user's logits lose nothing for it.
+
+The resulting :class:`QuantPlan` is shared by the QDQ writer, the dynamic
+quantizer and per-layer sensitivity (which quantizes one target at a time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ..errors import QuantizationError
+from .fuse import PASS_THROUGH
+
+QUANTIZABLE = ("Conv", "Gemm", "MatMul")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One layer to quantize."""
+
+    node: str
+    op_type: str
+    activation: str  # input tensor
+    weight: str  # float initializer
+    weight_axis: int  # output-channel axis of the weight
+    bias: str | None  # 1-D float initializer (Conv B / Gemm C), or None
+    output: str  # tensor quantized after the layer ("" if it stays float)
+    relu: str | None = None  # removable Relu node folded into the output's Q
+
+
+@dataclass
+class QuantPlan:
+    targets: list[Target]
+    kept_fp32: dict[str, str] = field(default_factory=dict)  # node -> why
+    shared: dict[str, str] = field(default_factory=dict)  # pass-through output -> source tensor
+    graph_outputs: frozenset[str] = frozenset()
+
+    @property
+    def quantized_tensors(self) -> list[str]:
+        """Every activation tensor that gets a Q->DQ pair, in a stable order."""
+        seen: list[str] = []
+        for t in self.targets:
+            for name in (t.activation, t.output):
+                if name and name not in seen:
+                    seen.append(name)
+        for out in self.shared:
+            if out not in seen:
+                seen.append(out)
+        return seen
+
+    @property
+    def calibrated_tensors(self) -> list[str]:
+        """Tensors whose range must be measured (the others share a range)."""
+        return [t for t in self.quantized_tensors if t not in self.shared]
+
+    def root(self, tensor: str) -> str:
+        while tensor in self.shared:
+            tensor = self.shared[tensor]
+        return tensor
+
+    def subset(self, nodes: list[str], model: onnx.ModelProto) -> "QuantPlan":
+        """The plan restricted to some targets (for per-layer sensitivity)."""
+        keep = [t for t in self.targets if t.node in nodes]
+        return QuantPlan(keep, dict(self.kept_fp32), _propagate(model, keep, self.graph_outputs), self.graph_outputs)
+
+
+def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Give every unnamed node a unique name (in place) so layers can be addressed."""
+    used = {n.name for n in model.graph.node if n.name}
+    for i, n in enumerate(model.graph.node):
+        if not n.name:
+            base = f"{n.op_type}_{i}"
+            name, k = base, 1
+            while name in used:
+                name, k = f"{base}_{k}", k + 1
+            n.name = name
+            used.add(name)
+    return model
+
+
+def _readers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
+    out: dict[str, list[onnx.NodeProto]] = {}
+    for n in model.graph.node:
+        for x in n.input:
+            if x:
+                out.setdefault(x, []).append(n)
+    return out
+
+
+def _attr(node: onnx.NodeProto, name: str, default):
+    for a in node.attribute:
+        if a.name == name:
+            return onnx.helper.get_attribute_value(a)
+    return default
+
+
+def _candidate(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], ops: tuple[str, ...]) -> tuple[Target | None, str]:
+    """A Target for ``node`` (without output decisions), or why it stays float."""
+    if node.op_type not in ops or node.domain not in ("", "ai.onnx"):
+        return None, ""
+    if len(node.input) < 2 or node.input[1] not in inits:
+        return None, "its weight input is not a constant initializer"
+    if node.input[0] in inits:
+        return None, "its data input is a constant"
+    w = inits[node.input[1]]
+    if w.data_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16):
+        return None, "its weight is not floating point"
+    rank = len(w.dims)
+    bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
+    if node.op_type == "Conv":
+        if rank < 3:
+            return None, "unexpected weight rank"
+        axis, n_out = 0, w.dims[0]
+    elif node.op_type == "Gemm":
+        if rank != 2 or _attr(node, "transA", 0):
+            return None, "transposed input A (transA=1) is not quantized"
+        if _attr(node, "alpha", 1.0) != 1.0 or (bias and _attr(node, "beta", 1.0) != 1.0):
+            return None, "alpha/beta != 1 are not quantized"
+        axis = 0 if _attr(node, "transB", 0) else 1
+        n_out = w.dims[axis]
+    else:  # MatMul
+        if rank != 2:
+            return None, "only 2-D constant weights are quantized"
+        axis, n_out = 1, w.dims[1]
+    if bias is not None:
+        b = inits.get(bias)
+        if b is None or len(b.dims) != 1 or b.dims[0] != n_out:
+            bias = None  # stays a float input (still correct, just not int32)
+    return Target(node.name, node.op_type, node.input[0], node.input[1], axis, bias, ""), ""
+
+
+def plan_quantization(
+    model: onnx.ModelProto,
+    *,
+    ops: tuple[str, ...] = QUANTIZABLE,
+    keep_fp32: tuple[str, ...] | list[str] = (),
+    keep_first: bool = False,
+    keep_last: bool = False,
+    quantize_outputs: bool = True,
+) -> QuantPlan:
+    """Decide the targets of ``model`` (whose nodes must be named: :func:`name_nodes`)."""
+    g = model.graph
+    names = [n.name for n in g.node]
+    unknown = [k for k in keep_fp32 if k not in names]
+    if unknown:
+        quantizable = [n.name for n in g.node if n.op_type in ops]
+        raise QuantizationError(
+            f"keep_fp32 names node(s) {unknown} that the model does not have; "
+            f"its {'/'.join(ops)} nodes are: {quantizable}"
+        )
+    inits = {t.name: t for t in g.initializer}
+    outputs = frozenset(o.name for o in g.output)
+    readers = _readers(model)
+    cands: list[Target] = []
+    kept: dict[str, str] = {}
+    for n in g.node:
+        t, why = _candidate(n, inits, ops)
+        if t is None:
+            if why:
+                kept[n.name] = why
+            continue
+        cands.append(t)
+    if not cands:
+        present = sorted({n.op_type for n in g.node})
+        raise QuantizationError(
+            f"the model has no quantizable op: int8 quantization applies to {', '.join(ops)} nodes "
+            f"with constant float weights, and this model has {', '.join(present) or 'no ops'}"
+            + (f" ({'; '.join(f'{k}: {v}' for k, v in kept.items())})" if kept else "")
+        )
+    chosen = []
+    for i, t in enumerate(cands):
+        if t.node in keep_fp32:
+            kept[t.node] = "kept in fp32 by name"
+        elif keep_first and i == 0:
+            kept[t.node] = "first quantizable layer kept in fp32"
+        elif keep_last and i == len(cands) - 1:
+            kept[t.node] = "last quantizable layer kept in fp32"
+        else:
+            chosen.append(t)
+    if not chosen:
+        raise QuantizationError(
+            f"every quantizable layer is kept in fp32 ({', '.join(kept)}); nothing would be quantized"
+        )
+    by_name = {n.name: n for n in g.node}
+    final = []
+    for t in chosen:
+        node = by_name[t.node]
+        y = node.output[0]
+        relu = None
+        rs = readers.get(y, [])
+        if len(rs) == 1 and rs[0].op_type == "Relu" and y not in outputs and rs[0].output[0] not in outputs:
+            relu = rs[0].name
+            y = rs[0].output[0]
+        out = y if quantize_outputs and y not in outputs else ""
+        if out == "":
+            relu = None  # keep the Relu when its output is not quantized
+        final.append(Target(t.node, t.op_type, t.activation, t.weight, t.weight_axis, t.bias, out, relu))
+    return QuantPlan(final, kept, _propagate(model, final, outputs), outputs)
+
+
+def _propagate(model: onnx.ModelProto, targets: list[Target], outputs: frozenset[str]) -> dict[str, str]:
+    """Pass-through outputs that inherit their input's quantization."""
+    quantized = {t.activation for t in targets} | {t.output for t in targets if t.output}
+    inits = {t.name for t in model.graph.initializer}
+    shared: dict[str, str] = {}
+    for n in model.graph.node:
+        if n.op_type not in PASS_THROUGH or not n.input or len(n.output) != 1:
+            continue
+        src, out = n.input[0], n.output[0]
+        if src not in quantized or out in outputs or out in shared:
+            continue
+        if any(x and x not in inits for x in n.input[1:]):
+            continue
+        shared[out] = src
+        quantized.add(out)
+    return shared
+
+
+def initializer_array(model: onnx.ModelProto, name: str) -> np.ndarray:
+    for t in model.graph.initializer:
+        if t.name == name:
+            return numpy_helper.to_array(t)
+    raise KeyError(name)

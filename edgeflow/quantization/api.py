@@ -1,0 +1,313 @@
+"""``edgeflow.quantize``: an fp32 ONNX model and a few hundred samples in, a
+model quantized the way the target board runs fastest out — with a report
+of what it cost.
+
+The board's profile decides the scheme (``[quantization]`` in its TOML):
+static int8 in QDQ format with per-channel symmetric weights and uint8
+(x86: VNNI's fast u8 x s8 path) or int8 (Arm) activations; fp16 for GPU
+boards. ``method`` overrides it: ``"static"`` (the profile's calibration),
+``"minmax"`` / ``"percentile"`` / ``"entropy"`` (static with that
+calibration), ``"dynamic"`` (int8 weights, activations quantized per batch
+at run time: MatMul/Gemm-heavy models, no calibration needed) or ``"fp16"``.
+
+The work is done by onnxruntime.quantization where it is installed
+(``engine="ort"``), or by edgeflow's own numpy calibration and QDQ writer
+(``engine="numpy"``) on boards without it; both write models that load in
+either backend.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import onnx
+
+from ..errors import EdgeflowError, QuantizationError
+from ..model import ModelSource, TensorInfo, graph_inputs, load_model
+from ..profiles import DeviceProfile, get_profile
+from .analysis import QUANTIZABLE, QuantPlan, name_nodes, plan_quantization
+from .calibration import METHODS as CALIBRATION_METHODS
+from .calibration import collect_ranges
+from .data import CalibrationSet, DataSource, as_calibration_set, fixed_batch
+from .report import LatencyComparison, QuantizationReport, accuracy, model_bytes, output_error
+
+METHODS = ("static", *CALIBRATION_METHODS, "dynamic", "fp16")
+ENGINES = ("auto", "ort", "numpy")
+
+
+@dataclass
+class QuantizedModel:
+    """The quantized model and its report."""
+
+    model: onnx.ModelProto
+    report: QuantizationReport
+
+    def save(self, path: str | os.PathLike) -> Path:
+        p = Path(path)
+        onnx.save(self.model, str(p))
+        return p
+
+
+def resolve_method(method: str | None, profile: DeviceProfile) -> tuple[str, str | None]:
+    """(kind, calibration method) from ``method`` or the profile's scheme."""
+    q = profile.quantization
+    if method is None:
+        if q.scheme == "none":
+            raise QuantizationError(
+                f"profile {profile.name!r} runs models unquantized (quantization.scheme = \"none\"); "
+                f"pass method= one of {', '.join(METHODS)} to quantize anyway"
+            )
+        method = "fp16" if q.scheme == "fp16" else "static"
+    if method in CALIBRATION_METHODS:
+        return "static", method
+    if method == "static":
+        return "static", q.calibration
+    if method in ("dynamic", "fp16"):
+        return method, None
+    raise QuantizationError(f"unknown quantization method {method!r}; use one of {', '.join(METHODS)}")
+
+
+class _Evaluator:
+    """Runs models on the profile's backend, batch by batch."""
+
+    def __init__(self, profile: DeviceProfile, backend: str, batch_size: int, fixed: int | None) -> None:
+        self.profile = profile
+        self.backend = backend
+        self.batch_size = fixed or batch_size
+        self.fixed = fixed
+
+    def session(self, model: onnx.ModelProto):
+        from ..backends import get_backend
+        from ..runtime import session_options
+
+        return get_backend(self.backend).load(model, session_options(self.profile))
+
+    def runner(self, model: onnx.ModelProto):
+        sess = self.session(model)
+        return lambda feeds, names: sess.run(feeds, names or None)
+
+    def predict(self, model: onnx.ModelProto, data: CalibrationSet) -> np.ndarray:
+        sess = self.session(model)
+        first = sess.outputs[0].name
+        outs = []
+        for feeds in data.batches(self.batch_size):
+            n = len(next(iter(feeds.values())))
+            if self.fixed and n < self.fixed:  # pad the last batch of a fixed-batch model
+                feeds = {k: np.concatenate([v, np.repeat(v[-1:], self.fixed - n, axis=0)]) for k, v in feeds.items()}
+            outs.append(sess.run(feeds, [first])[first][:n])
+        return np.concatenate(outs)
+
+
+def _labels(labels, n: int) -> np.ndarray:
+    y = np.asarray(labels)
+    if y.ndim != 1 or y.dtype.kind not in "iu":
+        raise QuantizationError(f"labels must be a 1-D integer array of class indices, got {y.dtype} {y.shape}")
+    if len(y) != n:
+        raise QuantizationError(f"labels has {len(y)} entries but the evaluation data has {n} samples")
+    return y
+
+
+def _latency_feeds(inputs: list[TensorInfo], data: CalibrationSet | None, batch: int, seed: int) -> dict[str, np.ndarray]:
+    if data is not None:
+        idx = np.arange(batch) % data.n
+        return {k: v[idx] for k, v in data.arrays.items()}
+    from ..memory import concrete_shapes
+
+    rng = np.random.default_rng(seed)
+    shapes = concrete_shapes(inputs, batch)
+    return {t.name: rng.standard_normal(shapes[t.name]).astype(t.dtype or "float32") for t in inputs}
+
+
+def _measure_latency(fp32: onnx.ModelProto, qm: onnx.ModelProto, profile: DeviceProfile, backend: str,
+                     feeds: dict[str, np.ndarray], runs: int) -> LatencyComparison:
+    from ..runtime import load
+    from ..timing import measure
+
+    batch = len(next(iter(feeds.values())))
+    stats = []
+    for m in (fp32, qm):
+        rt = load(m, profile, backend=backend, batch_size=batch, allow_over_budget=True)
+        stats.append(measure(lambda: rt.run(feeds), runs=runs, warmup=max(2, runs // 10), batch_size=batch))
+    return LatencyComparison(backend, batch, min(profile.threads, os.cpu_count() or 1), stats[0], stats[1])
+
+
+def quantize(
+    model: ModelSource,
+    profile: "str | DeviceProfile",
+    calibration: DataSource | None = None,
+    method: str | None = None,
+    *,
+    engine: str = "auto",
+    keep_fp32: Sequence[str] = (),
+    keep_first: bool = False,
+    keep_last: bool = False,
+    eval_data: DataSource | None = None,
+    labels: np.ndarray | Sequence[int] | None = None,
+    holdout: float = 0.2,
+    percentile: float = 99.999,
+    sensitivity: bool | None = None,
+    backend: str | None = None,
+    batch_size: int = 32,
+    latency_runs: int = 20,
+    seed: int = 0,
+    output: str | os.PathLike | None = None,
+) -> QuantizedModel:
+    """Quantize ``model`` for ``profile``; see the module docstring.
+
+    ``calibration``: samples (array, dict of arrays, or .npz/.npy path); for
+    static int8 a share ``holdout`` of them (>= 10 samples) is held out for
+    the report unless ``eval_data`` is given. ``labels`` are class indices
+    aligned with ``eval_data`` (or with ``calibration`` when it is split);
+    with labels the report gives accuracy and per-layer ``sensitivity``.
+    ``keep_fp32`` names nodes to leave in fp32; ``keep_first`` /
+    ``keep_last`` the first / last quantizable layer. ``backend`` is where the
+    report runs (default: the profile's first usable backend). The result is
+    saved to ``output`` when given.
+    """
+    if engine not in ENGINES:
+        raise QuantizationError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
+    if batch_size < 1:
+        raise QuantizationError(f"batch_size must be >= 1, got {batch_size}")
+    src = copy.deepcopy(model) if isinstance(model, onnx.ModelProto) else model
+    fp32 = name_nodes(load_model(src))
+    prof = get_profile(profile)
+    kind, calib = resolve_method(method, prof)
+    inputs = graph_inputs(fp32)
+    per_channel = prof.quantization.weights == "per-channel"
+    activations = prof.quantization.activations
+
+    from . import ort_backend
+
+    if engine == "auto":
+        engine = "ort" if ort_backend.available() and kind != "fp16" else "numpy"
+    if engine == "ort" and not ort_backend.available():
+        raise QuantizationError("engine='ort' needs onnxruntime, which is not installed here; use engine='numpy'")
+    if kind == "fp16":
+        engine = "numpy"
+
+    plan: QuantPlan | None = None
+    if kind != "fp16":
+        plan = plan_quantization(
+            fp32, ops=("Gemm", "MatMul") if kind == "dynamic" else QUANTIZABLE,
+            keep_fp32=tuple(keep_fp32), keep_first=keep_first, keep_last=keep_last,
+        )
+
+    # Data: calibration, held-out evaluation, labels.
+    cal = as_calibration_set(calibration, inputs) if calibration is not None else None
+    if kind == "static" and cal is None:
+        raise QuantizationError(
+            "static int8 quantization needs calibration data: pass calibration= a few hundred "
+            "representative input samples (array, dict or .npz), or use method='dynamic'"
+        )
+    ev: CalibrationSet | None = None
+    ev_labels = None
+    notes: list[str] = []
+    if eval_data is not None:
+        ev = as_calibration_set(eval_data, inputs, what="evaluation data")
+        ev_labels = _labels(labels, ev.n) if labels is not None else None
+        source = "eval_data"
+    elif cal is not None:
+        y = _labels(labels, cal.n) if labels is not None else None
+        n_hold = int(round(cal.n * holdout)) if kind == "static" and cal.n >= 10 and holdout > 0 else 0
+        if n_hold:
+            perm = np.random.default_rng(seed).permutation(cal.n)
+            ev, cal = cal.take(perm[:n_hold]), cal.take(perm[n_hold:])
+            ev_labels = y[perm[:n_hold]] if y is not None else None
+            source = f"held out: {n_hold} of {cal.n + n_hold} calibration samples"
+        else:
+            ev, ev_labels = cal, y
+            source = "the calibration samples (too few to hold out)" if kind == "static" else "the given samples"
+    else:
+        source = "none"
+        if labels is not None:
+            raise QuantizationError("labels given without data: pass eval_data= (or calibration=) with them")
+
+    from ..runtime import choose_backend
+
+    be = choose_backend(fp32, prof, backend).name
+    fixed = fixed_batch(inputs)
+    evaluator = _Evaluator(prof, be, batch_size, fixed)
+
+    ranges = qparams = None
+    if kind == "static":
+        assert plan is not None and cal is not None
+        if engine == "ort":
+            qm = ort_backend.quantize_static_ort(
+                fp32, cal, method=calib, activations=activations, per_channel=per_channel,
+                exclude=list(plan.kept_fp32), percentile=percentile, batch_size=fixed or batch_size,
+                fixed=fixed is not None, qoperator=prof.quantization.format == "qoperator",
+            )
+        else:
+            from .qdq import insert_qdq, tensor_qparams
+
+            ranges = collect_ranges(fp32, plan.calibrated_tensors, cal, evaluator.runner, method=calib,
+                                    percentile=percentile, batch_size=fixed or batch_size)
+            qparams = tensor_qparams(plan, ranges, activations)
+            qm, more = insert_qdq(fp32, plan, qparams, per_channel=per_channel)
+            notes += more
+            if prof.quantization.format == "qoperator":
+                notes.append("the profile asks for QOperator format; the numpy engine writes QDQ (same arithmetic)")
+    elif kind == "dynamic":
+        assert plan is not None
+        if engine == "ort":
+            qm = ort_backend.quantize_dynamic_ort(
+                fp32, per_channel=per_channel, nodes=[t.node for t in plan.targets],
+                gemms=[t.node for t in plan.targets if t.op_type == "Gemm"],
+            )
+        else:
+            from .dynamic import quantize_dynamic_graph
+
+            qm = quantize_dynamic_graph(fp32, plan, per_channel=per_channel)
+    else:
+        from .fp16 import convert_fp16
+
+        qm = convert_fp16(fp32)
+    qm = load_model(qm)  # checker + shape inference: fail here, not on the board
+
+    report = QuantizationReport(
+        profile=prof.name, method=kind, engine=engine, calibration=calib,
+        activations=activations if kind == "static" else ("uint8 (dynamic)" if kind == "dynamic" else None),
+        weights=("int8 " + prof.quantization.weights) if kind != "fp16" else "float16",
+        n_calibration=cal.n if (cal is not None and kind == "static") else 0,
+        n_eval=ev.n if ev is not None else 0, eval_source=source,
+        fp32_bytes=model_bytes(fp32), quantized_bytes=model_bytes(qm),
+        quantized_nodes=[t.node for t in plan.targets] if plan else [],
+        kept_fp32=dict(plan.kept_fp32) if plan else {},
+        notes=notes,
+    )
+    if ev is not None:
+        ref = evaluator.predict(fp32, ev)
+        got = evaluator.predict(qm, ev)
+        report.error = output_error(ref, got)
+        if ev_labels is not None:
+            report.accuracy_fp32 = accuracy(ref, ev_labels)
+            report.accuracy_quantized = accuracy(got, ev_labels)
+        if sensitivity is None:
+            sensitivity = ev_labels is not None and kind == "static"
+        if sensitivity and kind == "static":
+            assert plan is not None and cal is not None
+            from .qdq import tensor_qparams
+            from .sensitivity import layer_sensitivity
+
+            if qparams is None:  # onnxruntime calibrated: measure ranges once more, our way
+                ranges = collect_ranges(fp32, plan.calibrated_tensors, cal, evaluator.runner, method=calib,
+                                        percentile=percentile, batch_size=fixed or batch_size)
+                qparams = tensor_qparams(plan, ranges, activations)
+            report.sensitivity = layer_sensitivity(
+                fp32, plan, qparams, ev, ref, evaluator.predict, labels=ev_labels, per_channel=per_channel
+            )
+    if latency_runs > 0:
+        feeds = _latency_feeds(inputs, ev, fixed or batch_size, seed)
+        try:
+            report.latency = _measure_latency(fp32, qm, prof, be, feeds, latency_runs)
+        except EdgeflowError as exc:
+            report.notes.append(f"latency not measured on {be}: {exc}")
+    result = QuantizedModel(qm, report)
+    if output is not None:
+        result.save(output)
+    return result

@@ -1,0 +1,212 @@
+"""Write a static int8 QDQ model from a plan and calibrated ranges (numpy +
+onnx only — the path for boards without onnxruntime).
+
+The output is standard ONNX in QDQ form, the same shape of graph that
+``onnxruntime.quantization.quantize_static`` writes: each quantized
+activation ``T`` becomes ``T -> QuantizeLinear -> DequantizeLinear ->
+readers``; each weight an int8 initializer behind a per-channel
+DequantizeLinear; each bias an int32 initializer behind a DequantizeLinear
+with scale ``x_scale * w_scale``. It loads in onnxruntime (which fuses it
+into QLinearConv / QGemm) and in the numpy backend (whose rewrite fuses it
+into the same integer arithmetic).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ..errors import QuantizationError
+from ..model import model_opset
+from .analysis import QuantPlan, initializer_array
+from .calibration import Range
+from .params import TensorQParams, activation_qparams, quantize_bias, quantize_weight
+
+log = logging.getLogger(__name__)
+
+#: Per-axis DequantizeLinear (the ``axis`` attribute) needs opset 13.
+MIN_QDQ_OPSET = 13
+
+
+def tensor_qparams(plan: QuantPlan, ranges: dict[str, Range], dtype: str, symmetric: bool = False) -> dict[str, TensorQParams]:
+    """Parameters of every quantized tensor; pass-through outputs share their source's."""
+    out: dict[str, TensorQParams] = {}
+    for t in plan.quantized_tensors:
+        root = plan.root(t)
+        if root not in ranges:
+            raise QuantizationError(f"no calibrated range for tensor {root!r}")
+        out[t] = activation_qparams(ranges[root], dtype, symmetric)
+    return out
+
+
+def ensure_opset(model: onnx.ModelProto, minimum: int = MIN_QDQ_OPSET) -> onnx.ModelProto:
+    if model_opset(model) >= minimum:
+        return model
+    try:
+        from onnx import version_converter
+
+        return version_converter.convert_version(model, minimum)
+    except Exception as exc:  # the converter raises assorted types
+        raise QuantizationError(
+            f"the model uses opset {model_opset(model)}; QDQ quantization needs opset >= {minimum} "
+            f"and automatic conversion failed ({exc}); re-export the model at opset {minimum} or newer"
+        ) from exc
+
+
+class _Names:
+    def __init__(self, model: onnx.ModelProto) -> None:
+        g = model.graph
+        self.used = {t.name for t in g.initializer} | {i.name for i in g.input} | {o.name for o in g.output}
+        for n in g.node:
+            self.used.update(n.input)
+            self.used.update(n.output)
+            self.used.add(n.name)
+
+    def new(self, base: str) -> str:
+        name, k = base, 1
+        while name in self.used:
+            name, k = f"{base}_{k}", k + 1
+        self.used.add(name)
+        return name
+
+
+def toposort_nodes(nodes: list[onnx.NodeProto], available: set[str]) -> list[onnx.NodeProto]:
+    """Kahn's algorithm, stable: a node after every producer of its inputs."""
+    producers = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    deps = [{producers[x] for x in n.input if x and x not in available and x in producers} for n in nodes]
+    children: dict[int, list[int]] = {}
+    for i, d in enumerate(deps):
+        for j in d:
+            children.setdefault(j, []).append(i)
+    remaining = [len(d) for d in deps]
+    import heapq
+
+    ready = [i for i, r in enumerate(remaining) if r == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(nodes[i])
+        for c in children.get(i, []):
+            remaining[c] -= 1
+            if remaining[c] == 0:
+                heapq.heappush(ready, c)
+    if len(order) != len(nodes):
+        raise QuantizationError("the quantized graph has a cycle (internal error)")
+    return order
+
+
+def insert_qdq(
+    model: onnx.ModelProto,
+    plan: QuantPlan,
+    qparams: dict[str, TensorQParams],
+    *,
+    per_channel: bool = True,
+) -> tuple[onnx.ModelProto, list[str]]:
+    """The QDQ model for ``plan``; returns it and a list of notes (e.g. clipped biases)."""
+    m = ensure_opset(copy.deepcopy(model))
+    g = m.graph
+    names = _Names(m)
+    notes: list[str] = []
+    new_inits: list[onnx.TensorProto] = []
+    new_nodes: list[onnx.NodeProto] = []
+    by_name = {n.name: n for n in g.node}
+    removed: set[str] = set()
+
+    # Removable Relus: the layer writes the Relu's output; the Q clamps at 0.
+    for t in plan.targets:
+        if t.relu:
+            relu = by_name[t.relu]
+            by_name[t.node].output[0] = relu.output[0]
+            removed.add(t.relu)
+
+    # Activations: T -> Q -> DQ -> (every reader of T).
+    dq_of: dict[str, str] = {}
+    for tensor in plan.quantized_tensors:
+        p = qparams[tensor]
+        s_name = names.new(f"{tensor}_scale")
+        z_name = names.new(f"{tensor}_zero_point")
+        q_out = names.new(f"{tensor}_QuantizeLinear_Output")
+        dq_out = names.new(f"{tensor}_DequantizeLinear_Output")
+        new_inits += [
+            numpy_helper.from_array(np.asarray(p.scale, np.float32), s_name),
+            numpy_helper.from_array(np.asarray(p.zero_point), z_name),
+        ]
+        new_nodes += [
+            helper.make_node("QuantizeLinear", [tensor, s_name, z_name], [q_out], name=names.new(f"{tensor}_QuantizeLinear")),
+            helper.make_node("DequantizeLinear", [q_out, s_name, z_name], [dq_out], name=names.new(f"{tensor}_DequantizeLinear")),
+        ]
+        dq_of[tensor] = dq_out
+    for n in g.node:
+        if n.name in removed:
+            continue
+        for i, x in enumerate(n.input):
+            if x in dq_of:
+                n.input[i] = dq_of[x]
+
+    # Weights and biases of each target.
+    inits = {t.name for t in g.initializer}
+    weight_dq: dict[tuple[str, int], tuple[str, np.ndarray]] = {}
+    for t in plan.targets:
+        node = by_name[t.node]
+        key = (t.weight, t.weight_axis)
+        if key not in weight_dq:
+            qw = quantize_weight(initializer_array(model, t.weight), t.weight_axis, per_channel)
+            wq_name = names.new(f"{t.weight}_quantized")
+            ws_name = names.new(f"{t.weight}_scale")
+            wz_name = names.new(f"{t.weight}_zero_point")
+            w_out = names.new(f"{t.weight}_DequantizeLinear_Output")
+            new_inits += [
+                numpy_helper.from_array(qw.values, wq_name),
+                numpy_helper.from_array(qw.scale, ws_name),
+                numpy_helper.from_array(np.zeros(qw.scale.shape, np.int8), wz_name),
+            ]
+            attrs = {"axis": t.weight_axis} if per_channel else {}
+            new_nodes.append(helper.make_node(
+                "DequantizeLinear", [wq_name, ws_name, wz_name], [w_out], name=names.new(f"{t.weight}_DequantizeLinear"), **attrs
+            ))
+            weight_dq[key] = (w_out, qw.scale)
+        w_out, w_scale = weight_dq[key]
+        node.input[1] = w_out
+        if t.bias:
+            x_scale = qparams[t.activation].scale
+            bq, bs, clipped = quantize_bias(initializer_array(model, t.bias), x_scale, w_scale)
+            if clipped:
+                notes.append(f"{t.node}: bias clipped to the int32 range (very small input/weight scales)")
+            bq_name = names.new(f"{t.bias}_quantized")
+            bs_name = names.new(f"{t.bias}_quantized_scale")
+            bz_name = names.new(f"{t.bias}_quantized_zero_point")
+            b_out = names.new(f"{t.bias}_DequantizeLinear_Output")
+            new_inits += [
+                numpy_helper.from_array(bq, bq_name),
+                numpy_helper.from_array(bs, bs_name),
+                numpy_helper.from_array(np.zeros(bs.shape, np.int32), bz_name),
+            ]
+            new_nodes.append(helper.make_node(
+                "DequantizeLinear", [bq_name, bs_name, bz_name], [b_out], name=names.new(f"{t.bias}_DequantizeLinear"), axis=0
+            ))
+            node.input[2] = b_out
+
+    kept = [n for n in g.node if n.name not in removed]
+    used = {x for n in kept + new_nodes for x in n.input if x} | {o.name for o in g.output}
+    keep_inits = [t for t in g.initializer if t.name in used]
+    available = {t.name for t in keep_inits} | {t.name for t in new_inits} | {i.name for i in g.input}
+    ordered = toposort_nodes(kept + new_nodes, available)
+    del g.node[:]
+    g.node.extend(ordered)
+    del g.initializer[:]
+    g.initializer.extend(keep_inits + new_inits)
+    del g.value_info[:]  # stale after the rewiring; re-inferred on load
+    # Initializers listed as graph inputs (old IR style) that are gone.
+    live_inputs = [i for i in g.input if i.name not in inits or i.name in used]
+    del g.input[:]
+    g.input.extend(live_inputs)
+    try:
+        onnx.checker.check_model(m)
+    except onnx.checker.ValidationError as exc:  # pragma: no cover - a bug here, not user error
+        raise QuantizationError(f"the QDQ model fails onnx.checker (internal error): {exc}") from exc
+    return m, notes
