@@ -284,7 +284,7 @@ def test_offline_queue_is_bounded_and_drains_on_connect(mosquitto_factory, trans
         with pytest.raises(TransportError, match="queue full.*unreachable.*max_queued_bytes"):
             device.publish(update_topic("pi-7"), os.urandom(30_000))
         assert device.queued_bytes == 90_000 and not device.is_connected
-        assert "connection refused" in str(device.last_error)
+        assert wait_until(lambda: "connection refused" in str(device.last_error), 5)
 
         broker = mosquitto_factory(port=port)
         inbox = Inbox()

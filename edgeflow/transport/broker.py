@@ -505,6 +505,11 @@ class EmbeddedBroker(_BrokerBase):
         try:
             loop.run_forever()
         finally:
+            pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            for t in pending:
+                t.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             loop.close()
 
     def start(self) -> EmbeddedBroker:
@@ -532,9 +537,9 @@ class EmbeddedBroker(_BrokerBase):
         loop, broker, thread = self._loop, self._broker, self._thread
         if loop is not None and broker is not None and not loop.is_closed():
             try:
-                asyncio.run_coroutine_threadsafe(broker.shutdown(), loop).result(10)
+                asyncio.run_coroutine_threadsafe(_shutdown_amqtt(broker), loop).result(15)
             except Exception as exc:  # noqa: BLE001 - stopping is best effort
-                log.warning("embedded amqtt broker did not shut down cleanly: %s", exc)
+                log.warning("embedded amqtt broker did not shut down cleanly: %r", exc)
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(loop.stop)
         if thread is not None:
@@ -542,6 +547,27 @@ class EmbeddedBroker(_BrokerBase):
         self._broker = None
         self._thread = None
         self._loop = None
+
+
+async def _shutdown_amqtt(broker: Any) -> None:
+    """Shut amqtt down; if that fails (it can, with clients still connected), close its listeners anyway."""
+    try:
+        await asyncio.wait_for(broker.shutdown(), 10)
+        return
+    except Exception as exc:  # noqa: BLE001 - fall through to closing the sockets ourselves
+        log.debug("amqtt shutdown failed (%r); closing its listeners directly", exc)
+    for server in list(getattr(broker, "_servers", {}).values()):
+        instance = getattr(server, "instance", None)
+        if instance is not None:
+            instance.close()
+            try:
+                await asyncio.wait_for(instance.wait_closed(), 2)
+            except Exception:  # noqa: BLE001 - connections of dead clients may linger; the socket is closed
+                pass
+    current = asyncio.current_task()
+    for task in asyncio.all_tasks():
+        if task is not current:
+            task.cancel()
 
 
 def start_broker(url: str | None = None, **mosquitto_options: Any) -> ExternalBroker | MosquittoBroker | EmbeddedBroker:
