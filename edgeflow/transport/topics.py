@@ -13,6 +13,8 @@ valid device id)::
     edgeflow/<fleet>/gateway/model        gw -> devices    retained global model (chunked)
     edgeflow/<fleet>/gateway/round        gw -> devices    retained current round
     edgeflow/<fleet>/gateway/state        gw -> all        retained gateway status
+    edgeflow/<fleet>/<device>/secagg      device -> gw     secure-aggregation protocol messages
+    edgeflow/<fleet>/gateway/secagg       gw -> devices    secure-aggregation broadcasts (retained per round)
 
 Why this shape: the device id is always the third level, so one broker ACL
 pattern (``pattern write edgeflow/+/%u/#`` with the device id as user
@@ -59,8 +61,8 @@ __all__ = [
 ROOT = "edgeflow"
 GATEWAY = "gateway"
 CHUNK_LEVEL = "_chunk"
-DEVICE_CHANNELS = ("birth", "death", "telemetry", "update", "cmd", "cmd/ack")
-GATEWAY_CHANNELS = ("model", "round", "state")
+DEVICE_CHANNELS = ("birth", "death", "telemetry", "update", "cmd", "cmd/ack", "secagg")
+GATEWAY_CHANNELS = ("model", "round", "state", "secagg")
 MAX_TOPIC_BYTES = 65535
 
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
