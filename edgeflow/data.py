@@ -123,11 +123,10 @@ def load_npz(path: str | os.PathLike, *, x_key: str | None = None, y_key: str | 
             if k not in names:
                 raise InputError(f"{p}: no array named {k!r}; it has {names}")
         try:
-            return from_arrays(archive[x_key], archive[y_key], dtype=dtype)
-        except ValueError as exc:
-            if isinstance(exc, InputError):
-                raise
-            raise InputError(f"{p}: {exc}") from exc
+            x, y = archive[x_key], archive[y_key]
+        except ValueError as exc:  # object arrays need pickle, which is refused
+            raise InputError(f"{p}: not a .npz file of plain arrays ({exc}); save numeric arrays") from exc
+        return from_arrays(x, y, dtype=dtype)
 
 
 def save_npz(path: str | os.PathLike, data: Dataset) -> None:

@@ -179,8 +179,12 @@ class Trainer:
 
         self.input_name, self.input_shape = self._pick_input(input)
         self.output_name = output or self.graph.output_names[0]
-        if self.output_name not in self.graph.output_names:
-            raise TrainingError(f"output {self.output_name!r} is not a model output; outputs: {self.graph.output_names}")
+        produced = {o for n in self.graph.nodes for o in n.outputs if o}
+        if self.output_name not in produced:
+            raise TrainingError(
+                f"{self.output_name!r} is not a value of the model; outputs: {self.graph.output_names} "
+                "(an intermediate value such as the logits before a final Softmax may be named too)"
+            )
 
         self.trainable_names = self._select_trainable(trainable, freeze)
         inits = self.graph.initializers
@@ -262,7 +266,9 @@ class Trainer:
         return chosen
 
     def _output_classes(self) -> int | None:
-        out = next(o for o in self.graph.outputs if o.name == self.output_name)
+        out = next((o for o in self.graph.outputs if o.name == self.output_name), None)
+        if out is None:
+            return None  # an intermediate value: checked against the first forward's width
         if len(out.shape) >= 2 and isinstance(out.shape[1], int) and out.shape[1] > 0:
             return int(out.shape[1])
         return None

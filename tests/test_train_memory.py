@@ -1,0 +1,92 @@
+"""Training-step memory plan: agrees with what a step allocates, and the
+profile budget is enforced (clear error, or micro-batches with gradient
+accumulation that give the same gradient)."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from edgeflow import zoo
+from edgeflow.errors import MemoryBudgetError
+from edgeflow.profiles import get_profile
+from edgeflow.train import Trainer
+
+
+def _measured_step_bytes(tr: Trainer, x, y) -> int:
+    tr.step(x, y)  # optimizer state exists from here on
+    tr.last_gradients = {}
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tr.step(x, y)
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("kind,optimizer", [("mlp", "sgd"), ("mlp", "adam"), ("cnn", "sgd"), ("cnn_bn", "sgd")])
+def test_plan_tracks_the_measured_step(kind, optimizer):
+    if kind == "mlp":
+        model, shape = zoo.mlp((784, 256, 256, 10), seed=0), (784,)
+    else:
+        model, shape = zoo.small_cnn((1, 20, 20), channels=(16, 32), hidden=64, batch_norm=kind == "cnn_bn"), (1, 20, 20)
+    tr = Trainer(model, optimizer=optimizer, momentum=0.9 if optimizer == "sgd" else 0.0, batch_size=48)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((48, *shape)).astype(np.float32)
+    y = rng.integers(0, 10, 48)
+    plan = tr.plan_memory()
+    measured = _measured_step_bytes(tr, x, y)
+    planned = plan.peak_activation_bytes + plan.gradient_bytes
+    assert 0.75 * measured <= planned <= 1.35 * measured, (planned, measured, plan)
+    assert plan.optimizer_bytes == plan.gradient_bytes * (2 if optimizer == "adam" else 1)
+    assert plan.peak_bytes > plan.weights_bytes + plan.gradient_bytes + plan.optimizer_bytes
+
+
+def test_plan_grows_with_batch_and_frozen_body_keeps_less():
+    m = zoo.small_cnn()
+    full = Trainer(m)
+    head = Trainer(m, trainable=["fc1."])
+    p16, p64 = full.plan_memory(16), full.plan_memory(64)
+    assert p64.peak_activation_bytes > 3 * p16.peak_activation_bytes
+    assert head.plan_memory(64).kept_bytes < 0.1 * p64.kept_bytes
+    assert full.plan_memory(64, save_workspace=False).kept_bytes < p64.kept_bytes  # im2col not kept
+
+
+def test_over_budget_is_a_clear_error_naming_what_fits():
+    prof = get_profile("raspberry-pi-zero-2w")  # 160 MiB training budget
+    with pytest.raises(MemoryBudgetError, match=r"batch_size <= \d+.*grad_accumulation") as info:
+        Trainer(zoo.small_cnn(), batch_size=1024, profile=prof)
+    assert info.value.planned_bytes > info.value.budget_bytes == prof.train_memory_budget_bytes
+
+
+def test_gradient_accumulation_fits_the_budget_and_matches_the_full_batch():
+    prof = get_profile("raspberry-pi-zero-2w")
+    tr = Trainer(zoo.small_cnn(), batch_size=1024, profile=prof, grad_accumulation=True)
+    assert 1 <= tr.micro_batch < 1024
+    assert tr.memory.plan.peak_bytes <= prof.train_memory_budget_bytes
+    # same gradient as one big batch (no BatchNorm here), checked on a small model
+    m = zoo.small_cnn((1, 10, 10), channels=(4, 8), hidden=16)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((20, 1, 10, 10)), rng.integers(0, 10, 20)
+    whole = Trainer(m, dtype="float64")
+    parts = Trainer(m, dtype="float64")
+    parts.micro_batch = 6
+    lw, _, gw = whole.compute_gradients(x, y)
+    lp, _, gp = parts.compute_gradients(x, y)
+    assert lp == pytest.approx(lw, rel=1e-12)
+    for k in gw:
+        np.testing.assert_allclose(gp[k], gw[k], rtol=1e-10, atol=1e-13)
+
+
+def test_recomputing_im2col_gives_the_same_gradients():
+    m = zoo.small_cnn((1, 10, 10), channels=(4, 8), hidden=16)
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((5, 1, 10, 10)), rng.integers(0, 10, 5)
+    a = Trainer(m, dtype="float64")
+    b = Trainer(m, dtype="float64", save_workspace=False)
+    ga, gb = a.gradients(x, y), b.gradients(x, y)
+    for k in ga:
+        np.testing.assert_allclose(ga[k], gb[k], rtol=1e-12)
