@@ -34,7 +34,8 @@ def with_weights(model: onnx.ModelProto, weights: dict[str, np.ndarray], *,
         arr = np.asarray(value)
         if arr.shape != shape:
             raise ShapeError(f"cannot export {name!r}: shape {arr.shape}, the model declares {shape}")
-        old.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(arr, dtype=dtype), name))
+        # np.array, not np.ascontiguousarray: the latter turns a 0-d scalar into shape (1,)
+        old.CopyFrom(numpy_helper.from_array(np.array(arr, dtype=dtype, order="C"), name))
     if metadata:
         entry = next((p for p in out.metadata_props if p.key == "edgeflow.train"), None)
         if entry is None:

@@ -19,17 +19,18 @@ that produced it is not applied, so the weights stay the last good ones.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import onnx
 
-from ..data import DataLoader, Dataset, as_loader, check_inputs, check_labels, from_arrays
+from ..data import Dataset, as_loader, check_inputs, check_labels, from_arrays
 from ..errors import InputError, ShapeError, TrainingError
 from ..graph import compile_graph
 from ..model import ModelSource, load_model
@@ -504,10 +505,15 @@ class Trainer:
 
     # ------------------------------------------------------------ weights (federated API)
 
-    @property
+    @functools.cached_property
     def weight_names(self) -> list[str]:
-        """Every float initializer: trainable weights and frozen weights / BatchNorm statistics."""
-        return [n for n, a in self.graph.initializers.items() if a.dtype.kind == "f" and not n.startswith("__train.")]
+        """Trainable and frozen weights plus BatchNorm running statistics (model order).
+
+        Constants such as a Dropout ratio or Clip bounds are not weights: they
+        never change, so a federated delta would only carry zeros for them.
+        """
+        keep = set(self._candidates()) | {buf for st in self.tape.steps for _, buf in st.state_updates}
+        return [n for n in self.graph.initializers if n in keep]
 
     def _value(self, name: str) -> np.ndarray:
         return self.params[name] if name in self.params else self.tape.constants[name]
