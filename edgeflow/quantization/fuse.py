@@ -287,6 +287,8 @@ def _fuse_linear(g: _Graph, n, replace: dict) -> None:
     if total > F64_EXACT:
         return  # beyond float64's exact range: leave the float pattern
     blocks = k_blocks(terms)
+    if not c_in_gemm and not blocks:
+        blocks = (0, terms.shape[1])  # one exact block; c is added in float64
     packed_mk = (np.concatenate([wsh, c[:, None]], axis=1) if c_in_gemm else wsh).astype(np.float32)
     if op == "Conv":
         packed = np.ascontiguousarray(packed_mk.reshape(group, m // group, -1))

@@ -64,8 +64,26 @@ class QuantizedWeight:
     axis: int
 
 
-def quantize_weight(w: np.ndarray, axis: int, per_channel: bool = True) -> QuantizedWeight:
-    """Symmetric int8 weights: ``rint(w / s)`` in [-127, 127], s = max|w| / 127."""
+#: Largest |bias| in accumulator units: keeps the bias exact in float32 (and
+#: far inside int32) — see :func:`bias_safe_scale`.
+BIAS_LIMIT = 2**24
+
+
+def bias_safe_scale(bias: np.ndarray, x_scale: float) -> np.ndarray:
+    """The smallest weight scale per channel at which ``bias`` fits BIAS_LIMIT.
+
+    A dead or nearly-zero channel (max|w| ~ 1e-9) next to an ordinary bias
+    would otherwise need a bias of ~1e12 accumulator units: int32 overflows
+    and the layer's output is wrong. Raising that channel's weight scale
+    costs nothing measurable: its weights then contribute at most
+    127 * 255 / 2**24 = 0.2% of its (bias-dominated) output.
+    """
+    return (np.abs(np.asarray(bias, np.float64)) / (float(x_scale) * BIAS_LIMIT)).astype(np.float32)
+
+
+def quantize_weight(w: np.ndarray, axis: int, per_channel: bool = True, min_scale: np.ndarray | None = None) -> QuantizedWeight:
+    """Symmetric int8 weights: ``rint(w / s)`` in [-127, 127], s = max|w| / 127
+    (or ``min_scale`` where that is larger)."""
     w = np.asarray(w, dtype=np.float32)
     if not np.all(np.isfinite(w)):
         raise QuantizationError("the model has NaN/Inf weights; they cannot be quantized")
@@ -73,13 +91,18 @@ def quantize_weight(w: np.ndarray, axis: int, per_channel: bool = True) -> Quant
         red = tuple(i for i in range(w.ndim) if i != axis)
         amax = np.max(np.abs(w), axis=red) if red else np.abs(w)
         scale = (amax / np.float32(127.0)).astype(np.float32)
+        if min_scale is not None:
+            scale = np.maximum(scale, np.broadcast_to(min_scale, scale.shape)).astype(np.float32)
         scale[scale == 0] = np.float32(1.0)  # an all-zero channel: any scale
         shape = [1] * w.ndim
         shape[axis] = -1
         s = scale.reshape(shape)
     else:
         amax = np.float32(np.max(np.abs(w))) if w.size else np.float32(0)
-        scale = np.asarray(amax / np.float32(127.0) if amax > 0 else np.float32(1.0), np.float32)
+        s0 = amax / np.float32(127.0)
+        if min_scale is not None and np.size(min_scale):
+            s0 = max(s0, np.float32(np.max(min_scale)))
+        scale = np.asarray(s0 if s0 > 0 else np.float32(1.0), np.float32)
         s = scale
     q = np.clip(np.rint(w / s), -127, 127).astype(np.int8)
     return QuantizedWeight(q, scale, axis)

@@ -24,7 +24,7 @@ from ..errors import QuantizationError
 from ..model import model_opset
 from .analysis import QuantPlan, initializer_array
 from .calibration import Range
-from .params import TensorQParams, activation_qparams, quantize_bias, quantize_weight
+from .params import TensorQParams, activation_qparams, bias_safe_scale, quantize_bias, quantize_weight
 
 log = logging.getLogger(__name__)
 
@@ -153,9 +153,12 @@ def insert_qdq(
     weight_dq: dict[tuple[str, int], tuple[str, np.ndarray]] = {}
     for t in plan.targets:
         node = by_name[t.node]
-        key = (t.weight, t.weight_axis)
+        key = (t.weight, t.weight_axis, t.bias, t.activation)
         if key not in weight_dq:
-            qw = quantize_weight(initializer_array(model, t.weight), t.weight_axis, per_channel)
+            min_scale = None
+            if t.bias:
+                min_scale = bias_safe_scale(initializer_array(model, t.bias), qparams[t.activation].scale)
+            qw = quantize_weight(initializer_array(model, t.weight), t.weight_axis, per_channel, min_scale)
             wq_name = names.new(f"{t.weight}_quantized")
             ws_name = names.new(f"{t.weight}_scale")
             wz_name = names.new(f"{t.weight}_zero_point")
