@@ -14,6 +14,9 @@ valid device id)::
     edgeflow/<fleet>/gateway/round        gw -> devices    retained current round
     edgeflow/<fleet>/gateway/state        gw -> all        retained gateway status
     edgeflow/<fleet>/<device>/secagg      device -> gw     secure-aggregation protocol messages
+    edgeflow/<fleet>/<device>/ota         gw -> device     signed OTA deployment (command + artifact, chunked)
+    edgeflow/<fleet>/<device>/infer       app -> device    inference request
+    edgeflow/<fleet>/<device>/infer/reply device -> app    inference result
     edgeflow/<fleet>/gateway/secagg       gw -> devices    secure-aggregation broadcasts (retained per round)
 
 Why this shape: the device id is always the third level, so one broker ACL
@@ -61,7 +64,7 @@ __all__ = [
 ROOT = "edgeflow"
 GATEWAY = "gateway"
 CHUNK_LEVEL = "_chunk"
-DEVICE_CHANNELS = ("birth", "death", "telemetry", "update", "cmd", "cmd/ack", "secagg")
+DEVICE_CHANNELS = ("birth", "death", "telemetry", "update", "cmd", "cmd/ack", "secagg", "ota", "infer", "infer/reply")
 GATEWAY_CHANNELS = ("model", "round", "state", "secagg")
 MAX_TOPIC_BYTES = 65535
 
