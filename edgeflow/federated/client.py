@@ -1,0 +1,305 @@
+"""The device side of federated learning: take part in the gateway's rounds.
+
+A :class:`Client` listens on the retained ``gateway/model`` (global weights,
+signed by the fleet key) and ``gateway/round`` (the signed announcement).
+When a round selects this device it trains on the local data with
+:class:`edgeflow.train.Trainer` from exactly the announced model version,
+encodes the weight delta with the round's codec — keeping the top-k error
+feedback residual across rounds — signs it with the device key, and
+publishes it on ``<device>/update``. An update that would arrive after the
+deadline is not sent (the gateway would drop it anyway).
+
+The client never imports the MQTT library: it gets a transport object with
+``subscribe(filter, handler)`` and ``publish(topic, payload, qos=1)``
+(:class:`edgeflow.transport.MqttTransport`), so the device agent, the demo
+and the tests share one code path. Training runs on the client's own worker
+thread, never on the transport's message thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from ..codecs import ErrorFeedback, decode_update, encode_update
+from ..errors import CodecError, EdgeflowError, SignatureError
+from ..signing import KeyRing, PublicKey, Signer
+from ..transport.topics import device_topic, gateway_topic
+from .messages import RoundAnnouncement, TrainConfig
+
+log = logging.getLogger("edgeflow.federated")
+
+GATEWAY_ID = "gateway"
+UpdateTransform = Callable[[dict[str, np.ndarray], int], "dict[str, np.ndarray] | None"]
+
+
+@dataclass
+class ClientStats:
+    rounds_trained: int = 0
+    updates_sent: int = 0
+    bytes_sent: int = 0
+    dense_bytes: int = 0
+    skipped_late: int = 0
+    rejected_messages: int = 0
+    last_round: int = -1
+    last_loss: float | None = None
+    last_train_s: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["errors"] = list(self.errors[-5:])
+        return d
+
+
+class Client:
+    """One device's participation in federated rounds.
+
+    Args:
+        transport: connected or not-yet-connected transport (subscriptions are
+            made in :meth:`start`; with a persistent session call ``start``
+            before ``transport.connect()``).
+        fleet, device_id: topic scheme ids; ``signer`` signs updates (its
+            device id must be ``device_id``).
+        fleet_key: the gateway's public key; unsigned or wrongly signed
+            rounds and models are refused.
+        model: the ONNX model to train (architecture; weights are replaced by
+            the global ones each round).
+        data: local ``(x, y)`` arrays.
+        profile: the device profile (threads, training memory budget).
+        transform_update: a hook ``(delta, round_id) -> delta | None`` applied
+            before encoding, for simulations of faulty or malicious devices
+            (never in production); returning None sends nothing (a device
+            that vanished mid-round).
+        delay_s: extra seconds added to each local training (straggler
+            simulation).
+    """
+
+    def __init__(
+        self,
+        transport: Any,
+        *,
+        fleet: str,
+        device_id: str,
+        signer: Signer,
+        fleet_key: PublicKey,
+        model: Any,
+        data: tuple[np.ndarray, np.ndarray],
+        profile: Any = None,
+        seed: int = 0,
+        transform_update: UpdateTransform | None = None,
+        delay_s: float = 0.0,
+        trainer_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        from ..train import Trainer  # numpy-only, but heavy: import where used
+
+        if signer.device_id != device_id:
+            raise EdgeflowError(f"signer is for {signer.device_id!r}, client is {device_id!r}")
+        self.transport = transport
+        self.fleet = fleet
+        self.device_id = device_id
+        self.signer = signer
+        self.keyring = KeyRing({GATEWAY_ID: fleet_key})
+        self.x, self.y = data
+        if len(self.x) != len(self.y) or len(self.x) == 0:
+            raise EdgeflowError(f"device {device_id}: local data needs matching, non-empty x and y")
+        self.trainer = Trainer(model, profile=profile, seed=seed, **dict(trainer_options or {}))
+        self.feedback = ErrorFeedback()
+        self.transform_update = transform_update
+        self.delay_s = float(delay_s)
+        self.stats = ClientStats()
+        self._seq = time.time_ns() // 1_000_000  # monotonic across restarts
+        self._weights: dict[str, np.ndarray] | None = None
+        self._version = -1
+        self._weights_cv = threading.Condition()
+        self._rounds: "queue.Queue[RoundAnnouncement | None]" = queue.Queue()
+        self._done: set[int] = set()
+        self._current: RoundAnnouncement | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._subs: list[Any] = []
+        self._rng = np.random.default_rng(seed)
+        self.last_delta: dict[str, np.ndarray] | None = None
+
+    # -- lifecycle --------------------------------------------------------
+    def start(self) -> "Client":
+        if self._thread is not None:
+            return self
+        self._stop.clear()
+        self._subs = [
+            self.transport.subscribe(str(gateway_topic(self.fleet, "model")), self._on_model),
+            self.transport.subscribe(str(gateway_topic(self.fleet, "round")), self._on_round),
+        ]
+        self._thread = threading.Thread(target=self._loop, name=f"fl-client-{self.device_id}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._rounds.put(None)
+        with self._weights_cv:
+            self._weights_cv.notify_all()
+        for s in self._subs:
+            try:
+                self.transport.unsubscribe(s)
+            except Exception:  # the transport may already be closed
+                pass
+        self._subs = []
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def status(self) -> dict[str, Any]:
+        return {"running": self._thread is not None, "model_version": self._version, **self.stats.to_dict()}
+
+    # -- handlers (transport worker thread: keep them short) ---------------
+    def _on_model(self, msg: Any) -> None:
+        try:
+            upd = decode_update(msg.payload, verifier=self.keyring, require_signature=True,
+                                source=f"{self.device_id}<-gateway/model")
+        except (CodecError, SignatureError) as exc:
+            self.stats.rejected_messages += 1
+            log.warning("device %s: global model refused: %s", self.device_id, exc)
+            return
+        if upd.device_id != GATEWAY_ID:
+            self.stats.rejected_messages += 1
+            return
+        version = int(upd.metadata.get("model_version", upd.round_id))
+        with self._weights_cv:
+            if version >= self._version:
+                self._weights = upd.tensors
+                self._version = version
+                self._weights_cv.notify_all()
+
+    def _on_round(self, msg: Any) -> None:
+        if not msg.payload:
+            return  # retained announcement cleared
+        try:
+            ann = RoundAnnouncement.verify(msg.payload, self.keyring.get(GATEWAY_ID))
+        except (CodecError, SignatureError) as exc:
+            self.stats.rejected_messages += 1
+            log.warning("device %s: round announcement refused: %s", self.device_id, exc)
+            return
+        self._current = ann
+        if ann.state == "open" and (not ann.selected or self.device_id in ann.selected):
+            self._rounds.put(ann)
+
+    # -- the worker --------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            ann = self._rounds.get()
+            if ann is None:
+                return
+            if ann.mode == "async":
+                self._run_async(ann)
+            elif ann.round_id not in self._done:
+                try:
+                    self._run_round(ann)
+                except EdgeflowError as exc:
+                    self.stats.errors.append(f"round {ann.round_id}: {exc}")
+                    log.warning("device %s: round %d failed: %s", self.device_id, ann.round_id, exc)
+
+    def _wait_weights(self, version: int, deadline: float) -> tuple[int, dict[str, np.ndarray]] | None:
+        with self._weights_cv:
+            while self._version < version and not self._stop.is_set():
+                left = deadline - time.time()
+                if left <= 0:
+                    return None
+                self._weights_cv.wait(min(left, 0.5))
+            if self._weights is None:
+                return None
+            return self._version, self._weights
+
+    def _train(self, weights: dict[str, np.ndarray], cfg: TrainConfig,
+               round_id: int) -> tuple[dict[str, np.ndarray] | None, int, float]:
+        from ..train import make_optimizer
+
+        t = self.trainer
+        t.set_weights(weights)
+        t.optimizer = make_optimizer(cfg.optimizer, cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        t.proximal_mu = float(cfg.proximal_mu)
+        t.clip_norm = cfg.clip_norm
+        x, y = self.x, self.y
+        if cfg.max_samples and len(x) > cfg.max_samples:
+            idx = self._rng.choice(len(x), cfg.max_samples, replace=False)
+            x, y = x[idx], y[idx]
+        t0 = time.perf_counter()
+        hist = t.fit((x, y), epochs=cfg.epochs, batch_size=cfg.batch_size, anchor=weights)
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        self.stats.last_train_s = time.perf_counter() - t0
+        delta = t.delta_from(weights)
+        self.last_delta = delta
+        if self.transform_update is not None:
+            delta = self.transform_update(delta, round_id)
+        return delta, len(x), hist.mean_loss
+
+    def _send(self, ann: RoundAnnouncement, delta: dict[str, np.ndarray], n: int, loss: float,
+              base_version: int) -> bool:
+        cfg = ann.config
+        self._seq += 1
+        payload = encode_update(
+            delta, cfg.codec, round_id=ann.round_id, device_id=self.device_id, seq=self._seq,
+            signer=self.signer, state=self.feedback, num_samples=n, rng=self._rng,
+            metadata={"loss": float(loss), "base_version": int(base_version),
+                      "train_s": round(self.stats.last_train_s, 4)},
+            **cfg.codec_opts,
+        )
+        if ann.mode == "sync" and time.time() > ann.deadline:
+            self.stats.skipped_late += 1
+            log.info("device %s: round %d deadline passed; update not sent", self.device_id, ann.round_id)
+            return False
+        self.transport.publish(str(device_topic(self.fleet, self.device_id, "update")), payload, qos=1)
+        self.stats.updates_sent += 1
+        self.stats.bytes_sent += len(payload)
+        self.stats.dense_bytes += 4 * sum(int(v.size) for v in delta.values())
+        return True
+
+    def _run_round(self, ann: RoundAnnouncement) -> None:
+        got = self._wait_weights(ann.model_version, ann.deadline)
+        if got is None:
+            self.stats.errors.append(f"round {ann.round_id}: global model v{ann.model_version} never arrived")
+            return
+        version, weights = got
+        delta, n, loss = self._train(weights, ann.config, ann.round_id)
+        self.stats.rounds_trained += 1
+        self.stats.last_round = ann.round_id
+        self.stats.last_loss = loss
+        self._done.add(ann.round_id)
+        if delta is not None:
+            self._send(ann, delta, n, loss, version)
+
+    def _run_async(self, ann: RoundAnnouncement) -> None:
+        """FedBuff: train from the newest global version, send, repeat until closed."""
+        while not self._stop.is_set():
+            cur = self._current
+            if cur is None or cur.round_id != ann.round_id or cur.state != "open":
+                return
+            got = self._wait_weights(0, time.time() + 5.0)
+            if got is None:
+                continue
+            version, weights = got
+            try:
+                delta, n, loss = self._train(weights, ann.config, ann.round_id)
+            except EdgeflowError as exc:
+                self.stats.errors.append(str(exc))
+                return
+            self.stats.rounds_trained += 1
+            self.stats.last_loss = loss
+            if delta is None:
+                return
+            self._send(cur, delta, n, loss, version)
+            # wait for a newer model before training again (no point re-training the same one)
+            with self._weights_cv:
+                end = time.time() + 30.0
+                while self._version == version and not self._stop.is_set() and time.time() < end:
+                    c = self._current
+                    if c is None or c.state != "open":
+                        return
+                    self._weights_cv.wait(0.2)

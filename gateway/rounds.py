@@ -1,0 +1,577 @@
+"""Federated rounds at the gateway: select, announce, collect, aggregate, publish.
+
+One :class:`RoundManager` drives rounds over a transport (anything with
+``subscribe``/``publish``; in production :class:`edgeflow.transport.MqttTransport`)
+and keeps its state in a :class:`~edgeflow.gateway.store.GatewayStore`:
+
+1. **select** online devices that can train (profile filter, battery
+   floor from telemetry), a fraction of them, at least ``min_clients``,
+   over-selected by ``overselect`` so stragglers do not stall the round;
+2. **announce** the round (signed, retained) with the model version,
+   hyper-parameters and deadline; the global weights are already retained
+   on ``gateway/model``;
+3. **collect** updates: each one is checked (round, selection, signature,
+   replay, shapes, NaN), *stored* and then folded into a streaming
+   aggregator; the round closes when every selected device reported, or at
+   the deadline once ``quorum`` updates are in (extended up to
+   ``max_extensions`` times otherwise);
+4. **aggregate** and **publish** the new version (retained), evaluate it
+   when an eval set is configured, and record one metrics line.
+
+A gateway killed mid-round resumes the open round on restart: the stored
+updates are re-streamed into a fresh aggregator and the broker redelivers
+what was not acknowledged; the (round, device) key in the store makes every
+update count once.
+
+The asynchronous mode (FedBuff) keeps one long-running "round": every
+device trains from the newest version it has, and the gateway publishes a
+new version every ``async_buffer`` updates, weighting each by staleness.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from edgeflow.codecs import decode_update, encode_update, peek_update
+from edgeflow.errors import AggregationError, CodecError, ConfigError, SignatureError
+from edgeflow.federated.messages import RoundAnnouncement, TrainConfig
+from edgeflow.signing import KeyRing, PrivateKey, ReplayGuard, Signer
+from edgeflow.transport.topics import device_filter, gateway_topic, parse_topic
+
+from .aggregation import AggregateResult
+from .store import GatewayStore
+from .strategies import make_aggregator
+
+log = logging.getLogger("edgeflow.gateway.rounds")
+
+GATEWAY_ID = "gateway"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A device that could be selected: what selection needs to know."""
+
+    device_id: str
+    profile: str = ""
+    can_train: bool = True
+    battery: float | None = None  # 0..1, None = mains powered / unknown
+
+
+@dataclass
+class RoundConfig:
+    """Every knob of the round loop (``gateway.toml`` ``[rounds]``)."""
+
+    rounds: int = 10
+    mode: str = "sync"  # "sync" | "async"
+    fraction: float = 1.0
+    min_clients: int = 2
+    max_clients: int | None = None
+    overselect: float = 1.0
+    quorum: float = 0.6  # fraction of the selected that must report by the deadline
+    deadline_s: float = 60.0
+    max_extensions: int = 2
+    strategy: str = "fedavg"
+    strategy_params: dict[str, Any] = field(default_factory=dict)
+    profiles: list[str] | None = None
+    min_battery: float | None = None
+    wait_for_devices_s: float = 30.0
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dp: dict[str, Any] | None = None  # {clip_norm, noise_multiplier, delta}
+    async_buffer: int = 10
+    staleness: str = "polynomial"
+    max_staleness: int | None = 10
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.train, dict):
+            self.train = TrainConfig.from_dict(self.train)
+        problems = []
+        if self.mode not in ("sync", "async"):
+            problems.append(f"mode must be 'sync' or 'async', got {self.mode!r}")
+        if not 0 < self.fraction <= 1:
+            problems.append(f"fraction must be in (0, 1], got {self.fraction}")
+        if not 0 < self.quorum <= 1:
+            problems.append(f"quorum must be in (0, 1], got {self.quorum}")
+        if self.min_clients < 1:
+            problems.append(f"min_clients must be >= 1, got {self.min_clients}")
+        if self.overselect < 1:
+            problems.append(f"overselect must be >= 1, got {self.overselect}")
+        if self.deadline_s <= 0:
+            problems.append(f"deadline_s must be > 0, got {self.deadline_s}")
+        if self.rounds < 0:
+            problems.append(f"rounds must be >= 0, got {self.rounds}")
+        if problems:
+            raise ConfigError("round configuration: " + "; ".join(problems))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "RoundConfig":
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"round configuration: unknown setting(s) {unknown}; known: {sorted(known)}")
+        return cls(**dict(d))
+
+
+@dataclass
+class RoundMetrics:
+    round_id: int
+    model_version: int
+    selected: int
+    participants: int
+    dropped: int
+    late: int
+    rejected: int
+    duplicates: int
+    bytes_in: int
+    dense_bytes: int
+    aggregation_s: float
+    round_s: float
+    mean_client_loss: float | None = None
+    accuracy: float | None = None
+    eval_loss: float | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(d.pop("extra"))
+        return d
+
+
+def model_weights(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """The float initializers of a model: what federated rounds train."""
+    out = {}
+    for t in model.graph.initializer:
+        a = numpy_helper.to_array(t)
+        if a.dtype.kind == "f":
+            out[t.name] = np.array(a, dtype=np.float32)
+    return out
+
+
+def model_with_weights(model: onnx.ModelProto, weights: Mapping[str, np.ndarray]) -> onnx.ModelProto:
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for t in m.graph.initializer:
+        if t.name in weights:
+            old = numpy_helper.to_array(t)
+            t.CopyFrom(numpy_helper.from_array(np.asarray(weights[t.name], dtype=old.dtype), t.name))
+    return m
+
+
+class RoundManager:
+    """Runs federated rounds for one fleet. See the module docstring."""
+
+    def __init__(
+        self,
+        transport: Any,
+        store: GatewayStore,
+        *,
+        fleet: str,
+        fleet_key: PrivateKey,
+        keyring: KeyRing,
+        model: onnx.ModelProto,
+        config: RoundConfig,
+        candidates: Callable[[], list[Candidate]],
+        eval_data: tuple[np.ndarray, np.ndarray] | None = None,
+        on_round: Callable[[RoundMetrics], None] | None = None,
+    ) -> None:
+        self.transport = transport
+        self.store = store
+        self.fleet = fleet
+        self.fleet_key = fleet_key
+        self.signer = Signer(GATEWAY_ID, fleet_key)
+        self.keyring = keyring
+        self.base_model = model
+        self.config = config
+        self.candidates = candidates
+        self.eval_data = eval_data
+        self.on_round = on_round
+        self.replay = ReplayGuard()
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)
+        self._stop = threading.Event()
+        self._sub = None
+        self._rng = np.random.default_rng(config.seed)
+        # state of the open round
+        self._ann: RoundAnnouncement | None = None
+        self._agg = None
+        self._reported: set[str] = set()
+        self._counters: dict[str, int] = {}
+        self._losses: list[float] = []
+        self._bytes_in = 0
+        self._dense_bytes = 0
+        self.history: list[RoundMetrics] = []
+        self.counters_total: dict[str, int] = {}
+        # global model
+        latest = store.latest_model()
+        if latest is None:
+            self.version = store.add_model(model.SerializeToString(), hashlib.sha256(model.SerializeToString()).hexdigest())
+            self.weights = model_weights(model)
+        else:
+            self.version = latest[0]
+            self.weights = model_weights(onnx.load_model_from_string(latest[1]))
+        self._strategy = self._make_strategy()
+
+    # -- plumbing -----------------------------------------------------------
+    def _make_strategy(self):
+        params = dict(self.config.strategy_params)
+        if self.config.dp:
+            from .privacy import CentralDP
+
+            dp = dict(self.config.dp)
+            params["privacy"] = CentralDP(**dp)
+        return make_aggregator(self.config.strategy, **params)
+
+    def start(self) -> None:
+        """Subscribe to every device's update topic (call before connect with persistent sessions)."""
+        if self._sub is None:
+            self._sub = self.transport.subscribe(str(device_filter(self.fleet, "update")), self._on_update)
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._cv:
+            self._cv.notify_all()
+
+    def publish_model(self) -> None:
+        payload = encode_update(self.weights, "dense", round_id=self.version, device_id=GATEWAY_ID,
+                                seq=self.version, signer=self.signer,
+                                metadata={"model_version": self.version})
+        self.transport.publish(str(gateway_topic(self.fleet, "model")), payload, qos=1, retain=True).wait(60)
+
+    def _publish_round(self, ann: RoundAnnouncement) -> None:
+        self.transport.publish(str(gateway_topic(self.fleet, "round")), ann.sign(self.fleet_key),
+                               qos=1, retain=True).wait(30)
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self._counters[key] = self._counters.get(key, 0) + n
+        self.counters_total[key] = self.counters_total.get(key, 0) + n
+
+    # -- selection ------------------------------------------------------------
+    def select(self, pool: Iterable[Candidate]) -> list[str]:
+        cfg = self.config
+        eligible = [
+            c for c in pool
+            if c.can_train
+            and (cfg.profiles is None or c.profile in cfg.profiles)
+            and (cfg.min_battery is None or c.battery is None or c.battery >= cfg.min_battery)
+        ]
+        eligible.sort(key=lambda c: c.device_id)
+        n = math.ceil(len(eligible) * cfg.fraction * cfg.overselect)
+        n = max(n, cfg.min_clients)
+        if cfg.max_clients:
+            n = min(n, math.ceil(cfg.max_clients * cfg.overselect))
+        n = min(n, len(eligible))
+        idx = self._rng.choice(len(eligible), n, replace=False) if n else []
+        return sorted(eligible[i].device_id for i in idx)
+
+    def _wait_for_pool(self) -> list[Candidate]:
+        end = time.time() + self.config.wait_for_devices_s
+        while True:
+            pool = self.candidates()
+            trainable = [c for c in pool if c.can_train]
+            if len(trainable) >= self.config.min_clients or time.time() >= end or self._stop.is_set():
+                return pool
+            time.sleep(0.2)
+
+    # -- the update handler (transport worker thread) ---------------------------
+    def _on_update(self, msg: Any) -> None:
+        info = parse_topic(msg.topic)
+        sender = info.device if info else None
+        try:
+            head = peek_update(msg.payload)
+        except CodecError as exc:
+            with self._lock:
+                self._count("rejected_malformed")
+            log.warning("update on %s refused: %s", msg.topic, exc)
+            return
+        with self._cv:
+            ann = self._ann
+            if ann is None or ann.state != "open" or head.round_id != ann.round_id:
+                self._count("late")
+                log.info("update from %s for round %d dropped: round not open", sender, head.round_id)
+                return
+            if head.device_id != sender:
+                self._count("rejected_spoofed")
+                return
+            if ann.mode == "sync" and ann.selected and sender not in ann.selected:
+                self._count("not_selected")
+                return
+            if ann.mode == "sync" and sender in self._reported:
+                self._count("duplicates")
+                return
+        try:
+            upd = decode_update(
+                msg.payload, verifier=self.keyring, replay_guard=self.replay, require_signature=True,
+                expected_shapes={k: v.shape for k, v in self.weights.items()}, source=f"gateway<-{sender}",
+            )
+        except (CodecError, SignatureError) as exc:
+            with self._lock:
+                self._count("rejected_" + getattr(exc, "reason", "invalid"))
+            log.warning("update from %s refused: %s", sender, exc)
+            return
+        self._accept(upd, msg.payload, store=True)
+
+    def _accept(self, upd: Any, payload: bytes, *, store: bool) -> None:
+        with self._cv:
+            ann = self._ann
+            if ann is None or upd.round_id != ann.round_id or self._agg is None:
+                self._count("late")
+                return
+            base = int(upd.metadata.get("base_version", ann.model_version))
+            if ann.mode == "sync" and base != ann.model_version:
+                self._count("rejected_wrong_version")
+                return
+            if store and ann.mode == "sync":
+                if not self.store.add_update(ann.round_id, upd.device_id, upd.seq, upd.num_samples or 1, payload):
+                    self._count("duplicates")
+                    return
+            try:
+                if ann.mode == "async":
+                    result = self._agg.add(upd.tensors, upd.num_samples or 1, upd.device_id, base_version=base)
+                else:
+                    self._agg.add(upd.tensors, upd.num_samples or 1, client_id=upd.device_id)
+                    result = None
+            except AggregationError as exc:
+                self._count("rejected_schema")
+                log.warning("update from %s does not fit the model: %s", upd.device_id, exc)
+                return
+            self._reported.add(upd.device_id)
+            self._bytes_in += len(payload)
+            self._dense_bytes += 4 * sum(int(v.size) for v in upd.tensors.values())
+            if "loss" in upd.metadata:
+                self._losses.append(float(upd.metadata["loss"]))
+            if result is not None:
+                self._async_result = result
+            self._cv.notify_all()
+
+    # -- rounds -----------------------------------------------------------------
+    def run(self, rounds: int | None = None) -> list[RoundMetrics]:
+        """Run ``rounds`` rounds (default from the config), resuming an open one first."""
+        self.start()
+        self.publish_model()
+        todo = self.config.rounds if rounds is None else rounds
+        if self.config.mode == "async":
+            return self._run_async(todo)
+        done: list[RoundMetrics] = []
+        for rec in self.store.open_rounds():
+            if self._stop.is_set():
+                break
+            done.append(self._resume(rec))
+            todo -= 1
+        while todo > 0 and not self._stop.is_set():
+            m = self.run_round()
+            if m is not None:
+                done.append(m)
+            todo -= 1
+        return done
+
+    def _begin(self, ann: RoundAnnouncement) -> None:
+        with self._cv:
+            self._ann = ann
+            self._agg = self._strategy
+            self._agg.begin_round(self.weights, round_id=ann.round_id)
+            self._reported = set()
+            self._counters = {}
+            self._losses = []
+            self._bytes_in = 0
+            self._dense_bytes = 0
+
+    def run_round(self) -> RoundMetrics | None:
+        cfg = self.config
+        pool = self._wait_for_pool()
+        selected = self.select(pool)
+        round_id = self.store.last_round_id() + 1
+        if len(selected) < cfg.min_clients:
+            log.warning("round %d not started: %d eligible device(s), min_clients is %d",
+                        round_id, len(selected), cfg.min_clients)
+            return None
+        ann = RoundAnnouncement(
+            round_id=round_id, model_version=self.version, deadline=time.time() + cfg.deadline_s,
+            selected=tuple(selected), config=cfg.train, issued=time.time(),
+        )
+        self.store.open_round(round_id, self.version, ann.deadline, asdict(cfg.train), selected)
+        self._begin(ann)
+        self._publish_round(ann)
+        return self._collect_and_close(ann, time.perf_counter())
+
+    def _resume(self, rec) -> RoundMetrics:
+        """Finish a round a previous gateway process left open."""
+        log.info("resuming round %d (%d stored updates)", rec.round_id, self.store.update_count(rec.round_id))
+        if rec.model_version != self.version:
+            raise AggregationError(
+                f"open round {rec.round_id} was built on model v{rec.model_version} but the store's latest "
+                f"is v{self.version}; the state file is inconsistent"
+            )
+        ann = RoundAnnouncement(
+            round_id=rec.round_id, model_version=rec.model_version,
+            deadline=max(rec.deadline, time.time() + 1.0), selected=tuple(rec.selected),
+            config=TrainConfig.from_dict(rec.config), issued=rec.created,
+        )
+        self._begin(ann)
+        for su in self.store.updates(rec.round_id):
+            try:
+                upd = decode_update(su.envelope, verifier=self.keyring, require_signature=True,
+                                    expected_shapes={k: v.shape for k, v in self.weights.items()})
+            except (CodecError, SignatureError) as exc:  # pragma: no cover - stored ones were valid
+                log.warning("stored update of %s unreadable: %s", su.device_id, exc)
+                continue
+            self.replay.check_and_record(upd.device_id, upd.round_id, upd.seq)
+            self._accept(upd, su.envelope, store=False)
+        self._publish_round(ann)
+        return self._collect_and_close(ann, time.perf_counter())
+
+    def _closing(self, ann: RoundAnnouncement, extensions: int) -> bool:
+        n = len(self._reported)
+        if ann.selected and n >= len(ann.selected):
+            return True
+        if time.time() >= ann.deadline:
+            need = max(self.config.min_clients, math.ceil(self.config.quorum * len(ann.selected)
+                                                          / max(self.config.overselect, 1.0)))
+            return n >= need or extensions >= self.config.max_extensions
+        return False
+
+    def _collect_and_close(self, ann: RoundAnnouncement, t_start: float) -> RoundMetrics:
+        extensions = 0
+        with self._cv:
+            while not self._stop.is_set():
+                if self._closing(ann, extensions):
+                    break
+                if time.time() >= ann.deadline:  # below quorum: extend
+                    extensions += 1
+                    ann = RoundAnnouncement(**{**ann.__dict__, "deadline": time.time() + self.config.deadline_s})
+                    self._ann = ann
+                    log.warning("round %d: quorum not reached at the deadline; extended (%d/%d)",
+                                ann.round_id, extensions, self.config.max_extensions)
+                self._cv.wait(0.1)
+            closed = RoundAnnouncement(**{**ann.__dict__, "state": "closed"})
+            self._ann = closed
+            n_reported = len(self._reported)
+        self._publish_round(closed)
+        if n_reported == 0:
+            self.store.close_round(ann.round_id, {"participants": 0}, state="failed")
+            log.error("round %d failed: no update arrived", ann.round_id)
+            return self._metrics(ann, None, 0.0, t_start)
+        t0 = time.perf_counter()
+        with self._lock:
+            result = self._agg.finish()
+        agg_s = time.perf_counter() - t0
+        self._adopt(result, ann.round_id)
+        metrics = self._metrics(ann, result, agg_s, t_start)
+        self.store.close_round(ann.round_id, metrics.to_dict())
+        self.store.drop_updates(ann.round_id)
+        self._report(metrics)
+        return metrics
+
+    def _adopt(self, result: AggregateResult, round_id: int) -> None:
+        assert result.weights is not None
+        self.weights = {k: np.asarray(v, dtype=np.float32) for k, v in result.weights.items()}
+        onnx_bytes = model_with_weights(self.base_model, self.weights).SerializeToString()
+        self.version = self.store.add_model(onnx_bytes, hashlib.sha256(onnx_bytes).hexdigest(), round_id=round_id)
+        self.publish_model()
+
+    def current_model(self) -> onnx.ModelProto:
+        return model_with_weights(self.base_model, self.weights)
+
+    def evaluate(self) -> tuple[float | None, float | None]:
+        if self.eval_data is None:
+            return None, None
+        from edgeflow.runtime import load
+
+        x, y = self.eval_data
+        rt = load(self.current_model(), "x86-gateway", batch_size=len(x), allow_over_budget=True)
+        logits = rt(x.astype(np.float32))
+        acc = float((logits.argmax(1) == y).mean())
+        z = logits - logits.max(1, keepdims=True)
+        logp = z - np.log(np.exp(z).sum(1, keepdims=True))
+        return acc, float(-logp[np.arange(len(y)), y].mean())
+
+    def _metrics(self, ann, result: AggregateResult | None, agg_s: float, t_start: float) -> RoundMetrics:
+        acc, eval_loss = self.evaluate() if result is not None else (None, None)
+        with self._lock:
+            c = dict(self._counters)
+            rejected = sum(v for k, v in c.items() if k.startswith("rejected"))
+            if result is not None:
+                rejected += len(result.rejected)
+            m = RoundMetrics(
+                round_id=ann.round_id, model_version=self.version, selected=len(ann.selected),
+                participants=result.num_clients if result else 0,
+                dropped=max(0, len(ann.selected) - len(self._reported)) if ann.mode == "sync" else 0,
+                late=c.get("late", 0), rejected=rejected, duplicates=c.get("duplicates", 0),
+                bytes_in=self._bytes_in, dense_bytes=self._dense_bytes, aggregation_s=agg_s,
+                round_s=time.perf_counter() - t_start,
+                mean_client_loss=float(np.mean(self._losses)) if self._losses else None,
+                accuracy=acc, eval_loss=eval_loss,
+                extra={k: float(v) for k, v in (result.metrics.items() if result else ())
+                       if k.startswith("dp_")},
+            )
+        return m
+
+    def _report(self, m: RoundMetrics) -> None:
+        self.history.append(m)
+        log.info("round %d: v%d, %d/%d participants, %d dropped, %d late, %d rejected, %.1f KiB in, acc %s",
+                 m.round_id, m.model_version, m.participants, m.selected, m.dropped, m.late, m.rejected,
+                 m.bytes_in / 1024, "n/a" if m.accuracy is None else f"{m.accuracy:.3f}")
+        if self.on_round:
+            self.on_round(m)
+
+    # -- async (FedBuff) -------------------------------------------------------
+    def _run_async(self, versions: int) -> list[RoundMetrics]:
+        from .buffered import BufferedAggregator, make_staleness
+
+        cfg = self.config
+        buf = BufferedAggregator(self._strategy, buffer_size=cfg.async_buffer,
+                                 staleness_fn=make_staleness(cfg.staleness), max_staleness=cfg.max_staleness)
+        buf.start(self.weights, version=self.version)
+        pool = self._wait_for_pool()
+        selected = self.select(pool)
+        round_id = self.store.last_round_id() + 1
+        ann = RoundAnnouncement(round_id=round_id, model_version=self.version, deadline=time.time() + 1e9,
+                                selected=tuple(selected), config=cfg.train, mode="async", issued=time.time())
+        self.store.open_round(round_id, self.version, ann.deadline, asdict(cfg.train), selected)
+        with self._cv:
+            self._ann = ann
+            self._agg = buf
+            self._reported, self._counters, self._losses = set(), {}, []
+            self._bytes_in = self._dense_bytes = 0
+            self._async_result = None
+        self._publish_round(ann)
+        out: list[RoundMetrics] = []
+        t_start = time.perf_counter()
+        while len(out) < versions and not self._stop.is_set():
+            with self._cv:
+                end = time.time() + cfg.deadline_s
+                while self._async_result is None and not self._stop.is_set() and time.time() < end:
+                    self._cv.wait(0.1)
+                result, self._async_result = self._async_result, None
+                if result is None:
+                    result = buf.flush()
+                if result is None:
+                    continue
+            self._adopt(result, round_id)
+            m = self._metrics(ann, result, 0.0, t_start)
+            with self._lock:
+                self._reported, self._counters, self._losses = set(), {}, []
+                self._bytes_in = self._dense_bytes = 0
+            t_start = time.perf_counter()
+            out.append(m)
+            self._report(m)
+        closed = RoundAnnouncement(**{**ann.__dict__, "state": "closed"})
+        with self._cv:
+            self._ann = closed
+        self._publish_round(closed)
+        self.store.close_round(round_id, {"versions": len(out)})
+        return out
+
+
+def metrics_jsonl(metrics: Iterable[RoundMetrics]) -> str:
+    return "".join(json.dumps(m.to_dict()) + "\n" for m in metrics)
