@@ -27,8 +27,7 @@ def test_quantize_rounds_half_to_even_after_division():
     assert y.tolist() == [0, 2, 2, 4, 0, -2, -2, 0]
     # the zero point is added after rounding: rint(0.5) + 1 = 1, not rint(1.5) = 2
     assert Q(np.float32([0.5]), np.float32(1.0), np.uint8(1)).tolist() == [1]
-    # a true division: 0.3 / 0.1 in float32 is 3.0000002 -> 3 (x * (1/0.1) would give the same here,
-    # but 7 * 0.1 / 0.1 style ties are where a reciprocal differs); compare with float32 division
+    # a true float32 division (not a multiplication by the reciprocal), as the spec says
     rng = np.random.default_rng(0)
     v = rng.standard_normal(10_000).astype(np.float32) * 10
     s = np.float32(0.0371)

@@ -174,6 +174,11 @@ class EntropyObserver(HistogramObserver):
         if self.hist is None or self.hist.sum() == 0:
             return r
         hist, a = self.abs_histogram()
+        # The first bin holds every exact zero (Relu outputs, padding): a spike
+        # that Q can only match with one-bin levels, which biases KL toward
+        # clipping hard. Like NVIDIA's pytorch-quantization, flatten it.
+        if len(hist) > 1:
+            hist[0] = hist[1]
         # 8-bit levels available to the magnitude: all 256 for one-sided
         # data, about half of them on each side otherwise.
         target = 128 if self.signed else 256
