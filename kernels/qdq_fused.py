@@ -155,11 +155,13 @@ def qgemm(
 
 
 def _columns(x: np.ndarray, g: spatial.WindowGeometry, group: int, pad_value: int, ones_row: bool) -> np.ndarray:
-    """im2col straight into float32: (N, group, C/group * k (+1), P).
+    """im2col into float32: (N, group, C/group * k (+1), P).
 
-    One strided gather converts the integer windows to float32 (no separate
-    integer im2col copy and cast pass); with ``ones_row`` the last reduction
-    row is 1 so that the GEMM adds the packed constant.
+    The (small) input is converted to float32 first and the windows gathered
+    float to float into the GEMM's buffer — measured faster than gathering
+    the integers and converting the (k times larger) columns. With
+    ``ones_row`` the last reduction row is 1 so that the GEMM adds the
+    packed per-channel constant.
     """
     n, ch = x.shape[:2]
     cg = ch // group
@@ -174,8 +176,9 @@ def _columns(x: np.ndarray, g: spatial.WindowGeometry, group: int, pad_value: in
         dst[...] = x.reshape(n, group, cg, p)
         return buf
     dst.shape = (n, group, cg) + g.kernel + g.out_shape  # a view: raises rather than copies
-    win = spatial.windows(spatial.pad_spatial(x, g, pad_value), g)  # (N, C, *k, *out)
-    np.copyto(dst, win.reshape((n, group, cg) + win.shape[2:]), casting="same_kind")
+    xf = spatial.pad_spatial(x.astype(np.float32), g, float(pad_value))
+    win = spatial.windows(xf, g)  # (N, C, *k, *out)
+    np.copyto(dst, win.reshape((n, group, cg) + win.shape[2:]))
     return buf
 
 

@@ -107,6 +107,32 @@ def test_layers_kept_in_fp32(engine):
     assert not _weight_is_float(r.model, "conv1")
 
 
+def test_image_input_conv_stays_fp32_and_its_relu_moves_after_the_pool():
+    model = zoo.digits_cnn(seed=6)
+    r = edgeflow.quantize(model, "x86-gateway", calibration=X_CNN, engine="numpy", latency_runs=0)
+    assert "1 input channel" in r.report.kept_fp32["conv0"] and _weight_is_float(r.model, "conv0")
+    ops = [n.op_type for n in r.model.graph.node]
+    assert ops[:4] == ["Conv", "MaxPool", "Relu", "QuantizeLinear"]  # pool first, then relu, then Q
+    x = RNG.random((16, 1, 8, 8), dtype=np.float32)
+    y32 = load(model, "x86-gateway", backend="numpy")(x)
+    np.testing.assert_allclose(load(r.model, "x86-gateway", backend="numpy")(x), y32, atol=0.1)
+    every = edgeflow.quantize(model, "x86-gateway", calibration=X_CNN, engine="numpy", latency_runs=0,
+                              min_int8_channels=0)
+    assert every.report.quantized_nodes == ["conv0", "conv1", "fc0", "fc1"] and not every.report.kept_fp32
+
+
+def test_pool_before_relu_is_exact():
+    from edgeflow.quantization.analysis import name_nodes, pool_before_relu
+
+    model = zoo.small_cnn((1, 9, 9), channels=(3, 5), hidden=7, seed=8)  # odd sizes: pooling drops a row
+    swapped = pool_before_relu(name_nodes(onnx.load_from_string(model.SerializeToString())), ["conv0", "conv1"])
+    onnx.checker.check_model(swapped)
+    x = RNG.standard_normal((4, 1, 9, 9)).astype(np.float32)
+    a = load(model, "x86-gateway", backend="numpy")(x)
+    b = load(swapped, "x86-gateway", backend="numpy")(x)
+    np.testing.assert_array_equal(a, b)
+
+
 def test_unknown_layer_name_is_a_clear_error():
     with pytest.raises(QuantizationError, match=r"'conv9'.*conv0"):
         edgeflow.quantize(zoo.digits_cnn(), "x86-gateway", calibration=X_CNN, keep_fp32=["conv9"])
@@ -184,7 +210,7 @@ def test_holdout_split_and_report_contents():
     assert (rep.n_calibration, rep.n_eval) == (51, 13) and "held out" in rep.eval_source
     assert 0.2 < rep.size_ratio < 0.6
     assert rep.error is not None and 0.99 < rep.error.cosine <= 1.0 + 1e-9 and rep.error.top1_agreement is not None
-    assert rep.accuracy_fp32 is not None and len(rep.sensitivity) == 4
+    assert rep.accuracy_fp32 is not None and len(rep.sensitivity) == 3  # conv0 (1 channel) stays fp32
     assert rep.latency is not None and rep.latency.fp32.p50_ms > 0 and rep.latency.batch_size == 32
     text = rep.format()
     assert "accuracy" in text and "sensitivity" in text and "ratio" in text

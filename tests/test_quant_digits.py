@@ -104,13 +104,14 @@ def test_fp32_baselines_are_real_classifiers(name, models, digits, request):
 
 
 @pytest.mark.parametrize("engine", ["numpy", "ort"])
-@pytest.mark.parametrize("name", ["mlp", "cnn"])
-def test_int8_loses_at_most_one_point(name, engine, models, digits, request):
+@pytest.mark.parametrize("name, min_channels", [("mlp", 4), ("cnn", 4), ("cnn", 0)])
+def test_int8_loses_at_most_one_point(name, min_channels, engine, models, digits, request):
+    """min_channels 4 (the default) keeps the 1-channel input conv fp32 (faster); 0 quantizes every layer."""
     if engine == "ort":
         pytest.importorskip("onnxruntime.quantization")
     model = _model(name, models, request)
     x_cal, x_test, y_test = _data(name, digits)
-    result = edgeflow.quantize(model, "x86-gateway", calibration=x_cal, engine=engine,
+    result = edgeflow.quantize(model, "x86-gateway", calibration=x_cal, engine=engine, min_int8_channels=min_channels,
                                eval_data=x_test, labels=y_test, latency_runs=0, sensitivity=False)
     rep = result.report
     # Measured here, independently of the report, on both backends.
@@ -121,7 +122,8 @@ def test_int8_loses_at_most_one_point(name, engine, models, digits, request):
     assert rep.accuracy_fp32 == pytest.approx(fp32)
     assert rep.accuracy_drop <= MAX_DROP
     assert rep.n_eval == len(x_test) and rep.n_calibration == N_CALIBRATION
-    assert len(rep.quantized_nodes) == (4 if name == "cnn" else 3)
+    n_layers = {"mlp": 3, "cnn": 4}[name] - (1 if name == "cnn" and min_channels else 0)
+    assert len(rep.quantized_nodes) == n_layers
 
 
 def test_arm_profile_int8_activations_on_the_numpy_backend(models, digits):

@@ -30,7 +30,7 @@ import onnx
 from ..errors import EdgeflowError, QuantizationError
 from ..model import ModelSource, TensorInfo, graph_inputs, load_model
 from ..profiles import DeviceProfile, get_profile
-from .analysis import QUANTIZABLE, QuantPlan, name_nodes, plan_quantization
+from .analysis import QUANTIZABLE, QuantPlan, name_nodes, plan_quantization, pool_before_relu
 from .calibration import METHODS as CALIBRATION_METHODS
 from .calibration import collect_ranges
 from .data import CalibrationSet, DataSource, as_calibration_set, fixed_batch
@@ -146,6 +146,7 @@ def quantize(
     keep_fp32: Sequence[str] = (),
     keep_first: bool = False,
     keep_last: bool = False,
+    min_int8_channels: int = 4,
     eval_data: DataSource | None = None,
     labels: np.ndarray | Sequence[int] | None = None,
     holdout: float = 0.2,
@@ -165,7 +166,9 @@ def quantize(
     aligned with ``eval_data`` (or with ``calibration`` when it is split);
     with labels the report gives accuracy and per-layer ``sensitivity``.
     ``keep_fp32`` names nodes to leave in fp32; ``keep_first`` /
-    ``keep_last`` the first / last quantizable layer. ``backend`` is where the
+    ``keep_last`` the first / last quantizable layer; static int8 also keeps
+    convolutions over fewer than ``min_int8_channels`` input channels (image
+    input layers) in fp32, where int8 is slower. ``backend`` is where the
     report runs (default: the profile's first usable backend). The result is
     saved to ``output`` when given.
     """
@@ -192,10 +195,16 @@ def quantize(
 
     plan: QuantPlan | None = None
     if kind != "fp16":
-        plan = plan_quantization(
-            fp32, ops=("Gemm", "MatMul") if kind == "dynamic" else QUANTIZABLE,
+        plan_kw = dict(
+            ops=("Gemm", "MatMul") if kind == "dynamic" else QUANTIZABLE,
             keep_fp32=tuple(keep_fp32), keep_first=keep_first, keep_last=keep_last,
+            min_int8_channels=min_int8_channels if kind == "static" else 0,
         )
+        plan = plan_quantization(fp32, **plan_kw)
+        kept_convs = [n.name for n in fp32.graph.node if n.op_type == "Conv" and n.name in plan.kept_fp32]
+        if kind == "static" and kept_convs:
+            fp32 = load_model(pool_before_relu(fp32, kept_convs))
+            plan = plan_quantization(fp32, **plan_kw)
 
     # Data: calibration, held-out evaluation, labels.
     cal = as_calibration_set(calibration, inputs) if calibration is not None else None

@@ -1,0 +1,202 @@
+"""int8 vs fp32: latency on onnxruntime and on the numpy backend, model size,
+and top-1 accuracy on scikit-learn's digits — in one run.
+
+    python benchmarks/quantization.py [--runs 30] [--rounds 5] [--json out.json]
+
+Models: the benchmark CNN (edgeflow.zoo.small_cnn: 1x28x28 input, 3x3 convs
+with 32 and 64 channels, hidden 128 — random weights, latency and size only)
+and the digits MLP / CNN trained here (scikit-learn MLPClassifier / torch;
+torch is a benchmark-only dependency and the CNN accuracy row is skipped
+without it). int8 = static QDQ, per-channel int8 weights, uint8 activations
+(profile x86-gateway), MinMax calibration on 300 samples.
+
+Latency: the fp32 and int8 sessions are timed in alternating rounds (median
+of all samples), so background load on a shared machine hits both alike.
+Targets: int8 >= 1.5x faster than fp32 on onnxruntime for the CNN at batch
+32; int8 / fp32 model size <= 0.27.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+import edgeflow
+from edgeflow import zoo
+from edgeflow.datasets import load_digits
+from edgeflow.runtime import load
+
+PROFILE = "x86-gateway"
+
+
+def _set_weights(model: onnx.ModelProto, weights: dict) -> onnx.ModelProto:
+    for t in model.graph.initializer:
+        if t.name in weights:
+            t.CopyFrom(numpy_helper.from_array(np.asarray(weights[t.name], np.float32), t.name))
+    return model
+
+
+def train_mlp(split, seed: int = 0) -> onnx.ModelProto:
+    from sklearn.neural_network import MLPClassifier
+
+    d = split.flat()
+    clf = MLPClassifier(hidden_layer_sizes=(64, 32), max_iter=300, random_state=seed).fit(d.x_train, d.y_train)
+    w = {}
+    for i, (c, b) in enumerate(zip(clf.coefs_, clf.intercepts_)):
+        w[f"fc{i}.weight"], w[f"fc{i}.bias"] = c.T, b
+    return _set_weights(zoo.digits_mlp(seed=seed), w)
+
+
+def train_cnn(split, seed: int = 0, epochs: int = 15) -> onnx.ModelProto | None:
+    try:
+        import torch
+        from torch import nn
+    except ImportError:
+        return None
+    torch.manual_seed(seed)
+    torch.set_num_threads(1)
+    net = nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10),
+    )
+    opt = torch.optim.Adam(net.parameters(), lr=3e-3)
+    x, y = torch.from_numpy(split.x_train), torch.from_numpy(split.y_train)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        perm = torch.randperm(len(x), generator=gen)
+        for i in range(0, len(x), 32):
+            idx = perm[i:i + 32]
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
+            opt.step()
+    layer = {"0": "conv0", "3": "conv1", "7": "fc0", "9": "fc1"}
+    w = {f"{layer[k.split('.')[0]]}.{k.split('.')[1]}": v.detach().numpy() for k, v in net.state_dict().items()}
+    return _set_weights(zoo.digits_cnn(seed=seed), w)
+
+
+def paired_p50(fns: list, runs: int, rounds: int, warmup: int = 5) -> list[float]:
+    """Median ms of each callable, timed in alternating rounds."""
+    samples: list[list[float]] = [[] for _ in fns]
+    for f in fns:
+        for _ in range(warmup):
+            f()
+    for _ in range(rounds):
+        for i, f in enumerate(fns):
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                f()
+                samples[i].append((time.perf_counter() - t0) * 1e3)
+    return [float(np.median(s)) for s in samples]
+
+
+def latency_rows(name: str, fp32, int8, x_full: np.ndarray, batches, threads_list, backends, runs, rounds):
+    rows = []
+    for backend in backends:
+        for batch in batches:
+            for threads in threads_list:
+                x = x_full[:batch]
+                a = load(fp32, PROFILE, backend=backend, threads=threads, batch_size=batch, allow_over_budget=True)
+                b = load(int8, PROFILE, backend=backend, threads=threads, batch_size=batch, allow_over_budget=True)
+                t32, t8 = paired_p50([lambda: a(x), lambda: b(x)], runs, rounds)
+                rows.append({"model": name, "backend": backend, "batch": batch, "threads": threads,
+                             "fp32_ms": t32, "int8_ms": t8, "speedup": t32 / t8})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=30, help="timed runs per round (default 30)")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
+    ap.add_argument("--json", help="also write all figures as JSON here")
+    args = ap.parse_args(argv)
+    cores = os.cpu_count() or 1
+    threads_list = sorted({1, min(2, cores)})
+    rng = np.random.default_rng(0)
+
+    # --- the benchmark CNN: latency and size ---------------------------------
+    cnn28 = zoo.small_cnn()
+    x28 = rng.random((300, 1, 28, 28), dtype=np.float32)
+    q28 = edgeflow.quantize(cnn28, PROFILE, calibration=x28, engine="ort", latency_runs=0, sensitivity=False)
+    q28n = edgeflow.quantize(cnn28, PROFILE, calibration=x28, engine="numpy", latency_runs=0, sensitivity=False)
+
+    # --- digits: trained models, accuracy, latency ---------------------------
+    digits = load_digits(seed=0)
+    mlp = train_mlp(digits)
+    cnn = train_cnn(digits)
+    acc_rows, models = [], [("cnn28", cnn28, q28.model, x28)]
+    for name, fp32, split in (("digits-mlp", mlp, digits.flat()), ("digits-cnn", cnn, digits)):
+        if fp32 is None:
+            print(f"(skipping {name}: torch is not installed)", file=sys.stderr)
+            continue
+        row = {"model": name}
+        for engine in ("ort", "numpy"):
+            r = edgeflow.quantize(fp32, PROFILE, calibration=split.x_train[:300], engine=engine,
+                                  eval_data=split.x_test, labels=digits.y_test, latency_runs=0, sensitivity=False)
+            row["fp32_acc"] = r.report.accuracy_fp32
+            row[f"int8_acc_{engine}"] = r.report.accuracy_quantized
+            row[f"drop_{engine}"] = r.report.accuracy_drop
+            if engine == "ort":
+                models.append((name, fp32, r.model, split.x_test))
+                row["size_ratio"] = r.report.size_ratio
+        acc_rows.append(row)
+
+    size_rows = [{"model": "cnn28", "engine": e, "fp32_kib": r.report.fp32_bytes / 1024,
+                  "int8_kib": r.report.quantized_bytes / 1024, "ratio": r.report.size_ratio}
+                 for e, r in (("ort", q28), ("numpy", q28n))]
+    for row in acc_rows:
+        m = next(m for m in models if m[0] == row["model"])
+        size_rows.append({"model": row["model"], "engine": "ort", "fp32_kib": m[1].ByteSize() / 1024,
+                          "int8_kib": m[2].ByteSize() / 1024, "ratio": row["size_ratio"]})
+
+    lat_rows = []
+    for name, fp32, int8, x in models:
+        lat_rows += latency_rows(name, fp32, int8, x, (32, 1), threads_list, ("ort", "numpy"), args.runs, args.rounds)
+
+    # --- print ---------------------------------------------------------------
+    import onnxruntime
+
+    print(f"edgeflow {edgeflow.__version__}, onnxruntime {onnxruntime.__version__}, numpy {np.__version__}, "
+          f"{cores} cores; profile {PROFILE} (QDQ, per-channel int8 weights, uint8 activations, MinMax)")
+    print()
+    print("latency (median ms; int8 speedup = fp32 / int8)")
+    print(f"{'model':11s} {'backend':7s} {'batch':>5s} {'thr':>3s} {'fp32 ms':>9s} {'int8 ms':>9s} {'speedup':>8s}")
+    for r in lat_rows:
+        print(f"{r['model']:11s} {r['backend']:7s} {r['batch']:5d} {r['threads']:3d} {r['fp32_ms']:9.3f} "
+              f"{r['int8_ms']:9.3f} {r['speedup']:7.2f}x")
+    print()
+    print("model size (serialized)")
+    print(f"{'model':11s} {'engine':7s} {'fp32 KiB':>9s} {'int8 KiB':>9s} {'ratio':>6s}")
+    for r in size_rows:
+        print(f"{r['model']:11s} {r['engine']:7s} {r['fp32_kib']:9.1f} {r['int8_kib']:9.1f} {r['ratio']:6.3f}")
+    print()
+    print("digits top-1 accuracy on the 450 held-out test images (calibration: 300 training images)")
+    print(f"{'model':11s} {'fp32 %':>7s} {'int8 ort %':>11s} {'drop':>6s} {'int8 numpy %':>13s} {'drop':>6s}")
+    for r in acc_rows:
+        print(f"{r['model']:11s} {r['fp32_acc']:7.2f} {r['int8_acc_ort']:11.2f} {r['drop_ort']:+6.2f} "
+              f"{r['int8_acc_numpy']:13.2f} {r['drop_numpy']:+6.2f}")
+    print()
+    ort32 = next(r for r in lat_rows if r["model"] == "cnn28" and r["backend"] == "ort" and r["batch"] == 32
+                 and r["threads"] == 1)
+    np32 = next(r for r in lat_rows if r["model"] == "cnn28" and r["backend"] == "numpy" and r["batch"] == 32
+                and r["threads"] == 1)
+    ratio = size_rows[0]["ratio"]
+    print(f"targets: onnxruntime int8 speedup, CNN batch 32, 1 thread: {ort32['speedup']:.2f}x (>= 1.5x: "
+          f"{'met' if ort32['speedup'] >= 1.5 else 'NOT met'}); size ratio {ratio:.3f} (<= 0.27: "
+          f"{'met' if ratio <= 0.27 else 'NOT met'})")
+    print(f"numpy backend: int8 / fp32 latency, CNN batch 32, 1 thread: {np32['int8_ms'] / np32['fp32_ms']:.2f}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"latency": lat_rows, "size": size_rows, "accuracy": acc_rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
