@@ -211,6 +211,19 @@ def check_num_samples(num_samples: object, client_id: str) -> int:
     return int(num_samples)
 
 
+def all_finite(arr: np.ndarray) -> bool:
+    """True when ``arr`` holds no NaN or Inf.
+
+    For float32/float64 one read-only sum decides (NaN and Inf propagate
+    through it), ~1.4x faster than ``isfinite().all()``, which also writes a
+    mask. The price: a float32 tensor whose sum overflows (values around
+    1e32 and up) counts as non-finite too; no real delta comes near.
+    """
+    if arr.dtype == np.float32 or arr.dtype == np.float64:
+        return bool(np.isfinite(np.einsum("i->", arr.reshape(-1))))
+    return bool(np.isfinite(arr).all())
+
+
 def _constant_staleness(staleness: int) -> float:
     return 1.0
 
@@ -227,6 +240,12 @@ class Aggregator(ABC):
     behind, see :mod:`edgeflow.gateway.buffered`) to a weight factor in
     [0, 1]; the default ignores staleness, which is right for synchronous
     rounds where it is always 0.
+
+    ``check_finite`` (default on) scans every update for NaN/Inf, one read
+    of the update (~0.2 ms per 1M float32 parameters, a third of FedAvg's
+    fold). :func:`edgeflow.codecs.decode_update` already refuses non-finite
+    tensors, so an orchestrator that feeds only decoded updates may turn it
+    off; a NaN that got through would then poison the round.
     """
 
     name: ClassVar[str] = ""
@@ -234,11 +253,13 @@ class Aggregator(ABC):
     """True when memory grows with the number of clients (robust strategies)."""
 
     def __init__(self, *, server_optimizer: ServerOptimizer | None = None,
-                 staleness_fn: Callable[[int], float] | None = None) -> None:
+                 staleness_fn: Callable[[int], float] | None = None, check_finite: bool = True) -> None:
         self.server_optimizer = server_optimizer
+        self.check_finite = bool(check_finite)
         self.staleness_fn: Callable[[int], float] = staleness_fn or _constant_staleness
         self._open = False
         self._round_id = -1
+        self._pending_scale = 1.0
         self._schema: Schema | None = None
         self._global: dict[str, np.ndarray] | None = None
         self._reset_round_counters()
@@ -261,6 +282,7 @@ class Aggregator(ABC):
             self._schema = None
             self._global = None
         self._round_id = int(round_id)
+        self._pending_scale = 1.0
         self._reset_round_counters()
         self._open = True
         if self._schema is not None:
@@ -285,20 +307,23 @@ class Aggregator(ABC):
         if client_id and client_id in self._seen:
             self._reject(client_id, "duplicate", "a second update in the same round")
             return
-        for name in schema.names:
-            if not np.isfinite(update[name]).all():
-                self._reject(client_id, "non_finite", f"tensor {name!r} has NaN or Inf")
-                return
         factor = float(self.staleness_fn(int(staleness)))
         if not (math.isfinite(factor) and 0.0 <= factor):
             raise AggregationError(f"staleness_fn({staleness}) returned {factor}; it must be finite and >= 0")
         if factor == 0.0:
             self._reject(client_id, "zero_weight", f"staleness {staleness} has weight 0")
             return
-        if self._schema is None:  # delta-only round: the first good update fixes the layout
+        first = self._schema is None
+        if first:  # delta-only round: the first good update fixes the layout
             self._schema = schema
             self._start(schema)
-        self._fold(update, n, factor, client_id)
+        bad = self._fold_checked(update, n, factor, client_id)
+        if bad is not None:
+            if first:  # a rejected update must not fix the round's layout
+                self._schema = None
+                self._release()
+            self._reject(client_id, "non_finite", f"tensor {bad!r} has NaN or Inf")
+            return
         if client_id:
             self._seen.add(client_id)
         self._client_ids.append(client_id)
@@ -317,22 +342,20 @@ class Aggregator(ABC):
             )
         assert self._schema is not None
         delta64, metrics = self._reduce()
+        scale = self._reduce_scale
         if self.server_optimizer is not None:
+            if scale != 1.0:
+                for d in delta64.values():
+                    d *= scale
+                scale = 1.0
             delta64 = self.server_optimizer.step(delta64)
-        schema = self._schema
-        delta = {n: np.asarray(delta64[n]).astype(schema.specs[n].dtype, copy=False) for n in schema.names}
-        weights = None
-        if self._global is not None:
-            weights = {
-                n: (np.asarray(self._global[n], dtype=np.float64) + delta64[n]).astype(schema.specs[n].dtype)
-                for n in schema.names
-            }
+        delta, weights, delta_norm = self._finalize(delta64, scale)
         metrics = {
             "num_clients": float(self._num_clients),
             "total_samples": float(self._total_samples),
             "num_rejected": float(len(self._rejected)),
             "max_staleness": float(self._max_staleness),
-            "delta_norm": float(math.sqrt(sum(float(np.vdot(d, d)) for d in delta64.values()))),
+            "delta_norm": delta_norm,
             **metrics,
         }
         for r in self._rejected:
@@ -352,6 +375,30 @@ class Aggregator(ABC):
         self._global = None
         self._release()
         return result
+
+    def _finalize(self, delta64: Mapping[str, np.ndarray], scale: float
+                  ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None, float]:
+        """delta = scale * delta64 cast once to the schema's dtype, weights = global + delta
+        in that dtype (one rounding), and ||delta||: three passes per tensor."""
+        assert self._schema is not None
+        deltas: dict[str, np.ndarray] = {}
+        weights: dict[str, np.ndarray] | None = {} if self._global is not None else None
+        sumsq = 0.0
+        for name, spec in self._schema.specs.items():
+            d_out = np.empty(spec.shape, dtype=spec.dtype)
+            np.multiply(delta64[name], scale, out=d_out, casting="unsafe")
+            flat = d_out.reshape(-1)
+            sumsq += float(np.einsum("i,i->", flat, flat))  # not BLAS: no thread pool in the hot path
+            deltas[name] = d_out
+            if weights is not None:
+                weights[name] = np.add(self._global[name], d_out, dtype=spec.dtype)
+        return deltas, weights, math.sqrt(sumsq)
+
+    @property
+    def _reduce_scale(self) -> float:
+        """Factor ``_reduce``'s arrays still need (FedAvg defers its division to
+        the final pass); 1.0 for strategies that return the finished delta."""
+        return self._pending_scale
 
     # ---- introspection ---------------------------------------------------
 
@@ -398,6 +445,18 @@ class Aggregator(ABC):
     @abstractmethod
     def _fold(self, update: Weights, num_samples: int, staleness_weight: float, client_id: str) -> None:
         """Take in one validated, finite update."""
+
+    def _fold_checked(self, update: Weights, num_samples: int, staleness_weight: float,
+                      client_id: str) -> str | None:
+        """Check for NaN/Inf (if ``check_finite``), then fold; the first bad tensor's
+        name, with nothing folded, if the check fails. Strategies that can check
+        while folding, without a separate read of the update, override this."""
+        if self.check_finite:
+            for name in self._schema.names if self._schema is not None else update:
+                if not all_finite(update[name]):
+                    return name
+        self._fold(update, num_samples, staleness_weight, client_id)
+        return None
 
     @abstractmethod
     def _reduce(self) -> tuple[dict[str, np.ndarray], dict[str, float]]:

@@ -325,14 +325,34 @@ class ServerAdagrad(_Adaptive):
 # ---------------------------------------------------------------------------
 
 
+_BLOCK = 1 << 16
+"""Elements per fold block: 256-512 KiB, resident in L2 on the servers we target."""
+
+
 class FedAvg(Aggregator):
     """Sample-weighted mean of deltas, folded in as they arrive.
 
-    Memory: one float64 accumulator per tensor (8 bytes/parameter) plus one
-    float64 scratch buffer the size of the largest tensor - independent of
-    the number of clients. float64 was measured against float32 with Kahan
-    compensation: same memory (two float32 arrays), ~1.5x slower, no more
-    accurate (see docs/aggregation.md).
+    Memory: a float64 accumulator per tensor (8 bytes/parameter) and, for
+    float32/float16 models, a float32 staging sum (4 bytes/parameter) plus
+    two 256-512 KiB scratch blocks - independent of the number of clients:
+    12 bytes/parameter, 120 MB for 10M. (Summing into a second staging
+    buffer, to check each block while folding and drop a bad update without
+    a separate scan, was measured slower: the extra write stream costs more
+    than the NaN scan it saves.)
+
+    Why staging: folding straight into float64 costs a float32->float64 cast
+    per update, which numpy does at about a third of the speed of float32
+    math (measured: 0.9 ms vs 0.32 ms per 1M parameters). So each update is
+    multiplied by its weight and added in float32, block by block so the
+    product stays in cache, and every ``stage`` updates the float32 sum is
+    flushed into the float64 accumulator. Plain numpy ufuncs, not BLAS
+    ``saxpy``: single-threaded BLAS is barely faster, and OpenBLAS' threads
+    on a busy 2-core gateway were measured 25x slower (spinning). The error is that of summing
+    ``stage`` float32 terms - a few float32 ulps of the sum of magnitudes,
+    *not* growing with the number of clients (a plain float32 sum, as in
+    Flower, grows with n). ``stage=0`` folds exactly in float64 instead;
+    float64 models always do. Kahan-compensated float32 was measured too:
+    same memory as float64, slower, less accurate (benchmarks/aggregation.py).
 
     Staleness: an update's weight is ``n_i * s(tau_i)``; the denominator is
     ``sum n_i`` (FedBuff: stale updates shrink the step) unless
@@ -351,30 +371,47 @@ class FedAvg(Aggregator):
     name = "fedavg"
 
     def __init__(self, *, weighted: bool = True, normalize_staleness: bool = False,
-                 privacy: CentralDP | None = None, server_optimizer=None,
-                 staleness_fn: Callable[[int], float] | None = None) -> None:
-        super().__init__(server_optimizer=server_optimizer, staleness_fn=staleness_fn)
+                 privacy: CentralDP | None = None, stage: int = 32, server_optimizer=None,
+                 staleness_fn: Callable[[int], float] | None = None, check_finite: bool = True) -> None:
+        super().__init__(server_optimizer=server_optimizer, staleness_fn=staleness_fn, check_finite=check_finite)
         if privacy is not None and not isinstance(privacy, CentralDP):
             raise ConfigError(f"privacy must be a CentralDP, got {type(privacy).__name__}")
+        if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
+            raise ConfigError(f"stage must be an int >= 0 (0 = fold exactly in float64), got {stage!r}")
         self.weighted = bool(weighted)
         self.normalize_staleness = bool(normalize_staleness)
         self.privacy = privacy
+        self.stage = stage
         self._acc: dict[str, np.ndarray] | None = None
+        self._staged: dict[str, np.ndarray] = {}
+        self._num_staged = 0
+        self._staged_empty = True
         self._scratch: np.ndarray | None = None
+        self._scratch32: np.ndarray | None = None
         self._denom = 0.0
         self._weight_sum = 0.0
         self._clipped = 0
 
     def _start(self, schema: Schema) -> None:
         self._acc = schema.zeros(np.float64)
-        self._scratch = np.empty(max(s.size for s in schema.specs.values()), dtype=np.float64)
+        self._staged = {}
+        if self.stage > 0:
+            self._staged = {n: np.empty(sp.shape, np.float32) for n, sp in schema.specs.items()
+                            if sp.dtype.itemsize <= 4}
+        self._num_staged = 0
+        self._staged_empty = True
+        block = min(_BLOCK, max(sp.size for sp in schema.specs.values()))
+        self._scratch = np.empty(block, dtype=np.float64)
+        self._scratch32 = np.empty(block, dtype=np.float32)
         self._denom = 0.0
         self._weight_sum = 0.0
         self._clipped = 0
 
     def _release(self) -> None:
         self._acc = None
+        self._staged = {}
         self._scratch = None
+        self._scratch32 = None
 
     def _fold(self, update: Weights, num_samples: int, staleness_weight: float, client_id: str) -> None:
         base = float(num_samples) if self.weighted and self.privacy is None else 1.0
@@ -389,15 +426,43 @@ class FedAvg(Aggregator):
         self._weight_sum += weight
 
     def _accumulate(self, update: Weights, weight: float) -> None:
-        assert self._acc is not None and self._scratch is not None
+        """Add ``weight * update`` in place: float32 tensors into their staging sums,
+        the others exactly into float64, block by block (products stay in cache)."""
+        assert self._acc is not None and self._scratch is not None and self._scratch32 is not None
+        fresh = self._staged_empty
         for name, acc in self._acc.items():
-            u = update[name]
+            staged = self._staged.get(name)
+            target = (staged if staged is not None else acc).reshape(-1)
+            u = np.asarray(update[name]).reshape(-1)
+            if staged is not None and fresh:  # first update after a flush: write, do not add to stale sums
+                np.multiply(u, np.float32(weight), out=target)
+                continue
             if weight == 1.0:
-                np.add(acc, u, out=acc)
+                np.add(target, u, out=target)
+                continue
+            if staged is not None:
+                scratch, w = self._scratch32, np.float32(weight)
             else:
-                tmp = self._scratch[: acc.size].reshape(acc.shape)
-                np.multiply(u, weight, out=tmp, dtype=np.float64)  # exact product; a float32 one loses 1e-7
-                acc += tmp
+                scratch, w = self._scratch, np.float64(weight)  # exact product in float64
+            for a in range(0, target.size, _BLOCK):
+                b = min(target.size, a + _BLOCK)
+                tmp = scratch[: b - a]
+                np.multiply(u[a:b], w, out=tmp, dtype=scratch.dtype)
+                np.add(target[a:b], tmp, out=target[a:b])
+        if self._staged:
+            self._staged_empty = False
+            self._num_staged += 1
+            if self._num_staged >= self.stage:
+                self._flush()
+
+    def _flush(self) -> None:
+        """Move the float32 staging sums into the float64 accumulator."""
+        assert self._acc is not None
+        if self._num_staged:
+            for name, staged in self._staged.items():
+                np.add(self._acc[name], staged, out=self._acc[name])
+        self._num_staged = 0
+        self._staged_empty = True  # the next update overwrites the staging sums
 
     def add_partial(self, weighted_sum: Weights, total_samples: int, num_clients: int, client_id: str = "") -> None:
         """Fold in ``sum_i n_i d_i`` over ``num_clients`` clients whose ``sum_i n_i`` is ``total_samples``.
@@ -435,6 +500,7 @@ class FedAvg(Aggregator):
 
     def _reduce(self) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         assert self._acc is not None
+        self._flush()
         metrics: dict[str, float] = {"weight_sum": self._weight_sum}
         denom = self._denom
         if self.privacy is not None:
@@ -442,11 +508,13 @@ class FedAvg(Aggregator):
         if not denom > 0:
             raise AggregationError(f"round {self._round_id}: aggregation weights sum to {denom}")
         mean = self._acc
-        for acc in mean.values():
-            acc /= denom
-        if self.privacy is not None:
+        if self.privacy is not None:  # the noise goes on the finished mean
+            for acc in mean.values():
+                acc /= denom
             metrics.update(self.privacy.privatize(mean, denom, self._num_clients, self._clipped,
                                                   scratch=self._scratch))
+        else:  # divide in the final pass over the result (one read less)
+            self._pending_scale = 1.0 / denom
         return mean, metrics
 
 
@@ -524,8 +592,8 @@ class _Holding(Aggregator):
     holds_updates = True
 
     def __init__(self, *, chunk_elems: int = 1 << 22, server_optimizer=None,
-                 staleness_fn: Callable[[int], float] | None = None) -> None:
-        super().__init__(server_optimizer=server_optimizer, staleness_fn=staleness_fn)
+                 staleness_fn: Callable[[int], float] | None = None, check_finite: bool = True) -> None:
+        super().__init__(server_optimizer=server_optimizer, staleness_fn=staleness_fn, check_finite=check_finite)
         if chunk_elems < 1:
             raise ConfigError(f"chunk_elems must be >= 1, got {chunk_elems}")
         self.chunk_elems = int(chunk_elems)
