@@ -143,8 +143,11 @@ class QuantizationReport:
             f"  size       fp32 {self.fp32_bytes / 1024:,.1f} KiB -> {self.quantized_bytes / 1024:,.1f} KiB "
             f"(ratio {self.size_ratio:.3f})"
         )
-        lines.append(f"  layers     {len(self.quantized_nodes)} quantized, {len(self.kept_fp32)} kept fp32"
-                     + (f": {', '.join(self.kept_fp32)}" if self.kept_fp32 else ""))
+        if self.method == "fp16":
+            lines.append("  layers     every float32 weight and activation in float16 (inputs/outputs stay float32)")
+        else:
+            lines.append(f"  layers     {len(self.quantized_nodes)} quantized, {len(self.kept_fp32)} kept fp32"
+                         + (f": {', '.join(f'{k} ({v})' for k, v in self.kept_fp32.items())}" if self.kept_fp32 else ""))
         lines.append(f"  eval data  {self.n_eval} samples ({self.eval_source}); calibration {self.n_calibration} samples")
         if self.accuracy_fp32 is not None:
             lines.append(
