@@ -7,7 +7,8 @@ The aggregation layer (usable alone, no MQTT):
   TrimmedMean, Krum, MultiKrum, and :func:`make_aggregator` by name
 * :mod:`.buffered`    - FedBuff-style asynchronous buffering and staleness weights
 * :mod:`.privacy`     - clipping, Gaussian noise, RDP accountant (central DP)
-* :mod:`.secagg`, :mod:`.shamir` - secure aggregation by pairwise masking
+* :mod:`.secagg`, :mod:`.shamir` - secure aggregation by pairwise masking;
+  :mod:`.secagg_wire` - its messages as bytes
 
 See docs/aggregation.md.
 """

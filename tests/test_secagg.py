@@ -12,6 +12,7 @@ import pytest
 from edgeflow.errors import AggregationError, ConfigError
 from edgeflow.gateway.secagg import (
     FixedPoint,
+    MaskedInput,
     SecAggClient,
     SecAggConfig,
     SecAggError,
@@ -251,3 +252,69 @@ def test_shamir_any_threshold_subset_rebuilds_the_secret():
         split_secret(secret, 4, 3)
     roundtrip = Share.from_y_bytes(shares[0].x, shares[0].y_bytes())
     assert roundtrip == shares[0]
+
+
+def test_every_message_survives_the_wire_and_the_sum_is_still_exact():
+    from edgeflow.gateway.secagg_wire import decode_message, encode_message
+
+    def wire(msg):
+        out = decode_message(encode_message(msg))
+        assert type(out) is type(msg)
+        return out
+
+    ups = _updates(6, seed=3)
+    cfg = SecAggConfig.for_clients(6, max_dropout_fraction=0.2)
+    server = SecAggServer(cfg, LAYOUT, round_id=2)
+    clients = {c: SecAggClient(c) for c in ups}
+    for c in clients.values():
+        server.receive_advertise(wire(c.advertise()))
+    d = wire(server.key_directory())
+    assert d == server._directory
+    for c in clients.values():
+        server.receive_share_keys(wire(c.share_keys(d)))
+    bundles = {k: wire(v) for k, v in server.share_bundles().items()}
+    for cid, c in clients.items():
+        if cid != "dev-04":
+            msg = wire(c.masked_input(bundles[cid], ups[cid], weight=2.0))
+            assert msg.masked.dtype == np.uint64
+            server.receive_masked_input(msg)
+    req = wire(server.unmask_request())
+    for cid in req.survivors:
+        server.receive_unmask(wire(clients[cid].unmask(req)))
+    res = server.finish()
+    ref = _plain_sum(ups, [c for c in ups if c != "dev-04"], {c: 2.0 for c in ups})
+    for k in LAYOUT:
+        np.testing.assert_allclose(res.sum[k], ref[k], atol=1e-8)
+
+
+def test_malformed_frames_raise_secagg_error():
+    from edgeflow.gateway.secagg_wire import decode_message, encode_message
+
+    good = encode_message(SecAggClient("dev-1").advertise())
+    masked = encode_message(MaskedInput("d", b"s", np.arange(4, dtype=np.uint64)))
+
+    def reframe(frame, edit):
+        import json
+        import struct
+
+        n = struct.unpack_from(">I", frame, 6)[0]
+        head = json.dumps(edit(json.loads(frame[10:10 + n]))).encode()
+        return frame[:6] + struct.pack(">I", len(head)) + head + frame[10 + n:]
+    cases = {
+        "shorter than the frame header": good[:5],
+        "bad magic": b"XXXX" + good[4:],
+        "unsupported version": good[:4] + b"\x09" + good[5:],
+        "unknown message kind": good[:5] + b"\x63" + good[6:],
+        "header length exceeds": good[:6] + (10 ** 6).to_bytes(4, "big") + good[10:],
+        "unexpected bytes after the header": good + b"x",
+        "must be 32 bytes": reframe(good, lambda h: h | {"enc_public_key": "00" * 31}),
+        "field 'client_id' must be a string": reframe(good, lambda h: h | {"client_id": 7}),
+        "is not hex": reframe(good, lambda h: h | {"mask_public_key": "zz" * 32}),
+        "payload is 31 bytes": masked[:-1],
+        "not JSON": good[:10] + b"{" * (len(good) - 10),
+    }
+    for match, frame in cases.items():
+        with pytest.raises(SecAggError, match=match):
+            decode_message(frame)
+    with pytest.raises(SecAggError, match="not a secure-aggregation message"):
+        encode_message("hello")  # type: ignore[arg-type]

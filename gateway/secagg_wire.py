@@ -1,0 +1,242 @@
+"""Bytes for the secure-aggregation messages, so the orchestrator can publish them.
+
+One frame per message::
+
+    b"EFSA" | version (1 byte) | kind (1 byte) | header length (u32, big endian)
+    | header (UTF-8 JSON; bytes fields as hex) | payload (MaskedInput only: the
+    masked vector, little-endian uint32/uint64)
+
+The masked vector travels raw because it is the only large part (8 or 4
+bytes per parameter, incompressible); everything else is small. Decoding
+checks the frame, every field's type and size, and raises
+:class:`~edgeflow.gateway.secagg.SecAggError` on anything malformed - it never
+returns a half-built message. Authenticity is not this layer's job: sign the
+frames (``edgeflow.signing``) where the threat model needs it, above all
+``AdvertiseKeys``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any, Union
+
+import numpy as np
+
+from edgeflow.gateway.secagg import (
+    AdvertiseKeys,
+    EncryptedShare,
+    KeyDirectory,
+    MaskedInput,
+    ParticipantKeys,
+    SecAggConfig,
+    SecAggError,
+    ShareBundle,
+    ShareKeys,
+    UnmaskRequest,
+    UnmaskResponse,
+)
+
+__all__ = ["Message", "decode_message", "encode_message"]
+
+Message = Union[AdvertiseKeys, KeyDirectory, ShareKeys, ShareBundle, MaskedInput, UnmaskRequest, UnmaskResponse]
+
+_MAGIC = b"EFSA"
+_VERSION = 1
+_HEAD = struct.Struct(">4sBBI")
+_MAX_HEADER = 64 << 20
+_KINDS: dict[type, int] = {AdvertiseKeys: 1, KeyDirectory: 2, ShareKeys: 3, ShareBundle: 4, MaskedInput: 5,
+                           UnmaskRequest: 6, UnmaskResponse: 7}
+
+
+def _hex(b: bytes) -> str:
+    return bytes(b).hex()
+
+
+def _share(es: EncryptedShare) -> dict[str, str]:
+    return {"sender": es.sender, "recipient": es.recipient, "ciphertext": _hex(es.ciphertext)}
+
+
+def encode_message(msg: Message) -> bytes:
+    """The frame for one protocol message."""
+    kind = _KINDS.get(type(msg))
+    if kind is None:
+        raise SecAggError(f"not a secure-aggregation message: {type(msg).__name__}")
+    payload = b""
+    if isinstance(msg, AdvertiseKeys):
+        head: dict[str, Any] = {"client_id": msg.client_id, "enc_public_key": _hex(msg.enc_public_key),
+                                "mask_public_key": _hex(msg.mask_public_key)}
+    elif isinstance(msg, KeyDirectory):
+        c = msg.config
+        head = {"session_id": _hex(msg.session_id), "round_id": msg.round_id,
+                "config": {"threshold": c.threshold, "ring_bits": c.ring_bits, "frac_bits": c.frac_bits,
+                           "clip": c.clip, "max_clients": c.max_clients},
+                "participants": [{"client_id": p.client_id, "index": p.index,
+                                  "enc_public_key": _hex(p.enc_public_key),
+                                  "mask_public_key": _hex(p.mask_public_key)} for p in msg.participants],
+                "layout": [[name, list(shape)] for name, shape in msg.layout]}
+    elif isinstance(msg, ShareKeys):
+        head = {"client_id": msg.client_id, "session_id": _hex(msg.session_id),
+                "shares": [_share(s) for s in msg.shares]}
+    elif isinstance(msg, ShareBundle):
+        head = {"recipient": msg.recipient, "session_id": _hex(msg.session_id),
+                "shares": [_share(s) for s in msg.shares], "share_holders": list(msg.share_holders)}
+    elif isinstance(msg, MaskedInput):
+        arr = np.asarray(msg.masked)
+        if arr.dtype not in (np.uint32, np.uint64) or arr.ndim != 1:
+            raise SecAggError(f"masked input must be a 1-D uint32/uint64 array, got {arr.dtype}{arr.shape}")
+        head = {"client_id": msg.client_id, "session_id": _hex(msg.session_id),
+                "bits": arr.dtype.itemsize * 8, "length": int(arr.size)}
+        payload = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+    elif isinstance(msg, UnmaskRequest):
+        head = {"session_id": _hex(msg.session_id), "survivors": list(msg.survivors), "dropped": list(msg.dropped)}
+    else:
+        assert isinstance(msg, UnmaskResponse)
+        head = {"client_id": msg.client_id, "session_id": _hex(msg.session_id),
+                "seed_shares": {k: _hex(v) for k, v in msg.seed_shares.items()},
+                "key_shares": {k: _hex(v) for k, v in msg.key_shares.items()}}
+    body = json.dumps(head, separators=(",", ":"), allow_nan=False).encode()
+    return _HEAD.pack(_MAGIC, _VERSION, kind, len(body)) + body + payload
+
+
+# ---- decoding ------------------------------------------------------------
+
+
+def _bad(what: str) -> SecAggError:
+    return SecAggError(f"malformed secure-aggregation message: {what}")
+
+
+def _str(d: dict, key: str) -> str:
+    v = d.get(key)
+    if not isinstance(v, str):
+        raise _bad(f"field {key!r} must be a string")
+    return v
+
+
+def _int(d: dict, key: str) -> int:
+    v = d.get(key)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(f"field {key!r} must be an integer")
+    return v
+
+
+def _bytes(d: dict, key: str, size: int | None = None) -> bytes:
+    v = _str(d, key)
+    try:
+        b = bytes.fromhex(v)
+    except ValueError:
+        raise _bad(f"field {key!r} is not hex") from None
+    if size is not None and len(b) != size:
+        raise _bad(f"field {key!r} must be {size} bytes, got {len(b)}")
+    return b
+
+
+def _list(d: dict, key: str) -> list:
+    v = d.get(key)
+    if not isinstance(v, list):
+        raise _bad(f"field {key!r} must be a list")
+    return v
+
+
+def _dict(d: Any, what: str) -> dict:
+    if not isinstance(d, dict):
+        raise _bad(f"{what} must be an object")
+    return d
+
+
+def _strs(d: dict, key: str) -> tuple[str, ...]:
+    items = _list(d, key)
+    if not all(isinstance(x, str) for x in items):
+        raise _bad(f"field {key!r} must list strings")
+    return tuple(items)
+
+
+def _shares(d: dict) -> tuple[EncryptedShare, ...]:
+    out = []
+    for item in _list(d, "shares"):
+        item = _dict(item, "a share")
+        out.append(EncryptedShare(_str(item, "sender"), _str(item, "recipient"), _bytes(item, "ciphertext")))
+    return tuple(out)
+
+
+def _share_map(d: dict, key: str) -> dict[str, bytes]:
+    m = _dict(d.get(key), f"field {key!r}")
+    out = {}
+    for k in m:
+        if not isinstance(k, str):
+            raise _bad(f"field {key!r} has a non-string key")
+        out[k] = _bytes(m, k)
+    return out
+
+
+def decode_message(data: bytes) -> Message:
+    """The message in a frame made by :func:`encode_message`; SecAggError if malformed."""
+    data = bytes(data)
+    if len(data) < _HEAD.size:
+        raise _bad("shorter than the frame header")
+    magic, version, kind, hlen = _HEAD.unpack_from(data)
+    if magic != _MAGIC:
+        raise _bad("bad magic (not a secure-aggregation frame)")
+    if version != _VERSION:
+        raise _bad(f"unsupported version {version} (this gateway speaks {_VERSION})")
+    if hlen > _MAX_HEADER or _HEAD.size + hlen > len(data):
+        raise _bad("header length exceeds the frame")
+    try:
+        head = json.loads(data[_HEAD.size:_HEAD.size + hlen].decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _bad(f"header is not JSON ({exc})") from None
+    head = _dict(head, "the header")
+    payload = data[_HEAD.size + hlen:]
+    if kind != 5 and payload:
+        raise _bad("unexpected bytes after the header")
+    try:
+        return _decode(kind, head, payload)
+    except SecAggError:
+        raise
+    except (TypeError, ValueError) as exc:  # e.g. SecAggConfig refusing its fields
+        raise _bad(str(exc)) from None
+
+
+def _decode(kind: int, head: dict, payload: bytes) -> Message:
+    if kind == 1:
+        return AdvertiseKeys(_str(head, "client_id"), _bytes(head, "enc_public_key", 32),
+                             _bytes(head, "mask_public_key", 32))
+    if kind == 2:
+        c = _dict(head.get("config"), "field 'config'")
+        clip = c.get("clip")
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)):
+            raise _bad("field 'clip' must be a number")
+        config = SecAggConfig(threshold=_int(c, "threshold"), ring_bits=_int(c, "ring_bits"),
+                              frac_bits=_int(c, "frac_bits"), clip=float(clip), max_clients=_int(c, "max_clients"))
+        parts = []
+        for p in _list(head, "participants"):
+            p = _dict(p, "a participant")
+            parts.append(ParticipantKeys(_str(p, "client_id"), _int(p, "index"), _bytes(p, "enc_public_key", 32),
+                                         _bytes(p, "mask_public_key", 32)))
+        layout = []
+        for item in _list(head, "layout"):
+            if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str)
+                    or not isinstance(item[1], list)
+                    or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in item[1])):
+                raise _bad("layout entries must be [name, [dims...]]")
+            layout.append((item[0], tuple(item[1])))
+        return KeyDirectory(_bytes(head, "session_id"), _int(head, "round_id"), config, tuple(parts), tuple(layout))
+    if kind == 3:
+        return ShareKeys(_str(head, "client_id"), _bytes(head, "session_id"), _shares(head))
+    if kind == 4:
+        return ShareBundle(_str(head, "recipient"), _bytes(head, "session_id"), _shares(head),
+                           _strs(head, "share_holders"))
+    if kind == 5:
+        bits, length = _int(head, "bits"), _int(head, "length")
+        if bits not in (32, 64) or length < 0:
+            raise _bad("masked input needs bits 32|64 and a length >= 0")
+        if len(payload) != length * bits // 8:
+            raise _bad(f"masked input payload is {len(payload)} bytes, header says {length} x {bits // 8}")
+        arr = np.frombuffer(payload, dtype=np.dtype(f"<u{bits // 8}")).astype(np.dtype(f"u{bits // 8}"))
+        return MaskedInput(_str(head, "client_id"), _bytes(head, "session_id"), arr)
+    if kind == 6:
+        return UnmaskRequest(_bytes(head, "session_id"), _strs(head, "survivors"), _strs(head, "dropped"))
+    if kind == 7:
+        return UnmaskResponse(_str(head, "client_id"), _bytes(head, "session_id"),
+                              _share_map(head, "seed_shares"), _share_map(head, "key_shares"))
+    raise _bad(f"unknown message kind {kind}")
