@@ -251,3 +251,27 @@ def test_robust_strategies_reject_non_finite_and_release_memory():
         res = agg.finish()
         assert res.num_clients == 5 and res.rejected[0].reason == "non_finite"
         assert agg._held == []
+
+
+def test_robust_memory_is_clients_times_params_as_documented():
+    import tracemalloc
+
+    size, n = 100_000, 20
+    rng = np.random.default_rng(12)
+    base = rng.standard_normal(size).astype(np.float32)
+    agg = Median(chunk_elems=1 << 18)
+    tracemalloc.start()
+    try:
+        agg.begin_round({"w": np.zeros(size, np.float32)}, 0)
+        start = tracemalloc.get_traced_memory()[0]
+        for i in range(n):
+            agg.add({"w": base * (1 + i)}, 1, f"c{i}")
+        held = tracemalloc.get_traced_memory()[0] - start
+        tracemalloc.reset_peak()
+        agg.finish()
+        reduce_peak = tracemalloc.get_traced_memory()[1] - start - held
+    finally:
+        tracemalloc.stop()
+    assert 0.95 * n * size * 4 < held < 1.1 * n * size * 4
+    # the reduction's temporaries stay near the chunk, plus the float64 result and outputs
+    assert reduce_peak < 4 * (1 << 18) * 4 + 3 * 8 * size
