@@ -50,6 +50,7 @@ class SimConfig:
     overselect: float = 1.0
     quorum: float = 0.6
     deadline_s: float = 30.0
+    max_extensions: int = 2
     epochs: int = 2
     batch_size: int = 16
     lr: float = 0.1
@@ -175,7 +176,8 @@ class SimulatedFleet:
                                                         protocol=protocol)
         rc = RoundConfig(
             rounds=cfg.rounds, mode=cfg.mode, fraction=cfg.fraction, min_clients=cfg.min_clients,
-            overselect=cfg.overselect, quorum=cfg.quorum, deadline_s=cfg.deadline_s, strategy=cfg.strategy,
+            overselect=cfg.overselect, quorum=cfg.quorum, deadline_s=cfg.deadline_s,
+            max_extensions=cfg.max_extensions, strategy=cfg.strategy,
             strategy_params=dict(cfg.strategy_params), train=cfg.train_config(), dp=cfg.dp,
             async_buffer=cfg.async_buffer, seed=cfg.seed, wait_for_devices_s=10.0,
         )
