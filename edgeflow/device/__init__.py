@@ -1,1 +1,40 @@
-"""edgeflow.device (in progress)."""
+"""edgeflow.device: the agent that runs on each board of a fleet.
+
+- :class:`DeviceAgent` (:mod:`.agent`): birth/death, telemetry, inference,
+  signed commands and OTA deployment with A/B slots and rollback;
+- :func:`predict` (:mod:`.api`): in-process inference on the deployed model;
+- :mod:`.messages`: the wire protocol shared with the gateway;
+- :mod:`.slots`, :mod:`.health`, :mod:`.telemetry`, :mod:`.credentials`.
+
+Imports are lazy so that ``import edgeflow.device.messages`` (the gateway
+does) does not pull in the runtime.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .agent import AgentOptions, DeviceAgent, Participant
+    from .api import load_deployed, predict
+    from .credentials import DeviceCredentials, provision_device
+
+__all__ = ["AgentOptions", "DeviceAgent", "DeviceCredentials", "Participant", "load_deployed", "predict",
+           "provision_device"]
+
+_LAZY = {
+    "AgentOptions": ".agent", "DeviceAgent": ".agent", "Participant": ".agent",
+    "predict": ".api", "load_deployed": ".api",
+    "DeviceCredentials": ".credentials", "provision_device": ".credentials",
+}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'edgeflow.device' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(mod, __name__), name)
+    globals()[name] = value
+    return value

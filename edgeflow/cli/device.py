@@ -1,0 +1,87 @@
+"""``edgeflow device``: run this board's fleet agent until stopped."""
+
+from __future__ import annotations
+
+ORDER = 60
+
+CRASH_ENV = "EDGEFLOW_OTA_CRASH_AT"
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "device",
+        help="run the fleet agent on this board",
+        description="Join the fleet with the credentials from `edgeflow fleet provision`: announce this board "
+        "(birth/death), send telemetry, serve inference on the deployed model (MQTT infer topic), obey signed "
+        "commands and install signed OTA models with rollback. Runs until SIGINT/SIGTERM.",
+    )
+    p.add_argument("--profile", help="device profile name or .toml path (default: from the credentials)")
+    p.add_argument("--broker", help="broker URL, e.g. mqtts://gateway.local:8883 (default: from the credentials)")
+    p.add_argument("--credentials", required=True, help="credentials directory (from `edgeflow fleet provision`)")
+    p.add_argument("--state", help="state directory for model slots (default ~/.edgeflow/device/<id>)")
+    p.add_argument("--telemetry-interval", type=float, help="seconds between telemetry messages (default 10)")
+    p.add_argument("--battery-file", help="sysfs power_supply dir or a file holding the battery percentage")
+    p.add_argument("--memory-budget-mb", type=int, help="memory budget override (less than the profile's)")
+    p.add_argument("--backend", choices=["ort", "numpy"], help="force a backend")
+    p.add_argument("--train-data", help=".npz with arrays x and y: take part in federated rounds on them")
+    p.set_defaults(func=cmd)
+
+
+def _participant_factory(path: str):
+    import numpy as np
+
+    from ..errors import InputError
+
+    with np.load(path, allow_pickle=False) as z:
+        if "x" not in z.files or "y" not in z.files:
+            raise InputError(f"{path} must hold arrays 'x' and 'y' (np.savez(path, x=..., y=...))")
+        data = (z["x"], z["y"])
+
+    def make(agent):
+        from ..federated import Client
+
+        return Client(agent.transport, fleet=agent.fleet, device_id=agent.device_id, signer=agent.signer,
+                      fleet_key=agent.fleet_key, model=str(agent.model_path), data=data, profile=agent.profile)
+
+    return make
+
+
+def cmd(args) -> int:
+    import os
+    import signal
+    import sys
+    import threading
+
+    from ..device.agent import AgentOptions, DeviceAgent
+
+    opts = AgentOptions()
+    if args.telemetry_interval is not None:
+        opts.telemetry_interval_s = args.telemetry_interval
+    if args.battery_file:
+        opts.battery_file = args.battery_file
+    if args.memory_budget_mb is not None:
+        opts.memory_budget_mb = args.memory_budget_mb
+    if args.backend:
+        opts.backend = args.backend
+    opts.crash_at = os.environ.get(CRASH_ENV) or None
+    factory = _participant_factory(args.train_data) if args.train_data else None
+    agent = DeviceAgent.from_credentials(args.credentials, broker=args.broker, profile=args.profile,
+                                         state_dir=args.state, options=opts, make_participant=factory)
+    done = threading.Event()
+
+    def on_signal(signum, frame) -> None:  # noqa: ARG001
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    agent.start(connect=False)
+    agent.transport.connect(wait=False)
+    v = agent.model_version
+    print(f"edgeflow device {agent.device_id}: profile {agent.profile.name}, model "
+          f"{'v' + str(v) if v is not None else 'none yet'}, broker {agent.transport.url}", file=sys.stderr, flush=True)
+    for note in agent.boot_notes:
+        print(f"  boot: {note}", file=sys.stderr, flush=True)
+    while not done.wait(0.5):
+        pass
+    agent.stop()
+    return 0

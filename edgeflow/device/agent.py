@@ -1,0 +1,929 @@
+"""The device agent: one board's presence in the fleet.
+
+What it does, on the transport it is given (one :class:`MqttTransport`):
+
+- **birth and death** (Sparkplug B style): after every connect it clears
+  its retained death and publishes a retained, signed birth (profile,
+  versions, model version, public key, ``bdseq``); the last will is a
+  retained death with the same ``bdseq``, so the gateway can tell a stale
+  will from a live device (see :mod:`edgeflow.device.messages`). A clean
+  :meth:`DeviceAgent.stop` publishes the death itself.
+- **telemetry** every ``telemetry_interval_s``: latency p50/p95 of the
+  inferences since the last report, RSS, CPU, queue depth, battery.
+- **inference** on the deployed model: :meth:`DeviceAgent.predict`
+  in-process (``edgeflow.device.predict``) and the ``infer`` ->
+  ``infer/reply`` topics.
+- **commands** (signed by the fleet key, addressed to this device, not
+  expired): ``status``, ``set_config``, ``train_start``, ``train_stop``,
+  ``rollback``, ``reboot``; ``deploy`` arrives with its artifact as an OTA
+  offer on the ``ota`` topic. Every command gets one signed ack on
+  ``cmd/ack``: success with a result, or a code and a clear error, also for
+  refusals (bad signature, unknown command). A redelivered command gets the
+  same ack again instead of running twice.
+
+Threads: message handlers run on the transport's worker thread and only do
+quick work; deploy/rollback/reboot run one at a time on the agent's
+operations thread, MQTT inference requests on its inference thread (a
+bounded queue: "busy" replies instead of unbounded memory), telemetry on its
+own timer thread.
+
+OTA and power cuts: see :mod:`edgeflow.device.slots` for the argument. The
+journal ``pending.json`` is written before the first byte is staged and
+removed after the ack, so an agent restarted mid-deploy acknowledges the
+interrupted command with what it actually runs now (``restarted: true``).
+For crash tests, ``AgentOptions.crash_at`` (the CLI reads
+``EDGEFLOW_OTA_CRASH_AT``) makes the process ``os._exit`` right after one of
+the steps in :data:`CRASH_POINTS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from ..errors import CodecError, EdgeflowError, FleetError, SignatureError
+from ..ota import Artifact, verify_artifact
+from ..profiles import BACKENDS, DeviceProfile, get_profile
+from ..signing import PublicKey, Signer
+from ..transport.message import ConnectionEvent, Message, Will
+from ..transport.topics import device_topic
+from .health import HealthReport, check_model, load_runtime
+from .messages import COMMANDS, Ack, Birth, Command, Death, OtaOffer, decode_tensor, encode_tensor, peek_signed
+from .slots import ActiveModel, SlotStore
+from .telemetry import TelemetryCollector
+
+__all__ = ["CRASH_POINTS", "AgentOptions", "DeviceAgent", "Participant", "ParticipantFactory"]
+
+log = logging.getLogger("edgeflow.device")
+
+CRASH_POINTS = ("received", "staging", "staged", "checked", "swapped", "loaded")
+"""OTA steps after which ``crash_at`` kills the process: verified in memory; half the artifact
+written; artifact on disk; health check done; pointer swapped; new model serving (ack not sent)."""
+CRASH_EXIT_CODE = 86
+ACK_CACHE = 512
+
+
+@runtime_checkable
+class Participant(Protocol):
+    """What the agent needs from a federated-learning client (``edgeflow.federated.Client``)."""
+
+    def start(self) -> Any: ...
+
+    def stop(self) -> Any: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+ParticipantFactory = Callable[["DeviceAgent"], Participant]
+"""``make_participant(agent)``: build a participant for the agent's current model
+(``agent.model_path``, ``agent.transport``, ``agent.signer``...). Called again after every
+model change, since a participant trains one model."""
+
+
+@dataclass
+class AgentOptions:
+    """Agent settings; the ones in :data:`CONFIG_KEYS` can be changed by ``set_config``."""
+
+    telemetry_interval_s: float = 10.0
+    telemetry_qos: int = 1
+    memory_budget_mb: int | None = None
+    """Override of the profile's memory budget (a board with less free memory than its profile says)."""
+    backend: str | None = None
+    threads: int | None = None
+    battery_file: str | None = None
+    health_runs: int = 5
+    infer_queue: int = 64
+    clock_skew_s: float = 120.0
+    """Commands are accepted until ``expires + clock_skew_s`` (device clocks drift)."""
+    crash_at: str | None = None
+    """Test hook: ``os._exit`` right after this OTA step (one of CRASH_POINTS)."""
+
+
+def _opt_int(v: Any) -> int | None:
+    return None if v is None else int(v)
+
+
+def _opt_str(v: Any) -> str | None:
+    return None if v is None else str(v)
+
+
+def _backend(v: Any) -> str | None:
+    if v is not None and v not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)} or null")
+    return v
+
+
+def _interval(v: Any) -> float:
+    f = float(v)
+    if not 0.05 <= f <= 86400:
+        raise ValueError("telemetry_interval_s must be between 0.05 and 86400")
+    return f
+
+
+def _qos(v: Any) -> int:
+    if int(v) not in (0, 1):
+        raise ValueError("telemetry_qos must be 0 or 1")
+    return int(v)
+
+
+def _runs(v: Any) -> int:
+    if not 1 <= int(v) <= 1000:
+        raise ValueError("health_runs must be between 1 and 1000")
+    return int(v)
+
+
+CONFIG_KEYS: dict[str, Callable[[Any], Any]] = {
+    "telemetry_interval_s": _interval,
+    "telemetry_qos": _qos,
+    "memory_budget_mb": _opt_int,
+    "backend": _backend,
+    "threads": _opt_int,
+    "battery_file": _opt_str,
+    "health_runs": _runs,
+}
+
+
+class CommandFailed(FleetError):
+    """Raised inside a command handler: becomes an ack with ``code`` and the message."""
+
+    def __init__(self, code: str, message: str, result: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.result = result or {}
+
+
+_AGENTS: "weakref.WeakValueDictionary[str, DeviceAgent]" = weakref.WeakValueDictionary()
+_LAST: list[DeviceAgent] = []
+
+
+def running_agents() -> dict[str, DeviceAgent]:
+    return dict(_AGENTS)
+
+
+def _versions() -> dict[str, str]:
+    import platform
+    from importlib import metadata
+
+    from .. import __version__
+
+    out = {"edgeflow": __version__, "python": platform.python_version()}
+    for dist in ("numpy", "onnx", "onnxruntime"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+class DeviceAgent:
+    """One device in a fleet. See the module docstring.
+
+    ``transport`` is an :class:`edgeflow.transport.MqttTransport` that was not
+    connected yet (the agent sets its last will and subscribes first, so
+    commands queued in a persistent session are not missed); the agent closes
+    it on :meth:`stop`. Use :meth:`from_credentials` to build everything from
+    a credentials directory.
+    """
+
+    def __init__(
+        self,
+        transport: Any,
+        *,
+        device_id: str,
+        fleet: str,
+        profile: str | DeviceProfile,
+        signer: Signer,
+        fleet_key: PublicKey,
+        state_dir: str | os.PathLike[str],
+        options: AgentOptions | None = None,
+        make_participant: ParticipantFactory | None = None,
+        battery_fn: Callable[[], float | None] | None = None,
+    ) -> None:
+        if signer.device_id != device_id:
+            raise FleetError(f"signer is for device {signer.device_id!r}, the agent is {device_id!r}")
+        self.transport = transport
+        self.device_id = device_id
+        self.fleet = fleet
+        self.profile = get_profile(profile)
+        self.signer = signer
+        self.fleet_key = fleet_key
+        self.slots = SlotStore(state_dir)
+        self.options = dataclasses.replace(options or AgentOptions())
+        saved = self.slots.state().get("config") or {}
+        for k, v in saved.items():
+            if k in CONFIG_KEYS:
+                setattr(self.options, k, v)
+        if self.options.crash_at is not None and self.options.crash_at not in CRASH_POINTS:
+            raise FleetError(f"crash_at {self.options.crash_at!r} is not one of {', '.join(CRASH_POINTS)}")
+        self.make_participant = make_participant
+        self.telemetry = TelemetryCollector(battery_file=self.options.battery_file, battery_fn=battery_fn)
+        self._topic = {ch: device_topic(fleet, device_id, ch).value
+                       for ch in ("birth", "death", "telemetry", "cmd", "cmd/ack", "ota", "infer", "infer/reply")}
+        self._model: ActiveModel | None = None
+        self._runtime: Any = None
+        self._rt_lock = threading.Lock()
+        self._run_lock = threading.Lock()
+        self._participant: Participant | None = None
+        self._training = bool(self.slots.state().get("training", False))
+        self._acks: OrderedDict[str, bytes] = OrderedDict()
+        self._acks_lock = threading.Lock()
+        self._ops: queue.Queue[Any] = queue.Queue(maxsize=4)
+        self._ops_busy: set[str] = set()
+        self._infer: queue.Queue[Any] = queue.Queue(maxsize=max(1, self.options.infer_queue))
+        self._stop = threading.Event()
+        self._tele_wake = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._seq = 0
+        self._seq_lock = threading.Lock()
+        self.bdseq = -1
+        self.boot_notes: list[str] = []
+        self._started = False
+        self._recovery: bytes | None = None
+        self.counters: dict[str, int] = {"commands": 0, "refused": 0, "inferences": 0, "deploys": 0, "rollbacks": 0}
+
+    # ------------------------------------------------------------------ build
+
+    @classmethod
+    def from_credentials(
+        cls,
+        credentials: str | os.PathLike[str],
+        *,
+        broker: str | None = None,
+        profile: str | DeviceProfile | None = None,
+        state_dir: str | os.PathLike[str] | None = None,
+        options: AgentOptions | None = None,
+        make_participant: ParticipantFactory | None = None,
+        battery_fn: Callable[[], float | None] | None = None,
+        **transport_options: Any,
+    ) -> DeviceAgent:
+        """Build the agent and its MQTT transport from a credentials directory (see :mod:`.credentials`)."""
+        from ..transport.mqtt import MqttTransport
+        from ..transport.url import parse_broker_url
+        from .credentials import DeviceCredentials
+
+        creds = DeviceCredentials.load(credentials)
+        url = broker or creds.broker
+        if not url:
+            raise FleetError(f"no broker URL: pass --broker (the credentials in {creds.directory} name none)")
+        prof = profile or creds.profile
+        if prof is None:
+            raise FleetError("no device profile: pass --profile NAME (see `edgeflow profile list`)")
+        kwargs: dict[str, Any] = {"client_id": creds.device_id, "username": creds.username,
+                                  "password": creds.password, "name": creds.device_id, **transport_options}
+        if parse_broker_url(url).tls and "tls" not in kwargs:
+            tls = creds.tls_config()
+            if tls is not None:
+                kwargs["tls"] = tls
+        transport = MqttTransport.from_url(url, **kwargs)
+        state = Path(state_dir) if state_dir else Path.home() / ".edgeflow" / "device" / creds.device_id
+        return cls(transport, device_id=creds.device_id, fleet=creds.fleet, profile=prof, signer=creds.signer,
+                   fleet_key=creds.fleet_key, state_dir=state, options=options,
+                   make_participant=make_participant, battery_fn=battery_fn)
+
+    # -------------------------------------------------------------- lifecycle
+
+    def start(self, *, connect: bool = True, timeout: float | None = None) -> DeviceAgent:
+        """Land on a verified model, subscribe, connect, report an interrupted operation."""
+        if self._started:
+            return self
+        self._started = True
+        self.bdseq = self.slots.next_bdseq()
+        self.transport.will = Will(self._topic["death"], Death(self.device_id, self.bdseq).to_bytes(), qos=1, retain=True)
+        self._boot_model()
+        self._recovery = self._recover_pending()
+        self.transport.subscribe(self._topic["cmd"], self._on_cmd)
+        self.transport.subscribe(self._topic["ota"], self._on_ota)
+        self.transport.subscribe(self._topic["infer"], self._on_infer)
+        self.transport.add_connection_listener(self._on_connection)
+        for name, target in (("ops", self._ops_loop), ("infer", self._infer_loop), ("telemetry", self._telemetry_loop)):
+            t = threading.Thread(target=target, name=f"edgeflow-agent-{name}-{self.device_id}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        if self._recovery is not None:
+            delivery = self.transport.publish(self._topic["cmd/ack"], self._recovery, qos=1)
+            rid = str((self.slots.pending() or {}).get("id", ""))
+            delivery.add_progress_callback(lambda d: d.succeeded and self.slots.clear_pending(expect_id=rid))
+        if self._training and self.make_participant is not None and self._model is not None:
+            try:
+                self._start_participant()
+            except EdgeflowError as exc:
+                log.warning("%s: could not resume training: %s", self.device_id, exc)
+        _AGENTS[self.device_id] = self
+        _LAST[:] = [self]
+        if connect:
+            self.transport.connect(timeout)
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Clean shutdown: stop training, publish a death (retained), disconnect."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._stop_participant()
+        try:
+            if self.transport.is_connected:
+                self.transport.publish(self._topic["death"], Death(self.device_id, self.bdseq, "shutdown",
+                                                                   time.time()).to_bytes(), qos=1, retain=True)
+        except EdgeflowError:
+            pass
+        self._halt_threads(timeout)
+        self.transport.close(timeout=timeout)
+
+    def crash(self) -> None:
+        """Vanish like a power cut: drop the TCP connection without DISCONNECT (the will fires)."""
+        self._stop.set()
+        self._halt_threads(1.0)
+        self.transport.close(timeout=1.0, flush=False, abort=True)
+
+    def _halt_threads(self, timeout: float) -> None:
+        self._tele_wake.set()
+        for q in (self._ops, self._infer):
+            try:
+                q.put_nowait(None)
+            except queue.Full:
+                pass
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout)
+        if _AGENTS.get(self.device_id) is self:
+            del _AGENTS[self.device_id]
+        if _LAST and _LAST[0] is self:
+            _LAST.clear()
+
+    def __enter__(self) -> DeviceAgent:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --------------------------------------------------------------- the model
+
+    @property
+    def model_version(self) -> int | None:
+        m = self._model
+        return None if m is None else m.version
+
+    @property
+    def model_path(self) -> Path | None:
+        m = self._model
+        return None if m is None else m.model_path
+
+    @property
+    def active_model(self) -> ActiveModel | None:
+        return self._model
+
+    @property
+    def participant(self) -> Participant | None:
+        return self._participant
+
+    def _load(self, m: ActiveModel) -> Any:
+        o = self.options
+        return load_runtime(m.model_path, self.profile, memory_budget_mb=o.memory_budget_mb, backend=o.backend,
+                            threads=o.threads)
+
+    def _boot_model(self) -> None:
+        loaded: dict[str, Any] = {}
+
+        def usable(m: ActiveModel) -> None:
+            loaded[m.slot] = self._load(m)
+
+        model, notes = self.slots.boot(self.fleet_key, self.profile.name, usable=usable)
+        self.boot_notes = notes
+        for n in notes:
+            log.warning("%s: %s", self.device_id, n)
+        with self._rt_lock:
+            self._model = model
+            self._runtime = loaded.get(model.slot) if model is not None else None
+
+    def _switch_to_active(self) -> ActiveModel:
+        """Verify and load the slot the pointer names; serve it."""
+        slot = self.slots.pointer().active
+        if slot is None:
+            raise FleetError("no active model slot")
+        m = self.slots.verify_slot(slot, self.fleet_key, self.profile.name)
+        rt = self._load(m)
+        with self._rt_lock:
+            self._model, self._runtime = m, rt
+        return m
+
+    def predict(self, x: np.ndarray | Mapping[str, np.ndarray]) -> Any:
+        """Run the deployed model: an array in -> the first output; a dict in -> a dict of outputs."""
+        with self._rt_lock:
+            rt, m = self._runtime, self._model
+        if rt is None or m is None:
+            raise FleetError(f"no model is deployed on device {self.device_id} yet; deploy one with "
+                             "`edgeflow fleet deploy MODEL --to device=" + self.device_id + "`")
+        t0 = time.perf_counter()
+        try:
+            with self._run_lock:
+                out = rt.run(x if isinstance(x, np.ndarray) else dict(x))
+        except Exception:
+            self.telemetry.record(0.0, ok=False)
+            raise
+        self.telemetry.record((time.perf_counter() - t0) * 1000.0)
+        self.counters["inferences"] += 1
+        if isinstance(x, np.ndarray):
+            return next(iter(out.values()))
+        return out
+
+    # ------------------------------------------------------------- publishing
+
+    def _next_seq(self) -> int:
+        with self._seq_lock:
+            self._seq += 1
+            return self._seq
+
+    def birth(self) -> Birth:
+        m = self._model
+        with self._rt_lock:
+            backend = getattr(self._runtime, "backend_name", None)
+        return Birth(
+            device=self.device_id, fleet=self.fleet, profile=self.profile.name, bdseq=self.bdseq,
+            public_key=self.signer.public_key.hex, model_version=None if m is None else m.version,
+            model_sha256=None if m is None else m.sha256, backend=backend, versions=_versions(),
+            telemetry_interval_s=float(self.options.telemetry_interval_s), can_train=self.profile.can_train,
+            training=self._training, commands=list(COMMANDS), seq=0, ts=time.time(),
+        )
+
+    def publish_birth(self) -> None:
+        with self._seq_lock:
+            self._seq = 0
+        self.transport.publish(self._topic["birth"], self.birth().sign(self.signer.key), qos=1, retain=True)
+
+    def _on_connection(self, event: ConnectionEvent) -> None:
+        if not event.connected or self._stop.is_set():
+            return
+        # Clear the retained death of an earlier session, then announce this one.
+        self.transport.publish(self._topic["death"], b"", qos=1, retain=True)
+        self.publish_birth()
+
+    def telemetry_body(self) -> dict[str, Any]:
+        body = {"device": self.device_id, "ts": time.time(), "seq": self._next_seq(), "bdseq": self.bdseq,
+                "model_version": self.model_version, "training": self._training,
+                **self.telemetry.snapshot(queue_depth=self._infer.qsize() + self._ops.qsize())}
+        p = self._participant
+        if p is not None:
+            try:
+                st = p.status()
+                body["participant"] = {k: st[k] for k in ("rounds_trained", "last_round", "last_loss") if k in st}
+            except Exception:  # noqa: BLE001 - telemetry must not die with the participant
+                pass
+        return body
+
+    def _telemetry_loop(self) -> None:
+        while not self._stop.is_set():
+            self._tele_wake.wait(max(0.05, float(self.options.telemetry_interval_s)))
+            self._tele_wake.clear()
+            if self._stop.is_set():
+                return
+            if not self.transport.is_connected:
+                continue
+            try:
+                data = json.dumps(self.telemetry_body(), separators=(",", ":")).encode("utf-8")
+                self.transport.publish(self._topic["telemetry"], data, qos=int(self.options.telemetry_qos))
+            except EdgeflowError as exc:
+                log.debug("%s: telemetry not sent: %s", self.device_id, exc)
+
+    # ------------------------------------------------------------------- acks
+
+    def _send_ack(self, ack: Ack, *, cache: bool = True) -> bytes:
+        payload = ack.sign(self.signer.key)
+        if cache and ack.id:
+            with self._acks_lock:
+                self._acks[ack.id] = payload
+                while len(self._acks) > ACK_CACHE:
+                    self._acks.popitem(last=False)
+        try:
+            self.transport.publish(self._topic["cmd/ack"], payload, qos=1)
+        except EdgeflowError as exc:
+            log.warning("%s: ack for %s not sent: %s", self.device_id, ack.id, exc)
+        return payload
+
+    def _ack(self, cmd_id: str, name: str, *, ok: bool, code: str = "ok", error: str = "",
+             result: dict[str, Any] | None = None, cache: bool = True, restarted: bool = False) -> None:
+        if not ok:
+            log.info("%s: command %s %s failed: %s (%s)", self.device_id, name, cmd_id, error, code)
+        self._send_ack(Ack(cmd_id, name, self.device_id, ok, code, error, result or {}, time.time(), restarted),
+                       cache=cache)
+
+    def _refuse(self, cmd_id: str, name: str, code: str, error: str) -> None:
+        self.counters["refused"] += 1
+        log.warning("%s: refused %s %s: %s", self.device_id, name or "message", cmd_id, error)
+        self._ack(cmd_id, name, ok=False, code=code, error=error, cache=False)
+
+    def _repeat_ack(self, cmd_id: str) -> bool:
+        with self._acks_lock:
+            payload = self._acks.get(cmd_id)
+        if payload is None:
+            return False
+        self.transport.publish(self._topic["cmd/ack"], payload, qos=1)
+        return True
+
+    def _authenticate(self, data: bytes, *, expect: str | None = None) -> Command | None:
+        """The verified command, or None after acking the refusal."""
+        try:
+            _, body = peek_signed(data)
+        except CodecError as exc:
+            self._refuse("", "", getattr(exc, "reason", "bad_message"), str(exc))
+            return None
+        cmd_id, name = str(body.get("id", "")), str(body.get("name", ""))
+        if cmd_id and self._repeat_ack(cmd_id):
+            return None
+        try:
+            cmd = Command.verify(data, self.fleet_key)
+        except (SignatureError, CodecError) as exc:
+            reason = getattr(exc, "reason", "bad_signature")
+            self._refuse(cmd_id, name, reason, f"command refused: {exc}; only commands signed by the fleet key "
+                         f"{self.fleet_key.key_id_hex} are obeyed")
+            return None
+        if cmd.device != self.device_id:
+            self._refuse(cmd.id, cmd.name, "wrong_device", f"command is addressed to {cmd.device!r}, not to this device")
+            return None
+        if cmd.fleet != self.fleet:
+            self._refuse(cmd.id, cmd.name, "wrong_device", f"command is for fleet {cmd.fleet!r}, not {self.fleet!r}")
+            return None
+        if time.time() > cmd.expires + self.options.clock_skew_s:
+            self._refuse(cmd.id, cmd.name, "expired",
+                         f"command expired at {cmd.expires:.0f} (now {time.time():.0f}); check the device clock (NTP)")
+            return None
+        if expect is not None and cmd.name != expect:
+            self._refuse(cmd.id, cmd.name, "bad_message", f"only {expect!r} commands arrive on this topic")
+            return None
+        return cmd
+
+    # --------------------------------------------------------------- commands
+
+    def _on_cmd(self, msg: Message) -> None:
+        if self._stop.is_set():
+            return
+        cmd = self._authenticate(msg.payload)
+        if cmd is None:
+            return
+        self.counters["commands"] += 1
+        if cmd.name in ("rollback", "reboot"):
+            self._enqueue_op(cmd, None, None)
+            return
+        self._run_command(cmd, self._dispatch_quick)
+
+    def _run_command(self, cmd: Command, fn: Callable[[Command], dict[str, Any] | None]) -> None:
+        """Run ``fn`` and ack its result; ``fn`` returns None when it acked itself."""
+        try:
+            result = fn(cmd)
+        except CommandFailed as exc:
+            self._ack(cmd.id, cmd.name, ok=False, code=exc.code, error=str(exc), result=exc.result)
+            return
+        except EdgeflowError as exc:
+            self._ack(cmd.id, cmd.name, ok=False, code="failed", error=str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - a bug must still answer the gateway
+            log.exception("%s: command %s crashed", self.device_id, cmd.name)
+            self._ack(cmd.id, cmd.name, ok=False, code="failed", error=f"{type(exc).__name__}: {exc}")
+            return
+        if result is not None:
+            self._ack(cmd.id, cmd.name, ok=True, result=result)
+
+    def _dispatch_quick(self, cmd: Command) -> dict[str, Any]:
+        if cmd.name == "status":
+            return self.status()
+        if cmd.name == "set_config":
+            return self._set_config(cmd.args)
+        if cmd.name == "train_start":
+            return self._start_training()
+        if cmd.name == "train_stop":
+            return self._stop_training()
+        if cmd.name == "deploy":
+            raise CommandFailed("bad_message", "deploy travels with its artifact as an OTA offer on the device's ota "
+                                "topic; use FleetManager.deploy / `edgeflow fleet deploy`")
+        raise CommandFailed("unknown_command", f"unknown command {cmd.name!r}; this agent understands "
+                            f"{', '.join(COMMANDS)}")
+
+    def status(self) -> dict[str, Any]:
+        m = self._model
+        p = self.slots.pointer()
+        out: dict[str, Any] = {
+            "device": self.device_id, "profile": self.profile.name, "model_version": None if m is None else m.version,
+            "model_sha256": None if m is None else m.sha256, "slot": p.active, "previous_slot": p.previous,
+            "training": self._training, "config": self.config(), "bdseq": self.bdseq, "counters": dict(self.counters),
+            "queue_depth": self._infer.qsize(), "boot_notes": list(self.boot_notes),
+        }
+        if p.previous is not None:
+            data = self.slots.read_artifact(p.previous)
+            if data is not None:
+                try:
+                    out["previous_version"] = verify_artifact(data, self.fleet_key).version
+                except EdgeflowError:
+                    out["previous_version"] = None
+        part = self._participant
+        if part is not None:
+            try:
+                out["participant"] = part.status()
+            except Exception as exc:  # noqa: BLE001
+                out["participant"] = {"error": str(exc)}
+        return out
+
+    def config(self) -> dict[str, Any]:
+        return {k: getattr(self.options, k) for k in CONFIG_KEYS}
+
+    def _set_config(self, args: Mapping[str, Any]) -> dict[str, Any]:
+        if not args:
+            raise CommandFailed("bad_args", f"set_config needs at least one of {', '.join(CONFIG_KEYS)}")
+        unknown = sorted(set(args) - set(CONFIG_KEYS))
+        if unknown:
+            raise CommandFailed("bad_args", f"unknown config key(s) {', '.join(unknown)}; settable: "
+                                f"{', '.join(CONFIG_KEYS)}")
+        parsed = {}
+        for k, v in args.items():
+            try:
+                parsed[k] = CONFIG_KEYS[k](v)
+            except (TypeError, ValueError) as exc:
+                raise CommandFailed("bad_args", f"bad value {v!r} for {k}: {exc}") from None
+        for k, v in parsed.items():
+            setattr(self.options, k, v)
+        if "battery_file" in parsed:
+            self.telemetry.battery_file = parsed["battery_file"]
+        persisted = dict(self.slots.state().get("config") or {})
+        persisted.update(parsed)
+        self.slots.save_state(config=persisted)
+        if "telemetry_interval_s" in parsed:
+            self._tele_wake.set()
+        if self.transport.is_connected:
+            self.publish_birth()
+        return {"config": self.config(), "changed": sorted(parsed),
+                "note": "memory_budget_mb, backend and threads apply from the next model load (deploy, rollback, reboot)"}
+
+    # -- training --
+    def _start_participant(self) -> None:
+        if self.make_participant is None:
+            raise CommandFailed("not_supported", "this agent has no training participant (start it with "
+                                "--train-data, or give DeviceAgent(make_participant=...))")
+        if self._model is None:
+            raise CommandFailed("no_model", "no model is deployed yet; deploy one before training")
+        if self._participant is None:
+            self._participant = self.make_participant(self)
+        self._participant.start()
+
+    def _stop_participant(self) -> None:
+        p, self._participant = self._participant, None
+        if p is not None:
+            try:
+                p.stop()
+            except Exception:  # noqa: BLE001 - stopping is best effort
+                log.exception("%s: participant failed to stop", self.device_id)
+
+    def _start_training(self) -> dict[str, Any]:
+        if not self.profile.can_train:
+            raise CommandFailed("not_supported", f"profile {self.profile.name} cannot train (can_train = false)")
+        self._start_participant()
+        self._training = True
+        self.slots.save_state(training=True)
+        return {"training": True, "model_version": self.model_version}
+
+    def _stop_training(self) -> dict[str, Any]:
+        was = self._training
+        self._stop_participant()
+        self._training = False
+        self.slots.save_state(training=False)
+        return {"training": False, "was_training": was}
+
+    def _restart_participant(self) -> None:
+        if not self._training:
+            return
+        self._stop_participant()
+        try:
+            self._start_participant()
+        except EdgeflowError as exc:
+            log.warning("%s: participant not restarted on the new model: %s", self.device_id, exc)
+
+    # ------------------------------------------------------------ operations
+
+    def _enqueue_op(self, cmd: Command, data: bytes | None, art: Artifact | None) -> None:
+        if cmd.id in self._ops_busy:
+            return  # already queued (a redelivery); its ack will come
+        try:
+            self._ops.put_nowait((cmd, data, art))
+        except queue.Full:
+            self._ack(cmd.id, cmd.name, ok=False, code="busy", cache=False,
+                      error="the device is busy with other deployments; retry later")
+            return
+        self._ops_busy.add(cmd.id)
+
+    def _ops_loop(self) -> None:
+        while not self._stop.is_set():
+            item = self._ops.get()
+            if item is None or self._stop.is_set():
+                return
+            cmd, data, art = item
+            try:
+                if cmd.name == "deploy":
+                    self._run_command(cmd, lambda c: self._deploy(c, data, art))
+                elif cmd.name == "rollback":
+                    self._run_command(cmd, self._rollback)
+                elif cmd.name == "reboot":
+                    self._run_command(cmd, self._reboot)
+            finally:
+                self._ops_busy.discard(cmd.id)
+
+    def _hook(self, step: str) -> None:
+        if self.options.crash_at == step:
+            log.warning("%s: crash_at=%s: exiting now (test hook)", self.device_id, step)
+            logging.shutdown()
+            os._exit(CRASH_EXIT_CODE)
+
+    def _on_ota(self, msg: Message) -> None:
+        if self._stop.is_set():
+            return
+        try:
+            offer = OtaOffer.from_bytes(msg.payload)
+        except CodecError as exc:
+            self._refuse("", "deploy", "bad_message", str(exc))
+            return
+        cmd = self._authenticate(offer.command, expect="deploy")
+        if cmd is None:
+            return
+        self.counters["commands"] += 1
+        want = str(cmd.args.get("artifact_sha256", ""))
+        if hashlib.sha256(offer.artifact).hexdigest() != want:
+            self._refuse(cmd.id, cmd.name, "bad_artifact",
+                         "the artifact does not match the SHA-256 the signed deploy command names")
+            return
+        try:
+            art = verify_artifact(offer.artifact, self.fleet_key, profile=self.profile.name, fleet=self.fleet)
+        except (SignatureError, FleetError) as exc:
+            self._refuse(cmd.id, cmd.name, getattr(exc, "reason", "bad_artifact"), f"artifact refused: {exc}")
+            return
+        self._enqueue_op(cmd, offer.artifact, art)
+
+    def _deploy(self, cmd: Command, data: bytes, art: Artifact) -> dict[str, Any] | None:
+        self.counters["deploys"] += 1
+        cur = self._model
+        old_version = None if cur is None else cur.version
+        if cur is not None and cur.sha256 == art.manifest.sha256 and cur.version == art.version:
+            return {"model_version": cur.version, "unchanged": True}
+        self.slots.set_pending({"id": cmd.id, "name": "deploy", "version": art.version,
+                                "sha256": art.manifest.sha256, "from_version": old_version, "ts": time.time()})
+        self._hook("received")
+        slot = self.slots.stage(data, art.model, hook=self._hook)
+        report: HealthReport = check_model(
+            self.slots.slot_dir(slot) / "model.onnx", self.profile, art.golden(),
+            memory_budget_mb=self.options.memory_budget_mb, backend=self.options.backend,
+            threads=self.options.threads, runs=self.options.health_runs,
+        )
+        self._hook("checked")
+        if not report.ok:
+            self.slots.clear_pending()
+            raise CommandFailed(
+                "health_check_failed", f"v{art.version} failed its health check ({report.stage}): {report.reason}; "
+                f"staying on v{old_version}",
+                {"model_version": old_version, "version": art.version, "rolled_back": True,
+                 "health": report.to_dict()},
+            )
+        self.slots.activate(slot)
+        self._hook("swapped")
+        try:
+            m = self._switch_to_active()
+        except EdgeflowError as exc:
+            self.slots.rollback()
+            if cur is not None:
+                self._switch_to_active()
+            self.slots.clear_pending()
+            raise CommandFailed("failed", f"v{art.version} passed its health check but did not load for serving "
+                                f"({exc}); rolled back to v{old_version}",
+                                {"model_version": old_version, "rolled_back": True}) from exc
+        self._hook("loaded")
+        self._restart_participant()
+        return self._finish_op(cmd, {"model_version": m.version, "previous_version": old_version, "slot": slot,
+                                     "health": report.to_dict()})
+
+    def _finish_op(self, cmd: Command, result: dict[str, Any]) -> None:
+        """Ack, then forget the journal, then re-announce: a crash in between repeats the ack, never loses it."""
+        self._ack(cmd.id, cmd.name, ok=True, result=result)
+        self.slots.clear_pending()
+        if self.transport.is_connected:
+            self.publish_birth()
+
+    def _rollback(self, cmd: Command) -> dict[str, Any] | None:
+        self.counters["rollbacks"] += 1
+        cur = self._model
+        cur_version = None if cur is None else cur.version
+        want_from = cmd.args.get("from_version")
+        if want_from is not None and cur_version != int(want_from):
+            return {"model_version": cur_version, "unchanged": True,
+                    "note": f"not running v{want_from}: nothing to roll back"}
+        p = self.slots.pointer()
+        if p.previous is None:
+            raise CommandFailed("no_model", "no previous model on this device to roll back to",
+                                {"model_version": cur_version})
+        try:
+            prev = self.slots.verify_slot(p.previous, self.fleet_key, self.profile.name)
+            self._load(prev)
+        except EdgeflowError as exc:
+            raise CommandFailed("failed", f"the previous model does not verify or load ({exc}); staying on "
+                                f"v{cur_version}", {"model_version": cur_version}) from exc
+        self.slots.set_pending({"id": cmd.id, "name": "rollback", "version": prev.version,
+                                "sha256": prev.sha256, "from_version": cur_version, "ts": time.time()})
+        self.slots.rollback()
+        m = self._switch_to_active()
+        self._restart_participant()
+        return self._finish_op(cmd, {"model_version": m.version, "previous_version": cur_version})
+
+    def _reboot(self, cmd: Command) -> dict[str, Any] | None:
+        """Restart the runtime: re-read config, re-verify and reload the model, restart training, re-announce."""
+        saved = self.slots.state().get("config") or {}
+        for k, v in saved.items():
+            if k in CONFIG_KEYS:
+                setattr(self.options, k, v)
+        self._stop_participant()
+        self._boot_model()
+        if self._training:
+            try:
+                self._start_participant()
+            except EdgeflowError as exc:
+                log.warning("%s: training not resumed after reboot: %s", self.device_id, exc)
+        return self._finish_op(cmd, {"model_version": self.model_version, "notes": list(self.boot_notes)})
+
+    def _recover_pending(self) -> bytes | None:
+        """The signed ack for an operation a crash interrupted (sent after connect), or None."""
+        pending = self.slots.pending()
+        if not pending or not pending.get("id"):
+            if pending:
+                self.slots.clear_pending()
+            return None
+        m = self._model
+        now = None if m is None else m.version
+        done = m is not None and m.version == pending.get("version") and m.sha256 == pending.get("sha256")
+        name = str(pending.get("name", "deploy"))
+        if done:
+            ack = Ack(str(pending["id"]), name, self.device_id, True, "ok", "",
+                      {"model_version": now, "previous_version": pending.get("from_version")}, time.time(), True)
+        else:
+            ack = Ack(str(pending["id"]), name, self.device_id, False, "interrupted",
+                      f"the agent restarted during {name} of v{pending.get('version')}; it runs v{now}",
+                      {"model_version": now, "version": pending.get("version"), "rolled_back": True},
+                      time.time(), True)
+        payload = ack.sign(self.signer.key)
+        with self._acks_lock:
+            self._acks[ack.id] = payload
+        return payload
+
+    # -------------------------------------------------------------- inference
+
+    def _on_infer(self, msg: Message) -> None:
+        try:
+            req = json.loads(msg.payload)
+            if not isinstance(req, dict):
+                raise ValueError("request must be a JSON object")
+        except ValueError as exc:
+            self._reply({"id": None, "ok": False, "error": f"inference request is not JSON: {exc}"}, msg)
+            return
+        try:
+            self._infer.put_nowait((req, msg))
+        except queue.Full:
+            self._reply({"id": req.get("id"), "ok": False, "code": "busy",
+                         "error": f"inference queue is full ({self._infer.maxsize}); retry later"}, msg)
+
+    def _reply(self, body: dict[str, Any], msg: Message) -> None:
+        props = {}
+        if "correlation_data" in msg.properties:
+            props["correlation_data"] = msg.properties["correlation_data"]
+        try:
+            self.transport.publish(self._topic["infer/reply"], json.dumps(body, separators=(",", ":")), qos=1,
+                                   properties=props or None)
+        except EdgeflowError as exc:
+            log.warning("%s: inference reply not sent: %s", self.device_id, exc)
+
+    def _infer_loop(self) -> None:
+        while not self._stop.is_set():
+            item = self._infer.get()
+            if item is None or self._stop.is_set():
+                return
+            req, msg = item
+            rid = req.get("id")
+            try:
+                if "inputs" in req:
+                    feeds = {str(k): decode_tensor(v) for k, v in dict(req["inputs"]).items()}
+                elif "input" in req:
+                    feeds = decode_tensor(req["input"])
+                else:
+                    raise FleetError("inference request needs 'input' (one tensor) or 'inputs' (name -> tensor)")
+                t0 = time.perf_counter()
+                out = self.predict(feeds)
+                ms = (time.perf_counter() - t0) * 1000.0
+                outs = out if isinstance(out, dict) else {"output": out}
+                self._reply({"id": rid, "ok": True, "model_version": self.model_version, "latency_ms": ms,
+                             "outputs": {k: encode_tensor(np.asarray(v)) for k, v in outs.items()}}, msg)
+            except Exception as exc:  # noqa: BLE001 - every request gets an answer
+                self._reply({"id": rid, "ok": False, "error": f"{type(exc).__name__}: {exc}"}, msg)

@@ -1,0 +1,344 @@
+"""The fleet protocol between the gateway and device agents: births, deaths,
+telemetry, commands, acknowledgements, OTA offers and inference requests.
+
+Pure data and signing, no MQTT: the gateway's :mod:`edgeflow.gateway.fleet`
+and the agent both import it, so both ends agree by construction.
+
+Signed JSON uses the same wrapper as the federated round messages
+(:mod:`edgeflow.federated.messages`): the *exact* body text travels inside
+the wrapper, so the signature covers bytes and not a re-serialisation::
+
+    {"v": 1, "ctx": "cmd/v1", "body": "<json text>", "key_id": "<hex>", "sig": "<hex>"}
+
+with ``sig`` = Ed25519 over ``signing_message(ctx, SHA-256(body))``.
+Commands and OTA offers are signed by the fleet key (the gateway); acks and
+births by the device key. Contexts keep one kind from being replayed as
+another.
+
+Why births and deaths carry ``bdseq`` (Sparkplug B's birth/death sequence):
+the broker publishes a device's last will some time after the connection
+died, possibly after the device already came back. A death whose ``bdseq``
+is older than the newest birth is stale and must not mark the device
+offline. ``bdseq`` here is a millisecond timestamp forced to grow across
+agent restarts (see :meth:`edgeflow.device.slots.SlotStore.next_bdseq`), so a
+device that lost its state directory still counts upwards.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import struct
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..errors import CodecError, FleetError, SignatureError
+from ..signing import PrivateKey, PublicKey, signing_message
+
+__all__ = [
+    "ACK_CONTEXT",
+    "BIRTH_CONTEXT",
+    "CMD_CONTEXT",
+    "COMMANDS",
+    "Ack",
+    "Birth",
+    "Command",
+    "Death",
+    "OtaOffer",
+    "decode_tensor",
+    "deploy_command",
+    "encode_tensor",
+    "open_signed",
+    "peek_signed",
+    "sign_body",
+]
+
+CMD_CONTEXT = "cmd/v1"
+ACK_CONTEXT = "ack/v1"
+BIRTH_CONTEXT = "birth/v1"
+MAX_CONTROL_BYTES = 1 << 20
+OFFER_MAGIC = b"EFOF\x01"
+
+COMMANDS = ("deploy", "rollback", "train_start", "train_stop", "set_config", "reboot", "status")
+"""Commands the agent understands. ``deploy`` only arrives as an :class:`OtaOffer` on the ``ota`` channel."""
+
+
+def _reason(exc: Exception, reason: str) -> Exception:
+    exc.reason = reason  # type: ignore[attr-defined]
+    return exc
+
+
+def sign_body(body: Mapping[str, Any], key: PrivateKey, context: str) -> bytes:
+    """The signed JSON wrapper around ``body`` (see the module docstring)."""
+    text = json.dumps(dict(body), sort_keys=True, separators=(",", ":"))
+    sig = key.sign(signing_message(context, hashlib.sha256(text.encode("utf-8")).digest()))
+    wrapper = {"v": 1, "ctx": context, "body": text, "key_id": key.public_key.key_id_hex, "sig": sig.hex()}
+    return json.dumps(wrapper, separators=(",", ":")).encode("utf-8")
+
+
+def peek_signed(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(wrapper, body) without checking the signature: to learn who claims to have sent it.
+
+    Raises CodecError with ``reason`` "bad_message" (not JSON) or "unsigned"
+    (JSON, but no signature wrapper).
+    """
+    if len(data) > MAX_CONTROL_BYTES:
+        raise _reason(CodecError(f"control message of {len(data)} bytes exceeds {MAX_CONTROL_BYTES}"), "bad_message")
+    try:
+        wrapper = json.loads(data)
+    except ValueError as exc:
+        raise _reason(CodecError(f"message is not JSON ({exc})"), "bad_message") from exc
+    if not isinstance(wrapper, dict):
+        raise _reason(CodecError("message is not a JSON object"), "bad_message")
+    if "sig" not in wrapper or "body" not in wrapper:
+        raise _reason(
+            CodecError("message is not signed: expected the signed wrapper {v, ctx, body, key_id, sig}"), "unsigned"
+        )
+    text = wrapper.get("body")
+    try:
+        body = json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        raise _reason(CodecError("signed message body is not a JSON object"), "bad_message")
+    return wrapper, body
+
+
+def open_signed(data: bytes, key: PublicKey, context: str) -> dict[str, Any]:
+    """Verify and return the body; SignatureError/CodecError carry ``reason``."""
+    wrapper, body = peek_signed(data)
+    if wrapper.get("v") != 1:
+        raise _reason(CodecError(f"signed message version {wrapper.get('v')!r} is not 1"), "bad_message")
+    if wrapper.get("ctx") != context:
+        raise _reason(SignatureError(f"message signed for {wrapper.get('ctx')!r}, expected {context!r}"), "bad_signature")
+    try:
+        sig = bytes.fromhex(str(wrapper["sig"]))
+    except ValueError:
+        raise _reason(SignatureError("signature is not hex"), "bad_signature") from None
+    key_id = str(wrapper.get("key_id", ""))
+    if key_id and key_id != key.key_id_hex:
+        raise _reason(SignatureError(f"signed with key {key_id}, expected key {key.key_id_hex}"), "wrong_key")
+    digest = hashlib.sha256(str(wrapper["body"]).encode("utf-8")).digest()
+    try:
+        key.verify(signing_message(context, digest), sig)
+    except SignatureError as exc:
+        raise _reason(SignatureError(str(exc)), "bad_signature") from None
+    return body
+
+
+# --------------------------------------------------------------------- commands
+
+
+@dataclass(frozen=True)
+class Command:
+    """A signed instruction from the gateway to one device.
+
+    ``expires`` (Unix time) bounds replays across agent restarts; within a
+    run the agent also remembers command ids (a QoS 1 redelivery gets the
+    same ack again instead of running twice).
+    """
+
+    name: str
+    device: str
+    fleet: str
+    args: dict[str, Any] = field(default_factory=dict)
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    issued: float = field(default_factory=time.time)
+    expires: float = 0.0
+
+    @classmethod
+    def make(cls, name: str, device: str, fleet: str, args: Mapping[str, Any] | None = None, *,
+             ttl_s: float = 300.0) -> Command:
+        now = time.time()
+        return cls(name, device, fleet, dict(args or {}), uuid.uuid4().hex, now, now + ttl_s)
+
+    def sign(self, key: PrivateKey) -> bytes:
+        return sign_body(asdict(self), key, CMD_CONTEXT)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Command:
+        try:
+            args = body.get("args") or {}
+            if not isinstance(args, dict):
+                raise TypeError("args must be an object")
+            return cls(str(body["name"]), str(body["device"]), str(body["fleet"]), args, str(body["id"]),
+                       float(body["issued"]), float(body["expires"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise _reason(CodecError(f"command is missing or has a bad field ({exc!r})"), "bad_message") from exc
+
+    @classmethod
+    def verify(cls, data: bytes, fleet_key: PublicKey) -> Command:
+        return cls.from_body(open_signed(data, fleet_key, CMD_CONTEXT))
+
+
+@dataclass(frozen=True)
+class Ack:
+    """A device's answer to one command: success with a result, or a code and a clear error.
+
+    Codes: ``ok``; refusals ``unsigned``, ``bad_signature``, ``wrong_key``,
+    ``wrong_device``, ``expired``, ``bad_message``, ``bad_artifact``,
+    ``wrong_profile``; ``unknown_command``, ``bad_args``, ``busy``,
+    ``not_supported``, ``no_model``; failures ``health_check_failed``,
+    ``interrupted`` (the agent restarted mid-operation), ``failed``.
+    """
+
+    id: str
+    name: str
+    device: str
+    ok: bool
+    code: str = "ok"
+    error: str = ""
+    result: dict[str, Any] = field(default_factory=dict)
+    ts: float = field(default_factory=time.time)
+    restarted: bool = False
+
+    def sign(self, key: PrivateKey) -> bytes:
+        return sign_body(asdict(self), key, ACK_CONTEXT)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Ack:
+        try:
+            return cls(str(body.get("id", "")), str(body.get("name", "")), str(body["device"]), bool(body["ok"]),
+                       str(body.get("code", "")), str(body.get("error", "")), dict(body.get("result") or {}),
+                       float(body.get("ts", 0.0)), bool(body.get("restarted", False)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise _reason(CodecError(f"ack is missing or has a bad field ({exc!r})"), "bad_message") from exc
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# -------------------------------------------------------------- birth / death
+
+
+@dataclass(frozen=True)
+class Birth:
+    """Retained announcement after every connect: who the device is and what it runs."""
+
+    device: str
+    fleet: str
+    profile: str
+    bdseq: int
+    public_key: str
+    model_version: int | None = None
+    model_sha256: str | None = None
+    backend: str | None = None
+    versions: dict[str, str] = field(default_factory=dict)
+    telemetry_interval_s: float = 10.0
+    can_train: bool = False
+    training: bool = False
+    commands: list[str] = field(default_factory=lambda: list(COMMANDS))
+    seq: int = 0
+    ts: float = field(default_factory=time.time)
+
+    def sign(self, key: PrivateKey) -> bytes:
+        return sign_body(asdict(self), key, BIRTH_CONTEXT)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Birth:
+        try:
+            mv = body.get("model_version")
+            return cls(
+                str(body["device"]), str(body.get("fleet", "")), str(body.get("profile", "")), int(body["bdseq"]),
+                str(body.get("public_key", "")), None if mv is None else int(mv), body.get("model_sha256"),
+                body.get("backend"), dict(body.get("versions") or {}), float(body.get("telemetry_interval_s", 10.0)),
+                bool(body.get("can_train", False)), bool(body.get("training", False)),
+                list(body.get("commands") or []), int(body.get("seq", 0)), float(body.get("ts", 0.0)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise _reason(CodecError(f"birth is missing or has a bad field ({exc!r})"), "bad_message") from exc
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Death:
+    """Offline notice: the last will (``reason`` "lost") or a clean shutdown ("shutdown")."""
+
+    device: str
+    bdseq: int
+    reason: str = "lost"
+    ts: float | None = None
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode("utf-8")
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Death:
+        try:
+            d = json.loads(data)
+            return cls(str(d["device"]), int(d["bdseq"]), str(d.get("reason", "lost")), d.get("ts"))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise _reason(CodecError(f"death message is malformed ({exc!r})"), "bad_message") from exc
+
+
+# ---------------------------------------------------------------- OTA offers
+
+
+@dataclass(frozen=True)
+class OtaOffer:
+    """A ``deploy`` command and the artifact it installs, in one message on the device's ``ota`` topic.
+
+    Why one message: the command (signed, fresh, addressed to one device)
+    and the artifact (signed, durable, per profile) arrive together, so the
+    agent never has to match a command with an artifact that is still on
+    its way. The command's ``args["artifact_sha256"]`` binds the two.
+    Layout: magic ``EFOF\\x01`` | u32 length | signed command | artifact.
+    """
+
+    command: bytes
+    artifact: bytes
+
+    def to_bytes(self) -> bytes:
+        return OFFER_MAGIC + struct.pack(">I", len(self.command)) + self.command + self.artifact
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> OtaOffer:
+        data = bytes(data)
+        if not data.startswith(OFFER_MAGIC) or len(data) < len(OFFER_MAGIC) + 4:
+            raise _reason(CodecError("not an edgeflow OTA offer (bad magic)"), "bad_message")
+        (n,) = struct.unpack_from(">I", data, len(OFFER_MAGIC))
+        start = len(OFFER_MAGIC) + 4
+        if n > MAX_CONTROL_BYTES or start + n > len(data):
+            raise _reason(CodecError("OTA offer is truncated"), "bad_message")
+        return cls(data[start:start + n], data[start + n:])
+
+    @classmethod
+    def make(cls, command: Command, artifact: bytes, key: PrivateKey) -> OtaOffer:
+        return cls(command.sign(key), artifact)
+
+
+def deploy_command(device: str, fleet: str, artifact: bytes, *, version: int, ttl_s: float = 600.0,
+                   extra: Mapping[str, Any] | None = None) -> Command:
+    """The ``deploy`` command that goes with ``artifact`` in an :class:`OtaOffer`."""
+    args = {"artifact_sha256": hashlib.sha256(artifact).hexdigest(), "version": int(version), **dict(extra or {})}
+    return Command.make("deploy", device, fleet, args, ttl_s=ttl_s)
+
+
+# ----------------------------------------------------------------- inference
+
+
+def encode_tensor(a: np.ndarray) -> dict[str, Any]:
+    """JSON-safe tensor: dtype, shape and base64 of the C-order bytes (no pickles, any MQTT version)."""
+    a = np.ascontiguousarray(a)
+    return {"dtype": a.dtype.str, "shape": list(a.shape), "b64": base64.b64encode(a.tobytes()).decode("ascii")}
+
+
+def decode_tensor(d: Mapping[str, Any]) -> np.ndarray:
+    try:
+        dtype = np.dtype(str(d["dtype"]))
+        if dtype.hasobject:
+            raise ValueError("object arrays are not accepted")
+        shape = tuple(int(s) for s in d["shape"])
+        if "b64" in d:
+            a = np.frombuffer(base64.b64decode(d["b64"], validate=True), dtype=dtype)
+            return a.reshape(shape).copy()
+        return np.asarray(d["data"], dtype=dtype).reshape(shape)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _reason(FleetError(f"tensor must be {{dtype, shape, b64|data}}: {exc}"), "bad_args") from exc

@@ -1,0 +1,564 @@
+"""The gateway's fleet registry and command channel.
+
+:class:`FleetManager` listens to every device's ``birth``, ``death``,
+``telemetry`` and ``cmd/ack`` topics and keeps the registry in the
+:class:`~edgeflow.gateway.store.GatewayStore`:
+
+- **liveness** from two signals: the broker's last will (a ``death`` whose
+  ``bdseq`` is not older than the newest birth; an older one is a stale will
+  of an earlier session and is ignored) and a heartbeat timeout (no birth,
+  telemetry or ack for ``heartbeat_factor`` times the telemetry interval the
+  device announced in its birth, for a device whose TCP connection hangs
+  without the broker noticing yet);
+- **births** (signed by the device key) refresh profile, versions and model
+  version; the device's public key is checked against the :attr:`keyring`
+  (provisioning fills it; ``trust_unregistered`` = trust on first use);
+- **telemetry** goes to a writer thread that commits to SQLite in small
+  batches, so 500 devices reporting every second never stall the
+  transport's worker thread; the end-to-end lag (device timestamp to
+  commit) is measured and reported by :meth:`FleetManager.stats`.
+
+Commands: :meth:`FleetManager.send_command` signs a :class:`Command` with
+the fleet key, publishes it on the device's ``cmd`` topic and returns a
+:class:`PendingCommand` that resolves with the device's signed
+:class:`Ack` (or times out). OTA offers go the same way on the ``ota``
+topic (:meth:`send_ota`; rollouts are in :mod:`edgeflow.gateway.ota`).
+
+Composable: one transport and one store are shared with the round manager
+(``gateway/service.py``). Call :meth:`start` before ``transport.connect()``
+with a persistent session, :meth:`stop` before closing the transport. The
+round manager gets device keys from :attr:`keyring` and its candidates from
+:meth:`online_devices` / :meth:`latest_telemetry` (or :meth:`round_candidates`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from edgeflow.device.messages import (
+    ACK_CONTEXT,
+    BIRTH_CONTEXT,
+    Ack,
+    Birth,
+    Command,
+    Death,
+    OtaOffer,
+    deploy_command,
+    open_signed,
+    peek_signed,
+)
+from edgeflow.errors import CodecError, ConfigError, FleetError, SignatureError
+from edgeflow.signing import KeyRing, PrivateKey
+from edgeflow.transport.topics import device_filter, device_topic, parse_topic
+
+from .store import DeviceRecord, GatewayStore
+
+__all__ = ["FleetEvent", "FleetManager", "FleetOptions", "PendingCommand"]
+
+log = logging.getLogger("edgeflow.gateway.fleet")
+
+
+@dataclass
+class FleetOptions:
+    heartbeat_factor: float = 3.0
+    """A device is offline after this many of its telemetry intervals without a message."""
+    heartbeat_min_s: float = 5.0
+    heartbeat_timeout_s: float | None = None
+    """Fixed timeout for every device (overrides factor x interval)."""
+    liveness_check_s: float = 1.0
+    command_timeout_s: float = 30.0
+    command_ttl_s: float = 300.0
+    """Commands expire on the device this long after they were issued."""
+    record_registry: bool = True
+    record_telemetry: bool = True
+    telemetry_flush_s: float = 0.1
+    telemetry_queue: int = 100_000
+    trust_unregistered: bool = False
+    """Register the key of a device the key ring does not know from its first birth (trust on first use)."""
+    lag_window: int = 20_000
+
+
+@dataclass(frozen=True)
+class FleetEvent:
+    """Passed to listeners: ``kind`` is birth, death, offline (heartbeat), ack or refused."""
+
+    kind: str
+    device_id: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+class PendingCommand:
+    """A command on its way; :meth:`wait` returns the device's :class:`Ack`."""
+
+    def __init__(self, command: Command, timeout_s: float) -> None:
+        self.command = command
+        self.timeout_s = timeout_s
+        self.sent = time.monotonic()
+        self._event = threading.Event()
+        self._ack: Ack | None = None
+        self._callbacks: list[Callable[[Ack], Any]] = []
+        self._lock = threading.Lock()
+
+    @property
+    def id(self) -> str:
+        return self.command.id
+
+    @property
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    @property
+    def ack(self) -> Ack | None:
+        return self._ack
+
+    def add_callback(self, fn: Callable[[Ack], Any]) -> None:
+        with self._lock:
+            if self._ack is None:
+                self._callbacks.append(fn)
+                return
+        fn(self._ack)
+
+    def _resolve(self, ack: Ack) -> None:
+        with self._lock:
+            if self._ack is not None:
+                return
+            self._ack = ack
+            callbacks = list(self._callbacks)
+        self._event.set()
+        for fn in callbacks:
+            try:
+                fn(ack)
+            except Exception:  # noqa: BLE001
+                log.exception("command callback failed")
+
+    def wait(self, timeout: float | None = None) -> Ack:
+        """The ack; FleetError if none arrived within ``timeout`` (default: the command's timeout)."""
+        limit = self.timeout_s if timeout is None else timeout
+        if not self._event.wait(limit):
+            c = self.command
+            raise FleetError(f"device {c.device} did not acknowledge {c.name} ({c.id}) within {limit:g} s; "
+                             "is it online? (`edgeflow fleet status`)")
+        assert self._ack is not None
+        return self._ack
+
+
+class FleetManager:
+    """Registry, liveness and commands for one fleet. See the module docstring."""
+
+    def __init__(
+        self,
+        transport: Any,
+        store: GatewayStore,
+        fleet: str,
+        fleet_key: PrivateKey,
+        options: FleetOptions | None = None,
+        *,
+        keyring: KeyRing | None = None,
+    ) -> None:
+        self.transport = transport
+        self.store = store
+        self.fleet = fleet
+        self.fleet_key = fleet_key
+        self.options = options or FleetOptions()
+        self.keyring = keyring if keyring is not None else KeyRing()
+        """Device public keys: verifies births and acks here, updates in the round manager."""
+        self._lock = threading.RLock()
+        self._pending: dict[str, PendingCommand] = {}
+        self._acks: OrderedDict[str, Ack] = OrderedDict()
+        self._listeners: list[Callable[[FleetEvent], Any]] = []
+        self._births: dict[str, Birth] = {}
+        self._deaths: dict[str, int] = {}
+        self._last_seen: dict[str, float] = {}
+        self._online: dict[str, bool] = {}
+        self._interval: dict[str, float] = {}
+        self._latest: dict[str, dict[str, Any]] = {}
+        self._seq: dict[str, tuple[int, int]] = {}
+        self._tq: queue.Queue[Any] = queue.Queue(maxsize=self.options.telemetry_queue)
+        self._lag: deque[float] = deque(maxlen=self.options.lag_window)
+        self._counts: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._subs: list[Any] = []
+        self._started_at = 0.0
+        for rec in store.devices():
+            self._online[rec.device_id] = rec.online
+            self._last_seen[rec.device_id] = time.monotonic()
+            self._interval[rec.device_id] = float(rec.birth.get("telemetry_interval_s", 10.0) or 10.0)
+
+    # -------------------------------------------------------------- lifecycle
+
+    def start(self) -> FleetManager:
+        if self._subs:
+            return self
+        self._stop.clear()
+        self._started_at = time.time()
+        on = self.transport.subscribe
+        self._subs = [
+            on(str(device_filter(self.fleet, "birth")), self._on_birth),
+            on(str(device_filter(self.fleet, "death")), self._on_death),
+            on(str(device_filter(self.fleet, "cmd/ack")), self._on_ack),
+        ]
+        if self.options.record_telemetry:
+            self._subs.append(on(str(device_filter(self.fleet, "telemetry")), self._on_telemetry))
+        for name, target in (("liveness", self._liveness_loop), ("telemetry", self._writer_loop)):
+            t = threading.Thread(target=target, name=f"edgeflow-fleet-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        for s in self._subs:
+            try:
+                self.transport.unsubscribe(s)
+            except Exception:  # noqa: BLE001 - the transport may already be closed
+                pass
+        self._subs = []
+        self._tq.put(None)
+        for t in self._threads:
+            t.join(timeout)
+        self._threads = []
+
+    def add_listener(self, fn: Callable[[FleetEvent], Any]) -> None:
+        """``fn(FleetEvent)`` on births, deaths, heartbeat timeouts and acks (on the transport's worker thread)."""
+        with self._lock:
+            self._listeners.append(fn)
+
+    def _emit(self, kind: str, device_id: str, data: dict[str, Any] | None = None) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        ev = FleetEvent(kind, device_id, data or {})
+        for fn in listeners:
+            try:
+                fn(ev)
+            except Exception:  # noqa: BLE001 - a listener's bug must not stop the registry
+                log.exception("fleet listener failed on %s", kind)
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[key] = self._counts.get(key, 0) + n
+
+    # ----------------------------------------------------------------- queries
+
+    def devices(self) -> list[DeviceRecord]:
+        return self.store.devices()
+
+    def device(self, device_id: str) -> DeviceRecord | None:
+        return self.store.device(device_id)
+
+    def is_online(self, device_id: str) -> bool:
+        with self._lock:
+            return bool(self._online.get(device_id, False))
+
+    def online_devices(self, profile: str | None = None) -> list[DeviceRecord]:
+        """Devices online now (optionally of one profile), as registry records."""
+        with self._lock:
+            online = {d for d, up in self._online.items() if up}
+        return [r for r in self.store.devices() if r.device_id in online and (profile is None or r.profile == profile)]
+
+    def latest_telemetry(self, device_id: str) -> dict[str, Any] | None:
+        """The newest telemetry body of a device (battery, latency, memory...), or None."""
+        with self._lock:
+            t = self._latest.get(device_id)
+        if t is not None:
+            return dict(t)
+        rows = self.store.telemetry(device_id, limit=1)
+        return rows[-1][1] if rows else None
+
+    def birth(self, device_id: str) -> Birth | None:
+        with self._lock:
+            return self._births.get(device_id)
+
+    def round_candidates(self) -> list[Any]:
+        """Online devices as :class:`edgeflow.gateway.rounds.Candidate` (profile, can_train, battery)."""
+        from .rounds import Candidate
+
+        out = []
+        for r in self.online_devices():
+            tele = self.latest_telemetry(r.device_id) or {}
+            out.append(Candidate(r.device_id, r.profile, bool(r.birth.get("can_train", False)), tele.get("battery")))
+        return out
+
+    def wait_online(self, device_ids: list[str] | set[str], timeout: float = 10.0, *, online: bool = True) -> bool:
+        """Block until every id is online (or offline, with ``online=False``)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if all(bool(self._online.get(d, False)) == online for d in device_ids):
+                    return True
+            time.sleep(0.02)
+        return False
+
+    def stats(self) -> dict[str, Any]:
+        """Counters plus telemetry lag percentiles (ms, device timestamp to SQLite commit)."""
+        with self._lock:
+            out: dict[str, Any] = dict(self._counts)
+            lag = np.asarray(self._lag, dtype=np.float64)
+            out["online"] = sum(1 for v in self._online.values() if v)
+            out["known"] = len(self._online)
+        out["telemetry_backlog"] = self._tq.qsize()
+        if lag.size:
+            out["telemetry_lag_ms"] = {"p50": float(np.percentile(lag, 50)), "p95": float(np.percentile(lag, 95)),
+                                       "max": float(lag.max()), "n": int(lag.size)}
+        return out
+
+    def reset_lag(self) -> None:
+        with self._lock:
+            self._lag.clear()
+
+    # ---------------------------------------------------------------- handlers
+
+    def _device_of(self, topic: str, channel: str) -> str | None:
+        info = parse_topic(topic)
+        if info is None or info.device is None or info.fleet != self.fleet or info.channel != channel:
+            return None
+        return info.device
+
+    def _seen(self, device_id: str) -> None:
+        with self._lock:
+            self._last_seen[device_id] = time.monotonic()
+
+    def _on_birth(self, msg: Any) -> None:
+        device = self._device_of(msg.topic, "birth")
+        if device is None:
+            return
+        try:
+            wrapper, body = peek_signed(msg.payload)
+            claimed = Birth.from_body(body)
+        except CodecError as exc:
+            self._count("births_bad")
+            log.warning("birth from %s refused: %s", device, exc)
+            return
+        if claimed.device != device:
+            self._count("births_bad")
+            log.warning("birth on %s's topic claims to be %s: ignored", device, claimed.device)
+            return
+        key = self.keyring.get(device)
+        trust = "registered"
+        if key is None:
+            if not self.options.trust_unregistered:
+                trust = "unregistered"
+            else:
+                try:
+                    key = self.keyring.register(device, claimed.public_key)
+                    trust = "trusted on first use"
+                except ConfigError as exc:
+                    self._count("births_bad")
+                    log.warning("birth from %s has a bad public key: %s", device, exc)
+                    return
+        if key is not None:
+            try:
+                open_signed(msg.payload, key, BIRTH_CONTEXT)
+            except (SignatureError, CodecError) as exc:
+                self._count("births_bad")
+                log.warning("birth from %s does not verify with its registered key: %s", device, exc)
+                self._emit("refused", device, {"what": "birth", "error": str(exc)})
+                return
+        birth = claimed
+        record = {**birth.to_dict(), "trust": trust, "received": time.time()}
+        with self._lock:
+            self._births[device] = birth
+            last_death = self._deaths.get(device, -1)
+            online = birth.bdseq > last_death
+            self._online[device] = online
+            self._interval[device] = max(0.05, birth.telemetry_interval_s)
+            self._last_seen[device] = time.monotonic()
+            self._seq[device] = (birth.bdseq, birth.seq)
+        if self.options.record_registry:
+            self.store.upsert_birth(device, record, profile=birth.profile, public_key=birth.public_key,
+                                    model_version=birth.model_version, bdseq=birth.bdseq)
+            if not online:
+                self.store.set_online(device, False, bdseq=last_death)
+        self._count("births")
+        self._emit("birth", device, record)
+
+    def _on_death(self, msg: Any) -> None:
+        device = self._device_of(msg.topic, "death")
+        if device is None:
+            return
+        try:
+            death = Death.from_bytes(msg.payload)
+        except CodecError as exc:
+            self._count("deaths_bad")
+            log.warning("death of %s is malformed: %s", device, exc)
+            return
+        with self._lock:
+            self._deaths[device] = max(death.bdseq, self._deaths.get(device, -1))
+            birth = self._births.get(device)
+            stale = birth is not None and death.bdseq < birth.bdseq
+            if not stale:
+                self._online[device] = False
+        if stale:
+            self._count("deaths_stale")
+            return
+        if self.options.record_registry:
+            self.store.set_online(device, False, bdseq=death.bdseq)
+        self._count("deaths")
+        self._emit("death", device, {"bdseq": death.bdseq, "reason": death.reason})
+
+    def _on_telemetry(self, msg: Any) -> None:
+        device = self._device_of(msg.topic, "telemetry")
+        if device is None:
+            return
+        try:
+            body = json.loads(msg.payload)
+            if not isinstance(body, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            self._count("telemetry_bad")
+            return
+        now = time.time()
+        with self._lock:
+            self._latest[device] = body
+            self._last_seen[device] = time.monotonic()
+            if not self._online.get(device, False) and device in self._births:
+                b = self._births[device]
+                if b.bdseq > self._deaths.get(device, -1) and body.get("bdseq") == b.bdseq:
+                    self._online[device] = True  # back after a heartbeat timeout
+            prev = self._seq.get(device)
+            seq, bdseq = body.get("seq"), body.get("bdseq")
+            if prev is not None and isinstance(seq, int) and bdseq == prev[0]:
+                if seq > prev[1] + 1:
+                    self._counts["telemetry_gaps"] = self._counts.get("telemetry_gaps", 0) + (seq - prev[1] - 1)
+                self._seq[device] = (prev[0], max(prev[1], seq))
+        self._count("telemetry")
+        try:
+            self._tq.put_nowait((device, body, now))
+        except queue.Full:
+            self._count("telemetry_dropped")
+
+    def _writer_loop(self) -> None:
+        """Commit telemetry in batches: one short transaction per row, many rows per wake-up."""
+        while not self._stop.is_set():
+            try:
+                first = self._tq.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if first is None:
+                return
+            batch = [first]
+            deadline = time.monotonic() + self.options.telemetry_flush_s
+            while len(batch) < 5000:
+                try:
+                    item = self._tq.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._stop.set()
+                    break
+                batch.append(item)
+            self._write(batch)
+
+    def _write(self, batch: list[tuple[str, dict[str, Any], float]]) -> None:
+        lags = []
+        for device, body, received in batch:
+            try:
+                self.store.add_telemetry(device, body, ts=received)
+            except Exception:  # noqa: BLE001 - a full disk must not kill the writer
+                self._count("telemetry_write_errors")
+                log.exception("telemetry of %s not stored", device)
+                continue
+            ts = body.get("ts")
+            if isinstance(ts, (int, float)):
+                lags.append((time.time() - float(ts)) * 1000.0)
+        with self._lock:
+            self._lag.extend(lags)
+            self._counts["telemetry_stored"] = self._counts.get("telemetry_stored", 0) + len(lags)
+
+    def _liveness_loop(self) -> None:
+        while not self._stop.wait(self.options.liveness_check_s):
+            now = time.monotonic()
+            expired = []
+            with self._lock:
+                for device, up in self._online.items():
+                    if not up:
+                        continue
+                    limit = self.options.heartbeat_timeout_s or max(
+                        self.options.heartbeat_min_s, self.options.heartbeat_factor * self._interval.get(device, 10.0))
+                    if now - self._last_seen.get(device, now) > limit:
+                        self._online[device] = False
+                        expired.append((device, limit))
+            for device, limit in expired:
+                if self.options.record_registry:
+                    self.store.set_online(device, False)
+                self._count("heartbeat_timeouts")
+                self._emit("offline", device, {"reason": f"no message for {limit:g} s"})
+
+    def _on_ack(self, msg: Any) -> None:
+        device = self._device_of(msg.topic, "cmd/ack")
+        if device is None:
+            return
+        key = self.keyring.get(device)
+        try:
+            if key is None:
+                raise SignatureError(f"no public key registered for device {device!r}; provision it or set "
+                                     "trust_unregistered")
+            ack = Ack.from_body(open_signed(msg.payload, key, ACK_CONTEXT))
+        except (SignatureError, CodecError) as exc:
+            self._count("acks_refused")
+            log.warning("ack from %s refused: %s", device, exc)
+            return
+        if ack.device != device:
+            self._count("acks_refused")
+            return
+        self._seen(device)
+        with self._lock:
+            self._acks[ack.id] = ack
+            while len(self._acks) > 4096:
+                self._acks.popitem(last=False)
+            pending = self._pending.pop(ack.id, None)
+        self._count("acks")
+        if pending is not None:
+            pending._resolve(ack)
+        elif ack.id:
+            self._count("acks_late")
+        self._emit("ack", device, ack.to_dict())
+
+    # ---------------------------------------------------------------- commands
+
+    def _track(self, cmd: Command, timeout_s: float | None) -> PendingCommand:
+        pc = PendingCommand(cmd, self.options.command_timeout_s if timeout_s is None else timeout_s)
+        with self._lock:
+            self._pending[cmd.id] = pc
+            while len(self._pending) > 100_000:
+                self._pending.pop(next(iter(self._pending)))
+        return pc
+
+    def send_command(self, device_id: str, name: str, args: Mapping[str, Any] | None = None, *,
+                     timeout_s: float | None = None, ttl_s: float | None = None) -> PendingCommand:
+        """Sign and publish a command; the returned :class:`PendingCommand` resolves with the ack."""
+        cmd = Command.make(name, device_id, self.fleet, args, ttl_s=self.options.command_ttl_s if ttl_s is None else ttl_s)
+        pc = self._track(cmd, timeout_s)
+        self.transport.publish(device_topic(self.fleet, device_id, "cmd").value, cmd.sign(self.fleet_key), qos=1)
+        self._count("commands_sent")
+        return pc
+
+    def command(self, device_id: str, name: str, args: Mapping[str, Any] | None = None, *,
+                timeout_s: float | None = None) -> Ack:
+        """Send a command and wait for its ack (FleetError on timeout)."""
+        return self.send_command(device_id, name, args, timeout_s=timeout_s).wait()
+
+    def send_ota(self, device_id: str, artifact: bytes, *, version: int, timeout_s: float | None = None,
+                 ttl_s: float | None = None) -> PendingCommand:
+        """Offer ``artifact`` to one device (signed deploy command + artifact, chunked by the transport)."""
+        cmd = deploy_command(device_id, self.fleet, artifact, version=version,
+                             ttl_s=self.options.command_ttl_s if ttl_s is None else ttl_s)
+        pc = self._track(cmd, timeout_s)
+        offer = OtaOffer.make(cmd, artifact, self.fleet_key)
+        self.transport.publish(device_topic(self.fleet, device_id, "ota").value, offer.to_bytes(), qos=1)
+        self._count("ota_sent")
+        return pc
+
+    def recent_ack(self, command_id: str) -> Ack | None:
+        with self._lock:
+            return self._acks.get(command_id)

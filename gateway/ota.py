@@ -1,0 +1,372 @@
+"""OTA rollouts: per-profile signed artifacts, canary first, then waves, halted by failures.
+
+A rollout of version V to a set of devices:
+
+1. **artifacts** — :func:`build_artifacts` makes one per target profile:
+   the model (quantized for the profile when asked), golden data computed
+   here for the health check, signed with the fleet key
+   (:mod:`edgeflow.ota`).
+2. **canary** — the first ``canary`` share of the targets (at least one
+   device) gets V. Each device verifies, stages, health-checks, swaps and
+   acks; a device whose check fails stays on its old model (the ack says
+   ``rolled_back``).
+3. **waves** — the rest, ``wave_size`` at a time. After every wave the
+   failure rate over all devices done so far is compared with
+   ``failure_threshold``; above it the rollout **halts** (the remaining
+   devices are not touched; ``revert_on_halt`` also rolls back the ones
+   already on V).
+4. **timeouts** — a device that does not report within
+   ``report_timeout_s`` counts as failed and gets a *conditional* rollback
+   (``rollback {"from_version": V}``, long TTL): if it did switch to V and
+   only the report was lost, it goes back; if it never switched, the
+   command is a no-op. An agent that restarted mid-deploy reports the
+   interrupted command itself when it comes back.
+
+The selection syntax of ``--to`` is :func:`parse_selector`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from edgeflow.errors import ConfigError, FleetError
+from edgeflow.ota import ANY_PROFILE, build_artifact, parse_artifact
+
+from .store import DeviceRecord
+
+__all__ = [
+    "DeviceResult",
+    "Rollout",
+    "RolloutPolicy",
+    "RolloutReport",
+    "build_artifacts",
+    "parse_selector",
+    "plan_waves",
+    "select_devices",
+]
+
+log = logging.getLogger("edgeflow.gateway.ota")
+
+SUCCESS = ("ok", "unchanged")
+FAILURE = ("failed", "refused", "timeout")
+
+
+@dataclass
+class RolloutPolicy:
+    canary: float = 0.1
+    """Share of the targets in the canary wave (0 < canary <= 1), or a device count when >= 1 and whole."""
+    wave_size: int | None = None
+    """Devices per wave after the canary; None sends the rest in one wave."""
+    failure_threshold: float = 0.2
+    """Halt when failed / finished exceeds this (0 halts on the first failure)."""
+    report_timeout_s: float = 120.0
+    rollback_timeouts: bool = True
+    revert_on_halt: bool = False
+    command_ttl_s: float | None = None
+    rollback_ttl_s: float = 86400.0
+
+    def canary_count(self, n: int) -> int:
+        if n == 0:
+            return 0
+        c = self.canary
+        if c >= 1 and float(c).is_integer():
+            return min(n, int(c))
+        if not 0 < c <= 1:
+            raise ConfigError(f"canary must be a share in (0, 1] or a whole device count, got {c}")
+        return min(n, max(1, math.ceil(c * n - 1e-9)))
+
+
+@dataclass
+class DeviceResult:
+    device_id: str
+    profile: str
+    wave: int = -1
+    state: str = "pending"
+    """pending, ok, unchanged, failed, refused, timeout, skipped, reverted."""
+    code: str = ""
+    error: str = ""
+    from_version: int | None = None
+    model_version: int | None = None
+    rolled_back: bool = False
+    seconds: float | None = None
+    health: dict[str, Any] | None = None
+
+
+@dataclass
+class RolloutReport:
+    version: int
+    state: str = "running"
+    """running, completed, halted."""
+    waves: list[list[str]] = field(default_factory=list)
+    devices: dict[str, DeviceResult] = field(default_factory=dict)
+    failure_rate: float = 0.0
+    halted_reason: str = ""
+    started: float = field(default_factory=time.time)
+    finished: float | None = None
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.devices.values():
+            out[r.state] = out.get(r.state, 0) + 1
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["counts"] = self.counts()
+        return d
+
+
+# -------------------------------------------------------------- selection
+
+
+def parse_selector(text: str) -> dict[str, list[str]]:
+    """``"profile=raspberry-pi-4,device=pi-*"`` -> {"profile": [...], "device": [...]}; ``"all"`` -> {}.
+
+    Keys: ``profile`` (exact names, ``|`` for several), ``device`` (glob
+    patterns, ``|`` for several), ``version`` (current model version,
+    ``none`` for devices without a model). Terms are AND-ed.
+    """
+    text = (text or "").strip()
+    if text in ("", "all", "*"):
+        return {}
+    out: dict[str, list[str]] = {}
+    for term in text.split(","):
+        key, sep, value = term.strip().partition("=")
+        key = key.strip()
+        if not sep or key not in ("profile", "device", "version") or not value.strip():
+            raise ConfigError(f"bad target {term!r} in --to {text!r}; use e.g. 'profile=raspberry-pi-4', "
+                              "'device=pi-*', 'version=3', combined with ',' or 'all'")
+        out.setdefault(key, []).extend(v.strip() for v in value.split("|") if v.strip())
+    return out
+
+
+def select_devices(records: Iterable[DeviceRecord], selector: str | Mapping[str, list[str]], *,
+                   online: Callable[[str], bool] | None = None) -> list[DeviceRecord]:
+    """Records matching ``selector`` (and ``online(id)`` when given), sorted by device id."""
+    sel = parse_selector(selector) if isinstance(selector, str) else dict(selector)
+    out = []
+    for r in records:
+        if "profile" in sel and r.profile not in sel["profile"]:
+            continue
+        if "device" in sel and not any(fnmatch.fnmatchcase(r.device_id, p) for p in sel["device"]):
+            continue
+        if "version" in sel:
+            v = "none" if r.model_version is None else str(r.model_version)
+            if v not in sel["version"]:
+                continue
+        if online is not None and not online(r.device_id):
+            continue
+        out.append(r)
+    return sorted(out, key=lambda r: r.device_id)
+
+
+def plan_waves(device_ids: Sequence[str], canary_count: int, wave_size: int | None) -> list[list[str]]:
+    """[canary, wave 1, wave 2, ...] in the given order."""
+    ids = list(device_ids)
+    if not ids:
+        return []
+    c = max(1, min(len(ids), canary_count))
+    waves = [ids[:c]]
+    rest = ids[c:]
+    step = len(rest) if not wave_size else max(1, int(wave_size))
+    for i in range(0, len(rest), step or 1):
+        waves.append(rest[i:i + step])
+    return waves
+
+
+# -------------------------------------------------------------- artifacts
+
+
+def build_artifacts(
+    model: bytes,
+    profiles: Iterable[str],
+    key: Any,
+    *,
+    version: int,
+    fleet: str = "",
+    name: str = "model",
+    quantize: bool = False,
+    calibration: Any = None,
+    golden_inputs: Any = None,
+    atol: float = 1e-3,
+    rtol: float = 1e-3,
+    latency_budget_ms: float = 1000.0,
+    golden: bool = True,
+    notes: list[str] | None = None,
+) -> dict[str, bytes]:
+    """One signed artifact per profile; with ``quantize`` each is quantized for its profile.
+
+    Quantization uses ``edgeflow.quantize`` (the profile's scheme) with the
+    ``calibration`` samples; when the quantizer is not available or the
+    profile runs unquantized, the fp32 model is shipped and a line is added
+    to ``notes`` saying so.
+    """
+    import hashlib
+
+    from edgeflow.ota import make_golden
+
+    notes = notes if notes is not None else []
+    out: dict[str, bytes] = {}
+    source_sha = hashlib.sha256(model).hexdigest()
+    for profile in sorted(set(profiles)):
+        body, how = model, "fp32"
+        if quantize:
+            body, how = _quantized(model, profile, calibration, notes)
+        g = None
+        if golden:
+            g = make_golden(body, profile if profile != ANY_PROFILE else "x86-gateway", golden_inputs, atol=atol,
+                            rtol=rtol, latency_budget_ms=latency_budget_ms)
+        out[profile] = build_artifact(body, version=version, profile=profile, key=key, fleet=fleet, name=name,
+                                      golden=g, meta={"source_sha256": source_sha, "precision": how})
+    return out
+
+
+def _quantized(model: bytes, profile: str, calibration: Any, notes: list[str]) -> tuple[bytes, str]:
+    try:
+        from edgeflow.quantization.api import quantize
+    except ImportError as exc:
+        notes.append(f"{profile}: quantization is not available here ({exc}); shipping the fp32 model")
+        return model, "fp32"
+    from edgeflow.errors import EdgeflowError
+
+    try:
+        q = quantize(model, profile, calibration=calibration, sensitivity=False, latency_runs=0)
+    except EdgeflowError as exc:
+        notes.append(f"{profile}: not quantized ({exc}); shipping the fp32 model")
+        return model, "fp32"
+    notes.append(f"{profile}: quantized ({getattr(q.report, 'method', 'int8')})")
+    return q.model.SerializeToString(), str(getattr(q.report, "method", "quantized"))
+
+
+# ---------------------------------------------------------------- rollout
+
+
+class Rollout:
+    """One rollout of signed per-profile artifacts to ``targets``. :meth:`run` blocks until done."""
+
+    def __init__(
+        self,
+        fleet: Any,
+        artifacts: Mapping[str, bytes],
+        targets: Sequence[DeviceRecord],
+        policy: RolloutPolicy | None = None,
+        *,
+        on_progress: Callable[[RolloutReport, DeviceResult], Any] | None = None,
+    ) -> None:
+        if not artifacts:
+            raise FleetError("a rollout needs at least one artifact")
+        versions = {parse_artifact(a).version for a in artifacts.values()}
+        if len(versions) != 1:
+            raise FleetError(f"artifacts of one rollout must share a version, got {sorted(versions)}")
+        self.fleet = fleet
+        self.artifacts = dict(artifacts)
+        self.targets = list(targets)
+        self.policy = policy or RolloutPolicy()
+        self.version = versions.pop()
+        self.on_progress = on_progress
+        self.report = RolloutReport(self.version)
+
+    def _artifact_for(self, profile: str) -> bytes | None:
+        return self.artifacts.get(profile, self.artifacts.get(ANY_PROFILE))
+
+    def _progress(self, r: DeviceResult) -> None:
+        if self.on_progress is not None:
+            try:
+                self.on_progress(self.report, r)
+            except Exception:  # noqa: BLE001 - a progress display must not break the rollout
+                log.exception("rollout progress callback failed")
+
+    def run(self) -> RolloutReport:
+        rep, pol = self.report, self.policy
+        eligible = []
+        for rec in self.targets:
+            r = DeviceResult(rec.device_id, rec.profile, from_version=rec.model_version)
+            rep.devices[rec.device_id] = r
+            if self._artifact_for(rec.profile) is None:
+                r.state, r.error = "skipped", f"no artifact for profile {rec.profile!r}"
+                continue
+            eligible.append(rec.device_id)
+        rep.waves = plan_waves(eligible, pol.canary_count(len(eligible)), pol.wave_size)
+        finished = failed = 0
+        for i, wave in enumerate(rep.waves):
+            self._run_wave(i, wave)
+            finished += len(wave)
+            failed += sum(1 for d in wave if rep.devices[d].state in FAILURE)
+            rep.failure_rate = failed / finished if finished else 0.0
+            if failed and rep.failure_rate > pol.failure_threshold:
+                label = "canary" if i == 0 else f"wave {i}"
+                rep.state = "halted"
+                rep.halted_reason = (f"failure rate {rep.failure_rate:.0%} ({failed} of {finished}) after the {label} "
+                                     f"exceeds the threshold of {pol.failure_threshold:.0%}")
+                log.warning("rollout of v%d halted: %s", self.version, rep.halted_reason)
+                for later in rep.waves[i + 1:]:
+                    for d in later:
+                        rep.devices[d].state, rep.devices[d].error = "skipped", "rollout halted"
+                if pol.revert_on_halt:
+                    self._revert(d for w in rep.waves[: i + 1] for d in w)
+                break
+        if rep.state == "running":
+            rep.state = "completed"
+        rep.finished = time.time()
+        return rep
+
+    def _run_wave(self, index: int, wave: list[str]) -> None:
+        rep, pol = self.report, self.policy
+        pending = {}
+        for d in wave:
+            r = rep.devices[d]
+            r.wave = index
+            art = self._artifact_for(r.profile)
+            assert art is not None
+            try:
+                pending[d] = self.fleet.send_ota(d, art, version=self.version, timeout_s=pol.report_timeout_s,
+                                                 ttl_s=pol.command_ttl_s)
+            except Exception as exc:  # noqa: BLE001 - a publish failure is this device's failure
+                r.state, r.code, r.error = "failed", "send_failed", str(exc)
+                self._progress(r)
+        deadline = time.monotonic() + pol.report_timeout_s
+        for d, pc in pending.items():
+            r = rep.devices[d]
+            try:
+                ack = pc.wait(max(0.0, deadline - time.monotonic()))
+            except FleetError as exc:
+                r.state, r.code, r.error = "timeout", "timeout", str(exc)
+                if pol.rollback_timeouts:
+                    try:
+                        self.fleet.send_command(d, "rollback", {"from_version": self.version},
+                                                ttl_s=pol.rollback_ttl_s, timeout_s=pol.rollback_ttl_s)
+                        r.rolled_back = True
+                    except Exception as exc2:  # noqa: BLE001
+                        r.error += f"; rollback not sent: {exc2}"
+                self._progress(r)
+                continue
+            r.seconds = time.monotonic() - pc.sent
+            r.code, r.error = ack.code, ack.error
+            r.model_version = ack.result.get("model_version")
+            r.health = ack.result.get("health")
+            if ack.ok:
+                r.state = "unchanged" if ack.result.get("unchanged") else "ok"
+            else:
+                r.rolled_back = bool(ack.result.get("rolled_back", False))
+                r.state = "failed" if ack.code in ("health_check_failed", "failed", "interrupted") else "refused"
+            self._progress(r)
+
+    def _revert(self, device_ids: Iterable[str]) -> None:
+        for d in device_ids:
+            r = self.report.devices[d]
+            if r.state != "ok":
+                continue
+            try:
+                ack = self.fleet.send_command(d, "rollback", {"from_version": self.version},
+                                              timeout_s=self.policy.report_timeout_s).wait()
+            except FleetError as exc:
+                r.error = f"revert not acknowledged: {exc}"
+                continue
+            if ack.ok:
+                r.state, r.rolled_back, r.model_version = "reverted", True, ack.result.get("model_version")
