@@ -211,6 +211,7 @@ class RoundManager:
         self._bytes_in = 0
         self._dense_bytes = 0
         self.history: list[RoundMetrics] = []
+        self._recovered: RoundAnnouncement | None = None
         self.counters_total: dict[str, int] = {}
         # global model
         latest = store.latest_model()
@@ -233,9 +234,25 @@ class RoundManager:
         return make_aggregator(self.config.strategy, **params)
 
     def start(self) -> None:
-        """Subscribe to every device's update topic (call before connect with persistent sessions)."""
+        """Subscribe to every device's update topic and recover an open round.
+
+        Call before ``transport.connect()``: with a persistent session the
+        broker delivers the updates it kept for this gateway right after
+        CONNACK, and the round they belong to must already be open to take
+        them (else they would be dropped as late).
+        """
         if self._sub is None:
+            self._recover()
             self._sub = self.transport.subscribe(str(device_filter(self.fleet, "update")), self._on_update)
+
+    def _recover(self) -> None:
+        if self.config.mode != "sync":
+            return
+        for rec in self.store.open_rounds():
+            if self._recovered is None:
+                self._recovered = self._reopen(rec)
+            else:  # only the newest open round can be live; older ones were abandoned
+                self.store.close_round(rec.round_id, {"abandoned": True}, state="failed")
 
     def stop(self) -> None:
         self._stop.set()
@@ -356,18 +373,25 @@ class RoundManager:
 
     # -- rounds -----------------------------------------------------------------
     def run(self, rounds: int | None = None) -> list[RoundMetrics]:
-        """Run ``rounds`` rounds (default from the config), resuming an open one first."""
+        """Run rounds: ``rounds`` more, or (default) until the job's ``config.rounds``
+        rounds are done — counting those a previous gateway process completed,
+        and finishing first the round it left open."""
         self.start()
         self.publish_model()
-        todo = self.config.rounds if rounds is None else rounds
+        if rounds is None:
+            finished = sum(1 for r in self.store.rounds() if r.state == "closed")
+            todo = self.config.rounds - finished - (1 if self._recovered is not None else 0)
+        else:
+            todo = rounds
         if self.config.mode == "async":
             return self._run_async(todo)
         done: list[RoundMetrics] = []
-        for rec in self.store.open_rounds():
-            if self._stop.is_set():
-                break
-            done.append(self._resume(rec))
-            todo -= 1
+        if self._recovered is not None and not self._stop.is_set():
+            ann, self._recovered = self._recovered, None
+            self._publish_round(ann)
+            done.append(self._collect_and_close(ann, time.perf_counter()))
+            if rounds is not None:
+                todo -= 1
         while todo > 0 and not self._stop.is_set():
             m = self.run_round()
             if m is not None:
@@ -404,8 +428,8 @@ class RoundManager:
         self._publish_round(ann)
         return self._collect_and_close(ann, time.perf_counter())
 
-    def _resume(self, rec) -> RoundMetrics:
-        """Finish a round a previous gateway process left open."""
+    def _reopen(self, rec) -> RoundAnnouncement:
+        """Rebuild a round a previous gateway process left open from its stored updates."""
         log.info("resuming round %d (%d stored updates)", rec.round_id, self.store.update_count(rec.round_id))
         if rec.model_version != self.version:
             raise AggregationError(
@@ -427,8 +451,7 @@ class RoundManager:
                 continue
             self.replay.check_and_record(upd.device_id, upd.round_id, upd.seq)
             self._accept(upd, su.envelope, store=False)
-        self._publish_round(ann)
-        return self._collect_and_close(ann, time.perf_counter())
+        return ann
 
     def _closing(self, ann: RoundAnnouncement, extensions: int) -> bool:
         n = len(self._reported)

@@ -1,0 +1,87 @@
+"""A gateway killed in the middle of a round restarts and finishes that round
+with the updates it had stored plus those the broker kept for its persistent
+session, counting every update exactly once."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from _brokers import mosquitto_factory, wait_until  # noqa: F401
+from edgeflow import zoo
+from edgeflow.datasets import dirichlet_partition, load_digits
+from edgeflow.federated import Client
+from edgeflow.gateway.rounds import model_weights
+from edgeflow.gateway.store import GatewayStore
+from edgeflow.signing import KeyRing, PrivateKey, Signer
+from edgeflow.transport import MqttTransport
+
+pytestmark = pytest.mark.integration
+HERE = Path(__file__).parent
+
+
+def _gateway(args, **kw):
+    return subprocess.Popen([sys.executable, str(HERE / "_gateway_proc.py"), *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def test_gateway_killed_mid_round_finishes_it_without_double_counting(mosquitto_factory, tmp_path):  # noqa: F811
+    broker = mosquitto_factory(persistence=True)
+    fleet = "crash"
+    fk = PrivateKey.generate()
+    fk.save(tmp_path / "fleet.key")
+    model = zoo.digits_mlp(seed=1)
+    onnx.save(model, tmp_path / "model.onnx")
+    split = load_digits(seed=0).flat()
+    parts = dirichlet_partition(split.y_train, 6, alpha=1.0, seed=0)
+    ring = KeyRing()
+    devices = []
+    for i, idx in enumerate(parts):
+        s = Signer.generate(f"d{i}")
+        ring.register(s.device_id, s.public_key)
+        t = MqttTransport.from_url(broker.url, client_id=f"{fleet}-d{i}")
+        c = Client(t, fleet=fleet, device_id=s.device_id, signer=s, fleet_key=fk.public_key, model=model,
+                   data=(split.x_train[idx], split.y_train[idx]), seed=i,
+                   delay_s=0.3 * i)  # staggered: some updates arrive while the gateway is down
+        devices.append((t, c))
+    ring.save(tmp_path / "ring.json")
+    for t, c in devices:
+        c.start()
+        t.connect(timeout=10)
+    state = tmp_path / "gw.sqlite"
+    common = [broker.url, state, fleet, tmp_path / "fleet.key", tmp_path / "ring.json", tmp_path / "model.onnx", 2]
+    try:
+        first = _gateway(common + [2, 3])  # crash right after storing the 3rd update of round 2
+        out1, _ = first.communicate(timeout=120)
+        assert first.returncode == 137, out1
+        assert "ROUND 1 participants=6" in out1
+        s = GatewayStore(state)
+        assert [r.round_id for r in s.open_rounds()] == [2] and s.update_count(2) == 3
+        v1_weights = model_weights(onnx.load_model_from_string(s.model(2)[0]))  # round 2 trained from v2
+        s.close()
+        # the rest of round 2's updates reach the broker while no gateway runs
+        assert wait_until(lambda: all(c.stats.updates_sent == 2 for _, c in devices), 30)
+        second = _gateway(common)  # restart: resumes round 2, then has nothing left to run
+        out2, _ = second.communicate(timeout=120)
+        assert second.returncode == 0, out2
+        assert "ROUND 2 participants=6" in out2, out2
+    finally:
+        for t, c in devices:
+            c.stop()
+            t.close(timeout=2)
+    s = GatewayStore(state)
+    version, onnx_bytes, _ = s.latest_model()
+    assert version == 3 and s.open_rounds() == []
+    got = model_weights(onnx.load_model_from_string(onnx_bytes))
+    # exactly FedAvg over the six round-2 deltas, each counted once
+    n = np.array([len(p) for p in parts], dtype=np.float64)
+    for name, w in got.items():
+        deltas = np.stack([c.last_delta[name].astype(np.float64) for _, c in devices])
+        expected = v1_weights[name] + np.tensordot(n / n.sum(), deltas, axes=1)
+        np.testing.assert_allclose(w, expected, rtol=1e-5, atol=1e-6, err_msg=name)
