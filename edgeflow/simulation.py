@@ -66,6 +66,8 @@ class SimConfig:
     straggler_delay_s: float = 0.0
     profiles: tuple[str, ...] = ("x86-gateway",)
     dp: dict[str, Any] | None = None
+    secagg: dict[str, Any] | None = None
+    secagg_dropouts: int = 0  # devices that drop after sharing keys, in every secure round
     mode: str = "sync"
     async_buffer: int = 10
     fleet: str = ""
@@ -178,7 +180,7 @@ class SimulatedFleet:
             rounds=cfg.rounds, mode=cfg.mode, fraction=cfg.fraction, min_clients=cfg.min_clients,
             overselect=cfg.overselect, quorum=cfg.quorum, deadline_s=cfg.deadline_s,
             max_extensions=cfg.max_extensions, strategy=cfg.strategy,
-            strategy_params=dict(cfg.strategy_params), train=cfg.train_config(), dp=cfg.dp,
+            strategy_params=dict(cfg.strategy_params), train=cfg.train_config(), dp=cfg.dp, secagg=cfg.secagg,
             async_buffer=cfg.async_buffer, seed=cfg.seed, wait_for_devices_s=10.0,
         )
         self.store = GatewayStore(state_path)
@@ -193,6 +195,8 @@ class SimulatedFleet:
         attack = _attack(self.cfg.attack, self.cfg.attack_scale, np.random.default_rng(int(rng.integers(2**31))))
 
         def transform(delta, round_id):
+            if i < self.cfg.secagg_dropouts:
+                return None
             if i in self._vanishing and round_id == self.cfg.dropout_round:
                 self._vanish(i)
                 return None

@@ -88,6 +88,7 @@ class RoundConfig:
     wait_for_devices_s: float = 30.0
     train: TrainConfig = field(default_factory=TrainConfig)
     dp: dict[str, Any] | None = None  # {clip_norm, noise_multiplier, delta}
+    secagg: dict[str, Any] | None = None  # {max_dropout_fraction, clip, phase_timeout_s}
     async_buffer: int = 10
     staleness: str = "polynomial"
     max_staleness: int | None = 10
@@ -111,6 +112,17 @@ class RoundConfig:
             problems.append(f"deadline_s must be > 0, got {self.deadline_s}")
         if self.rounds < 0:
             problems.append(f"rounds must be >= 0, got {self.rounds}")
+        if self.secagg is not None:
+            if self.dp:
+                problems.append("secagg and central dp cannot be combined (dp clips each update in the clear)")
+            if self.mode != "sync":
+                problems.append("secagg needs mode 'sync'")
+            if self.strategy not in ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad"):
+                problems.append(f"secagg reveals only the sum: strategy {self.strategy!r} needs each update")
+            unknown = set(self.secagg) - {"max_dropout_fraction", "clip", "phase_timeout_s", "ring_bits", "frac_bits"}
+            if unknown:
+                problems.append(f"unknown secagg setting(s) {sorted(unknown)}")
+            self.train = TrainConfig(**{**asdict(self.train), "secagg": True})
         if problems:
             raise ConfigError("round configuration: " + "; ".join(problems))
 
@@ -212,6 +224,7 @@ class RoundManager:
         self._dense_bytes = 0
         self.history: list[RoundMetrics] = []
         self._recovered: RoundAnnouncement | None = None
+        self._secagg = None  # SecAggServer of the open round, if any
         self.counters_total: dict[str, int] = {}
         # global model
         latest = store.latest_model()
@@ -244,6 +257,8 @@ class RoundManager:
         if self._sub is None:
             self._recover()
             self._sub = self.transport.subscribe(str(device_filter(self.fleet, "update")), self._on_update)
+            if self.config.secagg is not None:
+                self.transport.subscribe(str(device_filter(self.fleet, "secagg")), self._on_secagg)
 
     def _recover(self) -> None:
         if self.config.mode != "sync":
@@ -464,6 +479,8 @@ class RoundManager:
         return False
 
     def _collect_and_close(self, ann: RoundAnnouncement, t_start: float) -> RoundMetrics:
+        if ann.config.secagg:
+            return self._secure_round(ann, t_start)
         extensions = 0
         with self._cv:
             while not self._stop.is_set():
@@ -492,6 +509,122 @@ class RoundManager:
         metrics = self._metrics(ann, result, agg_s, t_start)
         self.store.close_round(ann.round_id, metrics.to_dict())
         self.store.drop_updates(ann.round_id)
+        self._report(metrics)
+        return metrics
+
+    # -- secure aggregation -------------------------------------------------------
+    def _on_secagg(self, msg: Any) -> None:
+        from edgeflow.federated import secure
+
+        from .secagg import AdvertiseKeys, MaskedInput, SecAggError, ShareKeys, UnmaskResponse
+
+        info = parse_topic(msg.topic)
+        sender = info.device if info else None
+        if sender is None:
+            return  # our own broadcast on gateway/secagg also matches +/secagg
+        try:
+            m = secure.decode(secure.unseal_from(msg.payload, self.keyring, sender))
+            if getattr(m, "client_id", None) != sender:
+                raise SignatureError(f"secagg frame names {getattr(m, 'client_id', None)!r} but came from {sender!r}")
+            with self._cv:
+                server = self._secagg
+                if server is None:
+                    self._count("late")
+                    return
+                if isinstance(m, AdvertiseKeys):
+                    if self._ann is None or sender not in self._ann.selected:
+                        self._count("not_selected")
+                        return
+                    server.receive_advertise(m)
+                elif isinstance(m, ShareKeys):
+                    server.receive_share_keys(m)
+                elif isinstance(m, MaskedInput):
+                    server.receive_masked_input(m)
+                    self._reported.add(sender)
+                    self._bytes_in += len(msg.payload)
+                elif isinstance(m, UnmaskResponse):
+                    server.receive_unmask(m)
+                else:
+                    raise SecAggError(f"unexpected secagg message {type(m).__name__}")
+                self._sa_seen.setdefault(type(m).__name__, set()).add(sender)
+                self._cv.notify_all()
+        except (CodecError, SignatureError, SecAggError) as exc:
+            with self._lock:
+                self._count("rejected_secagg")
+            log.warning("secagg frame from %s refused: %s", sender, exc)
+
+    def _sa_phase(self, kind: str, expected: set[str], until: float) -> set[str]:
+        with self._cv:
+            while not self._stop.is_set() and time.time() < until:
+                if expected <= self._sa_seen.get(kind, set()):
+                    break
+                self._cv.wait(0.05)
+            return set(self._sa_seen.get(kind, set()))
+
+    def _sa_broadcast(self, frame: bytes) -> None:
+        from edgeflow.federated import secure
+
+        self.transport.publish(str(gateway_topic(self.fleet, "secagg")), secure.seal(frame, self.fleet_key),
+                               qos=1).wait(30)
+
+    def _secure_round(self, ann: RoundAnnouncement, t_start: float) -> RoundMetrics:
+        """Bonawitz et al. over MQTT; the aggregator only ever receives the unmasked sum."""
+        from edgeflow.federated import secure
+
+        from .secagg import SecAggConfig, SecAggError, SecAggServer
+
+        opts = dict(self.config.secagg or {})
+        phase_s = float(opts.pop("phase_timeout_s", 10.0))
+        frac = float(opts.pop("max_dropout_fraction", 0.3))
+        server = SecAggServer(SecAggConfig.for_clients(len(ann.selected), frac, **opts), self.weights,
+                              round_id=ann.round_id)
+        with self._cv:
+            self._secagg = server
+            self._sa_seen: dict[str, set[str]] = {}
+        selected = set(ann.selected)
+        result = None
+        try:
+            adv = self._sa_phase("AdvertiseKeys", selected, min(ann.deadline, time.time() + phase_s))
+            with self._lock:
+                directory = server.key_directory()
+            self._sa_broadcast(secure.encode(directory))
+            self._sa_phase("ShareKeys", adv, min(ann.deadline, time.time() + phase_s))
+            with self._lock:
+                bundles = server.share_bundles()
+            self._sa_broadcast(secure.pack_bundles([secure.encode(b) for b in bundles.values()]))
+            holders = set(bundles)
+            self._sa_phase("MaskedInput", holders, ann.deadline)
+            with self._lock:
+                request = server.unmask_request()
+            self._sa_broadcast(secure.encode(request))
+            self._sa_phase("UnmaskResponse", set(request.survivors), time.time() + phase_s)
+            with self._lock:
+                sa_result = server.finish()
+            t0 = time.perf_counter()
+            with self._lock:
+                summed = {k: np.asarray(v, dtype=self.weights[k].dtype) for k, v in sa_result.sum.items()}
+                self._agg.add_partial(summed, total_samples=max(1, int(round(sa_result.total_weight))),
+                                      num_clients=sa_result.num_clients, client_id="secagg")
+                result = self._agg.finish()
+            agg_s = time.perf_counter() - t0
+        except SecAggError as exc:
+            log.error("round %d: secure aggregation failed: %s", ann.round_id, exc)
+            agg_s = 0.0
+        finally:
+            with self._cv:
+                self._secagg = None
+                closed = RoundAnnouncement(**{**ann.__dict__, "state": "closed"})
+                self._ann = closed
+        self._publish_round(closed)
+        if result is None:
+            self._agg.reset()
+            self.store.close_round(ann.round_id, {"participants": 0, "secagg": "failed"}, state="failed")
+            return self._metrics(ann, None, 0.0, t_start)
+        result = AggregateResult(**{**result.__dict__, "num_clients": sa_result.num_clients})
+        self._adopt(result, ann.round_id)
+        metrics = self._metrics(ann, result, agg_s, t_start)
+        metrics.extra["secagg_dropped"] = float(len(sa_result.dropped))
+        self.store.close_round(ann.round_id, metrics.to_dict())
         self._report(metrics)
         return metrics
 

@@ -94,3 +94,38 @@ def test_central_dp_reports_epsilon_per_round(mosquitto_factory):  # noqa: F811
     eps = [m.extra["dp_epsilon"] for m in metrics]
     assert all(e > 0 for e in eps) and eps == sorted(eps) and len(set(eps)) == 3  # privacy spent accumulates
     assert all(np.isfinite(m.accuracy) for m in metrics)
+
+
+def test_secure_aggregation_with_two_dropouts_equals_plain_fedavg(mosquitto_factory):  # noqa: F811
+    from edgeflow.gateway.rounds import model_weights
+
+    broker = mosquitto_factory()
+    cfg = SimConfig(devices=8, rounds=1, codec="dense", secagg={"max_dropout_fraction": 0.3},
+                    secagg_dropouts=2, deadline_s=10)
+    with SimulatedFleet(cfg, broker.url) as fleet:
+        start = model_weights(fleet.model)
+        (m,) = fleet.run()
+        new = fleet.rounds.weights
+        survivors = fleet.devices[2:]  # devices 0 and 1 drop after sharing their keys
+        n = np.array([len(d.client.y) for d in survivors], dtype=np.float64)
+        assert m.participants == 6 and m.dropped == 2 and m.extra["secagg_dropped"] == 2
+        for name in start:
+            deltas = np.stack([d.client.last_delta[name].astype(np.float64) for d in survivors])
+            expected = start[name] + np.tensordot(n / n.sum(), deltas, axes=1)
+            np.testing.assert_allclose(new[name], expected, rtol=1e-5, atol=1e-6, err_msg=name)
+        # the gateway never held an individual update: nothing came on the update topic
+        assert m.bytes_in > 0 and fleet.rounds.counters_total.get("late", 0) == 0
+        assert all(d.client.stats.updates_sent == 0 for d in fleet.devices[:2])
+
+
+def test_secure_aggregation_fails_cleanly_beyond_the_dropout_threshold(mosquitto_factory):  # noqa: F811
+    broker = mosquitto_factory()
+    cfg = SimConfig(devices=6, rounds=1, codec="dense", secagg={"max_dropout_fraction": 0.2, "phase_timeout_s": 2},
+                    secagg_dropouts=3, deadline_s=3)
+    with SimulatedFleet(cfg, broker.url) as fleet:
+        start = {k: v.copy() for k, v in fleet.rounds.weights.items()}
+        (m,) = fleet.run()
+        assert m.participants == 0 and m.accuracy is None
+        assert fleet.store.round(1).state == "failed"
+        for k, v in fleet.rounds.weights.items():  # the global model is untouched
+            np.testing.assert_array_equal(v, start[k])

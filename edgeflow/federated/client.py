@@ -126,6 +126,7 @@ class Client:
         self._subs: list[Any] = []
         self._rng = np.random.default_rng(seed)
         self.last_delta: dict[str, np.ndarray] | None = None
+        self._sa_inbox: "queue.Queue[Any]" = queue.Queue()
 
     # -- lifecycle --------------------------------------------------------
     def start(self) -> "Client":
@@ -135,6 +136,7 @@ class Client:
         self._subs = [
             self.transport.subscribe(str(gateway_topic(self.fleet, "model")), self._on_model),
             self.transport.subscribe(str(gateway_topic(self.fleet, "round")), self._on_round),
+            self.transport.subscribe(str(gateway_topic(self.fleet, "secagg")), self._on_secagg),
         ]
         self._thread = threading.Thread(target=self._loop, name=f"fl-client-{self.device_id}", daemon=True)
         self._thread.start()
@@ -189,6 +191,73 @@ class Client:
         self._current = ann
         if ann.state == "open" and (not ann.selected or self.device_id in ann.selected):
             self._rounds.put(ann)
+
+    def _on_secagg(self, msg: Any) -> None:
+        """Gateway -> devices secure-aggregation broadcasts (signed by the fleet key)."""
+        from . import secure
+
+        try:
+            frame = secure.unseal(msg.payload, self.keyring.get(GATEWAY_ID))
+            if frame[:4] == b"EFSB":
+                for f in secure.unpack_bundles(frame):
+                    m = secure.decode(f)
+                    if getattr(m, "recipient", None) == self.device_id:
+                        self._sa_inbox.put(m)
+            else:
+                self._sa_inbox.put(secure.decode(frame))
+        except (CodecError, SignatureError) as exc:
+            self.stats.rejected_messages += 1
+            log.warning("device %s: secagg message refused: %s", self.device_id, exc)
+        except Exception as exc:  # SecAggError derives from AggregationError
+            self.stats.rejected_messages += 1
+            log.warning("device %s: secagg message refused: %s", self.device_id, exc)
+
+    def _sa_wait(self, kind: type, session: bytes | None, deadline: float) -> Any:
+        while not self._stop.is_set():
+            left = deadline - time.time()
+            if left <= 0:
+                raise EdgeflowError(f"secure aggregation: no {kind.__name__} before the deadline")
+            try:
+                m = self._sa_inbox.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                continue
+            if isinstance(m, kind) and (session is None or getattr(m, "session_id", session) == session):
+                return m
+        raise EdgeflowError("client stopped")
+
+    def _run_secure_round(self, ann: RoundAnnouncement, weights: dict[str, np.ndarray], version: int) -> None:
+        """One round under secure aggregation: the gateway only ever sees the masked sum."""
+        from ..gateway.secagg import KeyDirectory, SecAggClient, ShareBundle, UnmaskRequest
+        from . import secure
+
+        topic = str(device_topic(self.fleet, self.device_id, "secagg"))
+
+        def send(msg: Any) -> None:
+            payload = secure.seal(secure.encode(msg), self.signer)
+            self.transport.publish(topic, payload, qos=1)
+            self.stats.bytes_sent += len(payload)
+
+        while not self._sa_inbox.empty():  # leftovers of an earlier session
+            self._sa_inbox.get_nowait()
+        sa = SecAggClient(self.device_id)
+        send(sa.advertise())
+        directory = self._sa_wait(KeyDirectory, None, ann.deadline)
+        if directory.round_id != ann.round_id:
+            raise EdgeflowError(f"key directory for round {directory.round_id}, expected {ann.round_id}")
+        send(sa.share_keys(directory))
+        delta, n, loss = self._train(weights, ann.config, ann.round_id)
+        self.stats.rounds_trained += 1
+        self.stats.last_round = ann.round_id
+        self.stats.last_loss = loss
+        self._done.add(ann.round_id)
+        bundle = self._sa_wait(ShareBundle, directory.session_id, ann.deadline)
+        if delta is None:
+            return  # this device drops out after sharing its keys (recoverable by the others)
+        send(sa.masked_input(bundle, delta, weight=float(n)))
+        self.stats.updates_sent += 1
+        self.stats.dense_bytes += 4 * sum(int(v.size) for v in delta.values())
+        request = self._sa_wait(UnmaskRequest, directory.session_id, ann.deadline + 30.0)
+        send(sa.unmask(request))
 
     # -- the worker --------------------------------------------------------
     def _loop(self) -> None:
@@ -267,6 +336,9 @@ class Client:
             self.stats.errors.append(f"round {ann.round_id}: global model v{ann.model_version} never arrived")
             return
         version, weights = got
+        if ann.config.secagg:
+            self._run_secure_round(ann, weights, version)
+            return
         delta, n, loss = self._train(weights, ann.config, ann.round_id)
         self.stats.rounds_trained += 1
         self.stats.last_round = ann.round_id

@@ -73,6 +73,7 @@ class TrainConfig:
     codec: str = "int8"
     codec_opts: dict[str, Any] = field(default_factory=dict)
     max_samples: int | None = None
+    secagg: bool = False  # masked updates via secure aggregation (codec is then unused)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
