@@ -170,6 +170,16 @@ _AGENTS: "weakref.WeakValueDictionary[str, DeviceAgent]" = weakref.WeakValueDict
 _LAST: list[DeviceAgent] = []
 
 
+def _plain_id(data: bytes) -> tuple[str, str]:
+    try:
+        d = json.loads(data)
+    except ValueError:
+        return "", ""
+    if not isinstance(d, dict):
+        return "", ""
+    return str(d.get("id", ""))[:64], str(d.get("name", ""))[:64]
+
+
 def running_agents() -> dict[str, DeviceAgent]:
     return dict(_AGENTS)
 
@@ -538,7 +548,8 @@ class DeviceAgent:
         try:
             _, body = peek_signed(data)
         except CodecError as exc:
-            self._refuse("", "", getattr(exc, "reason", "bad_message"), str(exc))
+            cid, cname = _plain_id(data)  # an unsigned command still gets a refusal it can be matched with
+            self._refuse(cid, cname, getattr(exc, "reason", "bad_message"), str(exc))
             return None
         cmd_id, name = str(body.get("id", "")), str(body.get("name", ""))
         if cmd_id and self._repeat_ack(cmd_id):
