@@ -518,10 +518,10 @@ class FleetManager:
                 self._acks.popitem(last=False)
             pending = self._pending.pop(ack.id, None)
         self._count("acks")
+        if pending is None or time.monotonic() - pending.sent > pending.timeout_s:
+            self._count("acks_late")  # after its timeout (e.g. a device that came back): still recorded
         if pending is not None:
             pending._resolve(ack)
-        elif ack.id:
-            self._count("acks_late")
         self._emit("ack", device, ack.to_dict())
 
     # ---------------------------------------------------------------- commands
