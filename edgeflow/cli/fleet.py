@@ -172,18 +172,19 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
     from ._common import console, human_bytes
 
     t = Table(title=f"{len(rows)} device(s), {sum(r['online'] for r in rows)} online")
-    for col in ("device", "profile", "state", "model", "backend", "p50 ms", "p95 ms", "RSS", "CPU %", "battery",
-                "seen", "key"):
+    for col in ("device", "profile", "state", "model"):
+        t.add_column(col, no_wrap=True)
+    for col in ("backend", "p50/p95 ms", "RSS", "CPU %", "battery", "seen", "key"):
         t.add_column(col)
     now = time.time()
     for r in rows:
+        lat = "-" if r["latency_p50_ms"] is None else f"{r['latency_p50_ms']:.2f}/{r['latency_p95_ms']:.2f}"
         t.add_row(
             r["device"], r["profile"], "[green]online[/]" if r["online"] else "[red]offline[/]",
-            _fmt(r["model_version"] and f"v{r['model_version']}"), _fmt(r["backend"]),
-            _fmt(r["latency_p50_ms"], ".2f"), _fmt(r["latency_p95_ms"], ".2f"),
+            _fmt(r["model_version"] and f"v{r['model_version']}"), _fmt(r["backend"]), lat,
             human_bytes(r["rss_bytes"]) if r["rss_bytes"] else "-", _fmt(r["cpu_percent"], ".1f"),
             _fmt(r["battery"] is not None and f"{100 * r['battery']:.0f}%" or None),
-            f"{max(0.0, now - r['last_seen']):.0f} s ago", r["trust"] or "-",
+            f"{max(0.0, now - r['last_seen']):.0f}s", r["trust"] or "-",
         )
     console().print(t)
 
