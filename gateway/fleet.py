@@ -13,10 +13,11 @@
 - **births** (signed by the device key) refresh profile, versions and model
   version; the device's public key is checked against the :attr:`keyring`
   (provisioning fills it; ``trust_unregistered`` = trust on first use);
-- **telemetry** goes to a writer thread that commits to SQLite in small
-  batches, so 500 devices reporting every second never stall the
-  transport's worker thread; the end-to-end lag (device timestamp to
-  commit) is measured and reported by :meth:`FleetManager.stats`.
+- **telemetry** goes to a writer thread that commits it to SQLite, so a
+  slow disk never stalls the transport's worker thread (and with it
+  keepalive-independent but ordered handling of births and acks); the
+  end-to-end lag (device timestamp to commit) is measured and reported by
+  :meth:`FleetManager.stats`.
 
 Commands: :meth:`FleetManager.send_command` signs a :class:`Command` with
 the fleet key, publishes it on the device's ``cmd`` topic and returns a
@@ -81,7 +82,6 @@ class FleetOptions:
     """Commands expire on the device this long after they were issued."""
     record_registry: bool = True
     record_telemetry: bool = True
-    telemetry_flush_s: float = 0.1
     telemetry_queue: int = 100_000
     trust_unregistered: bool = False
     """Register the key of a device the key ring does not know from its first birth (trust on first use)."""
@@ -438,7 +438,7 @@ class FleetManager:
             self._count("telemetry_dropped")
 
     def _writer_loop(self) -> None:
-        """Commit telemetry in batches: one short transaction per row, many rows per wake-up."""
+        """Commit telemetry off the transport's worker thread, draining whatever queued up per wake-up."""
         while not self._stop.is_set():
             try:
                 first = self._tq.get(timeout=0.5)
@@ -447,10 +447,9 @@ class FleetManager:
             if first is None:
                 return
             batch = [first]
-            deadline = time.monotonic() + self.options.telemetry_flush_s
-            while len(batch) < 5000:
+            while len(batch) < 5000:  # whatever queued up meanwhile; never wait for more
                 try:
-                    item = self._tq.get(timeout=max(0.0, deadline - time.monotonic()))
+                    item = self._tq.get_nowait()
                 except queue.Empty:
                     break
                 if item is None:
