@@ -52,8 +52,9 @@ def test_fleet_status_cmd_deploy_rollback(fleet_env, tmp_path, capsys) -> None:
     rc, out = _run(capsys, "fleet", "status", *common, "--json")
     rows = {r["device"]: r for r in out["devices"]}
     assert rc == 0 and all(rows[d]["online"] and rows[d]["profile"] == PROFILE for d in ids)
+    assert {rows[d]["health"] for d in ids} == {"no model"}
     rc, out = _run(capsys, "fleet", "status", *common)
-    assert rc == 0 and ids[0] in out and "online" in out
+    assert rc == 0 and ids[0] in out and "no model" in out
 
     rc, ack = _run(capsys, "fleet", "cmd", ids[0], "set_config", "telemetry_interval_s=0.75", *common, "--json")
     assert rc == 0 and ack["ok"] and ack["result"]["config"]["telemetry_interval_s"] == 0.75
@@ -87,6 +88,6 @@ def test_fleet_status_cmd_deploy_rollback(fleet_env, tmp_path, capsys) -> None:
     assert wait_until(lambda: all(store.device(d).model_version == 1 for d in ids), 5)
     rc, out = _run(capsys, "fleet", "status", "--state", str(tmp_path / "gw.db"), "--json")
     rows = {r["device"]: r for r in out["devices"]}
-    assert rc == 0 and all(rows[d]["model_version"] == 1 and rows[d]["online"] for d in ids)
+    assert rc == 0 and all(rows[d]["model_version"] == 1 and rows[d]["health"] == "ok" for d in ids)
     rc, rep = _run(capsys, "fleet", "deploy", str(model), "--to", "profile=coral-dev-board", *common, "--json")
     assert rc == 2, "no matching device is an error, not an empty rollout"

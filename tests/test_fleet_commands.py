@@ -257,3 +257,21 @@ def test_unsigned_or_wrongly_signed_models_are_refused(fleet_env, fm) -> None:
     assert [g.code for g in got if not g.id] == ["bad_message"]
     assert a.model_version == 1, "nothing was installed"
     assert not (a.slots.root / "pending.json").exists()
+
+
+def test_a_model_larger_than_one_message_is_chunked_through_the_acl(fleet_env, fm) -> None:
+    from edgeflow import zoo
+    from edgeflow.ota import build_artifact, make_golden
+
+    a = fleet_env.agent()
+    dev = a.device_id
+    assert fm.wait_online([dev], 10)
+    model = zoo.mlp((784, 512, 512, 10), seed=3).SerializeToString()  # 2.6 MB: 11 chunks of 256 KiB
+    x = np.random.default_rng(0).random((1, 784)).astype(np.float32)
+    data = build_artifact(model, version=4, profile=PROFILE, key=fleet_env.fleet_dir.fleet_key(), fleet=FLEET,
+                          golden=make_golden(model, PROFILE, x))
+    assert len(data) > 10 * 256 * 1024
+    ack = fm.send_ota(dev, data, version=4).wait(60)
+    assert ack.ok and ack.result["model_version"] == 4, ack
+    assert a.active_model.model_path.read_bytes() == model
+    assert a.transport.stats()["transfers_completed"] >= 1

@@ -145,12 +145,28 @@ class _Session:
         self.store.close()
 
 
+def _health(online: bool, model_version: Any, t: dict[str, Any], trust: str) -> str:
+    """One word for the table: offline, untrusted, no model, no telemetry, errors, ok."""
+    if not online:
+        return "offline"
+    if trust == "unregistered":
+        return "untrusted"
+    if model_version is None:
+        return "no model"
+    if not t:
+        return "no telemetry"
+    if t.get("inference_errors"):
+        return "errors"
+    return "ok"
+
+
 def _rows(fm_or_store: Any, telemetry: Any) -> list[dict[str, Any]]:
     rows = []
     for r in fm_or_store.devices():
         t = telemetry(r.device_id) or {}
         rows.append({
             "device": r.device_id, "profile": r.profile, "online": r.online, "model_version": r.model_version,
+            "health": _health(r.online, r.model_version, t, r.birth.get("trust", "")),
             "backend": r.birth.get("backend"), "trust": r.birth.get("trust", ""), "last_seen": r.last_seen,
             "training": r.birth.get("training", False), "latency_p50_ms": t.get("latency_p50_ms"),
             "latency_p95_ms": t.get("latency_p95_ms"), "rss_bytes": t.get("rss_bytes"),
@@ -172,7 +188,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
     from ._common import console, human_bytes
 
     t = Table(title=f"{len(rows)} device(s), {sum(r['online'] for r in rows)} online")
-    for col in ("device", "profile", "state", "model"):
+    for col in ("device", "profile", "health", "model"):
         t.add_column(col, no_wrap=True)
     for col in ("backend", "p50/p95 ms", "RSS", "CPU %", "battery", "seen", "key"):
         t.add_column(col)
@@ -180,7 +196,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         lat = "-" if r["latency_p50_ms"] is None else f"{r['latency_p50_ms']:.2f}/{r['latency_p95_ms']:.2f}"
         t.add_row(
-            r["device"], r["profile"], "[green]online[/]" if r["online"] else "[red]offline[/]",
+            r["device"], r["profile"], f"[{'green' if r['health'] == 'ok' else 'red'}]{r['health']}[/]",
             _fmt(r["model_version"] and f"v{r['model_version']}"), _fmt(r["backend"]), lat,
             human_bytes(r["rss_bytes"]) if r["rss_bytes"] else "-", _fmt(r["cpu_percent"], ".1f"),
             _fmt(r["battery"] is not None and f"{100 * r['battery']:.0f}%" or None),
