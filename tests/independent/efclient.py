@@ -1,0 +1,421 @@
+"""An edgeflow device written only from docs/wire-format.md: no edgeflow, no numpy.
+
+    python -I -S efclient.py selfcheck
+    python -I -S efclient.py vectors tests/vectors
+    python -I -S efclient.py join --host 127.0.0.1 --port 1883 --fleet lab --device ind-a \\
+        --seed <64 hex> --fleet-key <64 hex> [--codec int8] [--max-payload 256]
+
+``vectors`` decodes every test vector, checks it against the manifest, and
+re-encodes it twice (from the decoded fields and from the listed inputs),
+byte for byte. ``join`` takes part in one federated round against a real
+gateway over MQTT 3.1.1: it verifies the fleet-signed announcement and
+global model, runs a few steps of SGD on the model's softmax-regression
+layer in plain Python, encodes and signs the delta, publishes it, and waits
+for the next global model. Every outcome is printed as one JSON object.
+
+Python's ``-I -S`` flags keep site-packages (and with it edgeflow and numpy)
+off ``sys.path``; the test also checks the imports of these files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import ed25519  # noqa: E402
+import efwire as w  # noqa: E402
+import mqtt311  # noqa: E402
+
+# ------------------------------------------------------------------ vectors
+
+
+def _values_from(desc: dict) -> list[float]:
+    if "f32" in desc:
+        return w.f32_list(bytes.fromhex(desc["f32"]))
+    out = [0.0] * desc["size"]
+    for i, h in desc["nonzero"]:
+        out[i] = w.f32_list(bytes.fromhex(h))[0]
+    return out
+
+
+def _uniforms(desc: dict | None):
+    return iter(w.f32_list(bytes.fromhex(desc["uniform"])) if desc else [])
+
+
+class Check:
+    def __init__(self) -> None:
+        self.failures: list[str] = []
+        self.count = 0
+
+    def eq(self, what: str, got, want) -> None:
+        self.count += 1
+        if got != want:
+            self.failures.append(f"{what}: got {str(got)[:120]!r}, want {str(want)[:120]!r}")
+
+
+def _keys(manifest: dict, c: Check) -> dict[str, tuple[bytes, bytes]]:
+    out = {}
+    for role, k in manifest["keys"].items():
+        seed = bytes.fromhex(k["seed"])
+        pub = ed25519.public_key(seed)
+        c.eq(f"{role} public key", pub.hex(), k["public_key"])
+        c.eq(f"{role} key id", w.key_id(pub).hex(), k["key_id"])
+        out[role] = (seed, pub)
+    return out
+
+
+def check_envelope(v: dict, data: bytes, keys: dict, c: Check) -> None:
+    e = v["envelope"]
+    env = w.parse_envelope(data)
+    for field in ("version", "flags", "codec", "codec_id", "round_id", "seq", "device_id", "metadata_json",
+                  "header_length", "crc_offset"):
+        c.eq(f"{v['name']} {field}", env[field], e[field])
+    c.eq(f"{v['name']} crc32", f"{env['crc32']:08x}", e["crc32"])
+    secret = None
+    if e["signed_by"]:
+        secret, pub = keys[e["signed_by"]]
+        w.verify_envelope(env, pub)
+        c.eq(f"{v['name']} key id", env["key_id"].hex(), e["key_id"])
+        c.eq(f"{v['name']} signature", env["signature"].hex(), e["signature"])
+        c.eq(f"{v['name']} signing message", env["signing_message"].hex(), e["signing_message"])
+    c.eq(f"{v['name']} tensor count", len(env["tensors"]), len(e["tensors"]))
+    rebuilt, from_inputs = [], []
+    for t, want in zip(env["tensors"], e["tensors"]):
+        for field in ("name", "dtype", "dtype_code", "shape", "offset", "length"):
+            c.eq(f"{v['name']}/{want['name']} {field}", t[field], want[field])
+        c.eq(f"{v['name']}/{want['name']} decoded values", w.f32_bytes(t["values"]),
+             w.f32_bytes(_values_from(want["decoded"])))
+        rebuilt.append((t["name"], t["dtype_code"], t["shape"], w.encode_section(env["codec"], t["fields"])))
+        extra = want.get("int8") or want.get("topk_int8")
+        fields = w.encode_values(env["codec"], _values_from(want["input"]), uniforms=_uniforms(extra), k=e["k"])
+        from_inputs.append((t["name"], t["dtype_code"], t["shape"], w.encode_section(env["codec"], fields)))
+    meta = w.metadata_json(json.loads(e["metadata_json"])) if e["metadata_json"] else b""
+    c.eq(f"{v['name']} metadata is canonical", meta.decode(), e["metadata_json"])
+    for label, parts in (("re-encoded from its fields", rebuilt), ("encoded from the inputs", from_inputs)):
+        out = w.build_envelope(env["codec"], env["round_id"], env["seq"], env["device_id"], meta, parts, secret)
+        c.eq(f"{v['name']} {label}", out.hex(), data.hex())
+
+
+def check_vectors(directory: str) -> dict:
+    with open(os.path.join(directory, "manifest.json"), encoding="utf-8") as fh:
+        manifest = json.load(fh)
+    c = Check()
+    keys = _keys(manifest, c)
+    files: dict[str, bytes] = {}
+    kinds: dict[str, int] = {}
+    for v in manifest["vectors"]:
+        if "file" in v:
+            with open(os.path.join(directory, v["file"]), "rb") as fh:
+                files[v["file"]] = fh.read()
+            c.eq(f"{v['name']} sha256", hashlib.sha256(files[v["file"]]).hexdigest(), v["sha256"])
+    for v in manifest["vectors"]:
+        kinds[v["kind"]] = kinds.get(v["kind"], 0) + 1
+        data = files.get(v.get("file", ""), b"")
+        try:
+            _check_one(v, data, files, keys, c)
+        except (w.WireError, ValueError, KeyError, TypeError) as exc:
+            c.failures.append(f"{v['name']}: {type(exc).__name__}: {exc}")
+    return {"vectors": len(manifest["vectors"]), "kinds": kinds, "checks": c.count, "failures": c.failures}
+
+
+def _check_one(v: dict, data: bytes, files: dict[str, bytes], keys: dict, c: Check) -> None:
+    kind = v["kind"]
+    if kind == "envelope":
+        check_envelope(v, data, keys, c)
+    elif kind == "chunked_payload":
+        env = w.parse_envelope(data)
+        w.verify_envelope(env, keys["fleet"][1])
+        for field in ("round_id", "seq", "device_id", "metadata_json"):
+            c.eq(f"{v['name']} {field}", env[field], v["envelope"][field])
+    elif kind == "chunk":
+        ch = w.parse_chunk(data)
+        c.eq(f"{v['name']} index", ch["index"], v["index"])
+        c.eq(f"{v['name']} count", ch["count"], v["count"])
+        c.eq(f"{v['name']} crc32", f"{ch['crc32']:08x}", v["crc32"])
+        c.eq(f"{v['name']} data length", len(ch["data"]), v["data_length"])
+        c.eq(f"{v['name']} topic", w.split_chunk_topic(v["topic"]), ("edgeflow/lab/gateway/model", ch["index"]))
+    elif kind == "chunked_transfer":
+        payload = files[v["payload_file"]]
+        r = w.Reassembler()
+        got = None
+        for f in reversed(v["chunk_files"]):  # any order must work
+            got = r.add(v["base_topic"], files[f]) or got
+        c.eq(f"{v['name']} reassembled", got, payload)
+        c.eq(f"{v['name']} sha256", hashlib.sha256(payload).hexdigest(), v["payload_sha256"])
+        frames = w.make_chunks(payload, v["max_message"], bytes.fromhex(v["transfer_id"]))
+        c.eq(f"{v['name']} re-split", frames, [files[f] for f in v["chunk_files"]])
+    elif kind == "signed_json":
+        secret, pub = keys[v["signed_by"]]
+        wrapper, body = w.open_signed_json(data, pub, v["context"])
+        c.eq(f"{v['name']} body text", wrapper["body"], v["body_text"])
+        c.eq(f"{v['name']} body", body, v["body"])
+        digest = hashlib.sha256(wrapper["body"].encode()).digest()
+        c.eq(f"{v['name']} signing message", w.signing_message(v["context"], digest).hex(), v["signing_message"])
+        c.eq(f"{v['name']} re-signed", w.make_signed_json(v["body_text"], secret, v["context"]), data)
+    elif kind == "json":
+        body = json.loads(data)
+        c.eq(f"{v['name']} body", body, v["body"])
+        c.eq(f"{v['name']} re-encoded", json.dumps(body, separators=(",", ":")).encode(), data)
+    elif kind == "secagg":
+        secret, pub = keys[v["signed_by"]]
+        s = w.open_sealed(data, pub)
+        c.eq(f"{v['name']} kind", s["kind"], v["frame_kind"])
+        c.eq(f"{v['name']} header", s["header_json"], v["header_json"])
+        c.eq(f"{v['name']} payload", s["payload"].hex(), v["payload"])
+        c.eq(f"{v['name']} re-sealed", w.make_sealed(s["kind"], s["header_json"], s["payload"], secret), data)
+    elif kind == "ota_artifact":
+        secret, pub = keys["fleet"]
+        a = w.parse_artifact(data, pub)
+        c.eq(f"{v['name']} manifest", a["manifest_text"], v["manifest_text"])
+        c.eq(f"{v['name']} model", a["model"].hex(), v["model"])
+        c.eq(f"{v['name']} rebuilt", w.build_artifact(a["manifest"], a["model"], a["golden"], secret), data)
+    elif kind == "ota_offer":
+        secret, pub = keys["fleet"]
+        command, artifact = w.parse_offer(data)
+        c.eq(f"{v['name']} command", command.decode(), v["command"])
+        _, body = w.open_signed_json(command, pub, "cmd/v1")
+        c.eq(f"{v['name']} artifact", artifact, files[v["artifact_file"]])
+        c.eq(f"{v['name']} binds the artifact", body["args"]["artifact_sha256"], hashlib.sha256(artifact).hexdigest())
+        c.eq(f"{v['name']} rebuilt", w.build_offer(command, artifact), data)
+    else:
+        c.failures.append(f"{v['name']}: unknown vector kind {kind!r} (the spec gained something this client lacks)")
+
+
+# ------------------------------------------------------------------ a tiny model, trained in plain Python
+
+
+class SplitMix64:
+    """A small PRNG a C client would also use (Steele et al. 2014)."""
+
+    def __init__(self, seed: int) -> None:
+        self.state = seed & (2**64 - 1)
+
+    def next(self) -> int:
+        self.state = (self.state + 0x9E3779B97F4A7C15) & (2**64 - 1)
+        z = self.state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+        return z ^ (z >> 31)
+
+    def uniform(self) -> float:
+        """U[0,1) with 24 random bits: exactly a binary32 value."""
+        return (self.next() >> 40) / float(1 << 24)
+
+
+def local_data(device: str, n: int, dim_in: int, dim_out: int) -> list[tuple[list[float], int]]:
+    """Deterministic synthetic data: labels from a fixed linear teacher shared by all devices."""
+    teacher = SplitMix64(12345)
+    t = [[teacher.uniform() * 2 - 1 for _ in range(dim_out)] for _ in range(dim_in)]
+    rng = SplitMix64(int.from_bytes(hashlib.sha256(device.encode()).digest()[:8], "little"))
+    out = []
+    for _ in range(n):
+        x = [rng.uniform() * 2 - 1 for _ in range(dim_in)]
+        scores = [sum(x[i] * t[i][j] for i in range(dim_in)) for j in range(dim_out)]
+        out.append((x, max(range(dim_out), key=scores.__getitem__)))
+    return out
+
+
+def sgd(weight: list[list[float]], bias: list[float], data, *, epochs: int, batch_size: int,
+        lr: float) -> tuple[list[list[float]], list[float], float]:
+    """Softmax regression ``logits = x @ W + b`` trained with plain mini-batch SGD."""
+    W = [row[:] for row in weight]
+    b = bias[:]
+    dim_in, dim_out = len(W), len(b)
+    losses = []
+    for _ in range(max(1, epochs)):
+        for start in range(0, len(data), max(1, batch_size)):
+            batch = data[start:start + batch_size]
+            gW = [[0.0] * dim_out for _ in range(dim_in)]
+            gb = [0.0] * dim_out
+            total = 0.0
+            for x, y in batch:
+                z = [b[j] + sum(x[i] * W[i][j] for i in range(dim_in)) for j in range(dim_out)]
+                m = max(z)
+                e = [math.exp(v - m) for v in z]
+                s = sum(e)
+                p = [v / s for v in e]
+                total += -math.log(max(p[y], 1e-30))
+                for j in range(dim_out):
+                    g = p[j] - (1.0 if j == y else 0.0)
+                    gb[j] += g
+                    for i in range(dim_in):
+                        gW[i][j] += g * x[i]
+            k = len(batch)
+            for j in range(dim_out):
+                b[j] -= lr * gb[j] / k
+                for i in range(dim_in):
+                    W[i][j] -= lr * gW[i][j] / k
+            losses.append(total / k)
+    return W, b, sum(losses) / len(losses)
+
+
+# ------------------------------------------------------------------ joining a round
+
+
+def _flat(rows: list[list[float]]) -> list[float]:
+    return [v for row in rows for v in row]
+
+
+def join(args: argparse.Namespace) -> dict:
+    secret = bytes.fromhex(args.seed)
+    fleet_pub = bytes.fromhex(args.fleet_key)
+    root = f"edgeflow/{args.fleet}"
+    model_topic, round_topic = f"{root}/gateway/model", f"{root}/gateway/round"
+    update_topic = f"{root}/{args.device}/update"
+    report: dict = {"device": args.device, "public_key": ed25519.public_key(secret).hex(), "events": []}
+    mq = mqtt311.Client(args.host, args.port, client_id=f"{args.fleet}-{args.device}", keepalive=30)
+    mq.connect()
+    mq.subscribe([round_topic, model_topic, model_topic + "/_chunk/+"], qos=1)
+    reasm = w.Reassembler()
+    model: dict | None = None
+    ann: dict | None = None
+    sent: dict | None = None
+    deadline = time.monotonic() + args.timeout
+    try:
+        while time.monotonic() < deadline:
+            msg = mq.receive(timeout=max(0.1, deadline - time.monotonic()))
+            if msg is None:
+                break
+            topic, payload, _retained = msg
+            if not payload:
+                continue  # a cleared retained message
+            split = w.split_chunk_topic(topic)
+            if split is not None:
+                report["model_chunks"] = report.get("model_chunks", 0) + 1
+                try:
+                    whole = reasm.add(split[0], payload)
+                except w.WireError as exc:
+                    report["events"].append(f"chunk refused: {exc}")
+                    continue
+                if whole is None:
+                    continue
+                topic, payload = split[0], whole
+            if topic == model_topic:
+                env = w.parse_envelope(payload)
+                w.verify_envelope(env, fleet_pub)
+                if env["device_id"] != "gateway":
+                    raise w.WireError("global model not sent as 'gateway'")
+                version = int(env["metadata"].get("model_version", env["round_id"]))
+                if model is None or version >= model["version"]:
+                    model = {"version": version, "tensors": {t["name"]: t for t in env["tensors"]}}
+                    report["events"].append(f"model v{version}")
+            elif topic == round_topic:
+                _, body = w.open_signed_json(payload, fleet_pub, "round/v1")
+                ann = body
+                report["events"].append(f"round {body['round_id']} {body.get('state')}")
+            if sent is None and ann is not None and model is not None:
+                selected = ann.get("selected") or []
+                if (ann.get("state", "open") == "open" and ann.get("mode", "sync") == "sync"
+                        and (not selected or args.device in selected) and model["version"] == ann["model_version"]):
+                    sent = send_update(mq, args, secret, ann, model, update_topic)
+                    report.update(sent)
+            if sent is not None and model is not None and model["version"] > sent["base_version"]:
+                report["new_model_version"] = model["version"]
+                report["new_model"] = {n: w.f32_bytes(t["values"]).hex() for n, t in model["tensors"].items()}
+                break
+    finally:
+        mq.disconnect()
+    report["ok"] = sent is not None and "new_model_version" in report
+    return report
+
+
+def send_update(mq: mqtt311.Client, args: argparse.Namespace, secret: bytes, ann: dict, model: dict,
+                topic: str) -> dict:
+    cfg = ann.get("config", {})
+    if cfg.get("secagg"):
+        raise w.WireError("secure aggregation rounds are not implemented by this client")
+    tensors = model["tensors"]
+    (wname,) = [n for n, t in tensors.items() if len(t["shape"]) == 2]
+    (bname,) = [n for n, t in tensors.items() if len(t["shape"]) == 1]
+    dim_in, dim_out = tensors[wname]["shape"]
+    flat_w = tensors[wname]["values"]
+    weight = [flat_w[i * dim_out:(i + 1) * dim_out] for i in range(dim_in)]
+    bias = tensors[bname]["values"]
+    data = local_data(args.device, args.samples, dim_in, dim_out)
+    new_w, new_b, loss = sgd(weight, bias, data, epochs=int(cfg.get("epochs", 1)),
+                             batch_size=int(cfg.get("batch_size", 16)), lr=float(cfg.get("lr", 0.1)))
+    delta = {wname: [w.f32(a - b) for a, b in zip(_flat(new_w), flat_w)],
+             bname: [w.f32(a - b) for a, b in zip(new_b, bias)]}
+    codec = args.codec or cfg.get("codec", "dense")
+    rng = SplitMix64(args.rng_seed)
+    uniforms = iter(rng.uniform, None)
+    sections, sent_values = [], {}
+    for name in tensors:  # the envelope lists tensors in the order the model has them
+        x = delta.get(name, [0.0] * tensors[name]["size"])
+        fields = w.encode_values(codec, x, uniforms=uniforms, k=(cfg.get("codec_opts") or {}).get("k"))
+        t = tensors[name]
+        sections.append((name, t["dtype_code"], t["shape"], w.encode_section(codec, fields)))
+        sent_values[name] = w.f32_bytes(w.section_values(codec, fields, t["size"])).hex()
+    seq = args.seq if args.seq is not None else int(time.time() * 1000)
+    meta = w.metadata_json({"base_version": model["version"], "loss": round(loss, 6), "num_samples": len(data)})
+    envelope = w.build_envelope(codec, int(ann["round_id"]), seq, args.device, meta, sections, secret)
+    if len(envelope) <= args.max_payload:
+        mq.publish(topic, envelope, qos=1)
+        chunks = 0
+    else:
+        tid = hashlib.sha256(envelope).digest()[:16]
+        frames = w.make_chunks(envelope, args.max_payload, tid)
+        for i, frame in enumerate(frames):
+            mq.publish(f"{topic}/_chunk/{i}", frame, qos=1)
+        chunks = len(frames)
+    return {"round_id": int(ann["round_id"]), "base_version": model["version"], "codec": codec, "seq": seq,
+            "num_samples": len(data), "loss": loss, "envelope_bytes": len(envelope), "update_chunks": chunks,
+            "delta": sent_values}
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def selfcheck() -> dict:
+    out = {"sys_path": sys.path, "no_site": sys.flags.no_site, "isolated": sys.flags.isolated}
+    for mod in ("edgeflow", "numpy"):
+        try:
+            __import__(mod)
+            out[f"{mod}_importable"] = True
+        except ImportError:
+            out[f"{mod}_importable"] = False
+    return out
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="efclient")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("selfcheck")
+    pv = sub.add_parser("vectors")
+    pv.add_argument("directory")
+    pj = sub.add_parser("join")
+    pj.add_argument("--host", default="127.0.0.1")
+    pj.add_argument("--port", type=int, default=1883)
+    pj.add_argument("--fleet", required=True)
+    pj.add_argument("--device", required=True)
+    pj.add_argument("--seed", required=True, help="32-byte Ed25519 secret key, hex")
+    pj.add_argument("--fleet-key", required=True, help="the fleet's Ed25519 public key, hex")
+    pj.add_argument("--codec", help="override the announced codec (dense, fp16, int8, topk, topk-int8)")
+    pj.add_argument("--samples", type=int, default=48)
+    pj.add_argument("--max-payload", type=int, default=256 * 1024, help="chunk updates above this many bytes")
+    pj.add_argument("--rng-seed", type=int, default=1)
+    pj.add_argument("--seq", type=int)
+    pj.add_argument("--timeout", type=float, default=60.0)
+    args = p.parse_args(argv)
+    if args.cmd == "selfcheck":
+        result = selfcheck()
+        ok = not result["edgeflow_importable"] and not result["numpy_importable"]
+    elif args.cmd == "vectors":
+        result = check_vectors(args.directory)
+        ok = not result["failures"]
+    else:
+        result = join(args)
+        ok = result["ok"]
+    print(json.dumps(result, sort_keys=True))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,570 @@
+"""edgeflow's wire format, implemented from docs/wire-format.md alone.
+
+This module must never import edgeflow (or numpy): it is the proof that the
+specification is complete. It uses only what C firmware has: fixed-layout
+byte packing (``struct``), SHA-256/SHA-512 (``hashlib``), CRC-32 (``zlib``,
+the standard IEEE 802.3 CRC) and a JSON parser for the few JSON messages.
+Section numbers (§) refer to docs/wire-format.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+import zlib
+
+import ed25519
+
+# §7 envelope ---------------------------------------------------------------
+MAGIC = b"EFUP"
+VERSION = 1
+FLAG_SIGNED = 0x01
+CODECS = {1: "dense", 2: "fp16", 3: "int8", 4: "topk", 5: "topk-int8"}
+CODEC_IDS = {v: k for k, v in CODECS.items()}
+DTYPES = {1: "float16", 2: "float32", 3: "float64"}
+DTYPE_CODES = {v: k for k, v in DTYPES.items()}
+MAX_NDIM = 32
+MAX_METADATA = 65536
+MAX_DEVICE_ID = 256
+UPDATE_CONTEXT = "update/v1"
+
+# §5 chunks -----------------------------------------------------------------
+CHUNK_MAGIC = b"EFCK"
+CHUNK_VERSION = 1
+CHUNK_HEADER = 80
+
+
+class WireError(ValueError):
+    """Anything that does not follow the specification."""
+
+
+# ------------------------------------------------------------------ §3 primitives
+
+
+def f32(x: float) -> float:
+    """Round a Python float (binary64) to the nearest binary32, ties to even."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def f32_bytes(values: list[float]) -> bytes:
+    return struct.pack(f"<{len(values)}f", *values)
+
+
+def f32_list(data: bytes) -> list[float]:
+    if len(data) % 4:
+        raise WireError("float32 data is not a multiple of 4 bytes")
+    return list(struct.unpack(f"<{len(data) // 4}f", data))
+
+
+def signing_message(context: str, digest: bytes) -> bytes:
+    """§6: the bytes every edgeflow signature is made over."""
+    return b"edgeflow:" + context.encode("utf-8") + b"\x00" + digest
+
+
+def key_id(public_key: bytes) -> bytes:
+    return hashlib.sha256(public_key).digest()[:8]
+
+
+def align8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def align4(n: int) -> int:
+    return (n + 3) & ~3
+
+
+# ------------------------------------------------------------------ §8 codec sections
+
+
+def _check_finite(values: list[float], what: str) -> None:
+    for v in values:
+        if v != v or v in (math.inf, -math.inf):
+            raise WireError(f"{what} holds NaN or Inf")
+
+
+def decode_section(codec: str, section: bytes, size: int) -> dict:
+    """A codec section as its fields (§8); raises WireError for any layout violation."""
+    n = len(section)
+    if codec == "dense":
+        if n != 4 * size:
+            raise WireError(f"dense section is {n} bytes, expected {4 * size}")
+        values = f32_list(section)
+        _check_finite(values, "dense section")
+        return {"values": values}
+    if codec == "fp16":
+        if n != 2 * size:
+            raise WireError(f"fp16 section is {n} bytes, expected {2 * size}")
+        halves = list(struct.unpack(f"<{size}e", section))
+        _check_finite(halves, "fp16 section")
+        return {"values": halves}
+    if codec == "int8":
+        if n != 8 + size:
+            raise WireError(f"int8 section is {n} bytes, expected {8 + size}")
+        scale, reserved = struct.unpack_from("<fI", section, 0)
+        if reserved:
+            raise WireError("int8 reserved bytes are not zero")
+        _check_scale(scale)
+        q = list(struct.unpack_from(f"<{size}b", section, 8))
+        if q and min(q) < -127:
+            raise WireError("int8 value -128 never appears on the wire")
+        return {"scale": scale, "q": q}
+    if codec in ("topk", "topk-int8"):
+        head = 8 if codec == "topk" else 16
+        if n < head:
+            raise WireError(f"{codec} section shorter than its header")
+        k, width = struct.unpack_from("<IB", section, 0)
+        if section[5:8] != b"\0\0\0":
+            raise WireError(f"{codec} reserved bytes are not zero")
+        if width not in (2, 4):
+            raise WireError(f"index width {width}")
+        if k > size:
+            raise WireError(f"k={k} > size={size}")
+        out: dict = {"k": k, "index_width": width}
+        if codec == "topk-int8":
+            scale, reserved = struct.unpack_from("<fI", section, 8)
+            if reserved:
+                raise WireError("topk-int8 reserved bytes are not zero")
+            _check_scale(scale)
+            out["scale"] = scale
+        values_at = head + align4(k * width)
+        value_bytes = 4 if codec == "topk" else 1
+        if n != values_at + k * value_bytes:
+            raise WireError(f"{codec} section is {n} bytes, expected {values_at + k * value_bytes}")
+        if any(section[head + k * width:values_at]):
+            raise WireError(f"{codec} index padding is not zero")
+        indices = list(struct.unpack_from(f"<{k}{'H' if width == 2 else 'I'}", section, head))
+        for a, b in zip(indices, indices[1:]):
+            if b <= a:
+                raise WireError("indices are not strictly increasing")
+        if indices and indices[-1] >= size:
+            raise WireError("index out of range")
+        out["indices"] = indices
+        if codec == "topk":
+            out["values"] = f32_list(section[values_at:])
+            _check_finite(out["values"], "topk values")
+        else:
+            out["q"] = list(struct.unpack_from(f"<{k}b", section, values_at))
+            if out["q"] and min(out["q"]) < -127:
+                raise WireError("int8 value -128 never appears on the wire")
+        return out
+    raise WireError(f"unknown codec {codec!r}")
+
+
+def _check_scale(scale: float) -> None:
+    if scale != scale or scale in (math.inf, -math.inf) or scale < 0:
+        raise WireError(f"scale {scale} is not finite and >= 0")
+
+
+def encode_section(codec: str, fields: dict) -> bytes:
+    """The bytes of a section from its fields (the inverse of :func:`decode_section`)."""
+    if codec == "dense":
+        return f32_bytes(fields["values"])
+    if codec == "fp16":
+        return struct.pack(f"<{len(fields['values'])}e", *fields["values"])
+    if codec == "int8":
+        return struct.pack("<fI", fields["scale"], 0) + struct.pack(f"<{len(fields['q'])}b", *fields["q"])
+    if codec in ("topk", "topk-int8"):
+        k, width = fields["k"], fields["index_width"]
+        out = struct.pack("<IB3x", k, width)
+        if codec == "topk-int8":
+            out += struct.pack("<fI", fields["scale"], 0)
+        idx = struct.pack(f"<{k}{'H' if width == 2 else 'I'}", *fields["indices"])
+        out += idx + b"\0" * (align4(len(idx)) - len(idx))
+        if codec == "topk":
+            return out + f32_bytes(fields["values"])
+        return out + struct.pack(f"<{k}b", *fields["q"])
+    raise WireError(f"unknown codec {codec!r}")
+
+
+def dequantize(scale: float, q: list[int]) -> list[float]:
+    return [f32(v * scale) for v in q]
+
+
+def section_values(codec: str, fields: dict, size: int) -> list[float]:
+    """The float32 values a receiver reconstructs (§8: zeros where top-k sent nothing)."""
+    if codec in ("dense", "fp16"):
+        return [f32(v) for v in fields["values"]]
+    if codec == "int8":
+        return dequantize(fields["scale"], fields["q"])
+    out = [0.0] * size
+    vals = fields["values"] if codec == "topk" else dequantize(fields["scale"], fields["q"])
+    for i, v in zip(fields["indices"], vals):
+        out[i] = v
+    return out
+
+
+def quantize_int8(x: list[float], uniforms) -> tuple[float, list[int]]:
+    """§8.3 in binary32 arithmetic; ``uniforms`` yields one U[0,1) binary32 per value."""
+    if not x:
+        return 0.0, []
+    amax = max(max(x), -min(x))
+    if amax == 0.0:
+        return 0.0, [0] * len(x)
+    scale = f32(amax / 127.0)
+    if scale == 0.0:
+        return 0.0, [0] * len(x)
+    inv = f32(1.0 / scale)
+    q = []
+    for v in x:
+        t = f32(f32(v * inv) + next(uniforms))
+        q.append(max(-127, min(127, math.floor(t))))
+    return scale, q
+
+
+def topk_select(x: list[float], k: int) -> list[int]:
+    """The k largest |x| (ties: lowest index first), in increasing index order."""
+    order = sorted(range(len(x)), key=lambda i: (-abs(x[i]), i))
+    return sorted(order[:k])
+
+
+def encode_values(codec: str, x: list[float], *, uniforms=None, k: int | None = None) -> dict:
+    """Section fields for float32 values ``x`` (already rounded to binary32)."""
+    if codec == "dense":
+        return {"values": list(x)}
+    if codec == "fp16":
+        try:
+            struct.pack(f"<{len(x)}e", *x)
+        except OverflowError:
+            raise WireError("values exceed the fp16 range") from None
+        return {"values": list(struct.unpack(f"<{len(x)}e", struct.pack(f"<{len(x)}e", *x)))}
+    if codec == "int8":
+        scale, q = quantize_int8(x, uniforms)
+        return {"scale": scale, "q": q}
+    if codec in ("topk", "topk-int8"):
+        kk = min(len(x), int(k or 0))
+        idx = topk_select(x, kk)
+        width = 2 if len(x) <= 65536 else 4
+        if codec == "topk":
+            return {"k": kk, "index_width": width, "indices": idx, "values": [x[i] for i in idx]}
+        scale, q = quantize_int8([x[i] for i in idx], uniforms)
+        return {"k": kk, "index_width": width, "indices": idx, "scale": scale, "q": q}
+    raise WireError(f"unknown codec {codec!r}")
+
+
+# ------------------------------------------------------------------ §7 envelope
+
+
+def parse_envelope(data: bytes, *, max_elements: int = 1 << 28) -> dict:
+    """Header, tensor sections and signature block of an envelope; checks structure and CRC."""
+    n = len(data)
+    if n < 12:
+        raise WireError("shorter than the 12-byte prefix")
+    magic, version, flags, codec_id, reserved, header_len = struct.unpack_from("<4sBBBBI", data, 0)
+    if magic != MAGIC:
+        raise WireError("bad magic")
+    if version != VERSION:
+        raise WireError(f"envelope version {version} unknown")
+    if flags & ~FLAG_SIGNED or reserved:
+        raise WireError("unknown flags or non-zero reserved byte")
+    if codec_id not in CODECS:
+        raise WireError(f"unknown codec id {codec_id}")
+    header_end = 12 + header_len
+    if header_end > n or header_len < 24:
+        raise WireError("header longer than the envelope")
+    round_id, seq, dev_len, count, meta_len = struct.unpack_from("<QQHHI", data, 12)
+    if dev_len > MAX_DEVICE_ID or meta_len > MAX_METADATA:
+        raise WireError("device id or metadata too long")
+    pos = 36
+    device_id = data[pos:pos + dev_len].decode("utf-8")
+    pos += dev_len
+    meta_raw = data[pos:pos + meta_len]
+    pos += meta_len
+    metadata = json.loads(meta_raw.decode("utf-8")) if meta_len else {}
+    if not isinstance(metadata, dict):
+        raise WireError("metadata is not a JSON object")
+    tensors = []
+    body = header_end
+    names = set()
+    elements = 0
+    for _ in range(count):
+        if pos + 12 > header_end:
+            raise WireError("header ends inside a tensor entry")
+        name_len, dtype_code, ndim, length = struct.unpack_from("<HBBQ", data, pos)
+        pos += 12
+        name = data[pos:pos + name_len].decode("utf-8")
+        pos += name_len
+        if not name or name in names:
+            raise WireError("empty or repeated tensor name")
+        names.add(name)
+        if dtype_code not in DTYPES or ndim > MAX_NDIM:
+            raise WireError("bad dtype code or too many dimensions")
+        shape = list(struct.unpack_from(f"<{ndim}Q", data, pos))
+        pos += 8 * ndim
+        size = 1
+        for d in shape:
+            size *= d
+        elements += size
+        if elements > max_elements:
+            raise WireError("too many elements")
+        offset = align8(body)
+        if offset + length > n:
+            raise WireError("section beyond the end")
+        if any(data[body:offset]):
+            raise WireError("padding is not zero")
+        tensors.append({"name": name, "dtype_code": dtype_code, "dtype": DTYPES[dtype_code], "shape": shape,
+                        "size": size, "offset": offset, "length": length,
+                        "section": data[offset:offset + length]})
+        body = offset + length
+    if pos != header_end:
+        raise WireError("header length disagrees with its contents")
+    signed = bool(flags & FLAG_SIGNED)
+    total = body + 4 + (72 if signed else 0)
+    if n != total:
+        raise WireError(f"envelope is {n} bytes, its header declares {total}")
+    (crc,) = struct.unpack_from("<I", data, body)
+    if zlib.crc32(data[:body]) != crc:
+        raise WireError("CRC-32 mismatch")
+    out = {"version": version, "flags": flags, "codec_id": codec_id, "codec": CODECS[codec_id],
+           "round_id": round_id, "seq": seq, "device_id": device_id, "metadata": metadata,
+           "metadata_json": meta_raw.decode("utf-8"), "tensors": tensors, "crc_offset": body, "crc32": crc,
+           "header_length": header_len, "key_id": None, "signature": None, "signing_message": None}
+    if signed:
+        out["key_id"] = data[body + 4:body + 12]
+        out["signature"] = data[body + 12:body + 76]
+        out["signing_message"] = signing_message(UPDATE_CONTEXT, hashlib.sha256(data[:body + 4]).digest())
+    for t in tensors:
+        t["fields"] = decode_section(out["codec"], t["section"], t["size"])
+        t["values"] = section_values(out["codec"], t["fields"], t["size"])
+    return out
+
+
+def verify_envelope(env: dict, public_key: bytes) -> None:
+    if env["signature"] is None:
+        raise WireError("envelope is not signed")
+    if env["key_id"] != key_id(public_key):
+        raise WireError("signed with another key")
+    if not ed25519.verify(public_key, env["signing_message"], env["signature"]):
+        raise WireError("bad envelope signature")
+
+
+def build_envelope(codec: str, round_id: int, seq: int, device_id: str, metadata_json: bytes,
+                   tensors: list[tuple[str, int, list[int], bytes]], secret: bytes | None = None) -> bytes:
+    """§7: ``tensors`` are (name, dtype code, shape, section bytes)."""
+    dev = device_id.encode("utf-8")
+    header = [struct.pack("<QQHHI", round_id, seq, len(dev), len(tensors), len(metadata_json)), dev, metadata_json]
+    for name, dtype_code, shape, section in tensors:
+        nb = name.encode("utf-8")
+        header += [struct.pack("<HBBQ", len(nb), dtype_code, len(shape), len(section)), nb,
+                   struct.pack(f"<{len(shape)}Q", *shape)]
+    head = b"".join(header)
+    out = bytearray(struct.pack("<4sBBBBI", MAGIC, VERSION, FLAG_SIGNED if secret else 0, CODEC_IDS[codec], 0,
+                                len(head)) + head)
+    for *_, section in tensors:
+        out += b"\0" * (align8(len(out)) - len(out))
+        out += section
+    out += struct.pack("<I", zlib.crc32(bytes(out)))
+    if secret is not None:
+        pub = ed25519.public_key(secret)
+        msg = signing_message(UPDATE_CONTEXT, hashlib.sha256(bytes(out)).digest())
+        out += key_id(pub) + ed25519.sign(secret, msg)
+    return bytes(out)
+
+
+def metadata_json(metadata: dict) -> bytes:
+    """§7.2: compact JSON, keys sorted, so equal metadata gives equal bytes (empty: no bytes)."""
+    if not metadata:
+        return b""
+    return json.dumps(metadata, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+# ------------------------------------------------------------------ §5 chunks
+
+
+def parse_chunk(frame: bytes) -> dict:
+    if len(frame) < CHUNK_HEADER:
+        raise WireError("chunk shorter than its header")
+    magic, version, flags, tid, index, count, total, csize, sha, crc = struct.unpack_from(
+        "!4sBB2x16sIIQI32sI", frame, 0)
+    if magic != CHUNK_MAGIC or version != CHUNK_VERSION or flags:
+        raise WireError("not a version-1 chunk")
+    if count < 1 or index >= count or csize < 1:
+        raise WireError("impossible chunk numbering")
+    if -(-total // csize) != count and not (total == 0 and count == 1):
+        raise WireError("total size, chunk size and count disagree")
+    data = frame[CHUNK_HEADER:]
+    expected = csize if index < count - 1 else total - csize * (count - 1)
+    if len(data) != expected:
+        raise WireError("chunk data has the wrong length")
+    if zlib.crc32(data) != crc:
+        raise WireError("chunk CRC-32 mismatch")
+    return {"transfer_id": tid, "index": index, "count": count, "total_size": total, "chunk_size": csize,
+            "sha256": sha, "crc32": crc, "data": data}
+
+
+def make_chunks(payload: bytes, max_message: int, transfer_id: bytes) -> list[bytes]:
+    csize = max_message - CHUNK_HEADER
+    count = max(1, -(-len(payload) // csize))
+    sha = hashlib.sha256(payload).digest()
+    frames = []
+    for i in range(count):
+        data = payload[i * csize:(i + 1) * csize]
+        frames.append(struct.pack("!4sBB2x16sIIQI32sI", CHUNK_MAGIC, CHUNK_VERSION, 0, transfer_id, i, count,
+                                  len(payload), csize, sha, zlib.crc32(data)) + data)
+    return frames
+
+
+class Reassembler:
+    """§5.3: chunks in any order, duplicates ignored, whole payload checked by SHA-256."""
+
+    def __init__(self) -> None:
+        self.parts: dict[tuple[str, bytes], dict[int, bytes]] = {}
+        self.heads: dict[tuple[str, bytes], dict] = {}
+        self.done: set[tuple[str, bytes]] = set()
+
+    def add(self, base_topic: str, frame: bytes) -> bytes | None:
+        c = parse_chunk(frame)
+        key = (base_topic, c["transfer_id"])
+        if key in self.done:
+            return None
+        first = self.heads.setdefault(key, c)
+        if (first["count"], first["total_size"], first["chunk_size"], first["sha256"]) != (
+                c["count"], c["total_size"], c["chunk_size"], c["sha256"]):
+            raise WireError("chunk disagrees with earlier chunks of its transfer")
+        parts = self.parts.setdefault(key, {})
+        parts[c["index"]] = c["data"]
+        if len(parts) < c["count"]:
+            return None
+        payload = b"".join(parts[i] for i in range(c["count"]))
+        del self.parts[key], self.heads[key]
+        self.done.add(key)
+        if hashlib.sha256(payload).digest() != c["sha256"]:
+            raise WireError("reassembled payload fails its SHA-256")
+        return payload
+
+
+def split_chunk_topic(topic: str) -> tuple[str, int] | None:
+    levels = topic.split("/")
+    if len(levels) >= 3 and levels[-2] == "_chunk" and levels[-1].isdigit():
+        return "/".join(levels[:-2]), int(levels[-1])
+    return None
+
+
+# ------------------------------------------------------------------ §9 signed JSON
+
+
+def json_string(text: str) -> str:
+    """A JSON string literal as edgeflow writes it: ASCII only, \\uXXXX for the rest."""
+    return json.dumps(text, ensure_ascii=True)
+
+
+def make_signed_json(body_text: str, secret: bytes, context: str) -> bytes:
+    digest = hashlib.sha256(body_text.encode("utf-8")).digest()
+    sig = ed25519.sign(secret, signing_message(context, digest))
+    kid = key_id(ed25519.public_key(secret)).hex()
+    text = ('{"v":1,"ctx":' + json_string(context) + ',"body":' + json_string(body_text)
+            + ',"key_id":"' + kid + '","sig":"' + sig.hex() + '"}')
+    return text.encode("utf-8")
+
+
+def open_signed_json(data: bytes, public_key: bytes, context: str) -> tuple[dict, dict]:
+    """(wrapper, body) after checking version, context, key id and signature over the exact body text."""
+    wrapper = json.loads(data.decode("utf-8"))
+    if not isinstance(wrapper, dict) or wrapper.get("v") != 1 or not isinstance(wrapper.get("body"), str):
+        raise WireError("not a version-1 signed JSON message")
+    if wrapper.get("ctx") != context:
+        raise WireError(f"signed for {wrapper.get('ctx')!r}, expected {context!r}")
+    if wrapper.get("key_id") and wrapper["key_id"] != key_id(public_key).hex():
+        raise WireError("signed with another key")
+    digest = hashlib.sha256(wrapper["body"].encode("utf-8")).digest()
+    if not ed25519.verify(public_key, signing_message(context, digest), bytes.fromhex(wrapper["sig"])):
+        raise WireError("bad signature")
+    body = json.loads(wrapper["body"])
+    if not isinstance(body, dict):
+        raise WireError("body is not a JSON object")
+    return wrapper, body
+
+
+# ------------------------------------------------------------------ §12 secure-aggregation frames
+
+SECAGG_CONTEXT = "secagg/v1"
+
+
+def open_sealed(data: bytes, public_key: bytes) -> dict:
+    if len(data) <= 64 + 10:
+        raise WireError("sealed frame too short")
+    sig, frame = data[:64], data[64:]
+    if not ed25519.verify(public_key, signing_message(SECAGG_CONTEXT, hashlib.sha256(frame).digest()), sig):
+        raise WireError("bad secagg signature")
+    magic, version, kind, hlen = struct.unpack_from(">4sBBI", frame, 0)
+    if magic != b"EFSA" or version != 1:
+        raise WireError("not a version-1 secagg frame")
+    if 10 + hlen > len(frame):
+        raise WireError("header beyond the frame")
+    header_text = frame[10:10 + hlen].decode("utf-8")
+    payload = frame[10 + hlen:]
+    if kind != 5 and payload:
+        raise WireError("payload after a header-only frame")
+    return {"kind": kind, "header_json": header_text, "header": json.loads(header_text), "payload": payload,
+            "signature": sig}
+
+
+def make_sealed(kind: int, header_text: str, payload: bytes, secret: bytes) -> bytes:
+    h = header_text.encode("utf-8")
+    frame = struct.pack(">4sBBI", b"EFSA", 1, kind, len(h)) + h + payload
+    return ed25519.sign(secret, signing_message(SECAGG_CONTEXT, hashlib.sha256(frame).digest())) + frame
+
+
+# ------------------------------------------------------------------ §11 OTA
+
+OTA_MAGIC = b"EFOTA\x01"
+OFFER_MAGIC = b"EFOF\x01"
+
+
+def parse_artifact(data: bytes, fleet_public: bytes) -> dict:
+    if data[:6] != OTA_MAGIC:
+        raise WireError("not an OTA artifact")
+    (mlen,) = struct.unpack_from(">I", data, 6)
+    pos = 10
+    manifest_raw = data[pos:pos + mlen]
+    pos += mlen
+    sig = data[pos:pos + 64]
+    pos += 64
+    (model_len,) = struct.unpack_from(">Q", data, pos)
+    pos += 8
+    model = data[pos:pos + model_len]
+    pos += model_len
+    (golden_len,) = struct.unpack_from(">Q", data, pos)
+    pos += 8
+    golden = data[pos:pos + golden_len]
+    pos += golden_len
+    if pos != len(data) or len(model) != model_len or len(golden) != golden_len:
+        raise WireError("artifact sizes disagree")
+    manifest = json.loads(manifest_raw.decode("utf-8"))
+    msg = signing_message("ota/v1", hashlib.sha256(manifest_raw).digest())
+    if not ed25519.verify(fleet_public, msg, sig):
+        raise WireError("bad artifact signature")
+    if manifest.get("format") != "edgeflow-ota/1" or manifest["size"] != model_len:
+        raise WireError("manifest does not describe this artifact")
+    if hashlib.sha256(model).hexdigest() != manifest["sha256"]:
+        raise WireError("model bytes do not match the manifest")
+    if golden_len and hashlib.sha256(golden).hexdigest() != (manifest.get("golden") or {}).get("sha256"):
+        raise WireError("golden bytes do not match the manifest")
+    return {"manifest": manifest, "manifest_text": manifest_raw.decode("utf-8"), "signature": sig, "model": model,
+            "golden": golden}
+
+
+def canonical_json(obj) -> str:
+    """§11: sorted keys, no spaces, ASCII (how the OTA manifest is written)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def build_artifact(manifest: dict, model: bytes, golden: bytes, fleet_secret: bytes) -> bytes:
+    mraw = canonical_json(manifest).encode("utf-8")
+    sig = ed25519.sign(fleet_secret, signing_message("ota/v1", hashlib.sha256(mraw).digest()))
+    return (OTA_MAGIC + struct.pack(">I", len(mraw)) + mraw + sig + struct.pack(">Q", len(model)) + model
+            + struct.pack(">Q", len(golden)) + golden)
+
+
+def parse_offer(data: bytes) -> tuple[bytes, bytes]:
+    if data[:5] != OFFER_MAGIC or len(data) < 9:
+        raise WireError("not an OTA offer")
+    (n,) = struct.unpack_from(">I", data, 5)
+    if 9 + n > len(data):
+        raise WireError("truncated OTA offer")
+    return data[9:9 + n], data[9 + n:]
+
+
+def build_offer(command: bytes, artifact: bytes) -> bytes:
+    return OFFER_MAGIC + struct.pack(">I", len(command)) + command + artifact

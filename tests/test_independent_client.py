@@ -1,0 +1,197 @@
+"""A second implementation of the wire format, written from docs/wire-format.md only.
+
+``tests/independent/`` is a device in plain Python (struct, hashlib, zlib,
+json, socket; its own Ed25519 and its own MQTT 3.1.1 client). It runs in a
+subprocess with ``python -I -S``, so neither edgeflow nor numpy can be
+imported, and an import check pins what it uses. It must round-trip every
+vector byte for byte and take part in a federated round against the real
+gateway (``RoundManager`` over Mosquitto), whose aggregate must contain its
+update exactly.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from _brokers import mosquitto_factory, wait_until  # noqa: F401
+from edgeflow.federated.messages import TrainConfig
+from edgeflow.gateway.rounds import Candidate, RoundConfig, RoundManager
+from edgeflow.gateway.store import GatewayStore
+from edgeflow.signing import KeyRing, PrivateKey
+from edgeflow.transport import MqttTransport
+
+HERE = Path(__file__).resolve().parent
+CLIENT_DIR = HERE / "independent"
+CLIENT = CLIENT_DIR / "efclient.py"
+VECTORS = HERE / "vectors"
+ALLOWED = {"argparse", "hashlib", "json", "math", "os", "socket", "struct", "sys", "time", "zlib",
+           "__future__", "collections", "ed25519", "efwire", "mqtt311"}
+"""What the independent client may import: the standard library's byte and hash tools, and itself."""
+
+
+def run_client(*args: str, cwd: Path, timeout: float = 60.0) -> tuple[int, dict, str]:
+    proc = subprocess.run([sys.executable, "-I", "-S", str(CLIENT), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    result = json.loads(lines[-1]) if lines else {}
+    return proc.returncode, result, proc.stdout + proc.stderr
+
+
+def test_the_client_imports_nothing_but_the_standard_library() -> None:
+    files = sorted(CLIENT_DIR.glob("*.py"))
+    assert {f.name for f in files} >= {"efclient.py", "efwire.py", "ed25519.py", "mqtt311.py"}
+    for f in files:
+        tree = ast.parse(f.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [(node.module or "").split(".")[0]]
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "__import__":
+                continue  # selfcheck probes (and must fail to import) edgeflow and numpy
+            else:
+                continue
+            bad = [n for n in names if n not in ALLOWED]
+            assert not bad, f"{f.name}:{node.lineno} imports {bad}; the independent client may use only {sorted(ALLOWED)}"
+
+
+def test_the_client_runs_without_edgeflow_or_numpy(tmp_path: Path) -> None:
+    rc, result, out = run_client("selfcheck", cwd=tmp_path)
+    assert rc == 0, out
+    assert result["edgeflow_importable"] is False and result["numpy_importable"] is False
+    assert result["no_site"] and result["isolated"]
+
+
+def test_the_client_round_trips_every_vector(tmp_path: Path) -> None:
+    rc, result, out = run_client("vectors", str(VECTORS), cwd=tmp_path)
+    assert rc == 0 and result["failures"] == [], out
+    manifest = json.loads((VECTORS / "manifest.json").read_text())
+    assert result["vectors"] == len(manifest["vectors"])
+    assert result["kinds"]["envelope"] >= 5 and result["kinds"]["chunk"] >= 2
+    assert result["checks"] > 300
+
+
+def test_the_client_notices_a_wrong_vector(tmp_path: Path) -> None:
+    """The round trip is a real check: one changed expectation and one forged signature are reported."""
+    d = tmp_path / "vectors"
+    shutil.copytree(VECTORS, d)
+    manifest = json.loads((d / "manifest.json").read_text())
+    by_name = {v["name"]: v for v in manifest["vectors"]}
+    t = by_name["envelope-int8"]["envelope"]["tensors"][0]
+    t["int8"]["uniform"] = "00000000" + t["int8"]["uniform"][8:]  # a different draw for value 0
+    signed = by_name["envelope-dense-signed"]
+    data = bytearray((d / signed["file"]).read_bytes())
+    data[-1] ^= 0x01  # last byte of the Ed25519 signature
+    (d / signed["file"]).write_bytes(bytes(data))
+
+    signed["sha256"] = hashlib.sha256(bytes(data)).hexdigest()
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    rc, result, out = run_client("vectors", str(d), cwd=tmp_path)
+    assert rc == 1, out
+    failures = "\n".join(result["failures"])
+    assert "envelope-int8 encoded from the inputs" in failures
+    assert "envelope-dense-signed: WireError: bad envelope signature" in failures
+
+
+def softmax_regression(dim_in: int, dim_out: int, seed: int) -> onnx.ModelProto:
+    """logits = x @ W + b: the model whose weights the independent client trains."""
+    rng = np.random.default_rng(seed)
+    W = (rng.standard_normal((dim_in, dim_out)) * 0.1).astype(np.float32)
+    b = np.zeros(dim_out, np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["xw"]), helper.make_node("Add", ["xw", "b"], ["logits"])],
+        "softmax-regression",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", dim_in])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", dim_out])],
+        [numpy_helper.from_array(W, "W"), numpy_helper.from_array(b, "b")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _f32(hex_text: str, shape: tuple[int, ...]) -> np.ndarray:
+    return np.frombuffer(bytes.fromhex(hex_text), dtype="<f4").reshape(shape)
+
+
+@pytest.mark.integration
+def test_the_client_joins_a_federated_round_against_the_real_gateway(mosquitto_factory, tmp_path):  # noqa: F811
+    """Two independent clients (int8 with a chunked update, and dense) take part in one round."""
+    broker = mosquitto_factory()
+    fleet = "indep"
+    fleet_key = PrivateKey.from_bytes(bytes(range(32)))
+    seeds = {"ind-a": bytes([7]) * 32, "ind-b": bytes([9]) * 32}
+    ring = KeyRing({d: PrivateKey.from_bytes(s).public_key for d, s in seeds.items()})
+    model = softmax_regression(32, 10, seed=3)
+    # max_payload 1104 (the transport's minimum): the 1.3 KB global model travels as chunks.
+    gw = MqttTransport.from_url(broker.url, client_id=f"{fleet}-gateway", max_payload=1104,
+                                reconnect_min_s=0.05, reconnect_max_s=0.5)
+    rm = RoundManager(
+        gw, GatewayStore(tmp_path / "gw.sqlite"), fleet=fleet, fleet_key=fleet_key, keyring=ring, model=model,
+        config=RoundConfig(rounds=1, min_clients=2, deadline_s=40, strategy="fedavg",
+                           strategy_params={"stage": 0}, wait_for_devices_s=5,
+                           train=TrainConfig(epochs=2, batch_size=16, lr=0.5, codec="int8")),
+        candidates=lambda: [Candidate(d) for d in seeds],
+    )
+    before = {k: v.copy() for k, v in rm.weights.items()}
+    rm.start()
+    gw.connect(timeout=10)
+    results: list = []
+    runner = threading.Thread(target=lambda: results.extend(rm.run(rounds=1)), daemon=True)
+    runner.start()
+    common = ["join", "--host", broker.host, "--port", str(broker.port), "--fleet", fleet,
+              "--fleet-key", fleet_key.public_key.hex, "--timeout", "45"]
+    procs = {
+        "ind-a": subprocess.Popen([sys.executable, "-I", "-S", str(CLIENT), *common, "--device", "ind-a",
+                                   "--seed", seeds["ind-a"].hex(), "--samples", "40", "--max-payload", "256"],
+                                  cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+        "ind-b": subprocess.Popen([sys.executable, "-I", "-S", str(CLIENT), *common, "--device", "ind-b",
+                                   "--seed", seeds["ind-b"].hex(), "--samples", "24", "--codec", "dense"],
+                                  cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+    }
+    reports = {}
+    try:
+        for dev, proc in procs.items():
+            out, _ = proc.communicate(timeout=60)
+            lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+            assert proc.returncode == 0 and lines, f"{dev} failed:\n{out}"
+            reports[dev] = json.loads(lines[-1])
+        runner.join(30)
+        assert not runner.is_alive(), "the gateway did not finish its round"
+    finally:
+        rm.stop()
+        gw.close(timeout=2)
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    (metrics,) = results
+    assert metrics.selected == 2 and metrics.participants == 2 and metrics.rejected == 0, metrics
+    a, b = reports["ind-a"], reports["ind-b"]
+    assert a["codec"] == "int8" and a["update_chunks"] >= 2, a  # announced codec; chunked update
+    assert b["codec"] == "dense" and b["update_chunks"] == 0, b
+    assert a["model_chunks"] >= 2, "the global model should have arrived in chunks"
+    # FedAvg (exact float64 fold, stage=0): new = old + (n_a d_a + n_b d_b) / (n_a + n_b), where d is what
+    # each client's envelope decodes to (int8: q * scale).
+    n_a, n_b = a["num_samples"], b["num_samples"]
+    for name, old in before.items():
+        d_a = _f32(a["delta"][name], old.shape).astype(np.float64)
+        d_b = _f32(b["delta"][name], old.shape).astype(np.float64)
+        assert np.abs(d_a).max() > 1e-3 and np.abs(d_b).max() > 1e-3, "the clients must really train"
+        assert not np.allclose(d_a, d_b), "the two clients should send different deltas"
+        expected = (old.astype(np.float64) + (n_a * d_a + n_b * d_b) / (n_a + n_b)).astype(np.float32)
+        # the gateway adds the float32 mean delta to the float32 weights: within an ulp of the float64 value
+        np.testing.assert_allclose(rm.weights[name], expected, rtol=1e-6, atol=1e-7)
+        # and both clients decoded the new global model the gateway published
+        for r in (a, b):
+            assert r["new_model_version"] == rm.version
+            np.testing.assert_array_equal(_f32(r["new_model"][name], old.shape), rm.weights[name])
