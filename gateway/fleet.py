@@ -558,6 +558,17 @@ class FleetManager:
         self._count("ota_sent")
         return pc
 
+    def deploy(self, artifacts: Mapping[str, bytes], to: str = "all", policy: Any = None, *,
+               include_offline: bool = False, on_progress: Callable[..., Any] | None = None) -> Any:
+        """Roll signed per-profile ``artifacts`` out to the devices matching ``to`` (see
+        :mod:`edgeflow.gateway.ota`); blocks and returns the :class:`~edgeflow.gateway.ota.RolloutReport`."""
+        from .ota import Rollout, select_devices
+
+        targets = select_devices(self.devices(), to, online=None if include_offline else self.is_online)
+        if not targets:
+            raise FleetError(f"no {'known' if include_offline else 'online'} device matches {to!r}")
+        return Rollout(self, artifacts, targets, policy, on_progress=on_progress).run()
+
     def recent_ack(self, command_id: str) -> Ack | None:
         with self._lock:
             return self._acks.get(command_id)

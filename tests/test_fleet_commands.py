@@ -271,7 +271,7 @@ def test_a_model_larger_than_one_message_is_chunked_through_the_acl(fleet_env, f
     data = build_artifact(model, version=4, profile=PROFILE, key=fleet_env.fleet_dir.fleet_key(), fleet=FLEET,
                           golden=make_golden(model, PROFILE, x))
     assert len(data) > 10 * 256 * 1024
-    ack = fm.send_ota(dev, data, version=4).wait(60)
-    assert ack.ok and ack.result["model_version"] == 4, ack
+    rep = fm.deploy({PROFILE: data}, to=f"device={dev}")
+    assert rep.state == "completed" and rep.devices[dev].state == "ok" and rep.devices[dev].model_version == 4
     assert a.active_model.model_path.read_bytes() == model
     assert a.transport.stats()["transfers_completed"] >= 1
