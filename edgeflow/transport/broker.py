@@ -11,8 +11,9 @@ removes its temporary files on stop (or at interpreter exit).
 :class:`MosquittoBroker` writes a config file into a temporary directory
 with the features the tests and demos need: password file (give ``users``
 and it is generated), ACL file (give the text), TLS listener,
-``message_size_limit``/``max_packet_size``, a websockets listener and
-persistence (so :meth:`MosquittoBroker.restart` keeps sessions and queued
+``message_size_limit``/``max_packet_size``, a websockets listener (plain,
+or TLS with ``ws_tls=True``: the ``wss://`` devices behind HTTPS-only
+firewalls use) and persistence (so :meth:`MosquittoBroker.restart` keeps sessions and queued
 messages, as a production broker restart would).
 """
 
@@ -209,6 +210,7 @@ class MosquittoBroker(_BrokerBase):
         plain: bool = True,
         websockets: bool = False,
         ws_port: int | None = None,
+        ws_tls: bool = False,
         message_size_limit: int | None = None,
         max_packet_size: int | None = None,
         persistence: bool = False,
@@ -225,6 +227,8 @@ class MosquittoBroker(_BrokerBase):
             raise ConfigError("give either acl or acl_file, not both")
         if not plain and tls is None and not websockets:
             raise ConfigError("a broker without a plain listener needs tls or websockets")
+        if ws_tls and (tls is None or not websockets):
+            raise ConfigError("ws_tls needs websockets=True and tls=TlsFiles(...) (the websockets listener's certificate)")
         self.binary = binary or find_mosquitto()
         if self.binary is None:
             msg = "mosquitto is not installed (apt install mosquitto / brew install mosquitto), or pass binary="
@@ -237,6 +241,7 @@ class MosquittoBroker(_BrokerBase):
         self.plain = plain
         self.websockets = websockets
         self.ws_port = ws_port or 0
+        self.ws_tls = ws_tls
         self.users = dict(users) if users else None
         self.password_file = Path(password_file) if password_file else None
         self.acl = acl
@@ -284,7 +289,8 @@ class MosquittoBroker(_BrokerBase):
 
     @property
     def ws_url(self) -> str:
-        return f"ws://{self.host}:{self.ws_port}/mqtt"
+        """``ws://`` or, with ``ws_tls``, ``wss://`` URL of the websockets listener."""
+        return f"{'wss' if self.ws_tls else 'ws'}://{self.host}:{self.ws_port}/mqtt"
 
     def _write_password_file(self) -> Path:
         path = self.workdir / "passwd"
@@ -336,7 +342,15 @@ class MosquittoBroker(_BrokerBase):
             if self.tls.require_certificate:
                 lines.append("require_certificate true")
         if self.websockets:
+            # Mosquitto 2.0.11 refuses to start when a websockets listener is its only one
+            # ("Unable to start any listening sockets"): keep plain or tls alongside.
             lines += [f"listener {self.ws_port} {self.host}", "protocol websockets"]
+            if self.ws_tls and self.tls is not None:
+                lines += [f"certfile {self.tls.certfile}", f"keyfile {self.tls.keyfile}"]
+                if self.tls.cafile:
+                    lines.append(f"cafile {self.tls.cafile}")
+                if self.tls.require_certificate:
+                    lines.append("require_certificate true")
         return "\n".join(lines) + "\n"
 
     def _ports(self) -> list[int]:

@@ -138,6 +138,19 @@ def _check_properties(props: dict[str, Any]) -> None:
         raise ConfigError(msg)
 
 
+def _check_ws_options(path: str, headers: dict[str, str] | None) -> None:
+    """Refuse what would corrupt the HTTP upgrade request (paho writes both into it verbatim)."""
+    bad = ("\r", "\n", " ", "\t", "\0")
+    if not isinstance(path, str) or not path.startswith("/") or any(c in path for c in bad):
+        msg = f"websockets path {path!r} must start with '/' and contain no spaces or line breaks"
+        raise ConfigError(msg)
+    for key, value in (headers or {}).items():
+        if (not isinstance(key, str) or not isinstance(value, str) or not key or ":" in key
+                or any(c in key + value for c in ("\r", "\n", "\0"))):
+            msg = f"websockets header {key!r}: {value!r} is not a valid HTTP header"
+            raise ConfigError(msg)
+
+
 def _fmt_reason(rc: Any) -> str:
     if isinstance(rc, ReasonCode):
         return f"{rc.getName()} (reason code {rc.value})"
@@ -160,6 +173,14 @@ class MqttTransport:
     Payloads above ``max_payload`` bytes are chunked transparently; the
     receiving transport delivers them to the handler as one :class:`Message`.
     See docs/transport.md for the topic scheme, QoS and reconnect behaviour.
+
+    Websockets (``ws://``/``wss://``, or ``websockets=True``) carry the same
+    MQTT bytes in binary websocket frames (subprotocol ``mqtt``), for devices
+    whose network only lets HTTPS out: ``ws_path`` is the request target of
+    the upgrade request (path and query), ``ws_headers`` extra HTTP headers
+    (e.g. a proxy's authorization), and ``tls`` works exactly as for
+    ``mqtts://``. Publishers whose subscribers sit on Mosquitto 2.0's
+    websockets listener should keep ``max_payload`` near 4 KB (docs/transport.md).
     """
 
     def __init__(
@@ -173,6 +194,7 @@ class MqttTransport:
         tls: TlsConfig | None = None,
         websockets: bool = False,
         ws_path: str = "/mqtt",
+        ws_headers: dict[str, str] | None = None,
         protocol: str = "auto",
         keepalive: int = 30,
         clean_start: bool = False,
@@ -201,6 +223,7 @@ class MqttTransport:
         if not 0 < int(port) < 65536:
             msg = f"broker port must be in 1..65535, got {port!r}"
             raise ConfigError(msg)
+        _check_ws_options(ws_path, ws_headers)
         self.host = host
         self.port = int(port)
         self.client_id = client_id or f"edgeflow-{uuid.uuid4().hex[:12]}"
@@ -209,6 +232,7 @@ class MqttTransport:
         self.tls = tls
         self.websockets = websockets
         self.ws_path = ws_path
+        self.ws_headers = dict(ws_headers) if ws_headers else None
         self.protocol_choice = protocol
         self.keepalive = int(keepalive)
         self.clean_start = clean_start
@@ -345,7 +369,7 @@ class MqttTransport:
         client.max_inflight_messages_set(0)  # our own window; paho must never queue internally
         client.connect_timeout = self.connect_timeout_s
         if self.websockets:
-            client.ws_set_options(path=self.ws_path)
+            client.ws_set_options(path=self.ws_path, headers=self.ws_headers)
         if self.username is not None:
             client.username_pw_set(self.username, self.password)
         if self.tls is not None:

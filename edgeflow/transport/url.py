@@ -2,6 +2,11 @@
 
 One string is the easiest thing to put in a config file, an environment
 variable or on a command line (``edgeflow demo --broker mqtts://gw:8883``).
+
+For websockets the path *and query* of the URL are the HTTP request target
+of the upgrade request (``wss://gw.example.com/mqtt?token=...``): reverse
+proxies route on the path, and some cloud brokers authenticate with query
+parameters, so both are kept verbatim. Mosquitto itself ignores the path.
 """
 
 from __future__ import annotations
@@ -61,15 +66,16 @@ def parse_broker_url(url: str) -> BrokerAddress:
     if not parts.hostname:
         msg = f"broker URL {url!r} has no host; {hint}"
         raise ConfigError(msg)
-    if parts.path not in ("", "/") and not ws:
+    if (parts.path not in ("", "/") or parts.query) and not ws:
         msg = f"broker URL {url!r}: a path only makes sense for ws:// and wss://"
         raise ConfigError(msg)
+    ws_path = (parts.path or "/mqtt") + (f"?{parts.query}" if parts.query else "")
     return BrokerAddress(
         host=parts.hostname,
         port=port,
         tls=tls,
         websockets=ws,
-        ws_path=(parts.path or "/mqtt") if ws else "/mqtt",
+        ws_path=ws_path if ws else "/mqtt",
         username=unquote(parts.username) if parts.username else None,
         password=unquote(parts.password) if parts.password else None,
     )
