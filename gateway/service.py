@@ -1,0 +1,248 @@
+"""One gateway process: a transport, a store, the fleet registry and the rounds.
+
+:class:`Gateway` composes the independent parts — :class:`~edgeflow.gateway.fleet.FleetManager`
+(births, liveness, telemetry, commands, OTA), :class:`~edgeflow.gateway.rounds.RoundManager`
+(federated rounds) — over one MQTT connection with a persistent session and
+one SQLite state file, and publishes the gateway's own status retained on
+``gateway/state`` (with a last will saying it went offline).
+
+Configuration comes from ``gateway.toml`` (see :func:`load_config` and
+docs/gateway.md) and the operator's fleet directory (fleet key, device key
+ring, the ``gateway`` broker credentials, the broker URL).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import onnx
+
+from edgeflow.errors import ConfigError
+from edgeflow.signing import KeyRing, PrivateKey
+
+from .fleet import FleetManager, FleetOptions
+from .rounds import RoundConfig, RoundManager, RoundMetrics
+from .store import GatewayStore
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+log = logging.getLogger("edgeflow.gateway")
+
+
+@dataclass
+class GatewayConfig:
+    """``gateway.toml``: ``[gateway]`` paths and ids, ``[fleet]`` registry options,
+    ``[rounds]`` (+ ``[rounds.train]``) the federated rounds."""
+
+    fleet_dir: str | None = None
+    fleet: str | None = None
+    state: str = "gateway.sqlite"
+    model: str | None = None
+    eval: str | None = None
+    metrics: str | None = "metrics.jsonl"
+    client_id: str | None = None
+    broker: str | None = None
+    fleet_options: FleetOptions = field(default_factory=FleetOptions)
+    rounds: RoundConfig = field(default_factory=RoundConfig)
+    base_dir: Path = field(default_factory=Path.cwd)
+
+    def path(self, p: str | None) -> Path | None:
+        if p is None:
+            return None
+        q = Path(p).expanduser()
+        return q if q.is_absolute() else self.base_dir / q
+
+
+_GATEWAY_KEYS = {"fleet_dir", "fleet", "state", "model", "eval", "metrics", "client_id", "broker"}
+
+
+def load_config(source: str | Path | Mapping[str, Any]) -> GatewayConfig:
+    """Parse and validate ``gateway.toml`` (or an equivalent dict); errors name the key."""
+    if isinstance(source, Mapping):
+        data, base, where = dict(source), Path.cwd(), "<config>"
+    else:
+        p = Path(source)
+        if not p.is_file():
+            raise ConfigError(f"gateway config not found: {p}")
+        try:
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{p}: not valid TOML: {exc}") from exc
+        base, where = p.resolve().parent, str(p)
+    unknown = sorted(set(data) - {"gateway", "fleet", "rounds"})
+    if unknown:
+        raise ConfigError(f"{where}: unknown section(s) {unknown}; sections are [gateway], [fleet], [rounds]")
+    gw = dict(data.get("gateway", {}))
+    bad = sorted(set(gw) - _GATEWAY_KEYS)
+    if bad:
+        raise ConfigError(f"{where}: [gateway] unknown key(s) {bad}; known: {sorted(_GATEWAY_KEYS)}")
+    fo = dict(data.get("fleet", {}))
+    known_fo = {f.name for f in fields(FleetOptions)}
+    bad = sorted(set(fo) - known_fo)
+    if bad:
+        raise ConfigError(f"{where}: [fleet] unknown key(s) {bad}; known: {sorted(known_fo)}")
+    try:
+        rounds = RoundConfig.from_dict(dict(data.get("rounds", {})))
+    except (ConfigError, TypeError) as exc:
+        raise ConfigError(f"{where}: [rounds]: {exc}") from exc
+    return GatewayConfig(**gw, fleet_options=FleetOptions(**fo), rounds=rounds, base_dir=base)
+
+
+def load_eval(path: Path | None) -> tuple[np.ndarray, np.ndarray] | None:
+    if path is None:
+        return None
+    from edgeflow.data import load_npz
+
+    ds = load_npz(path)
+    return ds.x, ds.y
+
+
+class Gateway:
+    """The gateway service. ``start()``, then ``run_rounds()`` and/or ``serve()``; ``stop()``."""
+
+    def __init__(
+        self,
+        transport: Any,
+        store: GatewayStore,
+        *,
+        fleet: str,
+        fleet_key: PrivateKey,
+        keyring: KeyRing,
+        model: onnx.ModelProto,
+        rounds: RoundConfig,
+        fleet_options: FleetOptions | None = None,
+        eval_data: tuple[np.ndarray, np.ndarray] | None = None,
+        metrics_path: Path | None = None,
+        on_round: Callable[[RoundMetrics], None] | None = None,
+    ) -> None:
+        self.transport = transport
+        self.store = store
+        self.fleet_id = fleet
+        self.metrics_path = metrics_path
+        self._on_round_cb = on_round
+        self.fleet = FleetManager(transport, store, fleet, fleet_key, fleet_options, keyring=keyring)
+        self.rounds = RoundManager(
+            transport, store, fleet=fleet, fleet_key=fleet_key, keyring=self.fleet.keyring, model=model,
+            config=rounds, candidates=self.fleet.round_candidates, eval_data=eval_data, on_round=self._on_round,
+        )
+        self._stop = threading.Event()
+        self._started = False
+
+    # -- construction from files -----------------------------------------------
+    @classmethod
+    def from_config(cls, config: GatewayConfig, *, broker: str | None = None, fleet_dir: str | None = None,
+                    on_round: Callable[[RoundMetrics], None] | None = None) -> "Gateway":
+        from edgeflow.brokerconfig import FleetDir
+        from edgeflow.transport import MqttTransport
+        from edgeflow.transport.message import TlsConfig, Will
+        from edgeflow.transport.topics import gateway_topic
+
+        fd_path = fleet_dir or (str(config.path(config.fleet_dir)) if config.fleet_dir else None)
+        if fd_path is None:
+            raise ConfigError("no fleet directory: pass --dir or set [gateway] fleet_dir "
+                              "(create one with `edgeflow broker-config --dir DIR --fleet NAME`)")
+        fd = FleetDir(fd_path)
+        fleet = config.fleet or fd.fleet
+        if fleet != fd.fleet:
+            raise ConfigError(f"[gateway] fleet {fleet!r} differs from the fleet directory's {fd.fleet!r}")
+        url = broker or config.broker or fd.broker_url
+        if not url:
+            raise ConfigError("no broker URL: pass --broker, set [gateway] broker, or store one in the fleet directory")
+        creds = fd.operator("gateway")
+        ca = fd.ca_file()
+        kwargs: dict[str, Any] = {}
+        if url.startswith(("mqtts://", "wss://")) and ca is not None:
+            kwargs["tls"] = TlsConfig(ca_file=str(ca))
+        transport = MqttTransport.from_url(
+            url, client_id=config.client_id or f"{fleet}-gateway", username=creds["username"],
+            password=creds["password"], clean_start=False, session_expiry_s=24 * 3600,
+            will=Will(str(gateway_topic(fleet, "state")), json.dumps({"online": False}), qos=1, retain=True),
+            **kwargs,
+        )
+        state = config.path(config.state)
+        store = GatewayStore(state)
+        if store.latest_model() is None:
+            mp = config.path(config.model)
+            if mp is None:
+                raise ConfigError("[gateway] model: the initial global model is needed on first start")
+            from edgeflow.model import load_model
+
+            model = load_model(mp)
+        else:
+            model = onnx.load_model_from_string(store.latest_model()[1])
+        return cls(
+            transport, store, fleet=fleet, fleet_key=fd.fleet_key(), keyring=fd.keyring(), model=model,
+            rounds=config.rounds, fleet_options=config.fleet_options,
+            eval_data=load_eval(config.path(config.eval)), metrics_path=config.path(config.metrics),
+            on_round=on_round,
+        )
+
+    # -- lifecycle ---------------------------------------------------------------
+    def start(self, timeout: float = 30.0) -> "Gateway":
+        """Subscribe everything (before connecting: the persistent session's queue arrives at once)."""
+        if not self._started:
+            self.fleet.start()
+            self.rounds.start()
+            self.transport.connect(timeout=timeout)
+            self._publish_state(True)
+            self._started = True
+        return self
+
+    def _publish_state(self, online: bool) -> None:
+        from edgeflow.transport.topics import gateway_topic
+
+        body = {"online": online, "fleet": self.fleet_id, "model_version": self.rounds.version,
+                "devices_online": len(self.fleet.online_devices()) if online else 0, "ts": time.time()}
+        self.transport.publish(str(gateway_topic(self.fleet_id, "state")), json.dumps(body), qos=1,
+                               retain=True).wait(10)
+
+    def _on_round(self, m: RoundMetrics) -> None:
+        if self.metrics_path is not None:
+            with open(self.metrics_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(m.to_dict()) + "\n")
+        try:
+            self._publish_state(True)
+        except Exception as exc:  # status is best effort; the round itself succeeded
+            log.warning("could not publish gateway state: %s", exc)
+        if self._on_round_cb:
+            self._on_round_cb(m)
+
+    def run_rounds(self, rounds: int | None = None) -> list[RoundMetrics]:
+        self.start()
+        return self.rounds.run(rounds)
+
+    def serve(self) -> None:
+        """Keep the registry and command channel running until :meth:`stop`."""
+        self.start()
+        while not self._stop.wait(1.0):
+            pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.rounds.stop()
+        if self._started:
+            try:
+                self._publish_state(False)
+            except Exception:  # pragma: no cover - shutting down anyway
+                pass
+            self.fleet.stop()
+            self.transport.close()
+            self._started = False
+        self.store.close()
+
+    def __enter__(self) -> "Gateway":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
