@@ -12,10 +12,15 @@ import numpy as np
 from ..errors import InputError
 
 
-def console(stderr: bool = False):
+def console(stderr: bool = False, *, min_width: int = 0):
+    """A rich console; ``min_width`` widens it when output is not a terminal
+    (pipes and CI logs would otherwise wrap tables at 80 columns)."""
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False)
+    c = Console(stderr=stderr, highlight=False)
+    if min_width and not c.is_terminal and c.width < min_width:
+        c = Console(stderr=stderr, highlight=False, width=min_width)
+    return c
 
 
 def emit_json(obj: Any) -> None:
