@@ -1,0 +1,285 @@
+"""The published test vectors (tests/vectors/) against edgeflow's own code.
+
+- the stored vectors are intact (manifest sizes and SHA-256s);
+- edgeflow decodes every vector to the values the manifest lists;
+- the version guard: regenerating every vector from the current code gives
+  the stored bytes, unless a format version was bumped; a difference with
+  unchanged versions fails with "the wire format changed without bumping
+  the version" (the guard itself is tested by changing the format here);
+- docs/wire-format.md lists the same versions as the code.
+
+The independent implementation's side is tests/test_independent_client.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from edgeflow.codecs import decode_update
+from edgeflow.device.messages import ACK_CONTEXT, BIRTH_CONTEXT, Command, Death, OtaOffer, open_signed
+from edgeflow.errors import CodecError, SignatureError
+from edgeflow.federated import secure
+from edgeflow.federated.messages import RoundAnnouncement
+from edgeflow.gateway import secagg_wire
+from edgeflow.ota import verify_artifact
+from edgeflow.signing import KeyRing, PrivateKey
+from edgeflow.transport.chunking import Reassembler, parse_chunk
+from edgeflow.transport.topics import split_chunk_topic
+
+HERE = Path(__file__).resolve().parent
+VECTORS = HERE / "vectors"
+DOC = HERE.parent / "docs" / "wire-format.md"
+
+
+def _load_generator():
+    spec = importlib.util.spec_from_file_location("edgeflow_wire_vectors_generate", VECTORS / "generate.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+gen = _load_generator()
+
+
+@pytest.fixture(scope="module")
+def stored() -> tuple[dict[str, bytes], dict[str, Any]]:
+    return gen.stored(VECTORS)
+
+
+def _keys(manifest: dict[str, Any]) -> dict[str, PrivateKey]:
+    return {role: PrivateKey.from_bytes(bytes.fromhex(k["seed"])) for role, k in manifest["keys"].items()}
+
+
+def _values(desc: dict[str, Any]) -> np.ndarray:
+    if "f32" in desc:
+        return np.frombuffer(bytes.fromhex(desc["f32"]), dtype="<f4")
+    out = np.zeros(desc["size"], np.float32)
+    for i, h in desc["nonzero"]:
+        out[i] = np.frombuffer(bytes.fromhex(h), dtype="<f4")[0]
+    return out
+
+
+# ------------------------------------------------------------------ integrity
+
+
+def test_manifest_lists_every_file_with_its_hash(stored) -> None:
+    files, manifest = stored
+    listed = {v["file"]: v for v in manifest["vectors"] if "file" in v}
+    assert set(listed) == set(files), "every .bin file is a listed vector and vice versa"
+    for name, v in listed.items():
+        assert v["size"] == len(files[name]) and v["sha256"] == hashlib.sha256(files[name]).hexdigest(), name
+    kinds = {v["kind"] for v in manifest["vectors"]}
+    assert {"envelope", "chunk", "chunked_transfer", "signed_json", "secagg", "ota_artifact", "ota_offer"} <= kinds
+    codecs = {v["envelope"]["codec"] for v in manifest["vectors"] if v["kind"] == "envelope"}
+    assert codecs == {"dense", "fp16", "int8", "topk", "topk-int8"}, "one vector per codec at least"
+    assert any(v["kind"] == "envelope" and v["envelope"]["signed_by"] for v in manifest["vectors"])
+
+
+# ------------------------------------------------------------------ decode direction
+
+
+def test_edgeflow_decodes_every_envelope_vector(stored) -> None:
+    files, manifest = stored
+    keys = _keys(manifest)
+    ring = KeyRing({"dev-1": keys["device"].public_key, "gateway": keys["fleet"].public_key})
+    for v in (v for v in manifest["vectors"] if v["kind"] == "envelope"):
+        e = v["envelope"]
+        upd = decode_update(files[v["file"]], verifier=ring if e["signed_by"] else None,
+                            require_signature=bool(e["signed_by"]))
+        assert (upd.round_id, upd.seq, upd.device_id, upd.codec) == (e["round_id"], e["seq"], e["device_id"],
+                                                                     e["codec"]), v["name"]
+        assert upd.metadata == (json.loads(e["metadata_json"]) if e["metadata_json"] else {})
+        assert [t["name"] for t in e["tensors"]] == list(upd.tensors)
+        for t in e["tensors"]:
+            got = upd.tensors[t["name"]]
+            assert got.dtype.name == t["dtype"] and list(got.shape) == t["shape"], (v["name"], t["name"])
+            want = _values(t["decoded"])
+            np.testing.assert_array_equal(got.astype(np.float32).reshape(-1), want, err_msg=f"{v['name']}/{t['name']}")
+
+
+def test_edgeflow_rejects_every_altered_signed_vector(stored) -> None:
+    files, manifest = stored
+    keys = _keys(manifest)
+    ring = KeyRing({"dev-1": keys["device"].public_key, "gateway": keys["fleet"].public_key})
+    signed = [v for v in manifest["vectors"] if v["kind"] == "envelope" and v["envelope"]["signed_by"]]
+    assert len(signed) >= 2
+    for v in signed:
+        data = bytearray(files[v["file"]])
+        data[-1] ^= 0x80  # inside the Ed25519 signature
+        with pytest.raises(SignatureError):
+            decode_update(bytes(data), verifier=ring)
+        data = bytearray(files[v["file"]])
+        data[20] ^= 0x01  # the round id: the CRC catches it before the signature is even checked
+        with pytest.raises(CodecError, match="CRC"):
+            decode_update(bytes(data), verifier=ring)
+
+
+def test_edgeflow_reassembles_the_chunked_vector_in_any_order(stored) -> None:
+    files, manifest = stored
+    (t,) = [v for v in manifest["vectors"] if v["kind"] == "chunked_transfer"]
+    chunks = {v["file"]: v for v in manifest["vectors"] if v["kind"] == "chunk"}
+    r = Reassembler()
+    done = None
+    for f in reversed(t["chunk_files"]):
+        base, index = split_chunk_topic(chunks[f]["topic"])
+        assert base == t["base_topic"] and index == chunks[f]["index"]
+        header, data = parse_chunk(files[f])
+        assert header.transfer_id.hex() == t["transfer_id"] and header.count == t["count"]
+        assert f"{header.crc32:08x}" == chunks[f]["crc32"] and len(data) == chunks[f]["data_length"]
+        done = r.add(base, files[f]) or done
+    assert done is not None and done.payload == files[t["payload_file"]]
+    assert hashlib.sha256(done.payload).hexdigest() == t["payload_sha256"]
+
+
+def test_edgeflow_opens_every_control_vector(stored) -> None:
+    files, manifest = stored
+    keys = _keys(manifest)
+    fleet, device = keys["fleet"].public_key, keys["device"].public_key
+    by_name = {v["name"]: v for v in manifest["vectors"]}
+    ann = RoundAnnouncement.verify(files["round-announcement.bin"], fleet)
+    assert ann.to_body() == by_name["round-announcement"]["body"]
+    cmd = Command.verify(files["command.bin"], fleet)
+    assert cmd.name == by_name["command"]["body"]["name"]
+    assert open_signed(files["ack-refusal.bin"], device, ACK_CONTEXT) == by_name["ack-refusal"]["body"]
+    assert open_signed(files["birth.bin"], device, BIRTH_CONTEXT) == by_name["birth"]["body"]
+    assert Death.from_bytes(files["death.bin"]).device == by_name["death"]["body"]["device"]
+    for name in ("secagg-advertise", "secagg-masked"):
+        frame = secure.unseal(files[f"{name}.bin"], device)
+        msg = secagg_wire.decode_message(frame)
+        assert msg.client_id == "dev-1" and frame[5] == by_name[name]["frame_kind"]
+    art = verify_artifact(files["ota-artifact.bin"], fleet, profile="raspberry-pi-4", fleet="lab")
+    assert art.manifest_bytes.decode() == by_name["ota-artifact"]["manifest_text"]
+    offer = OtaOffer.from_bytes(files["ota-offer.bin"])
+    assert offer.artifact == files["ota-artifact.bin"]
+    assert Command.verify(offer.command, fleet).args["artifact_sha256"] == art.sha256
+
+
+# ------------------------------------------------------------------ the version guard
+
+
+def guard(files: dict[str, bytes], manifest: dict[str, Any], old_files: dict[str, bytes],
+          old_manifest: dict[str, Any]) -> None:
+    """Fail if regenerated vectors differ from the stored ones (see the module docstring)."""
+    now, then = manifest["versions"], old_manifest["versions"]
+    old_vectors = {v["name"]: v for v in old_manifest["vectors"]}
+    problems, bumped = [], []
+    for v in manifest["vectors"]:
+        old = old_vectors.get(v["name"])
+        changed_versions = sorted(k for k in v["depends"] if now.get(k) != then.get(k))
+        if old is None:
+            problems.append(f"{v['name']}: new vector, not in the stored manifest")
+            continue
+        new_bytes, old_bytes = files.get(v.get("file", "")), old_files.get(old.get("file", ""))
+        if new_bytes == old_bytes and v == old:
+            continue
+        if changed_versions:
+            bumped.append(f"{v['name']} ({', '.join(f'{k} {then.get(k)!r} -> {now.get(k)!r}' for k in changed_versions)})")
+            continue
+        if new_bytes != old_bytes and new_bytes is not None and old_bytes is not None:
+            at = next((i for i, (x, y) in enumerate(zip(new_bytes, old_bytes)) if x != y),
+                      min(len(new_bytes), len(old_bytes)))
+            problems.append(f"{v['name']}: bytes differ from offset {at} (now {len(new_bytes)} bytes, "
+                            f"stored {len(old_bytes)}) while {v['depends']} are unchanged")
+        else:
+            problems.append(f"{v['name']}: manifest fields differ while {v['depends']} are unchanged")
+    gone = sorted(set(old_vectors) - {v["name"] for v in manifest["vectors"]})
+    problems += [f"{name}: stored vector no longer generated" for name in gone]
+    if problems:
+        pytest.fail(
+            "the wire format changed without bumping the version:\n  " + "\n  ".join(problems)
+            + "\nIf the change is intended, bump the version of the format that changed (docs/wire-format.md, "
+            "'Versioning'), then regenerate with `python tests/vectors/generate.py` and update the spec."
+        )
+    if bumped or now != then:
+        pytest.fail(
+            "a wire-format version was bumped, so the stored vectors are out of date: "
+            + "; ".join(bumped or [f"versions {then} -> {now}"])
+            + "\nregenerate them with `python tests/vectors/generate.py`, update docs/wire-format.md, and commit both."
+        )
+
+
+def test_vectors_match_the_code(stored) -> None:
+    files, manifest = gen.build_all()
+    guard(files, manifest, *stored)
+
+
+def test_the_generator_is_deterministic() -> None:
+    a, ma = gen.build_all()
+    b, mb = gen.build_all()
+    assert a == b and gen.manifest_text(ma) == gen.manifest_text(mb)
+
+
+@pytest.mark.parametrize("change", ["codec id", "envelope layout", "chunk byte order", "fp16 rounding",
+                                    "signed json", "round body"])
+def test_the_guard_catches_a_format_change_without_a_version_bump(stored, monkeypatch, change) -> None:
+    from edgeflow.codecs import envelope, fp16
+    from edgeflow.codecs.dense import DenseCodec
+    from edgeflow.federated import messages
+    from edgeflow.transport import chunking
+
+    if change == "codec id":
+        from edgeflow.codecs import registry
+
+        monkeypatch.setattr(DenseCodec, "codec_id", 9)
+        monkeypatch.setitem(registry._BY_ID, 9, registry._BY_ID[1])
+    elif change == "envelope layout":
+        monkeypatch.setattr(envelope, "_FIXED", struct.Struct("<QQHHI4x"))  # 4 more header bytes
+    elif change == "chunk byte order":
+        monkeypatch.setattr(chunking, "_HEADER", struct.Struct("<4sBB2x16sIIQI32sI"))
+    elif change == "fp16 rounding":
+        real = fp16.Fp16Codec.encode
+
+        def truncating(self, x, ctx, residual=None):  # round towards zero instead of to nearest
+            h = x.astype("<f2")
+            h = np.where(np.abs(h.astype(np.float32)) > np.abs(x), np.nextafter(h, np.float16(0)), h).astype("<f2")
+            return [memoryview(h).cast("B")], None
+
+        monkeypatch.setattr(fp16.Fp16Codec, "encode", truncating)
+        assert real is not truncating
+    elif change == "signed json":
+        real_dumps = json.dumps
+        monkeypatch.setattr(messages.json, "dumps", lambda obj, **kw: real_dumps(obj, **{**kw, "separators": (", ", ": ")}))
+    elif change == "round body":
+        real_body = messages.RoundAnnouncement.to_body
+        monkeypatch.setattr(messages.RoundAnnouncement, "to_body", lambda self: {**real_body(self), "extra": 1})
+    files, manifest = gen.build_all()
+    with pytest.raises(pytest.fail.Exception, match="the wire format changed without bumping the version"):
+        guard(files, manifest, *stored)
+
+
+def test_the_guard_asks_for_regeneration_after_a_version_bump(stored, monkeypatch) -> None:
+    from edgeflow.codecs import envelope
+
+    monkeypatch.setattr(envelope, "VERSION", 2)
+    files, manifest = gen.build_all()
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)version was bumped.*envelope 1 -> 2.*generate\.py") as err:
+        guard(files, manifest, *stored)
+    assert "without bumping" not in str(err.value)
+
+
+# ------------------------------------------------------------------ the document
+
+
+def test_the_spec_lists_the_versions_the_code_has() -> None:
+    text = DOC.read_text(encoding="utf-8")
+    table = dict(re.findall(r"^\| `([a-z_]+)` \| `([^`]*)` \|", text, flags=re.M))
+    versions = {k: str(v) for k, v in gen.current_versions().items()}
+    assert table == versions, "the 'Versioning' table of docs/wire-format.md must list exactly the code's versions"
+    assert f"revision {gen.SPEC_REVISION}" in text.splitlines()[2]
+
+
+def test_the_spec_names_every_vector() -> None:
+    text = DOC.read_text(encoding="utf-8")
+    _, manifest = gen.stored(VECTORS)
+    missing = [v["name"] for v in manifest["vectors"] if f"`{v['name']}`" not in text]
+    assert not missing, f"docs/wire-format.md does not describe vectors {missing}"
