@@ -17,7 +17,7 @@ valid device id)::
     edgeflow/<fleet>/<device>/ota         gw -> device     signed OTA deployment (command + artifact, chunked)
     edgeflow/<fleet>/<device>/infer       app -> device    inference request
     edgeflow/<fleet>/<device>/infer/reply device -> app    inference result
-    edgeflow/<fleet>/gateway/secagg       gw -> devices    secure-aggregation broadcasts (retained per round)
+    edgeflow/<fleet>/gateway/secagg       gw -> devices    secure-aggregation broadcasts (not retained)
 
 Why this shape: the device id is always the third level, so one broker ACL
 pattern (``pattern write edgeflow/+/%u/#`` with the device id as user
