@@ -25,7 +25,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from _brokers import mosquitto_factory, wait_until  # noqa: F401
+from _brokers import mosquitto_factory  # noqa: F401
 from edgeflow.federated.messages import TrainConfig
 from edgeflow.gateway.rounds import Candidate, RoundConfig, RoundManager
 from edgeflow.gateway.store import GatewayStore

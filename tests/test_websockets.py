@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -164,6 +163,26 @@ def test_wss_through_a_mosquitto_tls_websockets_listener(mosquitto_factory, tls_
         t.connect(timeout=10)
     assert time.monotonic() - started < 3, "a certificate the CA did not sign is final, not retried"
     t.close(timeout=1, flush=False)
+
+
+@pytest.mark.integration
+def test_wss_with_client_certificates(mosquitto_factory, tls_material) -> None:  # noqa: F811
+    m = tls_material
+    broker = mosquitto_factory(tls=TlsFiles(str(m.server_cert), str(m.server_key), str(m.ca_cert),
+                                            require_certificate=True), websockets=True, ws_tls=True, plain=False)
+    mutual = TlsConfig(ca_file=str(m.ca_cert), cert_file=str(m.client_cert), key_file=str(m.client_key))
+    t = MqttTransport.from_url(broker.ws_url, tls=mutual, **FAST).connect(timeout=10)
+    inbox = Inbox()
+    t.subscribe("edgeflow/lab/#", inbox)
+    t.publish("edgeflow/lab/pi/update", b"signed envelope").wait(5)
+    assert inbox.wait(1)[0].payload == b"signed envelope"
+    t.close(timeout=1)
+    no_cert = MqttTransport.from_url(broker.ws_url, tls=TlsConfig(ca_file=str(m.ca_cert)), **FAST)
+    started = time.monotonic()
+    with pytest.raises(TransportError, match="requires a client certificate.*cert_file"):
+        no_cert.connect(timeout=10)
+    assert time.monotonic() - started < 3, "a missing client certificate is final over wss too, not retried"
+    no_cert.close(timeout=1, flush=False)
 
 
 def test_broker_config_cli_adds_a_tls_websockets_listener(tmp_path, capsys) -> None:

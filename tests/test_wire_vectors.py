@@ -237,15 +237,12 @@ def test_the_guard_catches_a_format_change_without_a_version_bump(stored, monkey
     elif change == "chunk byte order":
         monkeypatch.setattr(chunking, "_HEADER", struct.Struct("<4sBB2x16sIIQI32sI"))
     elif change == "fp16 rounding":
-        real = fp16.Fp16Codec.encode
-
         def truncating(self, x, ctx, residual=None):  # round towards zero instead of to nearest
             h = x.astype("<f2")
             h = np.where(np.abs(h.astype(np.float32)) > np.abs(x), np.nextafter(h, np.float16(0)), h).astype("<f2")
             return [memoryview(h).cast("B")], None
 
         monkeypatch.setattr(fp16.Fp16Codec, "encode", truncating)
-        assert real is not truncating
     elif change == "signed json":
         real_dumps = json.dumps
         monkeypatch.setattr(messages.json, "dumps", lambda obj, **kw: real_dumps(obj, **{**kw, "separators": (", ", ": ")}))

@@ -772,6 +772,15 @@ class MqttTransport:
             )
             self._attempt_failed(TransportError(msg), fatal=True)
         except ssl.SSLError as exc:
+            if "ALERT" in str(exc).upper():
+                # Over websockets paho reads the HTTP upgrade reply inside reconnect(), so the server's
+                # alert (no or bad client certificate) surfaces here rather than as a disconnect.
+                msg = (
+                    f"the TLS listener at {self.url} rejected this client ({exc}); it probably requires a "
+                    "client certificate signed by its CA: set TlsConfig.cert_file and key_file"
+                )
+                self._attempt_failed(TransportError(msg), fatal=True)
+                return
             msg = f"TLS handshake with {self.url} failed: {exc}; check the broker's TLS listener and client certificate"
             self._attempt_failed(TransportError(msg))
         except ConnectionRefusedError:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import struct
 import sys
 from collections.abc import Callable
@@ -31,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from edgeflow.codecs import encode_update, peek_update
+from edgeflow.codecs import decode_update, encode_update, peek_update
 from edgeflow.codecs import envelope as envelope_mod
 from edgeflow.device import messages as device_messages
 from edgeflow.device.messages import Ack, Birth, Command, Death, OtaOffer
@@ -169,14 +168,14 @@ def _describe_envelope(data: bytes, tensors: dict[str, np.ndarray], codec: str, 
                        k: int | None, signed_by: str | None) -> dict[str, Any]:
     head = peek_update(data)
     mv = memoryview(data)
-    prefix_hdr_len = struct.unpack_from("<I", data, 8)[0]
+    header_len = struct.unpack_from("<I", data, 8)[0]
     meta_start = 12 + 24 + len(head.device_id.encode())
     meta_len = struct.unpack_from("<I", data, 12 + 20)[0]
     out: dict[str, Any] = {
         "version": head.version, "flags": head.flags, "codec": codec, "codec_id": head.codec_id,
         "round_id": head.round_id, "seq": head.seq, "device_id": head.device_id,
         "metadata_json": bytes(mv[meta_start:meta_start + meta_len]).decode("utf-8"),
-        "header_length": prefix_hdr_len, "crc_offset": head.crc_at,
+        "header_length": header_len, "crc_offset": head.crc_at,
         "crc32": f"{struct.unpack_from('<I', data, head.crc_at)[0]:08x}",
         "signed_by": signed_by,
         "key_id": head.key_id.hex() if head.key_id else None,
@@ -184,8 +183,6 @@ def _describe_envelope(data: bytes, tensors: dict[str, np.ndarray], codec: str, 
         "signing_message": (envelope_mod.signed_message(mv, head).hex() if head.signed else None),
         "rng_seed": seed, "k": k, "tensors": [],
     }
-    from edgeflow.codecs import decode_update
-
     decoded = decode_update(data).tensors
     quantized_sizes = []
     selections: dict[str, np.ndarray] = {}
