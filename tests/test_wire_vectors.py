@@ -201,9 +201,11 @@ def guard(files: dict[str, bytes], manifest: dict[str, Any], old_files: dict[str
             "'Versioning'), then regenerate with `python tests/vectors/generate.py` and update the spec."
         )
     if bumped or now != then:
+        changed = ", ".join(f"{k} {then.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(now) | set(then))
+                            if now.get(k) != then.get(k))
         pytest.fail(
-            "a wire-format version was bumped, so the stored vectors are out of date: "
-            + "; ".join(bumped or [f"versions {then} -> {now}"])
+            f"a wire-format version was bumped ({changed}), so the stored vectors are out of date"
+            + (": " + "; ".join(bumped) if bumped else "")
             + "\nregenerate them with `python tests/vectors/generate.py`, update docs/wire-format.md, and commit both."
         )
 
@@ -254,12 +256,17 @@ def test_the_guard_catches_a_format_change_without_a_version_bump(stored, monkey
         guard(files, manifest, *stored)
 
 
-def test_the_guard_asks_for_regeneration_after_a_version_bump(stored, monkeypatch) -> None:
+@pytest.mark.parametrize("bump", ["envelope", "spec"])
+def test_the_guard_asks_for_regeneration_after_a_version_bump(stored, monkeypatch, bump) -> None:
+    """An incompatible change bumps the format's version, a compatible one the spec revision (§2)."""
     from edgeflow.codecs import envelope
 
-    monkeypatch.setattr(envelope, "VERSION", 2)
+    if bump == "envelope":
+        monkeypatch.setattr(envelope, "VERSION", 2)
+    else:
+        monkeypatch.setattr(gen, "SPEC_REVISION", 2)
     files, manifest = gen.build_all()
-    with pytest.raises(pytest.fail.Exception, match=r"(?s)version was bumped.*envelope 1 -> 2.*generate\.py") as err:
+    with pytest.raises(pytest.fail.Exception, match=rf"(?s)version was bumped.*{bump} 1 -> 2.*generate\.py") as err:
         guard(files, manifest, *stored)
     assert "without bumping" not in str(err.value)
 
