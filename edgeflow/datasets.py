@@ -75,14 +75,26 @@ def dirichlet_partition(
         raise InputError(f"alpha must be > 0, got {alpha}")
     rng = np.random.default_rng(seed)
     classes = np.unique(labels)
-    for _ in range(1000):
-        parts: list[list[int]] = [[] for _ in range(n_clients)]
+
+    def draw(pool: np.ndarray, parts: list[list[int]]) -> None:
         for c in classes:
-            idx = rng.permutation(np.flatnonzero(labels == c))
+            idx = rng.permutation(pool[labels[pool] == c])
             p = rng.dirichlet(np.full(n_clients, alpha))
             cuts = (np.cumsum(p)[:-1] * len(idx)).astype(int)
             for k, chunk in enumerate(np.split(idx, cuts)):
                 parts[k].extend(chunk.tolist())
+
+    everything = np.arange(len(labels))
+    for _ in range(100):
+        parts: list[list[int]] = [[] for _ in range(n_clients)]
+        draw(everything, parts)
         if min(len(p) for p in parts) >= min_size:
             return [np.array(sorted(p), dtype=np.int64) for p in parts]
-    raise InputError(f"could not partition with alpha={alpha}: raise alpha or lower n_clients")
+    # Many clients, few samples: redraws rarely give everyone min_size. Deal
+    # min_size random samples to each client first, then split the rest by
+    # Dirichlet(alpha) as above (the skew is kept, the floor guaranteed).
+    order = rng.permutation(len(labels))
+    floor = order[: n_clients * min_size].reshape(n_clients, min_size)
+    parts = [row.tolist() for row in floor]
+    draw(np.sort(order[n_clients * min_size:]), parts)
+    return [np.array(sorted(p), dtype=np.int64) for p in parts]

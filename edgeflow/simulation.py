@@ -107,7 +107,7 @@ def shard_data(cfg: SimConfig) -> tuple[Split, list[np.ndarray]]:
     if cfg.model == "mlp":
         split = split.flat()
     parts = dirichlet_partition(split.y_train, cfg.devices, alpha=cfg.alpha, seed=cfg.seed,
-                                min_size=max(2, min(8, len(split.y_train) // cfg.devices)))
+                                min_size=max(2, min(8, len(split.y_train) // (2 * cfg.devices))))
     return split, parts
 
 

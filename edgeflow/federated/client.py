@@ -50,6 +50,7 @@ class ClientStats:
     last_round: int = -1
     last_loss: float | None = None
     last_train_s: float = 0.0
+    train_s_total: float = 0.0
     errors: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -303,6 +304,7 @@ class Client:
         if self.delay_s:
             time.sleep(self.delay_s)
         self.stats.last_train_s = time.perf_counter() - t0
+        self.stats.train_s_total += self.stats.last_train_s
         delta = t.delta_from(weights)
         self.last_delta = delta
         if self.transform_update is not None:

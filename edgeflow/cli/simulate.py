@@ -1,0 +1,220 @@
+"""``edgeflow simulate``: federated learning at scale on one machine, for research."""
+
+from __future__ import annotations
+
+ORDER = 2
+
+# flag -> (SimConfig field, type, help)
+FLAGS: dict[str, tuple[str, type, str]] = {
+    "--devices": ("devices", int, "simulated devices, each with its own MQTT connection (default 20)"),
+    "--rounds": ("rounds", int, "federated rounds (default 10)"),
+    "--model": ("model", str, "mlp or cnn (default mlp)"),
+    "--alpha": ("alpha", float, "Dirichlet label skew: smaller = more non-IID (default 0.3)"),
+    "--seed": ("seed", int, "fixes data split, device behaviour and sampling (default 0)"),
+    "--codec": ("codec", str, "update codec: dense fp16 int8 topk topk-int8 (default int8)"),
+    "--strategy": ("strategy", str, "fedavg fedprox fedavgm fedadam fedyogi fedadagrad median trimmed-mean krum "
+                   "multi-krum (default fedavg)"),
+    "--fraction": ("fraction", float, "share of online devices selected per round (default 1.0)"),
+    "--min-clients": ("min_clients", int, "fewest devices a round may start with (default 2)"),
+    "--overselect": ("overselect", float, "select this many times more devices than needed (default 1.0)"),
+    "--quorum": ("quorum", float, "share of the selected that must report by the deadline (default 0.6)"),
+    "--deadline": ("deadline_s", float, "seconds a round waits for updates (default 30)"),
+    "--max-extensions": ("max_extensions", int, "deadline extensions below quorum (default 2)"),
+    "--epochs": ("epochs", int, "local epochs per round (default 2)"),
+    "--batch-size": ("batch_size", int, "local batch size (default 16)"),
+    "--lr": ("lr", float, "local learning rate (default 0.1)"),
+    "--momentum": ("momentum", float, "local SGD momentum (default 0)"),
+    "--proximal-mu": ("proximal_mu", float, "FedProx proximal term (default 0)"),
+    "--dropout": ("skip_rate", float, "per round, the probability a selected device drops out (default 0)"),
+    "--vanish": ("dropout", float, "share of devices whose connection is cut for good in --vanish-round"),
+    "--vanish-round": ("dropout_round", int, "round in which --vanish devices disappear (default 1)"),
+    "--byzantine": ("byzantine", float, "share of devices sending malicious updates (default 0)"),
+    "--attack": ("attack", str, "flip, scale or noise (default flip)"),
+    "--attack-scale": ("attack_scale", float, "strength of the attack (default 10)"),
+    "--stragglers": ("stragglers", float, "share of slow devices (default 0)"),
+    "--straggler-delay": ("straggler_delay_s", float, "extra seconds a straggler takes (default 0)"),
+    "--mode": ("mode", str, "sync or async (FedBuff) (default sync)"),
+    "--async-buffer": ("async_buffer", int, "async: aggregate every K updates (default 10)"),
+}
+SPARSE = ("topk", "topk-int8")
+COORDINATE_ROBUST = ("median", "trimmed-mean")
+
+
+def register(sub) -> None:
+    import argparse
+
+    p = sub.add_parser(
+        "simulate",
+        help="federated learning at scale: many devices, faults, attacks, strategies",
+        description="Run a gateway and many simulated devices (each a real MQTT client on the chosen "
+        "broker) on non-IID shards of scikit-learn's digits. Every knob of the gateway is a flag or a "
+        "key of a TOML file (--config). Writes a run folder: config.json, metrics.jsonl, devices.json, "
+        "summary.json, final_model.onnx, PNG plots and report.html.",
+        epilog="example:\n  edgeflow simulate --devices 200 --rounds 30 --codec int8 --dropout 0.2 "
+        "--byzantine 0.1 --strategy trimmed-mean",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", help="TOML file with any of the settings below (flags override it)")
+    for flag, (_, typ, text) in FLAGS.items():
+        p.add_argument(flag, type=typ, help=text)
+    p.add_argument("--codec-opt", action="append", default=[], metavar="K=V",
+                   help="codec option, e.g. ratio=0.05 (repeatable)")
+    p.add_argument("--strategy-param", action="append", default=[], metavar="K=V",
+                   help="strategy parameter, e.g. proportion=0.2 or num_byzantine=4 (repeatable)")
+    p.add_argument("--dp-clip", type=float, help="central DP: clip each update to this L2 norm")
+    p.add_argument("--dp-noise", type=float, help="central DP: noise multiplier")
+    p.add_argument("--dp-delta", type=float, default=1e-5, help="central DP: delta for the reported epsilon")
+    p.add_argument("--secagg", action="store_true", help="secure aggregation (pairwise masking)")
+    p.add_argument("--profiles", help="comma-separated device profiles, assigned in turn (default x86-gateway)")
+    p.add_argument("--broker", help="broker URL, or 'mosquitto' / 'embedded' (default: auto)")
+    p.add_argument("--out", help="run folder (default runs/<timestamp>)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=cmd)
+
+
+def _kv(items: list[str]) -> dict:
+    import json
+
+    out = {}
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"expected KEY=VALUE, got {item!r}")
+        try:
+            out[k] = json.loads(v)
+        except ValueError:
+            out[k] = v
+    return out
+
+
+def build_config(args):
+    import sys
+
+    from ..errors import ConfigError
+    from ..simulation import SimConfig
+
+    settings: dict = {}
+    if args.config:
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # pragma: no cover
+            import tomli as tomllib
+        try:
+            with open(args.config, "rb") as f:
+                settings = tomllib.load(f)
+        except OSError as exc:
+            raise ConfigError(f"cannot read {args.config}: {exc}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{args.config}: not valid TOML: {exc}") from exc
+        known = set(SimConfig.__dataclass_fields__) | {"broker"}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise ConfigError(f"{args.config}: unknown setting(s) {unknown}; known: {sorted(known)}")
+    for flag, (field, _, _) in FLAGS.items():
+        v = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if v is not None:
+            settings[field] = v
+    if args.codec_opt:
+        settings["codec_opts"] = {**settings.get("codec_opts", {}), **_kv(args.codec_opt)}
+    if args.strategy_param:
+        settings["strategy_params"] = {**settings.get("strategy_params", {}), **_kv(args.strategy_param)}
+    if args.dp_clip is not None or args.dp_noise is not None:
+        if args.dp_clip is None or args.dp_noise is None:
+            raise ConfigError("central DP needs both --dp-clip and --dp-noise")
+        settings["dp"] = {"clip_norm": args.dp_clip, "noise_multiplier": args.dp_noise, "delta": args.dp_delta}
+    if args.secagg:
+        settings["secagg"] = {"max_dropout_fraction": 0.3}
+    if args.profiles:
+        settings["profiles"] = tuple(s.strip() for s in args.profiles.split(",") if s.strip())
+    broker = settings.pop("broker", None)
+    settings.setdefault("model", "mlp")
+    settings.setdefault("rounds", 10)
+    try:
+        cfg = SimConfig(**settings)
+    except TypeError as exc:
+        raise ConfigError(f"simulation settings: {exc}") from exc
+    return cfg, args.broker or broker
+
+
+def cmd(args) -> int:
+    import dataclasses
+    import json
+    import time
+    from pathlib import Path
+
+    import onnx
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..demo import describe_broker, select_broker
+    from ..report import make_plots, write_jsonl, write_report
+    from ..simulation import SimulatedFleet
+    from ..timing import peak_rss_bytes
+    from ._common import console
+
+    cfg, broker_spec = build_config(args)
+    c = console(min_width=120)
+    out = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    say = (lambda s: print(s, flush=True)) if args.json else c.print
+    broker = select_broker(broker_spec)
+    try:
+        say(describe_broker(broker))
+        if cfg.codec in SPARSE and cfg.strategy in COORDINATE_ROBUST:
+            say(f"warning: {cfg.strategy} over {cfg.codec} updates: coordinate-wise robust statistics of sparse "
+                "updates are mostly zero, so the model barely moves; use int8/fp16/dense or a mean-type strategy")
+        conf = {**dataclasses.asdict(cfg), "broker": broker.url}
+        (out / "config.json").write_text(json.dumps(conf, indent=2, default=list) + "\n")
+        rounds: list[dict] = []
+        t0 = time.perf_counter()
+        progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=console(stderr=True), disable=args.json)
+        with progress:
+            task = progress.add_task("rounds", total=cfg.rounds)
+
+            def on_round(m) -> None:
+                rounds.append(m.to_dict())
+                with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
+                    f.write(json.dumps(m.to_dict()) + "\n")
+                acc = "n/a" if m.accuracy is None else f"{m.accuracy:.3f}"
+                progress.update(task, advance=1, description=f"rounds (accuracy {acc})")
+
+            (out / "metrics.jsonl").write_text("")
+            fleet = SimulatedFleet(cfg, broker.url, on_round=on_round,
+                                   protocol=getattr(broker, "protocol", "auto") or "auto")
+            try:
+                fleet.run()
+                onnx.save(fleet.rounds.current_model(), out / "final_model.onnx")
+                devices = [{
+                    "device": d.device_id, "profile": d.profile, "samples": len(d.client.y),
+                    "byzantine": d.byzantine, "straggler": d.straggler, "vanished": d.vanished,
+                    "updates_sent": d.client.stats.updates_sent, "bytes_sent": d.client.stats.bytes_sent,
+                    "mean_train_ms": 1000 * d.client.stats.train_s_total / max(1, d.client.stats.rounds_trained),
+                } for d in fleet.devices]
+                up, dense = fleet.upload_bytes()
+            finally:
+                fleet.close()
+        wall = time.perf_counter() - t0
+        accs = [r["accuracy"] for r in rounds if r.get("accuracy") is not None]
+        summary = {
+            "devices": cfg.devices, "rounds_completed": len(rounds), "final_accuracy": accs[-1] if accs else None,
+            "best_accuracy": max(accs) if accs else None, "wall_s": round(wall, 2),
+            "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1), "uploaded_bytes": up, "dense_bytes": dense,
+            "upload_ratio": up / dense if dense else None, "strategy": cfg.strategy, "codec": cfg.codec,
+        }
+        write_jsonl(out / "devices.jsonl", devices)
+        (out / "devices.json").write_text(json.dumps(devices, indent=1) + "\n")
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        plots = make_plots(out, rounds, devices)
+        report = write_report(out, conf, rounds, devices, summary, plots)
+    finally:
+        broker.stop()
+    if args.json:
+        print(json.dumps({**summary, "run_folder": str(out), "report": str(report)}, indent=2))
+    else:
+        c.print(f"{summary['rounds_completed']} rounds on {cfg.devices} devices in {wall:.1f} s, peak RSS "
+                f"{summary['peak_rss_mb']} MiB; final accuracy {summary['final_accuracy']}; uploaded "
+                f"{up / 1024:.0f} KiB ({(summary['upload_ratio'] or 0):.1%} of dense)")
+        c.print(f"run folder: {out}  (report: {report}{'' if plots else '; no plots: pip install matplotlib'})")
+    return 0
