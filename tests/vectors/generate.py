@@ -143,9 +143,34 @@ def keys_section() -> dict[str, Any]:
 # ---------------------------------------------------------------- envelopes
 
 
+def vector_uniform(seed: int, i: int) -> float:
+    """The i-th uniform of a vector: 24 bits of SHA-256(seed u64 LE | i u64 LE) / 2**24, exact in float32."""
+    h = hashlib.sha256(struct.pack("<QQ", seed, i)).digest()
+    return int.from_bytes(h[:3], "big") / float(1 << 24)
+
+
+class VectorUniforms(np.random.Generator):
+    """A Generator whose ``random`` returns :func:`vector_uniform` draws in order.
+
+    The int8 codecs draw their stochastic-rounding uniforms from the
+    Generator they are given; NumPy does not promise that PCG64 streams stay
+    the same across releases, and a vector must not change when NumPy does.
+    """
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(np.random.PCG64(seed))
+        self.seed, self.count = seed, 0
+
+    def random(self, size=None, dtype=np.float64, out=None):  # noqa: D102 - the codecs call random(n, dtype=float32)
+        n = 1 if size is None else int(np.prod(size))
+        draws = [vector_uniform(self.seed, self.count + i) for i in range(n)]
+        self.count += n
+        return np.array(draws, dtype=dtype).reshape(() if size is None else size)
+
+
 def _uniforms(seed: int, sizes: list[int]) -> list[np.ndarray]:
-    """The U[0,1) float32 draws encode_update(rng=seed) makes, one call per quantized tensor."""
-    rng = np.random.default_rng(seed)
+    """The draws VectorUniforms(seed) hands out, one call per quantized tensor."""
+    rng = VectorUniforms(seed)
     return [rng.random(n, dtype=np.float32) if n else np.zeros(0, np.float32) for n in sizes]
 
 
@@ -243,7 +268,7 @@ def _envelope(b: Builder, name: str, description: str, tensors: dict[str, np.nda
               signed_by: str | None = None) -> bytes:
     opts = {"k": k} if k is not None else {}
     data = encode_update(tensors, codec, round_id=round_id, device_id=device_id, seq=seq, signer=signer,
-                         metadata=metadata, rng=seed, **opts)
+                         metadata=metadata, rng=VectorUniforms(seed or 0), **opts)
     deps = ["envelope"] + (["update_context"] if signer is not None else [])
     b.add(name, data, "envelope", deps, description,
           envelope=_describe_envelope(data, tensors, codec, seed=seed, k=k, signed_by=signed_by))
