@@ -71,6 +71,11 @@ def _keys(manifest: dict, c: Check) -> dict[str, tuple[bytes, bytes]]:
     return out
 
 
+def vector_uniform(seed: int, i: int) -> float:
+    h = hashlib.sha256(seed.to_bytes(8, "little") + i.to_bytes(8, "little")).digest()
+    return int.from_bytes(h[:3], "big") / float(1 << 24)
+
+
 def check_envelope(v: dict, data: bytes, keys: dict, c: Check) -> None:
     e = v["envelope"]
     env = w.parse_envelope(data)
@@ -96,6 +101,11 @@ def check_envelope(v: dict, data: bytes, keys: dict, c: Check) -> None:
         extra = want.get("int8") or want.get("topk_int8")
         fields = w.encode_values(env["codec"], _values_from(want["input"]), uniforms=_uniforms(extra), k=e["k"])
         from_inputs.append((t["name"], t["dtype_code"], t["shape"], w.encode_section(env["codec"], fields)))
+    listed = b"".join(bytes.fromhex((t.get("int8") or t.get("topk_int8") or {}).get("uniform", ""))
+                      for t in e["tensors"])
+    if e["rng_seed"] is not None:  # §8.3: the vectors' uniforms come from a SHA-256 counter
+        derived = [vector_uniform(e["rng_seed"], i) for i in range(len(listed) // 4)]
+        c.eq(f"{v['name']} uniforms follow §8.3", w.f32_bytes(derived), listed)
     meta = w.metadata_json(json.loads(e["metadata_json"])) if e["metadata_json"] else b""
     c.eq(f"{v['name']} metadata is canonical", meta.decode(), e["metadata_json"])
     for label, parts in (("re-encoded from its fields", rebuilt), ("encoded from the inputs", from_inputs)):
