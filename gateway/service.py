@@ -53,6 +53,7 @@ class GatewayConfig:
     metrics: str | None = "metrics.jsonl"
     client_id: str | None = None
     broker: str | None = None
+    max_payload: int | None = None  # bytes per MQTT message before chunking (4000 for wss:// fleets, see docs)
     fleet_options: FleetOptions = field(default_factory=FleetOptions)
     rounds: RoundConfig = field(default_factory=RoundConfig)
     base_dir: Path = field(default_factory=Path.cwd)
@@ -64,7 +65,7 @@ class GatewayConfig:
         return q if q.is_absolute() else self.base_dir / q
 
 
-_GATEWAY_KEYS = {"fleet_dir", "fleet", "state", "model", "eval", "metrics", "client_id", "broker"}
+_GATEWAY_KEYS = {"fleet_dir", "fleet", "state", "model", "eval", "metrics", "client_id", "broker", "max_payload"}
 
 
 def load_config(source: str | Path | Mapping[str, Any]) -> GatewayConfig:
@@ -164,6 +165,8 @@ class Gateway:
         kwargs: dict[str, Any] = {}
         if url.startswith(("mqtts://", "wss://")) and ca is not None:
             kwargs["tls"] = TlsConfig(ca_file=str(ca))
+        if config.max_payload:
+            kwargs["max_payload"] = int(config.max_payload)
         transport = MqttTransport.from_url(
             url, client_id=config.client_id or f"{fleet}-gateway", username=creds["username"],
             password=creds["password"], clean_start=False, session_expiry_s=24 * 3600,
