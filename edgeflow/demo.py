@@ -300,7 +300,6 @@ class Demo:
         return report, arts
 
     def run(self) -> DemoResult:
-        from .gateway.rounds import model_weights  # noqa: F401  (import check)
         from .runtime import load
 
         t0 = time.perf_counter()

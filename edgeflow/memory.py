@@ -73,7 +73,8 @@ def concrete_shapes(inputs: list[TensorInfo], batch_size: int = 1,
     return out
 
 
-def _fixed_model(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> onnx.ModelProto:
+def fixed_shape_model(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> onnx.ModelProto:
+    """A copy of ``model`` with the inputs fixed to ``shapes`` and every value's shape re-inferred."""
     m = copy.deepcopy(model)
     del m.graph.value_info[:]
     for vi in m.graph.input:
@@ -116,7 +117,7 @@ def plan_memory(graph: CompiledGraph, batch_size: int = 1,
                 input_shapes: dict[str, tuple[int, ...]] | None = None) -> MemoryPlan:
     """Plan the peak memory of one run at ``batch_size`` (or explicit shapes)."""
     shapes = concrete_shapes(graph.inputs, batch_size, input_shapes)
-    fixed = _fixed_model(graph.model, shapes)
+    fixed = fixed_shape_model(graph.model, shapes)
     sizes = _sizes(fixed)
     types = dict(graph.types)
     for vi in list(fixed.graph.value_info) + list(fixed.graph.output):

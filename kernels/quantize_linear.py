@@ -20,20 +20,11 @@ from __future__ import annotations
 import numpy as np
 
 from .registry import FLOAT_TYPES, register
+from .shape_ops import TENSOR_TYPES
 
 # ONNX TensorProto element type -> numpy dtype, for ``output_dtype`` and
-# ``precision`` attributes (the kernel library cannot import onnx).
-ONNX_DTYPES: dict[int, np.dtype] = {
-    1: np.dtype(np.float32),
-    2: np.dtype(np.uint8),
-    3: np.dtype(np.int8),
-    4: np.dtype(np.uint16),
-    5: np.dtype(np.int16),
-    6: np.dtype(np.int32),
-    7: np.dtype(np.int64),
-    10: np.dtype(np.float16),
-    11: np.dtype(np.float64),
-}
+# ``precision`` attributes (one table for the whole kernel library).
+ONNX_DTYPES: dict[int, np.dtype] = TENSOR_TYPES
 
 #: Saturation range of every integer type QuantizeLinear can produce.
 QUANT_RANGES: dict[np.dtype, tuple[int, int]] = {

@@ -15,14 +15,13 @@ the planned batch size, so what it reports is what the step allocates
 
 from __future__ import annotations
 
-import copy
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import onnx
 
 from ..errors import MemoryBudgetError
-from ..memory import concrete_shapes
+from ..memory import concrete_shapes, fixed_shape_model
 from .autograd import Tape
 
 
@@ -63,17 +62,7 @@ class TrainingMemoryPlan:
 def infer_values(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]
                  ) -> dict[str, tuple[tuple[int, ...] | None, int]]:
     """(shape or None, itemsize) of every value, with the inputs fixed to ``shapes``."""
-    m = copy.deepcopy(model)
-    del m.graph.value_info[:]
-    for vi in m.graph.input:
-        if vi.name in shapes:
-            dims = vi.type.tensor_type.shape.dim
-            del dims[:]
-            for d in shapes[vi.name]:
-                dims.add().dim_value = int(d)
-    for vi in m.graph.output:
-        vi.type.tensor_type.ClearField("shape")
-    m = onnx.shape_inference.infer_shapes(m, data_prop=True)
+    m = fixed_shape_model(model, shapes)
     out: dict[str, tuple[tuple[int, ...] | None, int]] = {}
     for vi in list(m.graph.input) + list(m.graph.value_info) + list(m.graph.output):
         t = vi.type.tensor_type
