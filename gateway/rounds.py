@@ -26,6 +26,19 @@ update count once.
 The asynchronous mode (FedBuff) keeps one long-running "round": every
 device trains from the newest version it has, and the gateway publishes a
 new version every ``async_buffer`` updates, weighting each by staleness.
+
+Beyond one gateway, three small seams keep this loop unchanged
+(docs/scaling.md):
+
+- an :class:`AggregateSink` decides what the round's aggregate becomes:
+  :class:`AdoptAndPublish` (flat gateway, hierarchy root: the new global
+  model) or a site gateway's forward-upward sink
+  (:mod:`edgeflow.gateway.hierarchy`);
+- ``contributions="partials"`` makes the manager fold pre-summed partial
+  aggregates (a site gateway's sum and weight) instead of device updates,
+  so a root gateway is this same manager with sites as its clients;
+- an :class:`UpdateSource` replaces the manager's own update subscription
+  with ingestion workers that share it (:mod:`edgeflow.gateway.ingest`).
 """
 
 from __future__ import annotations
@@ -37,7 +50,7 @@ import math
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 import numpy as np
 import onnx
@@ -160,6 +173,46 @@ class RoundMetrics:
         return d
 
 
+class AggregateSink(Protocol):
+    """What a finished synchronous round does with its aggregate."""
+
+    def deliver(self, rounds: "RoundManager", result: AggregateResult, ann: RoundAnnouncement) -> None: ...
+
+
+class AdoptAndPublish:
+    """The aggregate becomes the new global model: stored as a version and
+    published retained on ``gateway/model`` (a flat gateway, a hierarchy root)."""
+
+    def deliver(self, rounds: "RoundManager", result: AggregateResult, ann: RoundAnnouncement) -> None:
+        rounds._adopt(result, ann.round_id)
+
+
+class UpdateSource(Protocol):
+    """Where a synchronous round's updates come from when the manager does not
+    subscribe to them itself (ingestion workers sharing the subscription).
+
+    ``attach`` replaces the manager's own update subscription (called from
+    :meth:`RoundManager.start`); ``poll`` refreshes ``rounds._reported``
+    while the round collects (called every 0.1 s with the manager's lock
+    held); ``merge`` runs once the round closed, before ``finish``: it must
+    leave ``rounds._agg`` holding every accepted update exactly once.
+    """
+
+    def attach(self, rounds: "RoundManager") -> None: ...
+
+    def poll(self, rounds: "RoundManager", ann: RoundAnnouncement) -> None: ...
+
+    def merge(self, rounds: "RoundManager", ann: RoundAnnouncement) -> None: ...
+
+
+def partial_clients(metadata: Mapping[str, Any], sender: str) -> int:
+    """The device count a partial aggregate claims (``metadata["num_clients"]``)."""
+    n = metadata.get("num_clients")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise AggregationError(f"{sender}: not a partial aggregate (metadata num_clients={n!r}, need an int >= 1)")
+    return n
+
+
 def model_weights(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     """The float initializers of a model: what federated rounds train."""
     out = {}
@@ -196,7 +249,20 @@ class RoundManager:
         candidates: Callable[[], list[Candidate]],
         eval_data: tuple[np.ndarray, np.ndarray] | None = None,
         on_round: Callable[[RoundMetrics], None] | None = None,
+        sink: AggregateSink | None = None,
+        aggregator: Any = None,
+        contributions: str = "updates",
+        ingest: UpdateSource | None = None,
     ) -> None:
+        """``sink`` (default :class:`AdoptAndPublish`), ``aggregator`` (default: the
+        configured strategy), ``contributions`` ("updates" from devices, or
+        "partials" from site gateways) and ``ingest`` (default: subscribe here)
+        are the seams described in the module docstring."""
+        if contributions not in ("updates", "partials"):
+            raise ConfigError(f"contributions must be 'updates' or 'partials', got {contributions!r}")
+        self.sink: AggregateSink = sink or AdoptAndPublish()
+        self.contributions = contributions
+        self.ingest = ingest
         self.transport = transport
         self.store = store
         self.fleet = fleet
@@ -234,7 +300,9 @@ class RoundManager:
         else:
             self.version = latest[0]
             self.weights = model_weights(onnx.load_model_from_string(latest[1]))
-        self._strategy = self._make_strategy()
+        self._strategy = aggregator if aggregator is not None else self._make_strategy()
+        if contributions == "partials" and not hasattr(self._strategy, "add_partial"):
+            raise ConfigError(f"strategy {config.strategy!r} cannot fold partial aggregates (it needs each update)")
 
     # -- plumbing -----------------------------------------------------------
     def _make_strategy(self):
@@ -256,7 +324,11 @@ class RoundManager:
         """
         if self._sub is None:
             self._recover()
-            self._sub = self.transport.subscribe(str(device_filter(self.fleet, "update")), self._on_update)
+            if self.ingest is not None:
+                self.ingest.attach(self)
+                self._sub = self.ingest
+            else:
+                self._sub = self.transport.subscribe(str(device_filter(self.fleet, "update")), self._on_update)
             if self.config.secagg is not None:
                 self.transport.subscribe(str(device_filter(self.fleet, "secagg")), self._on_secagg)
 
@@ -370,6 +442,11 @@ class RoundManager:
             try:
                 if ann.mode == "async":
                     result = self._agg.add(upd.tensors, upd.num_samples or 1, upd.device_id, base_version=base)
+                elif self.contributions == "partials":
+                    self._agg.add_partial(upd.tensors, total_samples=upd.num_samples or 1,
+                                          num_clients=partial_clients(upd.metadata, upd.device_id),
+                                          client_id=upd.device_id)
+                    result = None
                 else:
                     self._agg.add(upd.tensors, upd.num_samples or 1, client_id=upd.device_id)
                     result = None
@@ -425,20 +502,31 @@ class RoundManager:
             self._bytes_in = 0
             self._dense_bytes = 0
 
-    def run_round(self) -> RoundMetrics | None:
+    def run_round(self, *, round_id: int | None = None, deadline: float | None = None,
+                  train: TrainConfig | None = None) -> RoundMetrics | None:
+        """Select, announce, collect, aggregate one synchronous round.
+
+        A site gateway passes the root's ``round_id``, an absolute ``deadline``
+        that leaves time to forward its partial, and the root's ``train``
+        settings: the root's round drives the site's. Otherwise the round id
+        follows the store's and the configured settings apply.
+        """
         cfg = self.config
         pool = self._wait_for_pool()
         selected = self.select(pool)
-        round_id = self.store.last_round_id() + 1
+        if round_id is None:
+            round_id = self.store.last_round_id() + 1
         if len(selected) < cfg.min_clients:
             log.warning("round %d not started: %d eligible device(s), min_clients is %d",
                         round_id, len(selected), cfg.min_clients)
             return None
+        train = cfg.train if train is None else train
         ann = RoundAnnouncement(
-            round_id=round_id, model_version=self.version, deadline=time.time() + cfg.deadline_s,
-            selected=tuple(selected), config=cfg.train, issued=time.time(),
+            round_id=round_id, model_version=self.version,
+            deadline=time.time() + cfg.deadline_s if deadline is None else deadline,
+            selected=tuple(selected), config=train, issued=time.time(),
         )
-        self.store.open_round(round_id, self.version, ann.deadline, asdict(cfg.train), selected)
+        self.store.open_round(round_id, self.version, ann.deadline, asdict(train), selected)
         self._begin(ann)
         self._publish_round(ann)
         return self._collect_and_close(ann, time.perf_counter())
@@ -484,6 +572,8 @@ class RoundManager:
         extensions = 0
         with self._cv:
             while not self._stop.is_set():
+                if self.ingest is not None:
+                    self.ingest.poll(self, ann)
                 if self._closing(ann, extensions):
                     break
                 if time.time() >= ann.deadline:  # below quorum: extend
@@ -497,6 +587,10 @@ class RoundManager:
             self._ann = closed
             n_reported = len(self._reported)
         self._publish_round(closed)
+        if self.ingest is not None:
+            self.ingest.merge(self, closed)
+            with self._lock:
+                n_reported = len(self._reported)
         if n_reported == 0:
             self.store.close_round(ann.round_id, {"participants": 0}, state="failed")
             log.error("round %d failed: no update arrived", ann.round_id)
@@ -505,7 +599,7 @@ class RoundManager:
         with self._lock:
             result = self._agg.finish()
         agg_s = time.perf_counter() - t0
-        self._adopt(result, ann.round_id)
+        self.sink.deliver(self, result, ann)
         metrics = self._metrics(ann, result, agg_s, t_start)
         self.store.close_round(ann.round_id, metrics.to_dict())
         self.store.drop_updates(ann.round_id)
@@ -621,7 +715,7 @@ class RoundManager:
             self.store.close_round(ann.round_id, {"participants": 0, "secagg": "failed"}, state="failed")
             return self._metrics(ann, None, 0.0, t_start)
         result = AggregateResult(**{**result.__dict__, "num_clients": sa_result.num_clients})
-        self._adopt(result, ann.round_id)
+        self.sink.deliver(self, result, ann)
         metrics = self._metrics(ann, result, agg_s, t_start)
         metrics.extra["secagg_dropped"] = float(len(sa_result.dropped))
         self.store.close_round(ann.round_id, metrics.to_dict())
