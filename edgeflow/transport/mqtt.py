@@ -95,10 +95,41 @@ _V311 = paho.MQTTv311
 @dataclass
 class _Handler:
     filter: TopicFilter
+    """What messages are matched against (for ``$share/<group>/<f>``: ``<f>``)."""
     handler: Callable[[Message], Any]
     qos: int
     include_empty: bool
     sub: Subscription
+    broker_filters: tuple[str, ...] = ()
+    """The filters subscribed at the broker for this handler (the filter and its chunk filter)."""
+
+
+SHARED_PREFIX = "$share/"
+
+
+def match_filter(f: TopicFilter) -> TopicFilter:
+    """The filter a message's topic is matched against: ``f`` itself, or for an MQTT 5
+    shared subscription ``$share/<group>/<filter>`` the inner ``<filter>`` (the broker
+    delivers messages under their own topic, without the share prefix).
+
+    A shared filter ending in ``#`` is refused: it would share the chunk sub-topics of
+    chunked payloads too, and the broker would hand different chunks of one transfer
+    to different members, none of which could reassemble it.
+    """
+    if not f.value.startswith(SHARED_PREFIX):
+        return f
+    parts = f.value.split("/", 2)
+    if len(parts) < 3 or not parts[1] or "+" in parts[1] or "#" in parts[1] or not parts[2]:
+        msg = f"shared subscription {f.value!r} must be $share/<group>/<filter> (group without wildcards)"
+        raise ConfigError(msg)
+    inner = TopicFilter(parts[2])
+    if inner.value.endswith("#"):
+        msg = (
+            f"shared subscription {f.value!r}: a filter ending in '#' would share chunk sub-topics, so chunks of "
+            "one transfer would reach different members; name the channel (e.g. .../+/update)"
+        )
+        raise ConfigError(msg)
+    return inner
 
 
 @dataclass
@@ -602,6 +633,15 @@ class MqttTransport:
         broker's SUBACK and raises TransportError if it refused the filter;
         offline, the subscription is made on connect. Subscriptions survive
         reconnects.
+
+        MQTT 5 shared subscriptions (``$share/<group>/<filter>``): the broker
+        hands each message to one member of the group. Chunked payloads
+        cannot be shared that way (their chunks would go to different
+        members), so the chunk sub-filter of a shared subscription is
+        subscribed *unshared*: every member receives, reassembles and handles
+        every chunked payload, and the application must deduplicate those
+        (edgeflow's gateway does, by (round, device) in its store). Keep
+        payloads that should be load-balanced under ``max_payload``.
         """
         if self._closed:
             raise TransportError("cannot subscribe: this transport is closed")
@@ -610,12 +650,13 @@ class MqttTransport:
         if not callable(handler):
             raise ConfigError("handler must be callable: handler(message)")
         f = filter if isinstance(filter, TopicFilter) else TopicFilter(filter)
+        match = match_filter(f)
         sub = Subscription(f.value, handler, qos)
-        filters = [f] + ([cf] if (cf := chunk_filter(f)) is not None else [])
+        filters = [f] + ([cf] if (cf := chunk_filter(match)) is not None else [])
         waiter = threading.Event()
         new: list[_BrokerSub] = []
         with self._lock:
-            self._handlers.append(_Handler(f, handler, qos, include_empty, sub))
+            self._handlers.append(_Handler(match, handler, qos, include_empty, sub, tuple(x.value for x in filters)))
             for flt in filters:
                 bs = self._broker_subs.get(flt.value)
                 if bs is None or bs.qos < qos:
@@ -649,16 +690,17 @@ class MqttTransport:
         target = sub.filter if isinstance(sub, Subscription) else str(sub)
         with self._lock:
             if isinstance(sub, Subscription):
-                self._handlers = [h for h in self._handlers if h.sub is not sub]
+                removed = [h for h in self._handlers if h.sub is sub]
             else:
-                self._handlers = [h for h in self._handlers if h.filter.value != target]
-            still = {h.filter.value for h in self._handlers}
-            drop: list[str] = []
-            if target not in still:
-                drop.append(target)
-                cf = chunk_filter(target)
-                if cf is not None:
-                    drop.append(cf.value)
+                removed = [h for h in self._handlers if h.sub.filter == target]
+            self._handlers = [h for h in self._handlers if all(h is not r for r in removed)]
+            still = {bf for h in self._handlers for bf in h.broker_filters}
+            if removed:
+                candidates = [bf for h in removed for bf in h.broker_filters]
+            else:
+                cf = chunk_filter(match_filter(TopicFilter(target)))
+                candidates = [target] + ([cf.value] if cf is not None else [])
+            drop: list[str] = list(dict.fromkeys(c for c in candidates if c not in still))
             for d in drop:
                 self._broker_subs.pop(d, None)
         if drop:

@@ -1,0 +1,159 @@
+"""Ingestion workers sharing the update stream through an MQTT 5 shared subscription on
+real Mosquitto: each update reaches one worker, the coordinator merges the workers'
+partial sums, and a worker killed with SIGKILL mid-round loses no update and counts
+none twice (the broker redelivers its session to the restarted worker; the store's
+claims deduplicate)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from _brokers import FAST, Inbox, mosquitto_factory, transport_factory, wait_until  # noqa: F401
+from edgeflow import zoo
+from edgeflow.datasets import dirichlet_partition, load_digits
+from edgeflow.errors import ConfigError
+from edgeflow.federated import Client
+from edgeflow.federated.messages import TrainConfig
+from edgeflow.gateway.ingest import IngestPool, IngestStore, SharedIngest, WorkerConfig, shared_filter
+from edgeflow.gateway.rounds import Candidate, RoundConfig, RoundManager
+from edgeflow.gateway.store import GatewayStore
+from edgeflow.signing import KeyRing, PrivateKey, Signer
+from edgeflow.transport import MqttTransport
+
+pytestmark = pytest.mark.integration
+
+FLEET = "ingest"
+DEVICES = 12
+
+
+def test_shared_subscription_through_the_transport(mosquitto_factory, transport_factory):  # noqa: F811
+    broker = mosquitto_factory()
+    members = [transport_factory(broker, client_id=f"m{i}") for i in range(2)]
+    inboxes = [Inbox(), Inbox()]
+    subs = [t.subscribe("$share/g/t/+/x", box) for t, box in zip(members, inboxes)]
+    pub = transport_factory(broker, client_id="pub", max_payload=2048)
+    for i in range(20):
+        pub.publish(f"t/{i}/x", f"m{i}".encode(), qos=1).wait(5)
+    assert wait_until(lambda: sum(len(b.messages) for b in inboxes) >= 20, 10)
+    got = sorted(m.payload.decode() for b in inboxes for m in b.messages)
+    assert got == sorted(f"m{i}" for i in range(20))  # each message to exactly one member
+    assert all(b.messages for b in inboxes)  # and both members took a share
+    # a chunked payload cannot be split across members: every member gets it whole
+    big = bytes(range(256)) * 40
+    pub.publish("t/big/x", big, qos=1).wait(5)
+    for b in inboxes:
+        assert b.wait_for(lambda m: m.topic == "t/big/x").payload == big
+    members[0].unsubscribe(subs[0])
+    time.sleep(0.5)  # UNSUBSCRIBE is sent by the network thread; let the broker process it
+    n1 = len(inboxes[1].messages)
+    for i in range(4):
+        pub.publish(f"t/{i}/x", b"after", qos=1).wait(5)
+    assert wait_until(lambda: len(inboxes[1].messages) >= n1 + 4, 10)  # the remaining member takes all
+    with pytest.raises(ConfigError, match="'#'"):
+        members[0].subscribe("$share/g/t/#", Inbox())
+    with pytest.raises(ConfigError, match="group"):
+        members[0].subscribe("$share/+/t/x", Inbox())
+
+
+def _flat(before, clients):
+    n = np.array([len(c.x) for c in clients], dtype=np.float64)
+    return {name: w.astype(np.float64) + np.tensordot(
+        n / n.sum(), np.stack([c.last_delta[name].astype(np.float64) for c in clients]), axes=1)
+        for name, w in before.items()}
+
+
+def test_worker_killed_mid_round_loses_no_update(mosquitto_factory, tmp_path):  # noqa: F811
+    broker = mosquitto_factory()
+    fleet_key = PrivateKey.generate()
+    model = zoo.digits_mlp(seed=5)
+    split = load_digits(seed=0).flat()
+    parts = dirichlet_partition(split.y_train, DEVICES, alpha=1.0, seed=1)
+    ring = KeyRing()
+    clients: list[Client] = []
+    for i, idx in enumerate(parts):
+        s = Signer.generate(f"d{i:02d}")
+        ring.register(s.device_id, s.public_key)
+        # d00's update (26 KB dense) goes in 4 KB chunks: every worker reassembles it, one claims it
+        t = MqttTransport.from_url(broker.url, client_id=f"{FLEET}-{s.device_id}", clean_start=True,
+                                   max_payload=4096 if i == 0 else 256 * 1024, **FAST)
+        clients.append(Client(t, fleet=FLEET, device_id=s.device_id, signer=s, fleet_key=fleet_key.public_key,
+                              model=model, data=(split.x_train[idx], split.y_train[idx]), seed=i))
+    ring.save(tmp_path / "ring.json")
+    state = tmp_path / "gw.sqlite"
+    store = GatewayStore(state)
+    ingest = SharedIngest(merge_timeout_s=10, dead_after_s=3)
+    gt = MqttTransport.from_url(broker.url, client_id=f"{FLEET}-gateway", **FAST)
+    rm = RoundManager(gt, store, fleet=FLEET, fleet_key=fleet_key, keyring=ring, model=model,
+                      config=RoundConfig(rounds=2, min_clients=DEVICES, deadline_s=40, strategy="fedavg",
+                                         strategy_params={"stage": 0},
+                                         train=TrainConfig(epochs=1, batch_size=16, lr=0.1, codec="dense")),
+                      candidates=lambda: [Candidate(d) for d in ring.devices()], ingest=ingest)
+    base = WorkerConfig(name="w0", broker=broker.url, state=str(state), fleet=FLEET,
+                        keyring=str(tmp_path / "ring.json"), delay_s=0.25, heartbeat_s=0.2)
+    pool = IngestPool(base, ["w0", "w1", "w2"], workdir=tmp_path / "workers")
+    db = IngestStore(state)
+    killed: dict[str, int] = {}
+
+    def killer() -> None:  # SIGKILL w1 right after its first update of round 1 is persisted
+        if wait_until(lambda: db.own_claims(1, "w1"), 60, 0.005):
+            killed["claimed_before"] = len(db.claims(1).get("w1", ()))
+            killed["stored_before"] = len(db.reported(1))
+            killed["pid"] = pool.kill("w1")
+
+    try:
+        pool.start()
+        assert pool.wait_ready(60), pool.logs()
+        for c in clients:
+            c.start()
+            c.transport.connect(timeout=10)
+        rm.start()
+        gt.connect(timeout=10)
+        k = threading.Thread(target=killer, daemon=True)
+        k.start()
+        expected, befores = [], [dict(rm.weights)]
+
+        def on_round(m) -> None:
+            expected.append(_flat(befores[-1], clients))
+            befores.append(dict(rm.weights))
+            merges.append(dict(ingest.last_merge))
+
+        merges: list[dict] = []
+        rm.on_round = on_round
+        history = rm.run()
+        k.join(5)
+        assert killed, "w1 never claimed an update in round 1"
+        assert killed["stored_before"] < DEVICES  # it died mid-round, with updates still to come
+        assert [m.participants for m in history] == [DEVICES, DEVICES], (history, pool.logs())
+        for got, want in zip(befores[1:], expected):
+            for name in want:
+                np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+        assert pool.restarts["w1"] == 1 and len(pool.pids["w1"]) == 2
+        m1 = merges[0]
+        assert sorted(d for ds in m1["claims"].values() for d in ds) == sorted(ring.devices())  # each once
+        assert set(m1["claims"]) == {"w0", "w1", "w2"}  # the stream really was shared
+        # what was routed to the dead w1 was redelivered to its successor, which claimed it
+        assert killed["pid"] in m1["claim_pids"]["w1"]
+        assert any(pid != killed["pid"] for pid in m1["claim_pids"]["w1"]), m1
+        assert m1["from_store"] == []  # the restarted w1 rebuilt its partial from its stored claims
+        # the chunked update reached every worker; exactly one claimed it, the others saw a duplicate
+        stats = {w: v["stats"] for w, v in db.workers().items()}
+        assert sum(s["duplicate"] for s in stats.values()) >= 1, stats
+        assert history[0].duplicates == 0 and history[1].duplicates == 0
+    finally:
+        rm.stop()
+        for c in clients:
+            c.stop(timeout=2)
+            c.transport.close(timeout=1, flush=False)
+        gt.close(timeout=1, flush=False)
+        pool.stop()
+        db.close()
+
+
+def test_shared_filter_names_the_update_channel():
+    assert shared_filter("lab", "g1") == "$share/g1/edgeflow/lab/+/update"
+    with pytest.raises(ConfigError):
+        shared_filter("lab", "bad group")
