@@ -70,6 +70,7 @@ log = logging.getLogger("edgeflow.gateway.hierarchy")
 
 __all__ = [
     "ROLES",
+    "HierarchyOptions",
     "UPLINK_LEVEL",
     "ForwardPartial",
     "PartialSum",
@@ -379,3 +380,41 @@ class SiteGateway:
                 done.append(m)
                 self.history.append(m)
         return done
+
+
+@dataclass
+class HierarchyOptions:
+    """``gateway.toml`` ``[hierarchy]``: how a site reaches its root, and a root's sites.
+
+    Site: ``site_id`` (the site's id as the root's client, provisioned in the
+    central fleet directory like a device), ``uplink`` ("bridge": the root's
+    topics arrive through the site broker's bridge, see
+    :mod:`edgeflow.bridgeconfig`; or the central broker's URL for a direct
+    second connection), ``site_key`` (signs the partials; default
+    ``<fleet_dir>/devices/<site_id>/device.key``), ``root_key`` (verifies the
+    root's rounds and models; default the fleet's ``fleet.pub``),
+    ``forward_margin_s``. Root: ``sites``, whose public keys come from the
+    fleet directory's key ring.
+    """
+
+    site_id: str | None = None
+    uplink: str = "bridge"
+    site_key: str | None = None
+    root_key: str | None = None
+    forward_margin_s: float = 2.0
+    sites: list[str] = dataclasses.field(default_factory=list)
+
+    def check(self, role: str) -> None:
+        if role not in ROLES:
+            raise ConfigError(f"[gateway] role must be one of {', '.join(ROLES)}, got {role!r}")
+        if role == "site":
+            if not self.site_id:
+                raise ConfigError("[hierarchy] site_id is required for role 'site'")
+            validate_id(self.site_id, "[hierarchy] site_id")
+            if self.forward_margin_s < 0:
+                raise ConfigError("[hierarchy] forward_margin_s must be >= 0")
+        if role == "root":
+            if not self.sites:
+                raise ConfigError("[hierarchy] sites (the root's site gateways) is required for role 'root'")
+            for s in self.sites:
+                validate_id(s, "[hierarchy] sites entry")

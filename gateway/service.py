@@ -9,6 +9,11 @@ one SQLite state file, and publishes the gateway's own status retained on
 Configuration comes from ``gateway.toml`` (see :func:`load_config` and
 docs/gateway.md) and the operator's fleet directory (fleet key, device key
 ring, the ``gateway`` broker credentials, the broker URL).
+
+``[gateway] role`` places the gateway in a hierarchy (docs/scaling.md):
+"flat" (default) aggregates its devices and publishes the model; "site"
+aggregates its devices and forwards the partial sum to the root
+(``[hierarchy]`` says how); "root" aggregates the sites' partials.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ import numpy as np
 import onnx
 
 from edgeflow.errors import ConfigError
-from edgeflow.signing import KeyRing, PrivateKey
+from edgeflow.signing import KeyRing, PrivateKey, PublicKey, Signer
 
 from .fleet import FleetManager, FleetOptions
+from .hierarchy import HierarchyOptions, SiteGateway, Uplink, root_manager, site_manager
 from .rounds import RoundConfig, RoundManager, RoundMetrics
 from .store import GatewayStore
 
@@ -43,7 +49,8 @@ log = logging.getLogger("edgeflow.gateway")
 @dataclass
 class GatewayConfig:
     """``gateway.toml``: ``[gateway]`` paths and ids, ``[fleet]`` registry options,
-    ``[rounds]`` (+ ``[rounds.train]``) the federated rounds."""
+    ``[rounds]`` (+ ``[rounds.train]``) the federated rounds, ``[hierarchy]`` a
+    site's uplink or a root's sites (with ``[gateway] role``)."""
 
     fleet_dir: str | None = None
     fleet: str | None = None
@@ -54,8 +61,10 @@ class GatewayConfig:
     client_id: str | None = None
     broker: str | None = None
     max_payload: int | None = None  # bytes per MQTT message before chunking (4000 for wss:// fleets, see docs)
+    role: str = "flat"  # "flat" | "site" | "root" (docs/scaling.md)
     fleet_options: FleetOptions = field(default_factory=FleetOptions)
     rounds: RoundConfig = field(default_factory=RoundConfig)
+    hierarchy: HierarchyOptions = field(default_factory=HierarchyOptions)
     base_dir: Path = field(default_factory=Path.cwd)
 
     def path(self, p: str | None) -> Path | None:
@@ -65,7 +74,7 @@ class GatewayConfig:
         return q if q.is_absolute() else self.base_dir / q
 
 
-_GATEWAY_KEYS = {"fleet_dir", "fleet", "state", "model", "eval", "metrics", "client_id", "broker", "max_payload"}
+_GATEWAY_KEYS = {"fleet_dir", "fleet", "state", "model", "eval", "metrics", "client_id", "broker", "max_payload", "role"}
 
 
 def load_config(source: str | Path | Mapping[str, Any]) -> GatewayConfig:
@@ -81,9 +90,10 @@ def load_config(source: str | Path | Mapping[str, Any]) -> GatewayConfig:
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{p}: not valid TOML: {exc}") from exc
         base, where = p.resolve().parent, str(p)
-    unknown = sorted(set(data) - {"gateway", "fleet", "rounds"})
+    unknown = sorted(set(data) - {"gateway", "fleet", "rounds", "hierarchy"})
     if unknown:
-        raise ConfigError(f"{where}: unknown section(s) {unknown}; sections are [gateway], [fleet], [rounds]")
+        raise ConfigError(f"{where}: unknown section(s) {unknown}; sections are [gateway], [fleet], [rounds], "
+                          "[hierarchy]")
     gw = dict(data.get("gateway", {}))
     bad = sorted(set(gw) - _GATEWAY_KEYS)
     if bad:
@@ -97,7 +107,17 @@ def load_config(source: str | Path | Mapping[str, Any]) -> GatewayConfig:
         rounds = RoundConfig.from_dict(dict(data.get("rounds", {})))
     except (ConfigError, TypeError) as exc:
         raise ConfigError(f"{where}: [rounds]: {exc}") from exc
-    return GatewayConfig(**gw, fleet_options=FleetOptions(**fo), rounds=rounds, base_dir=base)
+    hi = dict(data.get("hierarchy", {}))
+    known_hi = {f.name for f in fields(HierarchyOptions)}
+    bad = sorted(set(hi) - known_hi)
+    if bad:
+        raise ConfigError(f"{where}: [hierarchy] unknown key(s) {bad}; known: {sorted(known_hi)}")
+    hierarchy = HierarchyOptions(**hi)
+    try:
+        hierarchy.check(gw.get("role", "flat"))
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    return GatewayConfig(**gw, fleet_options=FleetOptions(**fo), rounds=rounds, hierarchy=hierarchy, base_dir=base)
 
 
 def load_eval(path: Path | None) -> tuple[np.ndarray, np.ndarray] | None:
@@ -126,17 +146,43 @@ class Gateway:
         eval_data: tuple[np.ndarray, np.ndarray] | None = None,
         metrics_path: Path | None = None,
         on_round: Callable[[RoundMetrics], None] | None = None,
+        role: str = "flat",
+        hierarchy: HierarchyOptions | None = None,
+        site_signer: Signer | None = None,
+        root_key: PublicKey | None = None,
+        uplink_transport: Any = None,
     ) -> None:
+        """``role`` "site" needs ``site_signer`` and ``root_key`` (and ``uplink_transport`` for a
+        direct uplink; None = through the site broker's bridge); "root" takes its sites
+        from ``hierarchy.sites`` and their keys from ``keyring``."""
+        hierarchy = hierarchy or HierarchyOptions()
+        hierarchy.check(role)
         self.transport = transport
         self.store = store
         self.fleet_id = fleet
         self.metrics_path = metrics_path
+        self.role = role
+        self.uplink_transport = uplink_transport
         self._on_round_cb = on_round
         self.fleet = FleetManager(transport, store, fleet, fleet_key, fleet_options, keyring=keyring)
-        self.rounds = RoundManager(
-            transport, store, fleet=fleet, fleet_key=fleet_key, keyring=self.fleet.keyring, model=model,
-            config=rounds, candidates=self.fleet.round_candidates, eval_data=eval_data, on_round=self._on_round,
-        )
+        common: dict[str, Any] = dict(fleet=fleet, fleet_key=fleet_key, model=model, config=rounds,
+                                      eval_data=eval_data, on_round=self._on_round)
+        self.site: SiteGateway | None = None
+        if role == "site":
+            if site_signer is None or root_key is None:
+                raise ConfigError("a site gateway needs site_signer (signs partials) and root_key (verifies the root)")
+            uplink = Uplink(uplink_transport or transport, fleet, bridged=uplink_transport is None)
+            self.rounds = site_manager(transport, store, keyring=self.fleet.keyring,
+                                       candidates=self.fleet.round_candidates, uplink=uplink, signer=site_signer,
+                                       **common)
+            self.site = SiteGateway(self.rounds, uplink, site_id=site_signer.device_id, root_key=root_key,
+                                    forward_margin_s=hierarchy.forward_margin_s)
+        elif role == "root":
+            self.rounds = root_manager(transport, store, site_keys=self.fleet.keyring, sites=list(hierarchy.sites),
+                                       **common)
+        else:
+            self.rounds = RoundManager(transport, store, keyring=self.fleet.keyring,
+                                       candidates=self.fleet.round_candidates, **common)
         self._stop = threading.Event()
         self._started = False
 
@@ -184,11 +230,14 @@ class Gateway:
             model = load_model(mp)
         else:
             model = onnx.load_model_from_string(store.latest_model()[1])
+        site: dict[str, Any] = {}
+        if config.role == "site":
+            site = _site_material(config, fd, fleet, kwargs)
         return cls(
             transport, store, fleet=fleet, fleet_key=fd.fleet_key(), keyring=fd.keyring(), model=model,
             rounds=config.rounds, fleet_options=config.fleet_options,
             eval_data=load_eval(config.path(config.eval)), metrics_path=config.path(config.metrics),
-            on_round=on_round,
+            on_round=on_round, role=config.role, hierarchy=config.hierarchy, **site,
         )
 
     # -- lifecycle ---------------------------------------------------------------
@@ -197,7 +246,11 @@ class Gateway:
         if not self._started:
             self.fleet.start()
             self.rounds.start()
+            if self.site is not None:
+                self.site.start()
             self.transport.connect(timeout=timeout)
+            if self.uplink_transport is not None:
+                self.uplink_transport.connect(timeout=timeout)
             self._publish_state(True)
             self._started = True
         return self
@@ -222,7 +275,11 @@ class Gateway:
             self._on_round_cb(m)
 
     def run_rounds(self, rounds: int | None = None) -> list[RoundMetrics]:
+        """Flat and root: run ``rounds`` (default: the job's remaining). Site: take part in
+        ``rounds`` root rounds (default: until :meth:`stop`)."""
         self.start()
+        if self.site is not None:
+            return self.site.run(rounds)
         return self.rounds.run(rounds)
 
     def serve(self) -> None:
@@ -234,6 +291,10 @@ class Gateway:
     def stop(self) -> None:
         self._stop.set()
         self.rounds.stop()
+        if self.site is not None:
+            self.site.stop()
+        if self.uplink_transport is not None:
+            self.uplink_transport.close()
         if self._started:
             try:
                 self._publish_state(False)
@@ -249,3 +310,30 @@ class Gateway:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def _site_material(config: GatewayConfig, fd: Any, fleet: str, transport_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A site's signer, the root's key and (direct uplink) the connection to the central broker."""
+    h = config.hierarchy
+    assert h.site_id is not None
+    key_path = config.path(h.site_key) if h.site_key else fd.device_dir(h.site_id) / "device.key"
+    if not Path(key_path).exists():
+        raise ConfigError(f"[hierarchy] site_key {key_path} not found: provision the site in the central fleet "
+                          f"directory (`edgeflow fleet provision {h.site_id}`) or set site_key")
+    root_key = PublicKey.load(config.path(h.root_key)) if h.root_key else fd.fleet_public_key()
+    out: dict[str, Any] = {"site_signer": Signer.load(h.site_id, key_path), "root_key": root_key}
+    if h.uplink != "bridge":
+        from edgeflow.transport import MqttTransport
+
+        creds_path = fd.device_dir(h.site_id) / "device.json"
+        creds = json.loads(creds_path.read_text(encoding="utf-8")) if creds_path.exists() else {}
+        from edgeflow.transport.message import TlsConfig
+
+        kw = {k: v for k, v in transport_kwargs.items() if k != "tls"}
+        ca = fd.ca_file()
+        if h.uplink.startswith(("mqtts://", "wss://")) and ca is not None:
+            kw["tls"] = TlsConfig(ca_file=str(ca))
+        out["uplink_transport"] = MqttTransport.from_url(
+            h.uplink, client_id=creds.get("username", h.site_id), username=creds.get("username"),
+            password=creds.get("password"), clean_start=False, session_expiry_s=24 * 3600, **kw)
+    return out

@@ -175,3 +175,33 @@ def test_partial_sum_is_the_weighted_sum_and_root_fold_equals_flat():
     got = root.finish()
     assert got.num_clients == 7
     np.testing.assert_allclose(got.weights["w"], want, rtol=1e-5, atol=1e-6)
+
+
+def test_gateway_toml_role_and_hierarchy_settings():
+    from edgeflow.gateway.service import Gateway, load_config
+
+    cfg = load_config({"gateway": {"role": "site"}, "hierarchy": {"site_id": "site-a", "uplink": "bridge"}})
+    assert cfg.role == "site" and cfg.hierarchy.site_id == "site-a" and cfg.hierarchy.forward_margin_s == 2.0
+    root = load_config({"gateway": {"role": "root"}, "hierarchy": {"sites": ["site-a", "site-b"]}})
+    assert root.hierarchy.sites == ["site-a", "site-b"]
+    assert load_config({}).role == "flat"
+    for bad, match in (({"gateway": {"role": "edge"}}, "role must be"),
+                       ({"gateway": {"role": "site"}}, "site_id is required"),
+                       ({"gateway": {"role": "root"}}, "sites"),
+                       ({"hierarchy": {"site": "x"}}, "unknown key")):
+        with pytest.raises(ConfigError, match=match):
+            load_config(bad)
+    # the service wires the roles: a site forwards, a root folds partials
+    key, site = PrivateKey.generate(), Signer.generate("site-a")
+    t = MqttTransport("127.0.0.1", 1, client_id="unused")
+    model = zoo.digits_mlp(seed=0)
+    gw = Gateway(t, GatewayStore(), fleet=FLEET, fleet_key=key, keyring=KeyRing(), model=model,
+                 rounds=RoundConfig(), role="site", hierarchy=cfg.hierarchy, site_signer=site,
+                 root_key=key.public_key)
+    assert gw.site is not None and isinstance(gw.rounds._strategy, PartialSum)
+    assert gw.site.uplink.round_topic == f"edgeflow/{FLEET}/_uplink/gateway/round"
+    ring = KeyRing({"site-a": site.public_key, "site-b": Signer.generate("site-b").public_key})
+    gr = Gateway(t, GatewayStore(), fleet=FLEET, fleet_key=key, keyring=ring, model=model, rounds=RoundConfig(),
+                 role="root", hierarchy=root.hierarchy)
+    assert gr.rounds.contributions == "partials"
+    assert [c.device_id for c in gr.rounds.candidates()] == ["site-a", "site-b"]

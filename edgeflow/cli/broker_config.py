@@ -30,8 +30,29 @@ def register(sub) -> None:
                    help="also a plain listener on 127.0.0.1:PORT for tools on the gateway host")
     p.add_argument("--persistence", metavar="DIR", help="keep sessions and queued messages in DIR")
     p.add_argument("--log-file", help="Mosquitto log file")
+    p.add_argument("--bridge-site", metavar="SITE",
+                   help="instead: write broker/bridge-SITE.conf, the bridge a site broker opens to this (central) "
+                   "fleet's broker; SITE must be provisioned (`edgeflow fleet provision SITE`); docs/scaling.md")
+    p.add_argument("--central", metavar="URL", help="with --bridge-site: the central broker's URL "
+                   "(default: the fleet directory's broker URL)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd)
+
+
+def bridge_cmd(args, fd) -> int:
+    from ..bridgeconfig import bridge_from_fleet_dir, write_bridge
+    from ._common import console, emit_json
+
+    spec = bridge_from_fleet_dir(fd, args.bridge_site, args.central)
+    path = write_bridge(fd, spec)
+    out = {"fleet": fd.fleet, "site": spec.site_id, "bridge": str(path), "central": f"{spec.remote_host}:{spec.remote_port}",
+           "ca_file": spec.cafile}
+    if args.json:
+        emit_json(out)
+    else:
+        console().print(f"bridge for site [bold]{spec.site_id}[/] -> {out['central']}: {path}\n"
+                        f"append it to the site broker's mosquitto.conf (or include_dir its folder)")
+    return 0
 
 
 def fleet_dir_arg(value: str | None) -> str:
@@ -46,6 +67,8 @@ def cmd(args) -> int:
     from ._common import console, emit_json
 
     fd = FleetDir(fleet_dir_arg(args.dir))
+    if getattr(args, "bridge_site", None):
+        return bridge_cmd(args, fd)
     if not fd.exists and not args.fleet:
         raise ConfigError(f"{fd.path} is not a fleet directory yet: pass --fleet NAME to create it")
     hosts = args.public_host
