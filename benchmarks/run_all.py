@@ -1,0 +1,357 @@
+"""Run every edgeflow benchmark and write benchmarks/RESULTS.md.
+
+    python benchmarks/run_all.py            # the full suite (about 6-10 minutes on 2 cores)
+    python benchmarks/run_all.py --quick    # fewer repeats, smaller fleets (about 3 minutes)
+
+Each benchmark script runs in its own process and writes JSON; this script
+turns the figures into one table where every figure is a *ratio against its
+peer measured in the same run* (onnxruntime for inference and int8, PyTorch
+for training, Flower for aggregation, the dense envelope for codecs, the
+offered load for the fleet, the 10-device round and the flat gateway for
+round scaling), with its target and whether it was met. Absolute figures are
+kept beside the ratios: they depend on the machine, which RESULTS.md
+describes; the ratios travel better.
+
+Full vs quick: the same benchmarks and the same device counts for the round
+curve (10, 100, 1000: measured, never extrapolated); quick uses fewer timing
+repeats, skips aggregation's 1,000 x 10M memory run, runs the fleet benchmark
+with 100 devices for 15 s instead of 500 for 60 s, two rounds per fleet size
+instead of three, and 300 instead of 1,000 updates for the ingestion workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass
+class Figure:
+    """One line of the summary: a ratio against a peer measured in the same run."""
+
+    area: str
+    what: str
+    ours: str
+    peer: str
+    ratio: float | None
+    target: str
+    ok: bool | None
+
+    def row(self) -> str:
+        r = "n/a" if self.ratio is None else f"{self.ratio:.3g}"
+        ok = {True: "pass", False: "**FAIL**", None: "n/a"}[self.ok]
+        return f"| {self.area} | {self.what} | {self.ours} | {self.peer} | {r} | {self.target} | {ok} |"
+
+
+@dataclass
+class Bench:
+    name: str
+    argv: list[str]
+    json_arg: str  # "--json PATH" style ("path") or "--json" printing to stdout ("stdout")
+    figures: Callable[[dict[str, Any]], list[Figure]]
+
+
+def _le(x: float, t: float) -> bool:
+    return x <= t
+
+
+# -- figure extraction, one function per benchmark ------------------------------
+
+
+def fig_inference(d: dict) -> list[Figure]:
+    return [Figure("inference", f"{r['model']} batch {r['batch']}, 1 thread, p50 latency",
+                   f"{r['numpy_p50_ms']:.3f} ms (numpy backend)", f"{r['ort_p50_ms']:.3f} ms (onnxruntime fp32)",
+                   r["ratio"], f"<= {r['target']:g}", r["ratio"] <= r["target"]) for r in d["rows"]]
+
+
+def fig_quantization(d: dict) -> list[Figure]:
+    out = []
+    for r in d["latency"]:
+        if r["model"] == "cnn28" and r["backend"] == "ort" and r["batch"] == 32 and r["threads"] == 1:
+            out.append(Figure("quantization", "CNN batch 32, 1 thread: int8 speedup on onnxruntime",
+                              f"{r['int8_ms']:.3f} ms (int8)", f"{r['fp32_ms']:.3f} ms (fp32)",
+                              r["speedup"], ">= 1.5", r["speedup"] >= 1.5))
+    for r in d["size"]:
+        if r["engine"] == "ort":
+            out.append(Figure("quantization", f"{r['model']} model size int8 / fp32", f"{r['int8_kib']:.0f} KiB",
+                              f"{r['fp32_kib']:.0f} KiB", r["ratio"], "<= 0.27", r["ratio"] <= 0.27))
+    for r in d["accuracy"]:
+        out.append(Figure("quantization", f"{r['model']} top-1: int8 (onnxruntime) vs fp32, points lost",
+                          f"{r['int8_acc_ort']:.2f} %", f"{r['fp32_acc']:.2f} %", r["drop_ort"], "<= 1.0",
+                          r["drop_ort"] <= 1.0))
+    return out
+
+
+def fig_training(d: dict) -> list[Figure]:
+    out = []
+    for r in d["rows"]:
+        if r.get("torch_ms") is None:
+            out.append(Figure("training", f"{r['model']} step", f"{r['numpy_ms']:.2f} ms", "PyTorch not installed",
+                              None, f"<= {r['target']:g}", None))
+            continue
+        out.append(Figure("training", f"{r['model']}, batch {r['batch']}, fwd+bwd+SGD, 1 thread",
+                          f"{r['numpy_ms']:.2f} ms (numpy engine)", f"{r['torch_ms']:.2f} ms (PyTorch CPU)",
+                          r["ratio"], f"<= {r['target']:g}", r["ratio"] <= r["target"]))
+    return out
+
+
+def fig_codecs(d: dict) -> list[Figure]:
+    rows = {r["codec"]: r for r in d["unsigned"]}
+    dense = rows["dense"]
+    out = []
+    for codec, target in (("fp16", None), ("int8", 0.26), ("topk", None), ("topk-int8", 0.02)):
+        r = rows.get(codec)
+        if r is None:
+            continue
+        out.append(Figure("codecs", f"{codec}: bytes on the wire for a 1M-parameter update (rel. L2 error "
+                                    f"{r['rel_l2_error']:.1e})", f"{r['bytes'] / 1e6:.3f} MB",
+                          f"{dense['bytes'] / 1e6:.3f} MB (dense)", r["ratio"],
+                          f"<= {target:g}" if target else "", (r["ratio"] <= target) if target else None))
+    out.append(Figure("codecs", "dense: encode+decode throughput of 4 MB fp32 (absolute target, no peer)",
+                      f"{dense['roundtrip_MBps']:.0f} MB/s", "", None, ">= 200 MB/s", dense["roundtrip_MBps"] >= 200))
+    r = rows["int8"]
+    out.append(Figure("codecs", "int8: encode+decode throughput vs dense (target is absolute: >= 200 MB/s)",
+                      f"{r['roundtrip_MBps']:.0f} MB/s", f"{dense['roundtrip_MBps']:.0f} MB/s (dense)",
+                      r["roundtrip_MBps"] / dense["roundtrip_MBps"], ">= 200 MB/s", r["roundtrip_MBps"] >= 200))
+    return out
+
+
+def fig_aggregation(d: dict) -> list[Figure]:
+    c = d["compare"]
+    t, ct, r = c["time_s"], c["cold_time_s"], c["rss"]
+    size = f"{c['clients']} x {c['params'] / 1e6:.1f}M"
+    out = [
+        Figure("aggregation", f"FedAvg time, {size}, warm process", f"{t['edgeflow'] * 1e3:.0f} ms (streaming)",
+               f"{t['flower'] * 1e3:.0f} ms (Flower aggregate)", c["time_ratio"], "<= 0.5", c["time_ratio"] <= 0.5),
+        Figure("aggregation", f"FedAvg time, {size}, fresh process", f"{ct['edgeflow'] * 1e3:.0f} ms",
+               f"{ct['flower'] * 1e3:.0f} ms", c["cold_time_ratio"], "<= 0.5", c["cold_time_ratio"] <= 0.5),
+        Figure("aggregation", f"peak RSS above baseline, {size}", f"{r['edgeflow']['rss_above_baseline'] / 2**20:.0f} MiB",
+               f"{r['flower']['rss_above_baseline'] / 2**20:.0f} MiB", c["rss_ratio"], "<= 0.1", c["rss_ratio"] <= 0.1),
+    ]
+    big = d.get("big")
+    if big:
+        out.append(Figure("aggregation", f"streaming FedAvg {big['clients']:,} x {big['params'] / 1e6:.0f}M: "
+                                         "whole-process peak RSS vs the 1 GiB budget",
+                          f"{big['rss_peak'] / 2**20:.0f} MiB", "1024 MiB", big["rss_peak"] / 2**30, "< 1",
+                          big["rss_peak"] < 2**30))
+    return out
+
+
+def fig_fleet(d: dict) -> list[Figure]:
+    offered = d["devices"] * d["seconds"] / d["interval_s"]
+    handled = d["telemetry_stored"] / offered if offered else None
+    return [
+        Figure("fleet", f"{d['devices']} devices over {d['transport']}: telemetry stored vs offered "
+                        f"(1 msg/s/device for {d['seconds']:g} s)", f"{d['stored_per_s']} msg/s",
+               f"{offered / d['seconds']:.0f} msg/s offered", handled, ">= 0.99", handled is not None and handled >= 0.99),
+        Figure("fleet", "telemetry lag p95 (device -> SQLite) vs the 1 s telemetry interval",
+               f"{d['lag_ms_p95']} ms", f"{1000 * d['interval_s']:.0f} ms", d["lag_ms_p95"] / (1000 * d["interval_s"]),
+               "<= 0.5", d["lag_ms_p95"] <= 500 * d["interval_s"]),
+    ]
+
+
+def fig_rounds(d: dict) -> list[Figure]:
+    rows = {r["devices"]: r for r in d["rows"]}
+    out = []
+    small = rows.get(min(rows))
+    for n, r in sorted(rows.items()):
+        if n == small["devices"]:
+            continue
+        linear = small["round_s_median"] * n / small["devices"]
+        out.append(Figure("round scaling", f"round time at {n} devices vs {n // small['devices']}x the "
+                                           f"{small['devices']}-device round (linear)",
+                          f"{r['round_s_median']:.2f} s", f"{linear:.2f} s", r["round_s_median"] / linear, "<= 1",
+                          r["round_s_median"] <= linear))
+    big = rows[max(rows)]
+    out.append(Figure("round scaling", f"gateway peak RSS at {big['devices']} vs {small['devices']} devices "
+                                       "(streaming: memory follows the model, not the fleet)",
+                      f"{big['gateway_rss_peak_mb']} MB", f"{small['gateway_rss_peak_mb']} MB",
+                      big["gateway_rss_peak_mb"] / small["gateway_rss_peak_mb"], "<= 1.25",
+                      big["gateway_rss_peak_mb"] <= 1.25 * small["gateway_rss_peak_mb"]))
+    h = d.get("hier")
+    if h:
+        out.append(Figure("round scaling", f"hierarchical round (2 bridged sites + root) vs flat, "
+                                           f"{h['flat']['devices']} devices", f"{h['hierarchical']['round_s_median']:.2f} s",
+                          f"{h['flat']['round_s_median']:.2f} s (flat)", h["ratio"], "<= 1.5", h["ratio"] <= 1.5))
+    i = d.get("ingest")
+    if i:
+        out.append(Figure("round scaling", f"ingestion, 2 workers vs 1 (shared subscription, {i['one']['updates']} "
+                                           "signed int8 updates)", f"{i['two']['updates_per_s']:.0f} updates/s",
+                          f"{i['one']['updates_per_s']:.0f} updates/s", i["speedup"], ">= 1.5 (2 cores)",
+                          i["speedup"] >= 1.5))
+    return out
+
+
+def benches(quick: bool) -> list[Bench]:
+    q = quick
+    return [
+        Bench("inference", ["inference.py", "--runs", "50" if q else "200"], "path", fig_inference),
+        Bench("quantization", ["quantization.py", "--runs", "10" if q else "30", "--rounds", "3" if q else "5"],
+              "path", fig_quantization),
+        Bench("training", ["training.py", "--runs", "20" if q else "50"], "stdout", fig_training),
+        Bench("codecs", ["codecs.py", "--repeats", "10" if q else "30"], "path", fig_codecs),
+        Bench("aggregation", ["aggregation.py", "--repeats", "2" if q else "3"] + (["--skip-big"] if q else []),
+              "path", fig_aggregation),
+        Bench("fleet_scale", ["fleet_scale.py"] + (["--devices", "100", "--seconds", "15"] if q else []),
+              "stdout", fig_fleet),
+        Bench("round_scaling", ["round_scaling.py", "--rounds", "2" if q else "3", "--ingest", "300" if q else "1000"],
+              "path", fig_rounds),
+    ]
+
+
+# -- the machine --------------------------------------------------------------------
+
+
+def machine() -> dict[str, str]:
+    info: dict[str, str] = {}
+    try:
+        cpu = Path("/proc/cpuinfo").read_text()
+        names = [ln.split(":", 1)[1].strip() for ln in cpu.splitlines() if ln.startswith("model name")]
+        flags = next((ln.split(":", 1)[1].split() for ln in cpu.splitlines() if ln.startswith("flags")), [])
+        info["cpu"] = f"{names[0] if names else platform.processor()} ({len(names)} logical CPUs)"
+        simd = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni") if f in flags]
+        info["simd"] = ", ".join(simd) or "none of avx2/avx512"
+    except OSError:
+        info["cpu"] = f"{platform.processor() or platform.machine()} ({os.cpu_count()} CPUs)"
+    try:
+        kb = int(next(ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal")).split()[1])
+        info["memory"] = f"{kb / 2**20:.1f} GiB"
+    except (OSError, StopIteration):
+        pass
+    info["os"] = f"{platform.system()} {platform.release()} ({platform.machine()})"
+    info["python"] = platform.python_version()
+    versions = []
+    for mod in ("numpy", "onnx", "onnxruntime", "torch", "flwr", "paho.mqtt"):
+        try:
+            m = __import__(mod, fromlist=["__version__"])
+            versions.append(f"{mod} {getattr(m, '__version__', '?')}")
+        except ImportError:
+            versions.append(f"{mod} (not installed)")
+    info["packages"] = ", ".join(versions)
+    mosq = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+    try:
+        out = subprocess.run([mosq, "-h"], capture_output=True, text=True, timeout=5).stdout
+        info["broker"] = out.splitlines()[0].strip() if out else "mosquitto"
+    except (OSError, subprocess.TimeoutExpired):
+        info["broker"] = "mosquitto not found"
+    try:
+        load = os.getloadavg()
+        info["load at start"] = f"{load[0]:.2f} (1 min)"
+    except OSError:
+        pass
+    return info
+
+
+# -- running -------------------------------------------------------------------------
+
+
+def run(b: Bench, tmp: Path, timeout: float) -> tuple[dict | None, str, float, int]:
+    cmd = [sys.executable, str(HERE / b.argv[0]), *b.argv[1:]]
+    out_path = tmp / f"{b.name}.json"
+    cmd += ["--json", str(out_path)] if b.json_arg == "path" else ["--json"]
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=HERE.parent)
+        rc, stdout, stderr = p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, stdout, stderr = 124, exc.stdout or "", f"timed out after {timeout} s"
+        stdout = stdout.decode() if isinstance(stdout, bytes) else stdout
+    wall = time.monotonic() - t0
+    data = None
+    try:
+        if b.json_arg == "path":
+            data = json.loads(out_path.read_text())
+        else:
+            data = json.loads(stdout[stdout.index("{"):])
+    except (OSError, ValueError):
+        pass
+    log = stdout + (f"\n[stderr]\n{stderr[-3000:]}" if stderr.strip() else "")
+    return data, log, wall, rc
+
+
+def write_results(path: Path, figures: list[Figure], details: dict[str, tuple[str, float, int]], info: dict,
+                  quick: bool, started: str, total_s: float) -> None:
+    n_ok = sum(1 for f in figures if f.ok is True)
+    n_fail = sum(1 for f in figures if f.ok is False)
+    lines = [
+        "# edgeflow benchmark results",
+        "",
+        f"Generated by `python benchmarks/run_all.py{' --quick' if quick else ''}` on {started} "
+        f"in {total_s / 60:.1f} min. Do not edit: rerun the command.",
+        "",
+        "Every figure is a ratio against its peer, both measured in this run on this machine: onnxruntime for "
+        "inference and int8, PyTorch for training, Flower for aggregation, the dense envelope for codecs, "
+        "the offered load for the fleet, the 10-device round and the flat gateway for round scaling.",
+        "",
+        "## Machine",
+        "",
+    ]
+    lines += [f"- **{k}**: {v}" for k, v in info.items()]
+    lines += ["", "## Summary", "", f"{n_ok} of {n_ok + n_fail} targets met"
+              + (f"; **{n_fail} missed**" if n_fail else "") + ".", "",
+              "| area | figure | edgeflow | peer | ratio | target | result |",
+              "|---|---|---:|---:|---:|---:|:-:|"]
+    lines += [f.row() for f in figures]
+    lines += ["", "## Each benchmark's own report", ""]
+    for name, (log, wall, rc) in details.items():
+        lines += [f"### {name} ({wall:.0f} s{'' if rc == 0 else f', exit code {rc}'})", "", "```",
+                  log.strip() or "(no text output)", "```", ""]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repeats and smaller fleets (see the docstring)")
+    ap.add_argument("--only", nargs="+", help="run only these benchmarks (names as in RESULTS.md)")
+    ap.add_argument("--out", default=str(HERE / "RESULTS.md"))
+    ap.add_argument("--json", help="also write every benchmark's raw JSON into this file")
+    ap.add_argument("--timeout", type=float, default=1800, help="per benchmark, seconds")
+    args = ap.parse_args(argv)
+    started = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    info = machine()
+    tmp = Path(tempfile.mkdtemp(prefix="edgeflow-bench-"))
+    figures: list[Figure] = []
+    details: dict[str, tuple[str, float, int]] = {}
+    raw: dict[str, Any] = {}
+    t0 = time.monotonic()
+    for b in benches(args.quick):
+        if args.only and b.name not in args.only:
+            continue
+        print(f"[run_all] {b.name} ...", file=sys.stderr, flush=True)
+        data, log, wall, rc = run(b, tmp, args.timeout)
+        details[b.name] = (log, wall, rc)
+        raw[b.name] = data
+        if data is None:
+            figures.append(Figure(b.name, "benchmark did not produce results (see its report)", "", "", None, "",
+                                  False))
+            continue
+        try:
+            figures += b.figures(data)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+            figures.append(Figure(b.name, f"could not read its figures: {exc!r}", "", "", None, "", False))
+        print(f"[run_all] {b.name}: {wall:.0f} s, exit {rc}", file=sys.stderr, flush=True)
+    total = time.monotonic() - t0
+    write_results(Path(args.out), figures, details, info, args.quick, started, total)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": info, "results": raw}, indent=2))
+    for f in figures:
+        print(f.row())
+    print(f"wrote {args.out} ({total / 60:.1f} min)")
+    return 0 if all(f.ok is not False for f in figures) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
