@@ -29,6 +29,7 @@ its persistent session first, then drained: updates/s from the first stored upda
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -391,7 +392,8 @@ def measure_ingest(n: int, workers: int, *, codec: str, workdir: Path) -> dict[s
         pub.flush(120)
         pub.close()
         db = IngestStore(state)
-        pool = IngestPool(base, names, workdir=d, restart=False).start()
+        go = dataclasses.replace(base, connect_at=time.time() + 3.0)  # all workers imported, then connect together
+        pool = IngestPool(go, names, workdir=d, restart=False).start()
         end = time.time() + 600
         while len(db.reported(1)) < n and time.time() < end:
             time.sleep(0.1)

@@ -49,6 +49,7 @@ Run a worker with ``python -m edgeflow.gateway.ingest worker.json`` (see
 
 from __future__ import annotations
 
+import fcntl
 import io
 import json
 import logging
@@ -137,6 +138,7 @@ class IngestStore:
         GatewayStore(self.path).close()  # the gateway's tables exist (and the schema version matches)
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30.0)
         self._lock = threading.RLock()
+        self._flock = os.open(self.path + ".ingest-lock", os.O_RDWR | os.O_CREAT, 0o600)
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
@@ -145,17 +147,27 @@ class IngestStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+            os.close(self._flock)
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
+        """A write transaction, serialized across processes by an advisory file lock
+        first: SQLite's own busy handler sleeps 1-100 ms when it finds the database
+        locked, longer than a claim takes, so workers contending for it would spend
+        more time asleep than writing (benchmarks/round_scaling.py, 2 workers on 2 cores:
+        about 1.65x one worker's rate without this lock, 1.9x with it)."""
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+            fcntl.flock(self._flock, fcntl.LOCK_EX)
             try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._db
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
+            finally:
+                fcntl.flock(self._flock, fcntl.LOCK_UN)
 
     def _one(self, sql: str, args: tuple = ()) -> Any:
         with self._lock:
@@ -431,6 +443,8 @@ class WorkerConfig:
     heartbeat_s: float = 0.5
     delay_s: float = 0.0
     """Extra seconds per update before it is persisted (tests: keeps messages in flight)."""
+    connect_at: float | None = None
+    """Wall-clock time (epoch s) to connect at: benchmarks start several workers together."""
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -570,6 +584,8 @@ class IngestWorker:
         """Serve until SIGTERM/SIGINT or :meth:`stop`."""
         self._rebuild()
         self.transport.subscribe(shared_filter(self.cfg.fleet, self.cfg.group), self.on_update)
+        if self.cfg.connect_at is not None:
+            self._stop.wait(max(0.0, self.cfg.connect_at - time.time()))
         self.transport.connect(timeout=30)
         hk = threading.Thread(target=self._housekeeping, name=f"ingest-{self.cfg.name}", daemon=True)
         hk.start()
