@@ -409,6 +409,29 @@ def measure_ingest(n: int, workers: int, *, codec: str, workdir: Path) -> dict[s
             "updates_per_s": round(got / span, 1)}
 
 
+def measure_root_fold(sites: int = 100, params: int = 1_000_000) -> dict[str, Any]:
+    """What a root does per round beyond a flat gateway: fold ``sites`` partial sums
+    (FedAvg.add_partial) of a ``params``-parameter model, and finish. In process, no broker."""
+    import numpy as np
+
+    from edgeflow.gateway.strategies import FedAvg
+
+    rng = np.random.default_rng(0)
+    g = {"w": np.zeros(params, np.float32)}
+    parts = [{"w": rng.standard_normal(params).astype(np.float32)} for _ in range(min(sites, 8))]
+    agg = FedAvg()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        agg.begin_round(g, 1)
+        for i in range(sites):
+            agg.add_partial(parts[i % len(parts)], total_samples=1000, num_clients=1000, client_id=f"s{i}")
+        agg.finish()
+        times.append(time.perf_counter() - t0)
+    t = statistics.median(times)
+    return {"sites": sites, "params": params, "fold_s": round(t, 4), "ms_per_partial": round(1e3 * t / sites, 3)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--devices", type=int, nargs="+", default=[10, 100, 1000])
@@ -441,19 +464,26 @@ def main(argv: list[str] | None = None) -> int:
         two = measure_ingest(args.ingest, 2, codec=args.codec, workdir=workdir)
         ingest = {"one": one, "two": two, "speedup": round(two["updates_per_s"] / one["updates_per_s"], 2)}
         print(json.dumps(ingest), file=sys.stderr, flush=True)
-    result = {"cpus": os.cpu_count(), "nofile": nofile, "rows": rows, "hier": hier, "ingest": ingest}
+    root_fold = measure_root_fold()
+    result = {"cpus": os.cpu_count(), "nofile": nofile, "rows": rows, "hier": hier, "ingest": ingest,
+              "root_fold": root_fold}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"# round time and gateway memory vs devices ({args.codec} updates, {args.rounds} rounds each, "
           f"{os.cpu_count()} CPUs, devices + broker + gateway on this machine)")
-    print("| devices | round s (median) | s per 1k updates | gateway peak RSS MB | above base MB | broker RSS MB |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("| devices | round s (median) | s per 1k updates | gateway CPU ms / update | gateway peak RSS MB "
+          "| above base MB | broker RSS MB | broker CPU ms / update |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
+        per = r["rounds"] * r["devices"]
         print(f"| {r['devices']} | {r['round_s_median']:.2f} | {1000 * r['round_s_median'] / r['devices']:.2f} | "
-              f"{r['gateway_rss_peak_mb']} | {r['gateway_mem_mb']} | {r['broker_rss_mb']} |")
+              f"{1000 * r['gateway_cpu_s'] / per:.2f} | {r['gateway_rss_peak_mb']} | {r['gateway_mem_mb']} | "
+              f"{r['broker_rss_mb']} | {1000 * r['broker_cpu_s'] / per:.2f} |")
     if hier:
         print(f"hierarchical ({args.hier} devices, 2 bridged sites + root): {hier['hierarchical']['round_s_median']:.2f} s"
               f" vs flat {hier['flat']['round_s_median']:.2f} s ({hier['ratio']}x)")
+    print(f"root: folding {root_fold['sites']} site partials of {root_fold['params']:,} parameters: "
+          f"{root_fold['fold_s'] * 1e3:.0f} ms ({root_fold['ms_per_partial']} ms per partial)")
     if ingest:
         print(f"ingestion: 1 worker {ingest['one']['updates_per_s']} updates/s, 2 workers "
               f"{ingest['two']['updates_per_s']} updates/s ({ingest['speedup']}x)")

@@ -346,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
             figures.append(Figure(b.name, f"could not read its figures: {exc!r}", "", "", None, "", False))
         print(f"[run_all] {b.name}: {wall:.0f} s, exit {rc}", file=sys.stderr, flush=True)
     total = time.monotonic() - t0
+    try:
+        info["load at end"] = f"{os.getloadavg()[0]:.2f} (1 min; other processes on the machine skew every figure)"
+    except OSError:
+        pass
     write_results(Path(args.out), figures, details, info, args.quick, started, total)
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": info, "results": raw}, indent=2))
