@@ -347,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[run_all] {b.name}: {wall:.0f} s, exit {rc}", file=sys.stderr, flush=True)
     total = time.monotonic() - t0
     try:
-        info["load at end"] = f"{os.getloadavg()[0]:.2f} (1 min; other processes on the machine skew every figure)"
+        info["load at end"] = (f"{os.getloadavg()[0]:.2f} (1 min; counts this suite's own simulated devices, "
+                               "up to 2,000 threads)")
     except OSError:
         pass
     write_results(Path(args.out), figures, details, info, args.quick, started, total)
