@@ -333,6 +333,7 @@ def measure(n: int, *, rounds: int, codec: str, procs: int, hier: bool = False, 
             "broker_cpu_s": round(sum(_cpu_s(b.pid) for b in brokers) - b_cpu0, 2),
             "updates_sent": sum(d["sent"] for d in devs), "models_received": sum(d["models"] for d in devs),
             "device_threads": sum(d["threads"] for d in devs),
+            "device_cpu_s": round(sum(d["cpu_s"] for d in devs), 2),
             "device_rss_mb": round(sum(d["rss"] for d in devs) / 2**20, 1),
         })
     finally:
@@ -472,13 +473,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# round time and gateway memory vs devices ({args.codec} updates, {args.rounds} rounds each, "
           f"{os.cpu_count()} CPUs, devices + broker + gateway on this machine)")
     print("| devices | round s (median) | s per 1k updates | gateway CPU ms / update | gateway peak RSS MB "
-          "| above base MB | broker RSS MB | broker CPU ms / update |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| above base MB | broker RSS MB | broker CPU ms / update | device-side CPU s (all, whole run) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         per = r["rounds"] * r["devices"]
         print(f"| {r['devices']} | {r['round_s_median']:.2f} | {1000 * r['round_s_median'] / r['devices']:.2f} | "
               f"{1000 * r['gateway_cpu_s'] / per:.2f} | {r['gateway_rss_peak_mb']} | {r['gateway_mem_mb']} | "
-              f"{r['broker_rss_mb']} | {1000 * r['broker_cpu_s'] / per:.2f} |")
+              f"{r['broker_rss_mb']} | {1000 * r['broker_cpu_s'] / per:.2f} | {r['device_cpu_s']} |")
     if hier:
         print(f"hierarchical ({args.hier} devices, 2 bridged sites + root): {hier['hierarchical']['round_s_median']:.2f} s"
               f" vs flat {hier['flat']['round_s_median']:.2f} s ({hier['ratio']}x)")
