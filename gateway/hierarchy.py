@@ -324,7 +324,8 @@ class SiteGateway:
     # -- the loop ---------------------------------------------------------------
     def _next_order(self, wait_s: float) -> tuple[RoundAnnouncement, dict[str, np.ndarray]] | None:
         """An open root round this site is in, newer than the last it ran, whose model
-        arrived; None if there is none within ``wait_s``."""
+        arrived; None if there is none within ``wait_s``, or as soon as a root model newer
+        than the site's arrives (the caller adopts it first)."""
         end = time.time() + wait_s
         with self._cv:
             while not self._stop.is_set():
@@ -338,6 +339,8 @@ class SiteGateway:
                     log.warning("site %s: root round %d announced too close to its deadline; skipped",
                                 self.site_id, ann.round_id)
                     self._last_round = ann.round_id
+                if self._models and max(self._models) > self.rounds.version:
+                    return None  # a newer root model: adopt it now, so the devices have it before the next round
                 left = end - time.time()
                 if left <= 0:
                     return None
