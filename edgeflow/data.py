@@ -91,6 +91,36 @@ def from_arrays(x: np.ndarray, y: np.ndarray, *, dtype: str | np.dtype = "float3
     return Dataset(x, y)
 
 
+def open_arrays(path: str | os.PathLike, *, what: str = "data", error: type[Exception] = InputError):
+    """``np.load`` of a .npy/.npz file without pickle, every failure as ``error``.
+
+    Returns the array (.npy) or the open NpzFile (.npz, read lazily: use it
+    as a context manager). ``what`` names the file in the messages.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise error(f"{what} file not found: {p}")
+    try:
+        return np.load(p, allow_pickle=False)
+    except ValueError as exc:
+        raise error(f"{p}: not a .npy/.npz file of plain arrays ({exc})") from exc
+    except OSError as exc:
+        raise error(f"{p}: cannot read ({exc})") from exc
+
+
+def read_arrays(path: str | os.PathLike, *, what: str = "data",
+                error: type[Exception] = InputError) -> "np.ndarray | dict[str, np.ndarray]":
+    """A .npy file (one array) or every array of a .npz file by name; never unpickles."""
+    data = open_arrays(path, what=what, error=error)
+    if isinstance(data, np.ndarray):
+        return data
+    with data:
+        try:
+            return {k: data[k] for k in data.files}
+        except ValueError as exc:  # object arrays need pickle, which is refused
+            raise error(f"{path}: not a .npz file of plain arrays ({exc}); save numeric arrays") from exc
+
+
 def load_npz(path: str | os.PathLike, *, x_key: str | None = None, y_key: str | None = None,
              dtype: str | np.dtype = "float32") -> Dataset:
     """A dataset from a ``.npz`` file (never unpickles).
@@ -98,14 +128,7 @@ def load_npz(path: str | os.PathLike, *, x_key: str | None = None, y_key: str | 
     Without keys, the first pair of :data:`NPZ_KEYS` present is used.
     """
     p = Path(path)
-    if not p.is_file():
-        raise InputError(f"data file not found: {p}")
-    try:
-        archive = np.load(p, allow_pickle=False)
-    except ValueError as exc:
-        raise InputError(f"{p}: not a .npz file of plain arrays ({exc})") from exc
-    except OSError as exc:
-        raise InputError(f"{p}: cannot read ({exc})") from exc
+    archive = open_arrays(p)
     if isinstance(archive, np.ndarray):
         raise InputError(f"{p}: a single .npy array has no labels; save x and y with np.savez(path, x=..., y=...)")
     with archive:

@@ -9,7 +9,6 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
 
 
 def console(stderr: bool = False, *, min_width: int = 0):
@@ -43,19 +42,9 @@ def _jsonable(o: Any) -> Any:
 
 def load_arrays(path: str) -> dict[str, np.ndarray] | np.ndarray:
     """A .npy file (one array) or .npz file (named arrays); never pickles."""
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(f"input file not found: {p}")
-    try:
-        data = np.load(p, allow_pickle=False)
-    except ValueError as exc:
-        raise InputError(f"{p}: not a .npy/.npz file without pickled objects ({exc})") from exc
-    except OSError as exc:
-        raise InputError(f"{p}: cannot read ({exc})") from exc
-    if isinstance(data, np.ndarray):
-        return data
-    with data:
-        return {k: data[k] for k in data.files}
+    from ..data import read_arrays
+
+    return read_arrays(path, what="input")
 
 
 def human_bytes(n: float) -> str:

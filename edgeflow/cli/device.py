@@ -28,14 +28,10 @@ def register(sub) -> None:
 
 
 def _participant_factory(path: str):
-    import numpy as np
+    from ..data import load_npz
 
-    from ..errors import InputError
-
-    with np.load(path, allow_pickle=False) as z:
-        if "x" not in z.files or "y" not in z.files:
-            raise InputError(f"{path} must hold arrays 'x' and 'y' (np.savez(path, x=..., y=...))")
-        data = (z["x"], z["y"])
+    ds = load_npz(path)
+    data = (ds.x, ds.y)
 
     def make(agent):
         from ..federated import Client

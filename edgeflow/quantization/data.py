@@ -46,16 +46,9 @@ class CalibrationSet:
 
 
 def _read_file(path: Path) -> dict[str, np.ndarray] | np.ndarray:
-    if not path.is_file():
-        raise QuantizationError(f"calibration file not found: {path}")
-    try:
-        data = np.load(path, allow_pickle=False)
-    except (ValueError, OSError) as exc:
-        raise QuantizationError(f"{path}: not a .npy/.npz file of plain arrays ({exc})") from exc
-    if isinstance(data, np.ndarray):
-        return data
-    with data:
-        return {k: data[k] for k in data.files}
+    from ..data import read_arrays
+
+    return read_arrays(path, what="calibration", error=QuantizationError)
 
 
 def load_arrays(source: DataSource) -> dict[str, np.ndarray] | np.ndarray:
