@@ -93,7 +93,8 @@ class Runtime:
         self.fallbacks = choice.tried
         for name, why in choice.tried:
             log.info("backend %s skipped for profile %s: %s", name, self.profile.name, why)
-        self.plan = self._plan(batch_size, input_shapes)
+        graph = self._compile()
+        self.plan = self._plan(graph, batch_size, input_shapes)
         if self.plan is not None and self.plan.peak_bytes > self.profile.memory_budget_bytes and not allow_over_budget:
             raise MemoryBudgetError(
                 f"planned peak memory {self.plan.peak_bytes / 2**20:.1f} MiB at batch {batch_size} "
@@ -104,15 +105,25 @@ class Runtime:
                 planned_bytes=self.plan.peak_bytes,
                 budget_bytes=self.profile.memory_budget_bytes,
             )
-        self.session: Session = get_backend(self.backend_name).load(
-            self.model, session_options(self.profile, threads)
-        )
+        chosen = get_backend(self.backend_name)
+        options = session_options(self.profile, threads)
+        # A backend that runs the compiled graph itself takes the one just
+        # planned, rather than compiling (and pre-packing weights) again.
+        load_compiled = getattr(chosen, "load_compiled", None)
+        if graph is not None and load_compiled is not None:
+            self.session: Session = load_compiled(graph, options)
+        else:
+            self.session = chosen.load(self.model, options)
 
-    def _plan(self, batch_size: int, input_shapes) -> MemoryPlan | None:
+    def _compile(self):
         try:
-            graph = compile_graph(self.model)
+            return compile_graph(self.model)
         except UnsupportedOpError:
             return None  # ort-only model: no numpy plan; onnxruntime plans itself
+
+    def _plan(self, graph, batch_size: int, input_shapes) -> MemoryPlan | None:
+        if graph is None:
+            return None
         try:
             return plan_memory(graph, batch_size, input_shapes)
         except InputError:

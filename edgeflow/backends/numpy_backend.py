@@ -98,4 +98,8 @@ class NumpyBackend(Backend):
         return unsupported_ops(model)
 
     def load(self, model: onnx.ModelProto, options: SessionOptions | None = None) -> NumpySession:
-        return NumpySession(compile_graph(model), options or SessionOptions())
+        return self.load_compiled(compile_graph(model), options)
+
+    def load_compiled(self, graph: CompiledGraph, options: SessionOptions | None = None) -> NumpySession:
+        """A session on an already compiled graph (the runtime compiles once to plan memory)."""
+        return NumpySession(graph, options or SessionOptions())
