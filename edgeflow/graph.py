@@ -17,7 +17,6 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from . import kernels as _kernels_pkg  # noqa: F401  (registers every kernel)
 from .errors import ModelError, UnsupportedOpError
 from .kernels import Kernel, UnknownOpError, get_kernel
 from .model import TensorInfo, elem_dtype, graph_inputs, graph_outputs, model_opset
