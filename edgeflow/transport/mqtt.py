@@ -90,6 +90,9 @@ _V5_PROBE_S = 2.0
 """How long a first MQTT 5 CONNECT waits for CONNACK before falling back to 3.1.1 (protocol="auto")."""
 _V5 = paho.MQTTv5
 _V311 = paho.MQTTv311
+_RETRY_RC = frozenset({paho.MQTT_ERR_NO_CONN, paho.MQTT_ERR_CONN_LOST})
+"""paho results that mean "no connection right now": the work waits for the next connection.
+Everything else paho returns on publish/subscribe/unsubscribe is final."""
 
 
 @dataclass
@@ -294,7 +297,9 @@ class MqttTransport:
         self._inflight: dict[int, Frame] = {}
         self._early_acks: dict[int, Any] = {}
         self._pending_subacks: dict[int, list[str]] = {}
-        self._pending_unsubs: set[int] = set()
+        self._pending_unsubacks: dict[int, list[str]] = {}
+        self._unsubs: dict[str, list[threading.Event]] = {}
+        # broker filters to unsubscribe (until UNSUBACK), with the callers waiting for it
         self._up = False
         self._generation = 0
         self._attempt_started: float | None = None
@@ -310,6 +315,7 @@ class MqttTransport:
         self._probe = False
         self._client_used = False
         self._paho_error: str | None = None
+        self._handing: Frame | None = None
 
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -685,9 +691,19 @@ class MqttTransport:
                 raise errors[0]
         return sub
 
-    def unsubscribe(self, sub: Subscription | str) -> None:
-        """Remove a handler (or every handler of a filter); unsubscribe at the broker when unused."""
+    def unsubscribe(self, sub: Subscription | str, *, timeout: float | None = 10.0) -> None:
+        """Remove a handler (or every handler of a filter); unsubscribe at the broker when unused.
+
+        The handler stops being called at once. If the broker-side
+        subscription is dropped and the transport is connected, waits up to
+        ``timeout`` for the broker's UNSUBACK (raises TransportError if none
+        came: the unsubscribe is then retried on the next connection, which
+        a resumed session needs — the broker kept the subscription). Offline,
+        it is sent when the session is resumed (a new session has no
+        subscription to remove).
+        """
         target = sub.filter if isinstance(sub, Subscription) else str(sub)
+        waiter = threading.Event()
         with self._lock:
             if isinstance(sub, Subscription):
                 removed = [h for h in self._handlers if h.sub is sub]
@@ -703,8 +719,23 @@ class MqttTransport:
             drop: list[str] = list(dict.fromkeys(c for c in candidates if c not in still))
             for d in drop:
                 self._broker_subs.pop(d, None)
-        if drop:
-            self._call_net(lambda: self._send_unsubscribe(drop))
+                self._unsubs[d] = self._unsubs.get(d, []) + [waiter]
+        if not drop:
+            return
+        self._call_net(lambda: self._send_unsubscribe(drop))
+        if timeout and self._connected.is_set():
+            deadline = time.monotonic() + timeout
+            while True:
+                with self._lock:
+                    pending = [d for d in drop if waiter in self._unsubs.get(d, ())]
+                if not pending:
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    msg = f"no UNSUBACK for {', '.join(pending)} within {timeout} s; the unsubscribe is retried on reconnect"
+                    raise TransportError(msg)
+                waiter.wait(min(remaining, 0.1))
+                waiter.clear()
 
     # ------------------------------------------------------- network thread
 
@@ -938,6 +969,7 @@ class MqttTransport:
         self._connected.clear()
         self._requeue_inflight(protocol_error=_rc_value(reason) == 130)
         self._pending_subacks.clear()
+        self._pending_unsubacks.clear()
         if self._closing:
             return
         if not was_up:
@@ -977,6 +1009,10 @@ class MqttTransport:
         frame that is alone in flight at a second protocol error fails.
         """
         frames = list(self._inflight.values())
+        handing = self._handing
+        if handing is not None:  # on_disconnect from inside publish(): the frame being handed over
+            frames.append(handing)
+            self._handing = None
         self._inflight.clear()
         self._early_acks.clear()
         keep: list[Frame] = []
@@ -1001,8 +1037,24 @@ class MqttTransport:
             keep.append(frame)
         if protocol_error and keep:
             self._probe = True
-        self._outbox.push_front(keep)
-        self._count("resent_frames", len(keep))
+        self._requeue(keep, handing=handing)
+
+    def _requeue(self, frames: list[Frame], *, handing: Frame | None = None) -> None:
+        """Put frames back at the head of the queue, in order, for the next connection.
+
+        ``resent_frames`` counts the frames that reached paho and will go out
+        a second time; ``handoff_retries`` the frame whose hand-over to paho
+        met a lost connection (publish() returned "connection lost"/"no
+        connection"): it waits for the next connection instead of failing
+        its delivery.
+        """
+        if not frames:
+            return
+        self._outbox.push_front(frames)
+        retried = sum(1 for f in frames if f is handing)
+        self._count("resent_frames", len(frames) - retried)
+        if retried:
+            self._count("handoff_retries", retried)
 
     def _on_log(self, client: paho.Client, userdata: Any, level: int, buf: str) -> None:
         """Keep paho's last error (e.g. a TLS alert it swallowed) to explain the next disconnect."""
@@ -1048,7 +1100,7 @@ class MqttTransport:
         window = 1 if self._probe else self.max_inflight
         if self._server_receive_max:
             window = min(window, int(self._server_receive_max))
-        while len(self._inflight) < window:
+        while len(self._inflight) < window and self._up and client is self._client and client.socket() is not None:
             frame = self._outbox.pop()
             if frame is None:
                 return
@@ -1065,20 +1117,37 @@ class MqttTransport:
                 if frame.delivery is not None:
                     frame.delivery._fail(TransportError(msg))
                 continue
+            # paho writes to the socket inside publish(); if that write finds the connection gone it
+            # runs on_disconnect before publish() returns. ``_handing`` lets _requeue_inflight put this
+            # frame back in the queue together with the ones in flight, in order.
+            self._handing = frame
             try:
                 info = client.publish(
                     frame.topic, frame.payload(), qos=frame.qos, retain=frame.retain,
                     properties=self._props_out(frame.properties),
                 )
             except (ValueError, ConfigError) as exc:
+                if self._handing is None:  # requeued by a disconnect inside publish(); retried on reconnect
+                    continue
+                self._handing = None
                 self._outbox.release(frame)
                 self._count("publish_failures")
                 if frame.delivery is not None:
                     frame.delivery._fail(TransportError(f"cannot publish to {frame.topic}: {exc}"))
                 continue
-            if info.rc not in (paho.MQTT_ERR_SUCCESS, paho.MQTT_ERR_NO_CONN) or (
-                info.rc == paho.MQTT_ERR_NO_CONN and frame.qos == 0
-            ):
+            requeued = self._handing is None
+            self._handing = None
+            if info.rc in _RETRY_RC:
+                # Not a final error: the connection is (being) lost. The frame waits for the next
+                # connection, like every other unacknowledged frame.
+                if not requeued:
+                    self._requeue([frame], handing=frame)
+                return
+            if requeued:
+                # publish() reported success although the connection dropped during it; the frame is
+                # queued again (paho's copy dies with this client) and is sent after reconnect.
+                return
+            if info.rc != paho.MQTT_ERR_SUCCESS:
                 self._outbox.release(frame)
                 self._count("publish_failures")
                 if frame.delivery is not None:
@@ -1119,6 +1188,13 @@ class MqttTransport:
 
     def _subscribe_after_connect(self) -> None:
         with self._lock:
+            unsubs = list(self._unsubs)
+        if unsubs:
+            if self._session_present:
+                self._send_unsubscribe(unsubs)  # the broker kept the subscriptions: remove them now
+            else:
+                self._unsubscribed(unsubs)  # a new session has none
+        with self._lock:
             subs = list(self._broker_subs.values())
             if not self._session_present:
                 for bs in subs:
@@ -1146,6 +1222,18 @@ class MqttTransport:
         rc, mid = self._client.subscribe(req)
         if rc == paho.MQTT_ERR_SUCCESS:
             self._pending_subacks[mid] = [f for f, _ in items]
+        elif rc not in _RETRY_RC:
+            err = TransportError(f"paho refused to subscribe {[f for f, _ in items]}: {paho.error_string(rc)}")
+            log.warning("%s: %s", self.name, err)
+            with self._lock:
+                for f, _ in items:
+                    bs = self._broker_subs.get(f)
+                    if bs is not None:
+                        bs.error = err
+                        for w in bs.waiters:
+                            w.set()
+                        bs.waiters.clear()
+        # else: the connection is being lost; re-sent on the next connection (new generation)
 
     def _on_subscribe(self, client: paho.Client, userdata: Any, mid: int, reasons: list[Any], properties: Any) -> None:
         filters = self._pending_subacks.pop(mid, [])
@@ -1167,11 +1255,32 @@ class MqttTransport:
                 bs.waiters.clear()
 
     def _send_unsubscribe(self, filters: list[str]) -> None:
-        if self._up and self._client is not None:
-            self._client.unsubscribe(filters)
+        if not self._up or self._client is None:
+            return  # sent by _subscribe_after_connect if the session is resumed
+        with self._lock:
+            again = [f for f in filters if f in self._unsubs and f in self._broker_subs]
+            filters = [f for f in filters if f in self._unsubs and f not in self._broker_subs]
+        self._unsubscribed(again)  # subscribed again before the UNSUBSCRIBE went out: nothing to remove
+        if not filters:
+            return
+        rc, mid = self._client.unsubscribe(filters)
+        if rc == paho.MQTT_ERR_SUCCESS:
+            self._pending_unsubacks[mid] = filters
+        elif rc not in _RETRY_RC:
+            log.warning("%s: paho refused to unsubscribe %s: %s", self.name, filters, paho.error_string(rc))
+            self._unsubscribed(filters)
+        # else: the connection is being lost; retried after reconnect (resumed session) or moot (new one)
 
-    def _on_unsubscribe(self, *args: Any) -> None:
-        pass
+    def _unsubscribed(self, filters: list[str]) -> None:
+        with self._lock:
+            for f in filters:
+                for w in self._unsubs.pop(f, []):
+                    w.set()
+
+    def _on_unsubscribe(self, client: paho.Client, userdata: Any, mid: int, *args: Any) -> None:
+        if client is not self._client:
+            return
+        self._unsubscribed(self._pending_unsubacks.pop(mid, []))
 
     def _on_message(self, client: paho.Client, userdata: Any, msg: Any) -> None:
         self._count("received_frames")
