@@ -19,6 +19,8 @@ never executes code on load.
 from __future__ import annotations
 
 import os
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence, Union
@@ -102,10 +104,14 @@ def open_arrays(path: str | os.PathLike, *, what: str = "data", error: type[Exce
         raise error(f"{what} file not found: {p}")
     try:
         return np.load(p, allow_pickle=False)
-    except ValueError as exc:
-        raise error(f"{p}: not a .npy/.npz file of plain arrays ({exc})") from exc
+    except _CORRUPT as exc:
+        raise error(f"{p}: not a readable .npy/.npz file of plain arrays ({exc}); save it with np.save/np.savez") from exc
     except OSError as exc:
         raise error(f"{p}: cannot read ({exc})") from exc
+
+
+_CORRUPT = (ValueError, EOFError, zipfile.BadZipFile, zlib.error)
+"""What np.load and NpzFile raise on a damaged or foreign file (a truncated zip, a bad header)."""
 
 
 def read_arrays(path: str | os.PathLike, *, what: str = "data",
@@ -117,8 +123,8 @@ def read_arrays(path: str | os.PathLike, *, what: str = "data",
     with data:
         try:
             return {k: data[k] for k in data.files}
-        except ValueError as exc:  # object arrays need pickle, which is refused
-            raise error(f"{path}: not a .npz file of plain arrays ({exc}); save numeric arrays") from exc
+        except _CORRUPT as exc:  # object arrays need pickle, which is refused; or a damaged member
+            raise error(f"{path}: not a readable .npz file of plain arrays ({exc}); save numeric arrays") from exc
 
 
 def load_npz(path: str | os.PathLike, *, x_key: str | None = None, y_key: str | None = None,
@@ -147,7 +153,7 @@ def load_npz(path: str | os.PathLike, *, x_key: str | None = None, y_key: str | 
                 raise InputError(f"{p}: no array named {k!r}; it has {names}")
         try:
             x, y = archive[x_key], archive[y_key]
-        except ValueError as exc:  # object arrays need pickle, which is refused
+        except _CORRUPT as exc:  # object arrays need pickle, which is refused; or a damaged member
             raise InputError(f"{p}: not a .npz file of plain arrays ({exc}); save numeric arrays") from exc
         return from_arrays(x, y, dtype=dtype)
 

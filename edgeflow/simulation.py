@@ -15,7 +15,7 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -73,27 +73,93 @@ class SimConfig:
     fleet: str = ""
 
     def __post_init__(self) -> None:
-        problems = []
-        if self.devices < 1:
-            problems.append("devices must be >= 1")
-        for name in ("dropout", "byzantine", "stragglers", "skip_rate"):
-            v = getattr(self, name)
-            if not 0 <= v < 1:
-                problems.append(f"{name} must be in [0, 1), got {v}")
-        if self.attack not in ATTACKS:
-            problems.append(f"attack must be one of {ATTACKS}, got {self.attack!r}")
-        if self.model not in ("mlp", "cnn"):
-            problems.append(f"model must be 'mlp' or 'cnn', got {self.model!r}")
-        if problems:
-            raise ConfigError("simulation: " + "; ".join(problems))
         if isinstance(self.profiles, str):
             self.profiles = (self.profiles,)
+        problems = _type_problems(self)
+        if problems:  # ranges cannot be checked on values of the wrong type
+            raise ConfigError("simulation: " + "; ".join(problems))
+        problems = _range_problems(self)
+        if problems:
+            raise ConfigError("simulation: " + "; ".join(problems))
         if not self.fleet:
             self.fleet = f"sim{int(time.time() * 1000) % 10**9}"
 
     def train_config(self) -> TrainConfig:
         return TrainConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr, momentum=self.momentum,
                            proximal_mu=self.proximal_mu, codec=self.codec, codec_opts=dict(self.codec_opts))
+
+
+def _type_problems(cfg: SimConfig) -> list[str]:
+    """Each setting must have its default's type (a TOML ``rounds = "three"`` is named, not compared)."""
+    out = []
+    for f in cfg.__dataclass_fields__.values():
+        if f.default is MISSING:
+            continue
+        v, d = getattr(cfg, f.name), f.default
+        if isinstance(d, bool):
+            ok = isinstance(v, bool)
+        elif isinstance(d, int):
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        elif isinstance(d, float):
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        elif isinstance(d, str):
+            ok = isinstance(v, str)
+        elif isinstance(d, tuple):
+            ok = isinstance(v, (tuple, list)) and all(isinstance(x, str) for x in v)
+        else:
+            continue
+        if not ok:
+            want = {bool: "true/false", int: "an integer", float: "a number", str: "a string",
+                    tuple: "a list of strings"}[type(d)]
+            out.append(f"{f.name} must be {want}, got {v!r}")
+    return out
+
+
+def _range_problems(cfg: SimConfig) -> list[str]:
+    from .codecs import available_codecs
+    from .gateway.strategies import available_aggregators
+    from .profiles import list_profiles
+
+    out = []
+    for name in ("devices", "rounds", "min_clients", "epochs", "batch_size", "async_buffer", "dropout_round"):
+        if getattr(cfg, name) < 1:
+            out.append(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.max_extensions < 0:
+        out.append(f"max_extensions must be >= 0, got {cfg.max_extensions}")
+    if cfg.devices < cfg.min_clients:
+        out.append(f"devices ({cfg.devices}) is below min_clients ({cfg.min_clients}): no round could start; "
+                   "add devices or lower --min-clients")
+    for name in ("dropout", "byzantine", "stragglers", "skip_rate"):
+        v = getattr(cfg, name)
+        if not 0 <= v < 1:
+            out.append(f"{name} must be in [0, 1), got {v}")
+    for name in ("fraction", "quorum"):
+        v = getattr(cfg, name)
+        if not 0 < v <= 1:
+            out.append(f"{name} must be in (0, 1], got {v}")
+    for name in ("deadline_s", "lr"):
+        if not getattr(cfg, name) > 0:
+            out.append(f"{name} must be > 0, got {getattr(cfg, name)}")
+    for name in ("momentum", "proximal_mu", "straggler_delay_s", "attack_scale"):
+        if getattr(cfg, name) < 0:
+            out.append(f"{name} must be >= 0, got {getattr(cfg, name)}")
+    if cfg.overselect < 1:
+        out.append(f"overselect must be >= 1, got {cfg.overselect}")
+    if cfg.attack not in ATTACKS:
+        out.append(f"attack must be one of {', '.join(ATTACKS)}, got {cfg.attack!r}")
+    if cfg.model not in ("mlp", "cnn"):
+        out.append(f"model must be 'mlp' or 'cnn', got {cfg.model!r}")
+    if cfg.mode not in ("sync", "async"):
+        out.append(f"mode must be 'sync' or 'async', got {cfg.mode!r}")
+    if cfg.codec not in available_codecs():
+        out.append(f"codec {cfg.codec!r} is unknown; choose one of {', '.join(available_codecs())}")
+    if cfg.strategy not in available_aggregators():
+        out.append(f"strategy {cfg.strategy!r} is unknown; choose one of {', '.join(available_aggregators())}")
+    known = set(list_profiles())
+    bad = [p for p in cfg.profiles if p not in known and not p.endswith(".toml")]
+    if bad or not cfg.profiles:
+        out.append(f"profiles {bad or '(none)'} unknown; choose from {', '.join(sorted(known))} (edgeflow profile list)")
+    return out
 
 
 def build_model(kind: str, seed: int) -> onnx.ModelProto:

@@ -53,3 +53,34 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+def fit_table(title: str, columns: list[tuple[str, int, str]], rows: list[list[str]], width: int):
+    """A rich Table that fits ``width`` columns without wrapping or truncating any cell.
+
+    ``columns`` are ``(header, priority, justify)``; priority 0 columns are
+    always kept, higher numbers are dropped first (highest first) until the
+    table fits. A note under the table names what was left out, and that a
+    wider terminal or --json shows everything.
+    """
+    from rich import box
+    from rich.table import Table
+
+    def need(idx: list[int]) -> int:
+        cells = [max([len(columns[i][0])] + [len(r[i]) for r in rows]) for i in idx]
+        return sum(cells) + 3 * len(idx) + 1  # box.SIMPLE_HEAD: one space each side + a separator
+
+    keep = list(range(len(columns)))
+    dropped: list[str] = []
+    for _, i in sorted(((c[1], i) for i, c in enumerate(columns) if c[1] > 0), reverse=True):
+        if need(keep) <= width:
+            break
+        keep.remove(i)
+        dropped.append(columns[i][0])
+    t = Table(title=title, box=box.SIMPLE_HEAD, caption=(f"not shown at {width} columns: {', '.join(dropped)} "
+              "(widen the terminal or use --json)") if dropped else None)
+    for i in keep:
+        t.add_column(columns[i][0], justify=columns[i][2], no_wrap=True)
+    for r in rows:
+        t.add_row(*[r[i] for i in keep])
+    return t

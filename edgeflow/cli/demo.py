@@ -28,19 +28,19 @@ def register(sub) -> None:
 
 
 def render(result, console) -> None:
-    from rich.table import Table
+    from ._common import fit_table
 
-    t = Table(title=f"edgeflow demo: {result.rounds} federated rounds, then a quantized OTA rollout")
-    for col, just in (("device", "left"), ("profile", "left"), ("backend", "left"), ("trains", "left"),
-                      ("runs", "left"), ("fp32 acc", "right"), ("deployed acc", "right"),
-                      ("p50 ms", "right"), ("p95 ms", "right"), ("uploaded", "right"), ("vs dense", "right")):
-        t.add_column(col, justify=just)
+    cols = [("device", 0, "left"), ("profile", 2, "left"), ("backend", 3, "left"), ("trains", 4, "left"),
+            ("runs", 0, "left"), ("fp32 acc", 0, "right"), ("deployed acc", 0, "right"),
+            ("p50 ms", 1, "right"), ("p95 ms", 5, "right"), ("uploaded", 2, "right"), ("vs dense", 3, "right")]
+    rows = []
     for r in result.devices:
         ratio = f"{r.upload_bytes / r.dense_bytes:.1%}" if r.dense_bytes else "-"
-        t.add_row(r.device, r.profile, r.backend, "yes" if r.trains else "no", r.precision,
-                  f"{r.fp32_accuracy:.3f}", f"{r.deployed_accuracy:.3f}", f"{r.latency_p50_ms:.2f}",
-                  f"{r.latency_p95_ms:.2f}",
-                  f"{r.upload_bytes / 1024:.1f} KiB" if r.trains else "-", ratio)
+        rows.append([r.device, r.profile, r.backend, "yes" if r.trains else "no", r.precision,
+                     f"{r.fp32_accuracy:.3f}", f"{r.deployed_accuracy:.3f}", f"{r.latency_p50_ms:.2f}",
+                     f"{r.latency_p95_ms:.2f}", f"{r.upload_bytes / 1024:.1f} KiB" if r.trains else "-", ratio])
+    t = fit_table(f"edgeflow demo: {result.rounds} federated rounds, then a quantized OTA rollout", cols, rows,
+                  console.width)
     console.print(t)
     console.print(
         f"global model: accuracy {result.final_fp32_accuracy:.3f} (fp32) after {result.rounds} rounds; "
@@ -51,16 +51,18 @@ def render(result, console) -> None:
 
 def cmd(args) -> int:
     import json
+    import sys
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..demo import Demo, DemoConfig
     from ._common import console
 
-    c = console(min_width=140)
+    c = console()
     cfg = DemoConfig(devices=args.devices, rounds=args.rounds, seed=args.seed, model=args.model, codec=args.codec,
                      ratio=args.ratio, broker=args.broker, workdir=args.keep)
-    say = (lambda s: print(s, flush=True)) if args.json else c.print
+    # with --json, stdout carries only the JSON document: the broker line goes to stderr
+    say = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else c.print
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console(stderr=True, min_width=100), transient=False, disable=args.json)
     with Demo(cfg, say=say, progress=progress) as demo, progress:

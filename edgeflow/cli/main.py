@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import pkgutil
 import sys
+import traceback
 
 from .. import __version__
 from ..errors import EdgeflowError
@@ -50,31 +52,82 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"edgeflow {__version__}")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more logging (-vv for debug) and full tracebacks; anywhere on the line")
+    parser.add_argument("-q", "--quiet", action="count", default=0, help="errors only; anywhere on the line")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for mod in _commands():
         mod.register(sub)
     return parser
 
 
+_VERBOSITY = {"-v": (1, 0), "--verbose": (1, 0), "-vv": (2, 0), "-vvv": (3, 0), "-q": (0, 1), "--quiet": (0, 1)}
+
+
+def split_verbosity(argv: list[str]) -> tuple[list[str], int, int]:
+    """Take ``-v``/``-vv``/``--verbose``/``-q``/``--quiet`` from anywhere before ``--``.
+
+    argparse only sees global options before the subcommand; users type
+    ``edgeflow run model.onnx -v`` as often as ``edgeflow -v run ...``.
+    No subcommand defines -v or -q, so the tokens are unambiguous.
+    """
+    rest: list[str] = []
+    verbose = quiet = 0
+    for i, tok in enumerate(argv):
+        if tok == "--":
+            rest.extend(argv[i:])
+            break
+        if tok in _VERBOSITY:
+            v, q = _VERBOSITY[tok]
+            verbose, quiet = verbose + v, quiet + q
+            continue
+        rest.append(tok)
+    return rest, verbose, quiet
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    argv, verbose, quiet = split_verbosity(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    args.verbose, args.quiet = verbose, quiet
+    level = logging.ERROR if quiet and not verbose else [logging.WARNING, logging.INFO, logging.DEBUG][min(verbose, 2)]
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        rc = int(args.func(args) or 0)
+        sys.stdout.flush()
+        return rc
     except EdgeflowError as exc:
+        if verbose:
+            traceback.print_exc()
         print(f"edgeflow {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # `edgeflow ... --json | head`: the reader left. Silence the interpreter's own flush at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:  # a path the user gave: unwritable output, missing folder, full disk
+        if verbose:
+            traceback.print_exc()
+        what = f"{exc.strerror}: {exc.filename}" if exc.filename and exc.strerror else str(exc)
+        print(f"edgeflow {args.command}: error: {what}; check the path and its permissions", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - last resort: one line, the traceback under -v
+        if verbose:
+            raise
+        print(
+            f"edgeflow {args.command}: internal error: {type(exc).__name__}: {exc} "
+            "(a bug in edgeflow; rerun with -v for the traceback and report it)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

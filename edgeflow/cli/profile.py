@@ -26,22 +26,21 @@ def register(sub) -> None:
 
 
 def cmd_list(args) -> int:
-    from rich.table import Table
-
     from ..profiles import builtin_profiles
-    from ._common import console, emit_json
+    from ._common import console, emit_json, fit_table
 
     profs = builtin_profiles()
     if args.json:
         emit_json([p.to_dict() for p in profs.values()])
         return 0
-    t = Table(title="device profiles")
-    for col in ("name", "arch", "cores", "budget MiB", "backends", "quantization", "trains"):
-        t.add_column(col)
-    for p in profs.values():
-        t.add_row(p.name, p.arch, str(p.cores), str(p.memory_budget_mb), " > ".join(p.backends),
-                  f"{p.quantization.scheme}/{p.quantization.activations}", "yes" if p.can_train else "no")
-    console().print(t)
+    cols = [("name", 0, "left"), ("arch", 0, "left"), ("cores", 2, "right"), ("budget MiB", 1, "right"),
+            ("backends", 0, "left"), ("quantization", 3, "left"), ("trains", 1, "left")]
+    rows = [[p.name, p.arch, str(p.cores), str(p.memory_budget_mb), " > ".join(p.backends),
+             f"{p.quantization.scheme}/{p.quantization.activations}", "yes" if p.can_train else "no"]
+            for p in profs.values()]
+    c = console()
+    t = fit_table("device profiles", cols, rows, c.width)
+    c.print(t)
     return 0
 
 

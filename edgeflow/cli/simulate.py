@@ -141,6 +141,7 @@ def build_config(args):
 def cmd(args) -> int:
     import dataclasses
     import json
+    import sys
     import time
     from pathlib import Path
 
@@ -157,7 +158,8 @@ def cmd(args) -> int:
     c = console(min_width=120)
     out = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    say = (lambda s: print(s, flush=True)) if args.json else c.print
+    # with --json, stdout carries only the JSON document: the broker line and warnings go to stderr
+    say = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else c.print
     broker = select_broker(broker_spec)
     try:
         say(describe_broker(broker))
@@ -198,10 +200,11 @@ def cmd(args) -> int:
         wall = time.perf_counter() - t0
         accs = [r["accuracy"] for r in rounds if r.get("accuracy") is not None]
         summary = {
-            "devices": cfg.devices, "rounds_completed": len(rounds), "final_accuracy": accs[-1] if accs else None,
-            "best_accuracy": max(accs) if accs else None, "wall_s": round(wall, 2),
+            "devices": cfg.devices, "rounds_completed": len(rounds),
+            "final_accuracy": round(accs[-1], 4) if accs else None,
+            "best_accuracy": round(max(accs), 4) if accs else None, "wall_s": round(wall, 2),
             "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1), "uploaded_bytes": up, "dense_bytes": dense,
-            "upload_ratio": up / dense if dense else None, "strategy": cfg.strategy, "codec": cfg.codec,
+            "upload_ratio": round(up / dense, 4) if dense else None, "strategy": cfg.strategy, "codec": cfg.codec,
         }
         write_jsonl(out / "devices.jsonl", devices)
         (out / "devices.json").write_text(json.dumps(devices, indent=1) + "\n")
@@ -210,11 +213,18 @@ def cmd(args) -> int:
         report = write_report(out, conf, rounds, devices, summary, plots)
     finally:
         broker.stop()
+    failed = summary["final_accuracy"] is None
     if args.json:
-        print(json.dumps({**summary, "run_folder": str(out), "report": str(report)}, indent=2))
+        print(json.dumps({**summary, "ok": not failed, "run_folder": str(out), "report": str(report)}, indent=2))
     else:
+        acc = "none (no round completed)" if failed else f"{summary['final_accuracy']:.3f}"
         c.print(f"{summary['rounds_completed']} rounds on {cfg.devices} devices in {wall:.1f} s, peak RSS "
-                f"{summary['peak_rss_mb']} MiB; final accuracy {summary['final_accuracy']}; uploaded "
+                f"{summary['peak_rss_mb']} MiB; final accuracy {acc}; uploaded "
                 f"{up / 1024:.0f} KiB ({(summary['upload_ratio'] or 0):.1%} of dense)")
         c.print(f"run folder: {out}  (report: {report}{'' if plots else '; no plots: pip install matplotlib'})")
+    if failed:
+        print("edgeflow simulate: error: no round completed, so there is no accuracy to report; see "
+              f"{out / 'metrics.jsonl'} and the log (-v); lower --min-clients/--quorum or raise --deadline",
+              file=sys.stderr)
+        return 1
     return 0
