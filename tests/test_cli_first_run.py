@@ -130,3 +130,13 @@ def test_simulate_json_is_only_json(tmp_path):
     assert isinstance(summary["final_accuracy"], float)
     assert summary["final_accuracy"] == round(summary["final_accuracy"], 4)
     assert "broker:" in out.stderr
+
+
+@pytest.mark.parametrize("cmd", ["run", "quantize", "train"])
+def test_an_unwritable_output_is_refused_before_any_work(mlp_path, tmp_path, cmd):
+    x = tmp_path / "x.npz"
+    np.savez(x, input=np.zeros((4, 16), np.float32), x=np.zeros((4, 16), np.float32), y=np.zeros(4, np.int64))
+    extra = {"run": ["--input", str(x)], "quantize": ["--profile", "x86-gateway", "-c", str(x)],
+             "train": ["--data", str(x), "--epochs", "1"]}[cmd]
+    one_clear_line(ef(cmd, str(mlp_path), *extra, "-o", "/nonexistent/dir/out.onnx"),
+                   "/nonexistent/dir", "does not exist")

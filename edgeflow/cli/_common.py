@@ -84,3 +84,19 @@ def fit_table(title: str, columns: list[tuple[str, int, str]], rows: list[list[s
     for r in rows:
         t.add_row(*[r[i] for i in keep])
     return t
+
+
+def check_output_path(path: str, flag: str = "--output") -> None:
+    """Refuse an output path that cannot be written, before any long work starts."""
+    import os
+
+    from ..errors import ConfigError
+
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        raise ConfigError(f"{flag} {path}: is a folder; give a file name")
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {path}: folder {parent} does not exist; create it or choose another path")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"{flag} {path}: folder {parent} is not writable")

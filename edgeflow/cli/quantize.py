@@ -56,8 +56,9 @@ def cmd(args) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn
 
     from ..quantization import quantize
-    from ._common import console, emit_json
+    from ._common import check_output_path, console, emit_json
 
+    check_output_path(args.output)
     cal, cal_labels = _split_labels(args.calibration, args.labels_key)
     ev, ev_labels = _split_labels(args.eval, args.labels_key)
     labels = ev_labels if args.eval else cal_labels

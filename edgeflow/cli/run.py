@@ -32,8 +32,10 @@ def cmd(args) -> int:
     import numpy as np
 
     from ..runtime import load
-    from ._common import console, emit_json, load_arrays
+    from ._common import check_output_path, console, emit_json, load_arrays
 
+    if args.output:
+        check_output_path(args.output)
     feeds = load_arrays(args.input)
     batch = (feeds if isinstance(feeds, np.ndarray) else next(iter(feeds.values()), np.zeros(1))).shape[:1] or (1,)
     rt = load(args.model, args.profile, backend=args.backend, threads=args.threads,

@@ -49,8 +49,9 @@ def cmd(args) -> int:
     from ..errors import InputError
     from ..profiles import detect
     from ..train import Trainer
-    from ._common import console, emit_json, human_bytes
+    from ._common import check_output_path, console, emit_json, human_bytes
 
+    check_output_path(args.output)
     if args.epochs < 1 or args.batch_size < 1:
         raise InputError("--epochs and --batch-size must be >= 1")
     data = load_npz(args.data, x_key=args.x_key, y_key=args.y_key)
