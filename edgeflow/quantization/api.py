@@ -33,7 +33,7 @@ from ..profiles import DeviceProfile, get_profile
 from .analysis import QUANTIZABLE, QuantPlan, name_nodes, plan_quantization, pool_before_relu
 from .calibration import METHODS as CALIBRATION_METHODS
 from .calibration import collect_ranges
-from .data import CalibrationSet, DataSource, as_calibration_set, fixed_batch
+from .data import CalibrationSet, DataSource, as_calibration_set, fixed_batch, full_batches
 from .report import LatencyComparison, QuantizationReport, accuracy, model_bytes, output_error
 
 METHODS = ("static", *CALIBRATION_METHODS, "dynamic", "fp16")
@@ -136,6 +136,37 @@ def _measure_latency(fp32: onnx.ModelProto, qm: onnx.ModelProto, profile: Device
     return LatencyComparison(backend, batch, min(profile.threads, os.cpu_count() or 1), stats[0], stats[1])
 
 
+QDQ_OPSET = 13
+"""Per-channel QuantizeLinear/DequantizeLinear (their ``axis`` attribute) exist from opset 13."""
+
+
+def _opset_for_int8(model: onnx.ModelProto, per_channel: bool) -> tuple[onnx.ModelProto, bool, str | None]:
+    """Upgrade a model below opset 13 so per-channel QDQ is legal; else fall back to per-tensor.
+
+    Below opset 13 a per-channel DequantizeLinear (``axis``) fails
+    onnx.checker. onnx's version converter upgrades most models; where it
+    cannot, the weights are quantized per tensor and the note says so.
+    """
+    from ..model import model_opset
+
+    opset = model_opset(model)
+    if opset >= QDQ_OPSET or not per_channel:
+        return model, per_channel, None
+    from onnx import version_converter
+
+    try:
+        up = version_converter.convert_version(model, QDQ_OPSET)
+        up = load_model(up)
+    except Exception as exc:  # noqa: BLE001 - the converter raises assorted types; per-tensor still works
+        return model, False, (f"opset {opset} < {QDQ_OPSET} and the upgrade failed ({_one_line(exc)}): "
+                              "weights quantized per tensor instead of per channel")
+    return up, True, f"model upgraded from opset {opset} to {QDQ_OPSET} for per-channel int8 weights"
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300]
+
+
 def quantize(
     model: ModelSource,
     profile: "str | DeviceProfile",
@@ -183,6 +214,11 @@ def quantize(
     inputs = graph_inputs(fp32)
     per_channel = prof.quantization.weights == "per-channel"
     activations = prof.quantization.activations
+    notes: list[str] = []
+    if kind != "fp16":
+        fp32, per_channel, note = _opset_for_int8(fp32, per_channel)
+        if note:
+            notes.append(note)
 
     from . import ort_backend
 
@@ -215,7 +251,6 @@ def quantize(
         )
     ev: CalibrationSet | None = None
     ev_labels = None
-    notes: list[str] = []
     if eval_data is not None:
         ev = as_calibration_set(eval_data, inputs, what="evaluation data")
         ev_labels = _labels(labels, ev.n) if labels is not None else None
@@ -241,6 +276,10 @@ def quantize(
     be = choose_backend(fp32, prof, backend).name
     fixed = fixed_batch(inputs)
     evaluator = _Evaluator(prof, be, batch_size, fixed)
+    if fixed and cal is not None and kind == "static":
+        cal, note = full_batches(cal, fixed)
+        if note:
+            notes.append(note)
 
     ranges = qparams = None
     if kind == "static":

@@ -147,3 +147,21 @@ def fixed_batch(inputs: list[TensorInfo]) -> int | None:
         if t.shape and isinstance(t.shape[0], int) and t.shape[0] > 0:
             return int(t.shape[0])
     return None
+
+
+def full_batches(data: CalibrationSet, batch: int) -> tuple[CalibrationSet, str | None]:
+    """Samples in whole batches of a fixed-batch model, and a note saying what changed.
+
+    A model whose batch dimension is fixed (say 4) accepts only batches of
+    exactly that size: the remainder of the samples is dropped, or, with
+    fewer samples than one batch, samples are repeated to fill it.
+    """
+    n = data.n
+    if n % batch == 0:
+        return data, None
+    if n < batch:
+        idx = np.arange(batch) % n
+        return data.take(idx), f"the model's batch is fixed at {batch}: {n} samples repeated to fill one batch"
+    keep = n - n % batch
+    return data.take(slice(0, keep)), (f"the model's batch is fixed at {batch}: calibrated on {keep} of {n} "
+                                       f"samples (whole batches)")

@@ -118,10 +118,28 @@ def quantize_static_ort(
             return onnx.load(str(dst))
     except QuantizationError:
         raise
-    except Exception as exc:  # onnxruntime raises its own and assorted types
-        raise QuantizationError(f"onnxruntime.quantization.quantize_static failed: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own and assorted types: re-raised as ours
+        raise ort_error("quantize_static", exc) from exc
     finally:
         root.setLevel(level)
+
+
+_CAUSES = (
+    ("Got invalid dimensions", "the calibration samples do not match the model's input shape"),
+    ("Unrecognized attribute", "onnxruntime wrote a model that onnx.checker rejects for this opset"),
+    ("NOT_IMPLEMENTED", "onnxruntime has no kernel for an op of this model or of its quantized form"),
+    ("Type Error", "a tensor type in the model does not match what an op accepts"),
+    ("is not a registered function/op", "the model uses an op that this onnxruntime does not know"),
+    ("shape inference", "onnxruntime's shape inference failed on this model: fix its input shapes (--shape)"),
+)
+
+
+def ort_error(step: str, exc: BaseException) -> QuantizationError:
+    """An onnxruntime failure as one edgeflow line: the likely cause first, then onnxruntime's words."""
+    text = " ".join(str(exc).split())
+    text = text.replace("[ONNXRuntimeError] : ", "").strip() or type(exc).__name__
+    cause = next((c for key, c in _CAUSES if key in text), f"onnxruntime.quantization.{step} failed")
+    return QuantizationError(f"{cause} (onnxruntime {step}: {text[:400]})")
 
 
 def gemm_to_matmul(model: onnx.ModelProto, nodes: list[str]) -> onnx.ModelProto:
@@ -177,7 +195,7 @@ def quantize_dynamic_ort(model: onnx.ModelProto, *, per_channel: bool, nodes: li
                 weight_type=oq.QuantType.QInt8, nodes_to_quantize=list(nodes),
             )
             return onnx.load(str(dst))
-    except Exception as exc:
-        raise QuantizationError(f"onnxruntime.quantization.quantize_dynamic failed: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - re-raised as ours
+        raise ort_error("quantize_dynamic", exc) from exc
     finally:
         root.setLevel(level)

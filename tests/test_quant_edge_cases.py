@@ -1,0 +1,87 @@
+"""Quantization on models as users bring them: old opsets, fixed batches, onnxruntime's errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from edgeflow import zoo
+from edgeflow.errors import QuantizationError
+from edgeflow.model import model_opset
+from edgeflow.quantization import quantize
+from edgeflow.quantization.data import CalibrationSet, full_batches
+
+ort = pytest.importorskip("onnxruntime")
+
+
+def _x(n: int, d: int = 64) -> np.ndarray:
+    return np.random.default_rng(0).standard_normal((n, d)).astype(np.float32)
+
+
+def _dq_axes(model: onnx.ModelProto) -> list[int | None]:
+    out = []
+    for n in model.graph.node:
+        if n.op_type == "DequantizeLinear":
+            out.append(next((a.i for a in n.attribute if a.name == "axis"), None))
+    return out
+
+
+@pytest.mark.parametrize("engine", ["ort", "numpy"])
+def test_opset_11_model_is_upgraded_for_per_channel_weights(engine):
+    m = zoo.mlp((64, 32, 10), opset=11)
+    q = quantize(m, "x86-gateway", _x(64), engine=engine, latency_runs=0)
+    onnx.checker.check_model(q.model)  # before: "Unrecognized attribute: axis for operator DequantizeLinear"
+    assert model_opset(q.model) >= 13
+    assert any("upgraded from opset 11 to 13" in n for n in q.report.notes), q.report.notes
+    # per-channel weights: a weight DequantizeLinear with a per-channel scale
+    scales = {t.name: numpy_helper.to_array(t) for t in q.model.graph.initializer}
+    per_channel = [n for n in q.model.graph.node if n.op_type == "DequantizeLinear"
+                   and n.input[1] in scales and scales[n.input[1]].size > 1]
+    assert per_channel, "weights were quantized per tensor"
+    sess = ort.InferenceSession(q.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = sess.run(None, {"input": _x(8)})[0]
+    ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"input": _x(8)})[0]
+    assert np.corrcoef(got.ravel(), ref.ravel())[0, 1] > 0.99
+
+
+@pytest.mark.parametrize("engine", ["ort", "numpy"])
+@pytest.mark.parametrize("n", [66, 3])
+def test_a_fixed_batch_model_calibrates_in_whole_batches(engine, n):
+    m = zoo.mlp((64, 32, 10))
+    for vi in (m.graph.input[0], m.graph.output[0]):
+        vi.type.tensor_type.shape.dim[0].dim_value = 4
+    # before: onnxruntime's raw "Got invalid dimensions for input: ... Got: 3 Expected: 4"
+    q = quantize(m, "x86-gateway", _x(n), engine=engine, latency_runs=0, holdout=0)
+    if n == 66:  # the default hold-out (20%) leaves 53 for calibration: also not whole batches
+        q2 = quantize(m, "x86-gateway", _x(n), engine=engine, latency_runs=0)
+        assert any("batch is fixed at 4" in note for note in q2.report.notes)
+    onnx.checker.check_model(q.model)
+    assert any("batch is fixed at 4" in note for note in q.report.notes), q.report.notes
+
+
+def test_full_batches_drops_the_remainder_or_fills_one_batch():
+    cs = CalibrationSet({"x": np.arange(10, dtype=np.float32)[:, None]})
+    kept, note = full_batches(cs, 4)
+    assert kept.n == 8 and "8 of 10" in note
+    small, note = full_batches(cs.take(slice(0, 3)), 4)
+    assert small.n == 4 and small.arrays["x"][:, 0].tolist() == [0, 1, 2, 0] and "repeated" in note
+    same, note = full_batches(cs.take(slice(0, 8)), 4)
+    assert same.n == 8 and note is None
+
+
+def test_onnxruntime_errors_become_one_line_with_the_cause():
+    from edgeflow.quantization.ort_backend import ort_error
+
+    m = zoo.mlp((64, 32, 10))
+    for vi in (m.graph.input[0],):
+        vi.type.tensor_type.shape.dim[0].dim_value = 4
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    with pytest.raises(Exception) as info:  # a real onnxruntime exception, multi-line
+        sess.run(None, {"input": _x(3)})
+    assert "\n" in str(info.value)
+    err = ort_error("quantize_static", info.value)
+    assert isinstance(err, QuantizationError)
+    assert "\n" not in str(err)
+    assert str(err).startswith("the calibration samples do not match the model's input shape")
