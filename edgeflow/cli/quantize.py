@@ -16,7 +16,8 @@ def register(sub) -> None:
     )
     p.add_argument("model", help="fp32 .onnx file")
     p.add_argument("--profile", required=True, help="device profile name or .toml path")
-    p.add_argument("--calibration", "-c", help=".npz/.npy calibration samples (a few hundred)")
+    p.add_argument("--calibration", "-c",
+                   help=".npz/.npy calibration samples (a few hundred), or a folder of images / 16 kHz .wav files")
     p.add_argument("--output", "-o", required=True, help="where to write the quantized .onnx")
     p.add_argument("--method", choices=["static", "minmax", "percentile", "entropy", "dynamic", "fp16"],
                    help="override the profile's scheme (static = the profile's calibration method)")
@@ -30,15 +31,62 @@ def register(sub) -> None:
     p.add_argument("--percentile", type=float, default=99.999, help="percentile calibration's cut (default 99.999)")
     p.add_argument("--no-sensitivity", action="store_true", help="skip per-layer sensitivity (one model per layer)")
     p.add_argument("--backend", choices=["ort", "numpy"], help="backend for the report (default: the profile's)")
+    g = p.add_argument_group("preprocessing of image/audio folders (default: from the model's input shape)")
+    g.add_argument("--preprocess", metavar="TOML", help="a recipe file with an [image] or [audio] table "
+                   "(see docs/quantization.md)")
+    g.add_argument("--resize", metavar="N|H,W", help="resize the shorter side to N, or to exactly H,W")
+    g.add_argument("--crop", metavar="N|H,W", help="center crop after resizing")
+    g.add_argument("--scale", type=float, help="multiply pixel values (0..255) by this first (default 1/255)")
+    g.add_argument("--mean", metavar="M[,M,M]", help="subtract per channel after scaling")
+    g.add_argument("--std", metavar="S[,S,S]", help="divide per channel after subtracting the mean")
+    g.add_argument("--channels", choices=["RGB", "BGR", "L"], help="channel order (L = grey)")
+    g.add_argument("--layout", choices=["NCHW", "NHWC"], help="tensor layout")
+    g.add_argument("--sample-rate", type=int, help="audio: resample .wav files to this rate (default 16000)")
+    g.add_argument("--window", type=int, help="audio: samples per input (default: the input's last dimension)")
+    g.add_argument("--hop", type=int, help="audio: step between windows (default: --window)")
     p.add_argument("--report", help="also write the report as JSON to this file")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd)
 
 
+_IMAGE_FLAGS = ("resize", "crop", "scale", "mean", "std", "channels", "layout")
+_AUDIO_FLAGS = ("sample_rate", "window", "hop")
+
+
+def _prep(args):
+    """The preprocessing recipe from --preprocess and/or the flags (flags win)."""
+    from dataclasses import fields, replace
+
+    from ..errors import InputError
+    from ..preprocess import AudioPrep, ImagePrep, load_prep, prep_from_dict
+
+    base = load_prep(args.preprocess) if args.preprocess else None
+    img = {k: getattr(args, k) for k in _IMAGE_FLAGS if getattr(args, k) is not None}
+    aud = {k: getattr(args, k) for k in _AUDIO_FLAGS if getattr(args, k) is not None}
+    if img and aud:
+        raise InputError("image flags (--resize/--crop/--mean/...) and audio flags (--sample-rate/--window/--hop) "
+                         "cannot be mixed")
+    if not img and not aud:
+        return base
+    cls = ImagePrep if img else AudioPrep
+    if base is not None and not isinstance(base, cls):
+        raise InputError(f"{args.preprocess} is a recipe for {'audio' if img else 'images'}, but "
+                         f"{'image' if img else 'audio'} flags were given")
+    flags = prep_from_dict(cls, img or aud, source="flags")
+    if base is None:
+        return flags
+    given = {f.name: getattr(flags, f.name) for f in fields(cls) if f.name in (img or aud)}
+    return replace(base, **given)
+
+
 def _split_labels(path: str | None, key: str):
-    """Arrays of a data file, with the labels array (if any) taken out."""
+    """Arrays of a data file, with the labels array (if any) taken out (a folder passes through)."""
     if path is None:
         return None, None
+    import os
+
+    if os.path.isdir(path):
+        return path, None
     import numpy as np
 
     from ..quantization.data import load_arrays
@@ -59,6 +107,7 @@ def cmd(args) -> int:
     from ._common import check_output_path, console, emit_json
 
     check_output_path(args.output)
+    prep = _prep(args)
     cal, cal_labels = _split_labels(args.calibration, args.labels_key)
     ev, ev_labels = _split_labels(args.eval, args.labels_key)
     labels = ev_labels if args.eval else cal_labels
@@ -70,7 +119,7 @@ def cmd(args) -> int:
             keep_fp32=args.keep_fp32, keep_first=args.keep_first, keep_last=args.keep_last,
             eval_data=ev, labels=labels, percentile=args.percentile,
             sensitivity=False if args.no_sensitivity else None, backend=args.backend,
-            output=args.output,
+            output=args.output, preprocess=prep,
         )
     rep = result.report.to_dict()
     rep["output"] = args.output

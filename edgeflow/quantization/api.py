@@ -22,7 +22,7 @@ import copy
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import onnx
@@ -30,6 +30,9 @@ import onnx
 from ..errors import EdgeflowError, QuantizationError
 from ..model import ModelSource, TensorInfo, graph_inputs, load_model
 from ..profiles import DeviceProfile, get_profile
+
+if TYPE_CHECKING:
+    from ..preprocess import AudioPrep, ImagePrep
 from .analysis import QUANTIZABLE, QuantPlan, name_nodes, plan_quantization, pool_before_relu
 from .calibration import METHODS as CALIBRATION_METHODS
 from .calibration import collect_ranges
@@ -188,6 +191,7 @@ def quantize(
     latency_runs: int = 20,
     seed: int = 0,
     output: str | os.PathLike | None = None,
+    preprocess: "ImagePrep | AudioPrep | str | os.PathLike | None" = None,
 ) -> QuantizedModel:
     """Quantize ``model`` for ``profile``; see the module docstring.
 
@@ -201,7 +205,10 @@ def quantize(
     convolutions over fewer than ``min_int8_channels`` input channels (image
     input layers) in fp32, where int8 is slower. ``backend`` is where the
     report runs (default: the profile's first usable backend). The result is
-    saved to ``output`` when given.
+    saved to ``output`` when given. ``calibration`` / ``eval_data`` may be a
+    folder of images or .wav files, read with ``preprocess`` (an
+    :class:`~edgeflow.preprocess.ImagePrep` / ``AudioPrep`` or a TOML file;
+    default: from the model's input shape).
     """
     if engine not in ENGINES:
         raise QuantizationError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
@@ -243,7 +250,16 @@ def quantize(
             plan = plan_quantization(fp32, **plan_kw)
 
     # Data: calibration, held-out evaluation, labels.
-    cal = as_calibration_set(calibration, inputs) if calibration is not None else None
+    if isinstance(preprocess, (str, os.PathLike)):
+        from ..errors import InputError
+        from ..preprocess import load_prep
+
+        try:
+            preprocess = load_prep(preprocess)
+        except InputError as exc:
+            raise QuantizationError(str(exc)) from exc
+    cal = (as_calibration_set(calibration, inputs, prep=preprocess, notes=notes)
+           if calibration is not None else None)
     if kind == "static" and cal is None:
         raise QuantizationError(
             "static int8 quantization needs calibration data: pass calibration= a few hundred "
@@ -252,7 +268,7 @@ def quantize(
     ev: CalibrationSet | None = None
     ev_labels = None
     if eval_data is not None:
-        ev = as_calibration_set(eval_data, inputs, what="evaluation data")
+        ev = as_calibration_set(eval_data, inputs, what="evaluation data", prep=preprocess, notes=notes)
         ev_labels = _labels(labels, ev.n) if labels is not None else None
         source = "eval_data"
     elif cal is not None:

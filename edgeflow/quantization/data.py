@@ -101,9 +101,38 @@ def _check_one(name: str, a: np.ndarray, info: TensorInfo, what: str) -> tuple[n
     return a, problems
 
 
-def as_calibration_set(source: DataSource, inputs: list[TensorInfo], *, what: str = "calibration data") -> CalibrationSet:
-    """Validate ``source`` against the model's inputs; one error lists every problem."""
-    raw = load_arrays(source)
+def folder_arrays(path: Path, inputs: list[TensorInfo], prep=None, *, what: str = "calibration data"):
+    """A folder of images or .wav files as samples for a single-input model, and notes on what was read."""
+    from ..errors import InputError
+    from ..preprocess import folder_samples
+
+    if len(inputs) != 1:
+        names = [i.name for i in inputs]
+        raise QuantizationError(
+            f"{what}: a folder of files feeds one input, but the model has {len(inputs)} inputs {names}; "
+            "give a .npz with one array per input"
+        )
+    try:
+        arr, notes = folder_samples(path, list(inputs[0].shape or ()), prep)
+    except InputError as exc:
+        raise QuantizationError(f"{what}: {exc}") from exc
+    return arr, notes
+
+
+def as_calibration_set(source: DataSource, inputs: list[TensorInfo], *, what: str = "calibration data",
+                       prep=None, notes: list[str] | None = None) -> CalibrationSet:
+    """Validate ``source`` against the model's inputs; one error lists every problem.
+
+    ``source`` may also be a folder of images or .wav files (single-input
+    models), read with the :mod:`edgeflow.preprocess` recipe ``prep``; what
+    was read is appended to ``notes``.
+    """
+    if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
+        raw, more = folder_arrays(Path(source), inputs, prep, what=what)
+        if notes is not None:
+            notes.extend(more)
+    else:
+        raw = load_arrays(source)
     names = [i.name for i in inputs]
     if isinstance(raw, np.ndarray):
         if len(inputs) != 1:
