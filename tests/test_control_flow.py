@@ -154,6 +154,19 @@ def test_if_branches_may_return_different_shapes():
         assert_same(ours, ref)
 
 
+def test_conformance_claims_and_passes_the_control_flow_cases():
+    from edgeflow import conformance
+
+    ops = {"If", "Loop", "Scan", "SequenceMap", "SequenceInsert", "SequenceConstruct", "SplitToSequence",
+           "Optional", "OptionalHasElement", "OptionalGetElement"}
+    by_op: dict[str, int] = {}
+    for c in conformance.select().claimed:
+        for op in conformance._ops(c.model.graph) & ops:
+            by_op[op] = by_op.get(op, 0) + 1
+    assert set(by_op) == ops, f"no claimed case for {ops - set(by_op)}"
+    assert by_op["Scan"] >= 4 and by_op["Loop"] >= 2 and by_op["If"] >= 3
+
+
 # ---------------------------------------------------------------- Loop: early exit, scan outputs
 
 
