@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
+from . import image_decoder
 from .graph import compile_graph, unsupported_ops
 
 _NUMPY_DTYPES = {
@@ -111,7 +112,11 @@ def select(cases=None) -> Selection:
         model = c.model
         if _domains(model.graph) - {"", "ai.onnx"}:
             continue
-        if unsupported_ops(model):
+        missing = unsupported_ops(model)
+        if missing == ["ImageDecoder"] and not image_decoder.AVAILABLE:
+            excluded[c.name] = image_decoder.MISSING_REASON
+            continue
+        if missing:
             continue
         bad = _graph_dtypes(model.graph) - _NUMPY_DTYPES
         if bad:
@@ -200,7 +205,7 @@ def render(selection: Selection) -> str:
     lines += [f"| {op} | {n} |" for op, n in sorted(ops.items())]
     lines += ["", "## Claimed cases", ""]
     lines += [f"- `{c.name}`" for c in sorted(selection.claimed, key=lambda c: c.name)]
-    lines += ["", "## Excluded (all ops supported, but a dtype numpy cannot represent)", ""]
+    lines += ["", "## Excluded (every op has a kernel, but a dtype numpy cannot represent or an optional package is missing)", ""]
     lines += [f"- `{n}`: {why}" for n, why in sorted(selection.excluded.items())]
     return "\n".join(lines) + "\n"
 
