@@ -111,7 +111,7 @@ def node_label(n: onnx.NodeProto, position: int) -> str:
     return n.name or f"{n.op_type}_{position}"
 
 
-def _walk_nodes(model: onnx.ModelProto, g: onnx.GraphProto, where: str):
+def _walk_nodes(g: onnx.GraphProto, where: str):
     """Every node of ``g`` and of its subgraphs, as (domain, node, path)."""
     for i, n in enumerate(g.node):
         dom = "" if n.domain in _DEFAULT_DOMAINS else n.domain
@@ -119,10 +119,10 @@ def _walk_nodes(model: onnx.ModelProto, g: onnx.GraphProto, where: str):
         yield dom, n, f"{where}node '{label}'"
         for a in n.attribute:
             if a.type == onnx.AttributeProto.GRAPH:
-                yield from _walk_nodes(model, a.g, f"{where}{n.op_type} '{label}' / {a.name} / ")
+                yield from _walk_nodes(a.g, f"{where}{n.op_type} '{label}' / {a.name} / ")
             elif a.type == onnx.AttributeProto.GRAPHS:
                 for k, sg in enumerate(a.graphs):
-                    yield from _walk_nodes(model, sg, f"{where}{n.op_type} '{label}' / {a.name}[{k}] / ")
+                    yield from _walk_nodes(sg, f"{where}{n.op_type} '{label}' / {a.name}[{k}] / ")
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ def find_missing(model: onnx.ModelProto, supported: Callable[[str, str, int], bo
     """Every distinct op of the model, subgraphs included, that ``supported`` refuses."""
     found: dict[str, list] = {}
     ok: set[str] = set()
-    for dom, n, path in _walk_nodes(model, model.graph, ""):
+    for dom, n, path in _walk_nodes(model.graph, ""):
         label = _op_label(dom, n.op_type)
         if label in ok:
             continue

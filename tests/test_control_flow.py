@@ -470,3 +470,15 @@ def test_training_refuses_control_flow_in_one_line():
         Trainer(m)
     assert str(ei.value).startswith("training does not differentiate through control flow: node 'gate' (If)")
     assert "\n" not in str(ei.value)
+
+
+def test_the_ort_backend_also_finds_custom_ops_inside_subgraphs():
+    from edgeflow.backends.ort import OrtBackend
+
+    then_g = h.make_graph([h.make_node("Twiddle", ["x"], ["t"], domain="acme")], "t", [], [vi("t", F, [1])])
+    else_g = h.make_graph([h.make_node("Neg", ["x"], ["e"])], "e", [], [vi("e", F, [1])])
+    g = h.make_graph([h.make_node("If", ["c"], ["y"], then_branch=then_g, else_branch=else_g)], "g",
+                     [vi("c", T.BOOL, []), vi("x", F, [1])], [vi("y", F, [1])])
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", 17), h.make_opsetid("acme", 1)])
+    assert OrtBackend().unsupported_ops(m) == ["acme::Twiddle"]
+    assert OrtBackend().unsupported_ops(nested_if_in_loop()) == []
