@@ -163,7 +163,7 @@ def find_unsupported(model: onnx.ModelProto, supported: Callable[[str, str, int]
     return [m.op for m in find_missing(model, supported)]
 
 
-def _numpy_supports(domain: str, op: str, opset: int) -> bool:
+def numpy_supports(domain: str, op: str, opset: int) -> bool:
     try:
         get_kernel(op, domain, opset)
     except UnknownOpError:
@@ -173,7 +173,7 @@ def _numpy_supports(domain: str, op: str, opset: int) -> bool:
 
 def unsupported_ops(model: onnx.ModelProto) -> list[str]:
     """Ops of the model with no numpy kernel at the model's opset."""
-    return find_unsupported(model, _numpy_supports)
+    return find_unsupported(model, numpy_supports)
 
 
 def outer_scope_names(g: onnx.GraphProto) -> set[str]:
@@ -299,7 +299,7 @@ def compile_graph(model: onnx.ModelProto, *, optimize: bool = True) -> CompiledG
 
 
 def _refuse_missing_ops(model: onnx.ModelProto) -> None:
-    missing = find_missing(model, _numpy_supports)
+    missing = find_missing(model, numpy_supports)
     if missing:
         raise UnsupportedOpError(
             f"the numpy backend has no kernel for {len(missing)} op(s) of this model:\n  "

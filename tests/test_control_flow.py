@@ -366,7 +366,9 @@ def test_unsupported_op_inside_a_subgraph_is_found_with_its_path():
     with pytest.raises(UnsupportedOpError) as ei:
         compile_graph(m)
     assert ei.value.ops == ["acme::Frobnicate"]
-    assert "acme::Frobnicate (opset 3) at Loop 'L' / body / If 'n12' / then_branch / node 'frob'" in str(ei.value)
+    line = "acme::Frobnicate (opset 3) at Loop 'L' / body / If 'n12' / then_branch / node 'frob'"
+    assert line in str(ei.value)
+    assert NumpyBackend().describe_unsupported(m) == [line]
 
 
 def test_top_level_missing_op_is_one_line_with_op_opset_and_node():

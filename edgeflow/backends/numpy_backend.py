@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 
 from ..control_flow import run_nodes
-from ..graph import CompiledGraph, compile_graph, unsupported_ops
+from ..graph import CompiledGraph, compile_graph, find_missing, numpy_supports, unsupported_ops
 from .base import Backend, Session, SessionOptions
 
 
@@ -81,6 +81,10 @@ class NumpyBackend(Backend):
 
     def unsupported_ops(self, model: onnx.ModelProto) -> list[str]:
         return unsupported_ops(model)
+
+    def describe_unsupported(self, model: onnx.ModelProto) -> list[str]:
+        """One line per op without a kernel: op, opset, first node with its subgraph path."""
+        return [m.line() for m in find_missing(model, numpy_supports)]
 
     def load(self, model: onnx.ModelProto, options: SessionOptions | None = None) -> NumpySession:
         return self.load_compiled(compile_graph(model), options)
