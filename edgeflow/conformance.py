@@ -3,10 +3,13 @@ backend.
 
 ``onnx.backend.test.case.node.collect_testcases`` builds every node case in
 memory. A case is *claimed* when the numpy kernels implement every op of
-its graph at its opset — including the ``*_expanded`` cases, which test
-function ops written out in primitive ops — and every tensor it feeds or
-expects has a dtype numpy represents (bfloat16, float8, int4 and strings are
-excluded, and the reason is recorded). Every claimed case must pass.
+its graph at its opset — ops inside subgraphs (If/Loop/Scan bodies)
+included, and the ``*_expanded`` cases, which test function ops written out
+in primitive ops — and every tensor it feeds or expects, or holds in a
+sequence or optional, has a dtype numpy represents (bfloat16, float8, int4
+and strings are excluded, and the reason is recorded). Every claimed case
+must pass. Sequence values are fed and compared as lists of arrays,
+optional ones as ``None`` or the value.
 
 ``python -m edgeflow.conformance --write docs/conformance.md`` regenerates
 the list of included case names.
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
+from . import image_decoder
 from .graph import compile_graph, unsupported_ops
 
 _NUMPY_DTYPES = {
@@ -49,18 +53,56 @@ def all_node_cases() -> tuple:
             return tuple(collect_testcases(None))
 
 
-def _graph_dtypes(model: onnx.ModelProto) -> set[int]:
-    g = model.graph
-    types = {vi.type.tensor_type.elem_type for vi in list(g.input) + list(g.output)}
+def _elem_types(tp: onnx.TypeProto) -> set[int]:
+    """Tensor element types inside a (possibly sequence/optional) type."""
+    kind = tp.WhichOneof("value")
+    if kind == "tensor_type":
+        return {tp.tensor_type.elem_type}
+    if kind == "sparse_tensor_type":
+        return {tp.sparse_tensor_type.elem_type}
+    if kind == "sequence_type":
+        return _elem_types(tp.sequence_type.elem_type)
+    if kind == "optional_type":
+        return _elem_types(tp.optional_type.elem_type)
+    if kind == "map_type":
+        return {tp.map_type.key_type} | _elem_types(tp.map_type.value_type)
+    return set()
+
+
+def _subgraphs(g: onnx.GraphProto):
+    for n in g.node:
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                yield a.g
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                yield from a.graphs
+
+
+def _graph_dtypes(g: onnx.GraphProto) -> set[int]:
+    """Element types a graph and its subgraphs feed, return, store or cast to."""
+    types: set[int] = set()
+    for vi in list(g.input) + list(g.output):
+        types |= _elem_types(vi.type)
     types |= {t.data_type for t in g.initializer}
     for n in g.node:
         for a in n.attribute:
             if a.type == onnx.AttributeProto.TENSOR:
                 types.add(a.t.data_type)
-            if a.name == "to":
+            if a.type == onnx.AttributeProto.TYPE_PROTO:
+                types |= _elem_types(a.tp)
+            if a.name in ("to", "dtype") and a.type == onnx.AttributeProto.INT:
                 types.add(a.i)
+    for sg in _subgraphs(g):
+        types |= _graph_dtypes(sg)
     types.discard(0)
     return types
+
+
+def _domains(g: onnx.GraphProto) -> set[str]:
+    out = {n.domain for n in g.node}
+    for sg in _subgraphs(g):
+        out |= _domains(sg)
+    return out
 
 
 def select(cases=None) -> Selection:
@@ -68,11 +110,15 @@ def select(cases=None) -> Selection:
     claimed, excluded = [], {}
     for c in cases:
         model = c.model
-        if any(n.domain not in ("", "ai.onnx") for n in model.graph.node):
+        if _domains(model.graph) - {"", "ai.onnx"}:
             continue
-        if unsupported_ops(model):
+        missing = unsupported_ops(model)
+        if missing == ["ImageDecoder"] and not image_decoder.AVAILABLE:
+            excluded[c.name] = image_decoder.MISSING_REASON
             continue
-        bad = _graph_dtypes(model) - _NUMPY_DTYPES
+        if missing:
+            continue
+        bad = _graph_dtypes(model.graph) - _NUMPY_DTYPES
         if bad:
             names = sorted(onnx.TensorProto.DataType.Name(t) for t in bad)
             excluded[c.name] = f"dtype {', '.join(names)} has no numpy representation"
@@ -83,10 +129,36 @@ def select(cases=None) -> Selection:
     return Selection(claimed, excluded)
 
 
-def _array(v) -> np.ndarray:
+def _value(v):
+    """A fed or expected value: arrays as arrays, sequences as lists, empty optionals as None."""
+    if v is None:
+        return None
+    if isinstance(v, (list, tuple)):
+        return [_value(x) for x in v]
     if isinstance(v, onnx.TensorProto):
         return onnx.numpy_helper.to_array(v)
     return np.asarray(v)
+
+
+def _compare(case, what: str, got, want) -> None:
+    if want is None or isinstance(want, list):
+        if want is None:
+            assert got is None, f"{case.name}: {what} should be an empty optional, got {type(got).__name__}"
+            return
+        assert isinstance(got, list), f"{case.name}: {what} should be a sequence, got {type(got).__name__}"
+        assert len(got) == len(want), f"{case.name}: {what} has {len(got)} elements, expected {len(want)}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            _compare(case, f"{what}[{i}]", g, w)
+        return
+    assert isinstance(got, np.ndarray) or np.isscalar(got), (
+        f"{case.name}: {what} should be a tensor, got {type(got).__name__}")
+    got = np.asarray(got)
+    assert got.shape == want.shape, f"{case.name}: {what} shape {got.shape} != {want.shape}"
+    if want.dtype.kind in "fc":
+        assert got.dtype == want.dtype, f"{case.name}: {what} dtype {got.dtype} != {want.dtype}"
+        np.testing.assert_allclose(got, want, rtol=case.rtol, atol=case.atol, err_msg=f"{case.name} {what}")
+    else:
+        np.testing.assert_array_equal(got.astype(want.dtype), want, err_msg=f"{case.name} {what}")
 
 
 def run_case(case) -> None:
@@ -97,24 +169,24 @@ def run_case(case) -> None:
     in_names = [i.name for i in case.model.graph.input]
     out_names = [o.name for o in case.model.graph.output]
     for inputs, expected in case.data_sets:
-        feeds = {n: _array(v) for n, v in zip(in_names, inputs) if n}
+        feeds = {n: _value(v) for n, v in zip(in_names, inputs) if n}
         with np.errstate(all="ignore"):
             env = execute(graph, feeds)
         for name, want in zip(out_names, expected):
-            got = env[name]
-            want = _array(want)
-            assert got.shape == want.shape, f"{case.name}: output {name} shape {got.shape} != {want.shape}"
-            if want.dtype.kind in "fc":
-                assert got.dtype == want.dtype, f"{case.name}: output {name} dtype {got.dtype} != {want.dtype}"
-                np.testing.assert_allclose(got, want, rtol=case.rtol, atol=case.atol, err_msg=case.name)
-            else:
-                np.testing.assert_array_equal(got.astype(want.dtype), want, err_msg=case.name)
+            _compare(case, f"output {name}", env[name], _value(want))
+
+
+def _ops(g: onnx.GraphProto) -> set[str]:
+    out = {n.op_type for n in g.node}
+    for sg in _subgraphs(g):
+        out |= _ops(sg)
+    return out
 
 
 def render(selection: Selection) -> str:
     ops: dict[str, int] = {}
     for c in selection.claimed:
-        for op in {n.op_type for n in c.model.graph.node}:
+        for op in _ops(c.model.graph):
             ops[op] = ops.get(op, 0) + 1
     lines = [
         "# ONNX node conformance of the numpy backend",
@@ -125,7 +197,7 @@ def render(selection: Selection) -> str:
         f"onnx {onnx.__version__}: {len(selection.claimed)} node cases claimed (every op of the",
         "case has a numpy kernel at the case's opset), all expected to pass.",
         "",
-        "## Cases per op (a case counts once for each op it uses)",
+        "## Cases per op (a case counts once for each op it uses, subgraphs included)",
         "",
         "| op | cases |",
         "|---|---|",
@@ -133,7 +205,7 @@ def render(selection: Selection) -> str:
     lines += [f"| {op} | {n} |" for op, n in sorted(ops.items())]
     lines += ["", "## Claimed cases", ""]
     lines += [f"- `{c.name}`" for c in sorted(selection.claimed, key=lambda c: c.name)]
-    lines += ["", "## Excluded (all ops supported, but a dtype numpy cannot represent)", ""]
+    lines += ["", "## Excluded (every op has a kernel, but a dtype numpy cannot represent or an optional package is missing)", ""]
     lines += [f"- `{n}`: {why}" for n, why in sorted(selection.excluded.items())]
     return "\n".join(lines) + "\n"
 

@@ -8,6 +8,15 @@ workspace (e.g. Conv's im2col buffer). Weights count in full.
 
 Values whose size inference cannot tell (data-dependent shapes) are
 reported in ``unknown``; then :func:`measure_peak` can trace one real run.
+
+Control flow is counted conservatively: the outer graph is planned as
+usual, and a control-flow node (If, Loop, Scan, SequenceMap) adds, as its
+workspace, the largest planned peak of its subgraphs (each walked like a
+graph, its inputs counted live at its start, nested control flow counted
+the same way) plus, for Loop, Scan and SequenceMap, every output of the
+node once more — the per-iteration pieces held before they are stacked.
+Loop-carried values whose shape changes across iterations have no inferred
+size and are reported in ``unknown``.
 """
 
 from __future__ import annotations
@@ -90,10 +99,16 @@ def fixed_shape_model(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]
 
 def _sizes(model: onnx.ModelProto) -> dict[str, tuple[int, ...] | None]:
     out: dict[str, tuple[int, ...] | None] = {}
-    for vi in list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output):
+    _graph_sizes(model.graph, out)
+    return out
+
+
+def _graph_sizes(g: onnx.GraphProto, out: dict[str, tuple[int, ...] | None]) -> None:
+    """Shapes of the values of ``g`` and of its subgraphs (a name seen twice keeps the larger)."""
+    for vi in list(g.input) + list(g.value_info) + list(g.output):
         t = vi.type.tensor_type
-        if not t.HasField("shape"):
-            out[vi.name] = None
+        if not vi.type.HasField("tensor_type") or not t.HasField("shape"):
+            out.setdefault(vi.name, None)
             continue
         dims = []
         for d in t.shape.dim:
@@ -102,8 +117,32 @@ def _sizes(model: onnx.ModelProto) -> dict[str, tuple[int, ...] | None]:
             else:
                 dims = None
                 break
-        out[vi.name] = tuple(dims) if dims is not None else None
-    return out
+        shape = tuple(dims) if dims is not None else None
+        old = out.get(vi.name)
+        if old is None or (shape is not None and np.prod(shape, dtype=np.int64) > np.prod(old, dtype=np.int64)):
+            out[vi.name] = shape
+    for t in g.initializer:
+        out.setdefault(t.name, tuple(t.dims))
+    for n in g.node:
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                _graph_sizes(a.g, out)
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                for sg in a.graphs:
+                    _graph_sizes(sg, out)
+
+
+def _graph_types(g: onnx.GraphProto, out: dict[str, str]) -> None:
+    for vi in list(g.input) + list(g.value_info) + list(g.output):
+        if vi.type.tensor_type.elem_type:
+            out[vi.name] = elem_dtype(vi.type.tensor_type.elem_type)
+    for n in g.node:
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                _graph_types(a.g, out)
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                for sg in a.graphs:
+                    _graph_types(sg, out)
 
 
 def _itemsize(dtype: str) -> int:
@@ -113,6 +152,9 @@ def _itemsize(dtype: str) -> int:
         return 4
 
 
+_STACKING = frozenset({"Loop", "Scan", "SequenceMap"})
+
+
 def plan_memory(graph: CompiledGraph, batch_size: int = 1,
                 input_shapes: dict[str, tuple[int, ...]] | None = None) -> MemoryPlan:
     """Plan the peak memory of one run at ``batch_size`` (or explicit shapes)."""
@@ -120,51 +162,80 @@ def plan_memory(graph: CompiledGraph, batch_size: int = 1,
     fixed = fixed_shape_model(graph.model, shapes)
     sizes = _sizes(fixed)
     types = dict(graph.types)
-    for vi in list(fixed.graph.value_info) + list(fixed.graph.output):
-        if vi.type.tensor_type.elem_type:
-            types[vi.name] = elem_dtype(vi.type.tensor_type.elem_type)
+    _graph_types(fixed.graph, types)
+    weights_of: dict[str, np.ndarray] = dict(graph.initializers)
+    unknown: list[str] = []
 
     def nbytes(name: str) -> int | None:
-        if name in graph.initializers:
+        if name in weights_of:
             return 0  # counted in weights
         shp = sizes.get(name)
         if shp is None:
             return None
         return int(np.prod(shp, dtype=np.int64)) * _itemsize(types.get(name, "float32"))
 
-    weights = sum(int(a.nbytes) for a in graph.initializers.values())
-    unknown: list[str] = []
-    live: dict[str, int] = {}
-    for name in shapes:
-        live[name] = int(np.prod(shapes[name], dtype=np.int64)) * _itemsize(types.get(name, "float32"))
-    peak, peak_node, peak_ws = sum(live.values()), "(inputs)", 0
-    for node in graph.nodes:
-        for o in node.outputs:
-            if not o:
-                continue
-            b = nbytes(o)
-            if b is None:
-                unknown.append(o)
-                b = 0
-            live[o] = b
+    def workspace(node) -> int:
         ws = 0
         if node.kernel.workspace_fn is not None:
-            in_shapes = [sizes.get(x) if x and x not in graph.initializers
-                         else (graph.initializers[x].shape if x else None) for x in node.inputs]
+            in_shapes = [sizes.get(x) if x and x not in weights_of
+                         else (weights_of[x].shape if x else None) for x in node.inputs]
             try:
                 ws = int(node.kernel.workspace_fn(in_shapes, node.attrs) or 0)
             except Exception:  # a workspace estimate must never break planning
                 ws = 0
-        total = sum(live.values()) + ws
-        if total > peak:
-            peak, peak_node, peak_ws = total, node.name, ws
-        for name in node.free_after:
-            live.pop(name, None)
+        if node.subgraphs:
+            ws += max(sub_peak(sg) for sg in node.subgraphs.values())
+            if node.op_type in _STACKING:
+                ws += sum(nbytes(o) or 0 for o in node.outputs if o)
+        return ws
+
+    def walk(nodes, live: dict[str, int]) -> tuple[int, str, int]:
+        peak, peak_node, peak_ws = sum(live.values()), "(inputs)", 0
+        for node in nodes:
+            for o in node.outputs:
+                if not o:
+                    continue
+                b = nbytes(o)
+                if b is None:
+                    unknown.append(o)
+                    b = 0
+                live[o] = b
+            ws = workspace(node)
+            total = sum(live.values()) + ws
+            if total > peak:
+                peak, peak_node, peak_ws = total, node.name, ws
+            for name in node.free_after:
+                live.pop(name, None)
+        return peak, peak_node, peak_ws
+
+    def sub_peak(sg) -> int:
+        weights_of.update(sg.initializers)
+        live = {}
+        for name in sg.input_names:
+            b = nbytes(name)
+            if b is None:
+                unknown.append(name)
+            live[name] = b or 0
+        return walk(sg.nodes, live)[0]
+
+    live: dict[str, int] = {}
+    for name in shapes:
+        live[name] = int(np.prod(shapes[name], dtype=np.int64)) * _itemsize(types.get(name, "float32"))
+    peak, peak_node, peak_ws = walk(graph.nodes, live)
+    weights = sum(int(a.nbytes) for a in graph.initializers.values())
+    weights += sum(int(a.nbytes) for sg in _all_subgraphs(graph.nodes) for a in sg.initializers.values())
     return MemoryPlan(
         weights_bytes=weights,
         peak_activation_bytes=peak,
         peak_node=peak_node,
         input_shapes=shapes,
-        unknown=tuple(unknown),
+        unknown=tuple(dict.fromkeys(unknown)),
         workspace_bytes=peak_ws,
     )
+
+
+def _all_subgraphs(nodes):
+    for n in nodes:
+        for sg in n.subgraphs.values():
+            yield sg
+            yield from _all_subgraphs(sg.nodes)

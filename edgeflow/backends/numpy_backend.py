@@ -13,8 +13,8 @@ import os
 import numpy as np
 import onnx
 
-from ..errors import BackendError
-from ..graph import CompiledGraph, compile_graph, unsupported_ops
+from ..control_flow import run_nodes
+from ..graph import CompiledGraph, compile_graph, find_missing, numpy_supports, unsupported_ops
 from .base import Backend, Session, SessionOptions
 
 
@@ -34,29 +34,14 @@ class NumpySession(Session):
 
 
 def execute(graph: CompiledGraph, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Run every node in order; returns the environment holding the outputs."""
+    """Run every node in order; returns the environment holding the outputs.
+
+    Control-flow nodes are ordinary kernel calls here: their kernels run
+    their compiled subgraphs (see :mod:`edgeflow.control_flow`).
+    """
     env: dict[str, np.ndarray] = dict(graph.initializers)
     env.update(feeds)
-    for node in graph.nodes:
-        args = [env[x] if x else None for x in node.inputs]
-        try:
-            result = node.kernel.forward(*args, **node.attrs)
-        except (ValueError, IndexError, TypeError, FloatingPointError) as exc:
-            shapes = [None if a is None else getattr(a, "shape", None) for a in args]
-            raise BackendError(
-                f"node {node.name} ({node.op_type}) failed on input shapes {shapes}: {exc}"
-            ) from exc
-        if isinstance(result, tuple):
-            for name, value in zip(node.outputs, result):
-                if name:
-                    env[name] = value
-        else:
-            if node.fused_relu:
-                np.maximum(result, 0, out=result)
-            env[node.outputs[0]] = result
-        for name in node.free_after:
-            env.pop(name, None)
-    return env
+    return run_nodes(graph.nodes, env)
 
 
 _CONTROLLER = None
@@ -96,6 +81,10 @@ class NumpyBackend(Backend):
 
     def unsupported_ops(self, model: onnx.ModelProto) -> list[str]:
         return unsupported_ops(model)
+
+    def describe_unsupported(self, model: onnx.ModelProto) -> list[str]:
+        """One line per op without a kernel: op, opset, first node with its subgraph path."""
+        return [m.line() for m in find_missing(model, numpy_supports)]
 
     def load(self, model: onnx.ModelProto, options: SessionOptions | None = None) -> NumpySession:
         return self.load_compiled(compile_graph(model), options)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import onnx
 
 from ..errors import BackendError
+from ..graph import find_unsupported
 from ..model import graph_inputs, graph_outputs
 from .base import Backend, Session, SessionOptions
 
@@ -79,14 +80,8 @@ class OrtBackend(Backend):
 
     def unsupported_ops(self, model: onnx.ModelProto) -> list[str]:
         # onnxruntime implements the whole default domain and com.microsoft;
-        # anything else needs a custom-op library.
-        out = []
-        for n in model.graph.node:
-            if n.domain not in ("", "ai.onnx", "com.microsoft", "ai.onnx.ml"):
-                label = f"{n.domain}::{n.op_type}"
-                if label not in out:
-                    out.append(label)
-        return out
+        # anything else (in the graph or any subgraph) needs a custom-op library.
+        return find_unsupported(model, lambda domain, op, opset: domain in ("", "com.microsoft", "ai.onnx.ml"))
 
     def load(self, model: onnx.ModelProto, options: SessionOptions | None = None) -> OrtSession:
         return OrtSession(model, options or SessionOptions())

@@ -91,6 +91,16 @@ def _is_float(types: dict[str, str], name: str) -> bool:
     return t is None or t.startswith("float")
 
 
+def refuse_control_flow(graph: CompiledGraph) -> None:
+    """Training has no backward through subgraphs: say so in one line."""
+    flow = next((n for n in graph.nodes if n.subgraphs), None)
+    if flow is not None:
+        raise TrainingError(
+            f"training does not differentiate through control flow: node '{flow.name}' ({flow.op_type}) "
+            "runs a subgraph; train a model without If/Loop/Scan/SequenceMap, or use this one for inference only"
+        )
+
+
 class Tape:
     """Forward/backward schedule for one graph, trainable set and target."""
 
@@ -103,6 +113,7 @@ class Tape:
         save_workspace: bool = True,
         constants: dict[str, np.ndarray] | None = None,
     ) -> None:
+        refuse_control_flow(graph)
         if target not in {n for s in graph.nodes for n in s.outputs} | set(graph.input_names):
             raise TrainingError(f"output {target!r} is not produced by the graph; outputs: {graph.output_names}")
         self.graph = graph

@@ -35,7 +35,7 @@ from ..errors import InputError, ShapeError, TrainingError
 from ..graph import compile_graph
 from ..model import ModelSource, load_model
 from ..profiles import DeviceProfile, get_profile
-from .autograd import NON_DIFFERENTIABLE_INPUTS, Tape
+from .autograd import NON_DIFFERENTIABLE_INPUTS, Tape, refuse_control_flow
 from .export import save as save_model
 from .export import with_weights
 from .losses import Loss, get_loss
@@ -165,6 +165,7 @@ class Trainer:
             raise InputError(f"proximal_mu must be >= 0, got {proximal_mu}")
         self.model = load_model(model)
         self.graph = compile_graph(self.model, optimize=False)
+        refuse_control_flow(self.graph)
         self.dtype = np.dtype(dtype)
         if self.dtype.kind != "f":
             raise InputError(f"dtype must be a float type, got {self.dtype}")

@@ -1,0 +1,182 @@
+"""Running compiled nodes, and the subgraphs of control-flow nodes.
+
+:func:`run_nodes` is the executor's loop — look up inputs, call the kernel,
+store outputs, drop values whose last reader ran — shared by the numpy
+backend (the top-level graph) and by every subgraph.
+
+Control flow (If, Loop, Scan, SequenceMap) is wired at compile time
+(:mod:`edgeflow.graph`):
+
+- each graph attribute is compiled once, recursively, into a
+  :class:`Subgraph` (bound kernels, its own schedule and lifetimes);
+- the names a subgraph reads but does not define (*outer-scope* values,
+  at any depth of nesting) become extra inputs of the control-flow node
+  (``Node.outer_reads``), so lifetimes and the plain node loop see them as
+  reads by that node — an outer value stays alive until every subgraph that
+  reads it has run;
+- the node's kernel is wrapped (:func:`bind_subgraphs`): per call it maps the
+  extra inputs to their names and hands the kernel one callable per graph
+  attribute, bound to those values. The kernels (``kernels/control_flow.py``)
+  only call ``body(*inputs)``; they know nothing of scopes.
+
+So the top-level loop has no control-flow branch at all: a control-flow node
+is one more kernel call. A failure inside a subgraph is re-raised at each
+level with the level's name, e.g.
+``Loop 'decode' / body / If 'n12' / then_branch / node 'Add_3' (Add) failed ...``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import BackendError
+from .kernels import Kernel, KernelError
+
+# What a kernel raises on bad data; the executor names the node and shapes.
+KERNEL_ERRORS = (ValueError, IndexError, TypeError, FloatingPointError, ZeroDivisionError, KernelError)
+
+
+def _describe(value: Any) -> Any:
+    if isinstance(value, list):
+        return f"sequence[{len(value)}]"
+    return getattr(value, "shape", None)
+
+
+def node_failure(node: Any, args: list, exc: BaseException) -> str:
+    shapes = [None if a is None else _describe(a) for a in args]
+    return f"node '{node.name}' ({node.op_type}) failed on input shapes {shapes}: {exc}"
+
+
+def run_nodes(nodes: list, env: dict[str, Any]) -> dict[str, Any]:
+    """Run ``nodes`` in order on ``env`` (updated in place; returned)."""
+    for node in nodes:
+        args = [env[x] if x else None for x in node.inputs]
+        try:
+            result = node.kernel.forward(*args, **node.attrs)
+        except KERNEL_ERRORS as exc:
+            raise BackendError(node_failure(node, args, exc)) from exc
+        if isinstance(result, tuple):
+            for name, value in zip(node.outputs, result):
+                if name:
+                    env[name] = value
+        else:
+            if node.fused_relu:
+                np.maximum(result, 0, out=result)
+            env[node.outputs[0]] = result
+        for name in node.free_after:
+            env.pop(name, None)
+    return env
+
+
+@dataclass
+class Subgraph:
+    """A graph attribute compiled for the executor."""
+
+    label: str  # this level of the error path, e.g. "If 'n12' / then_branch"
+    nodes: list  # graph.Node, in schedule order, lifetimes assigned
+    initializers: dict[str, np.ndarray]
+    input_names: list[str]
+    output_names: list[str]
+    outer_names: tuple[str, ...]  # values it reads from enclosing graphs (any depth)
+    output_info: list[tuple[Any, Any]] = field(default_factory=list)
+    # (numpy dtype or None, shape tuple or None) per output: zero-trip scan outputs
+    graph: Any = None  # the onnx.GraphProto (memory planning reads its value_info)
+
+    def run(self, outer: dict[str, Any], *inputs: Any) -> list[Any]:
+        if len(inputs) != len(self.input_names):
+            raise BackendError(
+                f"{self.label}: the subgraph declares {len(self.input_names)} input(s) but was given {len(inputs)}"
+            )
+        env = dict(outer)
+        env.update(self.initializers)
+        env.update(zip(self.input_names, inputs))
+        try:
+            run_nodes(self.nodes, env)
+        except BackendError as exc:
+            raise BackendError(f"{self.label} / {exc}") from exc
+        return [env[name] for name in self.output_names]
+
+
+class BoundSubgraph:
+    """A subgraph bound to the outer-scope values of one control-flow call."""
+
+    __slots__ = ("sub", "outer")
+
+    def __init__(self, sub: Subgraph, outer: dict[str, Any]) -> None:
+        self.sub = sub
+        self.outer = outer
+
+    def __call__(self, *inputs: Any) -> list[Any]:
+        return self.sub.run(self.outer, *inputs)
+
+    @property
+    def output_info(self) -> list[tuple[Any, Any]]:
+        return self.sub.output_info
+
+
+def bind_subgraphs(kernel: Kernel, n_explicit: int, subgraphs: dict[str, Subgraph],
+                   outer_reads: tuple[str, ...]) -> Kernel:
+    """A copy of ``kernel`` whose forward takes the node's inputs followed by
+    the values of ``outer_reads`` and calls the original with one bound
+    callable per graph attribute."""
+    forward = kernel.forward
+    items = tuple(subgraphs.items())
+
+    def run_control_flow(*args: Any, **attrs: Any) -> Any:
+        outer = dict(zip(outer_reads, args[n_explicit:]))
+        for name, sub in items:
+            attrs[name] = BoundSubgraph(sub, outer)
+        return forward(*args[:n_explicit], **attrs)
+
+    return dataclasses.replace(kernel, forward=run_control_flow)
+
+
+def check_arity(op: str, opset: int, inputs: list[str], outputs: list[str],
+                subgraphs: dict[str, Subgraph], attrs: dict[str, Any]) -> str | None:
+    """Why a control-flow node's subgraphs do not fit its inputs/outputs (None if they do)."""
+    n_in, n_out = len(inputs), len(outputs)
+    if op == "If":
+        for name in ("then_branch", "else_branch"):
+            sub = subgraphs.get(name)
+            if sub is None:
+                return f"If needs the graph attribute {name!r}"
+            if len(sub.output_names) != n_out:
+                return f"{name} returns {len(sub.output_names)} value(s) but the node has {n_out} output(s)"
+    elif op == "Loop":
+        body = subgraphs.get("body")
+        if body is None:
+            return "Loop needs the graph attribute 'body'"
+        carried = n_in - 2
+        if carried < 0:
+            return "Loop needs inputs (M, cond, ...); write '' for an omitted one"
+        if len(body.input_names) != 2 + carried:
+            return (f"the body takes {len(body.input_names)} input(s); a Loop with {carried} carried value(s) "
+                    f"gives it {2 + carried} (iteration, condition, carried...)")
+        if len(body.output_names) < 1 + carried or len(body.output_names) - 1 != n_out:
+            return (f"the body returns {len(body.output_names)} value(s); a Loop with {carried} carried value(s) "
+                    f"and {n_out} output(s) needs {1 + n_out} (condition, carried..., scan outputs...)")
+    elif op == "Scan":
+        body = subgraphs.get("body")
+        if body is None:
+            return "Scan needs the graph attribute 'body'"
+        m = int(attrs.get("num_scan_inputs", 0))
+        states = (n_in - 1 if opset < 9 else n_in) - m
+        if m <= 0 or states < 0:
+            return f"num_scan_inputs={m} does not fit the node's {n_in} input(s)"
+        if len(body.input_names) != states + m:
+            return f"the body takes {len(body.input_names)} input(s) but the Scan gives it {states + m}"
+        if len(body.output_names) != n_out or n_out < states:
+            return f"the body returns {len(body.output_names)} value(s) but the node has {n_out} output(s)"
+    elif op == "SequenceMap":
+        body = subgraphs.get("body")
+        if body is None:
+            return "SequenceMap needs the graph attribute 'body'"
+        if len(body.input_names) != n_in:
+            return f"the body takes {len(body.input_names)} input(s) but the node has {n_in}"
+        if len(body.output_names) != n_out:
+            return f"the body returns {len(body.output_names)} value(s) but the node has {n_out} output(s)"
+    return None
