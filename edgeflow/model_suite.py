@@ -465,7 +465,7 @@ def load(name: str, *, check: bool = False):
         have = {o.name for o in model.graph.output}
         for v in get(name).check_outputs:
             if v not in have:
-                model.graph.output.append(onnx.helper.make_empty_tensor_value_info(v))
+                model.graph.output.append(onnx.helper.make_tensor_value_info(v, onnx.TensorProto.FLOAT, None))
     return model
 
 
@@ -533,7 +533,7 @@ def op_report(model) -> dict[str, Any]:
     n_cos = counts[("", "ConstantOfShape")]
     if const_bytes[0] > init_bytes:
         weights = "Constant nodes"
-    elif init_bytes == 0 and n_cos > 10:
+    elif n_cos > 10 and init_bytes < 2**20:
         weights = "ConstantOfShape fills"
     else:
         weights = "initializers"
