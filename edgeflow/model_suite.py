@@ -619,14 +619,24 @@ def _chw(x: np.ndarray) -> np.ndarray:
 
 
 def imagenet_224(sample: int = 0) -> np.ndarray:
-    """Short side to 256 (Lanczos), centre crop 224, /255, ImageNet mean/std, 1x3x224x224."""
+    """Short side to 256 (Lanczos), centre crop 224, /255, ImageNet mean/std, 1x3x224x224.
+
+    Samples 0 and 1 are the two photographs exactly so; later samples take
+    other crops (short side 256-304, crop off centre, mirrored every other
+    one) of the same photographs, for calibration sets larger than two."""
     img = photo(sample)
+    v = sample // len(_PHOTOS)
     h, w = img.shape[:2]
-    s = 256 / min(h, w)
+    s = (256 + 16 * (v % 4)) / min(h, w)
     img = _resize(img, int(round(w * s)), int(round(h * s)), "lanczos")
     h, w = img.shape[:2]
-    y, x = (h - 224) // 2, (w - 224) // 2
-    img = img[y:y + 224, x:x + 224].astype(np.float32) / 255.0
+    dy, dx = ((((v * 37) % 9) - 4) * 6, (((v * 53) % 9) - 4) * 10) if v else (0, 0)
+    y = min(max((h - 224) // 2 + dy, 0), h - 224)
+    x = min(max((w - 224) // 2 + dx, 0), w - 224)
+    img = img[y:y + 224, x:x + 224]
+    if v % 2:
+        img = img[:, ::-1]
+    img = img.astype(np.float32) / 255.0
     return _chw((img - _IMAGENET_MEAN) / _IMAGENET_STD)
 
 
