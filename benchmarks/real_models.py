@@ -46,12 +46,24 @@ TABLE_START, TABLE_END = "<!-- real-models table: start -->", "<!-- real-models 
 # -- the worker: one backend, one model, one fresh process -------------------------------
 
 
-def _rss_now() -> int:
+def _status_kib(field: str) -> int:
+    """A field of /proc/self/status in bytes: VmRSS now, VmHWM the peak. (getrusage's
+    ru_maxrss is no good here: Linux carries it across fork+exec, so a worker
+    would report its parent's peak.)"""
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
     except (OSError, ValueError):
-        return 0
+        pass
+    if field == "VmHWM":  # not Linux: the best there is
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return 0
+
+
+def _rss_now() -> int:
+    return _status_kib("VmRSS")
 
 
 def _save(path: Path, arrays: dict[str, np.ndarray]) -> None:
@@ -94,7 +106,7 @@ def worker(name: str, backend: str, feeds_path: Path, out_path: Path, runs: int,
     except Exception as exc:  # a kernel crash is a result to report, not a reason to stop the benchmark
         return {"error": f"crashed: {type(exc).__name__}: {str(exc).splitlines()[0][:250] if str(exc) else ''}"}
     _save(out_path, out)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _status_kib("VmHWM")
     return {"times_ms": times, "load_s": load_s, "rss_base": base, "rss_peak": peak}
 
 
@@ -281,7 +293,16 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps({"machine": machine(), "runs": args.runs, "rounds": args.rounds,
                                                "rows": rows, "summary": summary}, indent=2))
     if args.doc:
-        write_doc(Path(args.doc), table, [a for a in raw if not a.startswith("--doc") and a != args.doc])
+        shown, skip = [], False
+        for a in raw:  # the command to rerun, less where this run wrote its files
+            if skip:
+                skip = False
+                continue
+            if a in ("--doc", "--json"):
+                skip = True
+            elif not a.startswith(("--doc=", "--json=")):
+                shown.append(a)
+        write_doc(Path(args.doc), table, ["--doc", args.doc, *shown])
     return 0
 
 
