@@ -1,5 +1,6 @@
-"""Point-wise activations: Relu, LeakyRelu, Sigmoid, Tanh, Clip, Elu,
-HardSigmoid, Softplus, Selu.
+"""Point-wise activations: Relu, LeakyRelu, PRelu, Sigmoid, Tanh, Clip, Elu,
+Celu, Selu, HardSigmoid, HardSwish, Softplus, Softsign, Gelu, Swish, Mish,
+ThresholdedRelu, Shrink.
 
 Sigmoid is computed in the numerically stable split form so that large
 negative inputs do not overflow ``exp``.
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .registry import FLOAT_TYPES, NUMERIC_TYPES, register
+from .elementwise import reduce_to_shape
+from .registry import FLOAT_TYPES, NUMERIC_TYPES, KernelError, register
+from .special import erf
 
 
 @register("Relu", dtypes=NUMERIC_TYPES)
@@ -104,3 +107,159 @@ def hard_sigmoid(x: np.ndarray, *, alpha: float = 0.2, beta: float = 0.5) -> np.
 @register("Softplus")
 def softplus(x: np.ndarray) -> np.ndarray:
     return (np.maximum(x, 0) + np.log1p(np.exp(-np.abs(x)))).astype(x.dtype)
+
+
+def _stable_sigmoid(x: np.ndarray) -> np.ndarray:
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1 / (1 + e), e / (1 + e))
+
+
+@register("Celu", since=12)
+def celu(x: np.ndarray, *, alpha: float = 1.0) -> np.ndarray:
+    if alpha == 0:
+        raise KernelError("Celu: alpha must be non-zero")
+    a = x.dtype.type(alpha)
+    return np.maximum(x, 0) + np.minimum(0, a * np.expm1(np.minimum(x, 0) / a)).astype(x.dtype, copy=False)
+
+
+@register("ThresholdedRelu", since=10)
+def thresholded_relu(x: np.ndarray, *, alpha: float = 1.0) -> np.ndarray:
+    return np.where(x > x.dtype.type(alpha), x, x.dtype.type(0))
+
+
+@thresholded_relu.backward(uses="inputs")
+def _(grads, inputs, outputs, *, alpha=1.0):
+    dy, x = grads[0], inputs[0]
+    return (None if dy is None else np.where(x > alpha, dy, 0).astype(dy.dtype, copy=False),)
+
+
+@register("Shrink", since=9, dtypes=NUMERIC_TYPES)
+def shrink(x: np.ndarray, *, bias: float = 0.0, lambd: float = 0.5) -> np.ndarray:
+    if np.issubdtype(x.dtype, np.integer):
+        # compare and shift in float64, then back (int inputs, float attributes)
+        xf = x.astype(np.float64)
+        return np.where(xf < -lambd, xf + bias, np.where(xf > lambd, xf - bias, 0)).astype(x.dtype)
+    lam, b = x.dtype.type(lambd), x.dtype.type(bias)
+    return np.where(x < -lam, x + b, np.where(x > lam, x - b, x.dtype.type(0)))
+
+
+@register("Softsign")
+def softsign(x: np.ndarray) -> np.ndarray:
+    return x / (1 + np.abs(x))
+
+
+@softsign.backward(uses="inputs")
+def _(grads, inputs, outputs):
+    dy, x = grads[0], inputs[0]
+    if dy is None:
+        return (None,)
+    d = 1 + np.abs(x)
+    return (dy / (d * d),)
+
+
+@register("HardSwish", since=14)
+def hard_swish(x: np.ndarray) -> np.ndarray:
+    return x * np.clip(x * x.dtype.type(1 / 6) + x.dtype.type(0.5), 0, 1)
+
+
+@hard_swish.backward(uses="inputs")
+def _(grads, inputs, outputs):
+    dy, x = grads[0], inputs[0]
+    if dy is None:
+        return (None,)
+    g = np.where(x <= -3, 0.0, np.where(x >= 3, 1.0, x / 3 + 0.5))
+    return ((dy * g).astype(dy.dtype, copy=False),)
+
+
+@register("Swish", since=24)
+def swish(x: np.ndarray, *, alpha: float = 1.0) -> np.ndarray:
+    return (x * _stable_sigmoid(x * x.dtype.type(alpha))).astype(x.dtype, copy=False)
+
+
+@swish.backward(uses="inputs")
+def _(grads, inputs, outputs, *, alpha=1.0):
+    dy, x = grads[0], inputs[0]
+    if dy is None:
+        return (None,)
+    s = _stable_sigmoid(alpha * x)
+    return ((dy * (s + alpha * x * s * (1 - s))).astype(dy.dtype, copy=False),)
+
+
+def _softplus(x: np.ndarray) -> np.ndarray:
+    return np.maximum(x, 0) + np.log1p(np.exp(-np.abs(x)))
+
+
+@register("Mish", since=18)
+def mish(x: np.ndarray) -> np.ndarray:
+    return (x * np.tanh(_softplus(x))).astype(x.dtype, copy=False)
+
+
+@mish.backward(uses="inputs")
+def _(grads, inputs, outputs):
+    dy, x = grads[0], inputs[0]
+    if dy is None:
+        return (None,)
+    t = np.tanh(_softplus(x))
+    return ((dy * (t + x * (1 - t * t) * _stable_sigmoid(x))).astype(dy.dtype, copy=False),)
+
+
+_SQRT_2_OVER_PI = float(np.sqrt(2 / np.pi))
+
+
+@register("Gelu", since=20)
+def gelu(x: np.ndarray, *, approximate: str = "none") -> np.ndarray:
+    if approximate == "none":
+        return (0.5 * x * (1 + erf(x * x.dtype.type(1 / np.sqrt(2))))).astype(x.dtype, copy=False)
+    if approximate == "tanh":
+        inner = x.dtype.type(_SQRT_2_OVER_PI) * (x + x.dtype.type(0.044715) * x * x * x)
+        return (0.5 * x * (1 + np.tanh(inner))).astype(x.dtype, copy=False)
+    raise KernelError(f"Gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+
+
+@gelu.backward(uses="inputs")
+def _(grads, inputs, outputs, *, approximate="none"):
+    dy, x = grads[0], inputs[0]
+    if dy is None:
+        return (None,)
+    if approximate == "tanh":
+        u = _SQRT_2_OVER_PI * (x + 0.044715 * x**3)
+        t = np.tanh(u)
+        du = _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * x * x)
+        g = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * du
+    else:
+        g = 0.5 * (1 + erf(x / np.sqrt(2))) + x * np.exp(-0.5 * x * x) / np.sqrt(2 * np.pi)
+    return ((dy * g).astype(dy.dtype, copy=False),)
+
+
+def _prelu_slope(x: np.ndarray, slope: np.ndarray) -> np.ndarray:
+    slope = slope.astype(x.dtype, copy=False)
+    try:
+        np.broadcast_shapes(x.shape, slope.shape)
+    except ValueError:
+        # Older exporters give a per-channel slope (C,) for (N, C, ...) inputs.
+        if x.ndim >= 2 and slope.size == x.shape[1]:
+            return slope.reshape((1, -1) + (1,) * (x.ndim - 2))
+        raise KernelError(
+            f"PRelu: slope of shape {slope.shape} does not broadcast to the input's shape {x.shape}"
+        ) from None
+    return slope
+
+
+@register("PRelu", since=7, dtypes=NUMERIC_TYPES)
+def prelu(x: np.ndarray, slope: np.ndarray) -> np.ndarray:
+    s = _prelu_slope(x, slope)
+    return np.where(x > 0, x, x * s).astype(x.dtype, copy=False)
+
+
+@prelu.backward(uses="inputs")
+def _(grads, inputs, outputs, *, needs_grad=None):
+    dy, (x, slope) = grads[0], inputs[:2]
+    if dy is None:
+        return (None, None)
+    s = _prelu_slope(x, slope)
+    pos = x > 0
+    dx = np.where(pos, dy, dy * s) if needs_grad is None or needs_grad[0] else None
+    ds = None
+    if needs_grad is None or needs_grad[1]:
+        ds = reduce_to_shape(np.where(pos, 0, dy * x), s.shape).reshape(slope.shape)
+    return (dx, ds)
