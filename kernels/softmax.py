@@ -1,4 +1,4 @@
-"""Softmax and LogSoftmax.
+"""Softmax, LogSoftmax and Hardmax.
 
 Opset 13 changed the semantics: before it, the input is coerced to 2-D at
 ``axis`` (default 1) and the softmax runs over the flattened trailing block;
@@ -90,3 +90,22 @@ def _(grads, inputs, outputs, *, axis=-1):
 def _(grads, inputs, outputs, *, axis=1):
     dy = grads[0]
     return (None if dy is None else _coerced_grad(_log_softmax_grad, dy, outputs[0], axis),)
+
+
+def _hardmax(x: np.ndarray, axis: int) -> np.ndarray:
+    y = np.zeros_like(x)
+    if x.size == 0:
+        return y
+    first = np.expand_dims(np.argmax(x, axis=axis), axis)  # ties: the first maximum wins
+    np.put_along_axis(y, first, 1, axis=axis)
+    return y
+
+
+@register("Hardmax", since=13)
+def hardmax(x: np.ndarray, *, axis: int = -1) -> np.ndarray:
+    return _hardmax(x, axis)
+
+
+@register("Hardmax", since=1)
+def hardmax_v1(x: np.ndarray, *, axis: int = 1) -> np.ndarray:
+    return _coerced(_hardmax, x, axis)
