@@ -1,6 +1,6 @@
 """Point-wise activations: Relu, LeakyRelu, PRelu, Sigmoid, Tanh, Clip, Elu,
 Celu, Selu, HardSigmoid, HardSwish, Softplus, Softsign, Gelu, Swish, Mish,
-ThresholdedRelu, Shrink.
+SwiGLU, ThresholdedRelu, Shrink.
 
 Sigmoid is computed in the numerically stable split form so that large
 negative inputs do not overflow ``exp``.
@@ -183,6 +183,24 @@ def _(grads, inputs, outputs, *, alpha=1.0):
         return (None,)
     s = _stable_sigmoid(alpha * x)
     return ((dy * (s + alpha * x * s * (1 - s))).astype(dy.dtype, copy=False),)
+
+
+@register("SwiGLU", since=28)
+def swiglu(a: np.ndarray, b: np.ndarray, *, alpha: float = 1.0) -> np.ndarray:
+    if a.shape != b.shape:
+        raise KernelError(f"SwiGLU: gate {a.shape} and value {b.shape} must have one shape (no broadcasting)")
+    return (a * _stable_sigmoid(a * a.dtype.type(alpha)) * b).astype(a.dtype, copy=False)
+
+
+@swiglu.backward(uses="inputs")
+def _(grads, inputs, outputs, *, alpha=1.0):
+    dy, (a, b) = grads[0], inputs[:2]
+    if dy is None:
+        return (None, None)
+    s = _stable_sigmoid(alpha * a)
+    swish_a = a * s
+    da = dy * b * (s + alpha * a * s * (1 - s))
+    return (da.astype(dy.dtype, copy=False), (dy * swish_a).astype(dy.dtype, copy=False))
 
 
 def _softplus(x: np.ndarray) -> np.ndarray:
