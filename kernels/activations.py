@@ -229,8 +229,10 @@ def gelu(x: np.ndarray, *, approximate: str = "none") -> np.ndarray:
     if approximate == "none":
         return (0.5 * x * (1 + erf(x * x.dtype.type(1 / np.sqrt(2))))).astype(x.dtype, copy=False)
     if approximate == "tanh":
-        inner = x.dtype.type(_SQRT_2_OVER_PI) * (x + x.dtype.type(0.044715) * x * x * x)
-        return (0.5 * x * (1 + np.tanh(inner))).astype(x.dtype, copy=False)
+        w = x.astype(np.float32) if x.dtype == np.float16 else x  # x**3 overflows float16
+        with np.errstate(over="ignore"):  # |x| > 1e12: x**3 is inf, tanh(inf) = 1
+            inner = w.dtype.type(_SQRT_2_OVER_PI) * (w + w.dtype.type(0.044715) * w * w * w)
+        return (0.5 * w * (1 + np.tanh(inner))).astype(x.dtype, copy=False)
     raise KernelError(f"Gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
 
 

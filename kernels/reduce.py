@@ -63,8 +63,9 @@ def _min(x, ax, keep):
 
 
 def _mean(x, ax, keep):
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.mean(x, axis=ax, keepdims=keep)
+    if x.size == 0:  # the mean of nothing: NaN (for floats), without numpy's warning
+        return np.full(np.sum(x, axis=ax, keepdims=keep).shape, np.nan)
+    return np.mean(x, axis=ax, keepdims=keep)
 
 
 def _l2(x, ax, keep):
@@ -87,7 +88,7 @@ def _log_sum(x, ax, keep):
 def _log_sum_exp(x, ax, keep):
     w = _wide(x)
     if w.size == 0:
-        return np.log(np.sum(w, axis=ax, keepdims=keep))  # log(0) = -inf
+        return np.full(np.sum(w, axis=ax, keepdims=keep).shape, -np.inf)
     m = np.max(w, axis=ax, keepdims=True)
     m = np.where(np.isfinite(m), m, 0)  # all -inf (or +inf) slices: shift by 0
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
