@@ -2,8 +2,12 @@
 Celu, Selu, HardSigmoid, HardSwish, Softplus, Softsign, Gelu, Swish, Mish,
 SwiGLU, ThresholdedRelu, Shrink.
 
-Sigmoid is computed in the numerically stable split form so that large
-negative inputs do not overflow ``exp``.
+Sigmoid is ``1 / (1 + exp(-x))`` computed in place: for very negative x
+``exp(-x)`` overflows to inf and the result is the correct limit 0 (the
+overflow is silenced), and the relative accuracy of tiny results is kept,
+which ``0.5 + 0.5 tanh(x / 2)`` would lose. The hot activations are written
+as in-place ufunc chains without ``np.where``: a fresh full-size temporary
+per step is what makes a numpy activation slow, not the arithmetic.
 
 Backwards of Relu, Sigmoid and Tanh read only the output (``uses="outputs"``),
 so the trainer need not keep their inputs alive until the backward pass.
@@ -15,7 +19,7 @@ import numpy as np
 
 from .elementwise import reduce_to_shape
 from .registry import FLOAT_TYPES, NUMERIC_TYPES, KernelError, register
-from .special import erf
+from .special import erf, gelu as _gelu_exact
 
 
 @register("Relu", dtypes=NUMERIC_TYPES)
@@ -34,7 +38,9 @@ def _(grads, inputs, outputs):
 
 @register("LeakyRelu")
 def leaky_relu(x: np.ndarray, *, alpha: float = 0.01) -> np.ndarray:
-    return np.where(x >= 0, x, x * x.dtype.type(alpha))
+    y = x * x.dtype.type(alpha)
+    # x >= 0 keeps x, x < 0 takes alpha x: the larger of the two when alpha <= 1
+    return np.maximum(x, y, out=y) if alpha <= 1 else np.minimum(x, y, out=y)
 
 
 @leaky_relu.backward(uses="inputs")
@@ -45,11 +51,17 @@ def _(grads, inputs, outputs, *, alpha=0.01):
     return (np.where(x >= 0, dy, dy * dy.dtype.type(alpha)),)
 
 
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    y = np.negative(x)
+    with np.errstate(over="ignore"):
+        np.exp(y, out=y)
+    y += 1
+    return np.reciprocal(y, out=y)
+
+
 @register("Sigmoid")
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    # exp(-|x|) never overflows; pick the branch by sign.
-    e = np.exp(-np.abs(x))
-    return np.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(x.dtype, copy=False)
+    return _sigmoid(x)
 
 
 @sigmoid.backward(uses="outputs")
@@ -87,31 +99,40 @@ def clip_v6(x: np.ndarray, *, min: float = -3.4028234663852886e38, max: float = 
     return np.clip(x, x.dtype.type(min), x.dtype.type(max))
 
 
+def _elu(x: np.ndarray, alpha: float, scale: float = 1.0) -> np.ndarray:
+    # max(x, 0) + alpha * expm1(min(x, 0)): each term is 0 where the other applies
+    neg = np.minimum(x, x.dtype.type(0))
+    np.expm1(neg, out=neg)
+    neg *= x.dtype.type(alpha)
+    out = np.maximum(x, x.dtype.type(0))
+    out += neg
+    if scale != 1.0:
+        out *= x.dtype.type(scale)
+    return out
+
+
 @register("Elu")
 def elu(x: np.ndarray, *, alpha: float = 1.0) -> np.ndarray:
-    return np.where(x > 0, x, alpha * (np.exp(np.minimum(x, 0)) - 1)).astype(x.dtype)
+    return _elu(x, alpha)
 
 
 @register("Selu")
 def selu(
     x: np.ndarray, *, alpha: float = 1.67326319217681884765625, gamma: float = 1.05070102214813232421875
 ) -> np.ndarray:
-    return (gamma * np.where(x > 0, x, alpha * (np.exp(np.minimum(x, 0)) - 1))).astype(x.dtype)
+    return _elu(x, alpha, gamma)
 
 
 @register("HardSigmoid")
 def hard_sigmoid(x: np.ndarray, *, alpha: float = 0.2, beta: float = 0.5) -> np.ndarray:
-    return np.clip(x * alpha + beta, 0, 1).astype(x.dtype)
+    y = x * x.dtype.type(alpha)
+    y += x.dtype.type(beta)
+    return np.clip(y, 0, 1, out=y)
 
 
 @register("Softplus")
 def softplus(x: np.ndarray) -> np.ndarray:
     return (np.maximum(x, 0) + np.log1p(np.exp(-np.abs(x)))).astype(x.dtype)
-
-
-def _stable_sigmoid(x: np.ndarray) -> np.ndarray:
-    e = np.exp(-np.abs(x))
-    return np.where(x >= 0, 1 / (1 + e), e / (1 + e))
 
 
 @register("Celu", since=12)
@@ -159,7 +180,11 @@ def _(grads, inputs, outputs):
 
 @register("HardSwish", since=14)
 def hard_swish(x: np.ndarray) -> np.ndarray:
-    return x * np.clip(x * x.dtype.type(1 / 6) + x.dtype.type(0.5), 0, 1)
+    y = x * x.dtype.type(1 / 6)
+    y += x.dtype.type(0.5)
+    np.clip(y, 0, 1, out=y)
+    y *= x
+    return y
 
 
 @hard_swish.backward(uses="inputs")
@@ -173,7 +198,9 @@ def _(grads, inputs, outputs):
 
 @register("Swish", since=24)
 def swish(x: np.ndarray, *, alpha: float = 1.0) -> np.ndarray:
-    return (x * _stable_sigmoid(x * x.dtype.type(alpha))).astype(x.dtype, copy=False)
+    y = _sigmoid(x * x.dtype.type(alpha) if alpha != 1.0 else x)
+    y *= x
+    return y
 
 
 @swish.backward(uses="inputs")
@@ -181,7 +208,7 @@ def _(grads, inputs, outputs, *, alpha=1.0):
     dy, x = grads[0], inputs[0]
     if dy is None:
         return (None,)
-    s = _stable_sigmoid(alpha * x)
+    s = _sigmoid(alpha * x)
     return ((dy * (s + alpha * x * s * (1 - s))).astype(dy.dtype, copy=False),)
 
 
@@ -189,7 +216,10 @@ def _(grads, inputs, outputs, *, alpha=1.0):
 def swiglu(a: np.ndarray, b: np.ndarray, *, alpha: float = 1.0) -> np.ndarray:
     if a.shape != b.shape:
         raise KernelError(f"SwiGLU: gate {a.shape} and value {b.shape} must have one shape (no broadcasting)")
-    return (a * _stable_sigmoid(a * a.dtype.type(alpha)) * b).astype(a.dtype, copy=False)
+    y = _sigmoid(a * a.dtype.type(alpha) if alpha != 1.0 else a)
+    y *= a
+    y *= b.astype(a.dtype, copy=False)
+    return y
 
 
 @swiglu.backward(uses="inputs")
@@ -197,7 +227,7 @@ def _(grads, inputs, outputs, *, alpha=1.0):
     dy, (a, b) = grads[0], inputs[:2]
     if dy is None:
         return (None, None)
-    s = _stable_sigmoid(alpha * a)
+    s = _sigmoid(alpha * a)
     swish_a = a * s
     da = dy * b * (s + alpha * a * s * (1 - s))
     return (da.astype(dy.dtype, copy=False), (dy * swish_a).astype(dy.dtype, copy=False))
@@ -218,7 +248,7 @@ def _(grads, inputs, outputs):
     if dy is None:
         return (None,)
     t = np.tanh(_softplus(x))
-    return ((dy * (t + x * (1 - t * t) * _stable_sigmoid(x))).astype(dy.dtype, copy=False),)
+    return ((dy * (t + x * (1 - t * t) * _sigmoid(x))).astype(dy.dtype, copy=False),)
 
 
 _SQRT_2_OVER_PI = float(np.sqrt(2 / np.pi))
@@ -227,7 +257,7 @@ _SQRT_2_OVER_PI = float(np.sqrt(2 / np.pi))
 @register("Gelu", since=20)
 def gelu(x: np.ndarray, *, approximate: str = "none") -> np.ndarray:
     if approximate == "none":
-        return (0.5 * x * (1 + erf(x * x.dtype.type(1 / np.sqrt(2))))).astype(x.dtype, copy=False)
+        return _gelu_exact(x)
     if approximate == "tanh":
         w = x.astype(np.float32) if x.dtype == np.float16 else x  # x**3 overflows float16
         with np.errstate(over="ignore"):  # |x| > 1e12: x**3 is inf, tanh(inf) = 1

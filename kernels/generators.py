@@ -103,4 +103,9 @@ def trilu(x: np.ndarray, k: np.ndarray | None = None, *, upper: int = 1) -> np.n
     if x.ndim < 2:
         raise KernelError(f"Trilu: input must have rank >= 2, got shape {x.shape}")
     kk = 0 if k is None else int(_scalar("Trilu", "k", k))
-    return np.triu(x, kk) if upper else np.tril(x, kk)
+    rows, cols = x.shape[-2:]
+    # the triangle to keep, broadcast over the batch dims
+    keep = ~np.tri(rows, cols, kk - 1, dtype=bool) if upper else np.tri(rows, cols, kk, dtype=bool)
+    out = np.zeros_like(x)
+    np.copyto(out, x, where=keep)
+    return out

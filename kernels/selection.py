@@ -30,17 +30,48 @@ def _topk(x: np.ndarray, k, axis: int, largest: int) -> tuple[np.ndarray, np.nda
     n = x.shape[axis]
     if not 0 <= kk <= n:
         raise KernelError(f"TopK: K={kk} must be in [0, {n}] (the size of axis {axis})")
-    if largest:
-        # descending with ties in index order: a stable ascending sort of the
-        # reversed axis, read backwards
-        order = np.argsort(np.flip(x, axis), axis=axis, kind="stable")
-        order = n - 1 - np.flip(order, axis)
-    else:
-        order = np.argsort(x, axis=axis, kind="stable")
+    if 0 < kk and kk * 4 <= n and n >= 64:
+        fast = _topk_partitioned(x, kk, axis, largest)
+        if fast is not None:
+            return fast
+    order = _sorted_order(x, axis, largest)
     idx = [slice(None)] * x.ndim
     idx[axis] = slice(0, kk)
     order = order[tuple(idx)]
     return np.take_along_axis(x, order, axis=axis), order.astype(np.int64, copy=False)
+
+
+def _sorted_order(x: np.ndarray, axis: int, largest: int) -> np.ndarray:
+    """Indices sorting x along axis, descending if largest; ties in index order."""
+    if largest:
+        # a stable ascending sort of the reversed axis, read backwards
+        n = x.shape[axis]
+        return n - 1 - np.flip(np.argsort(np.flip(x, axis), axis=axis, kind="stable"), axis)
+    return np.argsort(x, axis=axis, kind="stable")
+
+
+def _topk_partitioned(x: np.ndarray, kk: int, axis: int, largest: int):
+    """TopK by argpartition (O(n)) and a sort of the k picked, or None on a tie at the cut.
+
+    A partition picks arbitrarily among values equal to the k-th; ONNX wants
+    the lowest indices among them, so when the k-th value is tied with an
+    element left out, the caller falls back to the full stable sort.
+    """
+    n = x.shape[axis]
+    if np.issubdtype(x.dtype, np.floating) and np.isnan(x).any():
+        return None  # NaN ordering: leave it to the full sort
+    kth = n - kk if largest else kk - 1
+    part = np.argpartition(x, kth, axis=axis)
+    idx = [slice(None)] * x.ndim
+    idx[axis] = slice(n - kk, n) if largest else slice(0, kk)
+    picked = np.sort(part[tuple(idx)], axis=axis)  # index order, so the stable sort below breaks ties by index
+    vals = np.take_along_axis(x, picked, axis=axis)
+    cut = vals.min(axis=axis, keepdims=True) if largest else vals.max(axis=axis, keepdims=True)
+    inside = (x >= cut) if largest else (x <= cut)
+    if np.any(inside.sum(axis=axis) != kk):
+        return None
+    order = _sorted_order(vals, axis, largest)
+    return np.take_along_axis(vals, order, axis=axis), np.take_along_axis(picked, order, axis=axis).astype(np.int64)
 
 
 @register("TopK", since=11, dtypes=NUMERIC_TYPES)

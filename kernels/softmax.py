@@ -14,16 +14,16 @@ from .registry import register
 
 
 def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
-    m = np.max(x, axis=axis, keepdims=True)
-    e = np.exp(x - m)
+    e = x - np.max(x, axis=axis, keepdims=True)
+    np.exp(e, out=e)
     e /= np.sum(e, axis=axis, keepdims=True)
     return e
 
 
 def _log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
-    m = np.max(x, axis=axis, keepdims=True)
-    s = x - m
-    return s - np.log(np.sum(np.exp(s), axis=axis, keepdims=True))
+    s = x - np.max(x, axis=axis, keepdims=True)
+    s -= np.log(np.sum(np.exp(s), axis=axis, keepdims=True))
+    return s
 
 
 def _coerced(fn, x: np.ndarray, axis: int) -> np.ndarray:

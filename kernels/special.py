@@ -41,13 +41,31 @@ def _horner(coeffs, s: np.ndarray) -> np.ndarray:
 
 
 def _erf_rational(x: np.ndarray) -> np.ndarray:
-    x = np.clip(x.astype(np.float64), -4.0, 4.0)
-    s = x * x
+    """erf of a (small) array, evaluated in float64."""
+    w = np.clip(x.astype(np.float64), -4.0, 4.0)
+    s = w * w
     s *= 1.0 / 16.0
     p = _horner(_P32, s)
     p /= _horner(_Q32, s)
-    p *= x
+    p *= w
     return p
+
+
+_BLOCK = 1 << 16
+
+
+def blocked(fn, x: np.ndarray, dtype) -> np.ndarray:
+    """``fn`` applied to 64K-element slices of ``x`` (flattened), results cast to ``dtype``.
+
+    A chain of ~30 ufuncs over a whole large tensor streams each temporary
+    through memory (and faults in fresh pages); on cache-sized slices the
+    same chain runs several times faster.
+    """
+    out = np.empty(x.shape, dtype=dtype)
+    flat, dst = x.reshape(-1), out.reshape(-1)
+    for i in range(0, flat.size, _BLOCK):
+        dst[i:i + _BLOCK] = fn(flat[i:i + _BLOCK])
+    return out
 
 
 def _cheb_fit(fn, a: float, b: float, n: int) -> tuple[float, float, np.ndarray]:
@@ -99,9 +117,24 @@ def _erf_f64(x: np.ndarray) -> np.ndarray:
 def erf(x: np.ndarray) -> np.ndarray:
     """erf of a float array, in its dtype (NaN stays NaN)."""
     x = np.asarray(x)
-    if x.dtype == np.float64:
-        return _erf_f64(x)
-    return _erf_rational(x).astype(x.dtype)
+    return blocked(_erf_f64 if x.dtype == np.float64 else _erf_rational, x, x.dtype)
+
+
+_INV_SQRT2 = 1.0 / math.sqrt(2.0)
+
+
+def _gelu_block(x: np.ndarray) -> np.ndarray:
+    w = x.astype(np.float64)
+    e = _erf_f64(w * _INV_SQRT2) if x.dtype == np.float64 else _erf_rational(w * _INV_SQRT2)
+    e += 1.0
+    e *= 0.5
+    e *= w
+    return e
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """``0.5 x (1 + erf(x / sqrt 2))`` in x's dtype, fused per block."""
+    return blocked(_gelu_block, x, x.dtype)
 
 
 @register("Erf", since=9)

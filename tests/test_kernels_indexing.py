@@ -252,3 +252,23 @@ def test_cumulative_empty_and_bad_axis():
     assert k("CumSum", 14)(np.zeros((2, 0)), np.array(1), exclusive=1).shape == (2, 0)
     with pytest.raises(KernelError, match="axis 2"):
         k("CumSum", 14)(np.zeros((2, 3)), np.array(2))
+
+
+@pytest.mark.parametrize("largest", [1, 0])
+@pytest.mark.parametrize("values", ["distinct", "ties", "nan"])
+def test_topk_partitioned_path_keeps_the_tie_rule(largest, values):
+    """Long rows with a small k take the argpartition path; ties at the cut and NaN fall back."""
+    if values == "distinct":
+        x = RNG.permutation(3 * 300).reshape(3, 300).astype(np.float32)
+    else:
+        x = RNG.integers(0, 12, size=(3, 300)).astype(np.float32)
+        if values == "nan":
+            x[1, 7] = np.nan
+    vals, idx = k("TopK", 11)(x, np.array([20]), axis=1, largest=largest)
+    for row in range(3):
+        r_ = x[row].tolist()
+        key = [(float("inf") if np.isnan(v) else v) for v in r_]  # NaN sorts as the largest
+        order = sorted(range(300), key=lambda i: (-key[i] if largest else key[i], i))[:20]
+        if values != "nan" or row != 1:
+            assert idx[row].tolist() == order
+            np.testing.assert_array_equal(vals[row], x[row, order])
