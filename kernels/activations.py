@@ -38,7 +38,7 @@ def _(grads, inputs, outputs):
 
 @register("LeakyRelu")
 def leaky_relu(x: np.ndarray, *, alpha: float = 0.01) -> np.ndarray:
-    y = x * x.dtype.type(alpha)
+    y = np.multiply(x, x.dtype.type(alpha), out=np.empty_like(x))
     # x >= 0 keeps x, x < 0 takes alpha x: the larger of the two when alpha <= 1
     return np.maximum(x, y, out=y) if alpha <= 1 else np.minimum(x, y, out=y)
 
@@ -52,10 +52,11 @@ def _(grads, inputs, outputs, *, alpha=0.01):
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
-    y = np.negative(x)
+    # every step writes into y (out=): in place, and an array even for 0-d inputs
+    y = np.negative(x, out=np.empty_like(x))
     with np.errstate(over="ignore"):
         np.exp(y, out=y)
-    y += 1
+    np.add(y, 1, out=y)
     return np.reciprocal(y, out=y)
 
 
@@ -101,13 +102,14 @@ def clip_v6(x: np.ndarray, *, min: float = -3.4028234663852886e38, max: float = 
 
 def _elu(x: np.ndarray, alpha: float, scale: float = 1.0) -> np.ndarray:
     # max(x, 0) + alpha * expm1(min(x, 0)): each term is 0 where the other applies
-    neg = np.minimum(x, x.dtype.type(0))
+    zero = x.dtype.type(0)
+    neg = np.minimum(x, zero, out=np.empty_like(x))
     np.expm1(neg, out=neg)
-    neg *= x.dtype.type(alpha)
-    out = np.maximum(x, x.dtype.type(0))
-    out += neg
+    np.multiply(neg, x.dtype.type(alpha), out=neg)
+    out = np.maximum(x, zero, out=np.empty_like(x))
+    np.add(out, neg, out=out)
     if scale != 1.0:
-        out *= x.dtype.type(scale)
+        np.multiply(out, x.dtype.type(scale), out=out)
     return out
 
 
@@ -125,8 +127,8 @@ def selu(
 
 @register("HardSigmoid")
 def hard_sigmoid(x: np.ndarray, *, alpha: float = 0.2, beta: float = 0.5) -> np.ndarray:
-    y = x * x.dtype.type(alpha)
-    y += x.dtype.type(beta)
+    y = np.multiply(x, x.dtype.type(alpha), out=np.empty_like(x))
+    np.add(y, x.dtype.type(beta), out=y)
     return np.clip(y, 0, 1, out=y)
 
 
@@ -140,7 +142,12 @@ def celu(x: np.ndarray, *, alpha: float = 1.0) -> np.ndarray:
     if alpha == 0:
         raise KernelError("Celu: alpha must be non-zero")
     a = x.dtype.type(alpha)
-    return np.maximum(x, 0) + np.minimum(0, a * np.expm1(np.minimum(x, 0) / a)).astype(x.dtype, copy=False)
+    neg = np.minimum(x, x.dtype.type(0), out=np.empty_like(x))
+    np.divide(neg, a, out=neg)
+    np.expm1(neg, out=neg)
+    np.multiply(neg, a, out=neg)
+    out = np.maximum(x, x.dtype.type(0), out=np.empty_like(x))
+    return np.add(out, neg, out=out)
 
 
 @register("ThresholdedRelu", since=10)
@@ -180,11 +187,10 @@ def _(grads, inputs, outputs):
 
 @register("HardSwish", since=14)
 def hard_swish(x: np.ndarray) -> np.ndarray:
-    y = x * x.dtype.type(1 / 6)
-    y += x.dtype.type(0.5)
+    y = np.multiply(x, x.dtype.type(1 / 6), out=np.empty_like(x))
+    np.add(y, x.dtype.type(0.5), out=y)
     np.clip(y, 0, 1, out=y)
-    y *= x
-    return y
+    return np.multiply(y, x, out=y)
 
 
 @hard_swish.backward(uses="inputs")
@@ -199,8 +205,7 @@ def _(grads, inputs, outputs):
 @register("Swish", since=24)
 def swish(x: np.ndarray, *, alpha: float = 1.0) -> np.ndarray:
     y = _sigmoid(x * x.dtype.type(alpha) if alpha != 1.0 else x)
-    y *= x
-    return y
+    return np.multiply(y, x, out=y)
 
 
 @swish.backward(uses="inputs")
@@ -217,9 +222,8 @@ def swiglu(a: np.ndarray, b: np.ndarray, *, alpha: float = 1.0) -> np.ndarray:
     if a.shape != b.shape:
         raise KernelError(f"SwiGLU: gate {a.shape} and value {b.shape} must have one shape (no broadcasting)")
     y = _sigmoid(a * a.dtype.type(alpha) if alpha != 1.0 else a)
-    y *= a
-    y *= b.astype(a.dtype, copy=False)
-    return y
+    np.multiply(y, a, out=y)
+    return np.multiply(y, b.astype(a.dtype, copy=False), out=y)
 
 
 @swiglu.backward(uses="inputs")
@@ -239,7 +243,8 @@ def _softplus(x: np.ndarray) -> np.ndarray:
 
 @register("Mish", since=18)
 def mish(x: np.ndarray) -> np.ndarray:
-    return (x * np.tanh(_softplus(x))).astype(x.dtype, copy=False)
+    t = np.tanh(_softplus(x), out=np.empty_like(x))
+    return np.multiply(t, x, out=t)
 
 
 @mish.backward(uses="inputs")

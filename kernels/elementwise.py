@@ -42,7 +42,7 @@ def _wanted(needs_grad, i: int, x: np.ndarray | None) -> bool:
 
 @register("Add", dtypes=NUMERIC_TYPES)
 def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.add(a, b, dtype=a.dtype)
+    return np.asarray(np.add(a, b, dtype=a.dtype))  # an array even for 0-d inputs
 
 
 @add.backward(uses="inputs")
@@ -58,7 +58,7 @@ def _(grads, inputs, outputs, *, needs_grad=None):
 
 @register("Sub", dtypes=NUMERIC_TYPES)
 def sub(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.subtract(a, b, dtype=a.dtype)
+    return np.asarray(np.subtract(a, b, dtype=a.dtype))  # an array even for 0-d inputs
 
 
 @sub.backward(uses="inputs")
@@ -74,7 +74,7 @@ def _(grads, inputs, outputs, *, needs_grad=None):
 
 @register("Mul", dtypes=NUMERIC_TYPES)
 def mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.multiply(a, b, dtype=a.dtype)
+    return np.asarray(np.multiply(a, b, dtype=a.dtype))  # an array even for 0-d inputs
 
 
 @mul.backward(uses="inputs")
@@ -95,7 +95,7 @@ def div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         with np.errstate(divide="ignore", invalid="ignore"):
             q = np.trunc(np.divide(a.astype(np.float64), b.astype(np.float64)))
         return q.astype(a.dtype)
-    return np.divide(a, b, dtype=a.dtype)
+    return np.asarray(np.divide(a, b, dtype=a.dtype))
 
 
 @div.backward(uses="inputs")

@@ -14,16 +14,14 @@ from .registry import register
 
 
 def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
-    e = x - np.max(x, axis=axis, keepdims=True)
+    e = np.subtract(x, np.max(x, axis=axis, keepdims=True), out=np.empty_like(x))
     np.exp(e, out=e)
-    e /= np.sum(e, axis=axis, keepdims=True)
-    return e
+    return np.divide(e, np.sum(e, axis=axis, keepdims=True), out=e)
 
 
 def _log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
-    s = x - np.max(x, axis=axis, keepdims=True)
-    s -= np.log(np.sum(np.exp(s), axis=axis, keepdims=True))
-    return s
+    s = np.subtract(x, np.max(x, axis=axis, keepdims=True), out=np.empty_like(x))
+    return np.subtract(s, np.log(np.sum(np.exp(s), axis=axis, keepdims=True)), out=s)
 
 
 def _coerced(fn, x: np.ndarray, axis: int) -> np.ndarray:

@@ -198,3 +198,17 @@ def test_trig_out_of_domain_is_nan_without_warnings(op, fn, dtype):
     assert y.dtype == dtype
     with np.errstate(all="ignore"):
         np.testing.assert_allclose(y, fn(x), rtol=1e-3, equal_nan=True)
+
+
+@pytest.mark.parametrize("op,extra", [
+    ("Sigmoid", ()), ("HardSigmoid", ()), ("HardSwish", ()), ("Elu", ()), ("Selu", ()), ("LeakyRelu", ()),
+    ("Swish", ()), ("Mish", ()), ("Gelu", ()), ("Celu", ()), ("Erf", ()), ("Softmax", ()), ("LogSoftmax", ()),
+    ("SwiGLU", (np.array(2.0, np.float32),)), ("Add", (np.array(2.0, np.float32),)),
+    ("Mul", (np.array(2.0, np.float32),)), ("Sub", (np.array(2.0, np.float32),)), ("Div", (np.array(2.0, np.float32),)),
+])
+def test_scalar_inputs_give_arrays(op, extra):
+    """0-d inputs: in-place kernels must not trip over numpy returning scalars, and the
+    ops the executor may fuse a Relu into (out=) must return arrays."""
+    x = np.array(0.5, np.float32)
+    y = k(op, 28)(x, *extra)
+    assert isinstance(y, np.ndarray) and y.shape == () and y.dtype == np.float32
