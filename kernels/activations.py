@@ -300,7 +300,7 @@ def _prelu_slope(x: np.ndarray, slope: np.ndarray) -> np.ndarray:
     return slope
 
 
-@register("PRelu", since=7, dtypes=NUMERIC_TYPES)
+@register("PRelu", since=6, dtypes=NUMERIC_TYPES)
 def prelu(x: np.ndarray, slope: np.ndarray) -> np.ndarray:
     s = _prelu_slope(x, slope)
     return np.where(x > 0, x, x * s).astype(x.dtype, copy=False)

@@ -4,7 +4,10 @@ ArgMax, ArgMin.
 
 ``axes`` was an attribute until opset 18 (13 for ReduceSum) and is an
 optional input since; an empty ``axes`` reduces everything unless
-``noop_with_empty_axes`` is set (then the input passes through). A
+``noop_with_empty_axes`` is set: then the reduction runs over the empty set
+of axes (numpy's ``axis=()``), so ReduceSum/Max/... pass the input through
+while the composite ones still apply their element-wise steps (ReduceL1 is
+Abs, ReduceSumSquare is Square, ReduceLogSum is Log). A
 reduction over an empty set gives the operation's identity: 0 for sums and
 norms, 1 for the product, -inf for ReduceMax and the log-sums (the type's
 lowest value for integers), +inf for ReduceMin.
@@ -24,13 +27,12 @@ from .registry import FLOAT_TYPES, NUMERIC_TYPES, KernelError, register
 _BOOL_NUMERIC = NUMERIC_TYPES | {"bool"}
 
 
-def _norm_axes(axes, ndim: int) -> tuple[int, ...] | None:
-    """None (reduce all) or sorted non-negative axes; validated."""
-    if axes is None:
-        return None
-    ax = [int(a) for a in np.asarray(axes).reshape(-1)]
+def _norm_axes(axes, ndim: int, noop: int = 0) -> tuple[int, ...] | None:
+    """None (reduce all), () (reduce nothing: noop_with_empty_axes) or sorted
+    non-negative axes; validated."""
+    ax = [] if axes is None else [int(a) for a in np.asarray(axes).reshape(-1)]
     if not ax:
-        return None
+        return () if noop else None
     rank = max(ndim, 1)
     for a in ax:
         if not -rank <= a < rank:
@@ -96,6 +98,9 @@ def _log_sum_exp(x, ax, keep):
     return out if keep else out.reshape(np.sum(w, axis=ax, keepdims=False).shape)
 
 
+# reductions with no element-wise step: over no axes they are the identity
+_PLAIN = ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd")
+
 _FNS = {
     "ReduceSum": lambda x, ax, keep: np.sum(x, axis=ax, keepdims=keep, dtype=x.dtype),
     "ReduceMean": _mean,
@@ -111,16 +116,11 @@ _FNS = {
 
 
 def _reduce(op: str, x: np.ndarray, axes, keepdims: int, noop_with_empty_axes: int = 0) -> np.ndarray:
-    ax = _norm_axes(axes, x.ndim)
-    if ax is None and noop_with_empty_axes:
+    ax = _norm_axes(axes, x.ndim, noop_with_empty_axes)
+    if ax == () and op in _PLAIN:
         return x
     out = _FNS[op](x, ax, bool(keepdims))
     return np.asarray(out).astype(x.dtype, copy=False)
-
-
-def _grad_shape(x: np.ndarray, axes, noop: int) -> tuple[tuple[int, ...] | None, bool]:
-    ax = _norm_axes(axes, x.ndim)
-    return ax, ax is None and bool(noop)
 
 
 def _keepdims_grad(dy: np.ndarray, x: np.ndarray, ax, keepdims: int) -> np.ndarray:
@@ -171,9 +171,7 @@ def _attach_backward(op: str, kernel, with_input: bool) -> None:
             return (None,) + extra
         if with_input:
             axes = inputs[1] if len(inputs) > 1 else None
-        ax, noop = _grad_shape(x, axes, noop_with_empty_axes)
-        if noop:
-            return (dy,) + extra
+        ax = _norm_axes(axes, x.ndim, noop_with_empty_axes)
         local = _local_grads(op, x, outputs[0], ax, keepdims)
         g = _keepdims_grad(dy, x, ax, keepdims) * local
         return (np.broadcast_to(g, x.shape).astype(x.dtype),) + extra

@@ -63,8 +63,10 @@ def test_reductions(op, axes, keepdims):
     check_backward(op, [x], {"keepdims": keepdims, "axes": axes}, opset=13 if op != "ReduceSum" else 11)
 
 
-def test_reduction_noop_passes_the_gradient_through():
-    check_backward("ReduceSum", [r(2, 3), np.array([], np.int64)], {"noop_with_empty_axes": 1}, opset=18, wrt=[0])
+@pytest.mark.parametrize("op", REDUCTIONS)
+def test_reduction_over_no_axes(op):
+    x = r(2, 3, lo=0.3, hi=2.0) if op == "ReduceLogSum" else _away_from(r(2, 3), [0])
+    check_backward(op, [x, np.array([], np.int64)], {"noop_with_empty_axes": 1}, opset=18, wrt=[0])
 
 
 @pytest.mark.parametrize("exclusive", [0, 1])

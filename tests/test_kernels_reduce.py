@@ -41,11 +41,20 @@ def test_input_and_attribute_forms_agree_with_numpy(op, axes, keepdims):
 
 
 @pytest.mark.parametrize("op", OPS)
-def test_noop_with_empty_axes(op):
-    x = RNG.uniform(0.5, 2.0, (2, 3))
+def test_noop_with_empty_axes_reduces_over_no_axes(op):
+    """The reduction step is the identity; composite reductions keep their
+    element-wise steps (ReduceSumSquare squares, ReduceLogSum takes the log)."""
+    x = RNG.uniform(-2.0, 2.0, (2, 3))
+    if op == "ReduceLogSum":
+        x = np.abs(x)
     k = get_kernel(op, opset=18)
-    assert k(x, np.array([], np.int64), noop_with_empty_axes=1) is x
-    assert k(x, None, noop_with_empty_axes=1) is x
+    want = REF[op](x, (), True)
+    for axes in (np.array([], np.int64), None):
+        got = k(x, axes, noop_with_empty_axes=1)
+        assert got.shape == x.shape
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+    if op in ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd"):
+        assert k(x, None, noop_with_empty_axes=1) is x
     assert k(x, np.array([], np.int64)).shape == (1, 1)  # empty axes without noop: reduce all
 
 
