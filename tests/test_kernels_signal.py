@@ -20,12 +20,6 @@ def k(op, opset=20, dtype=None):
     return get_kernel(op, opset=opset, dtype=dtype)
 
 
-def _dft_matrix(n_out: int, n_in: int, inverse: bool) -> np.ndarray:
-    sign = 1 if inverse else -1
-    m = np.exp(sign * 2j * np.pi * np.outer(np.arange(n_out), np.arange(n_in)) / max(n_out, n_in))
-    return m / (max(n_out, n_in) if inverse else 1)
-
-
 @pytest.mark.parametrize("complex_in", [False, True])
 @pytest.mark.parametrize("inverse", [0, 1])
 @pytest.mark.parametrize("axis", [1, 2, -2, -3])
