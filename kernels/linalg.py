@@ -116,6 +116,22 @@ def _implicit_output(terms: list[str]) -> str:
     return ("..." if any("..." in t for t in terms) else "") + "".join(once)
 
 
+def _expand_ellipsis(terms: list[str], out_term: str, inputs) -> tuple[list[str] | None, str]:
+    """'...' spelled out as fresh letters, right-aligned per operand (None if it cannot be)."""
+    used = set("".join(terms) + out_term)
+    free = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz" if c not in used]
+    widths = []
+    for t, x in zip(terms, inputs):
+        named = len(t.replace("...", ""))
+        widths.append(x.ndim - named if "..." in t else 0)
+    width = max(widths, default=0)
+    if width > len(free) or min(widths) < 0:
+        return None, out_term
+    letters = "".join(free[:width])
+    terms = [t.replace("...", letters[width - w:]) for t, w in zip(terms, widths)]
+    return terms, out_term.replace("...", letters)
+
+
 def _einsum_as_matmul(ta: str, tb: str, to: str, a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
     """A two-operand einsum as one batched matmul (BLAS), or None if it is not one.
 
@@ -164,7 +180,10 @@ def einsum(*inputs: np.ndarray, equation: str) -> np.ndarray:
     lhs, arrow, rhs = eq.partition("->")
     terms = lhs.split(",")
     if len(inputs) == 2:
-        out = _einsum_as_matmul(terms[0], terms[1], rhs if arrow else _implicit_output(terms), *inputs)
+        out_term = rhs if arrow else _implicit_output(terms)
+        if "..." in eq:
+            terms, out_term = _expand_ellipsis(terms, out_term, inputs)
+        out = None if terms is None else _einsum_as_matmul(terms[0], terms[1], out_term, *inputs)
         if out is not None:
             return np.asarray(out, dtype=inputs[0].dtype)
     try:

@@ -163,6 +163,19 @@ def gather(x: np.ndarray, indices: np.ndarray, *, axis: int = 0) -> np.ndarray:
     return np.take(x, idx.astype(np.int64), axis=axis)
 
 
+@gather.backward(uses="inputs")
+def _(grads, inputs, outputs, *, axis=0):
+    dy, (x, indices) = grads[0], inputs[:2]
+    if dy is None:
+        return (None, None)
+    # repeated indices (an embedding row used twice) accumulate
+    ax = axis % x.ndim
+    g = np.zeros(x.shape, dtype=dy.dtype)
+    idx = np.asarray(indices).astype(np.int64) % x.shape[ax]
+    np.add.at(g, (slice(None),) * ax + (idx,), dy)
+    return (g, None)
+
+
 @register("Unsqueeze", dtypes=ANY_TYPE, since=13)
 def unsqueeze(x: np.ndarray, axes: np.ndarray) -> np.ndarray:
     out_rank = x.ndim + np.asarray(axes).size

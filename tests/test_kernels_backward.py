@@ -103,3 +103,8 @@ def test_scatter_nd(reduction):
 def test_topk(largest):
     x = RNG.permutation(20).reshape(4, 5).astype(np.float64)  # distinct values: no ties at the cut
     check_backward("TopK", [x, np.array([2])], {"axis": 1, "largest": largest}, opset=11)
+
+
+@pytest.mark.parametrize("axis,idx", [(0, np.array([[1, 0], [1, -1]])), (1, np.array([2, 2, 0])), (-1, np.array(1))])
+def test_gather_embeddings_accumulate(axis, idx):
+    check_backward("Gather", [r(3, 4), idx], {"axis": axis}, opset=13)
