@@ -240,3 +240,49 @@ def softmax_cross_entropy_loss(
     logp = _log_softmax_axis1(scores)
     loss = _nll(logp, labels, weights, reduction, ignore_index, "SoftmaxCrossEntropyLoss")
     return (loss, logp) if n_outputs > 1 else loss
+
+
+def _nll_grad(logp: np.ndarray, target: np.ndarray, weight, reduction: str, ignore_index, dy) -> np.ndarray:
+    """d loss / d logp: -weight at each target class, scaled by dy (and 1/sum(w) for mean)."""
+    t = target.astype(np.int64, copy=False)
+    valid = np.ones(t.shape, dtype=bool) if ignore_index is None else t != int(ignore_index)
+    tc = np.where(valid, t, 0)
+    w = weight.astype(logp.dtype, copy=False)[tc] if weight is not None else np.ones(t.shape, dtype=logp.dtype)
+    w = np.where(valid, w, logp.dtype.type(0))
+    dy = np.asarray(dy, dtype=logp.dtype)
+    coef = -w * dy  # dy has the loss's shape for "none", is a scalar otherwise
+    if reduction == "mean":
+        coef /= w.sum()
+    g = np.zeros(logp.shape, dtype=logp.dtype)
+    np.put_along_axis(g, tc[:, None], coef[:, None], axis=1)
+    return g
+
+
+@negative_log_likelihood_loss.backward(uses="inputs")
+def _(grads, inputs, outputs, *, ignore_index=None, reduction="mean"):
+    dy = grads[0]
+    x, target = inputs[0], inputs[1]
+    weight = inputs[2] if len(inputs) > 2 else None
+    extra = (None,) * (len(inputs) - 1)
+    if dy is None:
+        return (None,) + extra
+    return (_nll_grad(x, target, weight, reduction, ignore_index, dy),) + extra
+
+
+@softmax_cross_entropy_loss.backward(uses="all")
+def _(grads, inputs, outputs, *, ignore_index=None, reduction="mean"):
+    scores, labels = inputs[0], inputs[1]
+    weights = inputs[2] if len(inputs) > 2 else None
+    extra = (None,) * (len(inputs) - 1)
+    dloss = grads[0]
+    dlogp_out = grads[1] if len(grads) > 1 else None
+    if dloss is None and dlogp_out is None:
+        return (None,) + extra
+    logp = outputs[1] if len(outputs) > 1 and outputs[1] is not None else _log_softmax_axis1(scores)
+    g = np.zeros(scores.shape, dtype=scores.dtype)
+    if dloss is not None:
+        g += _nll_grad(logp, labels, weights, reduction, ignore_index, dloss)
+    if dlogp_out is not None:
+        g += dlogp_out
+    # through log_softmax: dx = g - softmax * sum_c g
+    return (g - np.exp(logp) * g.sum(axis=1, keepdims=True),) + extra

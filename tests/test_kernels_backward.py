@@ -108,3 +108,15 @@ def test_topk(largest):
 @pytest.mark.parametrize("axis,idx", [(0, np.array([[1, 0], [1, -1]])), (1, np.array([2, 2, 0])), (-1, np.array(1))])
 def test_gather_embeddings_accumulate(axis, idx):
     check_backward("Gather", [r(3, 4), idx], {"axis": axis}, opset=13)
+
+
+@pytest.mark.parametrize("op", ["NegativeLogLikelihoodLoss", "SoftmaxCrossEntropyLoss"])
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("ignore", [None, 1])
+def test_onnx_losses(op, reduction, weighted, ignore):
+    x = r(3, 4, 2)
+    target = np.array([[0, 1], [3, 2], [1, 1]])
+    inputs = [x, target] + ([RNG.uniform(0.5, 2.0, 4)] if weighted else [])
+    attrs = {"reduction": reduction} | ({} if ignore is None else {"ignore_index": ignore})
+    check_backward(op, inputs, attrs, opset=13, wrt=[0])
