@@ -1,7 +1,8 @@
 """Element-wise arithmetic with numpy (multidirectional) broadcasting.
 
-Add, Sub, Mul, Div, Pow, Neg, Abs, Exp, Log, Sqrt, Reciprocal, Sum, Max,
-Min, Mean, Equal, Less, Greater, Where.
+Add, Sub, Mul, Div, Pow, Mod, Neg, Abs, Sign, Exp, Log, Sqrt, Reciprocal,
+Ceil, Floor, Round, IsInf, IsNaN, Sum, Max, Min, Mean, Equal, Less,
+Greater, LessOrEqual, GreaterOrEqual, Where.
 
 Backwards (Add, Sub, Mul, Div, Neg) reduce each gradient back to its
 input's shape with :func:`reduce_to_shape`: broadcasting in the forward is a
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .registry import FLOAT_TYPES, NUMERIC_TYPES, register
+from .registry import FLOAT_TYPES, NUMERIC_TYPES, KernelError, register
 
 _BOOL_NUMERIC = NUMERIC_TYPES | {"bool"}
 
@@ -41,7 +42,7 @@ def _wanted(needs_grad, i: int, x: np.ndarray | None) -> bool:
 
 @register("Add", dtypes=NUMERIC_TYPES)
 def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.add(a, b, dtype=a.dtype)
+    return np.asarray(np.add(a, b, dtype=a.dtype))  # an array even for 0-d inputs
 
 
 @add.backward(uses="inputs")
@@ -57,7 +58,7 @@ def _(grads, inputs, outputs, *, needs_grad=None):
 
 @register("Sub", dtypes=NUMERIC_TYPES)
 def sub(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.subtract(a, b, dtype=a.dtype)
+    return np.asarray(np.subtract(a, b, dtype=a.dtype))  # an array even for 0-d inputs
 
 
 @sub.backward(uses="inputs")
@@ -73,7 +74,7 @@ def _(grads, inputs, outputs, *, needs_grad=None):
 
 @register("Mul", dtypes=NUMERIC_TYPES)
 def mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.multiply(a, b, dtype=a.dtype)
+    return np.asarray(np.multiply(a, b, dtype=a.dtype))  # an array even for 0-d inputs
 
 
 @mul.backward(uses="inputs")
@@ -94,7 +95,7 @@ def div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         with np.errstate(divide="ignore", invalid="ignore"):
             q = np.trunc(np.divide(a.astype(np.float64), b.astype(np.float64)))
         return q.astype(a.dtype)
-    return np.divide(a, b, dtype=a.dtype)
+    return np.asarray(np.divide(a, b, dtype=a.dtype))
 
 
 @div.backward(uses="inputs")
@@ -188,16 +189,75 @@ def equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.equal(a, b)
 
 
-@register("Less", dtypes=NUMERIC_TYPES)
+@register("Less", dtypes=_BOOL_NUMERIC)
 def less(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.less(a, b)
 
 
-@register("Greater", dtypes=NUMERIC_TYPES)
+@register("Greater", dtypes=_BOOL_NUMERIC)
 def greater(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.greater(a, b)
+
+
+@register("LessOrEqual", since=12, dtypes=_BOOL_NUMERIC)
+def less_or_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.less_equal(a, b)
+
+
+@register("GreaterOrEqual", since=12, dtypes=_BOOL_NUMERIC)
+def greater_or_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.greater_equal(a, b)
 
 
 @register("Where", dtypes={"bool"})
 def where(cond: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return np.where(cond, x, y)
+
+
+@register("Mod", since=10, dtypes=NUMERIC_TYPES)
+def mod(a: np.ndarray, b: np.ndarray, *, fmod: int = 0) -> np.ndarray:
+    """``fmod=0``: the remainder takes the divisor's sign (floor division);
+    ``fmod=1``: the dividend's sign (C ``fmod``, truncating division)."""
+    if fmod not in (0, 1):
+        raise KernelError(f"Mod: fmod must be 0 or 1, got {fmod}")
+    b = b.astype(a.dtype, copy=False)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.fmod(a, b) if fmod else np.mod(a, b)
+    return out.astype(a.dtype, copy=False)
+
+
+@register("Sign", since=9, dtypes=NUMERIC_TYPES)
+def sign(x: np.ndarray) -> np.ndarray:
+    return np.sign(x)
+
+
+@register("Ceil")
+def ceil(x: np.ndarray) -> np.ndarray:
+    return np.ceil(x)
+
+
+@register("Floor")
+def floor(x: np.ndarray) -> np.ndarray:
+    return np.floor(x)
+
+
+@register("Round", since=11)
+def round_(x: np.ndarray) -> np.ndarray:
+    # numpy rounds halves to even, as ONNX requires
+    return np.round(x)
+
+
+@register("IsNaN", since=9)
+def isnan(x: np.ndarray) -> np.ndarray:
+    return np.isnan(x)
+
+
+@register("IsInf", since=10)
+def isinf(x: np.ndarray, *, detect_negative: int = 1, detect_positive: int = 1) -> np.ndarray:
+    if detect_negative and detect_positive:
+        return np.isinf(x)
+    if detect_negative:
+        return np.isneginf(x)
+    if detect_positive:
+        return np.isposinf(x)
+    return np.zeros(x.shape, dtype=bool)

@@ -1,6 +1,7 @@
 """Ops that move or re-view data without arithmetic: Flatten, Reshape,
-Transpose, Concat, Split, Slice, Shape, Gather, Unsqueeze, Squeeze, Expand,
-Identity, Constant, Cast.
+Transpose, Concat, Split, Slice, Shape, Size, Gather, Unsqueeze, Squeeze,
+Expand, Tile, Compress, NonZero, ReverseSequence, Identity, Constant, Cast,
+CastLike, BitCast.
 
 Where ONNX moved an attribute to an input (Squeeze/Unsqueeze axes at opset
 13, Split at 13), both versions are registered and the registry picks by the
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .registry import ANY_TYPE, register
+from .registry import ANY_TYPE, KernelError, register
 
 # TensorProto.DataType enum -> numpy dtype, for Cast's ``to`` attribute. The
 # kernel library cannot import onnx, so the (stable, spec-defined) numbers are
@@ -162,6 +163,19 @@ def gather(x: np.ndarray, indices: np.ndarray, *, axis: int = 0) -> np.ndarray:
     return np.take(x, idx.astype(np.int64), axis=axis)
 
 
+@gather.backward(uses="inputs")
+def _(grads, inputs, outputs, *, axis=0):
+    dy, (x, indices) = grads[0], inputs[:2]
+    if dy is None:
+        return (None, None)
+    # repeated indices (an embedding row used twice) accumulate
+    ax = axis % x.ndim
+    g = np.zeros(x.shape, dtype=dy.dtype)
+    idx = np.asarray(indices).astype(np.int64) % x.shape[ax]
+    np.add.at(g, (slice(None),) * ax + (idx,), dy)
+    return (g, None)
+
+
 @register("Unsqueeze", dtypes=ANY_TYPE, since=13)
 def unsqueeze(x: np.ndarray, axes: np.ndarray) -> np.ndarray:
     out_rank = x.ndim + np.asarray(axes).size
@@ -235,14 +249,93 @@ def constant(
     raise ValueError("Constant needs one of value, value_float(s), value_int(s)")
 
 
-@register("Cast", dtypes=ANY_TYPE)
-def cast(x: np.ndarray, *, to: int, saturate: int = 1) -> np.ndarray:
-    # ``saturate`` only affects float8 targets, which are not supported here.
-    try:
-        dtype = TENSOR_TYPES[int(to)]
-    except KeyError:
-        raise ValueError(f"Cast to tensor type {to} is not supported by the numpy kernels") from None
+def _cast(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    if x.dtype == dtype:
+        return x
     if np.issubdtype(dtype, np.integer) and np.issubdtype(x.dtype, np.floating):
         with np.errstate(invalid="ignore"):
             return np.trunc(x).astype(dtype)
     return x.astype(dtype)
+
+
+def _tensor_type(op: str, to: int) -> np.dtype:
+    try:
+        return TENSOR_TYPES[int(to)]
+    except KeyError:
+        raise KernelError(f"{op} to tensor type {to} is not supported by the numpy kernels") from None
+
+
+@register("Cast", dtypes=ANY_TYPE)
+def cast(x: np.ndarray, *, to: int, saturate: int = 1, round_mode: str = "up") -> np.ndarray:
+    # ``saturate`` and ``round_mode`` only affect float8/float4 targets, which
+    # numpy cannot represent (the graph is refused before it gets here).
+    return _cast(x, _tensor_type("Cast", to))
+
+
+@register("CastLike", since=15, dtypes=ANY_TYPE)
+def cast_like(x: np.ndarray, like: np.ndarray, *, saturate: int = 1, round_mode: str = "up") -> np.ndarray:
+    return _cast(x, like.dtype)
+
+
+@register("BitCast", since=26, dtypes=ANY_TYPE)
+def bit_cast(x: np.ndarray, *, to: int) -> np.ndarray:
+    dtype = _tensor_type("BitCast", to)
+    if dtype.itemsize != x.dtype.itemsize:
+        raise KernelError(
+            f"BitCast: {x.dtype} ({x.dtype.itemsize * 8} bits) and {dtype} ({dtype.itemsize * 8} bits) "
+            "differ in width; BitCast needs types of one width"
+        )
+    return (x if x.flags.c_contiguous else x.copy()).view(dtype)
+
+
+@register("Tile", since=6, dtypes=ANY_TYPE)
+def tile(x: np.ndarray, repeats: np.ndarray) -> np.ndarray:
+    reps = [int(r) for r in np.asarray(repeats).reshape(-1)]
+    if len(reps) != x.ndim:
+        raise KernelError(f"Tile: repeats has {len(reps)} entries for an input of rank {x.ndim}")
+    if any(r < 0 for r in reps):
+        raise KernelError(f"Tile: repeats must be non-negative, got {reps}")
+    return np.tile(x, reps)
+
+
+@register("Compress", since=9, dtypes=ANY_TYPE)
+def compress(x: np.ndarray, condition: np.ndarray, *, axis: int | None = None) -> np.ndarray:
+    cond = np.asarray(condition).reshape(-1).astype(bool, copy=False)
+    if axis is None:
+        flat = x.reshape(-1)
+        return flat[: cond.size][cond[: flat.size]]
+    if not -x.ndim <= axis < x.ndim:
+        raise KernelError(f"Compress: axis {axis} is out of range for rank {x.ndim}")
+    n = x.shape[axis]
+    if cond.size > n:
+        raise KernelError(f"Compress: condition has {cond.size} entries, axis {axis} has {n}")
+    return np.compress(cond, x, axis=axis)
+
+
+@register("NonZero", since=9, dtypes=ANY_TYPE)
+def nonzero(x: np.ndarray) -> np.ndarray:
+    if x.ndim == 0:
+        return np.zeros((0, int(bool(x))), dtype=np.int64)
+    return np.array(np.nonzero(x), dtype=np.int64).reshape(x.ndim, -1)
+
+
+@register("ReverseSequence", since=10, dtypes=ANY_TYPE)
+def reverse_sequence(
+    x: np.ndarray, sequence_lens: np.ndarray, *, batch_axis: int = 1, time_axis: int = 0
+) -> np.ndarray:
+    if {batch_axis, time_axis} != {0, 1}:
+        raise KernelError(
+            f"ReverseSequence: batch_axis and time_axis must be 0 and 1 (either way), got {batch_axis}, {time_axis}"
+        )
+    t_len, b_len = x.shape[time_axis], x.shape[batch_axis]
+    lens = np.asarray(sequence_lens).reshape(-1).astype(np.int64)
+    if lens.size != b_len or (lens.size and (lens.min() < 0 or lens.max() > t_len)):
+        raise KernelError(
+            f"ReverseSequence: sequence_lens must hold {b_len} lengths in [0, {t_len}], got {lens.tolist()}"
+        )
+    t = np.arange(t_len)[:, None]  # (T, B): source time step of each output step
+    src = np.where(t < lens[None, :], lens[None, :] - 1 - t, t)
+    if time_axis == 1:
+        src = src.T
+    src = src.reshape(src.shape + (1,) * (x.ndim - 2))
+    return np.take_along_axis(x, np.broadcast_to(src, x.shape), axis=time_axis)

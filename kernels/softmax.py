@@ -1,4 +1,4 @@
-"""Softmax and LogSoftmax.
+"""Softmax, LogSoftmax and Hardmax.
 
 Opset 13 changed the semantics: before it, the input is coerced to 2-D at
 ``axis`` (default 1) and the softmax runs over the flattened trailing block;
@@ -14,16 +14,14 @@ from .registry import register
 
 
 def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
-    m = np.max(x, axis=axis, keepdims=True)
-    e = np.exp(x - m)
-    e /= np.sum(e, axis=axis, keepdims=True)
-    return e
+    e = np.subtract(x, np.max(x, axis=axis, keepdims=True), out=np.empty_like(x))
+    np.exp(e, out=e)
+    return np.divide(e, np.sum(e, axis=axis, keepdims=True), out=e)
 
 
 def _log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
-    m = np.max(x, axis=axis, keepdims=True)
-    s = x - m
-    return s - np.log(np.sum(np.exp(s), axis=axis, keepdims=True))
+    s = np.subtract(x, np.max(x, axis=axis, keepdims=True), out=np.empty_like(x))
+    return np.subtract(s, np.log(np.sum(np.exp(s), axis=axis, keepdims=True)), out=s)
 
 
 def _coerced(fn, x: np.ndarray, axis: int) -> np.ndarray:
@@ -90,3 +88,22 @@ def _(grads, inputs, outputs, *, axis=-1):
 def _(grads, inputs, outputs, *, axis=1):
     dy = grads[0]
     return (None if dy is None else _coerced_grad(_log_softmax_grad, dy, outputs[0], axis),)
+
+
+def _hardmax(x: np.ndarray, axis: int) -> np.ndarray:
+    y = np.zeros_like(x)
+    if x.size == 0:
+        return y
+    first = np.expand_dims(np.argmax(x, axis=axis), axis)  # ties: the first maximum wins
+    np.put_along_axis(y, first, 1, axis=axis)
+    return y
+
+
+@register("Hardmax", since=13)
+def hardmax(x: np.ndarray, *, axis: int = -1) -> np.ndarray:
+    return _hardmax(x, axis)
+
+
+@register("Hardmax", since=1)
+def hardmax_v1(x: np.ndarray, *, axis: int = 1) -> np.ndarray:
+    return _coerced(_hardmax, x, axis)
