@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     from edgeflow.transport.mqtt import MqttTransport
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="edgeflow-fleet-scale-"))
+    if not args.dir:
+        os.chmod(root, 0o711)  # the broker (user mosquitto when run as root) must be able to enter it
     t_setup = time.monotonic()
     fd = FleetDir(root / "fleet").init("scale")
     ids = [f"sim-{i:04d}" for i in range(args.devices)]
