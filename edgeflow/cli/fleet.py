@@ -380,19 +380,28 @@ def cmd_cmd(args) -> int:
 
 
 def cmd_provision(args) -> int:
+    from ..transport.url import parse_broker_url
     from ._common import console, emit_json
 
     fd = _fleet_dir(args)
+    if args.broker:
+        parse_broker_url(args.broker)  # a bad URL is refused before anything is written
     path = fd.provision(args.device, profile=args.profile, broker=args.broker, overwrite=args.force)
     files = fd.write_broker_config() if (fd.broker_dir / "mosquitto.conf").exists() else None
-    out = {"device": args.device, "credentials": str(path), "broker_config_updated": files is not None}
+    broker = json.loads((path / "device.json").read_text(encoding="utf-8")).get("broker")
+    out = {"device": args.device, "credentials": str(path), "broker": broker, "broker_config_updated": files is not None}
     if args.json:
         emit_json(out)
         return 0
     c = console()
     c.print(f"{args.device}: credentials in {path} (copy to the board; run `edgeflow device --credentials DIR`)")
+    if broker:
+        c.print(f"  the device connects to {broker}")
+    else:
+        c.print(f"  no broker URL yet: run `edgeflow broker-config --dir {fd.path} --public-host HOST` (it fills it "
+                "in) or provision again with --broker URL --force")
     if files is not None:
-        c.print(f"broker password file and ACL updated: reload Mosquitto (kill -HUP <pid>)")
+        c.print("broker password file and ACL updated: reload Mosquitto (kill -HUP <pid>)")
     else:
         c.print("run `edgeflow broker-config` to write the broker configuration")
     return 0
