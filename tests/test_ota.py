@@ -157,7 +157,10 @@ def test_a_cut_at_any_step_leaves_the_old_or_the_new_model(tmp_path, key: Privat
     assert model.model_path.read_bytes() == mlp_bytes(expect)
     p = fresh.pointer()
     if expect == 2:
-        assert p.previous is None, "the half-written slot must never be a rollback target"
+        # the staging slot is neither the model nor its rollback target: v1 is still there to roll back to
+        # (with two slots the cut-off deploy had destroyed it; issue 20)
+        assert p.previous is not None and fresh.verify_slot(p.previous, key.public_key).version == 1
+        assert p.inactive() not in (p.active, p.previous)
     else:
         assert fresh.verify_slot(p.previous, key.public_key).version == 2
 

@@ -52,6 +52,8 @@ def register(sub) -> None:
     d.add_argument("--rtol", type=float, default=1e-3)
     d.add_argument("--latency-budget-ms", type=float, default=1000.0)
     d.add_argument("--revert-on-halt", action="store_true", help="roll back devices already updated if halted")
+    d.add_argument("--allow-downgrade", action="store_true",
+                   help="let devices install a version older than the one they run (refused otherwise)")
     d.add_argument("--include-offline", action="store_true", help="also target offline devices (queued)")
     _common(d)
     d.set_defaults(func=cmd_deploy)
@@ -122,7 +124,8 @@ class _Session:
         self.transport = MqttTransport.from_url(url, **kwargs)
         self.store = GatewayStore(":memory:")
         self.fm = FleetManager(self.transport, self.store, fd.fleet, fd.fleet_key(),
-                               FleetOptions(record_telemetry=False, heartbeat_timeout_s=3600), keyring=fd.keyring())
+                               FleetOptions(record_telemetry=False, heartbeat_timeout_s=3600), keyring=fd.keyring(),
+                               keyring_loader=fd.keyring)
         self.fm.start()
         self.transport.connect()
         self._settle(args.wait)
@@ -262,7 +265,7 @@ def cmd_deploy(args) -> int:
         raise ConfigError(f"model file not found: {args.model}")
     policy = RolloutPolicy(canary=_share(args.canary, "--canary"), wave_size=args.wave_size,
                            failure_threshold=_share(args.threshold, "--threshold"), report_timeout_s=args.timeout,
-                           revert_on_halt=args.revert_on_halt)
+                           revert_on_halt=args.revert_on_halt, allow_downgrade=args.allow_downgrade)
     s = _Session(args)
     try:
         targets = select_devices(s.fm.devices(), args.to, online=None if args.include_offline else s.fm.is_online)
