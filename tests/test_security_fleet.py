@@ -560,3 +560,19 @@ def test_messages_refuse_hostile_json_with_codec_errors_only() -> None:
     with pytest.raises(CodecError, match="exceeds"):
         Birth.verify(Birth("d", "f", "p", 1, k.public_key.hex, versions={f"k{i}": "v" * 60 for i in range(300)}).sign(k),
                      k.public_key)
+
+
+def test_devices_provisioned_while_the_gateway_runs_are_picked_up(fleet_env) -> None:
+    """Registration is provisioning only; a gateway started before a device was provisioned re-reads the key
+    ring when the unknown id shows up (rate-limited) instead of needing a restart."""
+    t = fleet_env.transport("admin", connect=False)
+    ring = KeyRing()  # what the gateway loaded at its start: not this device yet
+    fm = FleetManager(t, GatewayStore(":memory:"), FLEET, fleet_env.fleet_dir.fleet_key(),
+                      FleetOptions(keyring_reload_s=0.2), keyring=ring, keyring_loader=fleet_env.fleet_dir.keyring)
+    fleet_env.made.append(fm)
+    fleet_env.managers["admin"] = fm
+    fm.start()
+    t.connect()
+    a = fleet_env.agent()
+    assert fm.wait_online([a.device_id], 10)
+    assert ring.get(a.device_id) == a.signer.public_key, "the shared key ring (rounds use it too) was updated"
