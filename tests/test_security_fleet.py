@@ -428,7 +428,8 @@ def test_retained_chunks_a_device_leaves_are_refused_by_receivers(fleet_env, no_
     topic = device_topic(FLEET, dev, "update").value
     for i in range(20):
         t.publish(chunk_topic(topic, i), _junk_chunk(20 * 64 * 1024, i), retain=True, raw=True).wait(10)
-    gw = fleet_env.transport("gateway", connect=False)
+    # a gateway (re)subscribing now: a clean session, so only the retained store can deliver these chunks
+    gw = fleet_env.transport("gateway", connect=False, clean_start=True, session_expiry_s=0)
     gw.subscribe(f"edgeflow/{FLEET}/+/update", lambda m: None)
     gw.connect()
     try:
