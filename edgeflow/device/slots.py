@@ -109,7 +109,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None  # unreadable: treat as absent (atomic writes make this a disk fault, not a cut)
     return data if isinstance(data, dict) else None
 
