@@ -360,3 +360,12 @@ def test_backoff_grows_caps_jitters_and_resets() -> None:
     assert b.next() <= 0.5
     with pytest.raises(ValueError):
         Backoff(0, 1)
+
+
+def test_completed_ids_are_bounded_per_sender_and_in_total() -> None:
+    r = Reassembler(completed_cache=3, max_completed=10)
+    for i in range(40):
+        (f,) = frames_of(os.urandom(100))
+        assert r.add(f"edgeflow/lab/dev-{i % 8}/update", f) is not None
+    assert sum(len(d) for d in r._completed.values()) <= 10
+    assert all(len(d) <= 3 for d in r._completed.values())

@@ -255,6 +255,7 @@ class Reassembler:
         max_sender_bytes: int | None = None,
         max_sender_transfers: int = 16,
         completed_cache: int = 256,
+        max_completed: int = 65536,
         sender_of: Callable[[str], str] = sender_of,
         allow_retained: Callable[[str], bool] = retained_chunks_allowed,
         clock: Callable[[], float] = time.monotonic,
@@ -268,6 +269,8 @@ class Reassembler:
         self.max_sender_bytes = max_sender_bytes
         self.max_sender_transfers = max_sender_transfers
         self.completed_cache = completed_cache
+        self.max_completed = max_completed
+        self._completed_n = 0
         self.sender_of = sender_of
         self.allow_retained = allow_retained
         self.clock = clock
@@ -337,6 +340,7 @@ class Reassembler:
             done = self._completed[sender]
             while done and now - next(iter(done.values())) > horizon:
                 done.popitem(last=False)
+                self._completed_n -= 1
             if not done:
                 del self._completed[sender]
         return dead
@@ -446,8 +450,16 @@ class Reassembler:
         del buf
         done = self._completed.setdefault(t.sender, OrderedDict())
         done[tkey] = now
+        self._completed_n += 1
         while len(done) > self.completed_cache:
             done.popitem(last=False)
+            self._completed_n -= 1
+        while self._completed_n > self.max_completed:  # many senders (fake ids on an open broker): oldest first
+            oldest = next(iter(self._completed))
+            self._completed[oldest].popitem(last=False)
+            self._completed_n -= 1
+            if not self._completed[oldest]:
+                del self._completed[oldest]
         self.stats["completed"] += 1
         return Reassembled(
             key=tkey[0], transfer_id=tkey[1], payload=payload, chunks=t.header.count, retain=t.retained,
