@@ -66,11 +66,11 @@ def device_worker(ids: list[str], fleet_dir: str, url: str, start: Any, t0_value
         tls = TlsConfig(ca_file=str(creds.directory / "ca.crt")) if url.startswith("mqtts") else None
         t = MqttTransport.from_url(
             url, client_id=d, username=creds.username, password=creds.password, tls=tls, name=d,
-            will=Will(device_topic(fleet, d, "death").value, Death(d, bdseq).to_bytes()), keepalive=30,
+            will=Will(device_topic(fleet, d, "death").value, Death(d, bdseq).sign(creds.key)), keepalive=30,
             connect_timeout_s=120, reconnect_min_s=0.5, reconnect_max_s=5,
         )
         birth = Birth(d, fleet, "raspberry-pi-4", bdseq, creds.key.public_key.hex, model_version=1,
-                      telemetry_interval_s=interval).sign(creds.key)
+                      telemetry_interval_s=interval, seq=1).sign(creds.key)
         topics = {ch: device_topic(fleet, d, ch).value for ch in ("birth", "death", "telemetry")}
 
         def on_conn(ev: Any, t: MqttTransport = t, birth: bytes = birth, topics: dict = topics) -> None:
@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     from edgeflow.transport.mqtt import MqttTransport
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="edgeflow-fleet-scale-"))
+    if not args.dir:
+        os.chmod(root, 0o711)  # the broker (user mosquitto when run as root) must be able to enter it
     t_setup = time.monotonic()
     fd = FleetDir(root / "fleet").init("scale")
     ids = [f"sim-{i:04d}" for i in range(args.devices)]

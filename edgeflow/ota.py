@@ -141,7 +141,7 @@ class Manifest:
                 key_id=str(d.get("key_id", "")), golden=d.get("golden"), meta=dict(d.get("meta") or {}),
                 format=str(d.get("format", "")),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise _err("bad_artifact", f"OTA manifest is missing or has a bad field ({exc!r})") from exc
         if m.format != FORMAT:
             raise _err("bad_artifact", f"OTA manifest format {m.format!r} is not {FORMAT!r}; update the device agent")
@@ -243,9 +243,12 @@ def parse_artifact(data: bytes) -> Artifact:
     if off != len(data):
         raise _err("bad_artifact", f"OTA artifact has {len(data) - off} unexpected trailing bytes")
     try:
-        manifest = Manifest.from_dict(json.loads(mbytes))
-    except ValueError as exc:
-        raise _err("bad_artifact", f"OTA manifest is not JSON ({exc})") from exc
+        doc = json.loads(mbytes)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply (hostile input)
+        raise _err("bad_artifact", f"OTA manifest is not JSON we accept ({type(exc).__name__})") from None
+    if not isinstance(doc, dict):
+        raise _err("bad_artifact", "OTA manifest is not a JSON object")
+    manifest = Manifest.from_dict(doc)
     if manifest.size != len(model):
         raise _err("bad_artifact", f"manifest says {manifest.size} model bytes, artifact holds {len(model)}")
     if hashlib.sha256(model).hexdigest() != manifest.sha256:

@@ -4,20 +4,30 @@
 ``telemetry`` and ``cmd/ack`` topics and keeps the registry in the
 :class:`~edgeflow.gateway.store.GatewayStore`:
 
-- **liveness** from two signals: the broker's last will (a ``death`` whose
-  ``bdseq`` is not older than the newest birth; an older one is a stale will
-  of an earlier session and is ignored) and a heartbeat timeout (no birth,
-  telemetry or ack for ``heartbeat_factor`` times the telemetry interval the
-  device announced in its birth, for a device whose TCP connection hangs
-  without the broker noticing yet);
-- **births** (signed by the device key) refresh profile, versions and model
-  version; the device's public key is checked against the :attr:`keyring`
-  (provisioning fills it; ``trust_unregistered`` = trust on first use);
-- **telemetry** goes to a writer thread that commits it to SQLite, so a
-  slow disk never stalls the transport's worker thread (and with it
-  keepalive-independent but ordered handling of births and acks); the
-  end-to-end lag (device timestamp to commit) is measured and reported by
-  :meth:`FleetManager.stats`.
+- **only provisioned devices**: births, deaths, telemetry and acks of an id
+  the :attr:`keyring` does not know are ignored (counted as ``*_unknown``),
+  on any broker: registration is ``edgeflow fleet provision``, nothing
+  else. ``keyring_loader`` (e.g. ``FleetDir.keyring``) is re-read, at most
+  every ``keyring_reload_s``, when an unknown id shows up, so devices
+  provisioned while the gateway runs are picked up without a restart;
+- **liveness** from two signals: the broker's last will (a signed ``death``
+  whose ``bdseq`` is not older than the newest birth; an older one is a
+  stale will of an earlier session, and an unsigned or forged one is
+  ignored) and a heartbeat timeout (no birth, telemetry or ack for
+  ``heartbeat_factor`` times the telemetry interval the device announced in
+  its birth, for a device whose TCP connection hangs without the broker
+  noticing yet);
+- **births** (signed by the device key, every field bounded) refresh
+  profile, versions and model version; a birth older than the newest one
+  seen (smaller ``(bdseq, seq)``, also across gateway restarts via the
+  registry) is a replay and is ignored;
+- **telemetry** is bounded before it is parsed (``max_telemetry_bytes``,
+  ``telemetry_rate_hz`` per device) and reduced to the known fields before
+  it is kept (:func:`bounded_telemetry`), so the registry's rows per device
+  (``GatewayStore.telemetry_keep``) have a bounded size; a writer thread
+  commits it to SQLite, so a slow disk never stalls the transport's worker
+  thread; the end-to-end lag (device timestamp to commit) is measured and
+  reported by :meth:`FleetManager.stats`.
 
 Commands: :meth:`FleetManager.send_command` signs a :class:`Command` with
 the fleet key, publishes it on the device's ``cmd`` topic and returns a
@@ -36,6 +46,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import queue
 import threading
 import time
@@ -48,15 +59,14 @@ import numpy as np
 
 from edgeflow.device.messages import (
     ACK_CONTEXT,
-    BIRTH_CONTEXT,
     Ack,
     Birth,
     Command,
     Death,
     OtaOffer,
     deploy_command,
+    loads,
     open_signed,
-    peek_signed,
 )
 from edgeflow.errors import CodecError, ConfigError, FleetError, SignatureError
 from edgeflow.signing import KeyRing, PrivateKey
@@ -64,7 +74,7 @@ from edgeflow.transport.topics import device_filter, device_topic, parse_topic
 
 from .store import DeviceRecord, GatewayStore
 
-__all__ = ["FleetEvent", "FleetManager", "FleetOptions", "PendingCommand"]
+__all__ = ["FleetEvent", "FleetManager", "FleetOptions", "PendingCommand", "bounded_telemetry"]
 
 log = logging.getLogger("edgeflow.gateway.fleet")
 
@@ -83,9 +93,51 @@ class FleetOptions:
     record_registry: bool = True
     record_telemetry: bool = True
     telemetry_queue: int = 100_000
-    trust_unregistered: bool = False
-    """Register the key of a device the key ring does not know from its first birth (trust on first use)."""
+    max_telemetry_bytes: int = 16 * 1024
+    """Telemetry messages larger than this are dropped unparsed."""
+    telemetry_rate_hz: float = 20.0
+    """Per device: telemetry beyond this rate (after a burst of twice as many) is dropped."""
+    keyring_reload_s: float = 5.0
     lag_window: int = 20_000
+
+
+TELEMETRY_FIELDS = {
+    "device": str, "ts": float, "seq": int, "bdseq": int, "model_version": int, "training": bool,
+    "inferences": int, "inference_errors": int, "latency_p50_ms": float, "latency_p95_ms": float,
+    "rss_bytes": int, "peak_rss_bytes": int, "cpu_percent": float, "queue_depth": int, "battery": float,
+    "charging": bool,
+}
+PARTICIPANT_FIELDS = {"rounds_trained": int, "last_round": int, "last_loss": float}
+
+
+def _typed(v: Any, kind: type) -> Any:
+    """``v`` if it is a JSON value of ``kind`` in a sane range, else None."""
+    if v is None or isinstance(v, bool) != (kind is bool):
+        return None
+    if kind is bool:
+        return v
+    if kind is str:
+        return v[:64] if isinstance(v, str) else None
+    if kind is int:
+        return v if isinstance(v, int) and -(1 << 63) <= v < (1 << 63) else None
+    if isinstance(v, (int, float)) and math.isfinite(float(v)) and abs(float(v)) < 1e15:
+        return float(v)
+    return None
+
+
+def bounded_telemetry(body: dict[str, Any]) -> dict[str, Any]:
+    """The known telemetry fields with values of the right type (anything else dropped): what is kept."""
+    out: dict[str, Any] = {}
+    for k, kind in TELEMETRY_FIELDS.items():
+        if k in body:
+            v = _typed(body[k], kind)
+            if v is not None or body[k] is None:
+                out[k] = v
+    part = body.get("participant")
+    if isinstance(part, dict):
+        out["participant"] = {k: v for k, kind in PARTICIPANT_FIELDS.items()
+                              if k in part and (v := _typed(part[k], kind)) is not None}
+    return out
 
 
 @dataclass(frozen=True)
@@ -164,6 +216,7 @@ class FleetManager:
         options: FleetOptions | None = None,
         *,
         keyring: KeyRing | None = None,
+        keyring_loader: Callable[[], KeyRing] | None = None,
     ) -> None:
         self.transport = transport
         self.store = store
@@ -171,7 +224,12 @@ class FleetManager:
         self.fleet_key = fleet_key
         self.options = options or FleetOptions()
         self.keyring = keyring if keyring is not None else KeyRing()
-        """Device public keys: verifies births and acks here, updates in the round manager."""
+        """Device public keys: verifies births, deaths and acks here, updates in the round manager."""
+        self.keyring_loader = keyring_loader
+        self._keyring_loaded = 0.0
+        self._mark: dict[str, tuple[int, int, float, bool]] = {}
+        """Newest birth per device: (bdseq, seq, ts, seen live); from the registry at start (not live)."""
+        self._buckets: dict[str, tuple[float, float]] = {}
         self._lock = threading.RLock()
         self._pending: dict[str, PendingCommand] = {}
         self._acks: OrderedDict[str, Ack] = OrderedDict()
@@ -194,6 +252,11 @@ class FleetManager:
             self._online[rec.device_id] = rec.online
             self._last_seen[rec.device_id] = time.monotonic()
             self._interval[rec.device_id] = float(rec.birth.get("telemetry_interval_s", 10.0) or 10.0)
+            b = rec.birth
+            if isinstance(b.get("bdseq"), int) and isinstance(b.get("seq", 0), int):
+                self._mark[rec.device_id] = (b["bdseq"], b.get("seq", 0), float(b.get("ts", 0.0) or 0.0), False)
+            if not rec.online and rec.bdseq >= 0:
+                self._deaths[rec.device_id] = rec.bdseq
 
     # -------------------------------------------------------------- lifecycle
 
@@ -302,7 +365,7 @@ class FleetManager:
     def stats(self) -> dict[str, Any]:
         """Counters plus telemetry lag percentiles (ms, device timestamp to SQLite commit)."""
         with self._lock:
-            out: dict[str, Any] = dict(self._counts)
+            out: dict[str, Any] = {k: v for k, v in self._counts.items() if not k.startswith("_")}
             lag = np.asarray(self._lag, dtype=np.float64)
             out["online"] = sum(1 for v in self._online.values() if v)
             out["known"] = len(self._online)
@@ -328,52 +391,85 @@ class FleetManager:
         with self._lock:
             self._last_seen[device_id] = time.monotonic()
 
+    def _key(self, device: str, what: str) -> Any:
+        """The device's registered key, or None (counted, logged once a minute per kind): unknown ids are ignored."""
+        key = self.keyring.get(device)
+        if key is None and self._reload_keyring():
+            key = self.keyring.get(device)
+        if key is None:
+            self._count(f"{what}_unknown")
+            now = time.monotonic()
+            with self._lock:
+                last = self._counts.get(f"_logged_{what}", 0)
+                if now - last > 60:
+                    self._counts[f"_logged_{what}"] = int(now)
+                    log.warning("%s from %s ignored: no such provisioned device (register devices with "
+                                "`edgeflow fleet provision`); further ones are only counted", what, device)
+        return key
+
+    def _reload_keyring(self) -> bool:
+        """Re-read the provisioned keys (rate-limited); True when it did. Updates :attr:`keyring` in place."""
+        if self.keyring_loader is None:
+            return False
+        now = time.monotonic()
+        with self._lock:
+            if now - self._keyring_loaded < self.options.keyring_reload_s:
+                return False
+            self._keyring_loaded = now
+        try:
+            fresh = self.keyring_loader()
+        except Exception as exc:  # noqa: BLE001 - a half-written keyring.json must not stop the registry
+            log.warning("key ring not reloaded: %s", exc)
+            return False
+        for dev in fresh.devices():
+            key = fresh.get(dev)
+            if key is not None and self.keyring.get(dev) != key:
+                self.keyring.register(dev, key, replace=True)
+        for dev in set(self.keyring.devices()) - set(fresh.devices()):
+            self.keyring.unregister(dev)
+        return True
+
     def _on_birth(self, msg: Any) -> None:
         device = self._device_of(msg.topic, "birth")
         if device is None:
             return
+        key = self._key(device, "births")
+        if key is None:
+            return
         try:
-            wrapper, body = peek_signed(msg.payload)
-            claimed = Birth.from_body(body)
-        except CodecError as exc:
+            birth = Birth.verify(msg.payload, key)
+        except (SignatureError, CodecError) as exc:
             self._count("births_bad")
             log.warning("birth from %s refused: %s", device, exc)
+            self._emit("refused", device, {"what": "birth", "error": str(exc)})
             return
-        if claimed.device != device:
+        if birth.device != device:
             self._count("births_bad")
-            log.warning("birth on %s's topic claims to be %s: ignored", device, claimed.device)
+            log.warning("birth on %s's topic claims to be %s: ignored", device, birth.device)
             return
-        key = self.keyring.get(device)
-        trust = "registered"
-        if key is None:
-            if not self.options.trust_unregistered:
-                trust = "unregistered"
-            else:
-                try:
-                    key = self.keyring.register(device, claimed.public_key)
-                    trust = "trusted on first use"
-                except ConfigError as exc:
-                    self._count("births_bad")
-                    log.warning("birth from %s has a bad public key: %s", device, exc)
-                    return
-        if key is not None:
-            try:
-                open_signed(msg.payload, key, BIRTH_CONTEXT)
-            except (SignatureError, CodecError) as exc:
-                self._count("births_bad")
-                log.warning("birth from %s does not verify with its registered key: %s", device, exc)
-                self._emit("refused", device, {"what": "birth", "error": str(exc)})
-                return
-        birth = claimed
-        record = {**birth.to_dict(), "trust": trust, "received": time.time()}
         with self._lock:
-            self._births[device] = birth
-            last_death = self._deaths.get(device, -1)
-            online = birth.bdseq > last_death
-            self._online[device] = online
-            self._interval[device] = max(0.05, birth.telemetry_interval_s)
-            self._last_seen[device] = time.monotonic()
-            self._seq[device] = (birth.bdseq, birth.seq)
+            mark = self._mark.get(device)
+            same = mark is not None and (birth.bdseq, birth.seq) == mark[:2]
+            # Newer than the newest seen; the registry's own (retained, re-delivered at start); or, for agents
+            # that sent seq 0 on every birth, a later timestamp.
+            newer = mark is None or (birth.bdseq, birth.seq) > mark[:2] or (same and not mark[3]) or (
+                same and birth.seq == 0 and birth.ts > mark[2])
+            if not newer:
+                stale = True
+            else:
+                stale = False
+                self._mark[device] = (birth.bdseq, birth.seq, birth.ts, True)
+                self._births[device] = birth
+                last_death = self._deaths.get(device, -1)
+                online = birth.bdseq > last_death
+                self._online[device] = online
+                self._interval[device] = max(0.05, birth.telemetry_interval_s)
+                self._last_seen[device] = time.monotonic()
+                self._seq[device] = (birth.bdseq, 0)
+        if stale:
+            self._count("births_stale")
+            return
+        record = {**birth.to_dict(), "trust": "registered", "received": time.time()}
         if self.options.record_registry:
             self.store.upsert_birth(device, record, profile=birth.profile, public_key=birth.public_key,
                                     model_version=birth.model_version, bdseq=birth.bdseq)
@@ -386,17 +482,24 @@ class FleetManager:
         device = self._device_of(msg.topic, "death")
         if device is None:
             return
+        key = self._key(device, "deaths")
+        if key is None:
+            return
         try:
-            death = Death.from_bytes(msg.payload)
-        except CodecError as exc:
+            death = Death.verify(msg.payload, key)
+            if death.device != device:
+                raise CodecError(f"death on {device}'s topic names {death.device}")
+        except (SignatureError, CodecError) as exc:
             self._count("deaths_bad")
-            log.warning("death of %s is malformed: %s", device, exc)
+            log.warning("death of %s refused: %s", device, exc)
             return
         with self._lock:
-            self._deaths[device] = max(death.bdseq, self._deaths.get(device, -1))
             birth = self._births.get(device)
-            stale = birth is not None and death.bdseq < birth.bdseq
+            mark = self._mark.get(device)
+            newest = birth.bdseq if birth is not None else (mark[0] if mark is not None else -1)
+            stale = death.bdseq < newest or death.bdseq <= self._deaths.get(device, -1) and not self._online.get(device)
             if not stale:
+                self._deaths[device] = death.bdseq
                 self._online[device] = False
         if stale:
             self._count("deaths_stale")
@@ -406,17 +509,39 @@ class FleetManager:
         self._count("deaths")
         self._emit("death", device, {"bdseq": death.bdseq, "reason": death.reason})
 
+    def _rate_ok(self, device: str, now: float) -> bool:
+        """Token bucket per device: ``telemetry_rate_hz``, bursts of twice that."""
+        rate = self.options.telemetry_rate_hz
+        if rate <= 0:
+            return True
+        cap = 2.0 * rate
+        with self._lock:
+            tokens, last = self._buckets.get(device, (cap, now))
+            tokens = min(cap, tokens + (now - last) * rate)
+            ok = tokens >= 1.0
+            self._buckets[device] = (tokens - 1.0 if ok else tokens, now)
+        return ok
+
     def _on_telemetry(self, msg: Any) -> None:
         device = self._device_of(msg.topic, "telemetry")
         if device is None:
             return
+        if self._key(device, "telemetry") is None:
+            return
+        if len(msg.payload) > self.options.max_telemetry_bytes:
+            self._count("telemetry_oversized")
+            return
+        if not self._rate_ok(device, time.monotonic()):
+            self._count("telemetry_rate_limited")
+            return
         try:
-            body = json.loads(msg.payload)
-            if not isinstance(body, dict):
-                raise ValueError("not an object")
-        except ValueError:
+            raw = loads(msg.payload, "telemetry")
+            if not isinstance(raw, dict):
+                raise CodecError("telemetry is not a JSON object")
+        except CodecError:
             self._count("telemetry_bad")
             return
+        body = bounded_telemetry(raw)
         now = time.time()
         with self._lock:
             self._latest[device] = body
@@ -497,11 +622,10 @@ class FleetManager:
         device = self._device_of(msg.topic, "cmd/ack")
         if device is None:
             return
-        key = self.keyring.get(device)
+        key = self._key(device, "acks")
+        if key is None:
+            return
         try:
-            if key is None:
-                raise SignatureError(f"no public key registered for device {device!r}; provision it or set "
-                                     "trust_unregistered")
             ack = Ack.from_body(open_signed(msg.payload, key, ACK_CONTEXT))
         except (SignatureError, CodecError) as exc:
             self._count("acks_refused")
@@ -548,10 +672,14 @@ class FleetManager:
         return self.send_command(device_id, name, args, timeout_s=timeout_s).wait()
 
     def send_ota(self, device_id: str, artifact: bytes, *, version: int, timeout_s: float | None = None,
-                 ttl_s: float | None = None) -> PendingCommand:
-        """Offer ``artifact`` to one device (signed deploy command + artifact, chunked by the transport)."""
+                 ttl_s: float | None = None, allow_downgrade: bool = False) -> PendingCommand:
+        """Offer ``artifact`` to one device (signed deploy command + artifact, chunked by the transport).
+
+        Devices refuse a version older than the one they run unless ``allow_downgrade``.
+        """
         cmd = deploy_command(device_id, self.fleet, artifact, version=version,
-                             ttl_s=self.options.command_ttl_s if ttl_s is None else ttl_s)
+                             ttl_s=self.options.command_ttl_s if ttl_s is None else ttl_s,
+                             extra={"allow_downgrade": True} if allow_downgrade else None)
         pc = self._track(cmd, timeout_s)
         offer = OtaOffer.make(cmd, artifact, self.fleet_key)
         self.transport.publish(device_topic(self.fleet, device_id, "ota").value, offer.to_bytes(), qos=1)

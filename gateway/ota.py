@@ -17,10 +17,17 @@ A rollout of version V to a set of devices:
    already on V).
 4. **timeouts** — a device that does not report within
    ``report_timeout_s`` counts as failed and gets a *conditional* rollback
-   (``rollback {"from_version": V}``, long TTL): if it did switch to V and
-   only the report was lost, it goes back; if it never switched, the
-   command is a no-op. An agent that restarted mid-deploy reports the
-   interrupted command itself when it comes back.
+   (``rollback {"from_version": V}``, TTL ``rollback_ttl_s``, one hour): if
+   it did switch to V and only the report was lost, it goes back; if it
+   never switched, the command is a no-op. An agent that restarted
+   mid-deploy reports the interrupted command itself when it comes back.
+   The TTL is short on purpose: a captured copy of this rollback is a valid
+   signed command until it expires (devices also remember its id and refuse
+   a rollback issued before their running model was installed).
+5. **downgrades** — devices refuse a version older than the one they run
+   unless the policy says ``allow_downgrade`` (``fleet deploy
+   --allow-downgrade``): a replayed or mistaken old offer cannot roll a
+   device back.
 
 The selection syntax of ``--to`` is :func:`parse_selector`.
 """
@@ -69,7 +76,11 @@ class RolloutPolicy:
     rollback_timeouts: bool = True
     revert_on_halt: bool = False
     command_ttl_s: float | None = None
-    rollback_ttl_s: float = 86400.0
+    rollback_ttl_s: float = 3600.0
+    """How long the conditional rollback for a device that did not report stays valid (was 24 h: a captured
+    copy could roll a device back a day later; issue 20)."""
+    allow_downgrade: bool = False
+    """Let devices install a version older than the one they run (they refuse it otherwise)."""
 
     def canary_count(self, n: int) -> int:
         if n == 0:
@@ -326,7 +337,7 @@ class Rollout:
             assert art is not None
             try:
                 pending[d] = self.fleet.send_ota(d, art, version=self.version, timeout_s=pol.report_timeout_s,
-                                                 ttl_s=pol.command_ttl_s)
+                                                 ttl_s=pol.command_ttl_s, allow_downgrade=pol.allow_downgrade)
             except Exception as exc:  # noqa: BLE001 - a publish failure is this device's failure
                 r.state, r.code, r.error = "failed", "send_failed", str(exc)
                 self._progress(r)

@@ -9,6 +9,7 @@ Nothing is mocked: agents, gateway and broker talk TLS over loopback sockets.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -34,6 +35,10 @@ PROFILE = "raspberry-pi-4"
 POOL = 48
 OPERATORS = ("gateway", "admin", "tester", "cli")
 FAST = {"reconnect_min_s": 0.05, "reconnect_max_s": 0.5, "connect_timeout_s": 10.0}
+BROKER_USER = "root" if hasattr(os, "geteuid") and os.geteuid() == 0 else None
+"""The generated broker's ``user`` in tests: pytest's temporary directories (/tmp/pytest-of-root, mode 0700)
+are out of reach of the ``mosquitto`` user that broker-config picks when run as root, so tests that run as
+root keep the broker root (test_brokerconfig checks the default user on a reachable directory)."""
 
 
 class GeneratedBroker:
@@ -160,7 +165,7 @@ def make_fleet_env(root: Path, *, pool: int = POOL) -> FleetEnv:
         fd.provision(d, profile=PROFILE)
     port = free_port()
     log = root / "mosquitto.log"
-    files = fd.write_broker_config(ListenerSettings(host="127.0.0.1", port=port, log_file=str(log)),
+    files = fd.write_broker_config(ListenerSettings(host="127.0.0.1", port=port, log_file=str(log), user=BROKER_USER),
                                    tls_hosts=["localhost", "127.0.0.1"])
     broker = GeneratedBroker(files.config, port, log)
     url = f"mqtts://127.0.0.1:{port}"

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from _brokers import Inbox, mosquitto_factory, wait_until  # noqa: F401
-from _fleet import GeneratedBroker
+from _fleet import BROKER_USER, GeneratedBroker
 from edgeflow.bridgeconfig import BridgeSpec, bridge_from_fleet_dir, bridge_topics, render_bridge
 from edgeflow.brokerconfig import FleetDir, ListenerSettings
 from edgeflow.errors import ConfigError
@@ -57,7 +57,7 @@ def test_site_broker_bridges_to_the_generated_central_broker_over_tls_with_the_s
     fd.provision("site-a")
     port = free_port()
     log = tmp_path / "central.log"
-    files = fd.write_broker_config(ListenerSettings(host="127.0.0.1", port=port, log_file=str(log)),
+    files = fd.write_broker_config(ListenerSettings(host="127.0.0.1", port=port, log_file=str(log), user=BROKER_USER),
                                    tls_hosts=["localhost", "127.0.0.1"])
     central = GeneratedBroker(files.config, port, log)
     site_t = root_t = None

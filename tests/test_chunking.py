@@ -193,20 +193,99 @@ def test_memory_bounds() -> None:
     assert err.value.reason == "oversized"  # type: ignore[attr-defined]
     assert r.bytes_buffered == 0 and len(r) == 0
 
-    # total budget: an old stalled transfer is evicted to make room for a new one
-    r = Reassembler(max_total_bytes=3000)
+    # total budget full: the new transfer is refused; the stalled one of another sender is not evicted for it
+    # (it was before issue 20: junk transfers of one device evicted the others' updates). It times out instead.
+    r = Reassembler(max_total_bytes=8000, max_sender_bytes=4000)
     stalled = frames_of(os.urandom(2500))
     for f in stalled[:-1]:
         r.add("a", f)
-    fresh = frames_of(os.urandom(2500))
-    results = [r.add("b", f) for f in fresh]
-    assert results[-1] is not None and r.stats["evicted"] == 1
-    assert r.bytes_buffered == 0
+    r.add("b", frames_of(os.urandom(2500))[0])
+    with pytest.raises(CodecError, match="never evicted") as err:
+        r.add("c", frames_of(os.urandom(2500))[0])
+    assert err.value.reason == "oversized" and r.stats["evicted"] == 0 and r.stats["refused_full"] == 1
+    assert r.add("a", stalled[-1]) is not None, "the stalled transfer still completes"
 
     r = Reassembler(max_transfers=2)
-    for key in ("a", "b", "c"):
+    for key in ("a", "b"):
         r.add(key, frames_of(os.urandom(2000))[0])
-    assert len(r) == 2 and r.stats["evicted"] == 1
+    with pytest.raises(CodecError):
+        r.add("c", frames_of(os.urandom(2000))[0])
+    assert len(r) == 2 and r.stats["evicted"] == 0
+
+
+DEV_A, DEV_B = "edgeflow/lab/dev-a/update", "edgeflow/lab/dev-b/update"
+
+
+def test_one_device_cannot_evict_another_devices_transfer() -> None:
+    """Issue 20, finding 9: junk transfers from one device evicted others' in-progress updates."""
+    r = Reassembler(max_total_bytes=64_000, max_sender_bytes=16_000, max_sender_transfers=4)
+    victim = frames_of(os.urandom(6000))
+    for f in victim[:-1]:
+        r.add(DEV_B, f)
+    for i in range(50):  # dev-a starts junk transfers as fast as it can, on its own update channel
+        r.add(DEV_A if i % 2 else DEV_A + "/x", frames_of(os.urandom(3000))[0])
+    assert r.sender_bytes("edgeflow/lab/dev-a") <= 16_000, "dev-a stays inside its own budget"
+    assert r.stats["evicted"] >= 40, "dev-a's new transfers evicted only its own older ones"
+    done = r.add(DEV_B, victim[-1])
+    assert done is not None and done.payload == b"".join(parse_chunk(f)[1].tobytes() for f in victim)
+
+
+def _tiny_chunks(total: int, tid: bytes) -> list[bytes]:
+    """A transfer of ``total`` one-byte chunks (legal on the wire: chunk size >= 1)."""
+    import hashlib
+    import zlib
+
+    payload = os.urandom(total)
+    sha = hashlib.sha256(payload).digest()
+    return [struct.pack("!4sBB2x16sIIQI32sI", b"EFCK", 1, 0, tid, i, total, total, 1, sha, zlib.crc32(payload[i:i + 1]))
+            + payload[i:i + 1] for i in range(total)]
+
+
+def test_reassembly_accounting_covers_real_memory() -> None:
+    """Issue 20, finding 9: counting data bytes only was about 120x under the memory one-byte chunks pin."""
+    import tracemalloc
+
+    r = Reassembler(max_total_bytes=1 << 30)
+    frames = _tiny_chunks(20_000, os.urandom(16))
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for f in frames[:-1]:
+            r.add(DEV_A, f)
+        used = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert r.bytes_buffered >= 40_000  # the declared size, one byte per chunk, bookkeeping
+    assert used <= r.bytes_buffered + 16 * 1024, (used, r.bytes_buffered)
+    assert r.add(DEV_A, frames[-1]) is not None and r.bytes_buffered == 0
+
+
+def test_a_sender_over_its_budget_is_refused_up_front() -> None:
+    r = Reassembler(max_total_bytes=1 << 20, max_sender_bytes=10_000)
+    with pytest.raises(CodecError, match="budget of one sender") as err:
+        r.add(DEV_A, frames_of(os.urandom(20_000))[0])
+    assert err.value.reason == "oversized" and r.bytes_buffered == 0  # type: ignore[attr-defined]
+    # one junk chunk declaring a huge payload reserves nothing beyond the budget either
+    big = struct.pack("!4sBB2x16sIIQI32sI", b"EFCK", 1, 0, os.urandom(16), 0, 1 << 20, (1 << 20) * 1000, 1000,
+                      b"\0" * 32, 0)
+    with pytest.raises(CodecError):
+        r.add(DEV_A, big)
+    assert r.bytes_buffered == 0
+
+
+def test_retained_chunks_are_refused_where_the_scheme_expects_none() -> None:
+    """Issue 20, finding 9: a device left 2,000 retained 64 KiB chunks on its own update/_chunk/i."""
+    r = Reassembler()
+    frames = frames_of(os.urandom(3000))
+    with pytest.raises(CodecError) as err:
+        r.add(DEV_A, frames[0], retain=True)
+    assert err.value.reason == "retained" and r.bytes_buffered == 0 and r.stats["retained_refused"] == 1  # type: ignore[attr-defined]
+    # the gateway's retained model is what retained chunks are for; other topics are not judged
+    for key in (TOPIC, "edgeflow/lab/_uplink/gateway/model", "sensors/x"):
+        out = [r.add(key, f, retain=True) for f in frames]
+        assert out[-1] is not None and out[-1].retain
+    # live (non-retained) chunks on a device channel are of course fine
+    assert [r.add(DEV_A, f) for f in frames][-1] is not None
 
 
 def test_splitter_rejects_tiny_limits() -> None:
@@ -281,3 +360,12 @@ def test_backoff_grows_caps_jitters_and_resets() -> None:
     assert b.next() <= 0.5
     with pytest.raises(ValueError):
         Backoff(0, 1)
+
+
+def test_completed_ids_are_bounded_per_sender_and_in_total() -> None:
+    r = Reassembler(completed_cache=3, max_completed=10)
+    for i in range(40):
+        (f,) = frames_of(os.urandom(100))
+        assert r.add(f"edgeflow/lab/dev-{i % 8}/update", f) is not None
+    assert sum(len(d) for d in r._completed.values()) <= 10
+    assert all(len(d) <= 3 for d in r._completed.values())

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _fleet import PROFILE, fleet_env, mlp_bytes, wait_until  # noqa: F401
+from _fleet import BROKER_USER, PROFILE, fleet_env, mlp_bytes, wait_until  # noqa: F401
 
 from edgeflow.cli.main import main
 from edgeflow.gateway.store import GatewayStore
@@ -26,7 +26,8 @@ def _run(capsys, *argv: str) -> tuple[int, object]:
 def test_broker_config_and_provision_commands(tmp_path, capsys) -> None:
     d = str(tmp_path / "fleet")
     rc, out = _run(capsys, "broker-config", "--dir", d, "--fleet", "farm", "--port", "18883",
-                   "--public-host", "gw.farm.local", "--websockets", "18884", "--json")
+                   "--public-host", "gw.farm.local", "--websockets", "18884", "--json",
+                   *(["--broker-user", BROKER_USER] if BROKER_USER else []))
     assert rc == 0 and out["fleet"] == "farm" and out["broker"] == "mqtts://gw.farm.local:18883"
     conf = Path(out["config"]).read_text()
     assert "listener 18883 0.0.0.0" in conf and "listener 18884 0.0.0.0" in conf and "allow_anonymous false" in conf

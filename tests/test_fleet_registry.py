@@ -58,7 +58,8 @@ def test_stale_will_is_ignored_and_a_gateway_restart_sees_the_true_state(fleet_e
     assert fm.wait_online([dev], 10)
     # The will of the first session arrives late (e.g. the broker noticed the dead TCP connection only now).
     spoof = fleet_env.transport("tester")
-    spoof.publish(device_topic(FLEET, dev, "death").value, Death(dev, first).to_bytes(), qos=1).wait(5)
+    late_will = Death(dev, first).sign(a.signer.key)  # deaths are signed by the device since issue 20
+    spoof.publish(device_topic(FLEET, dev, "death").value, late_will, qos=1).wait(5)
     assert wait_until(lambda: fm.stats().get("deaths_stale", 0) >= 1, 5)
     assert fm.is_online(dev) and fm.device(dev).online
 

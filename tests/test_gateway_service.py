@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 import pytest
 
-from _fleet import GeneratedBroker
+from _fleet import BROKER_USER, GeneratedBroker
 from edgeflow import zoo
 from edgeflow.brokerconfig import FleetDir, ListenerSettings
 from edgeflow.datasets import dirichlet_partition, load_digits
@@ -43,7 +43,8 @@ def test_gateway_service_runs_rounds_with_device_agents_over_tls(tmp_path):
     for dev, prof in DEVICES.items():
         fd.provision(dev, profile=prof)
     port = free_port()
-    files = fd.write_broker_config(ListenerSettings(host="127.0.0.1", port=port, log_file=str(tmp_path / "m.log")),
+    files = fd.write_broker_config(ListenerSettings(host="127.0.0.1", port=port, log_file=str(tmp_path / "m.log"),
+                                                    user=BROKER_USER),
                                    tls_hosts=["localhost", "127.0.0.1"])
     broker = GeneratedBroker(files.config, port, tmp_path / "m.log")
     url = f"mqtts://127.0.0.1:{port}"

@@ -157,7 +157,10 @@ def test_a_cut_at_any_step_leaves_the_old_or_the_new_model(tmp_path, key: Privat
     assert model.model_path.read_bytes() == mlp_bytes(expect)
     p = fresh.pointer()
     if expect == 2:
-        assert p.previous is None, "the half-written slot must never be a rollback target"
+        # the staging slot is neither the model nor its rollback target: v1 is still there to roll back to
+        # (with two slots the cut-off deploy had destroyed it; issue 20)
+        assert p.previous is not None and fresh.verify_slot(p.previous, key.public_key).version == 1
+        assert p.inactive() not in (p.active, p.previous)
     else:
         assert fresh.verify_slot(p.previous, key.public_key).version == 2
 
@@ -199,3 +202,18 @@ def test_bdseq_grows_across_restarts(tmp_path) -> None:
     time.sleep(0.005)
     (tmp_path / "agent.json").unlink()  # state lost: the clock still keeps it above the old one
     assert SlotStore(tmp_path).next_bdseq() > a
+
+
+def test_hostile_manifests_are_bad_artifacts_not_crashes(key: PrivateKey) -> None:
+    """Issue 20, finding 12: deep nesting and 1e400 in an artifact's manifest are refusals, not tracebacks."""
+    import struct
+
+    from edgeflow.ota import MAGIC, parse_artifact
+
+    for manifest in (b"[" * 60_000 + b"]" * 4_000, b'{"version": 1e400, "profile": "x", "size": 0, "sha256": ""}',
+                     b"[1, 2]"):
+        manifest = manifest[:60_000]
+        data = MAGIC + struct.pack(">I", len(manifest)) + manifest + b"\0" * 64 + struct.pack(">Q", 0) + struct.pack(">Q", 0)
+        with pytest.raises(FleetError) as err:
+            parse_artifact(data)
+        assert err.value.reason == "bad_artifact"  # type: ignore[attr-defined]

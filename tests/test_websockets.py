@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from _brokers import Inbox, make_tls_material, mosquitto_factory, tls_material, wait_until  # noqa: F401
+from _fleet import BROKER_USER
 from edgeflow.errors import ConfigError, TransportError
 from edgeflow.transport import MqttTransport
 from edgeflow.transport.broker import MosquittoBroker, TlsFiles, find_mosquitto, free_port, wait_for_port
@@ -190,7 +191,8 @@ def test_broker_config_cli_adds_a_tls_websockets_listener(tmp_path, capsys) -> N
 
     port, ws = free_port(), free_port()
     rc = main(["broker-config", "--dir", str(tmp_path / "fleet"), "--fleet", "lab", "--host", "127.0.0.1",
-               "--port", str(port), "--websockets", str(ws), "--public-host", "127.0.0.1", "--json"])
+               "--port", str(port), "--websockets", str(ws), "--public-host", "127.0.0.1", "--json",
+               *(["--broker-user", BROKER_USER] if BROKER_USER else [])])
     assert rc == 0
     conf = Path(json.loads(capsys.readouterr().out)["config"]).read_text()
     block = conf[conf.index(f"listener {ws} 127.0.0.1"):]
@@ -221,7 +223,8 @@ def test_federated_round_over_wss_on_the_generated_fleet_broker(tmp_path) -> Non
     tls_port, ws_port = free_port(), free_port()
     log = tmp_path / "mosquitto.log"
     files = fd.write_broker_config(ListenerSettings(host="127.0.0.1", port=tls_port, websockets_port=ws_port,
-                                                    log_file=str(log)), tls_hosts=["localhost", "127.0.0.1"])
+                                                    log_file=str(log), user=BROKER_USER),
+                                   tls_hosts=["localhost", "127.0.0.1"])
     out = open(tmp_path / "mosquitto.out", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([binary, "-c", str(files.config)], stdout=out, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL)

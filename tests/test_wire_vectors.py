@@ -152,7 +152,7 @@ def test_edgeflow_opens_every_control_vector(stored) -> None:
     assert cmd.name == by_name["command"]["body"]["name"]
     assert open_signed(files["ack-refusal.bin"], device, ACK_CONTEXT) == by_name["ack-refusal"]["body"]
     assert open_signed(files["birth.bin"], device, BIRTH_CONTEXT) == by_name["birth"]["body"]
-    assert Death.from_bytes(files["death.bin"]).device == by_name["death"]["body"]["device"]
+    assert Death.verify(files["death.bin"], device) == Death.from_body(by_name["death"]["body"])
     for name in ("secagg-advertise", "secagg-masked"):
         frame = secure.unseal(files[f"{name}.bin"], device)
         msg = secagg_wire.decode_message(frame)
@@ -262,11 +262,13 @@ def test_the_guard_asks_for_regeneration_after_a_version_bump(stored, monkeypatc
     from edgeflow.codecs import envelope
 
     if bump == "envelope":
-        monkeypatch.setattr(envelope, "VERSION", 2)
+        old = envelope.VERSION
+        monkeypatch.setattr(envelope, "VERSION", old + 1)
     else:
-        monkeypatch.setattr(gen, "SPEC_REVISION", 2)
+        old = gen.SPEC_REVISION
+        monkeypatch.setattr(gen, "SPEC_REVISION", old + 1)
     files, manifest = gen.build_all()
-    with pytest.raises(pytest.fail.Exception, match=rf"(?s)version was bumped.*{bump} 1 -> 2.*generate\.py") as err:
+    with pytest.raises(pytest.fail.Exception, match=rf"(?s)version was bumped.*{bump} {old} -> {old + 1}.*generate\.py") as err:
         guard(files, manifest, *stored)
     assert "without bumping" not in str(err.value)
 

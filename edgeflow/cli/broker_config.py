@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 ORDER = 80
 
 
@@ -11,25 +13,35 @@ def register(sub) -> None:
         help="write a TLS + ACL Mosquitto config for the fleet",
         description="Create (or update) the fleet directory: fleet signing key, operator credentials, a fleet CA "
         "and server certificate unless --cert/--key are given, and broker/mosquitto.conf with a TLS listener, no "
-        "anonymous access, one password per provisioned device and ACLs that confine each device to its own "
-        "topics. Run it again after `edgeflow fleet provision` and reload Mosquitto (kill -HUP).",
+        "anonymous access, one password per provisioned device, ACLs that confine each device to its own "
+        "topics and message/queue limits. Every path in it is absolute. A rerun keeps the settings of the last "
+        "one (stored in fleet.json) except those given again; `edgeflow fleet provision` reruns it for you. "
+        "Reload Mosquitto afterwards (kill -HUP).",
     )
     p.add_argument("--dir", default=None, help="fleet directory (default $EDGEFLOW_FLEET_DIR or ./fleet)")
     p.add_argument("--fleet", help="fleet id (required when creating the directory)")
-    p.add_argument("--host", default="0.0.0.0", help="address the TLS listener binds (default 0.0.0.0)")
-    p.add_argument("--port", type=int, default=8883, help="TLS listener port (default 8883)")
+    p.add_argument("--host", default=None, help="address the TLS listener binds (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=None, help="TLS listener port (default 8883)")
     p.add_argument("--public-host", action="append", default=None,
-                   help="host name or IP devices use to reach the broker (certificate SAN; repeatable)")
-    p.add_argument("--broker-url", help="URL devices are given, e.g. mqtts://gw.local:8883")
-    p.add_argument("--cert", help="server certificate (PEM) instead of the fleet CA's")
+                   help="host name or IP devices use to reach the broker (certificate SAN, device URL; repeatable)")
+    p.add_argument("--broker-url", help="URL devices are given (default mqtts://PUBLIC-HOST:PORT)")
+    p.add_argument("--cert", help="server certificate (PEM) instead of the fleet CA's (copied into broker/)")
     p.add_argument("--key", help="server key (PEM) for --cert")
     p.add_argument("--ca", help="CA certificate devices should trust (and that signs client certificates)")
-    p.add_argument("--require-certificate", action="store_true", help="require client certificates (mutual TLS)")
+    p.add_argument("--require-certificate", action=argparse.BooleanOptionalAction, default=None,
+                   help="require client certificates (mutual TLS)")
     p.add_argument("--websockets", type=int, metavar="PORT", help="also a TLS websockets listener on PORT")
     p.add_argument("--local-port", type=int, metavar="PORT",
                    help="also a plain listener on 127.0.0.1:PORT for tools on the gateway host")
+    p.add_argument("--max-packet-size", type=int, metavar="BYTES",
+                   help="largest MQTT packet the broker accepts (default 1 MiB; larger payloads travel in chunks)")
+    p.add_argument("--max-queued-bytes", type=int, metavar="BYTES",
+                   help="bytes queued per client while it is away or slow (default 1 GiB)")
     p.add_argument("--persistence", metavar="DIR", help="keep sessions and queued messages in DIR")
     p.add_argument("--log-file", help="Mosquitto log file")
+    p.add_argument("--broker-user", metavar="USER",
+                   help="system user the broker runs as (default: mosquitto when broker-config runs as root, "
+                   "else the user running it); it is given read access to the broker's files")
     p.add_argument("--bridge-site", metavar="SITE",
                    help="instead: write broker/bridge-SITE.conf, the bridge a site broker opens to this (central) "
                    "fleet's broker; SITE must be provisioned (`edgeflow fleet provision SITE`); docs/scaling.md")
@@ -61,9 +73,27 @@ def fleet_dir_arg(value: str | None) -> str:
     return value or os.environ.get("EDGEFLOW_FLEET_DIR") or "fleet"
 
 
+_FLAGS = {"host": "host", "port": "port", "cert": "certfile", "key": "keyfile", "ca": "cafile",
+          "require_certificate": "require_certificate", "websockets": "websockets_port", "local_port": "plain_port",
+          "max_packet_size": "max_packet_size", "max_queued_bytes": "max_queued_bytes",
+          "persistence": "persistence_dir", "log_file": "log_file", "broker_user": "user"}
+
+
+def settings_from_args(args, fd):
+    """The stored settings of the fleet directory, overridden by the flags given on this command line."""
+    import dataclasses
+
+    from ..brokerconfig import ListenerSettings
+
+    base = fd.listener_settings() if fd.exists else ListenerSettings()
+    changes = {field: getattr(args, flag) for flag, field in _FLAGS.items() if getattr(args, flag, None) is not None}
+    return dataclasses.replace(base, **changes)
+
+
 def cmd(args) -> int:
-    from ..brokerconfig import FleetDir, ListenerSettings
+    from ..brokerconfig import FleetDir, broker_user
     from ..errors import ConfigError
+    from ..transport.url import parse_broker_url
     from ._common import console, emit_json
 
     fd = FleetDir(fleet_dir_arg(args.dir))
@@ -71,17 +101,15 @@ def cmd(args) -> int:
         return bridge_cmd(args, fd)
     if not fd.exists and not args.fleet:
         raise ConfigError(f"{fd.path} is not a fleet directory yet: pass --fleet NAME to create it")
+    settings = settings_from_args(args, fd).validate()  # everything checked before anything is written
+    broker_user(settings)
+    if args.broker_url:
+        parse_broker_url(args.broker_url)
     hosts = args.public_host
     url = args.broker_url
-    if url is None and hosts:
-        url = f"mqtts://{hosts[0]}:{args.port}"
+    if fd.exists and args.fleet and args.fleet != fd.fleet:
+        raise ConfigError(f"{fd.path} belongs to fleet {fd.fleet!r}, not {args.fleet!r}")
     fd.init(args.fleet or fd.fleet, broker=url)
-    if bool(args.cert) != bool(args.key):
-        raise ConfigError("--cert and --key go together")
-    settings = ListenerSettings(host=args.host, port=args.port, certfile=args.cert or "", keyfile=args.key or "",
-                                cafile=args.ca, require_certificate=args.require_certificate,
-                                websockets_port=args.websockets, plain_port=args.local_port,
-                                persistence_dir=args.persistence, log_file=args.log_file)
     files = fd.write_broker_config(settings, tls_hosts=hosts)
     out = {"fleet": fd.fleet, "dir": str(fd.path), "config": str(files.config), "password_file": str(files.password_file),
            "acl_file": str(files.acl_file), "ca_file": str(files.ca_file) if files.ca_file else None,
@@ -95,5 +123,6 @@ def cmd(args) -> int:
     c.print(f"  passwd   {out['password_file']}   acl {out['acl_file']}")
     if out["ca_file"]:
         c.print(f"  CA       {out['ca_file']} (copied into every device's credentials)")
+    c.print(f"  devices connect to {out['broker']}")
     c.print(f"run:  mosquitto -c {out['config']}      reload after provisioning:  kill -HUP <pid>")
     return 0

@@ -52,6 +52,8 @@ def register(sub) -> None:
     d.add_argument("--rtol", type=float, default=1e-3)
     d.add_argument("--latency-budget-ms", type=float, default=1000.0)
     d.add_argument("--revert-on-halt", action="store_true", help="roll back devices already updated if halted")
+    d.add_argument("--allow-downgrade", action="store_true",
+                   help="let devices install a version older than the one they run (refused otherwise)")
     d.add_argument("--include-offline", action="store_true", help="also target offline devices (queued)")
     _common(d)
     d.set_defaults(func=cmd_deploy)
@@ -122,7 +124,8 @@ class _Session:
         self.transport = MqttTransport.from_url(url, **kwargs)
         self.store = GatewayStore(":memory:")
         self.fm = FleetManager(self.transport, self.store, fd.fleet, fd.fleet_key(),
-                               FleetOptions(record_telemetry=False, heartbeat_timeout_s=3600), keyring=fd.keyring())
+                               FleetOptions(record_telemetry=False, heartbeat_timeout_s=3600), keyring=fd.keyring(),
+                               keyring_loader=fd.keyring)
         self.fm.start()
         self.transport.connect()
         self._settle(args.wait)
@@ -262,7 +265,7 @@ def cmd_deploy(args) -> int:
         raise ConfigError(f"model file not found: {args.model}")
     policy = RolloutPolicy(canary=_share(args.canary, "--canary"), wave_size=args.wave_size,
                            failure_threshold=_share(args.threshold, "--threshold"), report_timeout_s=args.timeout,
-                           revert_on_halt=args.revert_on_halt)
+                           revert_on_halt=args.revert_on_halt, allow_downgrade=args.allow_downgrade)
     s = _Session(args)
     try:
         targets = select_devices(s.fm.devices(), args.to, online=None if args.include_offline else s.fm.is_online)
@@ -380,19 +383,28 @@ def cmd_cmd(args) -> int:
 
 
 def cmd_provision(args) -> int:
+    from ..transport.url import parse_broker_url
     from ._common import console, emit_json
 
     fd = _fleet_dir(args)
+    if args.broker:
+        parse_broker_url(args.broker)  # a bad URL is refused before anything is written
     path = fd.provision(args.device, profile=args.profile, broker=args.broker, overwrite=args.force)
     files = fd.write_broker_config() if (fd.broker_dir / "mosquitto.conf").exists() else None
-    out = {"device": args.device, "credentials": str(path), "broker_config_updated": files is not None}
+    broker = json.loads((path / "device.json").read_text(encoding="utf-8")).get("broker")
+    out = {"device": args.device, "credentials": str(path), "broker": broker, "broker_config_updated": files is not None}
     if args.json:
         emit_json(out)
         return 0
     c = console()
     c.print(f"{args.device}: credentials in {path} (copy to the board; run `edgeflow device --credentials DIR`)")
+    if broker:
+        c.print(f"  the device connects to {broker}")
+    else:
+        c.print(f"  no broker URL yet: run `edgeflow broker-config --dir {fd.path} --public-host HOST` (it fills it "
+                "in) or provision again with --broker URL --force")
     if files is not None:
-        c.print(f"broker password file and ACL updated: reload Mosquitto (kill -HUP <pid>)")
+        c.print("broker password file and ACL updated: reload Mosquitto (kill -HUP <pid>)")
     else:
         c.print("run `edgeflow broker-config` to write the broker configuration")
     return 0

@@ -2,12 +2,14 @@
 
 What it does, on the transport it is given (one :class:`MqttTransport`):
 
-- **birth and death** (Sparkplug B style): after every connect it clears
-  its retained death and publishes a retained, signed birth (profile,
-  versions, model version, public key, ``bdseq``); the last will is a
-  retained death with the same ``bdseq``, so the gateway can tell a stale
-  will from a live device (see :mod:`edgeflow.device.messages`). A clean
-  :meth:`DeviceAgent.stop` publishes the death itself.
+- **birth and death** (Sparkplug B style): every connection attempt gets a
+  new ``bdseq`` (persisted, so it also rises across agent restarts) and a
+  last will signed for it: a retained, signed death. After the connect the
+  agent clears its retained death and publishes a retained, signed birth
+  (profile, versions, model version, public key, that ``bdseq``), so the
+  gateway can tell a stale will from a live device, also after a
+  broker-side timeout (see :mod:`edgeflow.device.messages`). A clean
+  :meth:`DeviceAgent.stop` publishes a signed death itself.
 - **telemetry** every ``telemetry_interval_s``: latency p50/p95 of the
   inferences since the last report, RSS, CPU, queue depth, battery.
 - **inference** on the deployed model: :meth:`DeviceAgent.predict`
@@ -19,7 +21,11 @@ What it does, on the transport it is given (one :class:`MqttTransport`):
   offer on the ``ota`` topic. Every command gets one signed ack on
   ``cmd/ack``: success with a result, or a code and a clear error, also for
   refusals (bad signature, unknown command). A redelivered command gets the
-  same ack again instead of running twice.
+  same ack again instead of running twice, also after an agent restart:
+  accepted command ids persist until they expire (:mod:`.replay`). A deploy
+  of an older version than the running one is refused unless the signed
+  command allows the downgrade, and a rollback or deploy issued before the
+  running model was installed is refused as stale.
 
 Threads: message handlers run on the transport's worker thread and only do
 quick work; deploy/rollback/reboot run one at a time on the agent's
@@ -47,7 +53,6 @@ import queue
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,10 +64,11 @@ from ..errors import CodecError, EdgeflowError, FleetError, SignatureError
 from ..ota import Artifact, verify_artifact
 from ..profiles import BACKENDS, DeviceProfile, get_profile
 from ..signing import PublicKey, Signer
-from ..transport.message import ConnectionEvent, Message, Will
+from ..transport.message import ConnectionEvent, Message
 from ..transport.topics import device_topic
 from .health import HealthReport, check_model, load_runtime
-from .messages import COMMANDS, Ack, Birth, Command, Death, OtaOffer, decode_tensor, encode_tensor, peek_signed
+from .messages import COMMANDS, Ack, Birth, Command, Death, OtaOffer, decode_tensor, encode_tensor, loads, peek_signed
+from .replay import SeenCommands
 from .slots import ActiveModel, SlotStore
 from .telemetry import TelemetryCollector
 
@@ -74,7 +80,6 @@ CRASH_POINTS = ("received", "staging", "staged", "checked", "swapped", "loaded")
 """OTA steps after which ``crash_at`` kills the process: verified in memory; half the artifact
 written; artifact on disk; health check done; pointer swapped; new model serving (ack not sent)."""
 CRASH_EXIT_CODE = 86
-ACK_CACHE = 512
 
 
 @runtime_checkable
@@ -172,12 +177,36 @@ _LAST: list[DeviceAgent] = []
 
 def _plain_id(data: bytes) -> tuple[str, str]:
     try:
-        d = json.loads(data)
-    except ValueError:
+        d = loads(data)
+    except CodecError:
         return "", ""
     if not isinstance(d, dict):
         return "", ""
     return str(d.get("id", ""))[:64], str(d.get("name", ""))[:64]
+
+
+class _SessionWill:
+    """The agent's last will, made anew for every connection attempt.
+
+    The transport reads ``payload`` once per connection attempt (when it
+    builds the MQTT client for it); each read takes the next persisted
+    ``bdseq`` and signs a death for it, so every session's will carries its
+    own ``bdseq`` and the birth the agent publishes after connecting (with
+    the agent's current ``bdseq``) always outranks any earlier session's
+    death. Duck-types :class:`edgeflow.transport.message.Will`.
+    """
+
+    qos = 1
+    retain = True
+    delay_s = 0
+
+    def __init__(self, agent: DeviceAgent) -> None:
+        self._agent = weakref.proxy(agent)
+        self.topic = agent._topic["death"]
+
+    @property
+    def payload(self) -> bytes:
+        return self._agent._new_session()
 
 
 def running_agents() -> dict[str, DeviceAgent]:
@@ -249,8 +278,7 @@ class DeviceAgent:
         self._run_lock = threading.Lock()
         self._participant: Participant | None = None
         self._training = bool(self.slots.state().get("training", False))
-        self._acks: OrderedDict[str, bytes] = OrderedDict()
-        self._acks_lock = threading.Lock()
+        self.seen = SeenCommands(self.slots.root / "seen.json", clock_skew_s=self.options.clock_skew_s)
         self._ops: queue.Queue[Any] = queue.Queue(maxsize=4)
         self._ops_busy: set[str] = set()
         self._infer: queue.Queue[Any] = queue.Queue(maxsize=max(1, self.options.infer_queue))
@@ -259,6 +287,8 @@ class DeviceAgent:
         self._threads: list[threading.Thread] = []
         self._seq = 0
         self._seq_lock = threading.Lock()
+        self._bdseq_lock = threading.Lock()
+        self._births = 0
         self.bdseq = -1
         self.boot_notes: list[str] = []
         self._started = False
@@ -311,8 +341,7 @@ class DeviceAgent:
         if self._started:
             return self
         self._started = True
-        self.bdseq = self.slots.next_bdseq()
-        self.transport.will = Will(self._topic["death"], Death(self.device_id, self.bdseq).to_bytes(), qos=1, retain=True)
+        self.transport.will = _SessionWill(self)
         self._boot_model()
         self._recovery = self._recover_pending()
         self.transport.subscribe(self._topic["cmd"], self._on_cmd)
@@ -346,8 +375,8 @@ class DeviceAgent:
         self._stop_participant()
         try:
             if self.transport.is_connected:
-                self.transport.publish(self._topic["death"], Death(self.device_id, self.bdseq, "shutdown",
-                                                                   time.time()).to_bytes(), qos=1, retain=True)
+                death = Death(self.device_id, self.bdseq, "shutdown", time.time())
+                self.transport.publish(self._topic["death"], death.sign(self.signer.key), qos=1, retain=True)
         except EdgeflowError:
             pass
         self._halt_threads(timeout)
@@ -452,12 +481,19 @@ class DeviceAgent:
 
     # ------------------------------------------------------------- publishing
 
+    def _new_session(self) -> bytes:
+        """Next ``bdseq`` (persisted before use) and the signed will for the connection about to be made."""
+        with self._bdseq_lock:
+            self.bdseq = self.slots.next_bdseq()
+            self._births = 0
+            return Death(self.device_id, self.bdseq, "lost").sign(self.signer.key)
+
     def _next_seq(self) -> int:
         with self._seq_lock:
             self._seq += 1
             return self._seq
 
-    def birth(self) -> Birth:
+    def birth(self, seq: int | None = None) -> Birth:
         m = self._model
         with self._rt_lock:
             backend = getattr(self._runtime, "backend_name", None)
@@ -466,13 +502,17 @@ class DeviceAgent:
             public_key=self.signer.public_key.hex, model_version=None if m is None else m.version,
             model_sha256=None if m is None else m.sha256, backend=backend, versions=_versions(),
             telemetry_interval_s=float(self.options.telemetry_interval_s), can_train=self.profile.can_train,
-            training=self._training, commands=list(COMMANDS), seq=0, ts=time.time(),
+            training=self._training, commands=list(COMMANDS), seq=self._births if seq is None else seq, ts=time.time(),
         )
 
     def publish_birth(self) -> None:
+        """Announce (again): ``seq`` counts this session's births, so a replayed older one is recognisable."""
         with self._seq_lock:
             self._seq = 0
-        self.transport.publish(self._topic["birth"], self.birth().sign(self.signer.key), qos=1, retain=True)
+        with self._bdseq_lock:
+            self._births += 1
+            birth = self.birth(self._births)
+        self.transport.publish(self._topic["birth"], birth.sign(self.signer.key), qos=1, retain=True)
 
     def _on_connection(self, event: ConnectionEvent) -> None:
         if not event.connected or self._stop.is_set():
@@ -513,10 +553,10 @@ class DeviceAgent:
     def _send_ack(self, ack: Ack, *, cache: bool = True) -> bytes:
         payload = ack.sign(self.signer.key)
         if cache and ack.id:
-            with self._acks_lock:
-                self._acks[ack.id] = payload
-                while len(self._acks) > ACK_CACHE:
-                    self._acks.popitem(last=False)
+            try:
+                self.seen.set_ack(ack.id, payload)
+            except OSError as exc:  # a full disk must not cost the gateway its answer
+                log.warning("%s: ack for %s not kept on disk: %s", self.device_id, ack.id, exc)
         try:
             self.transport.publish(self._topic["cmd/ack"], payload, qos=1)
         except EdgeflowError as exc:
@@ -535,25 +575,24 @@ class DeviceAgent:
         log.warning("%s: refused %s %s: %s", self.device_id, name or "message", cmd_id, error)
         self._ack(cmd_id, name, ok=False, code=code, error=error, cache=False)
 
-    def _repeat_ack(self, cmd_id: str) -> bool:
-        with self._acks_lock:
-            payload = self._acks.get(cmd_id)
-        if payload is None:
-            return False
-        self.transport.publish(self._topic["cmd/ack"], payload, qos=1)
-        return True
+    def _seen_again(self, cmd: Command) -> None:
+        """A command id this device accepted before (a QoS 1 redelivery, or a replay, maybe across a restart)."""
+        payload = self.seen.ack(cmd.id)
+        if payload is not None:
+            self.transport.publish(self._topic["cmd/ack"], payload, qos=1)  # the same answer, nothing runs again
+        elif cmd.id not in self._ops_busy:
+            self._refuse(cmd.id, cmd.name, "replayed", f"command {cmd.id} was already received (its result is no "
+                         "longer kept); it does not run twice")
 
     def _authenticate(self, data: bytes, *, expect: str | None = None) -> Command | None:
-        """The verified command, or None after acking the refusal."""
+        """The verified, fresh, never-seen command (recorded on disk before it runs), or None after acking."""
         try:
             _, body = peek_signed(data)
         except CodecError as exc:
             cid, cname = _plain_id(data)  # an unsigned command still gets a refusal it can be matched with
             self._refuse(cid, cname, getattr(exc, "reason", "bad_message"), str(exc))
             return None
-        cmd_id, name = str(body.get("id", "")), str(body.get("name", ""))
-        if cmd_id and self._repeat_ack(cmd_id):
-            return None
+        cmd_id, name = str(body.get("id", ""))[:128], str(body.get("name", ""))[:64]
         try:
             cmd = Command.verify(data, self.fleet_key)
         except (SignatureError, CodecError) as exc:
@@ -567,12 +606,28 @@ class DeviceAgent:
         if cmd.fleet != self.fleet:
             self._refuse(cmd.id, cmd.name, "wrong_device", f"command is for fleet {cmd.fleet!r}, not {self.fleet!r}")
             return None
+        if cmd.id in self.seen:
+            self._seen_again(cmd)
+            return None
         if time.time() > cmd.expires + self.options.clock_skew_s:
             self._refuse(cmd.id, cmd.name, "expired",
                          f"command expired at {cmd.expires:.0f} (now {time.time():.0f}); check the device clock (NTP)")
             return None
+        if self.seen.below_floor(cmd.issued):
+            self._refuse(cmd.id, cmd.name, "stale", f"command issued at {cmd.issued:.0f} is older than the commands "
+                         "this device still remembers; send a new one")
+            return None
         if expect is not None and cmd.name != expect:
             self._refuse(cmd.id, cmd.name, "bad_message", f"only {expect!r} commands arrive on this topic")
+            return None
+        try:
+            fresh = self.seen.remember(cmd.id, cmd.issued, cmd.expires)
+        except OSError as exc:
+            self._refuse(cmd.id, cmd.name, "failed", f"cannot record the command id on disk ({exc}); not run, "
+                         "so that a replay could not run it again")
+            return None
+        if not fresh:
+            self._seen_again(cmd)
             return None
         return cmd
 
@@ -784,8 +839,14 @@ class DeviceAgent:
         old_version = None if cur is None else cur.version
         if cur is not None and cur.sha256 == art.manifest.sha256 and cur.version == art.version:
             return {"model_version": cur.version, "unchanged": True}
+        self._check_fresh(cmd, old_version)
+        if cur is not None and art.version < cur.version and cmd.args.get("allow_downgrade") is not True:
+            raise CommandFailed("downgrade", f"v{art.version} is older than the running v{cur.version}: a downgrade "
+                                "needs a signed rollback or a deploy that allows it (`fleet deploy --allow-downgrade`)",
+                                {"model_version": cur.version, "version": art.version})
         self.slots.set_pending({"id": cmd.id, "name": "deploy", "version": art.version,
-                                "sha256": art.manifest.sha256, "from_version": old_version, "ts": time.time()})
+                                "sha256": art.manifest.sha256, "from_version": old_version, "ts": time.time(),
+                                "issued": cmd.issued, "expires": cmd.expires})
         self._hook("received")
         slot = self.slots.stage(data, art.model, hook=self._hook)
         report: HealthReport = check_model(
@@ -803,6 +864,7 @@ class DeviceAgent:
                  "health": report.to_dict()},
             )
         self.slots.activate(slot)
+        self.slots.save_state(installed_issued=cmd.issued)
         self._hook("swapped")
         try:
             m = self._switch_to_active()
@@ -826,10 +888,20 @@ class DeviceAgent:
         if self.transport.is_connected:
             self.publish_birth()
 
+    def _check_fresh(self, cmd: Command, running: int | None) -> None:
+        """Refuse a deploy or rollback issued before the running model was installed (both times are the
+        gateway's clock): it was meant for an earlier state, e.g. a captured rollback replayed later."""
+        installed = self.slots.state().get("installed_issued")
+        if isinstance(installed, (int, float)) and cmd.issued < float(installed):
+            raise CommandFailed("stale", f"{cmd.name} issued at {cmd.issued:.0f} predates the installation of the "
+                                f"running v{running} (issued at {float(installed):.0f}); send a new command",
+                                {"model_version": running})
+
     def _rollback(self, cmd: Command) -> dict[str, Any] | None:
         self.counters["rollbacks"] += 1
         cur = self._model
         cur_version = None if cur is None else cur.version
+        self._check_fresh(cmd, cur_version)
         want_from = cmd.args.get("from_version")
         if want_from is not None and cur_version != int(want_from):
             return {"model_version": cur_version, "unchanged": True,
@@ -845,8 +917,10 @@ class DeviceAgent:
             raise CommandFailed("failed", f"the previous model does not verify or load ({exc}); staying on "
                                 f"v{cur_version}", {"model_version": cur_version}) from exc
         self.slots.set_pending({"id": cmd.id, "name": "rollback", "version": prev.version,
-                                "sha256": prev.sha256, "from_version": cur_version, "ts": time.time()})
+                                "sha256": prev.sha256, "from_version": cur_version, "ts": time.time(),
+                                "issued": cmd.issued, "expires": cmd.expires})
         self.slots.rollback()
+        self.slots.save_state(installed_issued=cmd.issued)
         m = self._switch_to_active()
         self._restart_participant()
         return self._finish_op(cmd, {"model_version": m.version, "previous_version": cur_version})
@@ -886,19 +960,22 @@ class DeviceAgent:
                       {"model_version": now, "version": pending.get("version"), "rolled_back": True},
                       time.time(), True)
         payload = ack.sign(self.signer.key)
-        with self._acks_lock:
-            self._acks[ack.id] = payload
+        try:
+            self.seen.set_ack(ack.id, payload, issued=float(pending.get("issued", 0.0) or 0.0),
+                              expires=float(pending.get("expires", time.time() + 86400.0) or 0.0))
+        except (OSError, TypeError, ValueError) as exc:
+            log.warning("%s: recovered ack for %s not kept on disk: %s", self.device_id, ack.id, exc)
         return payload
 
     # -------------------------------------------------------------- inference
 
     def _on_infer(self, msg: Message) -> None:
         try:
-            req = json.loads(msg.payload)
+            req = loads(msg.payload, "inference request")
             if not isinstance(req, dict):
-                raise ValueError("request must be a JSON object")
-        except ValueError as exc:
-            self._reply({"id": None, "ok": False, "error": f"inference request is not JSON: {exc}"}, msg)
+                raise CodecError("inference request must be a JSON object")
+        except CodecError as exc:
+            self._reply({"id": None, "ok": False, "code": "bad_message", "error": str(exc)}, msg)
             return
         try:
             self._infer.put_nowait((req, msg))

@@ -11,24 +11,45 @@ the wrapper, so the signature covers bytes and not a re-serialisation::
     {"v": 1, "ctx": "cmd/v1", "body": "<json text>", "key_id": "<hex>", "sig": "<hex>"}
 
 with ``sig`` = Ed25519 over ``signing_message(ctx, SHA-256(body))``.
-Commands and OTA offers are signed by the fleet key (the gateway); acks and
-births by the device key. Contexts keep one kind from being replayed as
-another.
+Commands and OTA offers are signed by the fleet key (the gateway); acks,
+births and deaths by the device key. Contexts keep one kind from being
+replayed as another.
 
 Why births and deaths carry ``bdseq`` (Sparkplug B's birth/death sequence):
 the broker publishes a device's last will some time after the connection
 died, possibly after the device already came back. A death whose ``bdseq``
 is older than the newest birth is stale and must not mark the device
-offline. ``bdseq`` here is a millisecond timestamp forced to grow across
-agent restarts (see :meth:`edgeflow.device.slots.SlotStore.next_bdseq`), so a
-device that lost its state directory still counts upwards.
+offline. ``bdseq`` here is a millisecond timestamp forced to grow on *every
+connection attempt* and across agent restarts (see
+:meth:`edgeflow.device.slots.SlotStore.next_bdseq`), so a device that lost
+its state directory still counts upwards, and a birth after a broker-side
+timeout always outranks the death that timeout published.
+
+Signed deaths: the will is signed when the connection is made (the broker
+holds it until the session ends), so it carries that session's ``bdseq``
+and nothing the device learns later. A captured death (retained, readable
+by whoever may read the device's death topic) replays as the death of a
+session that already ended: the gateway ignores it as soon as it has seen
+a later birth, and the will of the *live* session is never published while
+the session lives. What a replay can do: mark the device offline if the
+gateway has not seen any birth newer than the captured death (e.g. an
+attacker who also deleted the retained birth on an open broker); the next
+birth (reconnect, deploy, ``reboot``) undoes it. ``Birth.seq`` numbers the
+births of one session (1, 2, ...), so a replayed older birth of the same
+session cannot roll the registry back either.
+
+Parsing never lets a hostile payload raise anything but :class:`CodecError`
+(``reason`` "bad_message"): deep nesting (RecursionError), huge numbers
+(``1e400``, OverflowError) and wrong types are refusals like any other.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import json
+import math
 import struct
 import time
 import uuid
@@ -44,6 +65,7 @@ __all__ = [
     "ACK_CONTEXT",
     "BIRTH_CONTEXT",
     "CMD_CONTEXT",
+    "DEATH_CONTEXT",
     "COMMANDS",
     "Ack",
     "Birth",
@@ -53,6 +75,7 @@ __all__ = [
     "decode_tensor",
     "deploy_command",
     "encode_tensor",
+    "loads",
     "open_signed",
     "peek_signed",
     "sign_body",
@@ -61,7 +84,10 @@ __all__ = [
 CMD_CONTEXT = "cmd/v1"
 ACK_CONTEXT = "ack/v1"
 BIRTH_CONTEXT = "birth/v1"
+DEATH_CONTEXT = "death/v1"
 MAX_CONTROL_BYTES = 1 << 20
+MAX_BIRTH_BYTES = 16 * 1024
+MAX_INT = (1 << 63) - 1
 OFFER_MAGIC = b"EFOF\x01"
 
 COMMANDS = ("deploy", "rollback", "train_start", "train_stop", "set_config", "reboot", "status")
@@ -71,6 +97,40 @@ COMMANDS = ("deploy", "rollback", "train_start", "train_stop", "set_config", "re
 def _reason(exc: Exception, reason: str) -> Exception:
     exc.reason = reason  # type: ignore[attr-defined]
     return exc
+
+
+def loads(data: bytes | str, what: str = "message") -> Any:
+    """``json.loads`` that fails only with CodecError (``reason`` "bad_message"), whatever the input."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise _reason(CodecError(f"{what} is nested too deeply to be JSON we accept"), "bad_message") from None
+    except (ValueError, TypeError) as exc:  # UnicodeDecodeError is a ValueError
+        raise _reason(CodecError(f"{what} is not JSON ({exc})"), "bad_message") from None
+
+
+def _int(v: Any, what: str, *, low: int = 0, high: int = MAX_INT) -> int:
+    """A JSON integer in [low, high] (bools, floats such as 1e400 and strings refused)."""
+    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+        raise ValueError(f"{what} must be an integer in {low}..{high}, got {str(v)[:40]!r}")
+    return v
+
+
+def _float(v: Any, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{what} must be a number")
+    f = float(v)
+    if not math.isfinite(f):
+        raise ValueError(f"{what} must be finite")
+    return f
+
+
+def _str(v: Any, what: str, limit: int = 64, *, optional: bool = False) -> str | None:
+    if v is None and optional:
+        return None
+    if not isinstance(v, str) or len(v) > limit:
+        raise ValueError(f"{what} must be a string of at most {limit} characters")
+    return v
 
 
 def sign_body(body: Mapping[str, Any], key: PrivateKey, context: str) -> bytes:
@@ -89,10 +149,7 @@ def peek_signed(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
     """
     if len(data) > MAX_CONTROL_BYTES:
         raise _reason(CodecError(f"control message of {len(data)} bytes exceeds {MAX_CONTROL_BYTES}"), "bad_message")
-    try:
-        wrapper = json.loads(data)
-    except ValueError as exc:
-        raise _reason(CodecError(f"message is not JSON ({exc})"), "bad_message") from exc
+    wrapper = loads(data)
     if not isinstance(wrapper, dict):
         raise _reason(CodecError("message is not a JSON object"), "bad_message")
     if "sig" not in wrapper or "body" not in wrapper:
@@ -101,8 +158,8 @@ def peek_signed(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
         )
     text = wrapper.get("body")
     try:
-        body = json.loads(text) if isinstance(text, str) else None
-    except ValueError:
+        body = loads(text, "signed body") if isinstance(text, str) else None
+    except CodecError:
         body = None
     if not isinstance(body, dict):
         raise _reason(CodecError("signed message body is not a JSON object"), "bad_message")
@@ -166,9 +223,9 @@ class Command:
             args = body.get("args") or {}
             if not isinstance(args, dict):
                 raise TypeError("args must be an object")
-            return cls(str(body["name"]), str(body["device"]), str(body["fleet"]), args, str(body["id"]),
-                       float(body["issued"]), float(body["expires"]))
-        except (KeyError, TypeError, ValueError) as exc:
+            return cls(str(body["name"])[:64], str(body["device"]), str(body["fleet"]), args, str(body["id"])[:128],
+                       _float(body["issued"], "issued"), _float(body["expires"], "expires"))
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise _reason(CodecError(f"command is missing or has a bad field ({exc!r})"), "bad_message") from exc
 
     @classmethod
@@ -205,8 +262,8 @@ class Ack:
         try:
             return cls(str(body.get("id", "")), str(body.get("name", "")), str(body["device"]), bool(body["ok"]),
                        str(body.get("code", "")), str(body.get("error", "")), dict(body.get("result") or {}),
-                       float(body.get("ts", 0.0)), bool(body.get("restarted", False)))
-        except (KeyError, TypeError, ValueError) as exc:
+                       _float(body.get("ts", 0.0), "ts"), bool(body.get("restarted", False)))
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise _reason(CodecError(f"ack is missing or has a bad field ({exc!r})"), "bad_message") from exc
 
     def to_dict(self) -> dict[str, Any]:
@@ -218,7 +275,12 @@ class Ack:
 
 @dataclass(frozen=True)
 class Birth:
-    """Retained announcement after every connect: who the device is and what it runs."""
+    """Retained announcement after every connect: who the device is and what it runs.
+
+    ``seq`` numbers the births of one connection (same ``bdseq``): 1 for the
+    first, then one more for every re-announcement (deploy, ``set_config``),
+    so the gateway can tell a newer birth from a replayed older one.
+    """
 
     device: str
     fleet: str
@@ -241,17 +303,38 @@ class Birth:
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Birth:
+        """Every field checked and bounded: a birth is stored in the registry as it is."""
         try:
             mv = body.get("model_version")
+            versions = body.get("versions") or {}
+            if not isinstance(versions, dict) or len(versions) > 32:
+                raise ValueError("versions must be an object of at most 32 entries")
+            commands = body.get("commands") or []
+            if not isinstance(commands, list) or len(commands) > 32:
+                raise ValueError("commands must be a list of at most 32 names")
+            sha = _str(body.get("model_sha256"), "model_sha256", 64, optional=True)
+            interval = _float(body.get("telemetry_interval_s", 10.0), "telemetry_interval_s")
+            if not 0.05 <= interval <= 86400:
+                raise ValueError("telemetry_interval_s must be between 0.05 and 86400")
             return cls(
-                str(body["device"]), str(body.get("fleet", "")), str(body.get("profile", "")), int(body["bdseq"]),
-                str(body.get("public_key", "")), None if mv is None else int(mv), body.get("model_sha256"),
-                body.get("backend"), dict(body.get("versions") or {}), float(body.get("telemetry_interval_s", 10.0)),
-                bool(body.get("can_train", False)), bool(body.get("training", False)),
-                list(body.get("commands") or []), int(body.get("seq", 0)), float(body.get("ts", 0.0)),
+                _str(body["device"], "device"), _str(body.get("fleet", ""), "fleet"),
+                _str(body.get("profile", ""), "profile", 128), _int(body["bdseq"], "bdseq"),
+                _str(body.get("public_key", ""), "public_key", 128),
+                None if mv is None else _int(mv, "model_version"), sha,
+                _str(body.get("backend"), "backend", 32, optional=True),
+                {_str(k, "versions key"): _str(v, "versions value") for k, v in versions.items()},
+                interval, bool(body.get("can_train", False)), bool(body.get("training", False)),
+                [_str(c, "command", 32) for c in commands], _int(body.get("seq", 0), "seq"),
+                _float(body.get("ts", 0.0), "ts"),
             )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise _reason(CodecError(f"birth is missing or has a bad field ({exc!r})"), "bad_message") from exc
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise _reason(CodecError(f"birth is missing or has a bad field ({exc})"), "bad_message") from exc
+
+    @classmethod
+    def verify(cls, data: bytes, key: PublicKey) -> Birth:
+        if len(data) > MAX_BIRTH_BYTES:
+            raise _reason(CodecError(f"birth of {len(data)} bytes exceeds {MAX_BIRTH_BYTES}"), "bad_message")
+        return cls.from_body(open_signed(data, key, BIRTH_CONTEXT))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -259,23 +342,41 @@ class Birth:
 
 @dataclass(frozen=True)
 class Death:
-    """Offline notice: the last will (``reason`` "lost") or a clean shutdown ("shutdown")."""
+    """Offline notice, signed by the device: the last will (``reason`` "lost", signed when the connection was
+    made) or a clean shutdown ("shutdown"). See the module docstring for what a replayed one can do."""
 
     device: str
     bdseq: int
     reason: str = "lost"
     ts: float | None = None
 
-    def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode("utf-8")
+    def sign(self, key: PrivateKey) -> bytes:
+        return sign_body(asdict(self), key, DEATH_CONTEXT)
+
+    @classmethod
+    def from_body(cls, d: Mapping[str, Any]) -> Death:
+        try:
+            ts = d.get("ts")
+            reason = _str(d.get("reason", "lost"), "reason", 32)
+            return cls(_str(d["device"], "device"), _int(d["bdseq"], "bdseq"), reason or "lost",
+                       None if ts is None else _float(ts, "ts"))
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise _reason(CodecError(f"death message is malformed ({exc})"), "bad_message") from exc
+
+    @classmethod
+    def verify(cls, data: bytes, key: PublicKey) -> Death:
+        """The verified death; CodecError "unsigned" for the unsigned deaths of agents before death/v1."""
+        return cls.from_body(open_signed(data, key, DEATH_CONTEXT))
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Death:
-        try:
-            d = json.loads(data)
-            return cls(str(d["device"]), int(d["bdseq"]), str(d.get("reason", "lost")), d.get("ts"))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise _reason(CodecError(f"death message is malformed ({exc!r})"), "bad_message") from exc
+        """Parse without checking the signature (signed wrapper or the old unsigned JSON): for display only."""
+        d = loads(data, "death message")
+        if isinstance(d, dict) and "sig" in d and "body" in d:
+            _, d = peek_signed(data)
+        if not isinstance(d, dict):
+            raise _reason(CodecError("death message is not a JSON object"), "bad_message")
+        return cls.from_body(d)
 
 
 # ---------------------------------------------------------------- OTA offers
@@ -340,5 +441,5 @@ def decode_tensor(d: Mapping[str, Any]) -> np.ndarray:
             a = np.frombuffer(base64.b64decode(d["b64"], validate=True), dtype=dtype)
             return a.reshape(shape).copy()
         return np.asarray(d["data"], dtype=dtype).reshape(shape)
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError, MemoryError, binascii.Error) as exc:
         raise _reason(FleetError(f"tensor must be {{dtype, shape, b64|data}}: {exc}"), "bad_args") from exc

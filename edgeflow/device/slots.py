@@ -1,34 +1,39 @@
-"""A/B model slots on the device's disk, with one atomically replaced pointer.
+"""Model slots on the device's disk (active, rollback target, staging), with one atomically replaced pointer.
 
 Layout of the state directory::
 
     current.json           {"active": "a", "previous": "b"}   the pointer
     slots/a/artifact.efota the signed artifact (manifest + signature + model)
     slots/a/model.onnx     the model extracted from it (what runtimes and trainers open)
-    slots/b/...
+    slots/b/...            the rollback target
+    slots/c/...            staging: where the next deploy is written
     pending.json           journal of an operation in progress (deploy, rollback)
-    agent.json             bdseq counter and the agent's persisted config
+    agent.json             bdseq counter, the agent's persisted config, when the running model was installed
+    seen.json              command ids already accepted (edgeflow.device.replay)
 
 The power-cut argument. Every file is written as ``<name>.tmp``, fsynced,
 renamed over the target with ``os.replace`` (atomic on POSIX) and the
 directory is fsynced, so each file is either its old or its new content.
-A deploy writes only into the *inactive* slot (the staging slot) and does
-not touch the pointer until the staged artifact is fully on disk and passed
-its health check; then one ``os.replace`` of ``current.json`` switches to
-it. So:
+A deploy writes only into the *staging* slot (neither active nor the
+rollback target) and does not touch the pointer until the staged artifact
+is fully on disk and passed its health check; then one ``os.replace`` of
+``current.json`` switches to it. So:
 
 - cut before the pointer swap: ``current.json`` still names the old slot,
   which nothing in this deploy wrote to: the old model;
 - cut after it: the pointer names a slot whose artifact was complete,
   fsynced and healthy before the swap: the new model.
 
-Overwriting the inactive slot destroys the rollback target it held, so the
-pointer first forgets it (``previous`` = None, itself an atomic write):
-after a cut mid-write there is never a pointer to a half-written slot. On
-every start :meth:`SlotStore.boot` still verifies the active artifact
-(signature, hashes) and falls back to the previous slot if it does not
-verify (bit rot, a tampered disk), so the agent always lands on a verified
-model or on none.
+With three slots, nothing a deploy writes is ever the rollback target: a
+deploy that fails its health check (or is cut off) leaves both the running
+model and the one before it, so ``rollback`` still works afterwards (with
+two slots the staged write overwrote the rollback target, issue 20). After
+a swap the slot that held the old rollback target is emptied: two models
+on disk, three only while one is being staged. On every start
+:meth:`SlotStore.boot` still verifies the active artifact (signature,
+hashes) and falls back to the previous slot if it does not verify (bit
+rot, a tampered disk), so the agent always lands on a verified model or on
+none.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from ..signing import PublicKey
 
 __all__ = ["ActiveModel", "Pointer", "SlotStore", "atomic_write"]
 
-SLOTS = ("a", "b")
+SLOTS = ("a", "b", "c")
 ARTIFACT = "artifact.efota"
 MODEL = "model.onnx"
 
@@ -104,7 +109,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None  # unreadable: treat as absent (atomic writes make this a disk fault, not a cut)
     return data if isinstance(data, dict) else None
 
@@ -115,7 +120,8 @@ class Pointer:
     previous: str | None = None
 
     def inactive(self) -> str:
-        return "b" if self.active == "a" else "a"
+        """The staging slot: neither the active model nor the rollback target."""
+        return next(s for s in SLOTS if s not in (self.active, self.previous))
 
 
 @dataclass(frozen=True)
@@ -193,11 +199,25 @@ class SlotStore:
         return target
 
     def activate(self, slot: str) -> Pointer:
-        """Make ``slot`` active, the current active one the rollback target (one atomic write)."""
+        """Make ``slot`` active, the current active one the rollback target (one atomic write); then empty the
+        slot that held the old rollback target."""
         p = self.pointer()
         new = Pointer(slot, p.active if p.active != slot else p.previous)
         self._set_pointer(new)
+        for old in SLOTS:
+            if old not in (new.active, new.previous):
+                self._empty(old)
         return new
+
+    def _empty(self, slot: str) -> None:
+        d = self.slot_dir(slot)
+        for name in (ARTIFACT, MODEL):
+            try:
+                (d / name).unlink()
+            except FileNotFoundError:
+                pass
+            except OSError:  # best effort: a full or read-only disk keeps the old files, nothing points at them
+                return
 
     def rollback(self) -> Pointer:
         """Swap active and previous; FleetError when there is no previous model."""

@@ -19,8 +19,21 @@ The receiver (:class:`Reassembler`):
   transfer ids), so a payload is delivered once ("exactly once in effect");
 - checks every chunk's CRC and that all chunks agree on count/size/hash,
   and the SHA-256 of the reassembled whole before delivering it;
-- bounds memory (per transfer and in total) and drops transfers with no
-  progress for ``timeout_s``, freeing their buffers.
+- bounds memory honestly: a transfer's buffer is allocated whole when its
+  first chunk arrives (the declared size, plus one byte per chunk to
+  remember which arrived), and that is what is charged, per transfer, per
+  *sender* and in total; drops transfers with no progress for
+  ``timeout_s``, freeing their buffers;
+- never lets one sender's transfers evict another's: a sender over its own
+  budget (bytes or number of transfers) loses its own oldest transfer; when
+  the total is full, the new transfer is refused, not someone else's. The
+  sender of a payload is read from its topic (``edgeflow/<fleet>/<device>``,
+  :func:`edgeflow.transport.topics.sender_of`), which the broker ACL makes
+  trustworthy: only that device (and the operators) may write there;
+- refuses retained chunks on channels that the topic scheme does not mark
+  retained and chunked (:func:`edgeflow.transport.topics.retained_chunks_allowed`),
+  so a device cannot park payloads in the broker's retained store for every
+  later subscriber to buffer.
 
 Resuming after a reconnect needs no protocol of its own: the sender resends
 only chunks the broker did not acknowledge, the broker queues chunks for a
@@ -43,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edgeflow.errors import CodecError
+from edgeflow.transport.topics import retained_chunks_allowed, sender_of
 
 __all__ = [
     "HEADER_SIZE",
@@ -170,11 +184,20 @@ class Splitter:
             yield self.frame(i)
 
 
+DEFAULT_SENDER_BYTES = 64 << 20
+"""Smallest default per-sender budget (64 MiB): the gateway's 1 GiB default total gives 128 MiB per device."""
+TRANSFER_OVERHEAD = 1024
+"""Bytes charged per transfer on top of its buffer: the transfer's own bookkeeping (objects, dict entries)."""
+
+
 @dataclass
 class _Transfer:
     header: ChunkHeader
-    chunks: dict[int, bytes] = field(default_factory=dict)
-    bytes: int = 0
+    sender: str
+    buf: bytearray
+    have: bytearray
+    cost: int
+    received: int = 0
     started: float = 0.0
     last_seen: float = 0.0
     retained: bool = True
@@ -211,8 +234,15 @@ class Reassembler:
 
     Not thread-safe: the transport feeds it from its single worker thread.
     ``key`` is the base topic; two publishers on different topics never mix.
+    Budgets (see the module docstring): ``max_transfer_bytes`` per transfer,
+    ``max_sender_bytes`` and ``max_sender_transfers`` per sender
+    (``sender_of(key)``; default budget an eighth of the total but at least
+    :data:`DEFAULT_SENDER_BYTES`, so no single sender fills it),
+    ``max_total_bytes`` and ``max_transfers`` in all.
     ``stats`` counts ``chunks``, ``duplicates``, ``completed``, ``expired``,
-    ``evicted``, ``rejected`` and ``sha_mismatch``.
+    ``evicted`` (a sender's own oldest transfer, to make room for its new
+    one), ``refused_full``, ``retained_refused``, ``rejected`` and
+    ``sha_mismatch``.
     """
 
     def __init__(
@@ -222,23 +252,42 @@ class Reassembler:
         max_transfer_bytes: int = 1 << 30,
         max_total_bytes: int = 1 << 30,
         max_transfers: int = 1024,
-        completed_cache: int = 4096,
+        max_sender_bytes: int | None = None,
+        max_sender_transfers: int = 16,
+        completed_cache: int = 256,
+        max_completed: int = 65536,
+        sender_of: Callable[[str], str] = sender_of,
+        allow_retained: Callable[[str], bool] = retained_chunks_allowed,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.timeout_s = timeout_s
         self.max_transfer_bytes = max_transfer_bytes
         self.max_total_bytes = max_total_bytes
         self.max_transfers = max_transfers
+        if max_sender_bytes is None:
+            max_sender_bytes = min(max_total_bytes, max(DEFAULT_SENDER_BYTES, max_total_bytes // 8))
+        self.max_sender_bytes = max_sender_bytes
+        self.max_sender_transfers = max_sender_transfers
         self.completed_cache = completed_cache
+        self.max_completed = max_completed
+        self._completed_n = 0
+        self.sender_of = sender_of
+        self.allow_retained = allow_retained
         self.clock = clock
         self._transfers: OrderedDict[tuple[str, bytes], _Transfer] = OrderedDict()
-        self._completed: OrderedDict[tuple[str, bytes], float] = OrderedDict()
+        self._by_sender: dict[str, OrderedDict[tuple[str, bytes], None]] = {}
+        self._sender_bytes: Counter[str] = Counter()
+        self._completed: dict[str, OrderedDict[tuple[str, bytes], float]] = {}
         self._bytes = 0
         self.stats: Counter[str] = Counter()
 
     @property
     def bytes_buffered(self) -> int:
+        """Bytes held for incomplete transfers (allocated buffers plus bookkeeping)."""
         return self._bytes
+
+    def sender_bytes(self, sender: str) -> int:
+        return self._sender_bytes.get(sender, 0)
 
     def __len__(self) -> int:
         return len(self._transfers)
@@ -246,7 +295,7 @@ class Reassembler:
     def pending(self) -> list[TransferProgress]:
         now = self.clock()
         return [
-            TransferProgress(k, tid, len(t.chunks), t.header.count, t.bytes, now - t.last_seen)
+            TransferProgress(k, tid, t.received, t.header.count, t.cost, now - t.last_seen)
             for (k, tid), t in self._transfers.items()
         ]
 
@@ -254,17 +303,31 @@ class Reassembler:
         t = self._transfers.get((key, transfer_id))
         if t is None:
             return []
-        return [i for i in range(t.header.count) if i not in t.chunks]
+        return [i for i in range(t.header.count) if not t.have[i]]
 
     def _drop(self, tkey: tuple[str, bytes], why: str) -> None:
         t = self._transfers.pop(tkey, None)
-        if t is not None:
-            self._bytes -= t.bytes
-            self.stats[why] += 1
-            log.warning(
-                "dropped chunked transfer %s on %s (%s): %d of %d chunks had arrived",
-                tkey[1].hex(), tkey[0], why, len(t.chunks), t.header.count,
-            )
+        if t is None:
+            return
+        self._release(tkey, t)
+        self.stats[why] += 1
+        log.warning(
+            "dropped chunked transfer %s on %s (%s): %d of %d chunks had arrived",
+            tkey[1].hex(), tkey[0], why, t.received, t.header.count,
+        )
+
+    def _release(self, tkey: tuple[str, bytes], t: _Transfer) -> None:
+        self._bytes -= t.cost
+        self._sender_bytes[t.sender] -= t.cost
+        if self._sender_bytes[t.sender] <= 0:
+            del self._sender_bytes[t.sender]
+        own = self._by_sender.get(t.sender)
+        if own is not None:
+            own.pop(tkey, None)
+            if not own:
+                del self._by_sender[t.sender]
+        t.buf = bytearray()
+        t.have = bytearray()
 
     def expire(self, now: float | None = None) -> list[tuple[str, bytes]]:
         """Drop transfers idle for longer than ``timeout_s``; return their keys."""
@@ -273,9 +336,50 @@ class Reassembler:
         for k in dead:
             self._drop(k, "expired")
         horizon = max(self.timeout_s * 4, 3600.0)
-        while self._completed and now - next(iter(self._completed.values())) > horizon:
-            self._completed.popitem(last=False)
+        for sender in list(self._completed):
+            done = self._completed[sender]
+            while done and now - next(iter(done.values())) > horizon:
+                done.popitem(last=False)
+                self._completed_n -= 1
+            if not done:
+                del self._completed[sender]
         return dead
+
+    def _refuse(self, reason: str, stat: str, message: str) -> CodecError:
+        self.stats[stat] += 1
+        return codec_error(reason, message)
+
+    def _open(self, key: str, sender: str, header: ChunkHeader, meta: Any, now: float) -> _Transfer:
+        """A new transfer's buffer, within its sender's budget and the total; never at another sender's cost."""
+        if header.total_size > self.max_transfer_bytes:
+            raise self._refuse("oversized", "rejected", (
+                f"chunked transfer on {key} declares {header.total_size} bytes, over the "
+                f"{self.max_transfer_bytes}-byte limit; raise max_transfer_bytes on the receiver"))
+        cost = header.total_size + header.count + TRANSFER_OVERHEAD
+        if cost > self.max_sender_bytes:
+            raise self._refuse("oversized", "rejected", (
+                f"chunked transfer on {key} needs {cost} bytes, over the {self.max_sender_bytes}-byte budget "
+                "of one sender; raise max_sender_bytes on the receiver"))
+        self.expire(now)
+        own = self._by_sender.setdefault(sender, OrderedDict())
+        while own and (len(own) >= self.max_sender_transfers or self._sender_bytes[sender] + cost > self.max_sender_bytes):
+            self._drop(next(iter(own)), "evicted")  # the sender's own oldest transfer, nobody else's
+            own = self._by_sender.setdefault(sender, OrderedDict())
+        if self._bytes + cost > self.max_total_bytes or len(self._transfers) >= self.max_transfers:
+            if not own:
+                del self._by_sender[sender]
+            raise self._refuse("oversized", "refused_full", (
+                f"reassembly buffers are full ({self._bytes} of {self.max_total_bytes} bytes, "
+                f"{len(self._transfers)} transfers); the transfer on {key} is refused (other senders' transfers "
+                "are never evicted for it); raise max_total_bytes on the receiver"))
+        t = _Transfer(header=header, sender=sender, buf=bytearray(header.total_size), have=bytearray(header.count),
+                      cost=cost, started=now, last_seen=now, meta=meta)
+        tkey = (key, header.transfer_id)
+        self._transfers[tkey] = t
+        own[tkey] = None
+        self._bytes += cost
+        self._sender_bytes[sender] += cost
+        return t
 
     def add(
         self, key: str, frame: bytes | bytearray | memoryview, *, retain: bool = False, meta: Any = None,
@@ -283,9 +387,11 @@ class Reassembler:
     ) -> Reassembled | None:
         """Feed one chunk frame; return the payload when this chunk completes it.
 
-        Raises CodecError for a chunk that is bad on its own or inconsistent
+        Raises CodecError for a chunk that is bad on its own, inconsistent
         with the transfer it claims to belong to (the transfer itself goes
-        on). Returns None for accepted, duplicate or late chunks.
+        on), over a budget (reason ``oversized``) or retained where the topic
+        scheme expects no retained chunks (reason ``retained``). Returns None
+        for accepted, duplicate or late chunks.
         """
         now = self.clock() if now is None else now
         try:
@@ -293,25 +399,20 @@ class Reassembler:
         except Exception:
             self.stats["rejected"] += 1
             raise
+        if retain and not self.allow_retained(key):
+            raise self._refuse("retained", "retained_refused", (
+                f"retained chunk on {key}: this channel carries no retained chunked payloads (someone left it in "
+                "the broker's retained store); clear it with an empty retained message"))
         tkey = (key, header.transfer_id)
+        sender = self.sender_of(key)
         self.stats["chunks"] += 1
-        if tkey in self._completed:
+        done = self._completed.get(sender)
+        if done is not None and tkey in done:
             self.stats["duplicates"] += 1
             return None
         t = self._transfers.get(tkey)
         if t is None:
-            if header.total_size > self.max_transfer_bytes:
-                self.stats["rejected"] += 1
-                msg = (
-                    f"chunked transfer on {key} declares {header.total_size} bytes, over the "
-                    f"{self.max_transfer_bytes}-byte limit; raise max_transfer_bytes on the receiver"
-                )
-                raise codec_error("oversized", msg)
-            self.expire(now)
-            while len(self._transfers) >= self.max_transfers:
-                self._drop(next(iter(self._transfers)), "evicted")
-            t = _Transfer(header=header, started=now, last_seen=now, meta=meta)
-            self._transfers[tkey] = t
+            t = self._open(key, sender, header, meta, now)
         elif (t.header.count, t.header.total_size, t.header.chunk_size, t.header.sha256) != (
             header.count, header.total_size, header.chunk_size, header.sha256,
         ):
@@ -320,43 +421,45 @@ class Reassembler:
             raise codec_error("malformed", msg)
         t.last_seen = now
         self._transfers.move_to_end(tkey)
-        if header.index in t.chunks:
+        if t.have[header.index]:
             t.duplicates += 1
             self.stats["duplicates"] += 1
             return None
-        while self._bytes + len(data) > self.max_total_bytes and len(self._transfers) > 1:
-            oldest = next(iter(self._transfers))
-            if oldest == tkey:
-                break
-            self._drop(oldest, "evicted")
-        if self._bytes + len(data) > self.max_total_bytes:
-            self._drop(tkey, "evicted")
-            msg = f"reassembly buffer full ({self.max_total_bytes} bytes); raise max_total_bytes on the receiver"
-            raise codec_error("oversized", msg)
-        t.chunks[header.index] = bytes(data)
-        t.bytes += len(data)
+        start = header.index * header.chunk_size
+        t.buf[start:start + len(data)] = data
+        t.have[header.index] = 1
+        t.received += 1
         t.retained = t.retained and retain
         if header.index == 0 and meta is not None:
             t.meta = meta
-        self._bytes += len(data)
-        if len(t.chunks) < header.count:
+        if t.received < header.count:
             return None
         return self._finish(tkey, t, now)
 
     def _finish(self, tkey: tuple[str, bytes], t: _Transfer, now: float) -> Reassembled | None:
         del self._transfers[tkey]
-        self._bytes -= t.bytes
-        payload = b"".join(t.chunks[i] for i in range(t.header.count))
-        t.chunks.clear()
-        if hashlib.sha256(payload).digest() != t.header.sha256:
+        buf = t.buf
+        self._release(tkey, t)
+        if hashlib.sha256(buf).digest() != t.header.sha256:
             self.stats["sha_mismatch"] += 1
             log.warning(
                 "chunked transfer %s on %s failed its SHA-256 check; discarded", tkey[1].hex(), tkey[0]
             )
             return None
-        self._completed[tkey] = now
-        while len(self._completed) > self.completed_cache:
-            self._completed.popitem(last=False)
+        payload = bytes(buf)
+        del buf
+        done = self._completed.setdefault(t.sender, OrderedDict())
+        done[tkey] = now
+        self._completed_n += 1
+        while len(done) > self.completed_cache:
+            done.popitem(last=False)
+            self._completed_n -= 1
+        while self._completed_n > self.max_completed:  # many senders (fake ids on an open broker): oldest first
+            oldest = next(iter(self._completed))
+            self._completed[oldest].popitem(last=False)
+            self._completed_n -= 1
+            if not self._completed[oldest]:
+                del self._completed[oldest]
         self.stats["completed"] += 1
         return Reassembled(
             key=tkey[0], transfer_id=tkey[1], payload=payload, chunks=t.header.count, retain=t.retained,

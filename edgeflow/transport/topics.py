@@ -45,8 +45,11 @@ from edgeflow.errors import ConfigError
 __all__ = [
     "CHUNK_LEVEL",
     "DEVICE_CHANNELS",
+    "DEVICE_CHANNEL_SPECS",
     "GATEWAY",
     "GATEWAY_CHANNELS",
+    "GATEWAY_CHANNEL_SPECS",
+    "ChannelSpec",
     "ROOT",
     "Topic",
     "TopicFilter",
@@ -56,7 +59,10 @@ __all__ = [
     "device_filter",
     "device_topic",
     "gateway_topic",
+    "channel_spec",
     "parse_topic",
+    "retained_chunks_allowed",
+    "sender_of",
     "split_chunk_topic",
     "validate_id",
 ]
@@ -64,9 +70,55 @@ __all__ = [
 ROOT = "edgeflow"
 GATEWAY = "gateway"
 CHUNK_LEVEL = "_chunk"
-DEVICE_CHANNELS = ("birth", "death", "telemetry", "update", "cmd", "cmd/ack", "secagg", "ota", "infer", "infer/reply")
-GATEWAY_CHANNELS = ("model", "round", "state", "secagg")
 MAX_TOPIC_BYTES = 65535
+
+
+@dataclass(frozen=True)
+class ChannelSpec:
+    """One channel of the scheme: who writes it, whether it is retained, whether it may be chunked.
+
+    The broker ACL (:func:`edgeflow.brokerconfig.fleet_acl`), the receivers'
+    retained-chunk policy (:func:`retained_chunks_allowed`) and the topic
+    table of docs/transport.md are all derived from :data:`DEVICE_CHANNEL_SPECS`
+    and :data:`GATEWAY_CHANNEL_SPECS`, so they cannot drift apart.
+    """
+
+    name: str
+    writer: str
+    """``device`` (the device itself; for ``death`` the broker publishes its will), ``gateway`` (operators)
+    or ``app`` (operators and applications with operator credentials)."""
+    reader: str
+    retained: bool
+    chunked: bool
+    qos: str
+    content: str
+
+    def levels(self) -> tuple[str, ...]:
+        """The topic suffixes the channel occupies: itself and, when chunked, its chunk topics."""
+        return (self.name, f"{self.name}/{CHUNK_LEVEL}/+") if self.chunked else (self.name,)
+
+
+DEVICE_CHANNEL_SPECS: tuple[ChannelSpec, ...] = (
+    ChannelSpec("birth", "device", "all", True, False, "1", "signed birth: online, capabilities"),
+    ChannelSpec("death", "device", "all", True, False, "1", "signed last will (published by the broker): offline"),
+    ChannelSpec("telemetry", "device", "gateway", False, False, "0/1", "metrics"),
+    ChannelSpec("update", "device", "gateway", False, True, "1", "signed update envelope (docs/codecs.md)"),
+    ChannelSpec("cmd", "gateway", "device", False, True, "1", "signed command"),
+    ChannelSpec("cmd/ack", "device", "gateway", False, True, "1", "signed command result"),
+    ChannelSpec("secagg", "device", "gateway", False, True, "1", "secure-aggregation protocol messages"),
+    ChannelSpec("ota", "gateway", "device", False, True, "1", "signed OTA deployment (docs/fleet.md)"),
+    ChannelSpec("infer", "app", "device", False, True, "1", "inference request (docs/fleet.md)"),
+    ChannelSpec("infer/reply", "device", "app", False, True, "1", "inference result"),
+)
+GATEWAY_CHANNEL_SPECS: tuple[ChannelSpec, ...] = (
+    ChannelSpec("model", "gateway", "devices", True, True, "1", "global model"),
+    ChannelSpec("round", "gateway", "devices", True, True, "1", "current round (signed)"),
+    ChannelSpec("state", "gateway", "all", True, True, "1", "gateway status"),
+    ChannelSpec("secagg", "gateway", "devices", False, True, "1", "secure-aggregation broadcasts"),
+)
+DEVICE_CHANNELS = tuple(c.name for c in DEVICE_CHANNEL_SPECS)
+GATEWAY_CHANNELS = tuple(c.name for c in GATEWAY_CHANNEL_SPECS)
+_SPECS = {False: {c.name: c for c in DEVICE_CHANNEL_SPECS}, True: {c.name: c for c in GATEWAY_CHANNEL_SPECS}}
 
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 
@@ -251,3 +303,37 @@ def chunk_filter(filter: str | TopicFilter) -> TopicFilter | None:
 
 def has_reserved_level(topic: str) -> bool:
     return CHUNK_LEVEL in topic.split("/")
+
+
+def channel_spec(topic: str | Topic) -> ChannelSpec | None:
+    """The :class:`ChannelSpec` of an edgeflow topic (None for any other topic)."""
+    info = parse_topic(topic)
+    if info is None:
+        return None
+    return _SPECS[info.is_gateway].get(info.channel)
+
+
+def retained_chunks_allowed(base: str) -> bool:
+    """May a chunked payload on ``base`` arrive from the broker's retained store?
+
+    Only channels that are both retained and chunked by design (the
+    gateway's) carry retained chunks. Anything else retained under a
+    ``_chunk`` level of a device channel was put there by someone the scheme
+    does not expect (a device filling the broker's retained store through its
+    own ``update`` chunks): receivers refuse it instead of buffering it.
+    Topics outside the scheme (bridge prefixes, applications) are not judged.
+    """
+    try:
+        spec = channel_spec(base)
+    except ConfigError:
+        return True
+    return True if spec is None else spec.retained and spec.chunked
+
+
+def sender_of(base: str) -> str:
+    """Who a payload on ``base`` is charged to: ``edgeflow/<fleet>/<device>`` (the ACL confines each
+    device to its own subtree, so the topic names the sender), else the topic itself."""
+    levels = base.split("/")
+    if len(levels) >= 4 and levels[0] == ROOT:
+        return "/".join(levels[:3])
+    return base

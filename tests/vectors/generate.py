@@ -47,7 +47,7 @@ from edgeflow.transport.topics import chunk_topic, device_topic, gateway_topic
 HERE = Path(__file__).resolve().parent
 MANIFEST = "manifest.json"
 
-SPEC_REVISION = 1
+SPEC_REVISION = 2
 """The revision of docs/wire-format.md these vectors belong to. Bump it (and say
 what changed in the document's change log) when a format that has no version
 field of its own changes, e.g. the JSON of a death message."""
@@ -92,6 +92,7 @@ def current_versions() -> dict[str, Any]:
         "cmd_context": device_messages.CMD_CONTEXT,
         "ack_context": device_messages.ACK_CONTEXT,
         "birth_context": device_messages.BIRTH_CONTEXT,
+        "death_context": device_messages.DEATH_CONTEXT,
         "secagg_frame": secagg_wire._VERSION,
         "secagg_context": secure.CONTEXT,
         "ota_format": ota.FORMAT,
@@ -386,9 +387,9 @@ def build_control(b: Builder) -> None:
                   seq=1, ts=T0)
     _signed_json(b, "birth", birth.sign(dk), ["birth_context"], "a birth (retained), signed by the device",
                  signed_by="device", topic=device_topic(FLEET, DEVICE, "birth").value)
-    death = Death(DEVICE, 1767225600000, "lost", None).to_bytes()
-    b.add("death", death, "json", [], "the last will a device registers: unsigned JSON, retained",
-          topic=device_topic(FLEET, DEVICE, "death").value, body=json.loads(death))
+    death = Death(DEVICE, 1767225600000, "lost", None).sign(dk)
+    _signed_json(b, "death", death, ["death_context"], "the last will a device registers at connect (retained), "
+                 "signed by the device", signed_by="device", topic=device_topic(FLEET, DEVICE, "death").value)
 
 
 # ---------------------------------------------------------------- secure aggregation
