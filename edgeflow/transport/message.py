@@ -44,10 +44,15 @@ class Message:
 
 @dataclass(frozen=True)
 class Will:
-    """Last will: published by the broker if the client vanishes without DISCONNECT."""
+    """Last will: published by the broker if the client vanishes without DISCONNECT.
+
+    ``payload`` may be a callable: the transport calls it once per connection
+    attempt, when it builds that attempt's MQTT client, so a will can differ
+    per session (a device's signed death carries the session's ``bdseq``).
+    """
 
     topic: str
-    payload: bytes | str = b""
+    payload: bytes | str | Callable[[], bytes | str] = b""
     qos: int = 1
     retain: bool = True
     delay_s: int = 0

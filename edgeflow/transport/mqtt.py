@@ -65,7 +65,14 @@ from edgeflow.transport.backoff import Backoff
 from edgeflow.transport.chunking import HEADER_SIZE, Reassembler, Splitter
 from edgeflow.transport.message import ConnectionEvent, Delivery, Message, Subscription, TlsConfig, Will
 from edgeflow.transport.outbox import Frame, Outbox
-from edgeflow.transport.topics import Topic, TopicFilter, chunk_filter, chunk_topic, has_reserved_level, split_chunk_topic
+from edgeflow.transport.topics import (
+    Topic,
+    TopicFilter,
+    chunk_filter,
+    chunk_topic,
+    has_reserved_level,
+    split_chunk_topic,
+)
 from edgeflow.transport.url import parse_broker_url
 
 __all__ = ["DEFAULT_MAX_PAYLOAD", "MqttTransport"]
@@ -243,6 +250,8 @@ class MqttTransport:
         chunk_timeout_s: float = 300.0,
         max_transfer_bytes: int = 1 << 30,
         max_reassembly_bytes: int = 1 << 30,
+        max_sender_bytes: int | None = None,
+        accept_transfer: Callable[[str], bool] | None = None,
         max_pending_messages: int = 1000,
         name: str | None = None,
     ) -> None:
@@ -280,8 +289,13 @@ class MqttTransport:
         self._backoff = Backoff(reconnect_min_s, max(reconnect_min_s, reconnect_max_s))
         self._outbox = Outbox(max_queued_bytes)
         self._reassembler = Reassembler(
-            timeout_s=chunk_timeout_s, max_transfer_bytes=max_transfer_bytes, max_total_bytes=max_reassembly_bytes
+            timeout_s=chunk_timeout_s, max_transfer_bytes=max_transfer_bytes, max_total_bytes=max_reassembly_bytes,
+            max_sender_bytes=max_sender_bytes,
         )
+        self.accept_transfer = accept_transfer
+        """Optional filter on the base topic of an incoming chunked transfer: a gateway accepts only
+        topics of provisioned devices, so made-up device ids on an open broker cannot take reassembly
+        memory. Chunks of a refused topic are dropped before any buffer is allocated."""
         self._protocol = _V311 if protocol == "3.1.1" else _V5
         self._client: paho.Client | None = None
 
@@ -432,7 +446,8 @@ class MqttTransport:
             if self._protocol == _V5 and w.delay_s:
                 props = Properties(PacketTypes.WILLMESSAGE)
                 props.WillDelayInterval = int(w.delay_s)
-            client.will_set(w.topic, w.payload, qos=w.qos, retain=w.retain, properties=props)
+            payload = w.payload() if callable(w.payload) else w.payload  # per attempt: see Will
+            client.will_set(w.topic, payload, qos=w.qos, retain=w.retain, properties=props)
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_publish = self._on_publish
@@ -1349,11 +1364,19 @@ class MqttTransport:
             if not raw.payload:
                 self._count("empty_skipped")
                 return
+            if self.accept_transfer is not None and not self.accept_transfer(base):
+                self._count("chunks_refused_sender")
+                return
             try:
                 done = self._reassembler.add(base, raw.payload, retain=raw.retain, meta=raw.properties)
             except CodecError as exc:
                 self._count("chunks_bad")
                 log.warning("%s: dropped chunk on %s: %s", self.name, raw.topic, exc)
+                if raw.retain and getattr(exc, "reason", "") == "retained" and not self._closed:
+                    # a retained chunk where none belongs (a device's junk kept by the broker): clear it
+                    # at the broker, once, so it stops costing every subscriber that connects
+                    self._count("retained_cleared")
+                    self.publish(raw.topic, b"", qos=1, retain=True, raw=True)
                 return
             if done is None:
                 return
