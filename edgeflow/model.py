@@ -9,6 +9,7 @@ or an opset this runtime does not know.
 from __future__ import annotations
 
 import collections
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,8 @@ import onnx
 from onnx import numpy_helper
 
 from .errors import InputError, ModelError, ShapeError
+
+log = logging.getLogger(__name__)
 
 ModelSource = Union[str, os.PathLike, bytes, onnx.ModelProto]
 
@@ -336,6 +339,11 @@ def fix_input_shapes(model: onnx.ModelProto, shapes: ShapeSpec, *, source: str =
                 dim.dim_value = d
             elif i < len(old):
                 dim.CopyFrom(old[i])
+    try:
+        return onnx.shape_inference.infer_shapes(m, strict_mode=True, data_prop=True)
+    except Exception as exc:  # onnx raises InferenceError and others
+        # an exporter may have declared the output shapes for one input shape only
+        log.debug("shape inference with the declared output shapes failed (%s); retrying without them", exc)
     for vi in m.graph.output:
         vi.type.tensor_type.ClearField("shape")
     try:

@@ -168,9 +168,22 @@ class Graph:
         """Values some subgraph reads from this graph's scope."""
         return {x for n in self.nodes for x in n.implicit}
 
+    @property
+    def overridable(self) -> set[str]:
+        """Initializers a caller may feed: those also listed as graph inputs, from IR
+        version 4 on (before it every initializer had to be listed, and none can be
+        overridden — onnxruntime's rule too)."""
+        if self.template.ir_version and self.template.ir_version < 4:
+            return set()
+        return {v.name for v in self.inputs if v.name in self.initializers}
+
+    def constants(self, keep: Iterable[str] = ()) -> set[str]:
+        """Initializers the passes may treat as fixed values (not overridable, not kept)."""
+        return set(self.initializers) - self.overridable - set(keep)
+
     def is_constant(self, name: str) -> bool:
-        """An initializer that no caller can override (not also a graph input)."""
-        return name in self.initializers and name not in set(self.input_names)
+        """An initializer that no caller can override."""
+        return name in self.initializers and name not in self.overridable
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         """Static shape of a value (every dim known), else None."""
@@ -295,11 +308,14 @@ def to_model(graph: Graph, *, value_info: bool = True, skeleton: bool = False) -
     g.initializer.extend(_tensor(k, a, graph.protos, skeleton) for k, a in graph.initializers.items())
     inits = set(graph.initializers)
     if m.ir_version and m.ir_version < 4:
-        # before IR 4 every initializer must also be a graph input
-        listed = {v.name for v in graph.inputs}
+        # before IR 4 every initializer is also listed as a graph input: list
+        # the current ones (a removed initializer must not become a real input)
+        was_init = {x.name for x in t.graph.initializer}
+        listed = [v for v in graph.inputs if v.name in inits or v.name not in was_init]
+        names = {v.name for v in listed}
         extra = [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
-                 for k, a in graph.initializers.items() if k not in listed]
-        g.input.extend(list(graph.inputs) + extra)
+                 for k, a in graph.initializers.items() if k not in names]
+        g.input.extend(listed + extra)
     else:
         g.input.extend(graph.inputs)
     g.output.extend(graph.outputs)
@@ -375,7 +391,7 @@ class PassOptions:
 
     keep: frozenset[str] = frozenset()
     for_training: bool = False
-    fold_limit: int = 1 << 20
+    fold_limit: int = 16 << 20
 
     def kept(self, graph: Graph) -> frozenset[str]:
         """``keep`` plus, for training, every float initializer of ``graph``."""

@@ -22,7 +22,7 @@ def remove_dead_nodes(graph: Graph, options: PassOptions = PassOptions()) -> Gra
             live.add(id(n))
             needed.update(n.reads)
     nodes = [n for n in graph.nodes if id(n) in live]
-    interface = set(graph.input_names) | set(graph.output_names)
+    interface = graph.overridable | set(graph.output_names)
     inits = {k: v for k, v in graph.initializers.items() if k in needed or k in interface}
     if len(nodes) == len(graph.nodes) and len(inits) == len(graph.initializers):
         return graph

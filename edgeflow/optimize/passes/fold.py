@@ -119,13 +119,12 @@ def _cast_to_declared(graph: Graph, name: str, value: np.ndarray) -> np.ndarray 
 def fold_constants(graph: Graph, options: PassOptions = PassOptions()) -> Graph:
     keep = options.kept(graph)
     blocked = set(graph.output_names) | keep
-    overridable = set(graph.input_names)
     inits = dict(graph.initializers)
-    const = {k for k in inits if k not in overridable and k not in keep}
+    const = graph.constants(keep)
     producers = graph.producers()
     nodes: list[Node] = []
     folded = 0
-    for n in toposorted(graph.nodes, set(inits) | overridable):
+    for n in toposorted(graph.nodes, set(inits) | set(graph.input_names)):
         values = None
         if (n.default_domain and n.op_type not in NEVER_FOLD and not n.has_subgraph and n.inputs
                 and any(n.outputs) and not any(o in blocked for o in n.outputs)):

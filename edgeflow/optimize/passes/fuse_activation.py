@@ -1,6 +1,7 @@
 """Conv/Gemm/MatMul/Add/BatchNormalization + activation fused (numpy backend).
 
-``X -> act`` becomes one node when X's output feeds only that activation
+``X -> act`` becomes one node (X one of Conv, ConvTranspose, Gemm, MatMul,
+Add, Sum, BatchNormalization) when X's output feeds only that activation
 (and is no graph output): the activation then runs on X's fresh output
 inside the same call, with no extra dispatch, environment slot or (for
 Relu and Clip, the ReLU6 of MobileNets) allocation, as onnxruntime's
@@ -20,23 +21,31 @@ import dataclasses
 
 import numpy as np
 
-PRODUCERS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "Add", "BatchNormalization"})
+PRODUCERS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "Add", "Sum", "BatchNormalization"})
 ACTIVATIONS = frozenset({"Relu", "Clip", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid", "HardSwish",
                          "Elu", "Selu", "Softplus", "Gelu"})
+
+
+def _fresh(y, args):
+    """``y`` safe to overwrite: never one of the inputs (a kernel may return one as is)."""
+    for a in args:
+        if y is a:
+            return y.copy()
+    return y
 
 
 def _composed(base, act, act_args: list, act_attrs: dict):
     f = base.forward
     if act.op_type == "Relu":
         def forward(*args, **attrs):
-            y = f(*args, **attrs)
+            y = _fresh(f(*args, **attrs), args)
             np.maximum(y, y.dtype.type(0), out=y)
             return y
     elif act.op_type == "Clip" and act.kernel.since >= 11:
         lo, hi = (None if a is None else np.asarray(a).reshape(()) for a in (act_args + [None, None])[:2])
 
         def forward(*args, **attrs):
-            y = f(*args, **attrs)
+            y = _fresh(f(*args, **attrs), args)
             if lo is not None or hi is not None:
                 np.clip(y, None if lo is None else y.dtype.type(lo), None if hi is None else y.dtype.type(hi), out=y)
             return y
@@ -44,7 +53,7 @@ def _composed(base, act, act_args: list, act_attrs: dict):
         lo6, hi6 = act_attrs.get("min", -3.4028234663852886e38), act_attrs.get("max", 3.4028234663852886e38)
 
         def forward(*args, **attrs):
-            y = f(*args, **attrs)
+            y = _fresh(f(*args, **attrs), args)
             np.clip(y, y.dtype.type(lo6), y.dtype.type(hi6), out=y)
             return y
     else:

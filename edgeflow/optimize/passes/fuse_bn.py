@@ -28,8 +28,7 @@ class _Rewriter:
     def __init__(self, graph: Graph, options: PassOptions) -> None:
         self.g = graph
         self.keep = options.kept(graph)
-        overridable = set(graph.input_names)
-        self.const = {k for k in graph.initializers if k not in overridable and k not in self.keep}
+        self.const = graph.constants(self.keep)
         self.outputs = set(graph.output_names)
         self.inits = dict(graph.initializers)
         self.readers = graph.readers()
@@ -182,7 +181,7 @@ class _Rewriter:
             elif i not in self.drop:
                 nodes.append(n)
         used = {x for n in nodes for x in n.reads}
-        overridable = set(self.g.input_names)
+        overridable = self.g.overridable
         inits = {k: v for k, v in self.inits.items()
                  if k in used or k in overridable or k in self.outputs or k in self.keep}
         return self.g.replace(nodes=nodes, initializers=inits)
