@@ -105,6 +105,11 @@ def _run(graph: Graph, n: Node, args: list) -> list | None:
     return list(out) if isinstance(out, tuple) else [out]
 
 
+def _owned(v: np.ndarray) -> np.ndarray:
+    """A C-contiguous array of its own (kernels may return views; 0-d stays 0-d)."""
+    return v.copy() if v.base is not None or not v.flags.c_contiguous else v
+
+
 def _cast_to_declared(graph: Graph, name: str, value: np.ndarray) -> np.ndarray | None:
     declared = graph.elem_type(name) if name not in graph.initializers else 0
     if not declared:
@@ -141,7 +146,7 @@ def fold_constants(graph: Graph, options: PassOptions = PassOptions()) -> Graph:
             if len(outs) < len(names) or sum(v.nbytes for v in outs) > in_bytes + options.fold_limit:
                 values = None
             else:
-                outs = [_cast_to_declared(graph, o, np.ascontiguousarray(v)) for o, v in zip(names, outs)]
+                outs = [_cast_to_declared(graph, o, _owned(v)) for o, v in zip(names, outs)]
                 if any(v is None for v in outs):
                     values = None
         if values is None:
