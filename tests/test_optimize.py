@@ -403,3 +403,34 @@ def test_for_training_turns_constant_weights_into_trainable_initializers():
     x, y = rand(rng, 16, 1, 6, 6), rand(rng, 16, 3)
     h = tr.fit((x, y), epochs=3)
     assert h.loss[-1] < h.loss[0]
+
+
+def test_the_optimizer_sits_below_graph_quantization_and_training():
+    """No cycle: optimize imports only the kernels, model loading and errors (in-function imports
+    included), and graph.py no longer imports quantization."""
+    import ast
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    allowed = {"numpy", "onnx", "edgeflow.kernels", "edgeflow.model", "edgeflow.errors", "edgeflow.optimize"}
+
+    def imports(path: Path) -> set[str]:
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                out.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = ".".join(path.relative_to(root).with_suffix("").parts[: -node.level])
+                    out.add(f"{base}.{node.module}" if node.module else base)
+                else:
+                    out.add(node.module)
+        return out
+
+    for f in sorted((root / "edgeflow" / "optimize").rglob("*.py")):
+        for mod in imports(f):
+            top = mod.split(".")[0]
+            ok = top in sys.stdlib_module_names or top == "__future__" or any(
+                mod == a or mod.startswith(a + ".") for a in allowed)
+            assert ok, f"{f.relative_to(root)} imports {mod}"
+    assert not any("quantization" in m for m in imports(root / "edgeflow" / "graph.py"))
