@@ -130,7 +130,8 @@ class Runtime:
         if self.backend_name == "numpy":
             return compile_graph(self.model)  # its errors are the user's: nothing else can run it
         try:
-            return compile_graph(self.model)
+            # the graph onnxruntime gets, for the budget estimate only: no numpy rewrites
+            return compile_graph(self.model, optimize=False)
         except EdgeflowError as exc:  # onnxruntime plans itself: never blocked by numpy-side planning
             self.plan_note = f"no numpy memory plan: {exc}"
             log.info("%s", self.plan_note)
