@@ -434,3 +434,39 @@ def test_the_optimizer_sits_below_graph_quantization_and_training():
                 mod == a or mod.startswith(a + ".") for a in allowed)
             assert ok, f"{f.relative_to(root)} imports {mod}"
     assert not any("quantization" in m for m in imports(root / "edgeflow" / "graph.py"))
+
+
+@pytest.mark.parametrize("name,bn", [("light_resnet50", 53), ("light_shufflenet", 49)])
+def test_onnx_wheel_cnns_fold_their_batchnorms(name, bn):
+    """Their weights are ConstantOfShape fills: once folded (given a ConstantOfShape kernel),
+    every BN folds. Weights are then randomized and the logits compared on onnxruntime
+    and on the numpy backend."""
+    from edgeflow.kernels import has_kernel
+
+    path = _LIGHT / f"{name}.onnx"
+    if not path.exists() or not has_kernel("ConstantOfShape", "", 9):
+        pytest.skip("needs the onnx wheel's light models and a ConstantOfShape kernel")
+    m = load_model(path)
+    r = optimize(m)
+    assert r.report.before["BatchNormalization"] == bn and "BatchNormalization" not in r.report.after
+    assert "ConstantOfShape" not in r.report.after
+    base = optimize(m, passes=["constants", "fold"]).model
+    rng = np.random.default_rng(1)
+    for t in base.graph.initializer:
+        a = numpy_helper.to_array(t)
+        if a.dtype == np.float32 and a.size > 1:
+            scale = (2.0 / max(1, a[0].size)) ** 0.5 if a.ndim > 1 else 0.1
+            new = rng.uniform(0.5, 1.5, a.shape) if "_s_" in t.name or "riv" in t.name else rng.normal(0, scale, a.shape)
+            t.CopyFrom(numpy_helper.from_array(new.astype(np.float32), t.name))
+    softmax = next(n for n in base.graph.node if n.op_type == "Softmax")
+    base.graph.node.remove(softmax)  # compare logits: a saturated softmax would hide differences
+    del base.graph.output[:]
+    base.graph.output.append(helper.make_tensor_value_info(softmax.input[0], TensorProto.FLOAT, None))
+    folded = optimize(base)
+    assert folded.report.removed_by_pass["fuse_bn"] == bn
+    x = np.random.default_rng(2).standard_normal((1, 3, 224, 224)).astype(np.float32)
+    feeds = {model_info(base).inputs[0].name: x}
+    ref = run_ort(base, feeds)[0]
+    scale = np.abs(ref).max()
+    np.testing.assert_allclose(run_ort(folded.model, feeds)[0] / scale, ref / scale, atol=1e-5)
+    np.testing.assert_allclose(run_numpy(base, feeds, True)[0] / scale, ref / scale, atol=1e-5)
