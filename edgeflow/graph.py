@@ -27,6 +27,7 @@ from .control_flow import Subgraph, bind_subgraphs, check_arity
 from .errors import ModelError, UnsupportedOpError
 from .kernels import Kernel, UnknownOpError, get_kernel
 from .model import TensorInfo, elem_dtype, graph_inputs, graph_outputs, model_opset
+from .optimize import optimize_compiled, optimize_model
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 _GRAPH_ATTRS = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
@@ -267,10 +268,15 @@ class CompiledGraph:
 def compile_graph(model: onnx.ModelProto, *, optimize: bool = True) -> CompiledGraph:
     """Bind every node to a kernel; raise one error listing all problems.
 
-    ``optimize`` applies inference-only rewrites that keep results identical
-    (pre-transposed Gemm weights). The trainer compiles with
-    ``optimize=False`` so that initializer names map 1:1 to parameters.
+    ``optimize`` runs the optimizer (:mod:`edgeflow.optimize`): its portable
+    passes on the model first (constants, folding, BatchNormalization
+    folding, dead nodes...), then the numpy backend's passes on the bound
+    graph (QDQ fusion, pre-transposed Gemm weights, activation fusion). The
+    trainer compiles with ``optimize=False`` so that initializer names map
+    1:1 to parameters (or optimizes itself with ``for_training=True``).
     """
+    if optimize:
+        model = optimize_model(model)
     _refuse_missing_ops(model)
     g = model.graph
     opset = model_opset(model)
@@ -287,15 +293,11 @@ def compile_graph(model: onnx.ModelProto, *, optimize: bool = True) -> CompiledG
     if problems:
         raise UnsupportedOpError("the model cannot run on the numpy backend:\n  " + "\n  ".join(problems))
 
+    graph = CompiledGraph(model, opset, nodes, inits, inputs, outputs, types)
     if optimize:
-        # QDQ patterns -> integer kernels (a no-op for float models)
-        from .quantization.fuse import fuse_qdq
-
-        nodes = fuse_qdq(nodes, inits, {o.name for o in outputs}, opset, types)
-        _prepack_gemm(nodes, inits)
-        nodes = _fuse_relu(nodes, {o.name for o in outputs})
-    _assign_lifetimes(nodes, set(inits), {o.name for o in outputs})
-    return CompiledGraph(model, opset, nodes, inits, inputs, outputs, types)
+        graph = optimize_compiled(graph)
+    _assign_lifetimes(graph.nodes, set(graph.initializers), set(graph.output_names))
+    return graph
 
 
 def _refuse_missing_ops(model: onnx.ModelProto) -> None:
@@ -418,58 +420,6 @@ def _check_outer_reads(nodes: list[Node], available: set[str], problems: list[st
                 problems.append(
                     f"{n.op_type} '{n.name}': a subgraph reads {x!r}, which no enclosing graph defines"
                 )
-
-
-def _prepack_gemm(nodes: list[Node], inits: dict[str, np.ndarray]) -> None:
-    """Store transB=1 Gemm weights transposed and contiguous.
-
-    BLAS on a transposed view is ~40% slower than on a contiguous matrix for
-    batch-32 MLP layers; transposing once at load removes that.
-    """
-    readers: dict[str, int] = {}
-    for n in nodes:
-        for x in n.inputs:
-            if x:
-                readers[x] = readers.get(x, 0) + 1
-    for n in nodes:
-        if n.op_type != "Gemm" or not n.attrs.get("transB") or len(n.inputs) < 2:
-            continue
-        b = n.inputs[1]
-        if b not in inits or readers.get(b) != 1 or inits[b].ndim != 2:
-            continue
-        inits[b] = np.ascontiguousarray(inits[b].T)
-        n.attrs["transB"] = 0
-
-
-_RELU_PRODUCERS = frozenset({"Conv", "Gemm", "MatMul", "Add", "BatchNormalization"})
-
-
-def _fuse_relu(nodes: list[Node], graph_outputs_: set[str]) -> list[Node]:
-    """Fold ``X -> Relu`` into X when X's output feeds only that Relu.
-
-    The Relu then runs in place on X's fresh output (no extra allocation or
-    dispatch), as onnxruntime's FusedConv/FusedGemm do.
-    """
-    readers: dict[str, list[Node]] = {}
-    for n in nodes:
-        for x in n.inputs:
-            if x:
-                readers.setdefault(x, []).append(n)
-    dropped: set[int] = set()
-    for n in nodes:
-        if n.op_type not in _RELU_PRODUCERS or n.domain or len(n.outputs) != 1 or n.fused_relu:
-            continue
-        y = n.outputs[0]
-        rs = readers.get(y, [])
-        if len(rs) != 1 or y in graph_outputs_:
-            continue
-        r = rs[0]
-        if r.op_type != "Relu" or r.domain or r.inputs[0] != y:
-            continue
-        n.fused_relu = True
-        n.outputs = [r.outputs[0]]
-        dropped.add(id(r))
-    return [n for n in nodes if id(n) not in dropped]
 
 
 def _used_outputs(outputs: list[str]) -> int:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from .errors import InputError
+from .errors import ShapeError
 from .graph import CompiledGraph
 from .model import TensorInfo, elem_dtype
 
@@ -59,6 +59,19 @@ class MemoryPlan:
         }
 
 
+def shape_example(t: TensorInfo, batch_size: int = 1) -> str:
+    """``1x3x<height>x<width>``: an input's dims for a --shape hint (dynamic ones by name)."""
+    dims = []
+    for i, d in enumerate(t.shape):
+        if isinstance(d, int) and d >= 0:
+            dims.append(str(d))
+        elif i == 0:
+            dims.append(str(batch_size))
+        else:
+            dims.append(f"<{d}>" if isinstance(d, str) and d else f"<dim{i}>")
+    return "x".join(dims)
+
+
 def concrete_shapes(inputs: list[TensorInfo], batch_size: int = 1,
                     shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, tuple[int, ...]]:
     """Fill dynamic dims of each input: the first with ``batch_size``, others must be given."""
@@ -68,16 +81,20 @@ def concrete_shapes(inputs: list[TensorInfo], batch_size: int = 1,
             out[t.name] = tuple(int(d) for d in shapes[t.name])
             continue
         dims = []
+        dynamic = []
         for i, d in enumerate(t.shape):
-            if isinstance(d, int) and d > 0:
+            if isinstance(d, int) and d >= 0:
                 dims.append(d)
             elif i == 0:
                 dims.append(batch_size)
             else:
-                raise InputError(
-                    f"input {t.name!r} has a dynamic dimension {i} ({d!r}) other than the batch; "
-                    "give its shape explicitly (input_shapes={name: shape})"
-                )
+                dynamic.append(f"{i} ({d!r})" if d else str(i))
+        if dynamic:
+            raise ShapeError(
+                f"input {t.name!r} has dynamic dim(s) {', '.join(dynamic)} besides the batch; give its "
+                f"shape: --shape {t.name}={shape_example(t, batch_size)} on the command line, "
+                f"input_shapes={{{t.name!r}: (...)}} in Python"
+            )
         out[t.name] = tuple(dims)
     return out
 

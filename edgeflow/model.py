@@ -9,16 +9,19 @@ or an opset this runtime does not know.
 from __future__ import annotations
 
 import collections
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Union
+from typing import Mapping, Sequence, Union
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from .errors import ModelError
+from .errors import InputError, ModelError, ShapeError
+
+log = logging.getLogger(__name__)
 
 ModelSource = Union[str, os.PathLike, bytes, onnx.ModelProto]
 
@@ -185,17 +188,51 @@ def initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
 
 
+def _subgraphs(g: onnx.GraphProto):
+    for n in g.node:
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                yield a.g
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                yield from a.graphs
+
+
+def _constant_tensors(g: onnx.GraphProto):
+    """(dims, elem type) of every weight of a graph and its subgraphs: initializers and Constant nodes."""
+    for t in g.initializer:
+        yield tuple(t.dims), t.data_type
+    for n in g.node:
+        if n.op_type != "Constant" or n.domain not in ("", "ai.onnx"):
+            continue
+        for a in n.attribute:
+            if a.name == "value":
+                yield tuple(a.t.dims), a.t.data_type
+            elif a.name == "sparse_value":
+                yield tuple(a.sparse_tensor.values.dims), a.sparse_tensor.values.data_type
+            elif a.name in ("value_floats", "value_ints"):
+                yield (len(a.floats) + len(a.ints),), (onnx.TensorProto.FLOAT if a.floats else onnx.TensorProto.INT64)
+            elif a.name == "value_float":
+                yield (), onnx.TensorProto.FLOAT
+            elif a.name == "value_int":
+                yield (), onnx.TensorProto.INT64
+    for sub in _subgraphs(g):
+        yield from _constant_tensors(sub)
+
+
 def model_info(model: onnx.ModelProto) -> ModelInfo:
+    """Counts for ``inspect``. Parameters are every constant tensor: initializers
+    and Constant-node values (how Paddle and some other exporters store weights),
+    in the main graph and in subgraphs."""
     counts = collections.Counter(
         (n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}::{n.op_type}") for n in model.graph.node
     )
     n_params = 0
     n_bytes = 0
     dtypes: collections.Counter[str] = collections.Counter()
-    for t in model.graph.initializer:
-        size = int(np.prod(t.dims, dtype=np.int64)) if t.dims else 1
+    for dims, data_type in _constant_tensors(model.graph):
+        size = int(np.prod(dims, dtype=np.int64)) if dims else 1
         n_params += size
-        dt = elem_dtype(t.data_type)
+        dt = elem_dtype(data_type)
         dtypes[dt] += size
         try:
             n_bytes += size * np.dtype(dt).itemsize
@@ -214,3 +251,107 @@ def model_info(model: onnx.ModelProto) -> ModelInfo:
         node_count=len(model.graph.node),
         initializer_dtypes=dict(dtypes),
     )
+
+
+ShapeSpec = Mapping[str, Sequence["int | None"]]
+
+
+def _dims_text(dims: Sequence) -> str:
+    return "[" + ", ".join("?" if d is None else str(d) for d in dims) + "]"
+
+
+def _inputs_text(inputs: list[TensorInfo]) -> str:
+    return ", ".join(f"{t.name!r} {_dims_text(t.shape)}" for t in inputs)
+
+
+def fix_input_shapes(model: onnx.ModelProto, shapes: ShapeSpec, *, source: str = "the shape given") -> onnx.ModelProto:
+    """A copy of ``model`` with these inputs' dims fixed and every value's shape re-inferred.
+
+    ``shapes`` maps an input name to its full shape (``None`` in a dim keeps
+    that dim as the model has it), or a symbolic dim name (``"batch"``) to
+    one number, which fixes that dim in every input that has it — like
+    onnxruntime's free-dimension overrides. Inputs not named keep their
+    symbolic dims. Everything is checked against the model first: an unknown
+    name lists the real inputs; a rank or a fixed dim that disagrees names
+    the input and the dim (``input 'x' dim 1 is 3 in the model, --shape
+    gives 4``, with ``source`` naming where the shape came from).
+    """
+    inputs = graph_inputs(model)
+    by_name = {t.name: t for t in inputs}
+    symbols = {d for t in inputs for d in t.shape if isinstance(d, str)}
+    wanted: dict[str, list[int | None]] = {}
+    bound: dict[str, tuple[int, str]] = {}  # dim symbol -> (value, input that fixed it)
+    for name, given in shapes.items():
+        dims = [given] if isinstance(given, (int, np.integer)) else list(given)
+        for d in dims:
+            if d is not None and (not isinstance(d, (int, np.integer)) or isinstance(d, bool) or d < 0):
+                raise InputError(f"{source} for {name!r} has dim {d!r}; dims are whole numbers >= 0")
+        if name in by_name:
+            wanted[name] = [None if d is None else int(d) for d in dims]
+        elif name in symbols and len(dims) == 1 and dims[0] is not None:
+            bound[name] = (int(dims[0]), f"{source} {name}={dims[0]}")
+        else:
+            sym = f"; its symbolic dims: {', '.join(sorted(symbols))}" if symbols else ""
+            raise InputError(f"the model has no input {name!r} ({source}); its inputs: {_inputs_text(inputs)}{sym}")
+    fixed: dict[str, list[int | None]] = {}
+    for t in inputs:
+        given = wanted.get(t.name)
+        if given is None and not any(isinstance(d, str) and d in bound for d in t.shape):
+            continue
+        if given is not None and t.shape and len(given) != len(t.shape):
+            raise ShapeError(
+                f"input {t.name!r} has rank {len(t.shape)} in the model {_dims_text(t.shape)}, "
+                f"{source} gives {len(given)} dims {_dims_text(given)}"
+            )
+        out: list[int | None] = []
+        for i, d in enumerate(t.shape if t.shape else given or []):
+            g = given[i] if given is not None else None
+            if isinstance(d, int):
+                if g is not None and g != d:
+                    raise ShapeError(f"input {t.name!r} dim {i} is {d} in the model, {source} gives {g}")
+                out.append(d)
+                continue
+            if g is None and isinstance(d, str) and d in bound:
+                g = bound[d][0]
+            if g is not None and isinstance(d, str):
+                if d in bound and bound[d][0] != g:
+                    raise ShapeError(
+                        f"input {t.name!r} dim {i} is {d!r}, which {bound[d][1]} fixed to {bound[d][0]}; "
+                        f"{source} gives {g}"
+                    )
+                bound.setdefault(d, (g, f"{source} for input {t.name!r}"))
+            out.append(g)
+        fixed[t.name] = out
+    if not fixed:
+        return model
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    del m.graph.value_info[:]
+    for vi in m.graph.input:
+        if vi.name not in fixed:
+            continue
+        shape = vi.type.tensor_type.shape
+        old = list(shape.dim)
+        del shape.dim[:]
+        for i, d in enumerate(fixed[vi.name]):
+            dim = shape.dim.add()
+            if d is not None:
+                dim.dim_value = d
+            elif i < len(old):
+                dim.CopyFrom(old[i])
+    try:
+        return onnx.shape_inference.infer_shapes(m, strict_mode=True, data_prop=True)
+    except Exception as exc:  # onnx raises InferenceError and others
+        # an exporter may have declared the output shapes for one input shape only
+        log.debug("shape inference with the declared output shapes failed (%s); retrying without them", exc)
+    for vi in m.graph.output:
+        vi.type.tensor_type.ClearField("shape")
+    try:
+        return onnx.shape_inference.infer_shapes(m, strict_mode=True, data_prop=True)
+    except Exception as exc:  # onnx raises InferenceError and others
+        lines = str(exc).strip().splitlines()
+        given = ", ".join(f"{k} {_dims_text(v)}" for k, v in fixed.items())
+        raise ShapeError(
+            f"the model cannot take inputs of shape {given} ({source}): shape inference fails: "
+            f"{lines[-1] if lines else exc}"
+        ) from exc

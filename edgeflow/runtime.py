@@ -22,7 +22,7 @@ from .backends.base import Session
 from .errors import BackendError, EdgeflowError, InputError, MemoryBudgetError, UnsupportedOpError
 from .graph import compile_graph
 from .memory import MemoryPlan, plan_memory
-from .model import ModelSource, TensorInfo, load_model
+from .model import ModelSource, TensorInfo, fix_input_shapes, load_model
 from .profiles import DeviceProfile, detect, get_profile
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,14 @@ def choose_backend(model: onnx.ModelProto, profile: DeviceProfile, backend: str 
 
 
 class Runtime:
-    """A model ready to run on one device profile."""
+    """A model ready to run on one device profile.
+
+    ``input_shapes`` fixes input dims (``{"x": (1, 3, 320, 320)}``, or a
+    symbolic dim name to one number) in the model every backend loads, checked
+    against the model first. The numpy backend's memory plan needs every dim;
+    where some stay dynamic there is no plan (``plan`` is None, ``plan_note``
+    says why) and the model still runs, on any backend.
+    """
 
     def __init__(
         self,
@@ -82,19 +89,22 @@ class Runtime:
         *,
         backend: str | None = None,
         batch_size: int = 1,
-        input_shapes: dict[str, tuple[int, ...]] | None = None,
+        input_shapes: "dict[str, tuple[int, ...]] | None" = None,
         threads: int | None = None,
         allow_over_budget: bool = False,
     ) -> None:
         self.model = load_model(model)
+        if input_shapes:
+            self.model = fix_input_shapes(self.model, input_shapes, source="input_shapes")
         self.profile = get_profile(profile) if profile is not None else detect()
         choice = choose_backend(self.model, self.profile, backend)
         self.backend_name = choice.name
         self.fallbacks = choice.tried
         for name, why in choice.tried:
             log.info("backend %s skipped for profile %s: %s", name, self.profile.name, why)
+        self.plan_note = ""
         graph = self._compile()
-        self.plan = self._plan(graph, batch_size, input_shapes)
+        self.plan = self._plan(graph, batch_size)
         if self.plan is not None and self.plan.peak_bytes > self.profile.memory_budget_bytes and not allow_over_budget:
             raise MemoryBudgetError(
                 f"planned peak memory {self.plan.peak_bytes / 2**20:.1f} MiB at batch {batch_size} "
@@ -110,26 +120,31 @@ class Runtime:
         # A backend that runs the compiled graph itself takes the one just
         # planned, rather than compiling (and pre-packing weights) again.
         load_compiled = getattr(chosen, "load_compiled", None)
-        if graph is not None and load_compiled is not None:
+        if self.backend_name == "numpy" and graph is not None and load_compiled is not None:
             self.session: Session = load_compiled(graph, options)
         else:
             self.session = chosen.load(self.model, options)
 
     def _compile(self):
+        """The numpy graph (for the numpy backend, and the memory plan of any backend)."""
+        if self.backend_name == "numpy":
+            return compile_graph(self.model)  # its errors are the user's: nothing else can run it
         try:
-            return compile_graph(self.model)
-        except UnsupportedOpError:
-            return None  # ort-only model: no numpy plan; onnxruntime plans itself
+            # the graph onnxruntime gets, for the budget estimate only: no numpy rewrites
+            return compile_graph(self.model, optimize=False)
+        except EdgeflowError as exc:  # onnxruntime plans itself: never blocked by numpy-side planning
+            self.plan_note = f"no numpy memory plan: {exc}"
+            log.info("%s", self.plan_note)
+            return None
 
-    def _plan(self, graph, batch_size: int, input_shapes) -> MemoryPlan | None:
+    def _plan(self, graph, batch_size: int) -> MemoryPlan | None:
         if graph is None:
             return None
         try:
-            return plan_memory(graph, batch_size, input_shapes)
-        except InputError:
-            raise
-        except EdgeflowError as exc:  # pragma: no cover - planning is best effort
-            log.warning("memory plan failed: %s", exc)
+            return plan_memory(graph, batch_size)
+        except EdgeflowError as exc:  # e.g. dynamic dims: the model still runs, unplanned
+            self.plan_note = f"no memory plan: {exc}"
+            log.info("%s", self.plan_note)
             return None
 
     @property
@@ -164,6 +179,7 @@ class Runtime:
             "backend": self.backend_name,
             "fallbacks": [{"backend": n, "reason": why} for n, why in self.fallbacks],
             "memory_plan": self.plan.to_dict() if self.plan else None,
+            "memory_plan_note": self.plan_note,
             "budget_bytes": self.profile.memory_budget_bytes,
         }
 

@@ -73,7 +73,7 @@ def test_run_bad_input_file(cnn_path, tmp_path, capsys):
     assert "input file not found" in capsys.readouterr().err
     np.save(tmp_path / "bad.npy", np.zeros((2, 3), np.float32))
     assert main(["run", str(cnn_path), "-i", str(tmp_path / "bad.npy")]) == 2
-    assert "expected rank 4" in capsys.readouterr().err
+    assert "input 'input' has rank 4 in the model [N, 1, 16, 16], the --input array gives 2 dims [2, 3]" in capsys.readouterr().err
 
 
 def test_bench(cnn_path, capsys):

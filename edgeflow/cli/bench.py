@@ -12,10 +12,11 @@ def register(sub) -> None:
         "bench",
         help="measure a model's latency and memory on this machine",
         description="Run MODEL repeatedly on random inputs of the declared shapes (dynamic batch "
-        "dims = --batch) and report latency p50/p95, throughput and the process's peak RSS.",
+        "dims = --batch, other dynamic dims from --shape) and report latency p50/p95, throughput and "
+        "the process's peak RSS.",
     )
     p.add_argument("model", help="path to an .onnx file")
-    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    p.add_argument("--batch", type=int, help="batch size for a dynamic first dim (default 1)")
     p.add_argument("--runs", type=int, default=50, help="timed runs (default 50)")
     p.add_argument("--warmup", type=int, default=5, help="untimed warm-up runs (default 5)")
     add_runtime_args(p)
@@ -44,27 +45,38 @@ def cmd(args) -> int:
 
     from ..runtime import load
     from ..timing import measure, peak_rss_bytes
-    from ._common import console, emit_json, human_bytes
+    from ..errors import InputError, ShapeError
+    from ..model import graph_inputs
+    from ._common import console, emit_json, human_bytes, model_with_shapes, require_static_shapes
 
-    if args.batch < 1 or args.runs < 1:
-        from ..errors import InputError
-
+    if (args.batch is not None and args.batch < 1) or args.runs < 1:
         raise InputError("--batch and --runs must be >= 1")
-    rt = load(args.model, args.profile, backend=args.backend, threads=args.threads,
-              batch_size=args.batch, allow_over_budget=args.allow_over_budget)
-    feeds = random_feeds(rt.inputs, args.batch)
+    model = model_with_shapes(args.model, args.shape)
+    if args.batch is not None:
+        for t in graph_inputs(model):
+            if t.shape and isinstance(t.shape[0], int) and t.shape[0] != args.batch:
+                raise ShapeError(f"input {t.name!r} dim 0 is {t.shape[0]} in the model"
+                                 f"{' (with --shape)' if args.shape else ''}, --batch gives {args.batch}")
+    require_static_shapes(model, args.batch)
+    batch = args.batch or 1
+    rt = load(model, args.profile, backend=args.backend, threads=args.threads,
+              batch_size=batch, allow_over_budget=args.allow_over_budget)
+    feeds = random_feeds(rt.inputs, batch)
+    first = next(iter(feeds.values()), None)
+    batch = int(first.shape[0]) if first is not None and first.ndim else 1
     with Progress(transient=True, console=console(stderr=True), disable=args.json) as prog:
-        task = prog.add_task(f"bench {rt.backend_name} batch {args.batch}", total=args.runs)
+        task = prog.add_task(f"bench {rt.backend_name} batch {batch}", total=args.runs)
         stats = measure(lambda: rt.run(feeds), runs=args.runs, warmup=args.warmup,
-                        batch_size=args.batch, on_step=lambda: prog.advance(task))
+                        batch_size=batch, on_step=lambda: prog.advance(task))
     result = {"model": args.model, "profile": rt.profile.name, "backend": rt.backend_name,
+              "input_shapes": {k: list(v.shape) for k, v in feeds.items()},
               **stats.to_dict(), "peak_rss_bytes": peak_rss_bytes(),
               "planned_peak_bytes": rt.plan.peak_bytes if rt.plan else None}
     if args.json:
         emit_json(result)
         return 0
     c = console()
-    c.print(f"{args.model}: profile {rt.profile.name}, backend {rt.backend_name}, batch {args.batch}, {args.runs} runs")
+    c.print(f"{args.model}: profile {rt.profile.name}, backend {rt.backend_name}, batch {batch}, {args.runs} runs")
     c.print(f"  latency p50 {stats.p50_ms:.3f} ms  p95 {stats.p95_ms:.3f} ms  mean {stats.mean_ms:.3f} ms")
     c.print(f"  throughput {stats.throughput:,.0f} samples/s")
     c.print(f"  peak RSS {human_bytes(result['peak_rss_bytes'])}"

@@ -45,6 +45,9 @@ def register(sub) -> None:
     g.add_argument("--window", type=int, help="audio: samples per input (default: the input's last dimension)")
     g.add_argument("--hop", type=int, help="audio: step between windows (default: --window)")
     p.add_argument("--report", help="also write the report as JSON to this file")
+    from ._common import add_shape_arg
+
+    add_shape_arg(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd)
 
@@ -104,10 +107,11 @@ def cmd(args) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn
 
     from ..quantization import quantize
-    from ._common import check_output_path, console, emit_json
+    from ._common import check_output_path, console, emit_json, model_with_shapes
 
     check_output_path(args.output)
     prep = _prep(args)
+    model = model_with_shapes(args.model, args.shape) if args.shape else args.model
     cal, cal_labels = _split_labels(args.calibration, args.labels_key)
     ev, ev_labels = _split_labels(args.eval, args.labels_key)
     labels = ev_labels if args.eval else cal_labels
@@ -115,7 +119,7 @@ def cmd(args) -> int:
                   console=console(stderr=True), disable=args.json) as prog:
         prog.add_task(f"quantizing {args.model} for {args.profile}", total=None)
         result = quantize(
-            args.model, args.profile, calibration=cal, method=args.method, engine=args.engine,
+            model, args.profile, calibration=cal, method=args.method, engine=args.engine,
             keep_fp32=args.keep_fp32, keep_first=args.keep_first, keep_last=args.keep_last,
             eval_data=ev, labels=labels, percentile=args.percentile,
             sensitivity=False if args.no_sensitivity else None, backend=args.backend,

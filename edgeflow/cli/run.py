@@ -11,6 +11,9 @@ def add_runtime_args(p) -> None:
     p.add_argument("--threads", type=int, help="override the profile's thread count")
     p.add_argument("--allow-over-budget", action="store_true",
                    help="run even if the planned peak memory exceeds the profile's budget")
+    from ._common import add_shape_arg
+
+    add_shape_arg(p)
 
 
 def register(sub) -> None:
@@ -18,7 +21,8 @@ def register(sub) -> None:
         "run",
         help="run a model once on an input file",
         description="Run MODEL on the array(s) in --input (.npy for a single-input model, .npz with "
-        "one array per input name) using the profile's backend, and print or save the outputs.",
+        "one array per input name) using the profile's backend, and print or save the outputs. "
+        "The arrays fix the inputs' dynamic dims; --shape may state them too.",
     )
     p.add_argument("model", help="path to an .onnx file")
     p.add_argument("--input", "-i", required=True, help=".npy (single input) or .npz (named inputs)")
@@ -32,13 +36,14 @@ def cmd(args) -> int:
     import numpy as np
 
     from ..runtime import load
-    from ._common import check_output_path, console, emit_json, load_arrays
+    from ._common import check_output_path, console, emit_json, load_arrays, model_with_shapes
 
     if args.output:
         check_output_path(args.output)
     feeds = load_arrays(args.input)
+    model = model_with_shapes(args.model, args.shape, feeds)
     batch = (feeds if isinstance(feeds, np.ndarray) else next(iter(feeds.values()), np.zeros(1))).shape[:1] or (1,)
-    rt = load(args.model, args.profile, backend=args.backend, threads=args.threads,
+    rt = load(model, args.profile, backend=args.backend, threads=args.threads,
               batch_size=int(batch[0]), allow_over_budget=args.allow_over_budget)
     outs = rt.run(feeds)
     if args.output:

@@ -38,6 +38,9 @@ def register(sub) -> None:
     p.add_argument("--val", help=".npz file of validation data (evaluated after each epoch)")
     p.add_argument("--val-fraction", type=float, help="hold out this fraction of --data for validation")
     p.add_argument("--seed", type=int, default=0)
+    from ._common import add_shape_arg
+
+    add_shape_arg(p)
     p.add_argument("--json", action="store_true", help="print the training history as JSON")
     p.set_defaults(func=cmd)
 
@@ -49,7 +52,7 @@ def cmd(args) -> int:
     from ..errors import InputError
     from ..profiles import detect
     from ..train import Trainer
-    from ._common import check_output_path, console, emit_json, human_bytes
+    from ._common import check_output_path, console, emit_json, human_bytes, model_with_shapes, require_static_shapes
 
     check_output_path(args.output)
     if args.epochs < 1 or args.batch_size < 1:
@@ -61,8 +64,10 @@ def cmd(args) -> int:
             raise InputError("give --val or --val-fraction, not both")
         data, val = data.split(args.val_fraction, seed=args.seed)
     profile = args.profile if args.profile is not None else detect()
+    model = model_with_shapes(args.model, args.shape)
+    require_static_shapes(model, args.batch_size)
     trainer = Trainer(
-        args.model, loss=args.loss, optimizer=args.optimizer, lr=args.lr,
+        model, loss=args.loss, optimizer=args.optimizer, lr=args.lr,
         momentum=args.momentum if args.optimizer == "sgd" else 0.0, weight_decay=args.weight_decay,
         trainable=args.trainable, freeze=args.freeze, batch_size=args.batch_size, seed=args.seed,
         clip_norm=args.clip_norm, qat=args.qat, profile=profile, grad_accumulation=args.grad_accumulation,

@@ -25,7 +25,7 @@ import onnx
 from onnx import numpy_helper
 
 from ..errors import QuantizationError
-from .fuse import PASS_THROUGH
+from ..optimize.passes.fuse_qdq import PASS_THROUGH
 
 QUANTIZABLE = ("Conv", "Gemm", "MatMul")
 

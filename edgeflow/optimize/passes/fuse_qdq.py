@@ -1,11 +1,11 @@
-"""Graph rewrite for the numpy backend: run QDQ patterns as integer kernels.
+"""QDQ patterns run as integer kernels (numpy backend).
 
 A QDQ model (what onnxruntime's ``quantize_static`` and
 :func:`edgeflow.quantize` write) is a float graph with QuantizeLinear /
 DequantizeLinear pairs around each quantized op. Executed literally, every
 layer costs a float GEMM plus dequantize/quantize passes, so it would be
-*slower* than the fp32 model. This pass, called from
-:func:`edgeflow.graph.compile_graph` when optimising, rewrites:
+*slower* than the fp32 model. This pass (the numpy backend's part of
+:mod:`edgeflow.optimize`) rewrites:
 
 1. ``DQ -> Conv/Gemm/MatMul (weights DQ(int8 initializer), bias DQ(int32))
    [-> Relu] [-> Q]`` into one fused integer kernel (``edgeflow.fused::QConv``
@@ -19,19 +19,20 @@ layer costs a float GEMM plus dequantize/quantize passes, so it would be
 
 then removes nodes whose outputs nobody reads and initializers nobody uses.
 Anything that does not match exactly is left as it is — still correct, just
-not fused. It operates on the compiled :class:`~edgeflow.graph.Node` list,
-so the model file is never changed.
+not fused. It operates on the compiled graph (nodes bound to kernels) and
+returns a new one; the model is never changed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..kernels import UnknownOpError, get_kernel
-from ..kernels.int_gemm import F32_EXACT, F64_EXACT, int_bound
-from ..kernels.qdq_fused import FUSED_DOMAIN, k_blocks
+from ...kernels import UnknownOpError, get_kernel
+from ...kernels.int_gemm import F32_EXACT, F64_EXACT, int_bound
+from ...kernels.qdq_fused import FUSED_DOMAIN, k_blocks
 
 #: Ops that only move or select values: on a per-tensor quantized input they
 #: give the same result on the integers as on the dequantized floats.
@@ -118,21 +119,23 @@ class _Graph:
         return dq, p
 
 
-def fuse_qdq(
-    nodes: list,
-    inits: dict[str, np.ndarray],
-    graph_outputs: set[str],
-    opset: int,
-    types: dict[str, str] | None = None,
-) -> list:
-    """Rewrite QDQ patterns of a compiled node list (see the module docstring).
+def fuse_qdq(graph):
+    """CompiledGraph -> CompiledGraph with QDQ patterns rewritten (see the module docstring).
 
-    ``inits`` is updated in place (packed weights added, orphaned ones
-    removed); ``types`` (value name -> dtype name) resolves the integer type
-    of a DequantizeLinear that has no zero-point input.
+    The graph's ``types`` (value name -> dtype name) resolve the integer type
+    of a DequantizeLinear that has no zero-point input. A graph without
+    DequantizeLinear comes back as it is.
     """
+    nodes = graph.nodes
     if not any(n.op_type == "DequantizeLinear" and not n.domain for n in nodes):
-        return nodes
+        return graph
+    nodes, inits = _fuse(list(nodes), dict(graph.initializers), set(graph.output_names), graph.opset,
+                         graph.types)
+    return dataclasses.replace(graph, nodes=nodes, initializers=inits)
+
+
+def _fuse(nodes: list, inits: dict[str, np.ndarray], graph_outputs: set[str], opset: int,
+          types: dict[str, str] | None) -> tuple[list, dict[str, np.ndarray]]:
     names_before = set(inits)
     used_before = {x for n in nodes for x in n.inputs if x}
     g = _Graph(nodes, inits, graph_outputs, types or {})
@@ -157,7 +160,7 @@ def fuse_qdq(
     created = set(inits) - names_before
     for name in ((used_before & names_before) | created) - used_after - graph_outputs:
         inits.pop(name, None)
-    return out
+    return out, inits
 
 
 def _fuse_pass_through(g: _Graph, n, opset: int, replace: dict) -> None:
@@ -175,11 +178,9 @@ def _fuse_pass_through(g: _Graph, n, opset: int, replace: dict) -> None:
         kernel = get_kernel(n.op_type, "", opset, p_in.zero_point.dtype)
     except UnknownOpError:
         return
-    from ..graph import Node
-
-    replace[id(n)] = Node(
-        index=n.index, name=f"{n.name}::int", op_type=n.op_type, domain="",
-        inputs=[x_q] + list(n.inputs[1:]), outputs=[q.outputs[0]], attrs=dict(n.attrs), kernel=kernel,
+    replace[id(n)] = dataclasses.replace(
+        n, name=f"{n.name}::int", domain="", inputs=[x_q] + list(n.inputs[1:]), outputs=[q.outputs[0]],
+        attrs=dict(n.attrs), kernel=kernel, free_after=[],
     )
     replace[id(q)] = None
 
@@ -212,8 +213,6 @@ def _bias(g: _Graph, name: str, acc_scale: np.ndarray, m: int) -> np.ndarray | N
 
 
 def _fuse_linear(g: _Graph, n, replace: dict) -> None:
-    from ..graph import Node
-
     if len(n.inputs) < 2 or len(n.outputs) != 1:
         return
     dq_x, px = g.dq_input(n.inputs[0])
@@ -324,10 +323,10 @@ def _fuse_linear(g: _Graph, n, replace: dict) -> None:
         fused_op = "QConv"
     else:
         fused_op = "QGemm"
-    replace[id(n)] = Node(
-        index=n.index, name=f"{n.name}::fused", op_type=fused_op, domain=FUSED_DOMAIN,
+    replace[id(n)] = dataclasses.replace(
+        n, name=f"{n.name}::fused", op_type=fused_op, domain=FUSED_DOMAIN,
         inputs=[dq_x.inputs[0], w_name], outputs=[out_name], attrs=attrs,
-        kernel=get_kernel(fused_op, FUSED_DOMAIN, None, px.zero_point.dtype),
+        kernel=get_kernel(fused_op, FUSED_DOMAIN, None, px.zero_point.dtype), free_after=[],
     )
     for r in chain:
         replace[id(r)] = None

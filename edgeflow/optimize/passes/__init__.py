@@ -1,0 +1,30 @@
+"""The optimizer's passes, one per module.
+
+Portable passes (``Graph -> Graph`` on :mod:`edgeflow.optimize.ir`; the
+result is a valid ONNX model any backend runs): :mod:`.constants`,
+:mod:`.identity`, :mod:`.fold`, :mod:`.fuse_bn`, :mod:`.dce`.
+
+numpy-backend passes (``CompiledGraph -> CompiledGraph``, on the node list
+bound to kernels; the result runs only on the numpy executor):
+:mod:`.fuse_qdq`, :mod:`.prepack_gemm`, :mod:`.fuse_activation`.
+"""
+
+from .constants import constants_to_initializers
+from .dce import remove_dead_nodes
+from .fold import fold_constants
+from .fuse_activation import fuse_activation
+from .fuse_bn import fuse_batchnorm
+from .fuse_qdq import fuse_qdq
+from .identity import remove_identity
+from .prepack_gemm import prepack_gemm
+
+__all__ = [
+    "constants_to_initializers",
+    "fold_constants",
+    "fuse_activation",
+    "fuse_batchnorm",
+    "fuse_qdq",
+    "prepack_gemm",
+    "remove_dead_nodes",
+    "remove_identity",
+]

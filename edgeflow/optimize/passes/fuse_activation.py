@@ -1,0 +1,100 @@
+"""Conv/Gemm/MatMul/Add/BatchNormalization + activation fused (numpy backend).
+
+``X -> act`` becomes one node (X one of Conv, ConvTranspose, Gemm, MatMul,
+Add, Sum, BatchNormalization) when X's output feeds only that activation
+(and is no graph output): the activation then runs on X's fresh output
+inside the same call, with no extra dispatch, environment slot or (for
+Relu and Clip, the ReLU6 of MobileNets) allocation, as onnxruntime's
+FusedConv/FusedGemm do. Relu and Clip run in place (``np.maximum`` /
+``np.clip`` with ``out=``, the very functions their kernels call); every
+other activation calls its own kernel on the output, so results are
+identical to the unfused graph.
+
+The fused node keeps the producer's op type and attributes; its kernel is a
+composition labelled ``Conv+Relu`` etc. (``edgeflow inspect --optimized``
+counts those). Compiled graphs for training are never optimized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+PRODUCERS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "Add", "Sum", "BatchNormalization"})
+ACTIVATIONS = frozenset({"Relu", "Clip", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid", "HardSwish",
+                         "Elu", "Selu", "Softplus", "Gelu"})
+
+
+def _fresh(y, args):
+    """``y`` safe to overwrite: never one of the inputs (a kernel may return one as is)."""
+    for a in args:
+        if y is a:
+            return y.copy()
+    return y
+
+
+def _composed(base, act, act_args: list, act_attrs: dict):
+    f = base.forward
+    if act.op_type == "Relu":
+        def forward(*args, **attrs):
+            y = _fresh(f(*args, **attrs), args)
+            np.maximum(y, y.dtype.type(0), out=y)
+            return y
+    elif act.op_type == "Clip" and act.kernel.since >= 11:
+        lo, hi = (None if a is None else np.asarray(a).reshape(()) for a in (act_args + [None, None])[:2])
+
+        def forward(*args, **attrs):
+            y = _fresh(f(*args, **attrs), args)
+            if lo is not None or hi is not None:
+                np.clip(y, None if lo is None else y.dtype.type(lo), None if hi is None else y.dtype.type(hi), out=y)
+            return y
+    elif act.op_type == "Clip":
+        lo6, hi6 = act_attrs.get("min", -3.4028234663852886e38), act_attrs.get("max", 3.4028234663852886e38)
+
+        def forward(*args, **attrs):
+            y = _fresh(f(*args, **attrs), args)
+            np.clip(y, y.dtype.type(lo6), y.dtype.type(hi6), out=y)
+            return y
+    else:
+        g = act.kernel.forward
+
+        def forward(*args, **attrs):
+            return g(f(*args, **attrs), *act_args, **act_attrs)
+    return dataclasses.replace(base, op_type=f"{base.op_type}+{act.op_type}", forward=forward,
+                               backward_fn=None, forward_train=None)
+
+
+def fuse_activation(graph):
+    """CompiledGraph -> CompiledGraph with producer -> activation pairs fused."""
+    outputs = set(graph.output_names)
+    readers: dict[str, list] = {}
+    for n in graph.nodes:
+        for x in n.inputs:
+            if x:
+                readers.setdefault(x, []).append(n)
+    inits = graph.initializers
+    dropped: set[int] = set()
+    fused: dict[int, object] = {}
+    for n in graph.nodes:
+        if n.op_type not in PRODUCERS or n.domain or len(n.outputs) != 1 or "+" in n.kernel.op_type:
+            continue
+        y = n.outputs[0]
+        rs = readers.get(y, [])
+        if len(rs) != 1 or y in outputs:
+            continue
+        act = rs[0]
+        if act.op_type not in ACTIVATIONS or act.domain or not act.inputs or act.inputs[0] != y \
+                or id(act) in dropped or id(act) in fused or len(act.outputs) != 1:
+            continue
+        extra = act.inputs[1:]
+        if any(x and x not in inits for x in extra) or y in extra:
+            continue  # e.g. a Clip whose bounds are computed at run time
+        args = [inits[x] if x else None for x in extra]
+        kernel = _composed(n.kernel, act, args, dict(act.attrs))
+        fused[id(n)] = dataclasses.replace(n, outputs=[act.outputs[0]], kernel=kernel, free_after=[])
+        dropped.add(id(act))
+    if not fused:
+        return graph
+    nodes = [fused.get(id(n), n) for n in graph.nodes if id(n) not in dropped]
+    return dataclasses.replace(graph, nodes=nodes)
