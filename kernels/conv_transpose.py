@@ -244,3 +244,75 @@ def col2im_op(
         full = buf
     inner = tuple(slice(b, b + i) for b, i in zip(g.pads_begin, img))
     return np.ascontiguousarray(full[(slice(None), slice(None)) + inner])
+
+
+@register("DeformConv", dtypes=FLOAT_TYPES, since=19)
+def deform_conv(
+    x: np.ndarray,
+    w: np.ndarray,
+    offset: np.ndarray,
+    b: np.ndarray | None = None,
+    mask: np.ndarray | None = None,
+    *,
+    dilations=None,
+    group: int = 1,
+    kernel_shape=None,
+    offset_group: int = 1,
+    pads=None,
+    strides=None,
+) -> np.ndarray:
+    """2-d deformable convolution: every kernel tap samples the input
+    bilinearly at its offset position (taps outside the image read 0),
+    optionally scaled by ``mask``; the sampled columns then meet the weights
+    in one matmul per group, as in Conv."""
+    if x.ndim != 4 or w.ndim != 4:
+        raise OpError(f"DeformConv supports 2-d inputs (N, C, H, W), got {x.shape} and weight {w.shape}")
+    n, c, ih, iw = x.shape
+    oc = w.shape[0]
+    if group < 1 or c != w.shape[1] * group or oc % group:
+        raise OpError(f"DeformConv channel mismatch: input {x.shape}, weight {w.shape}, group={group}")
+    kh, kw = ints(kernel_shape) or w.shape[2:]
+    sh, sw = ints(strides) or (1, 1)
+    dh, dw = ints(dilations) or (1, 1)
+    pt, pl, pb, pr = ints(pads) or (0, 0, 0, 0)
+    og = int(offset_group)
+    if og < 1 or c % og:
+        raise OpError(f"DeformConv: offset_group={og} must divide the {c} input channels")
+    oh = (ih + pt + pb - ((kh - 1) * dh + 1)) // sh + 1
+    ow = (iw + pl + pr - ((kw - 1) * dw + 1)) // sw + 1
+    k = kh * kw
+    if offset.shape != (n, og * 2 * k, oh, ow):
+        raise OpError(f"DeformConv: offset must be ({n}, {og * 2 * k}, {oh}, {ow}), got {offset.shape}")
+    if mask is not None and mask.shape != (n, og * k, oh, ow):
+        raise OpError(f"DeformConv: mask must be ({n}, {og * k}, {oh}, {ow}), got {mask.shape}")
+    wd = np.float64 if x.dtype == np.float64 else np.float32
+    off = offset.astype(wd).reshape(n, og, kh, kw, 2, oh * ow)
+    base_h = (np.arange(kh) * dh)[:, None, None] + (np.arange(oh) * sh - pt)[None, None, :, None].repeat(ow, 3)\
+        .reshape(1, 1, oh * ow)
+    base_w = (np.arange(kw) * dw)[None, :, None] + np.tile(np.arange(ow) * sw - pl, oh)[None, None, :]
+    ph = off[:, :, :, :, 0, :] + base_h[None, None, :, :, :]  # (N, G, kh, 1|kw, P) -> broadcast
+    pw = off[:, :, :, :, 1, :] + base_w[None, None, :, :, :]
+    ph = np.broadcast_to(ph, (n, og, kh, kw, oh * ow)).reshape(n, og, k * oh * ow)
+    pw = np.broadcast_to(pw, (n, og, kh, kw, oh * ow)).reshape(n, og, k * oh * ow)
+    h0, w0 = np.floor(ph), np.floor(pw)
+    th, tw = ph - h0, pw - w0
+    h0, w0 = h0.astype(np.int64), w0.astype(np.int64)
+    m = None if mask is None else mask.astype(wd).reshape(n, og, k * oh * ow)
+    xg = x.astype(wd, copy=False).reshape(n, og, c // og, ih * iw)
+    cols = np.zeros((n, og, c // og, k * oh * ow), dtype=wd)
+    for dy, wy in ((0, 1 - th), (1, th)):
+        for dx, wx in ((0, 1 - tw), (1, tw)):
+            hh, ww = h0 + dy, w0 + dx
+            valid = (hh >= 0) & (hh < ih) & (ww >= 0) & (ww < iw)
+            weight = np.where(valid, wy * wx, 0)
+            if m is not None:
+                weight = weight * m
+            idx = np.clip(hh, 0, ih - 1) * iw + np.clip(ww, 0, iw - 1)  # (N, G, K*P)
+            vals = np.take_along_axis(xg, idx[:, :, None, :], axis=3)  # (N, G, C/G, K*P)
+            cols += vals * weight[:, :, None, :]
+    cols = cols.reshape(n, group, (c // group) * k, oh * ow)
+    wg = w.astype(wd).reshape(group, oc // group, -1)
+    y = np.matmul(wg, cols).reshape(n, oc, oh, ow)
+    if b is not None:
+        y += b.astype(wd).reshape(1, oc, 1, 1)
+    return y.astype(x.dtype)

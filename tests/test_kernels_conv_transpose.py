@@ -120,3 +120,39 @@ def test_col2im_is_the_adjoint_of_im2col(image, block, attrs):
 def test_col2im_block_count_is_checked():
     with pytest.raises(KernelError, match="blocks given"):
         get_kernel("Col2Im", opset=18)(np.zeros((1, 4, 5), F), np.array([4, 4]), np.array([2, 2]))
+
+
+# ------------------------------------------------------------------- DeformConv
+
+@pytest.mark.parametrize("attrs,og,with_mask", [
+    ({}, 1, False),
+    (dict(pads=[1, 1, 1, 1]), 2, True),
+    (dict(strides=[2, 1], dilations=[1, 2], pads=[0, 1, 1, 0]), 1, True),
+    (dict(group=2, pads=[1, 1, 1, 1]), 2, False),
+], ids=str)
+def test_deform_conv_matches_onnxruntime(attrs, og, with_mask):
+    x = RNG.standard_normal((2, 4, 6, 7)).astype(F)
+    group = attrs.get("group", 1)
+    w = RNG.standard_normal((6, 4 // group, 3, 3)).astype(F)
+    kh = kw = 3
+    sh, sw = attrs.get("strides", [1, 1])
+    dh, dw = attrs.get("dilations", [1, 1])
+    pt, pl, pb, pr = attrs.get("pads", [0, 0, 0, 0])
+    oh = (6 + pt + pb - ((kh - 1) * dh + 1)) // sh + 1
+    ow = (7 + pl + pr - ((kw - 1) * dw + 1)) // sw + 1
+    off = (RNG.standard_normal((2, og * 2 * kh * kw, oh, ow)) * 1.5).astype(F)
+    consts = {"w": w, "off": off, "b": RNG.standard_normal(6).astype(F)}
+    order = ["x", "w", "off", "b"]
+    if with_mask:
+        consts["m"] = RNG.random((2, og * kh * kw, oh, ow)).astype(F)
+        order.append("m")
+    m = one_node_model("DeformConv", {"x": x}, consts, opset=19, input_order=order, offset_group=og, **attrs)
+    assert_matches_ort(m, {"x": x}, rtol=1e-4, atol=1e-4)
+
+
+def test_deform_conv_with_zero_offsets_is_conv():
+    x = RNG.standard_normal((1, 3, 5, 5))
+    w = RNG.standard_normal((4, 3, 3, 3))
+    off = np.zeros((1, 18, 5, 5))
+    y = get_kernel("DeformConv", opset=19, dtype="float64")(x, w, off, pads=(1, 1, 1, 1))
+    np.testing.assert_allclose(y, get_kernel("Conv", opset=19, dtype="float64")(x, w, pads=(1, 1, 1, 1)), rtol=1e-12)
