@@ -196,6 +196,86 @@ def _(shapes, attrs):
     return 8 * int(b) * int(h) * int(sq) * int(t)
 
 
+@attention.backward(uses="inputs")
+def _(grads, inputs, outputs, *, is_causal=0, kv_num_heads=None, q_num_heads=None, qk_matmul_output_mode=0,
+      scale=None, softcap=0.0, softmax_precision=None, left_window_size=-1, right_window_size=-1):
+    """Gradients for Q, K, V (and past_key / past_value) from those of Y and
+    of present_key / present_value; masks and sequence lengths get none."""
+    q, k, v = inputs[0], inputs[1], inputs[2]
+    rest = list(inputs[3:]) + [None] * (7 - len(inputs))
+    attn_mask, past_key, past_value, nonpad = rest[0], rest[1], rest[2], rest[3]
+    gy = grads[0]
+    g_pk = grads[1] if len(grads) > 1 else None
+    g_pv = grads[2] if len(grads) > 2 else None
+    n_in = len(inputs)
+    if gy is None and g_pk is None and g_pv is None:
+        return (None,) * n_in
+    three_d = q.ndim == 3
+    if three_d:
+        q4, k4, v4 = _heads_4d(q, q_num_heads, "Q"), _heads_4d(k, kv_num_heads, "K"), _heads_4d(v, kv_num_heads, "V")
+    else:
+        q4, k4, v4 = q, k, v
+    wd = _work(q.dtype)
+    batch, hq, q_len, dh = q4.shape
+    hkv, dv = k4.shape[1], v4.shape[3]
+    group = hq // hkv
+    kk = k4 if past_key is None else np.concatenate([past_key, k4], axis=2)
+    vv = v4 if past_value is None else np.concatenate([past_value, v4], axis=2)
+    kv_len = kk.shape[2]
+    root = np.sqrt((1.0 / np.sqrt(dh)) if not scale else float(scale))
+    qs = q4.astype(wd) * root
+    ks = kk.astype(wd) * root
+    qg = qs.reshape(batch, hkv, group * q_len, dh)
+    raw = np.matmul(qg, np.swapaxes(ks, -1, -2)).reshape(batch, hq, q_len, kv_len)
+    offset = (np.asarray(nonpad).reshape(-1).astype(np.int64) - q_len) if nonpad is not None and past_key is None \
+        else (past_key.shape[2] if past_key is not None else 0)
+    bias = _bias(q_len, kv_len, batch, wd, attn_mask, is_causal, offset, left_window_size, right_window_size, nonpad)
+    capped = wd.type(softcap) * np.tanh(raw / wd.type(softcap)) if softcap else raw
+    z = capped if bias is None else capped + bias
+    fully = None
+    if bias is not None:
+        fully = np.isneginf(np.max(np.broadcast_to(bias, np.broadcast_shapes(np.shape(bias), (1, 1, q_len, kv_len))),
+                                   axis=-1, keepdims=True))
+    probs = _softmax_rows(z, fully)  # (B, Hq, Sq, T)
+    dq4 = dkk = None
+    dvv = np.zeros((batch, hkv, kv_len, dv), dtype=wd)
+    if gy is not None:
+        gy4 = gy.reshape(batch, q_len, hq, dv).transpose(0, 2, 1, 3) if three_d else gy
+        gy4 = gy4.astype(wd)
+        pg = probs.reshape(batch, hkv, group * q_len, kv_len)
+        gyg = gy4.reshape(batch, hkv, group * q_len, dv)
+        dvv += np.matmul(np.swapaxes(pg, -1, -2), gyg)
+        dp = np.matmul(gyg, np.swapaxes(vv.astype(wd), -1, -2)).reshape(batch, hq, q_len, kv_len)
+        dz = probs * (dp - np.sum(dp * probs, axis=-1, keepdims=True))
+        if softcap:
+            dz = dz * (1 - (capped / wd.type(softcap)) ** 2)
+        dzg = dz.reshape(batch, hkv, group * q_len, kv_len)
+        dq4 = (np.matmul(dzg, ks) * root).reshape(batch, hq, q_len, dh)
+        dkk = np.matmul(np.swapaxes(dzg, -1, -2), qg) * root
+    if g_pk is not None:
+        dkk = g_pk.astype(wd) if dkk is None else dkk + g_pk
+    if g_pv is not None:
+        dvv = dvv + g_pv
+    past_len = 0 if past_key is None else past_key.shape[2]
+    dk4 = None if dkk is None else dkk[:, :, past_len:]
+    dv4 = dvv[:, :, past_len:]
+
+    def back(a, heads):
+        if a is None:
+            return None
+        if three_d:
+            a = a.transpose(0, 2, 1, 3).reshape(batch, a.shape[2], heads * a.shape[3])
+        return a.astype(q.dtype)
+
+    out = [back(dq4, hq), back(dk4, hkv), back(dv4, hkv), None]
+    if n_in > 4:
+        out.append(None if past_key is None or dkk is None else dkk[:, :, :past_len].astype(past_key.dtype))
+    if n_in > 5:
+        out.append(None if past_value is None else dvv[:, :, :past_len].astype(past_value.dtype))
+    out += [None] * (n_in - len(out))
+    return tuple(out[:n_in])
+
+
 @register("RotaryEmbedding", dtypes=FLOAT_TYPES, since=23)
 def rotary_embedding(
     x: np.ndarray,

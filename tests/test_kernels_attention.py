@@ -260,3 +260,24 @@ def test_attention_op_equals_the_chain(causal, mask):
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     np.testing.assert_allclose(y, p @ v, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------- backward
+
+def _r(*shape):
+    return np.asarray(RNG.standard_normal(shape))
+
+
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 2), (3, 1)])
+@pytest.mark.parametrize("causal,softcap", [(0, 0.0), (1, 0.0), (0, 2.0)])
+def test_attention_backward(hq, hkv, causal, softcap):
+    inputs = [_r(2, hq, 3, 4), _r(2, hkv, 5, 4), _r(2, hkv, 5, 3), _r(3, 5)]
+    check_backward("Attention", inputs, dict(is_causal=causal, softcap=softcap, scale=0.4), opset=23,
+                   wrt=[0, 1, 2], rtol=1e-5, atol=1e-7)
+
+
+def test_attention_backward_3d_bool_mask_and_past():
+    mask = RNG.random((3, 7)) > 0.2
+    mask[:, 0] = True
+    inputs = [_r(1, 3, 2 * 4), _r(1, 5, 2 * 4), _r(1, 5, 2 * 3), mask, _r(1, 2, 2, 4), _r(1, 2, 2, 3)]
+    check_backward("Attention", inputs, dict(q_num_heads=2, kv_num_heads=2), opset=23, wrt=[0, 1, 2, 4, 5])
