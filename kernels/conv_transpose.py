@@ -316,3 +316,14 @@ def deform_conv(
     if b is not None:
         y += b.astype(wd).reshape(1, oc, 1, 1)
     return y.astype(x.dtype)
+
+
+@deform_conv.workspace
+def _(shapes, attrs):
+    """The sampled columns: N * C * prod(kernel) * prod(out), plus the four
+    corner gathers (4-byte estimate)."""
+    x, w, off = shapes[0], shapes[1], shapes[2] if len(shapes) > 2 else None
+    if x is None or w is None or off is None:
+        return 0
+    cols = int(x[0]) * int(x[1]) * int(np.prod(w[2:])) * int(np.prod(off[2:]))
+    return 4 * 2 * cols
