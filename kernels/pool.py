@@ -297,3 +297,72 @@ def _(grads, inputs, outputs):
 def global_max_pool(x: np.ndarray) -> np.ndarray:
     axes = tuple(range(2, x.ndim))
     return np.max(x, axis=axes, keepdims=True)
+
+
+@register("LpPool", dtypes=FLOAT_TYPES, since=2)
+def lp_pool(
+    x: np.ndarray,
+    *,
+    auto_pad: str = "NOTSET",
+    ceil_mode: int = 0,
+    dilations: list[int] | None = None,
+    kernel_shape: list[int] | None = None,
+    p: int = 2,
+    pads: list[int] | None = None,
+    strides: list[int] | None = None,
+) -> np.ndarray:
+    """(sum over the window of |x|^p)^(1/p); padding contributes nothing."""
+    g = pool_geometry(
+        x, kernel_shape, auto_pad=auto_pad, ceil_mode=ceil_mode,
+        dilations=dilations, pads=pads, strides=strides,
+    )
+    wd = np.float64 if x.dtype == np.float64 else np.float32
+    ax = np.abs(x.astype(wd, copy=False))
+    powed = ax * ax if p == 2 else (ax if p == 1 else np.power(ax, wd(p)))
+    xp = spatial.pad_spatial(powed, g, 0)
+    acc = np.zeros(x.shape[:2] + g.out_shape, dtype=wd)
+    for s in g.offset_slices:
+        acc += xp[s]
+    out = np.sqrt(acc) if p == 2 else (acc if p == 1 else np.power(acc, wd(1.0 / p)))
+    return out.astype(x.dtype, copy=False)
+
+
+@register("MaxUnpool", dtypes=FLOAT_TYPES, since=9)
+def max_unpool(
+    x: np.ndarray,
+    indices: np.ndarray,
+    output_shape: np.ndarray | None = None,
+    *,
+    kernel_shape: list[int] | None = None,
+    pads: list[int] | None = None,
+    strides: list[int] | None = None,
+) -> np.ndarray:
+    """Scatter x to the flat positions ``indices`` (MaxPool's second output)
+    of a zero tensor of the unpooled shape; an ``output_shape`` input gets
+    that tensor in its leading corner (as the reference and onnxruntime do)."""
+    if kernel_shape is None:
+        raise ValueError("MaxUnpool needs the kernel_shape attribute")
+    n = len(kernel_shape)
+    if x.ndim != n + 2 or indices.shape != x.shape:
+        raise ValueError(f"MaxUnpool: input {x.shape} and indices {indices.shape} must match, rank {n + 2}")
+    s = list(strides) if strides else [1] * n
+    pd = list(pads) if pads else [0] * (2 * n)
+    inferred = tuple(x.shape[:2]) + tuple(
+        (x.shape[2 + i] - 1) * s[i] - (pd[i] + pd[n + i]) + kernel_shape[i] for i in range(n)
+    )
+    total = int(np.prod(inferred))
+    idx = indices.reshape(-1).astype(np.int64)
+    if idx.size and (idx.min() < 0 or idx.max() >= total):
+        raise ValueError(f"MaxUnpool: indices must lie in [0, {total}) for the unpooled shape {list(inferred)}")
+    y = np.zeros(total, dtype=x.dtype)
+    y[idx] = x.reshape(-1)
+    y = y.reshape(inferred)
+    if output_shape is None or np.size(output_shape) == 0:
+        return y
+    shape = tuple(int(v) for v in np.asarray(output_shape).reshape(-1))
+    if len(shape) != len(inferred):
+        raise ValueError(f"MaxUnpool: output_shape {list(shape)} must have rank {len(inferred)}")
+    out = np.zeros(shape, dtype=x.dtype)
+    common = tuple(slice(0, min(a, b)) for a, b in zip(shape, inferred))
+    out[common] = y[common]
+    return out

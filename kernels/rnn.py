@@ -1,0 +1,424 @@
+"""Recurrent layers: LSTM, GRU and RNN (forward, reverse, bidirectional;
+sequence_lens, initial states, peepholes, clip, activation lists with
+alpha/beta, layout 0 and 1, all outputs).
+
+Per direction the input projection ``X @ W^T + Wb`` is one matmul over all
+time steps; only the recurrence ``H @ R^T`` runs in a Python loop over time,
+on the whole batch at once. Variable ``sequence_lens`` are handled without
+per-sample loops: a reverse direction first reverses each sample within its
+own length (one gather), every direction then runs forward and freezes the
+state of samples whose sequence has ended (outputs past the end are 0, as
+the spec and onnxruntime have it).
+
+float16 runs in float32 and converts back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._nn import OpError, text
+from .registry import FLOAT_TYPES, register
+
+
+def _sigmoid(x):
+    # exp(-x) may overflow to inf for very negative x: 1 / inf = 0 is right
+    # (the time loop runs under np.errstate(over="ignore"))
+    e = np.exp(-x)
+    e += 1
+    return np.reciprocal(e, out=e)
+
+
+def _sigmoid_(x):
+    """In place on a view."""
+    np.negative(x, out=x)
+    np.exp(x, out=x)
+    x += 1
+    return np.reciprocal(x, out=x)
+
+
+def _act(name: str, alpha, beta):
+    n = name.lower()
+    if n == "sigmoid":
+        return _sigmoid
+    if n == "tanh":
+        return np.tanh
+    if n == "relu":
+        return lambda x: np.maximum(x, 0)
+    if n == "affine":
+        return lambda x: alpha * x + beta
+    if n == "leakyrelu":
+        return lambda x: np.where(x >= 0, x, alpha * x)
+    if n == "thresholdedrelu":
+        return lambda x: np.where(x > alpha, x, 0)
+    if n == "scaledtanh":
+        return lambda x: alpha * np.tanh(beta * x)
+    if n == "hardsigmoid":
+        return lambda x: np.clip(alpha * x + beta, 0, 1)
+    if n == "elu":
+        return lambda x: np.where(x >= 0, x, alpha * (np.exp(np.minimum(x, 0)) - 1))
+    if n == "softsign":
+        return lambda x: x / (1 + np.abs(x))
+    if n == "softplus":
+        return lambda x: np.logaddexp(x, 0)
+    raise OpError(f"recurrent op: activation {name!r} is not an ONNX RNN activation")
+
+
+# (uses alpha, uses beta, default alpha, default beta)
+_PARAMS = {
+    "affine": (True, True, 1.0, 0.0), "leakyrelu": (True, False, 0.01, 0.0),
+    "thresholdedrelu": (True, False, 1.0, 0.0), "scaledtanh": (True, True, 1.0, 1.0),
+    "hardsigmoid": (True, True, 0.2, 0.5), "elu": (True, False, 1.0, 0.0),
+}
+
+
+def _activations(op: str, names, alphas, betas, per_dir: tuple[str, ...], n_dirs: int):
+    """One tuple of callables per direction; alpha/beta values are consumed in
+    order by the activations that take them (onnxruntime's rule)."""
+    names = [text(n) for n in names] if names else list(per_dir) * n_dirs
+    if len(names) == len(per_dir) and n_dirs == 2:
+        names = names * 2
+    if len(names) != len(per_dir) * n_dirs:
+        raise OpError(
+            f"{op}: {len(names)} activations given; {n_dirs} direction(s) need {len(per_dir) * n_dirs} "
+            f"({len(per_dir)} each)"
+        )
+    al, be = list(alphas or ()), list(betas or ())
+    fns = []
+    for nm in names:
+        ua, ub, da, db = _PARAMS.get(nm.lower(), (False, False, 0.0, 0.0))
+        a = al.pop(0) if ua and al else da
+        b = be.pop(0) if ub and be else db
+        fns.append(_act(nm, a, b))
+    k = len(per_dir)
+    return [tuple(fns[d * k:(d + 1) * k]) for d in range(n_dirs)]
+
+
+def _setup(op, x, w, r, b, sequence_lens, initial_h, direction, layout, hidden_size, n_gates):
+    d = text(direction, "forward")
+    if d not in ("forward", "reverse", "bidirectional"):
+        raise OpError(f"{op}: direction={d!r} is not forward, reverse or bidirectional")
+    n_dirs = 2 if d == "bidirectional" else 1
+    if x.ndim != 3 or w.ndim != 3 or r.ndim != 3:
+        raise OpError(f"{op}: X, W and R must be rank 3, got shapes {x.shape}, {w.shape}, {r.shape}")
+    if layout:
+        x = np.swapaxes(x, 0, 1)
+        if initial_h is not None:
+            initial_h = np.swapaxes(initial_h, 0, 1)
+    seq, batch, _ = x.shape
+    hs = r.shape[-1]
+    if hidden_size is not None and int(hidden_size) != hs:
+        raise OpError(f"{op}: hidden_size={hidden_size} but R has shape {r.shape}")
+    if w.shape[0] != n_dirs or w.shape[1] != n_gates * hs or w.shape[2] != x.shape[2] or r.shape != (n_dirs, n_gates * hs, hs):
+        raise OpError(
+            f"{op}: with direction={d!r} and hidden size {hs}, W must be ({n_dirs}, {n_gates * hs}, {x.shape[2]}) "
+            f"and R ({n_dirs}, {n_gates * hs}, {hs}); got {w.shape} and {r.shape}"
+        )
+    if b is not None and b.shape != (n_dirs, 2 * n_gates * hs):
+        raise OpError(f"{op}: B must be ({n_dirs}, {2 * n_gates * hs}), got {b.shape}")
+    lens = None
+    if sequence_lens is not None:
+        lens = np.asarray(sequence_lens).reshape(-1).astype(np.int64)
+        if lens.shape != (batch,) or np.any(lens < 0) or np.any(lens > seq):
+            raise OpError(f"{op}: sequence_lens {lens.tolist()} must hold {batch} lengths in 0..{seq}")
+        if np.all(lens == seq):
+            lens = None
+    return d, n_dirs, x, initial_h, seq, batch, hs, lens
+
+
+def _split2(a, n):
+    return a[:, :n], a[:, n:]
+
+
+def _work(x):
+    return np.float64 if x.dtype == np.float64 else np.float32
+
+
+def _time_index(seq: int, batch: int, lens, reverse: bool):
+    """(seq, batch) source step of every processed step, or None for the identity."""
+    if not reverse:
+        return None
+    steps = np.arange(seq)[:, None]
+    if lens is None:
+        return np.broadcast_to(seq - 1 - steps, (seq, batch))
+    return np.where(steps < lens[None, :], lens[None, :] - 1 - steps, steps)
+
+
+def _gather_time(a: np.ndarray, idx):
+    if idx is None:
+        return a
+    return a[idx, np.arange(a.shape[1])[None, :]]
+
+
+def _project(x, w, b_w, wd):
+    """X @ W^T + Wb for all steps: (seq, batch, G*H)."""
+    seq, batch, n_in = x.shape
+    # one 2-d GEMM (a 3-d @ 2-d matmul would loop over the leading axis)
+    xp = np.matmul(x.astype(wd, copy=False).reshape(seq * batch, n_in), w.T.astype(wd, copy=False))
+    xp = xp.reshape(seq, batch, -1)
+    if b_w is not None:
+        xp += b_w.astype(wd, copy=False)
+    return xp
+
+
+def _run_directions(step_fn, n_dirs, direction, xproj, lens, seq, batch, states):
+    """Run ``step_fn(d, t, xp_t, state) -> (h_out, new_state)`` for every
+    direction over time; returns Y (seq, dirs, batch, H) and final states."""
+    ys, finals = [], []
+    for d in range(n_dirs):
+        reverse = direction == "reverse" or (direction == "bidirectional" and d == 1)
+        idx = _time_index(seq, batch, lens, reverse)
+        xp = _gather_time(xproj[d], idx)
+        state = states[d]
+        y = np.empty((seq, batch, state[0].shape[-1]), dtype=state[0].dtype)
+        with np.errstate(over="ignore"):
+            for t in range(seq):
+                h, new = step_fn(d, xp[t], state)
+                if lens is not None:
+                    alive = (t < lens)[:, None]
+                    h = np.where(alive, h, 0)
+                    new = tuple(np.where(alive, n, s) for n, s in zip(new, state))
+                y[t] = h
+                state = new
+        if idx is not None:
+            inv = np.empty_like(y)
+            inv[idx, np.arange(batch)[None, :]] = y
+            y = inv
+        if lens is not None and np.any(lens == 0):
+            # onnxruntime: a sample with no steps ends in zero states, not its initial ones
+            empty = (lens == 0)[:, None]
+            state = tuple(np.where(empty, 0, s) for s in state)
+        ys.append(y)
+        finals.append(state)
+    return np.stack(ys, axis=1), finals
+
+
+def _outputs(y, finals, layout, dtype, n_outputs, n_states):
+    res = [y]
+    for k in range(n_states):
+        res.append(np.stack([f[k] for f in finals]))
+    if layout:
+        res[0] = np.transpose(res[0], (2, 0, 1, 3))
+        res[1:] = [np.swapaxes(s, 0, 1) for s in res[1:]]
+    res = [np.ascontiguousarray(a, dtype=dtype) for a in res]
+    return tuple(res[:n_outputs]) if n_outputs > 1 else res[0]
+
+
+def _initial(init, n_dirs, batch, hs, wd, name, op):
+    if init is None:
+        return np.zeros((n_dirs, batch, hs), dtype=wd)
+    if init.shape != (n_dirs, batch, hs):
+        raise OpError(f"{op}: {name} must be ({n_dirs}, {batch}, {hs}) (layout 0), got {init.shape}")
+    return init.astype(wd)
+
+
+def _clipper(clip):
+    if clip is None:
+        return lambda v: v
+    c = float(clip)
+    return lambda v: np.clip(v, -c, c)
+
+
+@register("LSTM", dtypes=FLOAT_TYPES, since=7)
+def lstm(
+    x: np.ndarray,
+    w: np.ndarray,
+    r: np.ndarray,
+    b: np.ndarray | None = None,
+    sequence_lens: np.ndarray | None = None,
+    initial_h: np.ndarray | None = None,
+    initial_c: np.ndarray | None = None,
+    p: np.ndarray | None = None,
+    *,
+    activation_alpha=None,
+    activation_beta=None,
+    activations=None,
+    clip: float | None = None,
+    direction: str = "forward",
+    hidden_size: int | None = None,
+    input_forget: int = 0,
+    layout: int = 0,
+    n_outputs: int = 3,
+):
+    """Gates i, o, f, c; peepholes i, o, f. Outputs Y, Y_h, Y_c."""
+    if layout and initial_c is not None:
+        initial_c = np.swapaxes(initial_c, 0, 1)
+    d, n_dirs, x, initial_h, seq, batch, hs, lens = _setup(
+        "LSTM", x, w, r, b, sequence_lens, initial_h, direction, layout, hidden_size, 4)
+    wd = _work(x)
+    acts = _activations("LSTM", activations, activation_alpha, activation_beta, ("Sigmoid", "Tanh", "Tanh"), n_dirs)
+    cl = _clipper(clip)
+    h0 = _initial(initial_h, n_dirs, batch, hs, wd, "initial_h", "LSTM")
+    c0 = _initial(initial_c, n_dirs, batch, hs, wd, "initial_c", "LSTM")
+    if p is not None and p.shape != (n_dirs, 3 * hs):
+        raise OpError(f"LSTM: P must be ({n_dirs}, {3 * hs}), got {p.shape}")
+    xproj, rt, peep = [], [], []
+    for k in range(n_dirs):
+        bw = None if b is None else b[k, : 4 * hs] + b[k, 4 * hs:]
+        xproj.append(_project(x, w[k], bw, wd))
+        rt.append(np.ascontiguousarray(r[k].T, dtype=wd))
+        peep.append(None if p is None else p[k].astype(wd).reshape(3, hs))
+
+    plain = [a[0] is _sigmoid and a[1] is np.tanh and a[2] is np.tanh for a in acts]
+    fast = clip is None and p is None and not input_forget
+
+    def step(k, xp_t, state):
+        h, c = state
+        gates = np.matmul(h, rt[k])
+        gates += xp_t
+        if fast and plain[k]:
+            sig = _sigmoid_(gates[:, : 3 * hs])  # i, o, f at once
+            c_new = sig[:, 2 * hs:] * c
+            c_new += sig[:, :hs] * np.tanh(gates[:, 3 * hs:])
+            h_new = np.tanh(c_new)
+            h_new *= sig[:, hs:2 * hs]
+            return h_new, (h_new, c_new)
+        f_act, g_act, h_act = acts[k]
+        gi, go, gf, gc = gates[:, :hs], gates[:, hs:2 * hs], gates[:, 2 * hs:3 * hs], gates[:, 3 * hs:]
+        if peep[k] is not None:
+            gi = gi + peep[k][0] * c
+            gf = gf + peep[k][2] * c
+        i = f_act(cl(gi))
+        f = 1 - i if input_forget else f_act(cl(gf))
+        c_new = f * c + i * g_act(cl(gc))
+        if peep[k] is not None:
+            go = go + peep[k][1] * c_new
+        o = f_act(cl(go))
+        h_new = o * h_act(c_new)
+        return h_new, (h_new, c_new)
+
+    y, finals = _run_directions(step, n_dirs, d, xproj, lens, seq, batch, [(h0[k], c0[k]) for k in range(n_dirs)])
+    return _outputs(y, finals, layout, x.dtype, n_outputs, 2)
+
+
+@lstm.workspace
+def _(shapes, attrs):
+    x, w = shapes[0], shapes[1]
+    if x is None or w is None:
+        return 0
+    seq, batch = (x[1], x[0]) if attrs.get("layout") else (x[0], x[1])
+    return 4 * int(seq) * int(batch) * int(w[0]) * int(w[1])  # the input projection
+
+
+@register("GRU", dtypes=FLOAT_TYPES, since=7)
+def gru(
+    x: np.ndarray,
+    w: np.ndarray,
+    r: np.ndarray,
+    b: np.ndarray | None = None,
+    sequence_lens: np.ndarray | None = None,
+    initial_h: np.ndarray | None = None,
+    *,
+    activation_alpha=None,
+    activation_beta=None,
+    activations=None,
+    clip: float | None = None,
+    direction: str = "forward",
+    hidden_size: int | None = None,
+    layout: int = 0,
+    linear_before_reset: int = 0,
+    n_outputs: int = 2,
+):
+    """Gates z, r, h. Outputs Y, Y_h."""
+    d, n_dirs, x, initial_h, seq, batch, hs, lens = _setup(
+        "GRU", x, w, r, b, sequence_lens, initial_h, direction, layout, hidden_size, 3)
+    wd = _work(x)
+    acts = _activations("GRU", activations, activation_alpha, activation_beta, ("Sigmoid", "Tanh"), n_dirs)
+    cl = _clipper(clip)
+    h0 = _initial(initial_h, n_dirs, batch, hs, wd, "initial_h", "GRU")
+    xproj, rt_zr, rt_zr_2, rt_h, rb = [], [], [], [], []
+    fast = [clip is None and a[0] is _sigmoid and a[1] is np.tanh for a in acts]
+    for k in range(n_dirs):
+        bw = None if b is None else b[k, : 3 * hs].astype(wd)
+        br = np.zeros(3 * hs, wd) if b is None else b[k, 3 * hs:].astype(wd)
+        if not linear_before_reset:  # Rb of z and r can join Wb; Rb of h stays inside
+            bw = (np.zeros(3 * hs, wd) if bw is None else bw) + np.concatenate([br[: 2 * hs], np.zeros(hs, wd)])
+        xproj.append(_project(x, w[k], bw, wd))
+        rt_zr.append(np.ascontiguousarray(r[k].T, dtype=wd))  # (H, 3H)
+        rt_zr_2.append(np.ascontiguousarray(r[k, : 2 * hs].T, dtype=wd))  # (H, 2H)
+        rt_h.append(np.ascontiguousarray(r[k, 2 * hs:].T, dtype=wd))
+        rb.append(br)
+
+    def step(k, xp_t, state):
+        (h,) = state
+        f_act, g_act = acts[k]
+        if linear_before_reset:
+            hr = np.matmul(h, rt_zr[k])  # (B, 3H)
+            hr += rb[k]
+            zr = hr[:, : 2 * hs]
+            zr += xp_t[:, : 2 * hs]
+            if fast[k]:
+                z, rr = _split2(_sigmoid_(zr), hs)
+            else:
+                z, rr = _split2(f_act(cl(zr)), hs)
+            pre = rr * hr[:, 2 * hs:]
+            pre += xp_t[:, 2 * hs:]
+        else:
+            zr = np.matmul(h, rt_zr_2[k])
+            zr += xp_t[:, : 2 * hs]
+            if fast[k]:
+                z, rr = _split2(_sigmoid_(zr), hs)
+            else:
+                z, rr = _split2(f_act(cl(zr)), hs)
+            pre = np.matmul(rr * h, rt_h[k])
+            pre += xp_t[:, 2 * hs:]
+            pre += rb[k][2 * hs:]
+        hh = np.tanh(pre, out=pre) if fast[k] else g_act(cl(pre))
+        # (1 - z) * hh + z * h = hh + z * (h - hh)
+        h_new = h - hh
+        h_new *= z
+        h_new += hh
+        return h_new, (h_new,)
+
+    y, finals = _run_directions(step, n_dirs, d, xproj, lens, seq, batch, [(h0[k],) for k in range(n_dirs)])
+    return _outputs(y, finals, layout, x.dtype, n_outputs, 1)
+
+
+@gru.workspace
+def _(shapes, attrs):
+    return lstm.workspace_fn(shapes, attrs)
+
+
+@register("RNN", dtypes=FLOAT_TYPES, since=7)
+def rnn(
+    x: np.ndarray,
+    w: np.ndarray,
+    r: np.ndarray,
+    b: np.ndarray | None = None,
+    sequence_lens: np.ndarray | None = None,
+    initial_h: np.ndarray | None = None,
+    *,
+    activation_alpha=None,
+    activation_beta=None,
+    activations=None,
+    clip: float | None = None,
+    direction: str = "forward",
+    hidden_size: int | None = None,
+    layout: int = 0,
+    n_outputs: int = 2,
+):
+    """H = f(X W^T + H R^T + Wb + Rb). Outputs Y, Y_h."""
+    d, n_dirs, x, initial_h, seq, batch, hs, lens = _setup(
+        "RNN", x, w, r, b, sequence_lens, initial_h, direction, layout, hidden_size, 1)
+    wd = _work(x)
+    acts = _activations("RNN", activations, activation_alpha, activation_beta, ("Tanh",), n_dirs)
+    cl = _clipper(clip)
+    h0 = _initial(initial_h, n_dirs, batch, hs, wd, "initial_h", "RNN")
+    xproj, rt = [], []
+    for k in range(n_dirs):
+        bw = None if b is None else b[k, :hs] + b[k, hs:]
+        xproj.append(_project(x, w[k], bw, wd))
+        rt.append(np.ascontiguousarray(r[k].T, dtype=wd))
+
+    def step(k, xp_t, state):
+        (h,) = state
+        h_new = acts[k][0](cl(xp_t + h @ rt[k]))
+        return h_new, (h_new,)
+
+    y, finals = _run_directions(step, n_dirs, d, xproj, lens, seq, batch, [(h0[k],) for k in range(n_dirs)])
+    return _outputs(y, finals, layout, x.dtype, n_outputs, 1)
+
+
+@rnn.workspace
+def _(shapes, attrs):
+    return lstm.workspace_fn(shapes, attrs)

@@ -1,0 +1,52 @@
+"""Conv's im2col-free plans (stride-1 2-d: depthwise, few output channels,
+large images) give what the im2col path gives, over a grid of shapes."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from edgeflow.kernels import get_kernel
+from edgeflow.kernels.conv import _conv2d_shifted, _conv_columns, conv_geometry
+
+RNG = np.random.default_rng(41)
+GRID = list(itertools.product(
+    [(8, 8, 8), (8, 3, 1), (32, 40, 1), (16, 4, 1), (3, 16, 1), (6, 6, 2)],  # (C, M, group)
+    [(3, 3), (1, 3), (5, 5), (2, 2)],
+    [(0, 0, 0, 0), (1, 1, 1, 1), (2, 0, 1, 3)],
+    [(1, 1), (2, 1)],
+    [(2, (7, 9)), (1, (36, 40))],
+))
+
+
+@pytest.mark.parametrize("cmg,kernel,pads,dil,nhw", GRID, ids=str)
+def test_plans_match_im2col(cmg, kernel, pads, dil, nhw):
+    c, m, group = cmg
+    n, hw = nhw
+    x = RNG.standard_normal((n, c) + hw).astype(np.float32)
+    w = RNG.standard_normal((m, c // group) + kernel).astype(np.float32)
+    b = RNG.standard_normal(m).astype(np.float32)
+    attrs = dict(auto_pad="NOTSET", dilations=dil, kernel_shape=None, pads=pads, strides=None)
+    ref = _conv_columns(x, w, b, group, attrs)[0]
+    got = get_kernel("Conv", opset=13)(x, w, b, group=group, dilations=dil, pads=pads)
+    assert got.shape == ref.shape and got.flags.c_contiguous
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_the_plans_are_taken():
+    """Depthwise, few-output-channel and large-image convolutions skip im2col; a
+    strided one and a small grouped one do not."""
+    def plan(x_shape, w_shape, group=1, strides=None):
+        x = np.zeros(x_shape, np.float32)
+        w = np.zeros(w_shape, np.float32)
+        g = conv_geometry(x.shape, w.shape, pads=(1, 1, 1, 1), strides=strides)
+        return _conv2d_shifted(x, w, group, g) is not None
+
+    assert plan((1, 16, 20, 20), (16, 1, 3, 3), group=16)
+    assert plan((1, 96, 12, 16), (24, 96, 3, 3))
+    assert plan((1, 32, 40, 40), (32, 32, 3, 3))
+    assert not plan((1, 32, 40, 40), (32, 32, 3, 3), strides=(2, 2))
+    assert not plan((1, 8, 6, 6), (8, 4, 3, 3), group=2)
+    assert not plan((1, 32, 8, 8), (64, 32, 3, 3))
