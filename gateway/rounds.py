@@ -69,6 +69,7 @@ from .strategies import make_aggregator
 log = logging.getLogger("edgeflow.gateway.rounds")
 
 GATEWAY_ID = "gateway"
+_ROBUST_METRICS = ("clipped", "capped", "norm_bound", "sample_cap", "median_norm", "median_samples")
 
 
 @dataclass(frozen=True)
@@ -770,7 +771,7 @@ class RoundManager:
                 mean_client_loss=float(np.mean(self._losses)) if self._losses else None,
                 accuracy=acc, eval_loss=eval_loss,
                 extra={k: float(v) for k, v in (result.metrics.items() if result else ())
-                       if k.startswith("dp_")},
+                       if k.startswith("dp_") or k in _ROBUST_METRICS},
             )
         return m
 
