@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from edgeflow.errors import StateError
+from edgeflow.faults import fault_point
 
 SCHEMA_VERSION = 1
 MAX_SEQ = (1 << 63) - 1
@@ -196,7 +197,7 @@ class GatewayStore:
                 self.created = True
             elif row[0] != str(SCHEMA_VERSION):
                 raise StateError(
-                    f"{self.path}: gateway state has schema {row[0]!r}, this edgeflow expects "
+                    f"{self.path}: gateway state has schema {row[0]}, this edgeflow expects "
                     f"{SCHEMA_VERSION}; use a fresh --state file or migrate"
                 )
             if existed and check:
@@ -271,6 +272,7 @@ class GatewayStore:
                 )
             db.execute("UPDATE rounds SET state=?, metrics=? WHERE round_id=?", (state, json.dumps(metrics), round_id))
             db.execute("DELETE FROM round_updates WHERE round_id=?", (round_id,))
+            fault_point("store.finish_round")
         return None if version is None else int(version)
 
     def model_for_round(self, round_id: int) -> int | None:
@@ -278,6 +280,11 @@ class GatewayStore:
         with self._lock:
             row = self._db.execute("SELECT MAX(version) FROM models WHERE round_id=?", (round_id,)).fetchone()
         return None if row is None or row[0] is None else int(row[0])
+
+    def latest_version(self) -> int:
+        """The newest model version (0 when there is none)."""
+        with self._lock:
+            return int(self._db.execute("SELECT COALESCE(MAX(version), 0) FROM models").fetchone()[0])
 
     def latest_model(self) -> tuple[int, bytes, str] | None:
         with self._lock:
@@ -365,6 +372,12 @@ class GatewayStore:
         with self._tx() as db:
             db.execute("INSERT INTO update_seqs (device_id, max_seq) VALUES (?, ?) ON CONFLICT(device_id) DO UPDATE "
                        "SET max_seq=MAX(max_seq, excluded.max_seq)", (device_id, seq))
+
+    def seq_floor(self, device_id: str) -> int | None:
+        """The newest seq accepted from ``device_id`` (None: nothing yet)."""
+        with self._lock:
+            row = self._db.execute("SELECT max_seq FROM update_seqs WHERE device_id=?", (device_id,)).fetchone()
+        return None if row is None else int(row[0])
 
     def seq_floors(self) -> dict[str, int]:
         """{device: newest accepted seq}: what a restarted gateway refuses as replays."""
