@@ -465,7 +465,7 @@ class RoundManager:
                                      f"round {ann.round_id} announcement ({ann.state})")
 
     def publish_reliably(self, topic: str, payload: bytes, what: str, *, retain: bool = True,
-                         until: float | None = None) -> bool:
+                         until: float | None = None, transport: Any = None) -> bool:
         """Publish at QoS 1 and wait until the broker acknowledged it, however long that takes.
 
         A broker that stalls (or a connection flooded by others) must not kill the
@@ -474,7 +474,9 @@ class RoundManager:
         reconnect); a publish that *failed* (dropped, not just slow) is published again
         with exponential backoff. Returns True once acknowledged; False when
         :meth:`stop` is called or the absolute time ``until`` passes first.
+        ``transport`` (default: the manager's) is where to publish (a site's uplink).
         """
+        transport = self.transport if transport is None else transport
         backoff = Backoff(1.0, 30.0)
         t0 = time.monotonic()
         step = self.config.publish_timeout_s
@@ -483,7 +485,7 @@ class RoundManager:
         while True:
             if delivery is None:
                 try:
-                    delivery = self.transport.publish(topic, payload, qos=1, retain=retain)
+                    delivery = transport.publish(topic, payload, qos=1, retain=retain)
                 except TransportError as exc:
                     delay = backoff.next()
                     log.warning("cannot queue %s (%s); trying again in %.1f s", what, exc, delay)
@@ -715,13 +717,14 @@ class RoundManager:
             self._dense_bytes = 0
 
     def run_round(self, *, round_id: int | None = None, deadline: float | None = None,
-                  train: TrainConfig | None = None) -> RoundMetrics | None:
+                  train: TrainConfig | None = None, nonce: str | None = None) -> RoundMetrics | None:
         """Select, announce, collect, aggregate one synchronous round.
 
         A site gateway passes the root's ``round_id``, an absolute ``deadline``
         that leaves time to forward its partial, and the root's ``train``
         settings: the root's round drives the site's. Otherwise the round id
-        follows the store's and the configured settings apply.
+        follows the store's and the configured settings apply. ``nonce``: the root
+        round's (a site's devices and partial then answer the root's round).
         """
         cfg = self.config
         pool = self._wait_for_pool()
@@ -737,7 +740,7 @@ class RoundManager:
             round_id=round_id, model_version=self.version,
             deadline=time.time() + cfg.deadline_s if deadline is None else deadline,
             selected=tuple(selected), config=train, issued=time.time(), epoch=self.epoch,
-            nonce=secrets.token_hex(8),
+            nonce=nonce or secrets.token_hex(8),
         )
         self._begin(ann)
         bounds = getattr(self._agg, "round_bounds", None)
@@ -934,8 +937,8 @@ class RoundManager:
     def _sa_broadcast(self, frame: bytes) -> None:
         from edgeflow.federated import secure
 
-        self.transport.publish(str(gateway_topic(self.fleet, "secagg")), secure.seal(frame, self.fleet_key),
-                               qos=1).wait(30)
+        self.publish_reliably(str(gateway_topic(self.fleet, "secagg")), secure.seal(frame, self.fleet_key),
+                              "secure-aggregation broadcast", retain=False, until=time.time() + 60.0)
 
     def _secure_round(self, ann: RoundAnnouncement, t_start: float) -> RoundMetrics:
         """Bonawitz et al. over MQTT; the aggregator only ever receives the unmasked sum."""

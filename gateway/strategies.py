@@ -58,6 +58,8 @@ __all__ = [
     "ServerYogi",
     "TrimmedMean",
     "available_aggregators",
+    "bounded_mean",
+    "bounded_weights",
     "coordinate_median",
     "krum_scores",
     "krum_select",
@@ -84,6 +86,31 @@ def weighted_average(updates: Sequence[Weights], weights: Sequence[float]) -> di
     if not total > 0:
         raise AggregationError(f"weights must sum to > 0, got {total}")
     return {name: sum(np.asarray(u[name], dtype=np.float64) * w for u, w in zip(updates, weights)) / total
+            for name in updates[0]}
+
+
+def bounded_weights(norms: Sequence[float], samples: Sequence[int], norm_bound: float | None,
+                    sample_cap: float | None) -> tuple[np.ndarray, np.ndarray]:
+    """FedAvg's default rule as arrays: (weight_i, counted_i) with counted_i = min(n_i, cap)
+    and weight_i = counted_i * min(1, bound / norm_i); None turns a bound off."""
+    n = np.asarray(samples, dtype=np.float64)
+    if sample_cap is not None:
+        n = np.minimum(n, float(sample_cap))
+    norms_ = np.asarray(norms, dtype=np.float64)
+    factor = np.ones_like(norms_)
+    if norm_bound is not None:
+        over = norms_ > norm_bound
+        factor[over] = np.where(norms_[over] > 0, norm_bound / np.where(norms_[over] > 0, norms_[over], 1.0), 0.0)
+    return n * factor, n
+
+
+def bounded_mean(updates: Sequence[Weights], samples: Sequence[int], norm_bound: float | None,
+                 sample_cap: float | None) -> dict[str, np.ndarray]:
+    """The default FedAvg step for given bounds: sum_i w_i d_i / sum_i counted_i (reference; holds all)."""
+    norms = [global_norm(u) for u in updates]
+    w, counted = bounded_weights(norms, samples, norm_bound, sample_cap)
+    total = float(counted.sum())
+    return {name: sum(np.asarray(u[name], dtype=np.float64) * wi for u, wi in zip(updates, w)) / total
             for name in updates[0]}
 
 
@@ -528,7 +555,8 @@ class FedAvg(Aggregator):
             bound = float(self.clip)
         cap = None if self.sample_cap is None else float(self.sample_cap)
         if self.sample_multiplier is not None and median_samples is not None:
-            cap = min(cap if cap is not None else math.inf, self.sample_multiplier * max(1.0, median_samples))
+            scaled = float(max(1, math.floor(self.sample_multiplier * max(1.0, median_samples))))
+            cap = scaled if cap is None else min(cap, scaled)  # whole samples: partial sums stay integers
         self._norm_bound, self._count_cap, self._bounds_set = bound, cap, True
 
     def _fold_checked(self, update: Weights, num_samples: int, staleness_weight: float,
@@ -657,13 +685,18 @@ class FedAvg(Aggregator):
         self._num_staged = 0
         self._staged_empty = True  # the next update overwrites the staging sums
 
-    def add_partial(self, weighted_sum: Weights, total_samples: int, num_clients: int, client_id: str = "") -> None:
+    def add_partial(self, weighted_sum: Weights, total_samples: int, num_clients: int, client_id: str = "", *,
+                    norms: Sequence[float] = (), claims: Sequence[int] = (), clipped: int = 0,
+                    capped: int = 0) -> None:
         """Fold in ``sum_i n_i d_i`` over ``num_clients`` clients whose ``sum_i n_i`` is ``total_samples``.
 
         For hierarchical gateways and the output of secure aggregation (which
         reveals only the sum). The sum's own arithmetic was done elsewhere;
         here it is validated like an update and added to the accumulator.
         Not available with central DP (clipping needs each client's delta).
+        ``norms``/``claims``/``clipped``/``capped``: the raw norms and claims of the
+        updates inside a sum that was formed with this round's bounds (ingestion
+        workers), so the next round's reference covers them too.
         """
         self._require_open("add_partial")
         if self.privacy is not None:
@@ -688,6 +721,10 @@ class FedAvg(Aggregator):
             self._denom += num_clients
         self._weight_sum += total if self.weighted else num_clients
         self._counted += total
+        self._norms.extend(float(x) for x in norms)
+        self._claims.extend(int(x) for x in claims)
+        self._clipped += int(clipped)
+        self._capped += int(capped)
         self._client_ids.append(client_id)
         self._num_clients += int(num_clients)
         self._total_samples += total
