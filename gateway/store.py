@@ -179,7 +179,7 @@ class GatewayStore:
                 problems = [r[0] for r in self._db.execute("PRAGMA quick_check(5)").fetchall()]
                 if problems != ["ok"]:
                     raise StateError(f"gateway state {self.path} is damaged (SQLite quick_check: "
-                                     f"{'; '.join(str(p) for p in problems)[:300]}): {RECOVERY}")
+                                     f"{'; '.join(' '.join(str(p).split()) for p in problems)[:300]}): {RECOVERY}")
             if self.path != ":memory:":
                 self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
