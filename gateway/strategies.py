@@ -362,7 +362,11 @@ CLIP_MULTIPLIER = 1.5
 """Default adaptive norm bound: updates are clipped to this many times the reference median norm."""
 SAMPLE_MULTIPLIER = 3.0
 """Default sample-count cap: a claim counts for at most this many times the reference median claim."""
-_OFF = (None, False, "off", "none")
+
+
+def _off(value: object) -> bool:
+    """None, False, "off" or "none" (0 is not off: it is a bad bound)."""
+    return value is None or value is False or (isinstance(value, str) and value.lower() in ("off", "none"))
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -448,7 +452,7 @@ class FedAvg(Aggregator):
             raise ConfigError(f"privacy must be a CentralDP, got {type(privacy).__name__}")
         if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
             raise ConfigError(f"stage must be an int >= 0 (0 = fold exactly in float64), got {stage!r}")
-        if clip in _OFF:
+        if _off(clip):
             self.clip: str | float | None = None
         elif clip == "adaptive":
             self.clip = "adaptive"
@@ -457,7 +461,7 @@ class FedAvg(Aggregator):
         else:
             raise ConfigError(f"clip must be 'adaptive', a bound > 0 or 'off', got {clip!r}")
         self.clip_multiplier = _positive("clip_multiplier", clip_multiplier)
-        self.sample_multiplier = None if sample_multiplier in _OFF else _positive("sample_multiplier",
+        self.sample_multiplier = None if _off(sample_multiplier) else _positive("sample_multiplier",
                                                                                    sample_multiplier)
         if sample_cap is not None and (isinstance(sample_cap, bool) or not isinstance(sample_cap, int)
                                        or sample_cap < 1):
