@@ -887,6 +887,15 @@ class RoundManager:
 
     # -- secure aggregation -------------------------------------------------------
     def _on_secagg(self, msg: Any) -> None:
+        try:
+            self._handle_secagg(msg)
+        except Exception:  # noqa: BLE001 - one message must never take the transport's worker thread down
+            with self._lock:
+                self._count("rejected_internal")
+            log.exception("secagg frame on %s dropped after an unexpected failure (a bug: please report it)",
+                          msg.topic)
+
+    def _handle_secagg(self, msg: Any) -> None:
         from edgeflow.federated import secure
 
         from .secagg import AdvertiseKeys, MaskedInput, SecAggError, ShareKeys, UnmaskResponse

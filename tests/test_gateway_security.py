@@ -488,6 +488,13 @@ def test_deep_json_and_huge_numbers_are_refused_cleanly():
         peek_update(envelope(s, 1, 1, dense_sections({"w": np.zeros(2, np.float32)}),
                              metadata_json=b"[" * 30000 + b"]" * 30000))  # 30,000 deep, under the 64 KiB cap
     assert e.value.reason == "malformed"
+    # a (device-signed) secure-aggregation frame with a deep JSON header
+    from edgeflow.gateway.secagg import SecAggError
+    from edgeflow.gateway.secagg_wire import _HEAD, _MAGIC, _VERSION, decode_message
+
+    head = b"[" * 3000 + b"]" * 3000
+    with pytest.raises(SecAggError, match="not JSON"):
+        decode_message(_HEAD.pack(_MAGIC, _VERSION, 1, len(head)) + head)
 
 
 def test_hostile_json_on_the_update_topic_is_counted_not_a_traceback(mosquitto_factory, tmp_path, caplog):  # noqa: F811
