@@ -594,6 +594,14 @@ class IngestWorker:
 
     # -- the handler (transport worker thread; PUBACK goes out when it returns) --------
     def on_update(self, msg: Any) -> None:
+        try:
+            self._on_update(msg)
+        except Exception:  # noqa: BLE001 - one message must never take the transport's worker thread down
+            self.stats["rejected"] += 1
+            log.exception("worker %s: update on %s dropped after an unexpected failure (a bug: please report it)",
+                          self.cfg.name, msg.topic)
+
+    def _on_update(self, msg: Any) -> None:
         self.stats["received"] += 1
         info = parse_topic(msg.topic)
         sender = info.device if info else None
