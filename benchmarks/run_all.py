@@ -12,7 +12,8 @@ turns the figures into one table where every figure is a *ratio against its
 peer measured in the same run* (onnxruntime for inference, real models and int8, PyTorch
 for training, Flower for aggregation, the dense envelope for codecs, the
 offered load for the fleet, the 10-device round and the flat gateway for
-round scaling), with its target and whether it was met. Absolute figures are
+round scaling, unbounded FedAvg on the same seeds for the default norm
+bound), with its target and whether it was met. Absolute figures are
 kept beside the ratios: they depend on the machine, which RESULTS.md
 describes; the ratios travel better.
 
@@ -223,6 +224,28 @@ def fig_real_models(d: dict) -> list[Figure]:
                       "", "", s["median_ratio"], "<= 2.0 (every model)", s["median_met"]))
     out.append(Figure("real models", f"worst numpy/ort latency ratio ({s['worst_model'] or '-'})",
                       "", "", s["worst_ratio"], "<= 4.0 (every model)", s["worst_met"]))
+def fig_robust(d: dict) -> list[Figure]:
+    a = d["accuracy"]
+    setup = f"{d['devices']} devices, Dirichlet {d['alpha']}, {d['seeds']} seeds x {d['rounds']} rounds"
+    out = []
+    for sc, n in (("clean", d["devices"]), ("clean (20 devices)", 20)):
+        r = a.get(sc) or {}
+        if r.get("default") is None or r.get("unbounded") is None:
+            continue
+        ratio = r["default"] / r["unbounded"]
+        out.append(Figure("robustness", f"clean accuracy, default FedAvg (norm bound, sample cap) vs unbounded, "
+                                        f"{n} devices", f"{r['default']:.3f}", f"{r['unbounded']:.3f} (unbounded)",
+                          ratio, ">= 0.99", ratio >= 0.99))
+    clean = (a.get("clean") or {}).get("unbounded")
+    for sc, what in (("scaled x10", "1 of 4 devices sends 10x its delta"),
+                     ("claims x1000", "1 of 4 devices claims 1000x its samples")):
+        r = a.get(sc) or {}
+        if r.get("default") is None or not clean:
+            continue
+        ratio = r["default"] / clean
+        out.append(Figure("robustness", f"{what}: default FedAvg accuracy vs clean ({setup}; unbounded FedAvg "
+                                        f"under the attack: {r['unbounded']:.3f})", f"{r['default']:.3f}",
+                          f"{clean:.3f} (clean)", ratio, ">= 0.95", ratio >= 0.95))
     return out
 
 
@@ -242,6 +265,7 @@ def benches(quick: bool) -> list[Bench]:
               "path", fig_real_models),
         Bench("round_scaling", ["round_scaling.py", "--rounds", "2" if q else "3", "--ingest", "300" if q else "1000"],
               "path", fig_rounds),
+        Bench("robust_default", ["robust_default.py"] + (["--quick"] if q else []), "path", fig_robust),
     ]
 
 
@@ -328,6 +352,9 @@ def write_results(path: Path, figures: list[Figure], details: dict[str, tuple[st
         "Every figure is a ratio against its peer, both measured in this run on this machine: onnxruntime for "
         "inference, real models and int8, PyTorch for training, Flower for aggregation, the dense envelope for codecs, "
         "the offered load for the fleet, the 10-device round and the flat gateway for round scaling.",
+        "inference and int8, PyTorch for training, Flower for aggregation, the dense envelope for codecs, "
+        "the offered load for the fleet, the 10-device round and the flat gateway for round scaling, "
+        "unbounded FedAvg (same seeds) for the default norm bound.",
         "",
         "## Machine",
         "",

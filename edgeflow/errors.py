@@ -88,3 +88,7 @@ class FleetError(EdgeflowError, RuntimeError):
 
 class ConfigError(EdgeflowError, ValueError):
     """A configuration file or command-line setting is invalid."""
+
+
+class StateError(EdgeflowError, RuntimeError):
+    """Durable state (the gateway's SQLite file) is damaged or inconsistent; the message says how to recover."""

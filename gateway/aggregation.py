@@ -350,6 +350,15 @@ class Aggregator(ABC):
                 scale = 1.0
             delta64 = self.server_optimizer.step(delta64)
         delta, weights, delta_norm = self._finalize(delta64, scale)
+        bad = self._non_finite(delta, weights, delta_norm)
+        if bad is not None:
+            self._open = False
+            self._global = None
+            self._release()
+            raise AggregationError(
+                f"round {self._round_id}: the aggregate is not finite ({bad}); nothing is returned, "
+                "the global model stays as it was"
+            )
         metrics = {
             "num_clients": float(self._num_clients),
             "total_samples": float(self._total_samples),
@@ -393,6 +402,20 @@ class Aggregator(ABC):
             if weights is not None:
                 weights[name] = np.add(self._global[name], d_out, dtype=spec.dtype)
         return deltas, weights, math.sqrt(sumsq)
+
+    def _non_finite(self, delta: Mapping[str, np.ndarray], weights: Mapping[str, np.ndarray] | None,
+                    delta_norm: float) -> str | None:
+        """The last line of defence before a model is stored: which tensor of the step
+        or the new weights holds NaN/Inf (one read of the weights), or None."""
+        if not math.isfinite(delta_norm):
+            for name, d in delta.items():
+                if not bool(np.isfinite(d).all()):
+                    return f"step tensor {name!r}"
+            return "the step's norm overflows"
+        for name, w in (weights or {}).items():
+            if not all_finite(w):
+                return f"new weights of tensor {name!r}"
+        return None
 
     @property
     def _reduce_scale(self) -> float:

@@ -150,13 +150,19 @@ class ForwardPartial:
         losses = list(rounds._losses)
         meta: dict[str, Any] = {"partial": True, "num_clients": int(result.num_clients),
                                 "base_version": int(ann.model_version)}
+        if ann.nonce:  # the site's round carries the root round's nonce (SiteGateway.run)
+            meta["round_nonce"] = ann.nonce
         if losses:
             meta["loss"] = float(np.mean(losses))
         payload = encode_update(result.delta, "dense", round_id=ann.round_id, device_id=self.signer.device_id,
                                 seq=self._seq, signer=self.signer, num_samples=int(result.total_samples),
                                 metadata=meta)
-        self.uplink.transport.publish(self.uplink.partial_topic(self.signer.device_id), payload,
-                                      qos=1).wait(self.timeout_s)
+        acked = rounds.publish_reliably(self.uplink.partial_topic(self.signer.device_id), payload,
+                                        f"round {ann.round_id} partial to the root", retain=False,
+                                        until=time.time() + self.timeout_s, transport=self.uplink.transport)
+        if not acked:  # still queued: the transport sends it when the uplink recovers
+            log.warning("site %s: round %d partial not acknowledged within %.0f s; it stays queued",
+                        self.signer.device_id, ann.round_id, self.timeout_s)
         self.forwarded.append(ann.round_id)
         log.info("site %s: round %d partial of %d device(s), weight %d forwarded", self.signer.device_id,
                  ann.round_id, result.num_clients, result.total_samples)
@@ -378,7 +384,8 @@ class SiteGateway:
             adopt_root_model(rm, ann.model_version, weights)
             deadline = min(ann.deadline - self.forward_margin_s, time.time() + rm.config.deadline_s)
             self._last_round = ann.round_id
-            m = rm.run_round(round_id=ann.round_id, deadline=deadline, train=self._train_config(ann.config))
+            m = rm.run_round(round_id=ann.round_id, deadline=deadline, train=self._train_config(ann.config),
+                             nonce=ann.nonce or None)
             if m is not None:
                 done.append(m)
                 self.history.append(m)

@@ -30,6 +30,13 @@ with the same id reconnects, which then receives all of them. So:
   transaction that stores the envelope and checks that the round's intake is
   still open, so a redelivery, a chunked update every worker received, or a
   restarted worker's replay is counted once;
+- a worker validates each update as fully as the coordinator would (signature,
+  shapes, bounded values, metadata, round nonce, the persisted replay floor)
+  before it claims it, and folds it with the round's norm bound and sample
+  cap (fixed when the round was opened, stored in the round's row, the same
+  rule as :class:`~edgeflow.gateway.strategies.FedAvg`); a round opened
+  without bounds (the first one of a fresh state warms them up) is rebuilt by
+  the coordinator from the stored envelopes instead of from partials;
 - a restarted worker rebuilds its partial from its own stored claims; when
   the round closes the coordinator shuts the intake (the "gate"), waits for
   every claimant's partial (or declares it dead), folds the partials and then
@@ -70,12 +77,13 @@ import onnx
 
 from edgeflow.codecs import decode_update, peek_update
 from edgeflow.errors import AggregationError, CodecError, ConfigError, SignatureError
-from edgeflow.federated.messages import RoundAnnouncement
+from edgeflow.federated.messages import RoundAnnouncement, parse_update_meta
 from edgeflow.signing import KeyRing
 from edgeflow.transport.topics import device_filter, parse_topic, validate_id
 
+from .privacy import global_norm
 from .rounds import RoundManager, model_weights, partial_clients
-from .store import GatewayStore
+from .store import MAX_SEQ, GatewayStore
 
 log = logging.getLogger("edgeflow.gateway.ingest")
 
@@ -121,6 +129,16 @@ class OpenRound:
     round_id: int
     model_version: int
     selected: frozenset[str]
+    nonce: str = ""
+    bounds: tuple[float | None, float | None] | None = None
+    """(norm bound, sample cap) the round was opened with; None: it warms up at the coordinator."""
+
+
+def _open_round(row: Any) -> OpenRound:
+    cfg = json.loads(row[3]) if row[3] else {}
+    b = cfg.get("_bounds")
+    return OpenRound(int(row[0]), int(row[1]), frozenset(json.loads(row[2])), str(cfg.get("_nonce") or ""),
+                     None if b is None else (b[0], b[1]))
 
 
 class IngestStore:
@@ -180,9 +198,18 @@ class IngestStore:
     # -- what the workers read ------------------------------------------------
     def open_round(self, round_id: int) -> OpenRound | None:
         """Round ``round_id`` if it is open and its intake is not shut."""
-        r = self._one("SELECT round_id, model_version, selected FROM rounds WHERE round_id=? AND state='open' "
-                      "AND round_id NOT IN (SELECT round_id FROM ingest_gate)", (round_id,))
-        return OpenRound(int(r[0]), int(r[1]), frozenset(json.loads(r[2]))) if r else None
+        r = self._one("SELECT round_id, model_version, selected, config FROM rounds WHERE round_id=? AND "
+                      "state='open' AND round_id NOT IN (SELECT round_id FROM ingest_gate)", (round_id,))
+        return _open_round(r) if r else None
+
+    def round_info(self, round_id: int) -> OpenRound | None:
+        """Round ``round_id`` whatever its state (a restarted worker rebuilding its claims)."""
+        r = self._one("SELECT round_id, model_version, selected, config FROM rounds WHERE round_id=?", (round_id,))
+        return _open_round(r) if r else None
+
+    def seq_floor(self, device_id: str) -> int | None:
+        r = self._one("SELECT max_seq FROM update_seqs WHERE device_id=?", (device_id,))
+        return None if r is None else int(r[0])
 
     def open_rounds(self) -> list[int]:
         return [int(r[0]) for r in self._all("SELECT round_id FROM rounds WHERE state='open' ORDER BY round_id")]
@@ -210,6 +237,8 @@ class IngestStore:
                 (round_id, device_id, seq, num_samples, time.time(), len(envelope), envelope))
             if cur.rowcount != 1:
                 return "duplicate"
+            db.execute("INSERT INTO update_seqs (device_id, max_seq) VALUES (?, ?) ON CONFLICT(device_id) DO UPDATE "
+                       "SET max_seq=MAX(max_seq, excluded.max_seq)", (device_id, seq))
             db.execute("INSERT INTO ingest_claims (round_id, device_id, worker, pid) VALUES (?,?,?,?)",
                        (round_id, device_id, worker, os.getpid()))
         return "ok"
@@ -253,7 +282,8 @@ class IngestStore:
         with self._tx() as db:
             db.execute("INSERT OR REPLACE INTO ingest_partials VALUES (?,?,?,?,?,?,?)",
                        (round_id, worker, json.dumps(sorted(p.devices)), p.num_clients, p.total_samples,
-                        json.dumps(p.losses), p.to_bytes()))
+                        json.dumps({"losses": p.losses, "norms": p.norms, "claims": p.claims,
+                                    "clipped": p.clipped, "capped": p.capped}), p.to_bytes()))
 
     def partials(self, round_id: int) -> dict[str, "Partial"]:
         rows = self._all("SELECT worker, devices, num_clients, total_samples, losses, sums FROM ingest_partials "
@@ -281,25 +311,46 @@ class IngestStore:
 
 @dataclass
 class Partial:
-    """One worker's sum for one round: ``sum_i n_i d_i`` in float64, ``sum_i n_i``,
-    the devices in it and their reported losses."""
+    """One worker's sum for one round: ``sum_i c_i n_i d_i`` in float64 and ``sum_i n_i``
+    (``n_i`` capped, ``c_i`` the norm clip, as FedAvg's default does), the devices in it,
+    their reported losses, and the raw norms and claims the coordinator's next
+    reference needs."""
 
     sums: dict[str, np.ndarray] = field(default_factory=dict)
     total_samples: int = 0
     devices: set[str] = field(default_factory=set)
     losses: list[float] = field(default_factory=list)
+    norms: list[float] = field(default_factory=list)
+    claims: list[int] = field(default_factory=list)
+    clipped: int = 0
+    capped: int = 0
 
     @property
     def num_clients(self) -> int:
         return len(self.devices)
 
-    def add(self, device_id: str, tensors: dict[str, np.ndarray], num_samples: int, loss: float | None) -> None:
+    def add(self, device_id: str, tensors: dict[str, np.ndarray], num_samples: int, loss: float | None,
+            bounds: tuple[float | None, float | None] | None = None) -> None:
+        """Fold one update; with ``bounds`` (norm bound, sample cap) it is clipped and capped."""
+        weight = float(num_samples)
+        if bounds is not None:
+            norm = global_norm(tensors)
+            self.norms.append(norm)
+            self.claims.append(int(num_samples))
+            bound, cap = bounds
+            if cap is not None and num_samples > cap:
+                num_samples = int(cap)
+                self.capped += 1
+            weight = float(num_samples)
+            if bound is not None and norm > bound:
+                weight *= bound / norm if norm > 0 else 0.0
+                self.clipped += 1
         for name, arr in tensors.items():
             acc = self.sums.get(name)
             if acc is None:
-                self.sums[name] = np.asarray(arr, dtype=np.float64) * num_samples
+                self.sums[name] = np.asarray(arr, dtype=np.float64) * weight
             else:
-                acc += np.asarray(arr, dtype=np.float64) * num_samples
+                acc += np.asarray(arr, dtype=np.float64) * weight
         self.total_samples += int(num_samples)
         self.devices.add(device_id)
         if loss is not None:
@@ -311,10 +362,13 @@ class Partial:
         return buf.getvalue()
 
     @classmethod
-    def from_row(cls, devices: set[str], num_clients: int, total: int, losses: list[float], blob: bytes) -> "Partial":
+    def from_row(cls, devices: set[str], num_clients: int, total: int, extra: Any, blob: bytes) -> "Partial":
         with np.load(io.BytesIO(blob), allow_pickle=False) as z:
             sums = {k: z[k] for k in z.files}
-        p = cls(sums, int(total), devices, list(losses))
+        if isinstance(extra, list):  # written by an older worker: the losses only
+            extra = {"losses": extra}
+        p = cls(sums, int(total), devices, list(extra.get("losses", ())), list(extra.get("norms", ())),
+                list(extra.get("claims", ())), int(extra.get("clipped", 0)), int(extra.get("capped", 0)))
         if p.num_clients != num_clients:
             raise AggregationError(f"partial lists {len(devices)} devices but claims {num_clients}")
         return p
@@ -379,33 +433,47 @@ class SharedIngest:
         dense = 0
         shapes = {k: v.shape for k, v in rounds.weights.items()}
         dtypes = {k: v.dtype for k, v in rounds.weights.items()}
+        info = self.db.round_info(r)
+        robust = bool(getattr(rounds._agg, "robust", False)) and rounds.contributions == "updates"
+        bounds = info.bounds if info is not None else None
+        if robust and bounds is None:  # opened while warming up: the coordinator folds every update itself
+            if parts:
+                log.info("round %d: opened without norm bounds (first round); folding all %d stored update(s) "
+                         "here instead of %d partial(s)", r, len(stored), len(parts))
+            parts = {}
         with rounds._lock:
             agg = rounds._agg
             agg.begin_round(rounds.weights, round_id=r)
+            if robust and bounds is not None:
+                agg.set_round_bounds(*bounds)
             for worker, p in sorted(parts.items()):
                 if not p.devices or not p.devices <= claims.get(worker, set()) or p.devices & covered:
                     log.warning("round %d: partial of %s does not match its claims; using the store", r, worker)
                     continue
                 summed = {k: np.asarray(p.sums[k], dtype=dtypes[k]) for k in shapes}
+                stats = ({"norms": p.norms, "claims": p.claims, "clipped": p.clipped, "capped": p.capped}
+                         if robust else {})
                 agg.add_partial(summed, total_samples=p.total_samples, num_clients=p.num_clients,
-                                client_id=f"ingest:{worker}")
+                                client_id=f"ingest:{worker}", **stats)
                 covered |= p.devices
                 losses += p.losses
             for device in sorted(stored - covered):
                 env = self.db.envelope(r, device)
                 try:
                     upd = decode_update(env, verifier=rounds.keyring, require_signature=True, expected_shapes=shapes)
-                except (CodecError, SignatureError) as exc:  # pragma: no cover - stored ones were valid
+                    meta = parse_update_meta(upd.metadata, device)
+                except (CodecError, SignatureError) as exc:  # pragma: no cover - workers validated them
                     log.warning("round %d: stored update of %s unreadable: %s", r, device, exc)
                     continue
+                tensors = {k: np.asarray(v, dtype=dtypes[k]) for k, v in upd.tensors.items()}
                 if rounds.contributions == "partials":
-                    agg.add_partial(upd.tensors, total_samples=upd.num_samples or 1,
+                    agg.add_partial(tensors, total_samples=meta.num_samples,
                                     num_clients=partial_clients(upd.metadata, device), client_id=device)
                 else:
-                    agg.add(upd.tensors, upd.num_samples or 1, client_id=device)
+                    agg.add(tensors, meta.num_samples, client_id=device)
                 folded.append(device)
-                if "loss" in upd.metadata:
-                    losses.append(float(upd.metadata["loss"]))
+                if meta.loss is not None:
+                    losses.append(meta.loss)
             for k in shapes:
                 dense += 4 * int(np.prod(shapes[k]))
             rounds._reported = covered | set(folded)
@@ -500,10 +568,17 @@ class IngestWorker:
             devices = self.db.own_claims(r, self.cfg.name)
             if not devices:
                 continue
+            info = self.db.round_info(r)
             p = self._partials.setdefault(r, Partial())
             for d in devices:
-                upd = decode_update(self.db.envelope(r, d), verifier=self.keyring, require_signature=True)
-                p.add(d, upd.tensors, upd.num_samples or 1, upd.metadata.get("loss"))
+                try:
+                    upd = decode_update(self.db.envelope(r, d), verifier=self.keyring, require_signature=True)
+                    meta = parse_update_meta(upd.metadata, d)
+                except (CodecError, SignatureError) as exc:  # claimed ones were valid
+                    log.warning("worker %s: stored claim of %s unreadable (%s); the coordinator folds it",
+                                self.cfg.name, d, exc)
+                    continue
+                p.add(d, upd.tensors, meta.num_samples, meta.loss, info.bounds if info is not None else None)
                 self.stats["rebuilt"] += 1
             log.info("worker %s: rebuilt round %d partial from %d stored claim(s)", self.cfg.name, r, len(devices))
 
@@ -519,6 +594,14 @@ class IngestWorker:
 
     # -- the handler (transport worker thread; PUBACK goes out when it returns) --------
     def on_update(self, msg: Any) -> None:
+        try:
+            self._on_update(msg)
+        except Exception:  # noqa: BLE001 - one message must never take the transport's worker thread down
+            self.stats["rejected"] += 1
+            log.exception("worker %s: update on %s dropped after an unexpected failure (a bug: please report it)",
+                          self.cfg.name, msg.topic)
+
+    def _on_update(self, msg: Any) -> None:
         self.stats["received"] += 1
         info = parse_topic(msg.topic)
         sender = info.device if info else None
@@ -544,22 +627,32 @@ class IngestWorker:
         try:
             upd = decode_update(msg.payload, verifier=self.keyring, require_signature=True, expected_shapes=shapes,
                                 source=f"ingest {self.cfg.name}<-{sender}")
+            meta = parse_update_meta(upd.metadata, sender or "")
+            problem = None
+            if upd.seq > MAX_SEQ:
+                problem = f"seq {upd.seq} above {MAX_SEQ}"
+            elif rnd.nonce and meta.nonce is not None and meta.nonce != rnd.nonce:
+                problem = "it answers another round with the same id (round nonce differs): a replay"
+            elif (floor := self.db.seq_floor(sender)) is not None and upd.seq <= floor:
+                problem = f"seq {upd.seq} is not above the {floor} accepted before: a replay"
+            elif (meta.base_version if meta.base_version is not None else rnd.model_version) != rnd.model_version:
+                problem = (f"rejected_wrong_version: trained from v{meta.base_version}, "
+                           f"the round trains v{rnd.model_version}")
+            if problem is not None:
+                raise CodecError(f"update from {sender!r} refused: {problem}")
         except (CodecError, SignatureError) as exc:
             self.stats["rejected"] += 1
             log.warning("worker %s: update from %s refused: %s", self.cfg.name, sender, exc)
             return
-        if int(upd.metadata.get("base_version", rnd.model_version)) != rnd.model_version:
-            self.stats["rejected"] += 1
-            return
         if self.cfg.delay_s:
             time.sleep(self.cfg.delay_s)
         with self._lock:
-            outcome = self.db.claim(rnd.round_id, sender, upd.seq, upd.num_samples or 1, bytes(msg.payload),
+            outcome = self.db.claim(rnd.round_id, sender, upd.seq, meta.num_samples, bytes(msg.payload),
                                     self.cfg.name)
             self.stats["claimed" if outcome == "ok" else outcome] += 1
             if outcome == "ok":
                 self._partials.setdefault(rnd.round_id, Partial()).add(
-                    sender, upd.tensors, upd.num_samples or 1, upd.metadata.get("loss"))
+                    sender, upd.tensors, meta.num_samples, meta.loss, rnd.bounds)
 
     # -- housekeeping thread: heartbeat, write partials of shut rounds -------------
     def _housekeeping(self) -> None:

@@ -21,7 +21,27 @@ and keeps its state in a :class:`~edgeflow.gateway.store.GatewayStore`:
 A gateway killed mid-round resumes the open round on restart: the stored
 updates are re-streamed into a fresh aggregator and the broker redelivers
 what was not acknowledged; the (round, device) key in the store makes every
-update count once.
+update count once. A round ends in one transaction (the new model version,
+the round closed, its envelopes dropped), so a restart after a crash at any
+step finds a consistent state (tests/test_gateway_crash_points.py kills the
+gateway at each :data:`edgeflow.faults.POINTS` step).
+
+What the gateway trusts (docs/security.md): nothing a device claims. Every
+update is fully validated before anything is stored (envelope, signature,
+shapes, values bounded by the codecs, metadata types and ranges, round nonce,
+replay floor); FedAvg bounds each update's norm and sample count by default;
+a round below ``min_clients`` fails without publishing a model; the aggregate
+is checked finite before it is stored; a broker that does not acknowledge a
+publish is waited for and retried, never fatal.
+
+Epochs. Each gateway process starts a new *epoch* (milliseconds since the
+Unix epoch, above any earlier one in the state) and signs it into every
+announcement and model; a round also gets a random *nonce* when it is opened.
+Devices follow a higher epoch even when its model versions and round ids are
+lower (a wiped or restored state) and refuse older epochs (replays); they echo
+the nonce in their update, and the gateway refuses an update whose nonce is
+another round's, so round ids that repeat after a restore cannot bring back
+captured updates.
 
 The asynchronous mode (FedBuff) keeps one long-running "round": every
 device trains from the newest version it has, and the gateway publishes a
@@ -47,6 +67,8 @@ import hashlib
 import json
 import logging
 import math
+import secrets
+import sqlite3
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -57,18 +79,21 @@ import onnx
 from onnx import numpy_helper
 
 from edgeflow.codecs import decode_update, encode_update, peek_update
-from edgeflow.errors import AggregationError, CodecError, ConfigError, SignatureError
-from edgeflow.federated.messages import RoundAnnouncement, TrainConfig
+from edgeflow.errors import AggregationError, CodecError, ConfigError, SignatureError, StateError, TransportError
+from edgeflow.faults import fault_point
+from edgeflow.federated.messages import RoundAnnouncement, TrainConfig, UpdateMeta, parse_update_meta
 from edgeflow.signing import KeyRing, PrivateKey, ReplayGuard, Signer
+from edgeflow.transport.backoff import Backoff
 from edgeflow.transport.topics import device_filter, gateway_topic, parse_topic
 
 from .aggregation import AggregateResult
-from .store import GatewayStore
+from .store import MAX_SEQ, GatewayStore
 from .strategies import make_aggregator
 
 log = logging.getLogger("edgeflow.gateway.rounds")
 
 GATEWAY_ID = "gateway"
+_ROBUST_METRICS = ("clipped", "capped", "norm_bound", "sample_cap", "median_norm", "median_samples")
 
 
 @dataclass(frozen=True)
@@ -106,6 +131,7 @@ class RoundConfig:
     staleness: str = "polynomial"
     max_staleness: int | None = 10
     seed: int = 0
+    publish_timeout_s: float = 30.0  # wait this long for the broker's ack before logging and waiting on
 
     def __post_init__(self) -> None:
         if isinstance(self.train, dict):
@@ -125,6 +151,8 @@ class RoundConfig:
             problems.append(f"deadline_s must be > 0, got {self.deadline_s}")
         if self.rounds < 0:
             problems.append(f"rounds must be >= 0, got {self.rounds}")
+        if not self.publish_timeout_s > 0:
+            problems.append(f"publish_timeout_s must be > 0, got {self.publish_timeout_s}")
         if self.secagg is not None:
             if self.dp:
                 problems.append("secagg and central dp cannot be combined (dp clips each update in the clear)")
@@ -181,10 +209,23 @@ class AggregateSink(Protocol):
 
 class AdoptAndPublish:
     """The aggregate becomes the new global model: stored as a version and
-    published retained on ``gateway/model`` (a flat gateway, a hierarchy root)."""
+    published retained on ``gateway/model`` (a flat gateway, a hierarchy root).
+
+    ``deliver`` only stages the new weights; the manager stores them together
+    with the round's closing (one transaction) and then publishes them."""
 
     def deliver(self, rounds: "RoundManager", result: AggregateResult, ann: RoundAnnouncement) -> None:
-        rounds._adopt(result, ann.round_id)
+        rounds._stage(result)
+
+
+@dataclass
+class _Staged:
+    """A new global model waiting for the round's commit."""
+
+    weights: dict[str, np.ndarray]
+    onnx_bytes: bytes
+    sha256: str
+    version: int
 
 
 class UpdateSource(Protocol):
@@ -291,6 +332,7 @@ class RoundManager:
         self.history: list[RoundMetrics] = []
         self._recovered: RoundAnnouncement | None = None
         self._secagg = None  # SecAggServer of the open round, if any
+        self._staged: _Staged | None = None
         self.counters_total: dict[str, int] = {}
         # global model
         latest = store.latest_model()
@@ -299,12 +341,30 @@ class RoundManager:
             self.weights = model_weights(model)
         else:
             self.version = latest[0]
-            self.weights = model_weights(onnx.load_model_from_string(latest[1]))
+            try:
+                self.weights = model_weights(onnx.load_model_from_string(latest[1]))
+            except Exception as exc:  # noqa: BLE001 - a damaged blob must become one clear line
+                raise StateError(f"gateway state {store.path}: model v{self.version} cannot be loaded ({exc}); "
+                                 "restore a backup or start without a state file (docs/security.md)") from None
+        self.epoch = self._new_epoch()
         self._strategy = aggregator if aggregator is not None else self._make_strategy()
         if contributions == "partials" and not hasattr(self._strategy, "add_partial"):
             raise ConfigError(f"strategy {config.strategy!r} cannot fold partial aggregates (it needs each update)")
+        self._restore_reference()
 
     # -- plumbing -----------------------------------------------------------
+    def _new_epoch(self) -> int:
+        """This process's epoch: now in ms, and above every epoch the state saw before."""
+        prev = self.store.get_meta("epoch")
+        try:
+            floor = int(prev) + 1 if prev is not None else 0
+        except ValueError:
+            floor = 0
+        epoch = max(time.time_ns() // 1_000_000, floor)
+        self.store.set_meta("epoch", str(epoch))
+        log.info("gateway epoch %d (%s)", epoch, "new state" if prev is None else f"previous {prev}")
+        return epoch
+
     def _make_strategy(self):
         params = dict(self.config.strategy_params)
         if self.config.dp:
@@ -313,14 +373,36 @@ class RoundManager:
             dp = dict(self.config.dp)
             params["privacy"] = CentralDP(**dp)
         # Every update reaches the aggregator through decode_update, which has
-        # already refused NaN/Inf; skip the aggregator's second scan (a third
-        # of the fold's cost) unless the configuration asks for it.
+        # already refused NaN/Inf and bounded every value (codecs.MAX_VALUE); skip
+        # the aggregator's second scan unless the configuration asks for it (the
+        # default norm bound reads each update once anyway, and checks it).
         params.setdefault("check_finite", False)
+        # A device told to train on at most max_samples cannot claim more.
+        if self.config.train.max_samples and "sample_cap" not in params:
+            params["sample_cap"] = int(self.config.train.max_samples)
         try:
             return make_aggregator(self.config.strategy, **params)
         except ConfigError:
-            params.pop("check_finite")
+            for k in ("check_finite", "sample_cap"):
+                if k not in self.config.strategy_params:
+                    params.pop(k, None)
             return make_aggregator(self.config.strategy, **params)
+
+    def _restore_reference(self) -> None:
+        """The default norm bound's reference (median norm and sample count) of the last
+        closed round, so a restarted gateway clips as the running one would have."""
+        agg = self._strategy
+        if not hasattr(agg, "set_reference"):
+            return
+        for rec in reversed(self.store.rounds()):
+            if rec.state == "closed" and "median_norm" in rec.metrics and "median_samples" in rec.metrics:
+                try:
+                    agg.set_reference({"median_norm": rec.metrics["median_norm"],
+                                       "median_samples": rec.metrics["median_samples"]})
+                except ConfigError as exc:
+                    log.warning("round %d's clipping reference is unusable (%s); the next round warms up",
+                                rec.round_id, exc)
+                return
 
     def start(self) -> None:
         """Subscribe to every device's update topic and recover an open round.
@@ -341,28 +423,99 @@ class RoundManager:
                 self.transport.subscribe(str(device_filter(self.fleet, "secagg")), self._on_secagg)
 
     def _recover(self) -> None:
-        if self.config.mode != "sync":
-            return
-        for rec in self.store.open_rounds():
-            if self._recovered is None:
-                self._recovered = self._reopen(rec)
-            else:  # only the newest open round can be live; older ones were abandoned
-                self.store.close_round(rec.round_id, {"abandoned": True}, state="failed")
+        """Make the stored rounds consistent with the latest model, whatever step a previous
+        process died at, and reopen the round that can still finish (the newest open one)."""
+        for rec in reversed(self.store.open_rounds()):  # newest first
+            produced = self.store.model_for_round(rec.round_id)
+            if produced is not None:
+                # only a state written by an older edgeflow (model and round closing were two
+                # transactions) can hold a round that produced a model but is still open
+                log.warning("round %d produced model v%d but was never closed (a crash in an older "
+                            "edgeflow); closing it now", rec.round_id, produced)
+                self.store.finish_round(rec.round_id, {"recovered": True, "model_version": produced})
+                continue
+            reason = None
+            if self.config.mode != "sync" or rec.config.get("_mode") == "async":
+                reason = "an asynchronous session of an earlier process"
+            elif self._recovered is not None:
+                reason = f"superseded by round {self._recovered.round_id}"
+            elif rec.model_version != self.version:
+                reason = f"built on model v{rec.model_version}, the latest model is v{self.version}"
+            if reason is not None:
+                log.warning("round %d left open by an earlier process is abandoned: %s", rec.round_id, reason)
+                self.store.finish_round(rec.round_id, {"abandoned": True, "reason": reason}, state="failed")
+                continue
+            self._recovered = self._reopen(rec)
 
     def stop(self) -> None:
         self._stop.set()
         with self._cv:
             self._cv.notify_all()
 
-    def publish_model(self) -> None:
+    def publish_model(self) -> bool:
+        """Publish the global model (retained, signed, with this gateway's epoch); False only
+        when :meth:`stop` ended the wait for the broker's acknowledgement."""
         payload = encode_update(self.weights, "dense", round_id=self.version, device_id=GATEWAY_ID,
                                 seq=self.version, signer=self.signer,
-                                metadata={"model_version": self.version})
-        self.transport.publish(str(gateway_topic(self.fleet, "model")), payload, qos=1, retain=True).wait(60)
+                                metadata={"model_version": self.version, "epoch": self.epoch})
+        return self.publish_reliably(str(gateway_topic(self.fleet, "model")), payload, f"model v{self.version}")
 
-    def _publish_round(self, ann: RoundAnnouncement) -> None:
-        self.transport.publish(str(gateway_topic(self.fleet, "round")), ann.sign(self.fleet_key),
-                               qos=1, retain=True).wait(30)
+    def _publish_round(self, ann: RoundAnnouncement) -> bool:
+        return self.publish_reliably(str(gateway_topic(self.fleet, "round")), ann.sign(self.fleet_key),
+                                     f"round {ann.round_id} announcement ({ann.state})")
+
+    def publish_reliably(self, topic: str, payload: bytes, what: str, *, retain: bool = True,
+                         until: float | None = None, transport: Any = None) -> bool:
+        """Publish at QoS 1 and wait until the broker acknowledged it, however long that takes.
+
+        A broker that stalls (or a connection flooded by others) must not kill the
+        gateway: after ``publish_timeout_s`` without an ack it logs what it waits for and
+        keeps waiting (the message stays queued and the transport re-sends it after a
+        reconnect); a publish that *failed* (dropped, not just slow) is published again
+        with exponential backoff. Returns True once acknowledged; False when
+        :meth:`stop` is called or the absolute time ``until`` passes first.
+        ``transport`` (default: the manager's) is where to publish (a site's uplink).
+        """
+        transport = self.transport if transport is None else transport
+        backoff = Backoff(1.0, 30.0)
+        t0 = time.monotonic()
+        step = self.config.publish_timeout_s
+        delivery = None
+        waits = 0
+        while True:
+            if delivery is None:
+                try:
+                    delivery = transport.publish(topic, payload, qos=1, retain=retain)
+                except TransportError as exc:
+                    delay = backoff.next()
+                    log.warning("cannot queue %s (%s); trying again in %.1f s", what, exc, delay)
+                    if self._stop.wait(delay) or (until is not None and time.time() >= until):
+                        return False
+                    continue
+            timeout = step if until is None else max(0.0, min(step, until - time.time()))
+            try:
+                delivery.wait(timeout)
+                if waits:
+                    log.warning("%s acknowledged by the broker after %.0f s", what, time.monotonic() - t0)
+                return True
+            except TransportError as exc:
+                waits += 1
+                if self._stop.is_set():
+                    log.warning("stopping while %s is still unacknowledged (%s)", what, exc)
+                    return False
+                if until is not None and time.time() >= until:
+                    log.warning("%s not acknowledged before its deadline (%s); giving up", what, exc)
+                    return False
+                if delivery.error is not None:
+                    delay = backoff.next()
+                    log.warning("%s was not delivered (%s); publishing it again in %.1f s", what, exc, delay)
+                    delivery = None
+                    if self._stop.wait(delay):
+                        return False
+                else:
+                    log.warning("still waiting for the broker to acknowledge %s: %.0f s so far, %d of %d frame(s) "
+                                "acked; the gateway keeps running", what, time.monotonic() - t0, delivery.acked,
+                                delivery.total)
 
     def _count(self, key: str, n: int = 1) -> None:
         self._counters[key] = self._counters.get(key, 0) + n
@@ -397,6 +550,14 @@ class RoundManager:
 
     # -- the update handler (transport worker thread) ---------------------------
     def _on_update(self, msg: Any) -> None:
+        try:
+            self._handle_update(msg)
+        except Exception:  # noqa: BLE001 - one message must never take the transport's worker thread down
+            with self._lock:
+                self._count("rejected_internal")
+            log.exception("update on %s dropped after an unexpected failure (a bug: please report it)", msg.topic)
+
+    def _handle_update(self, msg: Any) -> None:
         info = parse_topic(msg.topic)
         sender = info.device if info else None
         try:
@@ -426,47 +587,90 @@ class RoundManager:
                 msg.payload, verifier=self.keyring, replay_guard=self.replay, require_signature=True,
                 expected_shapes={k: v.shape for k, v in self.weights.items()}, source=f"gateway<-{sender}",
             )
+            tensors, meta = self._check_update(upd, ann, persisted_floor=True)
         except (CodecError, SignatureError) as exc:
             with self._lock:
                 self._count("rejected_" + getattr(exc, "reason", "invalid"))
             log.warning("update from %s refused: %s", sender, exc)
             return
-        self._accept(upd, msg.payload, store=True)
+        self._accept(upd, tensors, meta, msg.payload, store=True)
 
-    def _accept(self, upd: Any, payload: bytes, *, store: bool) -> None:
+    def _check_update(self, upd: Any, ann: RoundAnnouncement, *, persisted_floor: bool
+                      ) -> tuple[dict[str, np.ndarray], UpdateMeta]:
+        """Everything about a decoded update that must hold before it is stored; CodecError
+        (with a reason) otherwise. Returns the tensors in the model's dtypes and the metadata."""
+        meta = parse_update_meta(upd.metadata, upd.device_id)
+        if upd.seq > MAX_SEQ:
+            raise _refusal("bad_seq", f"update from {upd.device_id!r} has seq {upd.seq}, above {MAX_SEQ}")
+        if self.contributions == "partials":
+            try:
+                partial_clients(upd.metadata, upd.device_id)
+            except AggregationError as exc:
+                raise _refusal("bad_metadata", str(exc)) from None
+        if ann.nonce and meta.nonce is not None and meta.nonce != ann.nonce:
+            raise _refusal("wrong_round", f"update from {upd.device_id!r} answers another round {upd.round_id} "
+                                          f"(nonce {meta.nonce[:16]}, this round's is {ann.nonce[:16]}): "
+                                          "a replay of a round that reused the id")
+        if persisted_floor:
+            floor = self.store.seq_floor(upd.device_id)
+            if floor is not None and upd.seq <= floor:
+                raise _refusal("replay", f"update from {upd.device_id!r} has seq {upd.seq}, not above the {floor} "
+                                         "accepted from it before (kept in the state across restarts): a replay")
+        tensors = {}
+        for k, v in upd.tensors.items():
+            want = self.weights[k].dtype
+            tensors[k] = v if v.dtype == want else v.astype(want)
+        return tensors, meta
+
+    def _accept(self, upd: Any, tensors: dict[str, np.ndarray], meta: UpdateMeta, payload: bytes, *,
+                store: bool) -> None:
         with self._cv:
             ann = self._ann
             if ann is None or upd.round_id != ann.round_id or self._agg is None:
                 self._count("late")
                 return
-            base = int(upd.metadata.get("base_version", ann.model_version))
+            base = meta.base_version if meta.base_version is not None else ann.model_version
             if ann.mode == "sync" and base != ann.model_version:
                 self._count("rejected_wrong_version")
+                log.warning("update from %s for round %d refused (rejected_wrong_version): trained from v%d, "
+                            "the round trains v%d", upd.device_id, ann.round_id, base, ann.model_version)
                 return
+            stored = False
             if store and ann.mode == "sync":
-                if not self.store.add_update(ann.round_id, upd.device_id, upd.seq, upd.num_samples or 1, payload):
-                    self._count("duplicates")
+                try:
+                    if not self.store.add_update(ann.round_id, upd.device_id, upd.seq, meta.num_samples, payload):
+                        self._count("duplicates")
+                        return
+                except sqlite3.Error as exc:
+                    self._count("rejected_store")
+                    log.error("update from %s could not be stored (%s); not counted", upd.device_id, exc)
                     return
+                stored = True
+                fault_point("rounds.update_stored", ann.round_id)
             try:
                 if ann.mode == "async":
-                    result = self._agg.add(upd.tensors, upd.num_samples or 1, upd.device_id, base_version=base)
+                    result = self._agg.add(tensors, meta.num_samples, upd.device_id, base_version=base)
                 elif self.contributions == "partials":
-                    self._agg.add_partial(upd.tensors, total_samples=upd.num_samples or 1,
+                    self._agg.add_partial(tensors, total_samples=meta.num_samples,
                                           num_clients=partial_clients(upd.metadata, upd.device_id),
                                           client_id=upd.device_id)
                     result = None
                 else:
-                    self._agg.add(upd.tensors, upd.num_samples or 1, client_id=upd.device_id)
+                    self._agg.add(tensors, meta.num_samples, client_id=upd.device_id)
                     result = None
             except AggregationError as exc:
                 self._count("rejected_schema")
                 log.warning("update from %s does not fit the model: %s", upd.device_id, exc)
+                if stored:  # never leave a stored update the aggregate does not hold
+                    self.store.remove_update(ann.round_id, upd.device_id)
                 return
+            if ann.mode == "async" and store:
+                self.store.record_seq(upd.device_id, upd.seq)
             self._reported.add(upd.device_id)
             self._bytes_in += len(payload)
-            self._dense_bytes += 4 * sum(int(v.size) for v in upd.tensors.values())
-            if "loss" in upd.metadata:
-                self._losses.append(float(upd.metadata["loss"]))
+            self._dense_bytes += 4 * sum(int(v.size) for v in tensors.values())
+            if meta.loss is not None:
+                self._losses.append(meta.loss)
             if result is not None:
                 self._async_result = result
             self._cv.notify_all()
@@ -499,11 +703,13 @@ class RoundManager:
             todo -= 1
         return done
 
-    def _begin(self, ann: RoundAnnouncement) -> None:
+    def _begin(self, ann: RoundAnnouncement, bounds: list | tuple | None = None) -> None:
         with self._cv:
             self._ann = ann
             self._agg = self._strategy
             self._agg.begin_round(self.weights, round_id=ann.round_id)
+            if bounds is not None and hasattr(self._agg, "set_round_bounds"):
+                self._agg.set_round_bounds(*bounds)
             self._reported = set()
             self._counters = {}
             self._losses = []
@@ -511,13 +717,14 @@ class RoundManager:
             self._dense_bytes = 0
 
     def run_round(self, *, round_id: int | None = None, deadline: float | None = None,
-                  train: TrainConfig | None = None) -> RoundMetrics | None:
+                  train: TrainConfig | None = None, nonce: str | None = None) -> RoundMetrics | None:
         """Select, announce, collect, aggregate one synchronous round.
 
         A site gateway passes the root's ``round_id``, an absolute ``deadline``
         that leaves time to forward its partial, and the root's ``train``
         settings: the root's round drives the site's. Otherwise the round id
-        follows the store's and the configured settings apply.
+        follows the store's and the configured settings apply. ``nonce``: the root
+        round's (a site's devices and partial then answer the root's round).
         """
         cfg = self.config
         pool = self._wait_for_pool()
@@ -532,11 +739,16 @@ class RoundManager:
         ann = RoundAnnouncement(
             round_id=round_id, model_version=self.version,
             deadline=time.time() + cfg.deadline_s if deadline is None else deadline,
-            selected=tuple(selected), config=train, issued=time.time(),
+            selected=tuple(selected), config=train, issued=time.time(), epoch=self.epoch,
+            nonce=nonce or secrets.token_hex(8),
         )
-        self.store.open_round(round_id, self.version, ann.deadline, asdict(train), selected)
         self._begin(ann)
+        bounds = getattr(self._agg, "round_bounds", None)
+        stored = {**asdict(train), "_nonce": ann.nonce, "_bounds": list(bounds) if bounds is not None else None}
+        self.store.open_round(round_id, self.version, ann.deadline, stored, selected)
+        fault_point("rounds.opened")
         self._publish_round(ann)
+        fault_point("rounds.announced")
         return self._collect_and_close(ann, time.perf_counter())
 
     def _reopen(self, rec) -> RoundAnnouncement:
@@ -550,18 +762,24 @@ class RoundManager:
         ann = RoundAnnouncement(
             round_id=rec.round_id, model_version=rec.model_version,
             deadline=max(rec.deadline, time.time() + 1.0), selected=tuple(rec.selected),
-            config=TrainConfig.from_dict(rec.config), issued=rec.created,
+            config=TrainConfig.from_dict(rec.config), issued=rec.created, epoch=self.epoch,
+            nonce=str(rec.config.get("_nonce") or ""),
         )
-        self._begin(ann)
+        self._begin(ann, bounds=rec.config.get("_bounds"))
         for su in self.store.updates(rec.round_id):
             try:
                 upd = decode_update(su.envelope, verifier=self.keyring, require_signature=True,
                                     expected_shapes={k: v.shape for k, v in self.weights.items()})
-            except (CodecError, SignatureError) as exc:  # pragma: no cover - stored ones were valid
-                log.warning("stored update of %s unreadable: %s", su.device_id, exc)
+                tensors, meta = self._check_update(upd, ann, persisted_floor=False)
+                self.replay.check_and_record(upd.device_id, upd.round_id, upd.seq)
+            except (CodecError, SignatureError) as exc:
+                # written by an older edgeflow that stored before validating: drop it, or every
+                # restart would trip over it again
+                log.warning("round %d: stored update of %s is refused on replay (%s); removed from the state",
+                            rec.round_id, su.device_id, exc)
+                self.store.remove_update(rec.round_id, su.device_id)
                 continue
-            self.replay.check_and_record(upd.device_id, upd.round_id, upd.seq)
-            self._accept(upd, su.envelope, store=False)
+            self._accept(upd, tensors, meta, su.envelope, store=False)
         return ann
 
     def _closing(self, ann: RoundAnnouncement, extensions: int) -> bool:
@@ -600,22 +818,84 @@ class RoundManager:
             with self._lock:
                 n_reported = len(self._reported)
         if n_reported == 0:
-            self.store.close_round(ann.round_id, {"participants": 0}, state="failed")
-            log.error("round %d failed: no update arrived", ann.round_id)
-            return self._metrics(ann, None, 0.0, t_start)
+            return self._fail_round(ann, t_start, "no update arrived", 0)
+        if n_reported < self.config.min_clients:
+            return self._fail_round(ann, t_start, f"{n_reported} update(s) after {extensions} extension(s), "
+                                                  f"below min_clients {self.config.min_clients}", n_reported)
         t0 = time.perf_counter()
-        with self._lock:
-            result = self._agg.finish()
+        try:
+            with self._lock:
+                result = self._agg.finish()
+        except AggregationError as exc:
+            return self._fail_round(ann, t_start, f"aggregation refused: {exc}", n_reported)
         agg_s = time.perf_counter() - t0
-        self.sink.deliver(self, result, ann)
+        fault_point("rounds.aggregated")
+        return self._deliver(ann, result, agg_s, t_start)
+
+    def _fail_round(self, ann: RoundAnnouncement, t_start: float, reason: str, reported: int) -> RoundMetrics:
+        """Close a round without a model: say why in the log and in the state. The aggregator's
+        open round is simply abandoned (the next begin_round drops it), its cross-round state kept."""
+        metrics = self._metrics(ann, None, 0.0, t_start)
+        metrics.extra["failed"] = 1.0
+        metrics.extra["reported"] = float(reported)
+        self.store.finish_round(ann.round_id, {**metrics.to_dict(), "reason": reason}, state="failed")
+        log.error("round %d failed: %s; no model published, the global model stays v%d",
+                  ann.round_id, reason, self.version)
+        return metrics
+
+    def _deliver(self, ann: RoundAnnouncement, result: AggregateResult, agg_s: float, t_start: float
+                 ) -> RoundMetrics:
+        """Hand the aggregate to the sink, then store the round's end (and the model it staged)
+        in one transaction, then publish the model."""
+        try:
+            self.sink.deliver(self, result, ann)
+        except AggregationError as exc:
+            self._staged = None
+            return self._fail_round(ann, t_start, str(exc), result.num_clients)
         metrics = self._metrics(ann, result, agg_s, t_start)
-        self.store.close_round(ann.round_id, metrics.to_dict())
-        self.store.drop_updates(ann.round_id)
+        self._commit(ann, metrics.to_dict())
         self._report(metrics)
         return metrics
 
+    def _stage(self, result: AggregateResult) -> None:
+        """Prepare the aggregate as the next model version (stored by :meth:`_commit`)."""
+        if result.weights is None:
+            raise AggregationError(f"round {result.round_id}: the aggregate has no weights to adopt")
+        weights = {k: np.asarray(v, dtype=np.float32) for k, v in result.weights.items()}
+        for k, v in weights.items():
+            if not np.isfinite(v).all():
+                raise AggregationError(f"round {result.round_id}: tensor {k!r} of the new model is not finite; "
+                                       "it is not stored")
+        onnx_bytes = model_with_weights(self.base_model, weights).SerializeToString()
+        self._staged = _Staged(weights, onnx_bytes, hashlib.sha256(onnx_bytes).hexdigest(),
+                               self.store.latest_version() + 1)
+
+    def _commit(self, ann: RoundAnnouncement, metrics: dict[str, Any], *, state: str = "closed") -> None:
+        staged, self._staged = self._staged, None
+        try:
+            self.store.finish_round(ann.round_id, metrics, state=state,
+                                    model=None if staged is None else (staged.onnx_bytes, staged.sha256),
+                                    model_version=None if staged is None else staged.version)
+        except sqlite3.Error as exc:
+            raise StateError(f"round {ann.round_id}: its result could not be stored ({exc}); the round stays open "
+                             "in the state and a restarted gateway resumes it") from None
+        fault_point("rounds.committed")
+        if staged is not None:
+            self.weights, self.version = staged.weights, staged.version
+            self.publish_model()
+            fault_point("rounds.published")
+
     # -- secure aggregation -------------------------------------------------------
     def _on_secagg(self, msg: Any) -> None:
+        try:
+            self._handle_secagg(msg)
+        except Exception:  # noqa: BLE001 - one message must never take the transport's worker thread down
+            with self._lock:
+                self._count("rejected_internal")
+            log.exception("secagg frame on %s dropped after an unexpected failure (a bug: please report it)",
+                          msg.topic)
+
+    def _handle_secagg(self, msg: Any) -> None:
         from edgeflow.federated import secure
 
         from .secagg import AdvertiseKeys, MaskedInput, SecAggError, ShareKeys, UnmaskResponse
@@ -666,8 +946,8 @@ class RoundManager:
     def _sa_broadcast(self, frame: bytes) -> None:
         from edgeflow.federated import secure
 
-        self.transport.publish(str(gateway_topic(self.fleet, "secagg")), secure.seal(frame, self.fleet_key),
-                               qos=1).wait(30)
+        self.publish_reliably(str(gateway_topic(self.fleet, "secagg")), secure.seal(frame, self.fleet_key),
+                              "secure-aggregation broadcast", retain=False, until=time.time() + 60.0)
 
     def _secure_round(self, ann: RoundAnnouncement, t_start: float) -> RoundMetrics:
         """Bonawitz et al. over MQTT; the aggregator only ever receives the unmasked sum."""
@@ -709,7 +989,7 @@ class RoundManager:
                                       num_clients=sa_result.num_clients, client_id="secagg")
                 result = self._agg.finish()
             agg_s = time.perf_counter() - t0
-        except SecAggError as exc:
+        except AggregationError as exc:  # SecAggError, or a non-finite sum
             log.error("round %d: secure aggregation failed: %s", ann.round_id, exc)
             agg_s = 0.0
         finally:
@@ -719,34 +999,43 @@ class RoundManager:
                 self._ann = closed
         self._publish_round(closed)
         if result is None:
-            self._agg.reset()
-            self.store.close_round(ann.round_id, {"participants": 0, "secagg": "failed"}, state="failed")
-            return self._metrics(ann, None, 0.0, t_start)
+            return self._fail_round(ann, t_start, "secure aggregation failed", 0)
+        if sa_result.num_clients < self.config.min_clients:
+            return self._fail_round(ann, t_start, f"{sa_result.num_clients} masked input(s) unmasked, below "
+                                                  f"min_clients {self.config.min_clients}", sa_result.num_clients)
         result = AggregateResult(**{**result.__dict__, "num_clients": sa_result.num_clients})
-        self.sink.deliver(self, result, ann)
+        try:
+            self.sink.deliver(self, result, ann)
+        except AggregationError as exc:
+            self._staged = None
+            return self._fail_round(ann, t_start, str(exc), sa_result.num_clients)
         metrics = self._metrics(ann, result, agg_s, t_start)
         metrics.extra["secagg_dropped"] = float(len(sa_result.dropped))
-        self.store.close_round(ann.round_id, metrics.to_dict())
+        self._commit(ann, metrics.to_dict())
         self._report(metrics)
         return metrics
 
-    def _adopt(self, result: AggregateResult, round_id: int) -> None:
-        assert result.weights is not None
-        self.weights = {k: np.asarray(v, dtype=np.float32) for k, v in result.weights.items()}
-        onnx_bytes = model_with_weights(self.base_model, self.weights).SerializeToString()
-        self.version = self.store.add_model(onnx_bytes, hashlib.sha256(onnx_bytes).hexdigest(), round_id=round_id)
+    def _adopt_async(self, result: AggregateResult, round_id: int) -> None:
+        """FedBuff: each buffered aggregate becomes a version at once (the session stays open)."""
+        self._stage(result)
+        staged, self._staged = self._staged, None
+        assert staged is not None
+        self.version = self.store.add_model(staged.onnx_bytes, staged.sha256, round_id=round_id,
+                                            version=staged.version)
+        self.weights = staged.weights
         self.publish_model()
 
-    def current_model(self) -> onnx.ModelProto:
-        return model_with_weights(self.base_model, self.weights)
+    def current_model(self, weights: Mapping[str, np.ndarray] | None = None) -> onnx.ModelProto:
+        return model_with_weights(self.base_model, self.weights if weights is None else weights)
 
-    def evaluate(self) -> tuple[float | None, float | None]:
+    def evaluate(self, weights: Mapping[str, np.ndarray] | None = None) -> tuple[float | None, float | None]:
+        """Accuracy and loss on the eval set of the current weights (or of ``weights``)."""
         if self.eval_data is None:
             return None, None
         from edgeflow.runtime import load
 
         x, y = self.eval_data
-        rt = load(self.current_model(), "x86-gateway", batch_size=len(x), allow_over_budget=True)
+        rt = load(self.current_model(weights), "x86-gateway", batch_size=len(x), allow_over_budget=True)
         logits = rt(x.astype(np.float32))
         acc = float((logits.argmax(1) == y).mean())
         z = logits - logits.max(1, keepdims=True)
@@ -754,14 +1043,19 @@ class RoundManager:
         return acc, float(-logp[np.arange(len(y)), y].mean())
 
     def _metrics(self, ann, result: AggregateResult | None, agg_s: float, t_start: float) -> RoundMetrics:
-        acc, eval_loss = self.evaluate() if result is not None else (None, None)
+        staged = self._staged
+        if result is None:
+            acc, eval_loss = None, None
+        else:
+            acc, eval_loss = self.evaluate(staged.weights if staged is not None else None)
         with self._lock:
             c = dict(self._counters)
             rejected = sum(v for k, v in c.items() if k.startswith("rejected"))
             if result is not None:
                 rejected += len(result.rejected)
             m = RoundMetrics(
-                round_id=ann.round_id, model_version=self.version, selected=len(ann.selected),
+                round_id=ann.round_id, model_version=staged.version if staged is not None else self.version,
+                selected=len(ann.selected),
                 participants=result.num_clients if result else 0,
                 dropped=max(0, len(ann.selected) - len(self._reported)) if ann.mode == "sync" else 0,
                 late=c.get("late", 0), rejected=rejected, duplicates=c.get("duplicates", 0),
@@ -770,7 +1064,7 @@ class RoundManager:
                 mean_client_loss=float(np.mean(self._losses)) if self._losses else None,
                 accuracy=acc, eval_loss=eval_loss,
                 extra={k: float(v) for k, v in (result.metrics.items() if result else ())
-                       if k.startswith("dp_")},
+                       if k.startswith("dp_") or k in _ROBUST_METRICS},
             )
         return m
 
@@ -794,8 +1088,10 @@ class RoundManager:
         selected = self.select(pool)
         round_id = self.store.last_round_id() + 1
         ann = RoundAnnouncement(round_id=round_id, model_version=self.version, deadline=time.time() + 1e9,
-                                selected=tuple(selected), config=cfg.train, mode="async", issued=time.time())
-        self.store.open_round(round_id, self.version, ann.deadline, asdict(cfg.train), selected)
+                                selected=tuple(selected), config=cfg.train, mode="async", issued=time.time(),
+                                epoch=self.epoch, nonce=secrets.token_hex(8))
+        self.store.open_round(round_id, self.version, ann.deadline,
+                              {**asdict(cfg.train), "_nonce": ann.nonce, "_mode": "async"}, selected)
         with self._cv:
             self._ann = ann
             self._agg = buf
@@ -815,7 +1111,12 @@ class RoundManager:
                     result = buf.flush()
                 if result is None:
                     continue
-            self._adopt(result, round_id)
+            try:
+                self._adopt_async(result, round_id)
+            except AggregationError as exc:
+                log.error("async session %d: buffered aggregate refused (%s); the model stays v%d",
+                          round_id, exc, self.version)
+                continue
             m = self._metrics(ann, result, 0.0, t_start)
             with self._lock:
                 self._reported, self._counters, self._losses = set(), {}, []
@@ -827,8 +1128,14 @@ class RoundManager:
         with self._cv:
             self._ann = closed
         self._publish_round(closed)
-        self.store.close_round(round_id, {"versions": len(out)})
+        self.store.finish_round(round_id, {"versions": len(out)})
         return out
+
+
+def _refusal(reason: str, message: str) -> CodecError:
+    err = CodecError(message)
+    err.reason = reason  # type: ignore[attr-defined]
+    return err
 
 
 def metrics_jsonl(metrics: Iterable[RoundMetrics]) -> str:

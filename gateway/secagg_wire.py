@@ -23,6 +23,8 @@ from typing import Any, Union
 
 import numpy as np
 
+from edgeflow.codecs.untrusted import loads_untrusted
+from edgeflow.errors import CodecError
 from edgeflow.gateway.secagg import (
     AdvertiseKeys,
     EncryptedShare,
@@ -182,8 +184,8 @@ def decode_message(data: bytes) -> Message:
     if hlen > _MAX_HEADER or _HEAD.size + hlen > len(data):
         raise _bad("header length exceeds the frame")
     try:
-        head = json.loads(data[_HEAD.size:_HEAD.size + hlen].decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        head = loads_untrusted(data[_HEAD.size:_HEAD.size + hlen], "secagg frame header")
+    except CodecError as exc:  # not JSON, too deep, bad UTF-8 (RecursionError/OverflowError included)
         raise _bad(f"header is not JSON ({exc})") from None
     head = _dict(head, "the header")
     payload = data[_HEAD.size + hlen:]
@@ -193,7 +195,7 @@ def decode_message(data: bytes) -> Message:
         return _decode(kind, head, payload)
     except SecAggError:
         raise
-    except (TypeError, ValueError) as exc:  # e.g. SecAggConfig refusing its fields
+    except (TypeError, ValueError, OverflowError, KeyError, IndexError) as exc:  # e.g. SecAggConfig's fields
         raise _bad(str(exc)) from None
 
 

@@ -256,21 +256,24 @@ class Gateway:
         return self
 
     def _publish_state(self, online: bool) -> None:
+        """Best effort: a broker that does not acknowledge the status within 10 s is logged,
+        never fatal (the message stays queued; the rounds wait for their own publishes)."""
+        from edgeflow.errors import TransportError
         from edgeflow.transport.topics import gateway_topic
 
         body = {"online": online, "fleet": self.fleet_id, "model_version": self.rounds.version,
                 "devices_online": len(self.fleet.online_devices()) if online else 0, "ts": time.time()}
-        self.transport.publish(str(gateway_topic(self.fleet_id, "state")), json.dumps(body), qos=1,
-                               retain=True).wait(10)
+        try:
+            self.transport.publish(str(gateway_topic(self.fleet_id, "state")), json.dumps(body), qos=1,
+                                   retain=True).wait(10)
+        except TransportError as exc:
+            log.warning("gateway state not acknowledged by the broker (%s); going on", exc)
 
     def _on_round(self, m: RoundMetrics) -> None:
         if self.metrics_path is not None:
             with open(self.metrics_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(m.to_dict()) + "\n")
-        try:
-            self._publish_state(True)
-        except Exception as exc:  # status is best effort; the round itself succeeded
-            log.warning("could not publish gateway state: %s", exc)
+        self._publish_state(True)
         if self._on_round_cb:
             self._on_round_cb(m)
 

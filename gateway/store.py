@@ -13,6 +13,24 @@ What must survive a gateway crash, and why it lives here:
 - **devices** and **telemetry**: the fleet registry (last birth, liveness,
   model version, bounded telemetry history).
 
+- **update_seqs**: the replay guard's floor, the newest accepted sequence
+  number per device, written in the same transaction as the update: a
+  captured update is refused after a restart too (docs/security.md).
+- **meta**: the schema version and the gateway's epoch (see
+  :mod:`edgeflow.gateway.rounds`).
+
+A round ends in **one transaction** (:meth:`GatewayStore.finish_round`): the
+new model version, the round's state and metrics, and the deletion of its
+update envelopes commit together, so a power cut leaves either the open round
+with its updates (resumed on restart) or the closed round with its model,
+never a model without its round closed.
+
+Damage is detected when the store opens: ``PRAGMA quick_check`` over the file
+and a SHA-256 check of the latest model; a truncated, overwritten or
+non-SQLite file raises one :class:`~edgeflow.errors.StateError` line that
+names the file and the recovery path (docs/security.md, "Recovering from
+state damage"), never a raw traceback.
+
 One connection per store, guarded by a lock: the gateway's handlers run on
 the transport's worker thread and its round loop on another. WAL mode keeps
 readers (``edgeflow fleet status``) from blocking the writer.
@@ -20,6 +38,7 @@ readers (``edgeflow fleet status``) from blocking the writer.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sqlite3
 import threading
@@ -29,7 +48,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from edgeflow.errors import StateError
+from edgeflow.faults import fault_point
+
 SCHEMA_VERSION = 1
+MAX_SEQ = (1 << 63) - 1
+"""SQLite integers are signed 64-bit: updates with a larger seq are refused before they are stored."""
+RECOVERY = ("stop every gateway process, move the file aside (keep it for inspection), then restore the latest "
+            "backup to that path or start without a state file; devices follow the new gateway epoch "
+            "(docs/security.md, 'Recovering from state damage')")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -79,6 +106,7 @@ CREATE TABLE IF NOT EXISTS telemetry (
     data TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS telemetry_by_device ON telemetry (device_id, ts);
+CREATE TABLE IF NOT EXISTS update_seqs (device_id TEXT PRIMARY KEY, max_seq INTEGER NOT NULL);
 """
 
 
@@ -120,26 +148,75 @@ class StoredUpdate:
 class GatewayStore:
     """SQLite-backed state of one gateway (``":memory:"`` for tests)."""
 
-    def __init__(self, path: str | Path = ":memory:", *, telemetry_keep: int = 500) -> None:
+    def __init__(self, path: str | Path = ":memory:", *, telemetry_keep: int = 500, check: bool = True) -> None:
+        """Open (or create) the state; ``check`` runs the integrity checks of the module
+        docstring on an existing file and raises :class:`StateError` if it is damaged."""
         self.path = str(path)
+        self.created = False
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            existed = Path(self.path).exists() and Path(self.path).stat().st_size > 0
+        else:
+            existed = False
         self._lock = threading.RLock()
         self.telemetry_keep = telemetry_keep
+        try:
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise StateError(f"gateway state {self.path} cannot be opened ({exc}): {RECOVERY}") from None
+        try:
+            self._open(existed, check)
+        except sqlite3.DatabaseError as exc:
+            self._db.close()
+            raise StateError(f"gateway state {self.path} is damaged ({exc}): {RECOVERY}") from None
+        except StateError:
+            self._db.close()
+            raise
+
+    def _open(self, existed: bool, check: bool) -> None:
         with self._lock:
+            if existed and check:
+                problems = [r[0] for r in self._db.execute("PRAGMA quick_check(5)").fetchall()]
+                if problems != ["ok"]:
+                    raise StateError(f"gateway state {self.path} is damaged (SQLite quick_check: "
+                                     f"{'; '.join(' '.join(str(p).split()) for p in problems)[:300]}): {RECOVERY}")
             if self.path != ":memory:":
                 self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
+            had_meta = self._db.execute(
+                "SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'").fetchone() is not None
+            if existed and not had_meta:
+                tables = [r[0] for r in self._db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+                if tables:
+                    raise StateError(f"{self.path} is an SQLite file but not a gateway state (tables {tables[:5]}): "
+                                     "pass the gateway's own --state file, or a new path to start fresh")
             self._db.executescript(_SCHEMA)
             row = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
             if row is None:
                 self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-            elif int(row[0]) != SCHEMA_VERSION:
-                raise RuntimeError(
+                self.created = True
+            elif row[0] != str(SCHEMA_VERSION):
+                raise StateError(
                     f"{self.path}: gateway state has schema {row[0]}, this edgeflow expects "
                     f"{SCHEMA_VERSION}; use a fresh --state file or migrate"
                 )
+            if existed and check:
+                latest = self._db.execute(
+                    "SELECT version, onnx, sha256 FROM models ORDER BY version DESC LIMIT 1").fetchone()
+                if latest is not None and hashlib.sha256(bytes(latest[1])).hexdigest() != latest[2]:
+                    raise StateError(f"gateway state {self.path} is damaged (model v{latest[0]} does not match "
+                                     f"its SHA-256): {RECOVERY}")
+
+    # -- meta -----------------------------------------------------------
+    def get_meta(self, key: str) -> str | None:
+        with self._lock:
+            row = self._db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self._tx() as db:
+            db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                       (key, value))
 
     def close(self) -> None:
         with self._lock:
@@ -167,6 +244,47 @@ class GatewayStore:
                 (version, time.time(), sha256, len(onnx_bytes), onnx_bytes, round_id, json.dumps(metrics or {})),
             )
         return int(version)
+
+    def finish_round(self, round_id: int, metrics: dict, *, state: str = "closed",
+                     model: tuple[bytes, str] | None = None, model_version: int | None = None,
+                     model_metrics: dict | None = None) -> int | None:
+        """End a round in one transaction: store ``model`` (ONNX bytes, sha256) as a new
+        version (or as ``model_version``), set the round's state and metrics, and drop its
+        update envelopes. Returns the new model version (None without a model)."""
+        if state not in ("closed", "failed"):
+            raise ValueError(f"a round finishes 'closed' or 'failed', not {state!r}")
+        version = None
+        with self._tx() as db:
+            row = db.execute("SELECT state FROM rounds WHERE round_id=?", (round_id,)).fetchone()
+            if row is None or row[0] != "open":
+                raise StateError(f"round {round_id} is {'unknown' if row is None else row[0]}, not open; "
+                                 "it cannot be finished twice")
+            if model is not None:
+                onnx_bytes, sha = model
+                version = model_version
+                if version is None:
+                    version = int(db.execute("SELECT COALESCE(MAX(version), 0) FROM models").fetchone()[0]) + 1
+                db.execute(
+                    "INSERT INTO models (version, created, sha256, size, onnx, round_id, metrics) "
+                    "VALUES (?,?,?,?,?,?,?)",
+                    (version, time.time(), sha, len(onnx_bytes), onnx_bytes, round_id,
+                     json.dumps(model_metrics or {})),
+                )
+            db.execute("UPDATE rounds SET state=?, metrics=? WHERE round_id=?", (state, json.dumps(metrics), round_id))
+            db.execute("DELETE FROM round_updates WHERE round_id=?", (round_id,))
+            fault_point("store.finish_round")
+        return None if version is None else int(version)
+
+    def model_for_round(self, round_id: int) -> int | None:
+        """The model version a round produced, if it produced one."""
+        with self._lock:
+            row = self._db.execute("SELECT MAX(version) FROM models WHERE round_id=?", (round_id,)).fetchone()
+        return None if row is None or row[0] is None else int(row[0])
+
+    def latest_version(self) -> int:
+        """The newest model version (0 when there is none)."""
+        with self._lock:
+            return int(self._db.execute("SELECT COALESCE(MAX(version), 0) FROM models").fetchone()[0])
 
     def latest_model(self) -> tuple[int, bytes, str] | None:
         with self._lock:
@@ -231,14 +349,45 @@ class GatewayStore:
         return RoundRecord(int(r[0]), int(r[1]), r[2], r[3], r[4], json.loads(r[5]), json.loads(r[6]), json.loads(r[7]))
 
     def add_update(self, round_id: int, device_id: str, seq: int, num_samples: int, envelope: bytes) -> bool:
-        """Persist an accepted update; False if this device already sent one this round."""
-        with self._lock:
-            cur = self._db.execute(
+        """Persist an accepted update and raise the device's replay floor, in one transaction;
+        False if this device already sent one this round (nothing changes then)."""
+        if not 0 <= int(seq) <= MAX_SEQ:
+            raise ValueError(f"seq {seq} is outside 0..{MAX_SEQ}")
+        with self._tx() as db:
+            cur = db.execute(
                 "INSERT OR IGNORE INTO round_updates (round_id, device_id, seq, num_samples, received, nbytes, envelope) "
                 "VALUES (?,?,?,?,?,?,?)",
                 (round_id, device_id, seq, num_samples, time.time(), len(envelope), envelope),
             )
-            return cur.rowcount == 1
+            if cur.rowcount != 1:
+                return False
+            db.execute("INSERT INTO update_seqs (device_id, max_seq) VALUES (?, ?) ON CONFLICT(device_id) DO UPDATE "
+                       "SET max_seq=MAX(max_seq, excluded.max_seq)", (device_id, seq))
+            return True
+
+    def record_seq(self, device_id: str, seq: int) -> None:
+        """Raise the device's replay floor (updates accepted without being stored: async mode)."""
+        if not 0 <= int(seq) <= MAX_SEQ:
+            raise ValueError(f"seq {seq} is outside 0..{MAX_SEQ}")
+        with self._tx() as db:
+            db.execute("INSERT INTO update_seqs (device_id, max_seq) VALUES (?, ?) ON CONFLICT(device_id) DO UPDATE "
+                       "SET max_seq=MAX(max_seq, excluded.max_seq)", (device_id, seq))
+
+    def seq_floor(self, device_id: str) -> int | None:
+        """The newest seq accepted from ``device_id`` (None: nothing yet)."""
+        with self._lock:
+            row = self._db.execute("SELECT max_seq FROM update_seqs WHERE device_id=?", (device_id,)).fetchone()
+        return None if row is None else int(row[0])
+
+    def seq_floors(self) -> dict[str, int]:
+        """{device: newest accepted seq}: what a restarted gateway refuses as replays."""
+        with self._lock:
+            return {r[0]: int(r[1]) for r in self._db.execute("SELECT device_id, max_seq FROM update_seqs")}
+
+    def remove_update(self, round_id: int, device_id: str) -> None:
+        """Forget a stored update that turned out not to fit (the device may send again)."""
+        with self._tx() as db:
+            db.execute("DELETE FROM round_updates WHERE round_id=? AND device_id=?", (round_id, device_id))
 
     def has_update(self, round_id: int, device_id: str) -> bool:
         with self._lock:

@@ -36,10 +36,13 @@ from typing import Any
 import numpy as np
 
 from edgeflow.errors import AggregationError, ConfigError
-from edgeflow.gateway.aggregation import Aggregator, Schema, Weights, check_num_samples, iter_chunks
-from edgeflow.gateway.privacy import CentralDP
+from edgeflow.gateway.aggregation import (Aggregator, Schema, Weights, all_finite, check_num_samples,
+                                          iter_chunks)
+from edgeflow.gateway.privacy import CentralDP, global_norm
 
 __all__ = [
+    "CLIP_MULTIPLIER",
+    "SAMPLE_MULTIPLIER",
     "FedAdagrad",
     "FedAdam",
     "FedAvg",
@@ -55,6 +58,8 @@ __all__ = [
     "ServerYogi",
     "TrimmedMean",
     "available_aggregators",
+    "bounded_mean",
+    "bounded_weights",
     "coordinate_median",
     "krum_scores",
     "krum_select",
@@ -81,6 +86,31 @@ def weighted_average(updates: Sequence[Weights], weights: Sequence[float]) -> di
     if not total > 0:
         raise AggregationError(f"weights must sum to > 0, got {total}")
     return {name: sum(np.asarray(u[name], dtype=np.float64) * w for u, w in zip(updates, weights)) / total
+            for name in updates[0]}
+
+
+def bounded_weights(norms: Sequence[float], samples: Sequence[int], norm_bound: float | None,
+                    sample_cap: float | None) -> tuple[np.ndarray, np.ndarray]:
+    """FedAvg's default rule as arrays: (weight_i, counted_i) with counted_i = min(n_i, cap)
+    and weight_i = counted_i * min(1, bound / norm_i); None turns a bound off."""
+    n = np.asarray(samples, dtype=np.float64)
+    if sample_cap is not None:
+        n = np.minimum(n, float(sample_cap))
+    norms_ = np.asarray(norms, dtype=np.float64)
+    factor = np.ones_like(norms_)
+    if norm_bound is not None:
+        over = norms_ > norm_bound
+        factor[over] = np.where(norms_[over] > 0, norm_bound / np.where(norms_[over] > 0, norms_[over], 1.0), 0.0)
+    return n * factor, n
+
+
+def bounded_mean(updates: Sequence[Weights], samples: Sequence[int], norm_bound: float | None,
+                 sample_cap: float | None) -> dict[str, np.ndarray]:
+    """The default FedAvg step for given bounds: sum_i w_i d_i / sum_i counted_i (reference; holds all)."""
+    norms = [global_norm(u) for u in updates]
+    w, counted = bounded_weights(norms, samples, norm_bound, sample_cap)
+    total = float(counted.sum())
+    return {name: sum(np.asarray(u[name], dtype=np.float64) * wi for u, wi in zip(updates, w)) / total
             for name in updates[0]}
 
 
@@ -328,6 +358,20 @@ class ServerAdagrad(_Adaptive):
 _BLOCK = 1 << 16
 """Elements per fold block: 256-512 KiB, resident in L2 on the servers we target."""
 
+CLIP_MULTIPLIER = 1.5
+"""Default adaptive norm bound: updates are clipped to this many times the reference median norm."""
+SAMPLE_MULTIPLIER = 3.0
+"""Default sample-count cap: a claim counts for at most this many times the reference median claim."""
+
+
+def _off(value: object) -> bool:
+    """None, False, "off" or "none" (0 is not off: it is a bad bound)."""
+    return value is None or value is False or (isinstance(value, str) and value.lower() in ("off", "none"))
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return float(np.median(np.asarray(values, dtype=np.float64))) if len(values) else None
+
 
 class FedAvg(Aggregator):
     """Sample-weighted mean of deltas, folded in as they arrive.
@@ -364,6 +408,33 @@ class FedAvg(Aggregator):
     weights are always uniform: each delta is clipped to ``clip_norm`` and
     Gaussian noise is added to the mean, see :class:`CentralDP`.
 
+    **Default robustness** (docs/aggregation.md, "Default norm bound and
+    sample cap"): one device must not be able to steer the average with a
+    huge delta or a huge claimed ``num_samples``. So, unless turned off:
+
+    * ``clip="adaptive"``: each delta's L2 norm (all tensors together) is
+      bounded by ``B = clip_multiplier * M``, where ``M`` is the *reference
+      median norm*: the median of the raw norms of the updates accepted in the
+      previous round this aggregator finished (or the one the gateway restored
+      with :meth:`set_reference`). A larger delta is scaled down to norm ``B``
+      (it keeps its direction and its weight). ``clip`` may also be a fixed
+      bound (a float) or ``"off"``;
+    * ``sample_multiplier``: a client's sample count counts for at most
+      ``sample_multiplier * N``, ``N`` the reference median of the claimed
+      counts (same rounds as ``M``), and at most ``sample_cap`` when set
+      (the gateway passes the round's ``max_samples``: a device told to
+      train on at most that many cannot claim more);
+    * a round with no reference (the very first one) holds its first
+      ``clip_warmup`` updates in memory, takes ``M`` and ``N`` from them, and
+      then folds them and the rest with those bounds.
+
+    The medians make the bounds follow the fleet (norms shrink as training
+    converges) while a minority of hostile clients cannot move them. The
+    norm pass replaces the separate NaN/Inf scan (a non-finite norm rejects
+    the update), so the default costs what ``check_finite`` costs.
+    Pre-summed partials (:meth:`add_partial`) are not clipped: the site or
+    secure-aggregation client that formed them bounds its own inputs.
+
     Pre-summed partial aggregates (a secure-aggregation sum, a sub-gateway)
     enter with :meth:`add_partial`.
     """
@@ -371,13 +442,37 @@ class FedAvg(Aggregator):
     name = "fedavg"
 
     def __init__(self, *, weighted: bool = True, normalize_staleness: bool = False,
-                 privacy: CentralDP | None = None, stage: int = 32, server_optimizer=None,
+                 privacy: CentralDP | None = None, stage: int = 32,
+                 clip: str | float | None = "adaptive", clip_multiplier: float = CLIP_MULTIPLIER,
+                 sample_multiplier: float | str | None = SAMPLE_MULTIPLIER, sample_cap: int | None = None,
+                 clip_warmup: int = 3, server_optimizer=None,
                  staleness_fn: Callable[[int], float] | None = None, check_finite: bool = True) -> None:
         super().__init__(server_optimizer=server_optimizer, staleness_fn=staleness_fn, check_finite=check_finite)
         if privacy is not None and not isinstance(privacy, CentralDP):
             raise ConfigError(f"privacy must be a CentralDP, got {type(privacy).__name__}")
         if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
             raise ConfigError(f"stage must be an int >= 0 (0 = fold exactly in float64), got {stage!r}")
+        if _off(clip):
+            self.clip: str | float | None = None
+        elif clip == "adaptive":
+            self.clip = "adaptive"
+        elif isinstance(clip, (int, float)) and not isinstance(clip, bool):
+            self.clip = _positive("clip", clip)
+        else:
+            raise ConfigError(f"clip must be 'adaptive', a bound > 0 or 'off', got {clip!r}")
+        self.clip_multiplier = _positive("clip_multiplier", clip_multiplier)
+        self.sample_multiplier = None if _off(sample_multiplier) else _positive("sample_multiplier",
+                                                                                   sample_multiplier)
+        if sample_cap is not None and (isinstance(sample_cap, bool) or not isinstance(sample_cap, int)
+                                       or sample_cap < 1):
+            raise ConfigError(f"sample_cap must be an int >= 1 or None, got {sample_cap!r}")
+        self.sample_cap = sample_cap
+        if isinstance(clip_warmup, bool) or not isinstance(clip_warmup, int) or clip_warmup < 1:
+            raise ConfigError(f"clip_warmup must be an int >= 1, got {clip_warmup!r}")
+        self.clip_warmup = clip_warmup
+        self._reference: dict[str, float] | None = None
+        self._fixed_bounds: tuple[float | None, float | None] | None = None
+        self._reset_robust()
         self.weighted = bool(weighted)
         self.normalize_staleness = bool(normalize_staleness)
         self.privacy = privacy
@@ -392,7 +487,136 @@ class FedAvg(Aggregator):
         self._weight_sum = 0.0
         self._clipped = 0
 
+    # ---- default robustness: norm bound and sample cap ---------------------
+
+    @property
+    def robust(self) -> bool:
+        """True when updates are bounded (clip or sample cap on; central DP does its own)."""
+        return self.privacy is None and (self.clip is not None or self.sample_multiplier is not None
+                                         or self.sample_cap is not None)
+
+    def _needs_reference(self) -> bool:
+        return self.clip == "adaptive" or (self.sample_multiplier is not None and self.weighted)
+
+    def _reset_robust(self) -> None:
+        self._norm_bound: float | None = None
+        self._count_cap: float | None = None
+        self._bounds_set = False
+        self._held: list[tuple[dict[str, np.ndarray], int, float, str, float]] = []
+        self._norms: list[float] = []
+        self._claims: list[int] = []
+        self._clipped = 0
+        self._capped = 0
+        self._counted = 0
+
+    def begin_round(self, global_weights: Weights | None, round_id: int) -> None:
+        self._fixed_bounds = None
+        super().begin_round(global_weights, round_id)
+
+    def reset(self) -> None:
+        super().reset()
+        self._reference = None
+        self._fixed_bounds = None
+
+    @property
+    def reference(self) -> dict[str, float] | None:
+        """``{"median_norm": M, "median_samples": N}`` the next round's bounds come from
+        (set when a round finishes); persist it to keep the bounds across restarts."""
+        return None if self._reference is None else dict(self._reference)
+
+    def set_reference(self, reference: Mapping[str, float] | None) -> None:
+        """Restore a :attr:`reference` (takes effect at the next :meth:`begin_round`)."""
+        if reference is None:
+            self._reference = None
+            return
+        try:
+            m, n = float(reference["median_norm"]), float(reference["median_samples"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"a clipping reference needs median_norm and median_samples: {exc}") from None
+        if not (math.isfinite(m) and m >= 0 and math.isfinite(n) and n >= 0):
+            raise ConfigError(f"clipping reference must be finite and >= 0, got {m}, {n}")
+        self._reference = {"median_norm": m, "median_samples": n}
+
+    @property
+    def round_bounds(self) -> tuple[float | None, float | None] | None:
+        """(norm bound, sample cap) in force in the open round; None while it warms up."""
+        return (self._norm_bound, self._count_cap) if self._bounds_set else None
+
+    def set_round_bounds(self, norm_bound: float | None, sample_cap: float | None) -> None:
+        """Fix the open round's bounds (a resumed round, ingestion workers: the bounds the
+        round was opened with), before any update is folded."""
+        self._require_open("set_round_bounds")
+        if self._num_clients:
+            raise AggregationError("set_round_bounds() must come before the round's first update")
+        self._fixed_bounds = (norm_bound, sample_cap)
+        self._norm_bound, self._count_cap, self._bounds_set = norm_bound, sample_cap, True
+
+    def _bounds_from(self, median_norm: float | None, median_samples: float | None) -> None:
+        bound = None
+        if self.clip == "adaptive":
+            bound = None if median_norm is None else self.clip_multiplier * median_norm
+        elif self.clip is not None:
+            bound = float(self.clip)
+        cap = None if self.sample_cap is None else float(self.sample_cap)
+        if self.sample_multiplier is not None and median_samples is not None:
+            scaled = float(max(1, math.floor(self.sample_multiplier * max(1.0, median_samples))))
+            cap = scaled if cap is None else min(cap, scaled)  # whole samples: partial sums stay integers
+        self._norm_bound, self._count_cap, self._bounds_set = bound, cap, True
+
+    def _fold_checked(self, update: Weights, num_samples: int, staleness_weight: float,
+                      client_id: str) -> str | None:
+        if not self.robust:
+            return super()._fold_checked(update, num_samples, staleness_weight, client_id)
+        norm = global_norm(update)  # one read: the norm, and the NaN/Inf check
+        if not math.isfinite(norm):
+            assert self._schema is not None
+            for name in self._schema.names:
+                if not all_finite(update[name]):
+                    return name
+            return self._schema.names[0]  # finite values whose squares overflow: refused the same way
+        self._norms.append(norm)
+        self._claims.append(int(num_samples))
+        if not self._bounds_set:
+            self._held.append(({k: np.array(v, copy=True) for k, v in update.items()}, num_samples,
+                               staleness_weight, client_id, norm))
+            if len(self._held) >= self.clip_warmup:
+                self._settle_warmup()
+            return None
+        self._fold_bounded(update, num_samples, staleness_weight, norm)
+        return None
+
+    def _settle_warmup(self) -> None:
+        """Bounds from the held updates' medians, then fold them."""
+        self._bounds_from(_median([h[4] for h in self._held]), _median([h[1] for h in self._held]))
+        held, self._held = self._held, []
+        for update, n, sw, _cid, norm in held:
+            self._fold_bounded(update, n, sw, norm)
+
+    def _fold_bounded(self, update: Weights, num_samples: int, staleness_weight: float, norm: float) -> None:
+        n = float(num_samples)
+        if self._count_cap is not None and n > self._count_cap:
+            n = self._count_cap
+            self._capped += 1
+        factor = 1.0
+        if self._norm_bound is not None and norm > self._norm_bound:
+            factor = self._norm_bound / norm if norm > 0 else 0.0
+            self._clipped += 1
+        base = n if self.weighted else 1.0
+        weight = base * staleness_weight * factor
+        self._accumulate(update, weight)
+        self._denom += base * staleness_weight if self.normalize_staleness else base
+        self._weight_sum += weight
+        self._counted += n
+
     def _start(self, schema: Schema) -> None:
+        self._reset_robust()
+        if self.robust:
+            if self._fixed_bounds is not None:
+                self._norm_bound, self._count_cap = self._fixed_bounds
+                self._bounds_set = True
+            elif self._reference is not None or not self._needs_reference():
+                ref = self._reference or {}
+                self._bounds_from(ref.get("median_norm"), ref.get("median_samples"))
         self._acc = schema.zeros(np.float64)
         self._staged = {}
         if self.stage > 0:
@@ -424,6 +648,7 @@ class FedAvg(Aggregator):
         self._accumulate(update, weight)
         self._denom += base * staleness_weight if self.normalize_staleness else base
         self._weight_sum += weight
+        self._counted += num_samples
 
     def _accumulate(self, update: Weights, weight: float) -> None:
         """Add ``weight * update`` in place: float32 tensors into their staging sums,
@@ -464,13 +689,18 @@ class FedAvg(Aggregator):
         self._num_staged = 0
         self._staged_empty = True  # the next update overwrites the staging sums
 
-    def add_partial(self, weighted_sum: Weights, total_samples: int, num_clients: int, client_id: str = "") -> None:
+    def add_partial(self, weighted_sum: Weights, total_samples: int, num_clients: int, client_id: str = "", *,
+                    norms: Sequence[float] = (), claims: Sequence[int] = (), clipped: int = 0,
+                    capped: int = 0) -> None:
         """Fold in ``sum_i n_i d_i`` over ``num_clients`` clients whose ``sum_i n_i`` is ``total_samples``.
 
         For hierarchical gateways and the output of secure aggregation (which
         reveals only the sum). The sum's own arithmetic was done elsewhere;
         here it is validated like an update and added to the accumulator.
         Not available with central DP (clipping needs each client's delta).
+        ``norms``/``claims``/``clipped``/``capped``: the raw norms and claims of the
+        updates inside a sum that was formed with this round's bounds (ingestion
+        workers), so the next round's reference covers them too.
         """
         self._require_open("add_partial")
         if self.privacy is not None:
@@ -494,14 +724,38 @@ class FedAvg(Aggregator):
             self._accumulate(weighted_sum, 1.0)
             self._denom += num_clients
         self._weight_sum += total if self.weighted else num_clients
+        self._counted += total
+        self._norms.extend(float(x) for x in norms)
+        self._claims.extend(int(x) for x in claims)
+        self._clipped += int(clipped)
+        self._capped += int(capped)
         self._client_ids.append(client_id)
         self._num_clients += int(num_clients)
         self._total_samples += total
 
+    def _robust_metrics(self) -> dict[str, float]:
+        """Settle a round still warming up, record the next round's reference, report."""
+        if not self.robust:
+            return {}
+        if self._held:
+            self._settle_warmup()
+        metrics: dict[str, float] = {"clipped": float(self._clipped), "capped": float(self._capped)}
+        if self._norm_bound is not None:
+            metrics["norm_bound"] = self._norm_bound
+        if self._count_cap is not None:
+            metrics["sample_cap"] = self._count_cap
+        m, n = _median(self._norms), _median(self._claims)
+        if m is not None and n is not None:
+            metrics["median_norm"], metrics["median_samples"] = m, n
+            self._reference = {"median_norm": m, "median_samples": n}
+        self._total_samples = int(round(self._counted))
+        return metrics
+
     def _reduce(self) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         assert self._acc is not None
+        robust = self._robust_metrics()
         self._flush()
-        metrics: dict[str, float] = {"weight_sum": self._weight_sum}
+        metrics: dict[str, float] = {"weight_sum": self._weight_sum, **robust}
         denom = self._denom
         if self.privacy is not None:
             denom = float(self.privacy.denominator(self._num_clients))

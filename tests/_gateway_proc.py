@@ -1,14 +1,16 @@
-"""A gateway process for crash tests: RoundManager + SQLite state + persistent
-MQTT session, with an optional crash (os._exit, like a power cut / kill -9)
-right after the Nth update of a round has been stored.
+"""A gateway process for crash tests: RoundManager + SQLite state + persistent MQTT session.
 
-    python _gateway_proc.py BROKER_URL STATE FLEET KEY KEYRING MODEL ROUNDS [CRASH_ROUND CRASH_AFTER]
+    python _gateway_proc.py BROKER_URL STATE FLEET KEY KEYRING MODEL ROUNDS
+
+Crashes are injected with the environment, not with code in this file: run it
+with ``EDGEFLOW_FAULTS=<point>[@key][:n]`` (:mod:`edgeflow.faults`) and it dies
+with ``os._exit(137)`` at that step - no flush, no DISCONNECT, no PUBACK for
+the message in hand, as a power cut or ``kill -9`` would.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import onnx
@@ -22,22 +24,8 @@ from edgeflow.transport import MqttTransport
 
 def main() -> None:
     url, state, fleet, key, keyring, model, rounds = sys.argv[1:8]
-    crash_round, crash_after = (int(sys.argv[8]), int(sys.argv[9])) if len(sys.argv) > 9 else (-1, -1)
     logging.basicConfig(level=logging.INFO, format="gw %(message)s")
     store = GatewayStore(state)
-    if crash_after > 0:
-        real_add = store.add_update
-        stored = {"n": 0}
-
-        def add_then_maybe_crash(round_id, *a, **kw):
-            ok = real_add(round_id, *a, **kw)
-            if ok and round_id == crash_round:
-                stored["n"] += 1
-                if stored["n"] >= crash_after:
-                    os._exit(137)  # no flush, no DISCONNECT, no PUBACK for this message
-            return ok
-
-        store.add_update = add_then_maybe_crash
     ring = KeyRing.load(keyring)
     t = MqttTransport.from_url(url, client_id=f"{fleet}-gateway", clean_start=False, session_expiry_s=600)
     rm = RoundManager(

@@ -23,6 +23,11 @@ from edgeflow.gateway.buffered import (
 from edgeflow.gateway.strategies import FedAvg, available_aggregators, weighted_average
 
 
+UNBOUNDED = {"clip": "off", "sample_multiplier": "off"}
+"""FedAvg without its default norm bound and sample cap: the plain weighted mean these math tests check
+(the bound has its own tests in tests/test_robust_default.py)."""
+
+
 def _model(rng, shapes=(("fc.w", (16, 8)), ("fc.b", (8,)), ("out.w", (8, 3)))):
     return {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes}
 
@@ -36,7 +41,7 @@ def test_fedavg_is_the_sample_weighted_mean_of_deltas():
     g = _model(rng)
     ups = _updates(rng, g, 7)
     ns = [3, 10, 1, 7, 22, 5, 9]
-    agg = FedAvg()
+    agg = FedAvg(**UNBOUNDED)
     agg.begin_round(g, round_id=4)
     for i, (u, n) in enumerate(zip(ups, ns)):
         agg.add(u, n, client_id=f"d{i}")
@@ -58,7 +63,7 @@ def test_fedavg_matches_flower_aggregate():
     ups = _updates(rng, g, 5)
     ns = [5, 1, 8, 2, 4]
     flower = agg_mod.aggregate([([u[n] for n in g], k) for u, k in zip(ups, ns)])
-    agg = make_aggregator("fedavg")
+    agg = make_aggregator("fedavg", **UNBOUNDED)
     agg.begin_round(g, 0)
     for u, k in zip(ups, ns):
         agg.add(u, k)
@@ -73,7 +78,7 @@ def test_accumulation_error_does_not_grow_with_1000_updates(stage):
     a few float32 ulps of the sum of magnitudes, however many clients."""
     rng = np.random.default_rng(2)
     g = {"w": np.zeros(257, np.float32)}
-    agg = FedAvg(stage=stage)
+    agg = FedAvg(stage=stage, **UNBOUNDED)
     agg.begin_round(g, 0)
     rows, ns = [], []
     for i in range(1000):

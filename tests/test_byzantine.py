@@ -78,11 +78,16 @@ def test_fedavg_without_attack_is_the_baseline(data):
 
 @pytest.mark.parametrize("attack", ["flip-scale", "noise"])
 def test_robust_aggregators_keep_accuracy_where_fedavg_collapses(data, attack, capsys):
-    table = {"fedavg": _federated_run(data, "fedavg", attack)}
+    # FedAvg's default norm bound and sample cap (docs/aggregation.md) are turned off for the
+    # "unbounded" row: that is the plain FedAvg these attacks break; the default row shows what
+    # the bound alone keeps.
+    table = {"fedavg-unbounded": _federated_run(data, "fedavg", attack, clip="off", sample_multiplier="off"),
+             "fedavg": _federated_run(data, "fedavg", attack)}
     for name, params in ROBUST:
         table[name] = _federated_run(data, name, attack, **params)
     with capsys.disabled():
         print(f"\n20% Byzantine ({attack}): " + ", ".join(f"{k} {v:.3f}" for k, v in table.items()))
-    assert table["fedavg"] < 0.5, table
+    assert table["fedavg-unbounded"] < 0.5, table
+    assert table["fedavg"] >= 0.7, table  # bounded influence, not a Byzantine-robust rule (0.74 and 0.90 measured)
     for name, _ in ROBUST:
         assert table[name] >= 0.85, (name, table)

@@ -67,11 +67,14 @@ def test_robust_aggregation_survives_20_percent_byzantine(mosquitto_factory, str
     assert metrics[-1].accuracy >= 0.85, [m.accuracy for m in metrics]
 
 
-def test_fedavg_collapses_under_the_same_attack(mosquitto_factory):  # noqa: F811
+def test_unbounded_fedavg_collapses_under_the_same_attack(mosquitto_factory):  # noqa: F811
+    # FedAvg's default norm bound keeps this run above 0.7 (benchmarks/robust_default.py measures it);
+    # turned off, plain FedAvg is what the robust strategies above are compared with.
     broker = mosquitto_factory()
     metrics, _, _ = _run(broker, devices=20, rounds=6, alpha=1.0, byzantine=0.2, attack="flip",
                          attack_scale=10.0, strategy="fedavg", codec="dense", epochs=3, lr=0.2,
-                         deadline_s=2, max_extensions=0)
+                         deadline_s=2, max_extensions=0,
+                         strategy_params={"clip": "off", "sample_multiplier": "off"})
     accs = [m.accuracy for m in metrics if m.accuracy is not None]
     # the model is driven away: chance-level accuracy, or rounds fail once weights diverge
     assert max(accs[-3:] or [0.0]) < 0.5, [m.accuracy for m in metrics]

@@ -4,6 +4,7 @@ session, counting every update exactly once."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from edgeflow.datasets import dirichlet_partition, load_digits
 from edgeflow.federated import Client
 from edgeflow.gateway.rounds import model_weights
 from edgeflow.gateway.store import GatewayStore
+from edgeflow.gateway.strategies import bounded_mean
 from edgeflow.signing import KeyRing, PrivateKey, Signer
 from edgeflow.transport import MqttTransport
 
@@ -26,9 +28,10 @@ pytestmark = pytest.mark.integration
 HERE = Path(__file__).parent
 
 
-def _gateway(args, **kw):
+def _gateway(args, faults: str = "", **kw):
+    env = {**os.environ, "EDGEFLOW_FAULTS": faults}
     return subprocess.Popen([sys.executable, str(HERE / "_gateway_proc.py"), *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, **kw)
 
 
 def test_gateway_killed_mid_round_finishes_it_without_double_counting(mosquitto_factory, tmp_path):  # noqa: F811
@@ -57,7 +60,7 @@ def test_gateway_killed_mid_round_finishes_it_without_double_counting(mosquitto_
     state = tmp_path / "gw.sqlite"
     common = [broker.url, state, fleet, tmp_path / "fleet.key", tmp_path / "ring.json", tmp_path / "model.onnx", 2]
     try:
-        first = _gateway(common + [2, 3])  # crash right after storing the 3rd update of round 2
+        first = _gateway(common, faults="rounds.update_stored@2:3")  # die right after storing round 2's 3rd update
         out1, _ = first.communicate(timeout=120)
         assert first.returncode == 137, out1
         assert "ROUND 1 participants=6" in out1
@@ -79,9 +82,10 @@ def test_gateway_killed_mid_round_finishes_it_without_double_counting(mosquitto_
     version, onnx_bytes, _ = s.latest_model()
     assert version == 3 and s.open_rounds() == []
     got = model_weights(onnx.load_model_from_string(onnx_bytes))
-    # exactly FedAvg over the six round-2 deltas, each counted once
-    n = np.array([len(p) for p in parts], dtype=np.float64)
+    # exactly FedAvg over the six round-2 deltas, each counted once, with the round's default
+    # norm bound and sample cap (docs/aggregation.md; recorded in the round's metrics)
+    rec = s.round(2)
+    step = bounded_mean([c.last_delta for _, c in devices], [len(p) for p in parts],
+                        rec.metrics.get("norm_bound"), rec.metrics.get("sample_cap"))
     for name, w in got.items():
-        deltas = np.stack([c.last_delta[name].astype(np.float64) for _, c in devices])
-        expected = v1_weights[name] + np.tensordot(n / n.sum(), deltas, axes=1)
-        np.testing.assert_allclose(w, expected, rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(w, v1_weights[name] + step[name], rtol=1e-5, atol=1e-6, err_msg=name)

@@ -20,9 +20,12 @@ gateway.toml (every key optional except where noted; see docs/gateway.md):
   [rounds]
   rounds = 20
   strategy = "fedavg"            # fedavgm fedadam fedyogi fedadagrad median trimmed-mean krum multi-krum
+  # FedAvg bounds each update's norm (1.5 x the median) and sample count (3 x the median) by
+  # default; strategy_params = { clip = "off", sample_multiplier = "off" } turns that off
   fraction = 0.5
-  min_clients = 4
+  min_clients = 4                # a round that ends with fewer updates fails and publishes no model
   deadline_s = 60
+  publish_timeout_s = 30         # log (and keep waiting) when the broker has not acknowledged a publish
   [rounds.train]
   epochs = 1
   lr = 0.05

@@ -18,6 +18,7 @@ from edgeflow.codecs.rejects import RejectStats, rejections
 from edgeflow.codecs.update import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_ELEMENTS,
+    MAX_VALUE,
     Update,
     decode_update,
     encode_update,
@@ -28,6 +29,7 @@ __all__ = [
     "DEFAULT_MAX_BYTES",
     "DEFAULT_MAX_ELEMENTS",
     "MAGIC",
+    "MAX_VALUE",
     "VERSION",
     "Codec",
     "EncodeContext",

@@ -29,7 +29,6 @@ guess a new layout), and says which side to upgrade.
 from __future__ import annotations
 
 import hashlib
-import json
 import struct
 import zlib
 from collections.abc import Sequence
@@ -39,6 +38,8 @@ from typing import Any
 import numpy as np
 
 from edgeflow.codecs.rejects import codec_error
+from edgeflow.codecs.untrusted import loads_untrusted
+from edgeflow.errors import CodecError
 from edgeflow.signing import KEY_ID_SIZE, SIGNATURE_SIZE, Signer, signing_message
 
 __all__ = [
@@ -236,9 +237,9 @@ def parse_envelope(data: bytes | bytearray | memoryview, *, max_elements: int) -
     metadata: Any = {}
     if meta_len:
         try:
-            metadata = json.loads(_text(cur.take(meta_len, "the metadata"), "metadata"))
-        except ValueError:
-            raise codec_error("malformed", "metadata is not valid JSON") from None
+            metadata = loads_untrusted(_text(cur.take(meta_len, "the metadata"), "metadata"), "metadata")
+        except CodecError as exc:
+            raise codec_error("malformed", str(exc)) from None
         if not isinstance(metadata, dict):
             raise codec_error("malformed", "metadata must be a JSON object")
     specs: list[TensorSpec] = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgeflow.codecs.dense import check_finite
+from edgeflow.codecs.dense import check_values
 from edgeflow.codecs.registry import Codec, EncodeContext, register_codec
 from edgeflow.codecs.rejects import codec_error
 
@@ -34,7 +34,7 @@ class Fp16Codec(Codec):
             msg = f"fp16 section is {len(section)} bytes, expected {2 * size} for {size} values"
             raise codec_error("malformed", msg)
         half = np.frombuffer(section, dtype="<f2", count=size)
-        check_finite(half, "fp16 section")
+        check_values(half, "fp16 section")
         return half.astype(np.float32)
 
 

@@ -17,6 +17,7 @@ import struct
 
 import numpy as np
 
+from edgeflow.codecs.dense import MAX_VALUE
 from edgeflow.codecs.registry import Codec, EncodeContext, register_codec
 from edgeflow.codecs.rejects import codec_error
 
@@ -49,10 +50,20 @@ def dequantize_int8(scale: float, q: np.ndarray) -> np.ndarray:
     return out
 
 
+_MAX_SCALE = MAX_VALUE / QMAX * (1.0 + 1e-6)  # float32 rounding of amax / 127 may round up
+
+
 def check_scale(scale: float, what: str) -> None:
+    """A finite scale >= 0 whose largest product ``127 * scale`` stays within
+    :data:`~edgeflow.codecs.dense.MAX_VALUE` (a scale of 3e38 would decode
+    q=127 to Inf): the decoded values are then bounded without reading them."""
     if not np.isfinite(scale) or scale < 0.0:
         msg = f"{what} has scale {scale!r}; a scale must be finite and >= 0"
         raise codec_error("non_finite", msg)
+    if scale > _MAX_SCALE:
+        msg = (f"{what} has scale {scale:.3g}: 127 x scale exceeds the {MAX_VALUE:g} any update may carry; "
+               "the sender diverged or is hostile")
+        raise codec_error("out_of_range", msg)
 
 
 def check_q(q: np.ndarray, what: str) -> None:

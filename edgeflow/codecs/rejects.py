@@ -7,7 +7,7 @@ The reason codes are stable strings (tests and dashboards use them):
 
 ``oversized``, ``truncated``, ``bad_magic``, ``unsupported_version``,
 ``unknown_codec``, ``malformed``, ``checksum``, ``shape_mismatch``,
-``too_large``, ``non_finite``, ``unsigned``, ``unknown_device``,
+``too_large``, ``non_finite``, ``out_of_range``, ``unsigned``, ``unknown_device``,
 ``wrong_key``, ``bad_signature``, ``replay``, ``stale``.
 """
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from edgeflow.codecs.dense import check_finite
+from edgeflow.codecs.dense import check_values
 from edgeflow.codecs.registry import Codec, EncodeContext, register_codec
 from edgeflow.codecs.rejects import codec_error
 
@@ -138,7 +138,7 @@ class TopKCodec(Codec):
     def decode(self, section: memoryview, size: int) -> np.ndarray:
         idx, at = parse_indices(section, size, 4, "topk")
         values = np.frombuffer(section, dtype="<f4", count=idx.size, offset=at)
-        check_finite(values, "topk section")
+        check_values(values, "topk section")
         out = np.zeros(size, dtype=np.float32)
         out[idx] = values
         return out

@@ -30,13 +30,14 @@ from edgeflow.codecs.envelope import (
     parse_envelope,
     signed_message,
 )
+from edgeflow.codecs.dense import MAX_VALUE
 from edgeflow.codecs.feedback import ErrorFeedback
 from edgeflow.codecs.registry import EncodeContext, codec_by_id, get_codec
 from edgeflow.codecs.rejects import RejectStats, codec_error, reason_of, rejections
 from edgeflow.errors import CodecError, SignatureError
 from edgeflow.signing import KeyRing, ReplayGuard, Signer
 
-__all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MAX_ELEMENTS", "Update", "decode_update", "encode_update", "peek_update"]
+__all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MAX_ELEMENTS", "MAX_VALUE", "Update", "decode_update", "encode_update", "peek_update"]
 
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 DEFAULT_MAX_ELEMENTS = 1 << 28  # 1 GiB of float32 once decoded
@@ -148,6 +149,10 @@ def encode_update(
         if x.size and not np.isfinite(x).all():
             msg = f"tensor {name!r} holds NaN/Inf (after conversion to float32); fix the training step before sending"
             raise _encode_error("non_finite", msg)
+        if x.size and max(-float(x.min()), float(x.max())) > MAX_VALUE:
+            msg = (f"tensor {name!r} holds a value of magnitude {max(-float(x.min()), float(x.max())):.3g}; "
+                   f"receivers refuse updates beyond {MAX_VALUE:g} (the training step diverged)")
+            raise _encode_error("out_of_range", msg)
         flat.append((name, code, tuple(int(d) for d in arr.shape), x))
 
     use_state = state is not None and impl.uses_feedback

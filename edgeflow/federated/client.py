@@ -9,6 +9,14 @@ feedback residual across rounds — signs it with the device key, and
 publishes it on ``<device>/update``. An update that would arrive after the
 deadline is not sent (the gateway would drop it anyway).
 
+Gateway epochs (docs/security.md, "State loss and restore"): the model and
+the announcement carry the gateway's epoch. The client keeps the newest model
+version *of the highest epoch* it has seen and skips rounds it already did
+(keyed by round id and the round's nonce); a higher epoch - a gateway whose
+state was wiped or restored from a backup - resets both, so its lower versions
+and repeated round ids are followed, while a model or announcement of an
+older epoch (a replay) is refused. Updates echo the round's nonce.
+
 The client never imports the MQTT library: it gets a transport object with
 ``subscribe(filter, handler)`` and ``publish(topic, payload, qos=1)``
 (:class:`edgeflow.transport.MqttTransport`), so the device agent, the demo
@@ -118,9 +126,10 @@ class Client:
         self._seq = time.time_ns() // 1_000_000  # monotonic across restarts
         self._weights: dict[str, np.ndarray] | None = None
         self._version = -1
+        self._epoch = 0
         self._weights_cv = threading.Condition()
         self._rounds: "queue.Queue[RoundAnnouncement | None]" = queue.Queue()
-        self._done: set[int] = set()
+        self._done: set[tuple[int, str]] = set()
         self._current: RoundAnnouncement | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -159,7 +168,25 @@ class Client:
             self._thread = None
 
     def status(self) -> dict[str, Any]:
-        return {"running": self._thread is not None, "model_version": self._version, **self.stats.to_dict()}
+        return {"running": self._thread is not None, "model_version": self._version, "gateway_epoch": self._epoch,
+                **self.stats.to_dict()}
+
+    def _follow_epoch(self, epoch: int, what: str) -> bool:
+        """False (refuse) for an older gateway epoch; a newer one resets the model version seen.
+        Call with ``_weights_cv`` held."""
+        if epoch < self._epoch:
+            self.stats.rejected_messages += 1
+            log.warning("device %s: %s of gateway epoch %d refused: epoch %d is current (a replay?)",
+                        self.device_id, what, epoch, self._epoch)
+            return False
+        if epoch > self._epoch:
+            if self._epoch:
+                log.warning("device %s: the gateway started epoch %d (was %d): following its model versions "
+                            "and rounds from scratch", self.device_id, epoch, self._epoch)
+            self._epoch = epoch  # rounds done stay done: a resumed round keeps its nonce
+            self._version = -1
+            self._weights = None
+        return True
 
     # -- handlers (transport worker thread: keep them short) ---------------
     def _on_model(self, msg: Any) -> None:
@@ -173,8 +200,15 @@ class Client:
         if upd.device_id != GATEWAY_ID:
             self.stats.rejected_messages += 1
             return
-        version = int(upd.metadata.get("model_version", upd.round_id))
+        version, epoch = upd.metadata.get("model_version", upd.round_id), upd.metadata.get("epoch", 0)
+        if isinstance(version, bool) or not isinstance(version, int) or isinstance(epoch, bool) \
+                or not isinstance(epoch, int):
+            self.stats.rejected_messages += 1
+            log.warning("device %s: global model refused: model_version/epoch are not integers", self.device_id)
+            return
         with self._weights_cv:
+            if not self._follow_epoch(epoch, f"model v{version}"):
+                return
             if version >= self._version:
                 self._weights = upd.tensors
                 self._version = version
@@ -189,6 +223,9 @@ class Client:
             self.stats.rejected_messages += 1
             log.warning("device %s: round announcement refused: %s", self.device_id, exc)
             return
+        with self._weights_cv:
+            if not self._follow_epoch(ann.epoch, f"round {ann.round_id} announcement"):
+                return
         self._current = ann
         if ann.state == "open" and (not ann.selected or self.device_id in ann.selected):
             self._rounds.put(ann)
@@ -250,7 +287,7 @@ class Client:
         self.stats.rounds_trained += 1
         self.stats.last_round = ann.round_id
         self.stats.last_loss = loss
-        self._done.add(ann.round_id)
+        self._done.add((ann.round_id, ann.nonce))
         bundle = self._sa_wait(ShareBundle, directory.session_id, ann.deadline)
         if delta is None:
             return  # this device drops out after sharing its keys (recoverable by the others)
@@ -268,7 +305,7 @@ class Client:
                 return
             if ann.mode == "async":
                 self._run_async(ann)
-            elif ann.round_id not in self._done:
+            elif (ann.round_id, ann.nonce) not in self._done:
                 try:
                     self._run_round(ann)
                 except EdgeflowError as exc:
@@ -319,7 +356,8 @@ class Client:
             delta, cfg.codec, round_id=ann.round_id, device_id=self.device_id, seq=self._seq,
             signer=self.signer, state=self.feedback, num_samples=n, rng=self._rng,
             metadata={"loss": float(loss), "base_version": int(base_version),
-                      "train_s": round(self.stats.last_train_s, 4)},
+                      "train_s": round(self.stats.last_train_s, 4),
+                      **({"round_nonce": ann.nonce} if ann.nonce else {})},
             **cfg.codec_opts,
         )
         if ann.mode == "sync" and time.time() > ann.deadline:
@@ -345,7 +383,7 @@ class Client:
         self.stats.rounds_trained += 1
         self.stats.last_round = ann.round_id
         self.stats.last_loss = loss
-        self._done.add(ann.round_id)
+        self._done.add((ann.round_id, ann.nonce))
         if delta is not None:
             self._send(ann, delta, n, loss, version)
 

@@ -19,11 +19,14 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..codecs.untrusted import as_int, as_number, loads_untrusted
 from ..errors import CodecError, SignatureError
 from ..signing import PrivateKey, PublicKey, signing_message
 
 ROUND_CONTEXT = "round/v1"
 MAX_CONTROL_BYTES = 1 << 20
+MAX_NUM_SAMPLES = (1 << 31) - 1
+"""Largest ``num_samples`` an update may claim (the gateway caps the weight far lower, see docs/aggregation.md)."""
 
 
 def sign_json(body: dict[str, Any], key: PrivateKey, context: str) -> bytes:
@@ -39,20 +42,17 @@ def open_json(data: bytes, key: PublicKey, context: str) -> dict[str, Any]:
     if len(data) > MAX_CONTROL_BYTES:
         raise CodecError(f"control message of {len(data)} bytes exceeds {MAX_CONTROL_BYTES}")
     try:
-        wrapper = json.loads(data)
+        wrapper = loads_untrusted(data, "control message")
         text, sig, ctx = wrapper["body"], bytes.fromhex(wrapper["sig"]), wrapper["ctx"]
         if wrapper.get("v") != 1 or not isinstance(text, str):
             raise ValueError("unknown version or body type")
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CodecError(f"not a signed edgeflow control message ({exc})") from exc
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # CodecError is a ValueError
+        raise CodecError(f"not a signed edgeflow control message ({exc})") from None
     if ctx != context:
         raise SignatureError(f"message signed for {ctx!r}, expected {context!r}")
     digest = hashlib.sha256(text.encode("utf-8")).digest()
     key.verify(signing_message(context, digest), sig)
-    try:
-        body = json.loads(text)
-    except ValueError as exc:  # pragma: no cover - signed bytes were JSON when signed
-        raise CodecError(f"signed body is not JSON ({exc})") from exc
+    body = loads_untrusted(text, "signed body")
     if not isinstance(body, dict):
         raise CodecError("signed body is not a JSON object")
     return body
@@ -91,6 +91,17 @@ class RoundAnnouncement:
     has and reports whenever it is done, again and again; ``round_id`` then
     names the asynchronous session. ``state`` "closed" tells stragglers to
     stop.
+
+    ``epoch`` and ``nonce`` make rounds and model versions survive a wiped
+    or restored gateway state (docs/security.md, "State loss and restore"):
+    ``epoch`` (milliseconds since the Unix epoch when the gateway process
+    started; 0 = a gateway without epochs) orders gateway incarnations, so a
+    device follows a new gateway's lower model versions and refuses a replayed
+    announcement or model of an older incarnation; ``nonce`` (random hex
+    chosen when the round was opened, kept when a restarted gateway resumes
+    it) tells a new round from an earlier one with the same id, and devices
+    echo it in their update so a captured update cannot count in another
+    round that reuses its id. Both are left out of the body when unset.
     """
 
     round_id: int
@@ -101,27 +112,38 @@ class RoundAnnouncement:
     state: str = "open"
     mode: str = "sync"
     issued: float = 0.0
+    epoch: int = 0
+    nonce: str = ""
 
     def to_body(self) -> dict[str, Any]:
         d = asdict(self)
         d["selected"] = list(self.selected)
+        if not self.epoch:
+            del d["epoch"]
+        if not self.nonce:
+            del d["nonce"]
         return d
 
     @classmethod
     def from_body(cls, d: dict[str, Any]) -> "RoundAnnouncement":
         try:
+            nonce = d.get("nonce", "")
+            if not isinstance(nonce, str) or len(nonce) > 64:
+                raise ValueError(f"nonce must be a string of at most 64 characters, got {str(nonce)[:40]!r}")
             return cls(
-                round_id=int(d["round_id"]),
-                model_version=int(d["model_version"]),
-                deadline=float(d["deadline"]),
+                round_id=as_int(d["round_id"], "round_id", lo=0, hi=(1 << 64) - 1),
+                model_version=as_int(d["model_version"], "model_version", lo=0),
+                deadline=as_number(d["deadline"], "deadline"),
                 selected=tuple(str(s) for s in d.get("selected", ())),
                 config=TrainConfig.from_dict(dict(d.get("config", {}))),
                 state=str(d.get("state", "open")),
                 mode=str(d.get("mode", "sync")),
-                issued=float(d.get("issued", 0.0)),
+                issued=as_number(d.get("issued", 0.0), "issued"),
+                epoch=as_int(d.get("epoch", 0), "epoch", lo=0, hi=(1 << 63) - 1),
+                nonce=nonce,
             )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CodecError(f"malformed round announcement ({exc})") from exc
+        except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
+            raise CodecError(f"malformed round announcement ({exc})") from None
 
     def sign(self, key: PrivateKey) -> bytes:
         return sign_json(self.to_body(), key, ROUND_CONTEXT)
@@ -129,3 +151,44 @@ class RoundAnnouncement:
     @classmethod
     def verify(cls, data: bytes, key: PublicKey) -> "RoundAnnouncement":
         return cls.from_body(open_json(data, key, ROUND_CONTEXT))
+
+
+@dataclass(frozen=True)
+class UpdateMeta:
+    """The validated metadata of a device's update envelope (wire-format §10.3).
+
+    Every field is checked before the gateway stores anything: a string loss,
+    a negative or float sample count, an infinite number or a wrong type
+    refuses the whole update (reason ``bad_metadata``) instead of crashing
+    the fold after the envelope was stored. Unknown keys are ignored.
+    """
+
+    num_samples: int = 1
+    base_version: int | None = None
+    loss: float | None = None
+    train_s: float | None = None
+    nonce: str | None = None
+
+
+def parse_update_meta(metadata: Any, device: str = "") -> UpdateMeta:
+    """Check an update's metadata; CodecError (reason "bad_metadata") names the field."""
+    who = f"update from {device!r}" if device else "update"
+    try:
+        if not isinstance(metadata, dict):
+            raise CodecError("metadata is not a JSON object")
+        num_samples = as_int(metadata.get("num_samples", 1), "num_samples", lo=1, hi=MAX_NUM_SAMPLES)
+        base = metadata.get("base_version")
+        base_version = None if base is None else as_int(base, "base_version", lo=0, hi=(1 << 63) - 1)
+        loss = metadata.get("loss")
+        loss = None if loss is None else as_number(loss, "loss")
+        train_s = metadata.get("train_s")
+        train_s = None if train_s is None else as_number(train_s, "train_s", lo=0.0)
+        nonce = metadata.get("round_nonce")
+        if nonce is not None and (not isinstance(nonce, str) or not nonce or len(nonce) > 64):
+            raise CodecError(f"round_nonce must be a non-empty string of at most 64 characters, "
+                             f"got {str(nonce)[:40]!r}")
+    except CodecError as exc:
+        err = CodecError(f"{who} has bad metadata: {exc}; refused before anything was stored")
+        err.reason = "bad_metadata"  # type: ignore[attr-defined]
+        raise err from None
+    return UpdateMeta(num_samples, base_version, loss, train_s, nonce)
