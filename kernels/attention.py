@@ -1,7 +1,7 @@
 """The attention family of opsets 23-28: Attention (MHA / GQA / MQA, 3-D and
 4-D inputs, boolean and float masks, causal with the offset-aware frontier,
 past/present key-value cache, nonpad_kv_seqlen, softcap, softmax_precision,
-the four qk_matmul_output modes, sliding windows), RotaryEmbedding, SwiGLU,
+the four qk_matmul_output modes, sliding windows), RotaryEmbedding (SwiGLU lives in activations.py),
 LinearAttention (linear / gated / delta / gated_delta recurrences) and
 CausalConvWithState.
 
@@ -326,30 +326,6 @@ def rotary_embedding(
         out[..., rd // 2: rd] = imag
     out[..., rd:] = xs[..., rd:]
     return np.swapaxes(out, 1, 2) if four_d else out.reshape(x.shape)
-
-
-@register("SwiGLU", dtypes=FLOAT_TYPES, since=28)
-def swiglu(a: np.ndarray, b: np.ndarray, *, alpha: float = 1.0) -> np.ndarray:
-    """a * sigmoid(alpha * a) * b (no broadcasting: equal shapes)."""
-    if a.shape != b.shape:
-        raise OpError(f"SwiGLU needs A and B of one shape (no broadcasting), got {a.shape} and {b.shape}")
-    wd = _work(a.dtype)
-    aw = a.astype(wd, copy=False)
-    with np.errstate(over="ignore"):
-        sig = 1 / (1 + np.exp(-wd.type(alpha) * aw))
-    return (aw * sig * b).astype(a.dtype)
-
-
-@swiglu.backward(uses="inputs")
-def _(grads, inputs, outputs, *, alpha=1.0):
-    dy, (a, b) = grads[0], inputs
-    if dy is None:
-        return (None, None)
-    with np.errstate(over="ignore"):
-        sig = 1 / (1 + np.exp(-alpha * a))
-    swish = a * sig
-    dswish = sig + alpha * a * sig * (1 - sig)
-    return ((dy * b * dswish).astype(a.dtype), (dy * swish).astype(b.dtype))
 
 
 @register("CausalConvWithState", dtypes=FLOAT_TYPES, since=27)
