@@ -8,7 +8,10 @@ of at most 1e-4 on every output, where
 
 (the largest absolute difference relative to the reference's largest
 magnitude: robust where the reference has zeros; integer and boolean outputs
-must be equal). For the onnx 'light' zoo models, whose weights are constant
+must be equal). Where onnxruntime's own fp32 result is further than that from
+the float64 truth (onnx's reference evaluator on the model cast to double),
+the numpy backend must be within 1e-4 of the truth and closer to it than
+onnxruntime. For the onnx 'light' zoo models, whose weights are constant
 fills that make the softmax uniform, the logits before the softmax are
 compared too (the manifest's ``check_outputs``).
 
@@ -71,7 +74,48 @@ def test_numpy_backend_matches_onnxruntime(suite, name):
     assert set(got) == set(ref)
     errors = {k: ms.max_relative_error(got[k], ref[k]) for k in ref}
     bad = {k: f"{e:.3g} (shape {np.shape(got[k])} vs {np.shape(ref[k])})" for k, e in errors.items() if not e <= TOL}
+    if bad:
+        # Where the two fp32 results disagree, ask the float64 truth (onnx's reference evaluator on the
+        # model cast to double): the numpy backend passes only if it is within TOL of it *and* closer to it
+        # than onnxruntime (whose fused kernels can lose more precision, e.g. before a saturating Sigmoid).
+        truth = _float64_truth(model, feeds, list(bad))
+        for k in list(bad):
+            ours, theirs = ms.max_relative_error(got[k], truth[k]), ms.max_relative_error(ref[k], truth[k])
+            if ours <= TOL and ours < theirs:
+                del bad[k]
+            else:
+                bad[k] += f"; vs float64: numpy {ours:.3g}, onnxruntime {theirs:.3g}"
     assert not bad, f"{name}: max relative error above {TOL:g} on {bad}"
+
+
+def _float64_truth(model, feeds, outputs):
+    import copy
+
+    import onnx
+    from onnx import TensorProto, numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    def cast(g):
+        for t in g.initializer:
+            if t.data_type == TensorProto.FLOAT:
+                t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float64), t.name))
+        for n in g.node:
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.TENSOR and a.t.data_type == TensorProto.FLOAT:
+                    a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype(np.float64), a.t.name))
+                elif a.type == onnx.AttributeProto.GRAPH:
+                    cast(a.g)
+                elif a.name == "to" and a.i == TensorProto.FLOAT:
+                    a.i = TensorProto.DOUBLE
+        for v in list(g.input) + list(g.output) + list(g.value_info):
+            if v.type.tensor_type.elem_type == TensorProto.FLOAT:
+                v.type.tensor_type.elem_type = TensorProto.DOUBLE
+
+    m64 = copy.deepcopy(model)
+    cast(m64.graph)
+    feeds64 = {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in feeds.items()}
+    outs = ReferenceEvaluator(m64).run(outputs, feeds64)
+    return dict(zip(outputs, outs))
 
 
 # -- the inputs are real: onnxruntime reads them as the packages' own pipelines do ----
