@@ -445,7 +445,8 @@ def test_the_cli_reports_a_damaged_state_in_one_line(tmp_path):
 
     exe = [sys.executable, "-m", "edgeflow.cli.main"]
     fleet_dir = tmp_path / "fleet"
-    r = subprocess.run(exe + ["broker-config", "--dir", str(fleet_dir), "--fleet", "lab"], capture_output=True,
+    as_root = ["--broker-user", "root"] if os.geteuid() == 0 else []  # pytest's tmp dirs are private (see _fleet)
+    r = subprocess.run(exe + ["broker-config", "--dir", str(fleet_dir), "--fleet", "lab", *as_root], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     state = tmp_path / "gw.sqlite"
