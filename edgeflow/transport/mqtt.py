@@ -690,8 +690,9 @@ class MqttTransport:
                 bs.waiters.append(waiter)
         if not new:
             return sub
+        online = self._connected.is_set()  # before the hand-over: a drop during it must not end the wait
         self._call_net(lambda: self._send_subscribe([bs.filter.value for bs in new]))
-        if timeout and self._connected.is_set():
+        if timeout and online:
             deadline = time.monotonic() + timeout
             while not all(bs.acked or bs.error for bs in new):
                 remaining = deadline - time.monotonic()
@@ -737,8 +738,9 @@ class MqttTransport:
                 self._unsubs[d] = self._unsubs.get(d, []) + [waiter]
         if not drop:
             return
+        online = self._connected.is_set()  # before the hand-over: a drop during it must not end the wait
         self._call_net(lambda: self._send_unsubscribe(drop))
-        if timeout and self._connected.is_set():
+        if timeout and online:
             deadline = time.monotonic() + timeout
             while True:
                 with self._lock:
