@@ -21,18 +21,18 @@ Cortex-A7, and there are no parameters to get wrong.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import bisect
 import hashlib
 import hmac
 import json
+import logging
 import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-
-import base64
-import binascii
 
 from edgeflow.errors import ConfigError, SignatureError
 
@@ -49,8 +49,11 @@ if os.environ.get(BACKEND_ENV, "").strip().lower() not in ("pure", "python", "pu
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
         _crypto = True
-    except ImportError:
+    except ImportError as _exc:
         _crypto = None
+        logging.getLogger(__name__).warning(
+            "no usable cryptography package (%s): Ed25519 signs and verifies with edgeflow's pure-Python "
+            "RFC 8032 code", _exc)
 
 BACKEND = "cryptography" if _crypto else "pure-python"
 """Which Ed25519 implementation signs and verifies here: ``"cryptography"``
