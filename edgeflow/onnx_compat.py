@@ -168,10 +168,18 @@ _FINDER = _Finder()
 
 
 def install() -> None:
-    """Put the hook first on ``sys.meta_path`` (idempotent). Imports nothing."""
+    """Put the hook first on ``sys.meta_path`` (idempotent). Imports nothing.
+
+    An onnx that was imported before edgeflow (``import onnx, edgeflow``) gets its
+    backfills here instead of at import.
+    """
     with _lock:
         if _FINDER not in sys.meta_path:
             sys.meta_path.insert(0, _FINDER)
+        early = sys.modules.get("onnx")
+        if early is not None and not getattr(early, "EDGEFLOW_COMPAT", False) and _state["path"] is None:
+            _backfill(early)
+            _state.update(path="onnx", reason="")
 
 
 def status() -> dict[str, Any]:
