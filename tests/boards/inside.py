@@ -20,6 +20,7 @@ from pathlib import Path
 
 
 def conformance(cases_dir: Path, out: Path) -> int:
+    import edgeflow  # noqa: F401 - first: its import hook decides what `import onnx` gets (EDGEFLOW_ONNX)
     import numpy as np
     import onnx
 
