@@ -858,6 +858,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", nargs=2, metavar=("MODEL.onnx", "INPUT.npz"), help="model for the inference check")
     ap.add_argument("--json-out", help="also write the reports here")
     args = ap.parse_args(argv)
+
+    def on_term(signum, frame):  # noqa: ARG001 - `timeout` sends TERM: unwind, unmount, stop the agents
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
     cache = cache_root()
     cache.mkdir(parents=True, exist_ok=True)
     arches = list(ARCHES.values()) if args.arch == "all" else [ARCHES[args.arch]]
