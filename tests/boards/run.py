@@ -397,8 +397,7 @@ def resolve_wheelhouse(arch: Arch, wheel: Path, rootfs: Path, cache: Path) -> di
             continue
         excluded: list[str] = []
         for _attempt in range(12):
-            spec = f"{req.name}{req.specifier}" + "".join(f",!={v}" if (req.specifier or excluded[:i]) else f"!={v}"
-                                                           for i, v in enumerate(excluded))
+            spec = req.name + ",".join(x for x in [str(req.specifier), *(f"!={v}" for v in excluded)] if x)
             with tempfile.TemporaryDirectory(dir=house) as tmp:
                 try:
                     run([*base, "-d", tmp, spec], timeout=900)
