@@ -9,6 +9,12 @@ quantization, training, transport, codecs and the gateway.
 
 from __future__ import annotations
 
+from . import onnx_compat as _onnx_compat
+
+# A hook, not an import: ``import onnx`` gets the installed package, or where a
+# board has none (or only an old one) the protobuf stand-in of edgeflow.onnx_compat.
+_onnx_compat.install()
+
 __version__ = "0.1.0"
 
 __all__ = ["__version__", "quantize"]

@@ -33,6 +33,15 @@ ACTIVATION_TYPES = ("uint8", "int8")
 WEIGHT_GRANULARITY = ("per-channel", "per-tensor")
 FORMATS = ("qdq", "qoperator")
 
+PROFILE_ENV = "EDGEFLOW_PROFILE"
+"""``EDGEFLOW_PROFILE=raspberry-pi-4`` (or a .toml path): :func:`detect` returns that
+profile outright. For emulated userlands (qemu hides the board) and for boards
+whose model string no profile names."""
+BOARD_MODEL_ENV = "EDGEFLOW_BOARD_MODEL"
+"""``EDGEFLOW_BOARD_MODEL="Raspberry Pi 4 Model B Rev 1.4"``: stands in for the
+device-tree model string (/proc/device-tree/model) that emulation does not have;
+detection then matches it like the real one."""
+
 _ARCH_ALIASES = {"amd64": "x86_64", "arm64": "aarch64", "armv7": "armv7l", "armv8l": "armv7l", "armhf": "armv7l"}
 
 
@@ -261,8 +270,8 @@ def host_facts() -> HostFacts:
                     flags.update(line.split(":", 1)[1].split())
     except OSError:
         pass
-    model = ""
-    for path in ("/proc/device-tree/model", "/sys/firmware/devicetree/base/model"):
+    model = os.environ.get(BOARD_MODEL_ENV, "").strip()
+    for path in () if model else ("/proc/device-tree/model", "/sys/firmware/devicetree/base/model"):
         try:
             model = Path(path).read_bytes().rstrip(b"\0").decode("utf-8", "replace")
             break
@@ -272,17 +281,28 @@ def host_facts() -> HostFacts:
 
 
 def detect(facts: HostFacts | None = None) -> DeviceProfile:
-    """The built-in profile closest to this host.
+    """The built-in profile closest to this host (see :func:`detect_with_reason`)."""
+    return detect_with_reason(facts)[0]
 
-    A device-tree model string that a profile's ``match`` list names wins
-    outright; otherwise the profile of the same architecture that is closest
-    in cores and memory and whose CPU features the host has.
+
+def detect_with_reason(facts: HostFacts | None = None) -> tuple[DeviceProfile, str]:
+    """The built-in profile closest to this host, and how it was chosen.
+
+    With no ``facts``, ``EDGEFLOW_PROFILE`` (a profile name or .toml path) wins
+    outright. Otherwise a device-tree model string (or ``EDGEFLOW_BOARD_MODEL``)
+    that a profile's ``match`` list names wins; failing that, the profile of
+    the same architecture that is closest in cores and memory and whose CPU
+    features the host has.
     """
+    if facts is None:
+        forced = os.environ.get(PROFILE_ENV, "").strip()
+        if forced:
+            return get_profile(forced), f"{PROFILE_ENV}={forced}"
     facts = facts or host_facts()
     profiles = list(builtin_profiles().values())
     for p in profiles:
         if facts.board_model and any(m.lower() in facts.board_model.lower() for m in p.match):
-            return p
+            return p, f"board model {facts.board_model!r}"
     same_arch = [p for p in profiles if p.arch == facts.arch]
     if not same_arch:
         raise ProfileError(
@@ -295,4 +315,7 @@ def detect(facts: HostFacts | None = None) -> DeviceProfile:
         missing = sum(1 for f in p.cpu_features if f.lower() not in host_flags) if host_flags else 0
         return (missing, abs(p.cores - facts.cores), abs(p.memory_mb - facts.memory_mb) if facts.memory_mb else 0)
 
-    return min(same_arch, key=score)
+    how = f"closest {facts.arch} profile to {facts.cores} cores, {facts.memory_mb} MiB"
+    if not facts.board_model:
+        how += f" (no device-tree model; set {PROFILE_ENV} or {BOARD_MODEL_ENV} to name the board)"
+    return min(same_arch, key=score), how

@@ -184,3 +184,168 @@ def test_replay_guard_is_atomic_under_threads() -> None:
     for t in threads:
         t.join()
     assert sorted(accepted) == list(range(200)), "each (round, seq) accepted exactly once"
+
+
+# ---------------------------------------------------------------- the two Ed25519 paths
+# Boards without a cryptography wheel (riscv64 on PyPI) sign and verify with the
+# pure-Python RFC 8032 code in edgeflow.signing; both paths must agree bit for bit.
+
+from edgeflow import signing as signing_mod  # noqa: E402
+
+# RFC 8032, section 7.1: TEST 1, TEST 2, TEST 3 and TEST SHA(abc) (secret, public, message, signature).
+RFC8032 = [
+    ("9d61b19deffd5a60ba844af492ec2cc44449c5697b326919703bac031cae7f60",
+     "d75a980182b10ab7d54bfed3c964073a0ee172f3daa62325af021a68f707511a", "",
+     "e5564300c360ac729086e2cc806e828a84877f1eb8e5d974d873e065224901555fb8821590a33bacc61e39701cf9b46b"
+     "d25bf5f0595bbe24655141438e7a100b"),
+    ("4ccd089b28ff96da9db6c346ec114e0f5b8a319f35aba624da8cf6ed4fb8a6fb",
+     "3d4017c3e843895a92b70aa74d1b7ebc9c982ccf2ec4968cc0cd55f12af4660c", "72",
+     "92a009a9f0d4cab8720e820b5f642540a2b27b5416503f8fb3762223ebdb69da085ac1e43e15996e458f3613d0f11d8c"
+     "387b2eaeb4302aeeb00d291612bb0c00"),
+    ("c5aa8df43f9f837bedb7442f31dcb7b166d38535076f094b85ce3a2e0b4458f7",
+     "fc51cd8e6218a1a38da47ed00230f0580816ed13ba3303ac5deb911548908025", "af82",
+     "6291d657deec24024827e69c3abe01a30ce548a284743a445e3680d7db5ac3ac18ff9b538d16f290ae67f760984dc659"
+     "4a7c15e9716ed28dc027beceea1ec40a"),
+    ("833fe62409237b9d62ec77587520911e9a759cec1d19755b7da901b96dca3d42",
+     "ec172b93ad5e563bf4932c70e1245034c35467ef2efd4d64ebf819683467e2bf",
+     hashlib.sha512(b"abc").hexdigest(),
+     "dc2a4459e7369633a52b1bf277839a00201009a3efbf3ecb69bea2186c26b58909351fc9ac90b3ecfdfbc7c66431e030"
+     "3dca179c138ac17ad9bef1177331a704"),
+]
+
+
+@pytest.fixture(params=["cryptography", "pure-python"])
+def backend(request, monkeypatch) -> str:
+    """Run a test once per Ed25519 path (the cryptography one only where it imports)."""
+    if request.param == "cryptography":
+        if not signing_mod._crypto:
+            pytest.skip("cryptography is not installed here")
+    else:
+        monkeypatch.setattr(signing_mod, "_crypto", None)
+    return request.param
+
+
+@pytest.mark.parametrize("secret,public,message,signature", RFC8032)
+def test_rfc8032_vectors(backend: str, secret: str, public: str, message: str, signature: str) -> None:
+    key = PrivateKey.from_bytes(bytes.fromhex(secret))
+    msg = bytes.fromhex(message)
+    assert key.public_key.hex == public
+    assert key.sign(msg).hex() == signature
+    PublicKey.from_hex(public).verify(msg, bytes.fromhex(signature))
+    with pytest.raises(SignatureError, match="does not verify"):
+        PublicKey.from_hex(public).verify(msg + b"\0", bytes.fromhex(signature))
+
+
+def test_pure_functions_on_rfc8032_vectors() -> None:
+    for secret, public, message, signature in RFC8032:
+        sk, pk, m, sig = (bytes.fromhex(v) for v in (secret, public, message, signature))
+        assert signing_mod._ed25519_public(sk) == pk
+        assert signing_mod._ed25519_sign(sk, pk, m) == sig
+        assert signing_mod._ed25519_verify(pk, m, sig)
+        assert not signing_mod._ed25519_verify(pk, m + b"x", sig)
+
+
+def _flip(data: bytes, i: int, bit: int = 1) -> bytes:
+    b = bytearray(data)
+    b[i] ^= bit
+    return bytes(b)
+
+
+def test_pure_path_agrees_with_cryptography_on_valid_and_forged_signatures() -> None:
+    ed = pytest.importorskip("cryptography.hazmat.primitives.asymmetric.ed25519")
+    from cryptography.exceptions import InvalidSignature
+
+    def ossl_ok(pub: bytes, msg: bytes, sig: bytes) -> bool:
+        try:
+            ed.Ed25519PublicKey.from_public_bytes(pub).verify(sig, msg)
+            return True
+        except (InvalidSignature, ValueError):
+            return False
+
+    rng = __import__("random").Random(8032)
+    cases = 0
+    for n in range(12):
+        sk = rng.randbytes(32)
+        msg = rng.randbytes(n * 7)
+        ref = ed.Ed25519PrivateKey.from_private_bytes(sk)
+        pub = signing_mod._ed25519_public(sk)
+        sig = signing_mod._ed25519_sign(sk, pub, msg)
+        assert pub == PrivateKey(sk, ref).public_key.raw and sig == ref.sign(msg), "same bytes as OpenSSL"
+        s_plus_l = (int.from_bytes(sig[32:], "little") + signing_mod._L).to_bytes(32, "little")
+        forged = [sig, _flip(sig, n % 32), _flip(sig, 32 + n % 32), _flip(sig, 31, 0x80), sig[:32] + s_plus_l,
+                  _flip(sig, 63, 0x10)]
+        keys = [pub, _flip(pub, n % 32), rng.randbytes(32), _flip(pub, 31, 0x80)]
+        for k in keys:
+            for f in forged:
+                for m in (msg, msg + b"!"):
+                    assert signing_mod._ed25519_verify(k, m, f) == ossl_ok(k, m, f), (n, k.hex(), f.hex())
+                    cases += 1
+    assert cases == 12 * 4 * 6 * 2
+
+
+def test_pem_files_are_byte_identical_and_cross_readable(tmp_path: Path, monkeypatch) -> None:
+    ser = pytest.importorskip("cryptography.hazmat.primitives.serialization")
+    ed = pytest.importorskip("cryptography.hazmat.primitives.asymmetric.ed25519")
+    native = ed.Ed25519PrivateKey.generate()
+    ossl_priv = native.private_bytes(ser.Encoding.PEM, ser.PrivateFormat.PKCS8, ser.NoEncryption())
+    ossl_pub = native.public_key().public_bytes(ser.Encoding.PEM, ser.PublicFormat.SubjectPublicKeyInfo)
+    (tmp_path / "o.key").write_bytes(ossl_priv)
+    (tmp_path / "o.pub").write_bytes(ossl_pub)
+    monkeypatch.setattr(signing_mod, "_crypto", None)
+    key = PrivateKey.load(tmp_path / "o.key")  # the pure path reads OpenSSL's files
+    assert key.public_key == PublicKey.load(tmp_path / "o.pub")
+    assert key.save(tmp_path / "p.key").read_bytes() == ossl_priv  # and writes the same bytes
+    assert key.public_key.save(tmp_path / "p.pub").read_bytes() == ossl_pub
+    sig = key.sign(b"m")
+    native.public_key().verify(sig, b"m")
+    other = ed.Ed25519PrivateKey.generate().private_bytes(ser.Encoding.PEM, ser.PrivateFormat.PKCS8,
+                                                           ser.NoEncryption())
+    (tmp_path / "x.key").write_bytes(other.replace(b"PRIVATE KEY-----\n", b"PRIVATE KEY-----\n!!", 1))
+    with pytest.raises(ConfigError, match="not a valid PEM private key"):
+        PrivateKey.load(tmp_path / "x.key")
+
+
+def test_pure_path_refuses_other_key_types_in_one_line(tmp_path: Path, monkeypatch) -> None:
+    ser = pytest.importorskip("cryptography.hazmat.primitives.serialization")
+    ec = pytest.importorskip("cryptography.hazmat.primitives.asymmetric.ec")
+    k = ec.generate_private_key(ec.SECP256R1())
+    (tmp_path / "ec.key").write_bytes(k.private_bytes(ser.Encoding.PEM, ser.PrivateFormat.PKCS8,
+                                                      ser.NoEncryption()))
+    (tmp_path / "ec.pub").write_bytes(k.public_key().public_bytes(ser.Encoding.PEM,
+                                                                  ser.PublicFormat.SubjectPublicKeyInfo))
+    monkeypatch.setattr(signing_mod, "_crypto", None)
+    with pytest.raises(ConfigError, match="not Ed25519"):
+        PrivateKey.load(tmp_path / "ec.key")
+    with pytest.raises(ConfigError, match="not Ed25519"):
+        PublicKey.load(tmp_path / "ec.pub")
+
+
+def test_pure_key_objects_sign_verify_and_round_trip(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(signing_mod, "_crypto", None)
+    key = PrivateKey.generate()
+    assert key._key is None, "no cryptography object on the pure path"
+    for fmt in ("pem", "hex", "raw"):
+        loaded = PrivateKey.load(key.save(tmp_path / f"k.{fmt}", format=fmt))
+        assert loaded.raw() == key.raw() and mode(tmp_path / f"k.{fmt}") == 0o600
+        assert PublicKey.load(key.public_key.save(tmp_path / f"p.{fmt}", format=fmt)) == key.public_key
+    sig = key.sign(b"artifact")
+    key.public_key.verify(b"artifact", sig)
+    with pytest.raises(SignatureError, match="does not verify"):
+        key.public_key.verify(b"artifacT", sig)
+    bad = PublicKey.from_bytes(bytes(31) + b"\x80")  # not a point: every signature fails, no crash
+    with pytest.raises(SignatureError, match="does not verify"):
+        bad.verify(b"artifact", sig)
+
+
+def test_signing_env_forces_the_pure_path(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    key = PrivateKey.from_bytes(bytes.fromhex(RFC8032[1][0]))
+    key.save(tmp_path / "k.pem")
+    code = ("import sys; from edgeflow import signing as s; k = s.PrivateKey.load(sys.argv[1]); "
+            "print(s.BACKEND, k.sign(b'\\x72').hex())")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "k.pem")], capture_output=True, text=True,
+                         env={**os.environ, signing_mod.BACKEND_ENV: "pure"}, timeout=60, check=True)
+    assert out.stdout.split() == ["pure-python", RFC8032[1][3]]

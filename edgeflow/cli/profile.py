@@ -20,7 +20,12 @@ def register(sub) -> None:
     sh.add_argument("name", help="profile name (see 'edgeflow profile list') or path to a .toml file")
     sh.add_argument("--json", action="store_true")
     sh.set_defaults(func=cmd_show)
-    de = ps.add_parser("detect", help="the built-in profile closest to this machine")
+    de = ps.add_parser(
+        "detect", help="the built-in profile closest to this machine, and which runtime parts it has",
+        description="Pick the built-in profile for this machine (device-tree model string, else architecture, "
+        "cores and memory) and say which runtime parts are here and what stands in for a missing one. "
+        "Override: EDGEFLOW_PROFILE=NAME|file.toml picks the profile outright; EDGEFLOW_BOARD_MODEL='Raspberry Pi 4 "
+        "Model B' stands in for the device-tree model (emulated userlands have none).")
     de.add_argument("--json", action="store_true")
     de.set_defaults(func=cmd_detect)
 
@@ -64,7 +69,87 @@ def cmd_show(args) -> int:
     return _show(get_profile(args.name), args.json)
 
 
-def cmd_detect(args) -> int:
-    from ..profiles import detect
+def _origin(module) -> str:
+    path = str(getattr(module, "__file__", "") or "")
+    return "distro" if "/dist-packages/" in path and path.startswith("/usr/lib/") else "pip"
 
-    return _show(detect(), args.json)
+
+def runtime_parts() -> list[dict]:
+    """What this host runs each part with: ``{"part", "ok", "using", "instead"}`` per part.
+
+    ``ok`` is False for a part that is missing (or unusable) here; ``instead``
+    then says what edgeflow uses in its place. Never raises for a missing part.
+    """
+    import importlib.metadata as md
+    import os
+
+    import numpy
+
+    from .. import onnx_compat, signing
+    from ..backends import available_backends
+
+    parts = [{"part": "numpy", "ok": True, "using": f"numpy {numpy.__version__} ({_origin(numpy)})", "instead": ""}]
+    try:
+        st = onnx_compat.status()
+    except ImportError as exc:  # neither onnx nor protobuf
+        st = {"path": "none", "reason": str(exc)}
+    compat = st["path"] != "onnx"
+    if not compat:
+        parts.append({"part": "onnx", "ok": True, "using": onnx_compat.describe(), "instead": ""})
+    elif st["path"] == "none":
+        parts.append({"part": "onnx", "ok": False, "using": f"not installed, and no protobuf ({st['reason']})",
+                      "instead": "nothing: ONNX models cannot be loaded; pip install protobuf"})
+    else:
+        parts.append({"part": "onnx", "ok": False, "using": f"not used: {st['reason']}",
+                      "instead": f"edgeflow.onnx_compat over protobuf {st['protobuf_version']}: "
+                      "a structural check instead of the C++ checker, no shape inference"})
+    backends = available_backends()
+    if "ort" in backends:
+        parts.append({"part": "onnxruntime", "ok": True, "using": f"onnxruntime {md.version('onnxruntime')}",
+                      "instead": ""})
+    else:
+        parts.append({"part": "onnxruntime", "ok": False, "using": "not installed (no wheel for this board)",
+                      "instead": "the numpy backend (edgeflow.kernels) runs every model"})
+    if signing.BACKEND == "cryptography":
+        import cryptography
+
+        parts.append({"part": "cryptography", "ok": True,
+                      "using": f"cryptography {cryptography.__version__} ({_origin(cryptography)}): Ed25519, "
+                      "X25519/AES-GCM for secure aggregation", "instead": ""})
+    else:
+        forced = os.environ.get(signing.BACKEND_ENV, "")
+        parts.append({"part": "cryptography", "ok": False,
+                      "using": f"not used: {signing.BACKEND_ENV}={forced}" if forced else "not installed",
+                      "instead": "pure-Python Ed25519 (RFC 8032) signs and verifies; secure aggregation and "
+                      "broker-config need cryptography"})
+    try:
+        from google.protobuf import __version__ as pb
+        from google.protobuf.internal import api_implementation
+
+        parts.append({"part": "protobuf", "ok": True, "using": f"protobuf {pb} ({api_implementation.Type()})",
+                      "instead": ""})
+    except ImportError:
+        parts.append({"part": "protobuf", "ok": not compat, "using": "not installed",
+                      "instead": "nothing needed while onnx is installed" if not compat else "pip install protobuf"})
+    return parts
+
+
+def cmd_detect(args) -> int:
+    from ..profiles import detect_with_reason
+    from ._common import console, emit_json
+
+    prof, how = detect_with_reason()
+    parts = runtime_parts()
+    if args.json:
+        emit_json({**prof.to_dict(), "detected_by": how, "runtime": parts})
+        return 0
+    _show(prof, False)
+    c = console()
+    c.print(f"detected by: {how}", markup=False, soft_wrap=True)
+    c.print("runtime parts here:")
+    for p in parts:
+        line = f"  {p['part']}: {p['using']}"
+        if not p["ok"]:
+            line += f" -> instead: {p['instead']}"
+        c.print(line, markup=False, soft_wrap=True)
+    return 0
