@@ -105,9 +105,11 @@ TELEMETRY_FIELDS = {
     "device": str, "ts": float, "seq": int, "bdseq": int, "model_version": int, "training": bool,
     "inferences": int, "inference_errors": int, "latency_p50_ms": float, "latency_p95_ms": float,
     "rss_bytes": int, "peak_rss_bytes": int, "cpu_percent": float, "queue_depth": int, "battery": float,
-    "charging": bool,
+    "charging": bool, "train": str,
 }
 PARTICIPANT_FIELDS = {"rounds_trained": int, "last_round": int, "last_loss": float}
+LONG_TEXT = 400
+"""Bound of the free-text fields (``train_detail``, ``participant.last_error``): one line for an operator."""
 
 
 def _typed(v: Any, kind: type) -> Any:
@@ -133,11 +135,31 @@ def bounded_telemetry(body: dict[str, Any]) -> dict[str, Any]:
             v = _typed(body[k], kind)
             if v is not None or body[k] is None:
                 out[k] = v
+    if isinstance(body.get("train_detail"), str):
+        out["train_detail"] = body["train_detail"][:LONG_TEXT]
     part = body.get("participant")
     if isinstance(part, dict):
         out["participant"] = {k: v for k, kind in PARTICIPANT_FIELDS.items()
                               if k in part and (v := _typed(part[k], kind)) is not None}
+        if isinstance(part.get("last_error"), str):
+            out["participant"]["last_error"] = part["last_error"][:LONG_TEXT]
     return out
+
+
+def train_reason(birth: Mapping[str, Any], telemetry: Mapping[str, Any] | None) -> tuple[bool, str]:
+    """(can take part in rounds now, why not) from a device's birth and latest telemetry.
+
+    Agents report ``train`` (a state of ``edgeflow.device.agent.TRAIN_STATES``) and ``train_detail`` in
+    telemetry; the birth says whether the profile can train and whether the participant runs."""
+    t = telemetry or {}
+    state, detail = t.get("train"), t.get("train_detail") or ""
+    if not birth.get("can_train", False):
+        return False, detail or f"profile {birth.get('profile', '?')} cannot train"
+    if state is not None and state != "training":
+        return False, detail or f"not training ({state})"
+    if not birth.get("training", False):
+        return False, detail or "not training (it reported no reason: an older agent? `fleet cmd DEV train_start`)"
+    return True, ""
 
 
 @dataclass(frozen=True)
@@ -349,7 +371,9 @@ class FleetManager:
         out = []
         for r in self.online_devices():
             tele = self.latest_telemetry(r.device_id) or {}
-            out.append(Candidate(r.device_id, r.profile, bool(r.birth.get("can_train", False)), tele.get("battery")))
+            ok, why = train_reason(r.birth, tele)
+            note = str((tele.get("participant") or {}).get("last_error", ""))
+            out.append(Candidate(r.device_id, r.profile, ok, tele.get("battery"), why=why, note=note))
         return out
 
     def wait_online(self, device_ids: list[str] | set[str], timeout: float = 10.0, *, online: bool = True) -> bool:
@@ -672,14 +696,19 @@ class FleetManager:
         return self.send_command(device_id, name, args, timeout_s=timeout_s).wait()
 
     def send_ota(self, device_id: str, artifact: bytes, *, version: int, timeout_s: float | None = None,
-                 ttl_s: float | None = None, allow_downgrade: bool = False) -> PendingCommand:
+                 ttl_s: float | None = None, allow_downgrade: bool = False, role: str | None = None) -> PendingCommand:
         """Offer ``artifact`` to one device (signed deploy command + artifact, chunked by the transport).
 
         Devices refuse a version older than the one they run unless ``allow_downgrade``.
+        ``role="train_master"``: the fp32 master of a quantized model, kept for training, not served.
         """
+        extra: dict[str, Any] = {}
+        if allow_downgrade:
+            extra["allow_downgrade"] = True
+        if role is not None:
+            extra["role"] = role
         cmd = deploy_command(device_id, self.fleet, artifact, version=version,
-                             ttl_s=self.options.command_ttl_s if ttl_s is None else ttl_s,
-                             extra={"allow_downgrade": True} if allow_downgrade else None)
+                             ttl_s=self.options.command_ttl_s if ttl_s is None else ttl_s, extra=extra or None)
         pc = self._track(cmd, timeout_s)
         offer = OtaOffer.make(cmd, artifact, self.fleet_key)
         self.transport.publish(device_topic(self.fleet, device_id, "ota").value, offer.to_bytes(), qos=1)
@@ -687,7 +716,8 @@ class FleetManager:
         return pc
 
     def deploy(self, artifacts: Mapping[str, bytes], to: str = "all", policy: Any = None, *,
-               include_offline: bool = False, on_progress: Callable[..., Any] | None = None) -> Any:
+               include_offline: bool = False, on_progress: Callable[..., Any] | None = None,
+               masters: Mapping[str, bytes] | None = None) -> Any:
         """Roll signed per-profile ``artifacts`` out to the devices matching ``to`` (see
         :mod:`edgeflow.gateway.ota`); blocks and returns the :class:`~edgeflow.gateway.ota.RolloutReport`."""
         from .ota import Rollout, select_devices
@@ -695,7 +725,7 @@ class FleetManager:
         targets = select_devices(self.devices(), to, online=None if include_offline else self.is_online)
         if not targets:
             raise FleetError(f"no {'known' if include_offline else 'online'} device matches {to!r}")
-        return Rollout(self, artifacts, targets, policy, on_progress=on_progress).run()
+        return Rollout(self, artifacts, targets, policy, on_progress=on_progress, masters=masters).run()
 
     def recent_ack(self, command_id: str) -> Ack | None:
         with self._lock:

@@ -23,7 +23,10 @@ def register(sub) -> None:
     p.add_argument("--battery-file", help="sysfs power_supply dir or a file holding the battery percentage")
     p.add_argument("--memory-budget-mb", type=int, help="memory budget override (less than the profile's)")
     p.add_argument("--backend", choices=["ort", "numpy"], help="force a backend")
-    p.add_argument("--train-data", help=".npz with arrays x and y: take part in federated rounds on them")
+    p.add_argument("--train-data", help=".npz with arrays x and y: take part in federated rounds on them (from the "
+                   "first deployed model on, no command needed)")
+    p.add_argument("--no-train", action="store_true",
+                   help="never take part in federated rounds, even with --train-data (no command can change that)")
     p.set_defaults(func=cmd)
 
 
@@ -37,7 +40,7 @@ def _participant_factory(path: str):
         from ..federated import Client
 
         return Client(agent.transport, fleet=agent.fleet, device_id=agent.device_id, signer=agent.signer,
-                      fleet_key=agent.fleet_key, model=str(agent.model_path), data=data, profile=agent.profile)
+                      fleet_key=agent.fleet_key, model=str(agent.train_model_path), data=data, profile=agent.profile)
 
     return make
 
@@ -60,6 +63,7 @@ def cmd(args) -> int:
     if args.backend:
         opts.backend = args.backend
     opts.crash_at = os.environ.get(CRASH_ENV) or None
+    opts.train = not args.no_train
     factory = _participant_factory(args.train_data) if args.train_data else None
     agent = DeviceAgent.from_credentials(args.credentials, broker=args.broker, profile=args.profile,
                                          state_dir=args.state, options=opts, make_participant=factory)
