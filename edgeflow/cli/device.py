@@ -81,6 +81,13 @@ def cmd(args) -> int:
           f"{'v' + str(v) if v is not None else 'none yet'}, broker {agent.transport.url}", file=sys.stderr, flush=True)
     for note in agent.boot_notes:
         print(f"  boot: {note}", file=sys.stderr, flush=True)
+    code, detail = agent.train_status()
+    if code == "training":
+        print("  federated rounds: taking part", file=sys.stderr, flush=True)
+    elif code == "no_model" and args.train_data and not args.no_train:
+        print("  federated rounds: taking part once a model is deployed", file=sys.stderr, flush=True)
+    else:
+        print(f"  federated rounds: not taking part: {detail}", file=sys.stderr, flush=True)
     while not done.wait(0.5):
         pass
     agent.stop()

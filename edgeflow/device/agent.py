@@ -856,8 +856,9 @@ class DeviceAgent:
         if changed:
             if state[0] == "training":
                 log.info("%s: taking part in federated rounds on v%s", self.device_id, self.model_version)
-            else:
-                log.warning("%s: not taking part in federated rounds: %s", self.device_id, state[1])
+            else:  # a choice or a board's nature is info; a model that should train and does not is a warning
+                level = logging.WARNING if state[0] in ("quantized", "untrainable") else logging.INFO
+                log.log(level, "%s: not taking part in federated rounds: %s", self.device_id, state[1])
             if announce and self._started and self.transport.is_connected:
                 try:
                     self.publish_birth()

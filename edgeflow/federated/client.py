@@ -88,6 +88,9 @@ class Client:
             that vanished mid-round).
         delay_s: extra seconds added to each local training (straggler
             simulation).
+        report_train_time: put the local training time (``train_s``) into
+            each update's metadata; off, updates are the same bytes on every
+            run with the same seed (the demo's reproducibility).
     """
 
     def __init__(
@@ -105,6 +108,7 @@ class Client:
         transform_update: UpdateTransform | None = None,
         delay_s: float = 0.0,
         trainer_options: Mapping[str, Any] | None = None,
+        report_train_time: bool = True,
     ) -> None:
         from ..train import Trainer  # numpy-only, but heavy: import where used
 
@@ -122,6 +126,7 @@ class Client:
         self.feedback = ErrorFeedback()
         self.transform_update = transform_update
         self.delay_s = float(delay_s)
+        self.report_train_time = bool(report_train_time)
         self.stats = ClientStats()
         self._seq = time.time_ns() // 1_000_000  # monotonic across restarts
         self._weights: dict[str, np.ndarray] | None = None
@@ -397,7 +402,7 @@ class Client:
             delta, cfg.codec, round_id=ann.round_id, device_id=self.device_id, seq=self._seq,
             signer=self.signer, state=self.feedback, num_samples=n, rng=self._rng,
             metadata={"loss": float(loss), "base_version": int(base_version),
-                      "train_s": round(self.stats.last_train_s, 4),
+                      **({"train_s": round(self.stats.last_train_s, 4)} if self.report_train_time else {}),
                       **({"round_nonce": ann.nonce} if ann.nonce else {})},
             **cfg.codec_opts,
         )
