@@ -67,6 +67,7 @@ from edgeflow.device.messages import (
     deploy_command,
     loads,
     open_signed,
+    peek_signed,
 )
 from edgeflow.errors import CodecError, ConfigError, FleetError, SignatureError
 from edgeflow.signing import KeyRing, PrivateKey
@@ -146,20 +147,47 @@ def bounded_telemetry(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def train_reason(birth: Mapping[str, Any], telemetry: Mapping[str, Any] | None) -> tuple[bool, str]:
-    """(can take part in rounds now, why not) from a device's birth and latest telemetry.
+def _birth_train(payload: bytes) -> dict[str, Any]:
+    """``train`` and ``train_detail`` of a birth whose signature was just verified (agents add them to the
+    signed body; :class:`Birth` does not carry them yet), bounded; {} when absent."""
+    try:
+        _, body = peek_signed(payload)
+    except CodecError:
+        return {}
+    out: dict[str, Any] = {}
+    if isinstance(body.get("train"), str):
+        out["train"] = body["train"][:32]
+    if isinstance(body.get("train_detail"), str):
+        out["train_detail"] = body["train_detail"][:LONG_TEXT]
+    return out
 
-    Agents report ``train`` (a state of ``edgeflow.device.agent.TRAIN_STATES``) and ``train_detail`` in
-    telemetry; the birth says whether the profile can train and whether the participant runs."""
+
+def train_state(birth: Mapping[str, Any], telemetry: Mapping[str, Any] | None) -> tuple[str | None, str]:
+    """A device's training state (one of ``edgeflow.device.agent.TRAIN_STATES``, or None if it reports none)
+    and its detail line: agents report ``train``/``train_detail`` in their birth and in every telemetry
+    message; the newer of the two counts."""
     t = telemetry or {}
-    state, detail = t.get("train"), t.get("train_detail") or ""
+
+    def ts(d: Mapping[str, Any]) -> float:
+        v = d.get("ts")
+        return float(v) if isinstance(v, (int, float)) else 0.0
+
+    src = t if "train" in t and ts(t) >= ts(birth) else (birth if "train" in birth else t)
+    state = src.get("train")
+    return (state if isinstance(state, str) else None), str(src.get("train_detail") or "")
+
+
+def train_reason(birth: Mapping[str, Any], telemetry: Mapping[str, Any] | None) -> tuple[bool, str]:
+    """(takes part in rounds now, why not) from a device's birth and latest telemetry; an agent that
+    reports no state is judged by the birth's ``training`` flag."""
+    state, detail = train_state(birth, telemetry)
     if not birth.get("can_train", False):
         return False, detail or f"profile {birth.get('profile', '?')} cannot train"
-    if state is not None and state != "training":
-        return False, detail or f"not training ({state})"
-    if not birth.get("training", False):
-        return False, detail or "not training (it reported no reason: an older agent? `fleet cmd DEV train_start`)"
-    return True, ""
+    if state is not None:
+        return (True, "") if state == "training" else (False, detail or f"not training ({state})")
+    if birth.get("training", False):
+        return True, ""
+    return False, "not training (no reason reported: an agent older than this gateway)"
 
 
 @dataclass(frozen=True)
@@ -493,7 +521,7 @@ class FleetManager:
         if stale:
             self._count("births_stale")
             return
-        record = {**birth.to_dict(), "trust": "registered", "received": time.time()}
+        record = {**birth.to_dict(), **_birth_train(msg.payload), "trust": "registered", "received": time.time()}
         if self.options.record_registry:
             self.store.upsert_birth(device, record, profile=birth.profile, public_key=birth.public_key,
                                     model_version=birth.model_version, bdseq=birth.bdseq)

@@ -39,6 +39,8 @@ def register(sub) -> None:
             "telemetry_interval_s, 10 s by default)")
     s.add_argument("--state", help="the gateway's SQLite state file ([gateway] state), opened read-only and never "
                    "created; default: ask the broker")
+    s.add_argument("--expect", type=int, metavar="N", help="wait (at most --wait s) until N devices are online and "
+                   "have reported; exit code 1 when fewer are (for scripts: wait for the boards to come up)")
     s.set_defaults(func=cmd_status)
 
     d = fs.add_parser("deploy", help="signed OTA rollout: canary, waves, automatic rollback",
@@ -125,7 +127,7 @@ def _client_id(user: str, purpose: str) -> str:
 class _Session:
     """An operator connection: transport + in-memory registry fed by retained births (and telemetry)."""
 
-    def __init__(self, args: Any, *, purpose: str, telemetry: bool = False) -> None:
+    def __init__(self, args: Any, *, purpose: str, telemetry: bool = False, expect: int = 0) -> None:
         from ..errors import ConfigError
         from ..gateway.fleet import FleetManager, FleetOptions
         from ..gateway.store import GatewayStore
@@ -150,19 +152,20 @@ class _Session:
         self.transport = MqttTransport.from_url(url, **kwargs)
         self.store = GatewayStore(":memory:")
         self.fm = FleetManager(self.transport, self.store, fd.fleet, fd.fleet_key(),
-                               FleetOptions(record_telemetry=False, heartbeat_timeout_s=3600), keyring=fd.keyring(),
+                               FleetOptions(record_telemetry=telemetry, heartbeat_timeout_s=3600), keyring=fd.keyring(),
                                keyring_loader=fd.keyring)
         self.fm.start()
         try:
             self.transport.connect()
-            self._settle(args.wait, telemetry=telemetry)
+            self._settle(args.wait, telemetry=telemetry, expect=expect)
         except BaseException:
             self.close()
             raise
 
-    def _settle(self, wait: float, *, telemetry: bool) -> None:
+    def _settle(self, wait: float, *, telemetry: bool, expect: int = 0) -> None:
         """Listen until the retained births stopped coming (0.5 s without a new one, after the first) and,
-        with ``telemetry``, every online device has sent one telemetry message; at most ``wait`` seconds."""
+        with ``telemetry``, every online device has sent one telemetry message (and, with ``expect``, at
+        least that many are online); at most ``wait`` seconds."""
         deadline = time.monotonic() + max(0.0, wait)
         last, seen = time.monotonic(), 0
         while time.monotonic() < deadline:
@@ -172,7 +175,7 @@ class _Session:
                 seen, last = n, time.monotonic()
             elif seen and time.monotonic() - last > 0.5:
                 online = [r.device_id for r in self.fm.online_devices()]
-                if not telemetry or all(self.fm.latest_telemetry(d) for d in online):
+                if (not telemetry or all(self.fm.latest_telemetry(d) for d in online)) and len(online) >= expect:
                     return
             time.sleep(0.05)
 
@@ -273,21 +276,22 @@ def _r(v: Any, nd: int) -> Any:
 
 
 def _rows(source: Any, telemetry: Any) -> list[dict[str, Any]]:
-    from ..gateway.fleet import train_reason
+    from ..gateway.fleet import train_reason, train_state
 
     rows = []
     now = time.time()
     for r in source.devices():
         t = telemetry(r.device_id) or {}
         trains, why = train_reason(r.birth, t) if r.online else (False, "offline")
-        state = t.get("train") or ("training" if trains else ("profile" if not r.birth.get("can_train") else None))
+        state = "training" if trains else (train_state(r.birth, t)[0]
+                                           or ("profile" if not r.birth.get("can_train") else None))
         rows.append({
             "device": r.device_id, "profile": r.profile, "online": r.online, "model_version": r.model_version,
             "health": _health(r.online, r.model_version, t, r.birth.get("trust", "")),
             "train": state if r.online else None, "train_detail": why or None,
             "rounds_trained": (t.get("participant") or {}).get("rounds_trained"),
             "backend": r.birth.get("backend"), "trust": r.birth.get("trust", ""),
-            "last_seen_s_ago": _r(max(0.0, now - r.last_seen), 1),
+            "last_seen_s_ago": _r(max(0.0, now - max(r.last_seen, float(t.get("ts") or 0.0))), 1),
             "latency_p50_ms": _r(t.get("latency_p50_ms"), 3), "latency_p95_ms": _r(t.get("latency_p95_ms"), 3),
             "rss_bytes": t.get("rss_bytes"), "cpu_percent": _r(t.get("cpu_percent"), 1),
             "battery": _r(t.get("battery"), 3), "queue_depth": t.get("queue_depth"),
@@ -349,8 +353,13 @@ def _share(text: str, what: str, *, count: bool = False) -> float:
 
 
 def cmd_status(args) -> int:
+    import sys
+
+    from ..errors import ConfigError
     from ._common import emit_json
 
+    if args.expect is not None and (args.expect < 0 or args.state):
+        raise ConfigError("--expect N needs N >= 0 and listens to the broker (not with --state)")
     rounds = None
     if args.state:
         reader = _StateReader(args.state)
@@ -360,7 +369,7 @@ def cmd_status(args) -> int:
         finally:
             reader.close()
     else:
-        s = _Session(args, purpose="status", telemetry=True)
+        s = _Session(args, purpose="status", telemetry=True, expect=args.expect or 0)
         try:
             rows = _rows(s.fm, s.fm.latest_telemetry)
         finally:
@@ -369,6 +378,11 @@ def cmd_status(args) -> int:
         emit_json({"devices": rows, **({"rounds": rounds} if args.state else {})})
     else:
         _print_table(rows, rounds)
+    online = sum(1 for r in rows if r["online"])
+    if args.expect is not None and online < args.expect:
+        print(f"edgeflow fleet status: {online} device(s) online after {args.wait:g} s, --expect {args.expect}; "
+              "are the boards running `edgeflow device`? (raise --wait if they are slow to connect)", file=sys.stderr)
+        return 1
     return 0
 
 

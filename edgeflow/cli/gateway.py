@@ -52,8 +52,43 @@ def register(sub) -> None:
     p.add_argument("--dir", help="fleet directory (default: [gateway] fleet_dir)")
     p.add_argument("--rounds", type=int, help="run this many more rounds (default: until [rounds] rounds are done)")
     p.add_argument("--serve", action="store_true", help="after the rounds, keep serving the fleet until Ctrl-C")
-    p.add_argument("--json", action="store_true", help="print each round's metrics as one JSON line")
+    p.add_argument("--json", action="store_true", help="print each round's metrics as one JSON line (only JSON on "
+                   "stdout)")
+    p.add_argument("--export-model", metavar="PATH", help="write the newest global model from the state to PATH "
+                   "(.onnx) and exit, e.g. to deploy what the rounds trained with `edgeflow fleet deploy`")
     p.set_defaults(func=cmd)
+
+
+def _export(cfg, args) -> int:
+    import hashlib
+    from pathlib import Path
+
+    from ..errors import StateError
+    from ._common import check_output_path, console, emit_json
+
+    state = cfg.path(cfg.state)
+    if state is None or not Path(state).is_file():
+        raise StateError(f"no gateway state at {state}: run `edgeflow gateway --config {args.config}` first "
+                         "([gateway] state names the file)")
+    check_output_path(args.export_model, "--export-model")
+    from edgeflow.gateway.store import GatewayStore
+
+    store = GatewayStore(state)
+    try:
+        latest = store.latest_model()
+    finally:
+        store.close()
+    if latest is None:
+        raise StateError(f"{state} holds no model yet")
+    version, onnx_bytes, _ = latest
+    Path(args.export_model).write_bytes(onnx_bytes)
+    out = {"model_version": version, "path": str(args.export_model), "sha256": hashlib.sha256(onnx_bytes).hexdigest(),
+           "bytes": len(onnx_bytes)}
+    if args.json:
+        emit_json(out)
+    else:
+        console().print(f"global model v{version} written to {args.export_model} ({len(onnx_bytes)} bytes)")
+    return 0
 
 
 def cmd(args) -> int:
@@ -65,6 +100,8 @@ def cmd(args) -> int:
 
     cfg = load_config(args.config)
     c = console()
+    if args.export_model:
+        return _export(cfg, args)
 
     def on_round(m) -> None:
         if args.json:

@@ -67,7 +67,20 @@ from ..signing import PublicKey, Signer
 from ..transport.message import ConnectionEvent, Message
 from ..transport.topics import device_topic
 from .health import HealthReport, check_model, load_runtime
-from .messages import COMMANDS, Ack, Birth, Command, Death, OtaOffer, decode_tensor, encode_tensor, loads, peek_signed
+from .messages import (
+    BIRTH_CONTEXT,
+    COMMANDS,
+    Ack,
+    Birth,
+    Command,
+    Death,
+    OtaOffer,
+    decode_tensor,
+    encode_tensor,
+    loads,
+    peek_signed,
+    sign_body,
+)
 from .replay import SeenCommands
 from .slots import ActiveModel, SlotStore
 from .telemetry import TelemetryCollector
@@ -571,7 +584,11 @@ class DeviceAgent:
         with self._bdseq_lock:
             self._births += 1
             birth = self.birth(self._births)
-        self.transport.publish(self._topic["birth"], birth.sign(self.signer.key), qos=1, retain=True)
+        code, detail = self.train_status()
+        # train/train_detail ride in the signed body beside the Birth fields (gateways read them from there)
+        body = {**birth.to_dict(), "train": code, **({"train_detail": detail} if detail else {})}
+        self.transport.publish(self._topic["birth"], sign_body(body, self.signer.key, BIRTH_CONTEXT), qos=1,
+                               retain=True)
 
     def _on_connection(self, event: ConnectionEvent) -> None:
         if not event.connected or self._stop.is_set():
