@@ -10,6 +10,7 @@ fleet key from the fleet directory and wait for the devices' acks;
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any
 
@@ -155,6 +156,10 @@ class _Session:
                                FleetOptions(record_telemetry=telemetry, heartbeat_timeout_s=3600), keyring=fd.keyring(),
                                keyring_loader=fd.keyring)
         self.fm.start()
+        if not getattr(args, "verbose", 0):
+            # one-shot command: the final error says why the broker could not be reached; the
+            # transport's per-retry warnings would only repeat it (they show with -v)
+            logging.getLogger("edgeflow.transport").setLevel(logging.ERROR)
         try:
             self.transport.connect()
             self._settle(args.wait, telemetry=telemetry, expect=expect)

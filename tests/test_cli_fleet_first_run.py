@@ -1,0 +1,201 @@
+"""A newcomer's mistakes with the fleet commands: each one is a single clear line on stderr, a non-zero exit
+code and nothing stored, before any broker is contacted or any long work starts (issue 17).
+
+Every case runs the real command in a subprocess (``python -m edgeflow``). No broker is started: the
+commands must refuse before they would need one (a few point ``--broker`` at a port nobody listens on,
+so a command that did try to connect would fail differently, and slowly).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from edgeflow import zoo
+
+NOBODY = "mqtt://127.0.0.1:9"  # the discard port: no broker
+
+
+def ef(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edgeflow", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd)
+
+
+def one_clear_line(out: subprocess.CompletedProcess, *needles: str) -> str:
+    assert out.returncode != 0, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, out.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory) -> Path:
+    """A fleet directory with one provisioned board (no broker)."""
+    d = tmp_path_factory.mktemp("fleet") / "fleet"
+    user = ["--broker-user", "root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
+    assert ef("broker-config", "--dir", str(d), "--fleet", "farm", "--public-host", "localhost", *user).returncode == 0
+    assert ef("fleet", "provision", "cam-1", "--dir", str(d), "--profile", "raspberry-pi-4").returncode == 0
+    return d
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("m") / "digits.onnx"
+    onnx.save(zoo.digits_mlp(seed=0), p)
+    return p
+
+
+# ------------------------------------------------------------ fleet status --state
+
+
+def test_status_state_on_a_file_that_is_not_sqlite(tmp_path):
+    bad = tmp_path / "notes.txt"
+    bad.write_text("not a database\n")
+    one_clear_line(ef("fleet", "status", "--state", str(bad)), str(bad), "not an SQLite file")
+    assert bad.read_text() == "not a database\n", "nothing is written to it"
+
+
+def test_a_mistyped_state_path_creates_nothing(tmp_path):
+    typo = tmp_path / "gatway.sqlite"
+    one_clear_line(ef("fleet", "status", "--state", str(typo)), str(typo), "no such file", "never created")
+    assert not typo.exists() and not list(tmp_path.iterdir())
+
+
+def test_status_state_on_another_sqlite_database(tmp_path):
+    other = tmp_path / "other.db"
+    db = sqlite3.connect(other)
+    db.execute("CREATE TABLE recipes (name TEXT)")
+    db.commit()
+    db.close()
+    before = other.read_bytes()
+    one_clear_line(ef("fleet", "status", "--state", str(other)), "not a gateway state", "recipes")
+    assert other.read_bytes() == before, "read-only: the file is unchanged"
+
+
+# ------------------------------------------------------------ provision, inspect
+
+
+def test_provision_checks_the_profile_and_stores_nothing(fleet):
+    line = one_clear_line(ef("fleet", "provision", "cam-9", "--dir", str(fleet), "--profile", "rpi4"),
+                          "'rpi4' is not a known board profile", "raspberry-pi-4", "edgeflow profile list")
+    assert "did you mean" in line
+    assert not (fleet / "devices" / "cam-9").exists()
+    assert "cam-9" not in (fleet / "keyring.json").read_text()
+
+
+def test_inspect_refuses_a_batch_below_one(model):
+    one_clear_line(ef("inspect", str(model), "--batch", "-1"), "--batch -1", "1 or more")
+    one_clear_line(ef("inspect", str(model), "--batch", "0"), "--batch 0")
+
+
+# ------------------------------------------------------------ fleet deploy: before "deploying v3..."
+
+
+@pytest.mark.parametrize(("flags", "needles"), [
+    (["--canary", "150%"], ["--canary '150%'", "share in (0%, 100%]"]),
+    (["--canary", "0"], ["--canary '0'"]),
+    (["--canary", "ten"], ["--canary 'ten'"]),
+    (["--threshold", "2"], ["--threshold '2'", "0% to 100%"]),
+    (["--quantize"], ["--quantize needs --calibration", "unquantized"]),
+    (["--calibration", "c.npy"], ["--calibration is only used with --quantize"]),
+    (["--timeout", "0"], ["--timeout 0"]),
+    (["--wave-size", "0"], ["--wave-size 0"]),
+    (["--to", "colour=red"], ["bad target 'colour=red'", "profile=raspberry-pi-4"]),
+])
+def test_deploy_refuses_bad_settings_before_connecting(fleet, model, flags, needles):
+    args = ["fleet", "deploy", str(model), "--dir", str(fleet), "--broker", NOBODY, "--wait", "0"]
+    if "--to" not in flags:
+        args += ["--to", "all"]
+    t0 = time.monotonic()
+    out = ef(*args, *flags)
+    one_clear_line(out, *needles)
+    assert "deploying" not in out.stdout + out.stderr
+    assert time.monotonic() - t0 < 30, "no broker was waited for"
+
+
+def test_deploy_of_a_file_that_is_not_a_model(fleet, tmp_path):
+    junk = tmp_path / "model.onnx"
+    junk.write_bytes(b"\x00\x01 not protobuf")
+    one_clear_line(ef("fleet", "deploy", str(junk), "--to", "all", "--dir", str(fleet), "--broker", NOBODY),
+                   str(junk), "not a valid ONNX model")
+
+
+def test_deploy_with_calibration_that_is_not_an_array_file(fleet, model, tmp_path):
+    bad = tmp_path / "calib.npy"
+    bad.write_bytes(b"\x93NUMPY garbage")
+    one_clear_line(ef("fleet", "deploy", str(model), "--to", "all", "--quantize", "--calibration", str(bad),
+                      "--dir", str(fleet), "--broker", NOBODY), str(bad))
+
+
+# ------------------------------------------------------------ other operator commands
+
+
+def test_status_wait_must_not_be_negative(fleet):
+    one_clear_line(ef("fleet", "status", "--dir", str(fleet), "--broker", NOBODY, "--wait", "-1"), "--wait -1")
+
+
+def test_status_expect_is_for_the_broker_view(fleet, tmp_path):
+    one_clear_line(ef("fleet", "status", "--state", str(tmp_path / "x.db"), "--expect", "2"), "--expect")
+
+
+def test_cmd_arguments_are_key_value(fleet):
+    one_clear_line(ef("fleet", "cmd", "cam-1", "set_config", "telemetry", "--dir", str(fleet), "--broker", NOBODY),
+                   "'telemetry' is not KEY=VALUE")
+    one_clear_line(ef("fleet", "cmd", "cam-1", "set_config", "--args", "[1]", "--dir", str(fleet), "--broker",
+                      NOBODY), "--args must be a JSON object")
+
+
+def test_an_unreachable_broker_is_one_line(fleet):
+    out = ef("fleet", "status", "--dir", str(fleet), "--broker", NOBODY, "--wait", "1")
+    one_clear_line(out, "could not connect", "127.0.0.1:9")
+
+
+def test_gateway_config_with_a_string_for_a_number(tmp_path):
+    conf = tmp_path / "gw.toml"
+    conf.write_text('[gateway]\nfleet_dir = "fleet"\n[rounds]\nrounds = "three"\n')
+    one_clear_line(ef("gateway", "--config", str(conf)), "rounds must be an integer", "'three'")
+    conf.write_text('[rounds.train]\nepoch = 3\ncodec = "gzip"\n')
+    one_clear_line(ef("gateway", "--config", str(conf)), "unknown setting(s) ['epoch']", "codec 'gzip' is unknown")
+    assert not (tmp_path / "gateway.sqlite").exists(), "no state is created for a refused configuration"
+
+
+def test_gateway_export_without_a_state(tmp_path):
+    conf = tmp_path / "gw.toml"
+    conf.write_text('[gateway]\nfleet_dir = "fleet"\nstate = "gw.sqlite"\n')
+    one_clear_line(ef("gateway", "--config", str(conf), "--export-model", str(tmp_path / "m.onnx")),
+                   "no gateway state", "gw.sqlite")
+    assert not (tmp_path / "gw.sqlite").exists()
+
+
+def test_device_with_bad_training_data_refuses_before_connecting(fleet, tmp_path):
+    bad = tmp_path / "train.npz"
+    np.savez(bad, images=np.zeros((4, 64), np.float32))  # no x / y arrays
+    t0 = time.monotonic()
+    out = ef("device", "--credentials", str(fleet / "devices" / "cam-1"), "--broker", NOBODY,
+             "--state", str(tmp_path / "state"), "--train-data", str(bad))
+    one_clear_line(out, str(bad))
+    assert time.monotonic() - t0 < 30
+
+
+def test_device_without_credentials(tmp_path):
+    one_clear_line(ef("device", "--credentials", str(tmp_path / "nope")), "not a device credentials directory",
+                   "edgeflow fleet provision")
+
+
+def test_json_output_is_only_json_for_provision(fleet):
+    out = ef("fleet", "provision", "cam-2", "--dir", str(fleet), "--profile", "raspberry-pi-5", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["device"] == "cam-2" and doc["broker"].startswith("mqtts://localhost:")
