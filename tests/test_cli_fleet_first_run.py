@@ -199,3 +199,77 @@ def test_json_output_is_only_json_for_provision(fleet):
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["device"] == "cam-2" and doc["broker"].startswith("mqtts://localhost:")
+
+
+# ------------------------------------------------------------ output a script can trust
+
+
+def _state_with_devices(path: Path) -> None:
+    """A gateway state as a running gateway leaves it: three boards, telemetry, the rounds' status."""
+    from edgeflow.gateway.store import GatewayStore
+
+    store = GatewayStore(path)
+    now = time.time()
+    boards = [("cam-1", "raspberry-pi-4", "training", ""),
+              ("cam-2", "raspberry-pi-zero-2w", "no_data",
+               "this agent has no training participant: no training data (start `edgeflow device` with "
+               "--train-data x_y.npz holding arrays x and y)"),
+              ("sensor-with-a-long-name-3", "beaglebone-black", "profile",
+               "profile beaglebone-black cannot train (can_train = false in its profile)")]
+    for dev, prof, state, detail in boards:
+        birth = {"device": dev, "profile": prof, "bdseq": 1, "model_version": 2, "backend": "numpy",
+                 "can_train": state != "profile", "training": state == "training", "train": state,
+                 "train_detail": detail, "ts": now, "trust": "registered", "versions": {"edgeflow": "0.1"}}
+        store.upsert_birth(dev, birth, profile=prof, model_version=2, bdseq=1)
+        store.add_telemetry(dev, {"device": dev, "ts": now, "train": state, "train_detail": detail,
+                                  "latency_p50_ms": 1.23456789, "latency_p95_ms": 2.3456789,
+                                  "rss_bytes": 123456789, "cpu_percent": 12.3456, "battery": 0.87654321})
+    store.set_meta("rounds_status", json.dumps({"state": "waiting", "reason": "round 4 not started: 1 eligible "
+                                                "device(s), min_clients is 2", "ts": now}))
+    store.close()
+
+
+def test_status_table_fits_80_columns_and_says_why_boards_do_not_train(tmp_path):
+    state = tmp_path / "gw.sqlite"
+    _state_with_devices(state)
+    out = subprocess.run([sys.executable, "-m", "edgeflow", "fleet", "status", "--state", str(state)],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "80"})
+    assert out.returncode == 0, out.stderr
+    assert max(len(line) for line in out.stdout.splitlines()) <= 80, out.stdout
+    text = " ".join(out.stdout.split())
+    for dev in ("cam-1", "cam-2", "sensor-with-a-long-name-3"):
+        assert dev in text  # names are never cut
+    assert "no data" in text and "--train-data" in text and "cannot train" in text
+    assert "rounds: waiting: round 4 not started" in text
+
+
+def test_status_json_is_rounded(tmp_path):
+    state = tmp_path / "gw.sqlite"
+    _state_with_devices(state)
+    out = ef("fleet", "status", "--state", str(state), "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    row = {r["device"]: r for r in doc["devices"]}["cam-1"]
+    assert row["latency_p50_ms"] == 1.235 and row["cpu_percent"] == 12.3 and row["battery"] == 0.877
+    assert row["train"] == "training" and doc["rounds"]["state"] == "waiting"
+    assert {r["device"]: r for r in doc["devices"]}["cam-2"]["train"] == "no_data"
+
+
+@pytest.mark.parametrize("argv", [
+    ["profile", "list"], ["profile", "show", "raspberry-pi-4"], ["inspect", "{model}"],
+    ["run", "{model}", "--input", "{x}"], ["bench", "{model}", "--runs", "3"],
+    ["quantize", "{model}", "--profile", "x86-gateway", "-c", "{x}", "-o", "{tmp}/q.onnx"],
+    ["train", "{model}", "--data", "{xy}", "--epochs", "1", "-o", "{tmp}/t.onnx"],
+    ["broker-config", "--dir", "{tmp}/fd", "--fleet", "f"],
+])
+def test_json_means_only_json_on_stdout(model, tmp_path, argv):
+    x, xy = tmp_path / "x.npy", tmp_path / "xy.npz"
+    np.save(x, np.random.default_rng(0).random((8, 64)).astype(np.float32))
+    np.savez(xy, x=np.random.default_rng(1).random((32, 64)).astype(np.float32),
+             y=np.random.default_rng(2).integers(0, 10, 32))
+    args = [a.format(model=model, x=x, xy=xy, tmp=tmp_path) for a in argv]
+    if args[0] == "broker-config" and hasattr(os, "geteuid") and os.geteuid() == 0:
+        args += ["--broker-user", "root"]
+    out = ef(*args, "--json")
+    assert out.returncode == 0, out.stderr
+    json.loads(out.stdout)
