@@ -533,6 +533,11 @@ class DeviceAgent:
 
     def predict(self, x: np.ndarray | Mapping[str, np.ndarray]) -> Any:
         """Run the deployed model: an array in -> the first output; a dict in -> a dict of outputs."""
+        out = self.run_named(x)
+        return next(iter(out.values())) if isinstance(x, np.ndarray) else out
+
+    def run_named(self, x: np.ndarray | Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run the deployed model on one array (a single-input model) or a dict; every output by its name."""
         with self._rt_lock:
             rt, m = self._runtime, self._model
         if rt is None or m is None:
@@ -547,9 +552,7 @@ class DeviceAgent:
             raise
         self.telemetry.record((time.perf_counter() - t0) * 1000.0)
         self.counters["inferences"] += 1
-        if isinstance(x, np.ndarray):
-            return next(iter(out.values()))
-        return out
+        return dict(out)
 
     # ------------------------------------------------------------- publishing
 
@@ -1196,9 +1199,8 @@ class DeviceAgent:
                 else:
                     raise FleetError("inference request needs 'input' (one tensor) or 'inputs' (name -> tensor)")
                 t0 = time.perf_counter()
-                out = self.predict(feeds)
-                ms = (time.perf_counter() - t0) * 1000.0
-                outs = out if isinstance(out, dict) else {"output": out}
+                outs = self.run_named(feeds)  # keyed by the model's own output names
+                ms = round((time.perf_counter() - t0) * 1000.0, 3)
                 self._reply({"id": rid, "ok": True, "model_version": self.model_version, "latency_ms": ms,
                              "outputs": {k: encode_tensor(np.asarray(v)) for k, v in outs.items()}}, msg)
             except Exception as exc:  # noqa: BLE001 - every request gets an answer
