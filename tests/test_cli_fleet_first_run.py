@@ -273,3 +273,34 @@ def test_json_means_only_json_on_stdout(model, tmp_path, argv):
     out = ef(*args, "--json")
     assert out.returncode == 0, out.stderr
     json.loads(out.stdout)
+
+
+@pytest.mark.integration
+def test_two_operator_commands_at_once_have_their_own_sessions(tmp_path):
+    """Each operator command connects with a client id of its own: two run at once, neither takes the other's
+    session over. (Plain Mosquitto here: the generated fleet config also forces client id = user name, see
+    docs/fleet.md.)"""
+    import shutil as _shutil
+
+    from edgeflow.brokerconfig import FleetDir
+    from edgeflow.transport.broker import MosquittoBroker, find_mosquitto
+
+    binary = find_mosquitto()
+    if binary is None:
+        pytest.skip("mosquitto is not installed")
+    broker = MosquittoBroker(binary=binary).start()
+    try:
+        fd = FleetDir(tmp_path / "fleet").init("farm", broker=broker.url)
+        cmd = [sys.executable, "-m", "edgeflow", "fleet", "status", "--dir", str(fd.path), "--wait", "4", "--json"]
+        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        outs = [p.communicate(timeout=60) for p in procs]
+        for p, (out, err) in zip(procs, outs):
+            assert p.returncode == 0, err
+            assert json.loads(out) == {"devices": []}
+        log = broker.log()
+        ids = {line.split(" as ")[1].split(" ")[0] for line in log.splitlines() if "New client connected" in line}
+        assert len([i for i in ids if i.startswith("admin-status-")]) == 2, log
+        assert "already connected, closing old connection" not in log, log
+    finally:
+        broker.stop()
+        _shutil.rmtree(tmp_path / "fleet", ignore_errors=True)

@@ -105,7 +105,8 @@ def cmd(args) -> int:
 
     def on_round(m) -> None:
         if args.json:
-            print(json.dumps(m.to_dict()), flush=True)
+            d = {k: round(v, 4) if isinstance(v, float) else v for k, v in m.to_dict().items()}
+            print(json.dumps(d), flush=True)
         else:
             acc = "n/a" if m.accuracy is None else f"{m.accuracy:.3f}"
             c.print(f"round {m.round_id}: model v{m.model_version}, {m.participants}/{m.selected} devices, "
