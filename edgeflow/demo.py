@@ -68,6 +68,30 @@ class DemoConfig:
     fleet: str = "demo"
 
 
+def check_config(cfg: DemoConfig) -> None:
+    """Every setting checked before a broker starts: ConfigError naming each problem and its flag."""
+    from .codecs import available_codecs
+    from .errors import ConfigError
+    from .profiles import get_profile
+
+    problems = []
+    trainers = sum(1 for i in range(max(0, cfg.devices)) if get_profile(DEMO_PROFILES[i % len(DEMO_PROFILES)]).can_train)
+    if trainers < 2:
+        problems.append(f"--devices {cfg.devices}: a round needs two boards that train; use --devices 2 or more")
+    if cfg.rounds < 1:
+        problems.append(f"--rounds {cfg.rounds}: give 1 or more federated rounds")
+    if cfg.seed < 0:
+        problems.append(f"--seed {cfg.seed}: seeds are whole numbers >= 0")
+    if cfg.codec not in available_codecs():
+        problems.append(f"--codec {cfg.codec!r} is unknown; choose one of {', '.join(available_codecs())}")
+    if cfg.codec.startswith("topk") and not 0 < cfg.ratio <= 1:
+        problems.append(f"--ratio {cfg.ratio:g}: the share of values top-k sends must be in (0, 1], e.g. 0.03")
+    if cfg.model not in ("cnn", "mlp"):
+        problems.append(f"model {cfg.model!r}: 'cnn' or 'mlp'")
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
 @dataclass
 class DeviceRow:
     device: str
@@ -205,6 +229,7 @@ class Demo:
         from .transport.topics import gateway_topic
 
         cfg = self.cfg
+        check_config(cfg)
         if cfg.workdir:
             work = Path(cfg.workdir)
             work.mkdir(parents=True, exist_ok=True)

@@ -304,3 +304,17 @@ def test_two_operator_commands_at_once_have_their_own_sessions(tmp_path):
     finally:
         broker.stop()
         _shutil.rmtree(tmp_path / "fleet", ignore_errors=True)
+
+
+@pytest.mark.parametrize(("flags", "needles"), [
+    (["--devices", "1"], ["--devices 1", "two boards that train"]),
+    (["--rounds", "0"], ["--rounds 0"]),
+    (["--codec", "gzip"], ["--codec 'gzip' is unknown", "topk-int8"]),
+    (["--ratio", "2"], ["--ratio 2", "(0, 1]"]),
+    (["--seed", "-1"], ["--seed -1"]),
+])
+def test_demo_refuses_bad_settings_before_starting_a_broker(flags, needles):
+    t0 = time.monotonic()
+    out = ef("demo", *flags, "--json")
+    one_clear_line(out, *needles)  # and no "broker: ..." line: nothing was started
+    assert out.stdout == "" and time.monotonic() - t0 < 30
