@@ -318,3 +318,14 @@ def test_demo_refuses_bad_settings_before_starting_a_broker(flags, needles):
     out = ef("demo", *flags, "--json")
     one_clear_line(out, *needles)  # and no "broker: ..." line: nothing was started
     assert out.stdout == "" and time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize(("flags", "needles"), [
+    (["--telemetry-interval", "0"], ["--telemetry-interval 0", "0.05"]),
+    (["--memory-budget-mb", "-5"], ["--memory-budget-mb -5"]),
+    (["--no-train", "--train-data", "x.npz"], ["--no-train and --train-data"]),
+])
+def test_device_flags_are_checked_before_connecting(fleet, tmp_path, flags, needles):
+    out = ef("device", "--credentials", str(fleet / "devices" / "cam-1"), "--broker", NOBODY,
+             "--state", str(tmp_path / "state"), *flags)
+    one_clear_line(out, *needles)

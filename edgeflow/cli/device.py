@@ -26,7 +26,7 @@ def register(sub) -> None:
     p.add_argument("--train-data", help=".npz with arrays x and y: take part in federated rounds on them (from the "
                    "first deployed model on, no command needed)")
     p.add_argument("--no-train", action="store_true",
-                   help="never take part in federated rounds, even with --train-data (no command can change that)")
+                   help="never take part in federated rounds (no command can change that; not with --train-data)")
     p.set_defaults(func=cmd)
 
 
@@ -52,10 +52,17 @@ def cmd(args) -> int:
     import threading
 
     from ..device.agent import AgentOptions, DeviceAgent
+    from ..errors import ConfigError
 
     opts = AgentOptions()
     if args.telemetry_interval is not None:
+        if not 0.05 <= args.telemetry_interval <= 86400:
+            raise ConfigError(f"--telemetry-interval {args.telemetry_interval:g}: give seconds between 0.05 and 86400")
         opts.telemetry_interval_s = args.telemetry_interval
+    if args.memory_budget_mb is not None and args.memory_budget_mb < 1:
+        raise ConfigError(f"--memory-budget-mb {args.memory_budget_mb}: give megabytes, 1 or more")
+    if args.no_train and args.train_data:
+        raise ConfigError("--no-train and --train-data contradict each other: drop one")
     if args.battery_file:
         opts.battery_file = args.battery_file
     if args.memory_budget_mb is not None:
