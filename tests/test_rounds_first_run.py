@@ -270,3 +270,23 @@ def test_devices_join_by_themselves_and_say_why_not(fleet_env, tmp_path) -> None
     st = fm.command(q_only.device_id, "status").result
     assert st["train"]["state"] == "quantized" and "fp32 master" in st["train"]["detail"]
     assert wait_until(lambda: (fm.latest_telemetry(q_only.device_id) or {}).get("train") == "quantized", 10)
+
+
+@pytest.mark.integration
+def test_the_gateway_command_fails_with_the_reason_when_no_round_can_run(fleet_env, tmp_path) -> None:
+    import subprocess
+    import sys
+
+    fleet_env._release("gateway")  # the command below connects as the gateway operator
+    bare = fleet_env.agent()  # online, but without training data
+    (tmp_path / "model.onnx").write_bytes(mlp_bytes(0))
+    conf = tmp_path / "gw.toml"
+    conf.write_text('[gateway]\nstate = "gw.sqlite"\nmodel = "model.onnx"\n'
+                    '[rounds]\nrounds = 1\nmin_clients = 1\nwait_for_devices_s = 2\n')
+    out = subprocess.run([sys.executable, "-m", "edgeflow", "gateway", "--config", str(conf), "--dir",
+                          str(fleet_env.fleet_dir.path), "--broker", fleet_env.url], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("edgeflow gateway: error: no round produced a model: round 1 not started"), out.stderr
+    assert bare.device_id in last and "--train-data" in last

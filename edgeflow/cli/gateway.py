@@ -114,15 +114,35 @@ def cmd(args) -> int:
                     f"{m.bytes_in / 1024:.1f} KiB in, accuracy {acc}, {m.round_s:.1f} s")
 
     gw = Gateway.from_config(cfg, broker=args.broker, fleet_dir=args.dir, on_round=on_round)
+    rc = 0
     try:
         gw.start()
         if not args.json:
-            c.print(f"gateway for fleet {gw.fleet_id} on {gw.transport!r}: model v{gw.rounds.version}")
-        gw.run_rounds(args.rounds)
+            c.print(f"gateway for fleet {gw.fleet_id} on {getattr(gw.transport, 'url', gw.transport)}: "
+                    f"model v{gw.rounds.version}")
+        closed_before = sum(1 for r in gw.store.rounds() if r.state == "closed")
+        wanted = args.rounds if args.rounds is not None else max(0, cfg.rounds.rounds - closed_before)
+        done = gw.run_rounds(args.rounds)
+        if cfg.role != "site" and wanted > 0 and not any(not m.extra.get("failed") for m in (done or [])):
+            rc = _no_round(gw)
         if args.serve:
             gw.serve()
     except KeyboardInterrupt:
         pass
     finally:
         gw.stop()
-    return 0
+    return rc
+
+
+def _no_round(gw) -> int:
+    """Exit code 1 and one line when the job asked for rounds and none produced a model: the last reason."""
+    import json
+    import sys
+
+    try:
+        status = json.loads(gw.store.get_meta("rounds_status") or "{}")
+    except ValueError:
+        status = {}
+    why = status.get("reason") or "see the log above"
+    print(f"edgeflow gateway: error: no round produced a model: {why}", file=sys.stderr)
+    return 1
