@@ -636,6 +636,23 @@ class RoundManager:
         parts += [f"{names(ids)}: {why}" for why, ids in sorted(groups.items(), key=lambda kv: -len(kv[1]))]
         return "; ".join(parts)
 
+    def _explain_filters(self, pool: Iterable[Candidate]) -> str:
+        """The devices that can train but the configuration leaves out (profiles, min_battery)."""
+        cfg = self.config
+        out = []
+        trainable = [c for c in pool if c.can_train]
+        if cfg.profiles is not None:
+            other = sorted(c.device_id for c in trainable if c.profile not in cfg.profiles)
+            if other:
+                out.append(f"{', '.join(other[:4])}{' ...' if len(other) > 4 else ''}: profile not in [rounds] "
+                           f"profiles {cfg.profiles}")
+        if cfg.min_battery is not None:
+            low = sorted(c.device_id for c in trainable if c.battery is not None and c.battery < cfg.min_battery)
+            if low:
+                out.append(f"{', '.join(low[:4])}{' ...' if len(low) > 4 else ''}: battery below [rounds] "
+                           f"min_battery {cfg.min_battery:g}")
+        return "".join(f"; {x}" for x in out)
+
     def _explain_missing(self, ann: RoundAnnouncement) -> str:
         """Why the selected devices that sent nothing did not: offline, stopped training, their last error."""
         with self._lock:
@@ -860,7 +877,7 @@ class RoundManager:
             round_id = self.store.last_round_id() + 1
         if len(selected) < cfg.min_clients:
             why = (f"round {round_id} not started: {len(selected)} eligible device(s), min_clients is "
-                   f"{cfg.min_clients}: {self.explain_pool(pool)}")
+                   f"{cfg.min_clients}: {self.explain_pool(pool)}{self._explain_filters(pool)}")
             log.warning("%s", why)
             self._status("waiting", why)
             return None

@@ -132,6 +132,16 @@ def test_a_round_that_cannot_start_says_why_for_each_device(caplog):
     assert any("no device is online" in r.getMessage() for r in caplog.records)
 
 
+def test_the_why_names_the_devices_the_configuration_leaves_out(caplog):
+    pool = [Candidate("d0", profile="raspberry-pi-4"), Candidate("d1", profile="x86-gateway", battery=0.1)]
+    rm, _, _ = _manager(lambda: pool, profiles=["x86-gateway"], min_battery=0.5)
+    with caplog.at_level(logging.WARNING, logger="edgeflow.gateway.rounds"):
+        assert rm.run_round() is None
+    line = next(r.getMessage() for r in caplog.records if "not started" in r.getMessage())
+    assert "d0: profile not in [rounds] profiles ['x86-gateway']" in line
+    assert "d1: battery below [rounds] min_battery 0.5" in line
+
+
 def test_a_round_without_updates_says_why_and_stops_waiting_for_devices_that_left(caplog):
     pool = {d: Candidate(d, note="round 1: global model v1 never arrived" if d == "d1" else "") for d in DEVICES[:3]}
     rm, fk, _ = _manager(lambda: list(pool.values()), deadline_s=1.0, max_extensions=5)
@@ -277,7 +287,12 @@ def test_the_gateway_command_fails_with_the_reason_when_no_round_can_run(fleet_e
     import subprocess
     import sys
 
+    from edgeflow.device.agent import DeviceAgent
+
     fleet_env._release("gateway")  # the command below connects as the gateway operator
+    for obj in fleet_env.made:  # earlier tests' boards go offline (a clean stop publishes their death)
+        if isinstance(obj, DeviceAgent):
+            obj.stop(timeout=2.0)
     bare = fleet_env.agent()  # online, but without training data
     (tmp_path / "model.onnx").write_bytes(mlp_bytes(0))
     conf = tmp_path / "gw.toml"
