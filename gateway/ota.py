@@ -130,8 +130,13 @@ class RolloutReport:
         return out
 
     def to_dict(self) -> dict[str, Any]:
+        """The report with figures rounded (seconds to the millisecond, the failure rate to 4 places)."""
         d = asdict(self)
         d["counts"] = self.counts()
+        d["failure_rate"] = round(self.failure_rate, 4)
+        for r in d["devices"].values():
+            if r["seconds"] is not None:
+                r["seconds"] = round(r["seconds"], 3)
         return d
 
 
