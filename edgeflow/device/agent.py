@@ -888,10 +888,8 @@ class DeviceAgent:
         return state
 
     def _participant_changed(self) -> None:
-        """The participant's own state changed (e.g. the gateway's model does not fit): tell the gateway now."""
-        code, detail = self.train_status()
-        if code != "training":
-            log.warning("%s: not taking part in federated rounds: %s", self.device_id, detail)
+        """The participant's own state changed (e.g. the gateway's model does not fit; it logged why): tell the
+        gateway now."""
         if self._started and not self._stop.is_set() and self.transport.is_connected:
             try:
                 self.publish_birth()
