@@ -60,10 +60,36 @@ class DemoConfig:
     epochs: int = 3
     lr: float = 0.1
     batch_size: int = 16
-    deadline_s: float = 30.0
+    deadline_s: float = 120.0
+    """Each round waits for every selected device (quorum 1.0), at most this long: which devices make it
+    must not depend on the machine's load, or the same seed would give another model."""
     broker: str | None = None  # URL, "mosquitto", "embedded", or None = auto
     workdir: str | None = None  # keep state here (default: a temporary directory)
     fleet: str = "demo"
+
+
+def check_config(cfg: DemoConfig) -> None:
+    """Every setting checked before a broker starts: ConfigError naming each problem and its flag."""
+    from .codecs import available_codecs
+    from .errors import ConfigError
+    from .profiles import get_profile
+
+    problems = []
+    trainers = sum(1 for i in range(max(0, cfg.devices)) if get_profile(DEMO_PROFILES[i % len(DEMO_PROFILES)]).can_train)
+    if trainers < 2:
+        problems.append(f"--devices {cfg.devices}: a round needs two boards that train; use --devices 2 or more")
+    if cfg.rounds < 1:
+        problems.append(f"--rounds {cfg.rounds}: give 1 or more federated rounds")
+    if cfg.seed < 0:
+        problems.append(f"--seed {cfg.seed}: seeds are whole numbers >= 0")
+    if cfg.codec not in available_codecs():
+        problems.append(f"--codec {cfg.codec!r} is unknown; choose one of {', '.join(available_codecs())}")
+    if cfg.codec.startswith("topk") and not 0 < cfg.ratio <= 1:
+        problems.append(f"--ratio {cfg.ratio:g}: the share of values top-k sends must be in (0, 1], e.g. 0.03")
+    if cfg.model not in ("cnn", "mlp"):
+        problems.append(f"model {cfg.model!r}: 'cnn' or 'mlp'")
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 @dataclass
@@ -100,8 +126,17 @@ class DemoResult:
         return self.upload_bytes / self.dense_bytes if self.dense_bytes else 0.0
 
     def to_dict(self) -> dict[str, Any]:
+        """The result with figures rounded (accuracies 4 decimals, latencies in ms 3, seconds 2)."""
         d = asdict(self)
-        d["upload_ratio"] = self.upload_ratio
+        d["upload_ratio"] = round(self.upload_ratio, 4)
+        d["accuracy_per_round"] = [round(a, 4) for a in self.accuracy_per_round]
+        d["final_fp32_accuracy"] = round(self.final_fp32_accuracy, 4)
+        d["wall_s"] = round(self.wall_s, 2)
+        for row in d["devices"]:
+            for k in ("fp32_accuracy", "deployed_accuracy"):
+                row[k] = round(row[k], 4)
+            for k in ("latency_p50_ms", "latency_p95_ms"):
+                row[k] = round(row[k], 3)
         return d
 
 
@@ -141,8 +176,9 @@ def _participant_factory(shards: dict[str, tuple[np.ndarray, np.ndarray]], seed:
 
     def make(agent):
         c = Client(agent.transport, fleet=agent.fleet, device_id=agent.device_id, signer=agent.signer,
-                   fleet_key=agent.fleet_key, model=str(agent.model_path), data=shards[agent.device_id],
-                   profile=agent.profile, seed=seed * 1000 + sorted(shards).index(agent.device_id))
+                   fleet_key=agent.fleet_key, model=str(agent.train_model_path), data=shards[agent.device_id],
+                   profile=agent.profile, seed=seed * 1000 + sorted(shards).index(agent.device_id),
+                   report_train_time=False)  # no timings in the updates: the same bytes on every run
         created.setdefault(agent.device_id, []).append(c)
         return c
 
@@ -193,6 +229,7 @@ class Demo:
         from .transport.topics import gateway_topic
 
         cfg = self.cfg
+        check_config(cfg)
         if cfg.workdir:
             work = Path(cfg.workdir)
             work.mkdir(parents=True, exist_ok=True)
@@ -235,7 +272,7 @@ class Demo:
             will=Will(str(gateway_topic(cfg.fleet, "state")), '{"online": false}'),
         )
         rounds = RoundConfig(
-            rounds=cfg.rounds, min_clients=max(2, len(trainers) // 2), quorum=0.6, deadline_s=cfg.deadline_s,
+            rounds=cfg.rounds, min_clients=max(2, len(trainers) // 2), quorum=1.0, deadline_s=cfg.deadline_s,
             strategy="fedavg", seed=cfg.seed, wait_for_devices_s=20.0,
             train=TrainConfig(epochs=cfg.epochs, batch_size=cfg.batch_size, lr=cfg.lr, codec=cfg.codec,
                               codec_opts={"ratio": cfg.ratio} if cfg.codec.startswith("topk") else {}),
@@ -267,6 +304,22 @@ class Demo:
             raise FleetError("not every demo device came online within 30 s")
 
     # -- steps ------------------------------------------------------------------
+    def _wait_trainers(self, timeout: float = 60.0) -> None:
+        """Until the gateway sees every training board as a trainable candidate, so every round selects
+        the same devices (a birth still in flight would make round 1 select fewer)."""
+        from .errors import FleetError
+
+        end = time.monotonic() + timeout
+        while True:
+            pool = {c.device_id: c for c in self.gateway.fleet.round_candidates()}
+            missing = [d for d in self.trainers if not (d in pool and pool[d].can_train)]
+            if not missing:
+                return
+            if time.monotonic() > end:
+                why = "; ".join(f"{d}: {pool[d].why if d in pool else 'offline'}" for d in missing)
+                raise FleetError(f"training boards not ready after {timeout:g} s: {why}")
+            time.sleep(0.1)
+
     def _on_round(self, m) -> None:
         self.accuracy.append(float(m.accuracy) if m.accuracy is not None else float("nan"))
         if self.progress is not None:
@@ -310,8 +363,7 @@ class Demo:
             from .errors import FleetError
 
             raise FleetError(f"initial deployment {rep1.state}: {rep1.halted_reason}")
-        for d in self.trainers:
-            self.gateway.fleet.command(d, "train_start", timeout_s=30)
+        self._wait_trainers()  # they joined by themselves once v1 was deployed: no train_start
         if self.progress is not None:
             self._round_task = self.progress.add_task("federated rounds", total=self.cfg.rounds)
         self.gateway.run_rounds(self.cfg.rounds)

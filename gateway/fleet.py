@@ -67,6 +67,7 @@ from edgeflow.device.messages import (
     deploy_command,
     loads,
     open_signed,
+    peek_signed,
 )
 from edgeflow.errors import CodecError, ConfigError, FleetError, SignatureError
 from edgeflow.signing import KeyRing, PrivateKey
@@ -105,9 +106,11 @@ TELEMETRY_FIELDS = {
     "device": str, "ts": float, "seq": int, "bdseq": int, "model_version": int, "training": bool,
     "inferences": int, "inference_errors": int, "latency_p50_ms": float, "latency_p95_ms": float,
     "rss_bytes": int, "peak_rss_bytes": int, "cpu_percent": float, "queue_depth": int, "battery": float,
-    "charging": bool,
+    "charging": bool, "train": str,
 }
 PARTICIPANT_FIELDS = {"rounds_trained": int, "last_round": int, "last_loss": float}
+LONG_TEXT = 400
+"""Bound of the free-text fields (``train_detail``, ``participant.last_error``): one line for an operator."""
 
 
 def _typed(v: Any, kind: type) -> Any:
@@ -133,11 +136,58 @@ def bounded_telemetry(body: dict[str, Any]) -> dict[str, Any]:
             v = _typed(body[k], kind)
             if v is not None or body[k] is None:
                 out[k] = v
+    if isinstance(body.get("train_detail"), str):
+        out["train_detail"] = body["train_detail"][:LONG_TEXT]
     part = body.get("participant")
     if isinstance(part, dict):
         out["participant"] = {k: v for k, kind in PARTICIPANT_FIELDS.items()
                               if k in part and (v := _typed(part[k], kind)) is not None}
+        if isinstance(part.get("last_error"), str):
+            out["participant"]["last_error"] = part["last_error"][:LONG_TEXT]
     return out
+
+
+def _birth_train(payload: bytes) -> dict[str, Any]:
+    """``train`` and ``train_detail`` of a birth whose signature was just verified (agents add them to the
+    signed body; :class:`Birth` does not carry them yet), bounded; {} when absent."""
+    try:
+        _, body = peek_signed(payload)
+    except CodecError:
+        return {}
+    out: dict[str, Any] = {}
+    if isinstance(body.get("train"), str):
+        out["train"] = body["train"][:32]
+    if isinstance(body.get("train_detail"), str):
+        out["train_detail"] = body["train_detail"][:LONG_TEXT]
+    return out
+
+
+def train_state(birth: Mapping[str, Any], telemetry: Mapping[str, Any] | None) -> tuple[str | None, str]:
+    """A device's training state (one of ``edgeflow.device.agent.TRAIN_STATES``, or None if it reports none)
+    and its detail line: agents report ``train``/``train_detail`` in their birth and in every telemetry
+    message; the newer of the two counts."""
+    t = telemetry or {}
+
+    def ts(d: Mapping[str, Any]) -> float:
+        v = d.get("ts")
+        return float(v) if isinstance(v, (int, float)) else 0.0
+
+    src = t if "train" in t and ts(t) >= ts(birth) else (birth if "train" in birth else t)
+    state = src.get("train")
+    return (state if isinstance(state, str) else None), str(src.get("train_detail") or "")
+
+
+def train_reason(birth: Mapping[str, Any], telemetry: Mapping[str, Any] | None) -> tuple[bool, str]:
+    """(takes part in rounds now, why not) from a device's birth and latest telemetry; an agent that
+    reports no state is judged by the birth's ``training`` flag."""
+    state, detail = train_state(birth, telemetry)
+    if not birth.get("can_train", False):
+        return False, detail or f"profile {birth.get('profile', '?')} cannot train"
+    if state is not None:
+        return (True, "") if state == "training" else (False, detail or f"not training ({state})")
+    if birth.get("training", False):
+        return True, ""
+    return False, "not training (no reason reported: an agent older than this gateway)"
 
 
 @dataclass(frozen=True)
@@ -349,7 +399,9 @@ class FleetManager:
         out = []
         for r in self.online_devices():
             tele = self.latest_telemetry(r.device_id) or {}
-            out.append(Candidate(r.device_id, r.profile, bool(r.birth.get("can_train", False)), tele.get("battery")))
+            ok, why = train_reason(r.birth, tele)
+            note = str((tele.get("participant") or {}).get("last_error", ""))
+            out.append(Candidate(r.device_id, r.profile, ok, tele.get("battery"), why=why, note=note))
         return out
 
     def wait_online(self, device_ids: list[str] | set[str], timeout: float = 10.0, *, online: bool = True) -> bool:
@@ -469,7 +521,7 @@ class FleetManager:
         if stale:
             self._count("births_stale")
             return
-        record = {**birth.to_dict(), "trust": "registered", "received": time.time()}
+        record = {**birth.to_dict(), **_birth_train(msg.payload), "trust": "registered", "received": time.time()}
         if self.options.record_registry:
             self.store.upsert_birth(device, record, profile=birth.profile, public_key=birth.public_key,
                                     model_version=birth.model_version, bdseq=birth.bdseq)
@@ -672,14 +724,19 @@ class FleetManager:
         return self.send_command(device_id, name, args, timeout_s=timeout_s).wait()
 
     def send_ota(self, device_id: str, artifact: bytes, *, version: int, timeout_s: float | None = None,
-                 ttl_s: float | None = None, allow_downgrade: bool = False) -> PendingCommand:
+                 ttl_s: float | None = None, allow_downgrade: bool = False, role: str | None = None) -> PendingCommand:
         """Offer ``artifact`` to one device (signed deploy command + artifact, chunked by the transport).
 
         Devices refuse a version older than the one they run unless ``allow_downgrade``.
+        ``role="train_master"``: the fp32 master of a quantized model, kept for training, not served.
         """
+        extra: dict[str, Any] = {}
+        if allow_downgrade:
+            extra["allow_downgrade"] = True
+        if role is not None:
+            extra["role"] = role
         cmd = deploy_command(device_id, self.fleet, artifact, version=version,
-                             ttl_s=self.options.command_ttl_s if ttl_s is None else ttl_s,
-                             extra={"allow_downgrade": True} if allow_downgrade else None)
+                             ttl_s=self.options.command_ttl_s if ttl_s is None else ttl_s, extra=extra or None)
         pc = self._track(cmd, timeout_s)
         offer = OtaOffer.make(cmd, artifact, self.fleet_key)
         self.transport.publish(device_topic(self.fleet, device_id, "ota").value, offer.to_bytes(), qos=1)
@@ -687,7 +744,8 @@ class FleetManager:
         return pc
 
     def deploy(self, artifacts: Mapping[str, bytes], to: str = "all", policy: Any = None, *,
-               include_offline: bool = False, on_progress: Callable[..., Any] | None = None) -> Any:
+               include_offline: bool = False, on_progress: Callable[..., Any] | None = None,
+               masters: Mapping[str, bytes] | None = None) -> Any:
         """Roll signed per-profile ``artifacts`` out to the devices matching ``to`` (see
         :mod:`edgeflow.gateway.ota`); blocks and returns the :class:`~edgeflow.gateway.ota.RolloutReport`."""
         from .ota import Rollout, select_devices
@@ -695,7 +753,7 @@ class FleetManager:
         targets = select_devices(self.devices(), to, online=None if include_offline else self.is_online)
         if not targets:
             raise FleetError(f"no {'known' if include_offline else 'online'} device matches {to!r}")
-        return Rollout(self, artifacts, targets, policy, on_progress=on_progress).run()
+        return Rollout(self, artifacts, targets, policy, on_progress=on_progress, masters=masters).run()
 
     def recent_ack(self, command_id: str) -> Ack | None:
         with self._lock:

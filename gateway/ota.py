@@ -107,6 +107,8 @@ class DeviceResult:
     rolled_back: bool = False
     seconds: float | None = None
     health: dict[str, Any] | None = None
+    train_master: str = ""
+    """The fp32 training master sent with a quantized model: "ok", or what went wrong ("" when none)."""
 
 
 @dataclass
@@ -128,8 +130,13 @@ class RolloutReport:
         return out
 
     def to_dict(self) -> dict[str, Any]:
+        """The report with figures rounded (seconds to the millisecond, the failure rate to 4 places)."""
         d = asdict(self)
         d["counts"] = self.counts()
+        d["failure_rate"] = round(self.failure_rate, 4)
+        for r in d["devices"].values():
+            if r["seconds"] is not None:
+                r["seconds"] = round(r["seconds"], 3)
         return d
 
 
@@ -210,6 +217,7 @@ def build_artifacts(
     latency_budget_ms: float = 1000.0,
     golden: bool = True,
     notes: list[str] | None = None,
+    masters: dict[str, bytes] | None = None,
 ) -> dict[str, bytes]:
     """One signed artifact per profile; with ``quantize`` each is quantized for its profile.
 
@@ -217,6 +225,14 @@ def build_artifacts(
     ``calibration`` samples; when the quantizer is not available or the
     profile runs unquantized, the fp32 model is shipped and a line is added
     to ``notes`` saying so.
+
+    ``masters``: a dict that receives, for every profile that can train and got
+    a quantized model, the signed fp32 *training master* (the source model,
+    manifest meta ``role: train_master``; the quantized artifact names it by
+    its ``source_sha256``). A :class:`Rollout` given them sends each device its
+    master just before the quantized model, so the device keeps training in
+    federated rounds on fp32 while it serves int8. Without masters, devices on
+    a quantized model do not train (they report ``train: quantized``).
     """
     import hashlib
 
@@ -235,7 +251,25 @@ def build_artifacts(
                             rtol=rtol, latency_budget_ms=latency_budget_ms)
         out[profile] = build_artifact(body, version=version, profile=profile, key=key, fleet=fleet, name=name,
                                       golden=g, meta={"source_sha256": source_sha, "precision": how})
+        if masters is not None and how != "fp32" and _can_train(profile):
+            masters[profile] = build_artifact(model, version=version, profile=profile, key=key, fleet=fleet,
+                                              name=f"{name}-fp32-master", golden=None,
+                                              meta={"source_sha256": source_sha, "precision": "fp32",
+                                                    "role": "train_master"})
+    if masters:
+        notes.append(f"fp32 training masters for {', '.join(sorted(masters))}: devices there train on fp32 and "
+                     "serve the quantized model")
     return out
+
+
+def _can_train(profile: str) -> bool:
+    from edgeflow.errors import EdgeflowError
+    from edgeflow.profiles import get_profile
+
+    try:
+        return bool(get_profile(profile).can_train)
+    except EdgeflowError:
+        return False
 
 
 def _quantized(model: bytes, profile: str, calibration: Any, notes: list[str]) -> tuple[bytes, str]:
@@ -269,7 +303,10 @@ class Rollout:
         policy: RolloutPolicy | None = None,
         *,
         on_progress: Callable[[RolloutReport, DeviceResult], Any] | None = None,
+        masters: Mapping[str, bytes] | None = None,
     ) -> None:
+        """``masters``: fp32 training masters by profile (from :func:`build_artifacts`), sent to each
+        device just before its quantized artifact."""
         if not artifacts:
             raise FleetError("a rollout needs at least one artifact")
         versions = {parse_artifact(a).version for a in artifacts.values()}
@@ -281,6 +318,7 @@ class Rollout:
         self.policy = policy or RolloutPolicy()
         self.version = versions.pop()
         self.on_progress = on_progress
+        self.masters = dict(masters or {})
         self.report = RolloutReport(self.version)
 
     def _artifact_for(self, profile: str) -> bytes | None:
@@ -330,11 +368,20 @@ class Rollout:
     def _run_wave(self, index: int, wave: list[str]) -> None:
         rep, pol = self.report, self.policy
         pending = {}
+        master_acks = {}
         for d in wave:
             r = rep.devices[d]
             r.wave = index
             art = self._artifact_for(r.profile)
             assert art is not None
+            master = self.masters.get(r.profile)
+            if master is not None:  # before the model: the device trains on it from the swap on
+                try:
+                    master_acks[d] = self.fleet.send_ota(d, master, version=self.version,
+                                                         timeout_s=pol.report_timeout_s, ttl_s=pol.command_ttl_s,
+                                                         role="train_master")
+                except Exception as exc:  # noqa: BLE001 - serving does not need the master
+                    r.train_master = f"not sent: {exc}"
             try:
                 pending[d] = self.fleet.send_ota(d, art, version=self.version, timeout_s=pol.report_timeout_s,
                                                  ttl_s=pol.command_ttl_s, allow_downgrade=pol.allow_downgrade)
@@ -342,6 +389,12 @@ class Rollout:
                 r.state, r.code, r.error = "failed", "send_failed", str(exc)
                 self._progress(r)
         deadline = time.monotonic() + pol.report_timeout_s
+        for d, pc in master_acks.items():
+            try:
+                ack = pc.wait(max(0.0, deadline - time.monotonic()))
+                rep.devices[d].train_master = "ok" if ack.ok else f"{ack.code}: {ack.error}"
+            except FleetError as exc:
+                rep.devices[d].train_master = f"timeout: {exc}"
         for d, pc in pending.items():
             r = rep.devices[d]
             try:

@@ -11,16 +11,16 @@ and keeps its state in a :class:`~edgeflow.gateway.store.GatewayStore`:
    hyper-parameters and deadline; the global weights are already retained
    on ``gateway/model``;
 3. **collect** updates: each one is checked (round, selection, signature,
-   replay, shapes, NaN), *stored* and then folded into a streaming
-   aggregator; the round closes when every selected device reported, or at
-   the deadline once ``quorum`` updates are in (extended up to
-   ``max_extensions`` times otherwise);
+   replay, shapes, NaN) and *stored*; the round closes when every selected
+   device reported, or at the deadline once ``quorum`` updates are in
+   (extended up to ``max_extensions`` times otherwise); at the close the
+   stored updates are folded into the streaming aggregator one at a time in
+   device-id order, so the new model does not depend on arrival order;
 4. **aggregate** and **publish** the new version (retained), evaluate it
    when an eval set is configured, and record one metrics line.
 
 A gateway killed mid-round resumes the open round on restart: the stored
-updates are re-streamed into a fresh aggregator and the broker redelivers
-what was not acknowledged; the (round, device) key in the store makes every
+updates are kept and the broker redelivers what was not acknowledged; the (round, device) key in the store makes every
 update count once. A round ends in one transaction (the new model version,
 the round closed, its envelopes dropped), so a restart after a crash at any
 step finds a consistent state (tests/test_gateway_crash_points.py kills the
@@ -96,6 +96,41 @@ GATEWAY_ID = "gateway"
 _ROBUST_METRICS = ("clipped", "capped", "norm_bound", "sample_cap", "median_norm", "median_samples")
 
 
+def _checked_train(d: Mapping[str, Any]) -> dict[str, Any]:
+    """``[rounds.train]`` checked before devices get it: names, types, ranges, the codec."""
+    from edgeflow.codecs import available_codecs
+
+    known = set(TrainConfig.__dataclass_fields__)
+    problems = []
+    unknown = sorted(set(d) - known)
+    if unknown:
+        problems.append(f"unknown setting(s) {unknown}; known: {sorted(known)}")
+
+    def num(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    for name, low in (("epochs", 1), ("batch_size", 1)):
+        if name in d and not (isinstance(d[name], int) and not isinstance(d[name], bool) and d[name] >= low):
+            problems.append(f"{name} must be an integer >= {low}, got {d[name]!r}")
+    if "max_samples" in d and d["max_samples"] is not None and not (
+            isinstance(d["max_samples"], int) and not isinstance(d["max_samples"], bool) and d["max_samples"] >= 1):
+        problems.append(f"max_samples must be an integer >= 1, got {d['max_samples']!r}")
+    if "lr" in d and not (num(d["lr"]) and d["lr"] > 0):
+        problems.append(f"lr must be a number > 0, got {d['lr']!r}")
+    for name in ("momentum", "weight_decay", "proximal_mu"):
+        if name in d and not (num(d[name]) and d[name] >= 0):
+            problems.append(f"{name} must be a number >= 0, got {d[name]!r}")
+    if "clip_norm" in d and d["clip_norm"] is not None and not (num(d["clip_norm"]) and d["clip_norm"] > 0):
+        problems.append(f"clip_norm must be a number > 0, got {d['clip_norm']!r}")
+    if "codec" in d and d["codec"] not in available_codecs():
+        problems.append(f"codec {d['codec']!r} is unknown; choose one of {', '.join(available_codecs())}")
+    if "codec_opts" in d and not isinstance(d["codec_opts"], dict):
+        problems.append(f"codec_opts must be a table, e.g. {{ ratio = 0.05 }}, got {d['codec_opts']!r}")
+    if problems:
+        raise ConfigError("[rounds.train]: " + "; ".join(problems))
+    return dict(d)
+
+
 @dataclass(frozen=True)
 class Candidate:
     """A device that could be selected: what selection needs to know."""
@@ -104,6 +139,10 @@ class Candidate:
     profile: str = ""
     can_train: bool = True
     battery: float | None = None  # 0..1, None = mains powered / unknown
+    why: str = ""
+    """Why it cannot train (when ``can_train`` is false), as the device reported it."""
+    note: str = ""
+    """The device's latest training error, if any (e.g. a round it could not train)."""
 
 
 @dataclass
@@ -135,7 +174,8 @@ class RoundConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.train, dict):
-            self.train = TrainConfig.from_dict(self.train)
+            self.train = TrainConfig.from_dict(_checked_train(self.train))
+        self._check_types()
         problems = []
         if self.mode not in ("sync", "async"):
             problems.append(f"mode must be 'sync' or 'async', got {self.mode!r}")
@@ -164,6 +204,42 @@ class RoundConfig:
             if unknown:
                 problems.append(f"unknown secagg setting(s) {sorted(unknown)}")
             self.train = TrainConfig(**{**asdict(self.train), "secagg": True})
+        if problems:
+            raise ConfigError("round configuration: " + "; ".join(problems))
+
+    _INTS = ("rounds", "min_clients", "max_extensions", "async_buffer", "seed")
+    _OPT_INTS = ("max_clients", "max_staleness")
+    _NUMBERS = ("fraction", "overselect", "quorum", "deadline_s", "wait_for_devices_s", "publish_timeout_s")
+    _OPT_NUMBERS = ("min_battery",)
+    _STRINGS = ("mode", "strategy", "staleness")
+
+    def _check_types(self) -> None:
+        """Every setting of the right type before any range check (``rounds = "three"`` in TOML is one clear
+        line, not "'<' not supported between instances of 'str' and 'int'")."""
+        problems = []
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_number(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        for name in self._INTS + self._OPT_INTS:
+            v = getattr(self, name)
+            if not (is_int(v) or (v is None and name in self._OPT_INTS)):
+                problems.append(f"{name} must be an integer, got {v!r}")
+        for name in self._NUMBERS + self._OPT_NUMBERS:
+            v = getattr(self, name)
+            if not (is_number(v) or (v is None and name in self._OPT_NUMBERS)):
+                problems.append(f"{name} must be a number, got {v!r}")
+        for name in self._STRINGS:
+            if not isinstance(getattr(self, name), str):
+                problems.append(f"{name} must be a string, got {getattr(self, name)!r}")
+        if not isinstance(self.strategy_params, dict):
+            problems.append(f"strategy_params must be a table, got {self.strategy_params!r}")
+        if self.profiles is not None and not (isinstance(self.profiles, list)
+                                              and all(isinstance(p, str) for p in self.profiles)):
+            problems.append(f"profiles must be a list of profile names, got {self.profiles!r}")
         if problems:
             raise ConfigError("round configuration: " + "; ".join(problems))
 
@@ -539,6 +615,85 @@ class RoundManager:
         idx = self._rng.choice(len(eligible), n, replace=False) if n else []
         return sorted(eligible[i].device_id for i in idx)
 
+    @staticmethod
+    def explain_pool(pool: Iterable[Candidate]) -> str:
+        """Which online devices can train and, grouped by reason, why the others cannot (one line)."""
+        pool = list(pool)
+        if not pool:
+            return ("no device is online (see `edgeflow fleet status`; each board runs `edgeflow device "
+                    "--credentials DIR --train-data x_y.npz`)")
+        ok = [c.device_id for c in pool if c.can_train]
+        groups: dict[str, list[str]] = {}
+        for c in pool:
+            if not c.can_train:
+                groups.setdefault(c.why or "cannot train (no reason reported)", []).append(c.device_id)
+
+        def names(ids: list[str]) -> str:
+            ids = sorted(ids)
+            return ", ".join(ids[:4]) + (f" and {len(ids) - 4} more" if len(ids) > 4 else "")
+
+        parts = [f"{len(ok)} of {len(pool)} online device(s) can train" + (f" ({names(ok)})" if ok else "")]
+        parts += [f"{names(ids)}: {why}" for why, ids in sorted(groups.items(), key=lambda kv: -len(kv[1]))]
+        return "; ".join(parts)
+
+    def _explain_filters(self, pool: Iterable[Candidate]) -> str:
+        """The devices that can train but the configuration leaves out (profiles, min_battery)."""
+        cfg = self.config
+        out = []
+        trainable = [c for c in pool if c.can_train]
+        if cfg.profiles is not None:
+            other = sorted(c.device_id for c in trainable if c.profile not in cfg.profiles)
+            if other:
+                out.append(f"{', '.join(other[:4])}{' ...' if len(other) > 4 else ''}: profile not in [rounds] "
+                           f"profiles {cfg.profiles}")
+        if cfg.min_battery is not None:
+            low = sorted(c.device_id for c in trainable if c.battery is not None and c.battery < cfg.min_battery)
+            if low:
+                out.append(f"{', '.join(low[:4])}{' ...' if len(low) > 4 else ''}: battery below [rounds] "
+                           f"min_battery {cfg.min_battery:g}")
+        return "".join(f"; {x}" for x in out)
+
+    def _explain_missing(self, ann: RoundAnnouncement) -> str:
+        """Why the selected devices that sent nothing did not: offline, stopped training, their last error."""
+        with self._lock:
+            missing = sorted(set(ann.selected) - self._reported)
+            c = dict(self._counters)
+        try:
+            pool = {cand.device_id: cand for cand in self.candidates()}
+        except Exception:  # noqa: BLE001 - an explanation must never fail the round's end
+            pool = {}
+        says = []
+        for d in missing[:6]:
+            cand = pool.get(d)
+            if cand is None:
+                says.append(f"{d} went offline")
+            elif not cand.can_train:
+                says.append(f"{d} stopped training ({cand.why})")
+            elif cand.note:
+                says.append(f"{d}: {cand.note}")
+            else:
+                says.append(f"{d} is training but sent nothing before the deadline (slower than deadline_s = "
+                            f"{self.config.deadline_s:g} s? raise it)")
+        if len(missing) > 6:
+            says.append(f"{len(missing) - 6} more")
+        refused = {k[len("rejected_"):]: v for k, v in c.items() if k.startswith("rejected_") and v}
+        if refused:
+            hint = " (trained from another model version: devices run another model than the gateway's)" \
+                if "wrong_version" in refused else ""
+            says.append("refused: " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in sorted(refused.items())) + hint)
+        for k, label in (("late", "late"), ("not_selected", "from devices not selected"), ("duplicates", "duplicate")):
+            if c.get(k):
+                says.append(f"{c[k]} {label}")
+        return "; ".join(says)
+
+    def _status(self, state: str, reason: str = "", **extra: Any) -> None:
+        """What the rounds are doing, for `edgeflow fleet status --state` (best effort)."""
+        try:
+            self.store.set_meta("rounds_status", json.dumps({"state": state, "reason": reason, "ts": time.time(),
+                                                             "model_version": self.version, **extra}))
+        except Exception as exc:  # noqa: BLE001 - a status line must never stop the rounds
+            log.debug("rounds status not stored: %s", exc)
+
     def _wait_for_pool(self) -> list[Candidate]:
         end = time.time() + self.config.wait_for_devices_s
         while True:
@@ -635,7 +790,6 @@ class RoundManager:
                 log.warning("update from %s for round %d refused (rejected_wrong_version): trained from v%d, "
                             "the round trains v%d", upd.device_id, ann.round_id, base, ann.model_version)
                 return
-            stored = False
             if store and ann.mode == "sync":
                 try:
                     if not self.store.add_update(ann.round_id, upd.device_id, upd.seq, meta.num_samples, payload):
@@ -645,25 +799,15 @@ class RoundManager:
                     self._count("rejected_store")
                     log.error("update from %s could not be stored (%s); not counted", upd.device_id, exc)
                     return
-                stored = True
                 fault_point("rounds.update_stored", ann.round_id)
-            try:
-                if ann.mode == "async":
+            result = None
+            if ann.mode == "async":  # FedBuff folds as updates come (a sync round folds its stored ones at close)
+                try:
                     result = self._agg.add(tensors, meta.num_samples, upd.device_id, base_version=base)
-                elif self.contributions == "partials":
-                    self._agg.add_partial(tensors, total_samples=meta.num_samples,
-                                          num_clients=partial_clients(upd.metadata, upd.device_id),
-                                          client_id=upd.device_id)
-                    result = None
-                else:
-                    self._agg.add(tensors, meta.num_samples, client_id=upd.device_id)
-                    result = None
-            except AggregationError as exc:
-                self._count("rejected_schema")
-                log.warning("update from %s does not fit the model: %s", upd.device_id, exc)
-                if stored:  # never leave a stored update the aggregate does not hold
-                    self.store.remove_update(ann.round_id, upd.device_id)
-                return
+                except AggregationError as exc:
+                    self._count("rejected_schema")
+                    log.warning("update from %s does not fit the model: %s", upd.device_id, exc)
+                    return
             if ann.mode == "async" and store:
                 self.store.record_seq(upd.device_id, upd.seq)
             self._reported.add(upd.device_id)
@@ -732,8 +876,10 @@ class RoundManager:
         if round_id is None:
             round_id = self.store.last_round_id() + 1
         if len(selected) < cfg.min_clients:
-            log.warning("round %d not started: %d eligible device(s), min_clients is %d",
-                        round_id, len(selected), cfg.min_clients)
+            why = (f"round {round_id} not started: {len(selected)} eligible device(s), min_clients is "
+                   f"{cfg.min_clients}: {self.explain_pool(pool)}{self._explain_filters(pool)}")
+            log.warning("%s", why)
+            self._status("waiting", why)
             return None
         train = cfg.train if train is None else train
         ann = RoundAnnouncement(
@@ -749,6 +895,7 @@ class RoundManager:
         fault_point("rounds.opened")
         self._publish_round(ann)
         fault_point("rounds.announced")
+        self._status("open", f"round {round_id}: {len(selected)} device(s) selected", round_id=round_id)
         return self._collect_and_close(ann, time.perf_counter())
 
     def _reopen(self, rec) -> RoundAnnouncement:
@@ -782,6 +929,16 @@ class RoundManager:
             self._accept(upd, tensors, meta, su.envelope, store=False)
         return ann
 
+    def _anyone_left(self, ann: RoundAnnouncement) -> bool:
+        """Is a selected device that has not reported still online and training? (Called with the lock held.)"""
+        missing = set(ann.selected) - self._reported
+        if not missing or self.contributions != "updates":
+            return True
+        try:
+            return any(c.can_train for c in self.candidates() if c.device_id in missing)
+        except Exception:  # noqa: BLE001 - when in doubt, keep waiting as configured
+            return True
+
     def _closing(self, ann: RoundAnnouncement, extensions: int) -> bool:
         n = len(self._reported)
         if ann.selected and n >= len(ann.selected):
@@ -802,7 +959,11 @@ class RoundManager:
                     self.ingest.poll(self, ann)
                 if self._closing(ann, extensions):
                     break
-                if time.time() >= ann.deadline:  # below quorum: extend
+                if time.time() >= ann.deadline:  # below quorum: extend, unless nobody left can answer
+                    if not self._anyone_left(ann):
+                        log.warning("round %d: quorum not reached at the deadline and none of the selected devices "
+                                    "still missing can train: %s", ann.round_id, self._explain_missing(ann))
+                        break
                     extensions += 1
                     ann = RoundAnnouncement(**{**ann.__dict__, "deadline": time.time() + self.config.deadline_s})
                     self._ann = ann
@@ -815,13 +976,17 @@ class RoundManager:
         self._publish_round(closed)
         if self.ingest is not None:
             self.ingest.merge(self, closed)
-            with self._lock:
-                n_reported = len(self._reported)
+        else:
+            self._fold_stored(closed)
+        with self._lock:
+            n_reported = len(self._reported)
         if n_reported == 0:
-            return self._fail_round(ann, t_start, "no update arrived", 0)
+            return self._fail_round(ann, t_start, f"no update arrived from the {len(ann.selected)} selected "
+                                                  f"device(s): {self._explain_missing(ann)}", 0)
         if n_reported < self.config.min_clients:
             return self._fail_round(ann, t_start, f"{n_reported} update(s) after {extensions} extension(s), "
-                                                  f"below min_clients {self.config.min_clients}", n_reported)
+                                                  f"below min_clients {self.config.min_clients}: "
+                                                  f"{self._explain_missing(ann)}", n_reported)
         t0 = time.perf_counter()
         try:
             with self._lock:
@@ -832,6 +997,39 @@ class RoundManager:
         fault_point("rounds.aggregated")
         return self._deliver(ann, result, agg_s, t_start)
 
+    def _fold_stored(self, ann: RoundAnnouncement) -> None:
+        """Fold the closed round's stored updates into the aggregator, in device-id order.
+
+        Why at the close and not as they arrive: the new model must not depend on the order in
+        which updates happened to arrive (floating-point sums in another order differ in the last
+        bits, and FedAvg's first round takes its bounds from the first updates it holds). Folded
+        in device-id order, the same updates give the same model bit for bit: under one seed
+        (`edgeflow demo`), and after a restart that re-reads them from the state. Memory stays
+        O(model): one update at a time is read from the state and decoded (each was fully
+        validated before it was stored; it is checked again, as a resumed round does).
+        """
+        expected = {k: v.shape for k, v in self.weights.items()}
+        for su in self.store.updates(ann.round_id, order="device"):
+            try:
+                upd = decode_update(su.envelope, verifier=self.keyring, require_signature=True,
+                                    expected_shapes=expected, source=f"gateway<-{su.device_id} (stored)")
+                tensors, meta = self._check_update(upd, ann, persisted_floor=False)
+                with self._lock:
+                    if self.contributions == "partials":
+                        self._agg.add_partial(tensors, total_samples=meta.num_samples,
+                                              num_clients=partial_clients(upd.metadata, upd.device_id),
+                                              client_id=upd.device_id)
+                    else:
+                        self._agg.add(tensors, meta.num_samples, client_id=upd.device_id)
+            except (CodecError, SignatureError, AggregationError) as exc:
+                reason = getattr(exc, "reason", None) or ("schema" if isinstance(exc, AggregationError) else "invalid")
+                with self._lock:
+                    self._count("rejected_" + reason)
+                    self._reported.discard(su.device_id)
+                log.warning("round %d: stored update of %s not aggregated (%s); removed from the state",
+                            ann.round_id, su.device_id, exc)
+                self.store.remove_update(ann.round_id, su.device_id)
+
     def _fail_round(self, ann: RoundAnnouncement, t_start: float, reason: str, reported: int) -> RoundMetrics:
         """Close a round without a model: say why in the log and in the state. The aggregator's
         open round is simply abandoned (the next begin_round drops it), its cross-round state kept."""
@@ -841,6 +1039,7 @@ class RoundManager:
         self.store.finish_round(ann.round_id, {**metrics.to_dict(), "reason": reason}, state="failed")
         log.error("round %d failed: %s; no model published, the global model stays v%d",
                   ann.round_id, reason, self.version)
+        self._status("failed", f"round {ann.round_id} failed: {reason}", round_id=ann.round_id)
         return metrics
 
     def _deliver(self, ann: RoundAnnouncement, result: AggregateResult, agg_s: float, t_start: float
@@ -1061,7 +1260,7 @@ class RoundManager:
                 late=c.get("late", 0), rejected=rejected, duplicates=c.get("duplicates", 0),
                 bytes_in=self._bytes_in, dense_bytes=self._dense_bytes, aggregation_s=agg_s,
                 round_s=time.perf_counter() - t_start,
-                mean_client_loss=float(np.mean(self._losses)) if self._losses else None,
+                mean_client_loss=float(np.mean(sorted(self._losses))) if self._losses else None,
                 accuracy=acc, eval_loss=eval_loss,
                 extra={k: float(v) for k, v in (result.metrics.items() if result else ())
                        if k.startswith("dp_") or k in _ROBUST_METRICS},
@@ -1070,6 +1269,9 @@ class RoundManager:
 
     def _report(self, m: RoundMetrics) -> None:
         self.history.append(m)
+        acc = "" if m.accuracy is None else f", accuracy {m.accuracy:.3f}"
+        self._status("closed", f"round {m.round_id}: model v{m.model_version} from {m.participants} of "
+                     f"{m.selected} device(s){acc}", round_id=m.round_id)
         log.info("round %d: v%d, %d/%d participants, %d dropped, %d late, %d rejected, %.1f KiB in, acc %s",
                  m.round_id, m.model_version, m.participants, m.selected, m.dropped, m.late, m.rejected,
                  m.bytes_in / 1024, "n/a" if m.accuracy is None else f"{m.accuracy:.3f}")

@@ -395,11 +395,13 @@ class GatewayStore:
                 "SELECT 1 FROM round_updates WHERE round_id=? AND device_id=?", (round_id, device_id)
             ).fetchone() is not None
 
-    def updates(self, round_id: int) -> Iterator[StoredUpdate]:
-        """Stored updates of a round, one at a time (streamed from disk)."""
+    def updates(self, round_id: int, *, order: str = "received") -> Iterator[StoredUpdate]:
+        """Stored updates of a round, one at a time (streamed from disk), in arrival order or, with
+        ``order="device"``, by device id (what the round folds at its close)."""
+        column = {"received": "received", "device": "device_id"}[order]
         with self._lock:
             keys = self._db.execute(
-                "SELECT device_id FROM round_updates WHERE round_id=? ORDER BY received", (round_id,)
+                f"SELECT device_id FROM round_updates WHERE round_id=? ORDER BY {column}", (round_id,)
             ).fetchall()
         for (device_id,) in keys:
             with self._lock:

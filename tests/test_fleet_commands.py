@@ -144,7 +144,7 @@ def test_deploy_rollback_reboot_and_inference_over_mqtt(fleet_env, fm) -> None:
     assert wait_until(lambda: len(replies) == 2, 10)
     by_id = {r["id"]: r for r in replies}
     assert by_id["q1"]["ok"] and by_id["q1"]["model_version"] == 2
-    np.testing.assert_allclose(decode_tensor(by_id["q1"]["outputs"]["output"]), want2, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(decode_tensor(by_id["q1"]["outputs"]["logits"]), want2, rtol=1e-5, atol=1e-5)
     assert not by_id["q2"]["ok"] and "nope" in by_id["q2"]["error"]
 
     # Conditional rollback: a no-op unless the device runs that version.

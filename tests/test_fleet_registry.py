@@ -113,15 +113,41 @@ def test_telemetry_has_latency_memory_cpu_queue_battery_and_history_is_bounded(f
     assert json.loads(json.dumps(t)) == t
 
 
+class _Participant:
+    """The least a training participant does (edgeflow.federated.Client in production)."""
+
+    def __init__(self, agent) -> None:
+        self.running = False
+
+    def start(self) -> None:
+        self.running = True
+
+    def stop(self) -> None:
+        self.running = False
+
+    def status(self) -> dict:
+        return {"running": self.running}
+
+
 def test_round_candidates_for_the_round_manager(fleet_env, tmp_path) -> None:
+    """Only devices that take part in rounds are trainable candidates; the others say why (a device
+    without training data used to be selected and then never answered)."""
     pytest.importorskip("edgeflow.gateway.rounds")
     fm = fleet_env.gateway()
     battery = tmp_path / "b"
     battery.write_text("80")
-    a = fleet_env.agent(battery_file=str(battery), telemetry_interval_s=0.2)
-    assert fm.wait_online([a.device_id], 10)
+    a = fleet_env.agent(battery_file=str(battery), telemetry_interval_s=0.2, start=False)
+    a.make_participant = _Participant
+    a.start()
+    bare = fleet_env.agent(telemetry_interval_s=0.2)  # no training data
+    assert fm.wait_online([a.device_id, bare.device_id], 10)
     assert wait_until(lambda: "battery" in (fm.latest_telemetry(a.device_id) or {}), 5)
-    cands = {c.device_id: c for c in fm.round_candidates()}
-    c = cands[a.device_id]
-    assert (c.profile, c.can_train, c.battery) == (PROFILE, True, pytest.approx(0.8))
+    c = {c.device_id: c for c in fm.round_candidates()}[a.device_id]
+    assert (c.profile, c.can_train, c.battery) == (PROFILE, False, pytest.approx(0.8))
+    assert "no model" in c.why, "no model deployed yet"
+    assert fm.send_ota(a.device_id, artifact(fleet_env, 1), version=1).wait(30).ok
+    assert wait_until(lambda: {c.device_id: c for c in fm.round_candidates()}[a.device_id].can_train, 5)
+    assert a.training and a.participant.running, "it joins by default: no train_start needed"
+    c = {c.device_id: c for c in fm.round_candidates()}[bare.device_id]
+    assert not c.can_train and "--train-data" in c.why
     assert fm.keyring.get(a.device_id) == a.signer.public_key

@@ -375,7 +375,9 @@ def test_a_device_refuses_models_and_rounds_of_an_older_gateway_epoch():
     model = zoo.digits_mlp(seed=1)
     c = Client(NoTransport(), fleet="red", device_id="d0", signer=Signer.generate("d0"), fleet_key=fk.public_key,
                model=model, data=(np.zeros((4, 64), np.float32), np.zeros(4, np.int64)))
-    w = {"w": np.zeros(3, np.float32)}
+    from edgeflow.gateway.rounds import model_weights
+
+    w = model_weights(model)  # weights that fit the device's model (a client refuses a model that does not)
 
     def model_msg(version: int, epoch: int) -> Msg:
         return Msg(encode_update(w, "dense", round_id=version, device_id="gateway", seq=version, signer=gw,

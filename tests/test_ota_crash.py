@@ -98,7 +98,7 @@ def test_agent_killed_at_each_ota_step_restarts_on_a_working_model(fleet_env, tm
             r = replies[d]
             assert r["ok"] and r["model_version"] == on_disk[p], (p, r)
             want = load(mlp_bytes(on_disk[p]), PROFILE)(x)
-            np.testing.assert_allclose(decode_tensor(r["outputs"]["output"]), want, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(decode_tensor(r["outputs"]["logits"]), want, rtol=1e-5, atol=1e-5)
 
         # A crash never wedges a board: the same deploy now goes through everywhere.
         again = {p: fm.send_ota(d, v2, version=2, timeout_s=60) for p, d in devices.items()}

@@ -23,7 +23,10 @@ def register(sub) -> None:
     p.add_argument("--battery-file", help="sysfs power_supply dir or a file holding the battery percentage")
     p.add_argument("--memory-budget-mb", type=int, help="memory budget override (less than the profile's)")
     p.add_argument("--backend", choices=["ort", "numpy"], help="force a backend")
-    p.add_argument("--train-data", help=".npz with arrays x and y: take part in federated rounds on them")
+    p.add_argument("--train-data", help=".npz with arrays x and y: take part in federated rounds on them (from the "
+                   "first deployed model on, no command needed)")
+    p.add_argument("--no-train", action="store_true",
+                   help="never take part in federated rounds (no command can change that; not with --train-data)")
     p.set_defaults(func=cmd)
 
 
@@ -37,7 +40,7 @@ def _participant_factory(path: str):
         from ..federated import Client
 
         return Client(agent.transport, fleet=agent.fleet, device_id=agent.device_id, signer=agent.signer,
-                      fleet_key=agent.fleet_key, model=str(agent.model_path), data=data, profile=agent.profile)
+                      fleet_key=agent.fleet_key, model=str(agent.train_model_path), data=data, profile=agent.profile)
 
     return make
 
@@ -49,10 +52,17 @@ def cmd(args) -> int:
     import threading
 
     from ..device.agent import AgentOptions, DeviceAgent
+    from ..errors import ConfigError
 
     opts = AgentOptions()
     if args.telemetry_interval is not None:
+        if not 0.05 <= args.telemetry_interval <= 86400:
+            raise ConfigError(f"--telemetry-interval {args.telemetry_interval:g}: give seconds between 0.05 and 86400")
         opts.telemetry_interval_s = args.telemetry_interval
+    if args.memory_budget_mb is not None and args.memory_budget_mb < 1:
+        raise ConfigError(f"--memory-budget-mb {args.memory_budget_mb}: give megabytes, 1 or more")
+    if args.no_train and args.train_data:
+        raise ConfigError("--no-train and --train-data contradict each other: drop one")
     if args.battery_file:
         opts.battery_file = args.battery_file
     if args.memory_budget_mb is not None:
@@ -60,6 +70,7 @@ def cmd(args) -> int:
     if args.backend:
         opts.backend = args.backend
     opts.crash_at = os.environ.get(CRASH_ENV) or None
+    opts.train = not args.no_train
     factory = _participant_factory(args.train_data) if args.train_data else None
     agent = DeviceAgent.from_credentials(args.credentials, broker=args.broker, profile=args.profile,
                                          state_dir=args.state, options=opts, make_participant=factory)
@@ -77,6 +88,13 @@ def cmd(args) -> int:
           f"{'v' + str(v) if v is not None else 'none yet'}, broker {agent.transport.url}", file=sys.stderr, flush=True)
     for note in agent.boot_notes:
         print(f"  boot: {note}", file=sys.stderr, flush=True)
+    code, detail = agent.train_status()
+    if code == "training":
+        print("  federated rounds: taking part", file=sys.stderr, flush=True)
+    elif code == "no_model" and args.train_data and not args.no_train:
+        print("  federated rounds: taking part once a model is deployed", file=sys.stderr, flush=True)
+    else:
+        print(f"  federated rounds: not taking part: {detail}", file=sys.stderr, flush=True)
     while not done.wait(0.5):
         pass
     agent.stop()

@@ -52,8 +52,43 @@ def register(sub) -> None:
     p.add_argument("--dir", help="fleet directory (default: [gateway] fleet_dir)")
     p.add_argument("--rounds", type=int, help="run this many more rounds (default: until [rounds] rounds are done)")
     p.add_argument("--serve", action="store_true", help="after the rounds, keep serving the fleet until Ctrl-C")
-    p.add_argument("--json", action="store_true", help="print each round's metrics as one JSON line")
+    p.add_argument("--json", action="store_true", help="print each round's metrics as one JSON line (only JSON on "
+                   "stdout)")
+    p.add_argument("--export-model", metavar="PATH", help="write the newest global model from the state to PATH "
+                   "(.onnx) and exit, e.g. to deploy what the rounds trained with `edgeflow fleet deploy`")
     p.set_defaults(func=cmd)
+
+
+def _export(cfg, args) -> int:
+    import hashlib
+    from pathlib import Path
+
+    from ..errors import StateError
+    from ._common import check_output_path, console, emit_json
+
+    state = cfg.path(cfg.state)
+    if state is None or not Path(state).is_file():
+        raise StateError(f"no gateway state at {state}: run `edgeflow gateway --config {args.config}` first "
+                         "([gateway] state names the file)")
+    check_output_path(args.export_model, "--export-model")
+    from edgeflow.gateway.store import GatewayStore
+
+    store = GatewayStore(state)
+    try:
+        latest = store.latest_model()
+    finally:
+        store.close()
+    if latest is None:
+        raise StateError(f"{state} holds no model yet")
+    version, onnx_bytes, _ = latest
+    Path(args.export_model).write_bytes(onnx_bytes)
+    out = {"model_version": version, "path": str(args.export_model), "sha256": hashlib.sha256(onnx_bytes).hexdigest(),
+           "bytes": len(onnx_bytes)}
+    if args.json:
+        emit_json(out)
+    else:
+        console().print(f"global model v{version} written to {args.export_model} ({len(onnx_bytes)} bytes)")
+    return 0
 
 
 def cmd(args) -> int:
@@ -65,10 +100,13 @@ def cmd(args) -> int:
 
     cfg = load_config(args.config)
     c = console()
+    if args.export_model:
+        return _export(cfg, args)
 
     def on_round(m) -> None:
         if args.json:
-            print(json.dumps(m.to_dict()), flush=True)
+            d = {k: round(v, 4) if isinstance(v, float) else v for k, v in m.to_dict().items()}
+            print(json.dumps(d), flush=True)
         else:
             acc = "n/a" if m.accuracy is None else f"{m.accuracy:.3f}"
             c.print(f"round {m.round_id}: model v{m.model_version}, {m.participants}/{m.selected} devices, "
@@ -76,15 +114,35 @@ def cmd(args) -> int:
                     f"{m.bytes_in / 1024:.1f} KiB in, accuracy {acc}, {m.round_s:.1f} s")
 
     gw = Gateway.from_config(cfg, broker=args.broker, fleet_dir=args.dir, on_round=on_round)
+    rc = 0
     try:
         gw.start()
         if not args.json:
-            c.print(f"gateway for fleet {gw.fleet_id} on {gw.transport!r}: model v{gw.rounds.version}")
-        gw.run_rounds(args.rounds)
+            c.print(f"gateway for fleet {gw.fleet_id} on {getattr(gw.transport, 'url', gw.transport)}: "
+                    f"model v{gw.rounds.version}")
+        closed_before = sum(1 for r in gw.store.rounds() if r.state == "closed")
+        wanted = args.rounds if args.rounds is not None else max(0, cfg.rounds.rounds - closed_before)
+        done = gw.run_rounds(args.rounds)
+        if cfg.role != "site" and wanted > 0 and not any(not m.extra.get("failed") for m in (done or [])):
+            rc = _no_round(gw)
         if args.serve:
             gw.serve()
     except KeyboardInterrupt:
         pass
     finally:
         gw.stop()
-    return 0
+    return rc
+
+
+def _no_round(gw) -> int:
+    """Exit code 1 and one line when the job asked for rounds and none produced a model: the last reason."""
+    import json
+    import sys
+
+    try:
+        status = json.loads(gw.store.get_meta("rounds_status") or "{}")
+    except ValueError:
+        status = {}
+    why = status.get("reason") or "see the log above"
+    print(f"edgeflow gateway: error: no round produced a model: {why}", file=sys.stderr)
+    return 1

@@ -44,6 +44,10 @@ def cmd(args) -> int:
     from ..optimize import optimize
     from ._common import console, emit_json, human_bytes, model_with_shapes
 
+    if args.batch < 1:
+        from ..errors import InputError
+
+        raise InputError(f"--batch {args.batch}: the batch size for the memory plan must be 1 or more")
     model = model_with_shapes(args.model, args.shape)
     info = model_info(model)
     backends = {}

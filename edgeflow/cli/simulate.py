@@ -43,15 +43,25 @@ COORDINATE_ROBUST = ("median", "trimmed-mean")
 def register(sub) -> None:
     import argparse
 
+    import textwrap
+
+    description = textwrap.fill(
+        "Run a gateway and many simulated devices (each a real MQTT client on the chosen "
+        "broker) on non-IID shards of scikit-learn's digits. Every knob of the gateway is a flag or a "
+        "key of a TOML file (--config). Writes a run folder: config.json, metrics.jsonl (one line per "
+        "round), devices.jsonl and devices.json (one record per device), summary.json, "
+        "final_model.onnx, report.html and, when matplotlib is installed (pip install '.[report]'), "
+        "PNG plots of accuracy, bytes, participants and latency.", 78)
+    hint = textwrap.fill(
+        "With --dropout, --vanish or --stragglers some selected devices never report, so each round waits "
+        "for its --deadline (default 30 s) before it closes on the quorum: lower --deadline to what one "
+        "local training takes here (a few seconds for the digits models).", 78)
     p = sub.add_parser(
         "simulate",
         help="federated learning at scale: many devices, faults, attacks, strategies",
-        description="Run a gateway and many simulated devices (each a real MQTT client on the chosen "
-        "broker) on non-IID shards of scikit-learn's digits. Every knob of the gateway is a flag or a "
-        "key of a TOML file (--config). Writes a run folder: config.json, metrics.jsonl, devices.json, "
-        "summary.json, final_model.onnx, PNG plots and report.html.",
-        epilog="example:\n  edgeflow simulate --devices 200 --rounds 30 --codec int8 --dropout 0.2 "
-        "--byzantine 0.1 --strategy trimmed-mean",
+        description=description,
+        epilog="example (faults and attacks):\n  edgeflow simulate --devices 200 --rounds 30 --codec int8 "
+        "--dropout 0.2 \\\n      --byzantine 0.1 --strategy trimmed-mean --deadline 10\n\n" + hint,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", help="TOML file with any of the settings below (flags override it)")
@@ -166,6 +176,9 @@ def cmd(args) -> int:
         if cfg.codec in SPARSE and cfg.strategy in COORDINATE_ROBUST:
             say(f"warning: {cfg.strategy} over {cfg.codec} updates: coordinate-wise robust statistics of sparse "
                 "updates are mostly zero, so the model barely moves; use int8/fp16/dense or a mean-type strategy")
+        if (cfg.skip_rate or cfg.dropout or cfg.stragglers) and cfg.deadline_s >= 20:
+            say(f"note: with devices that drop out or straggle, a round waits its whole deadline "
+                f"({cfg.deadline_s:g} s) before closing on the quorum; --deadline 5 is enough for the digits models")
         conf = {**dataclasses.asdict(cfg), "broker": broker.url}
         (out / "config.json").write_text(json.dumps(conf, indent=2, default=list) + "\n")
         rounds: list[dict] = []

@@ -67,7 +67,20 @@ from ..signing import PublicKey, Signer
 from ..transport.message import ConnectionEvent, Message
 from ..transport.topics import device_topic
 from .health import HealthReport, check_model, load_runtime
-from .messages import COMMANDS, Ack, Birth, Command, Death, OtaOffer, decode_tensor, encode_tensor, loads, peek_signed
+from .messages import (
+    BIRTH_CONTEXT,
+    COMMANDS,
+    Ack,
+    Birth,
+    Command,
+    Death,
+    OtaOffer,
+    decode_tensor,
+    encode_tensor,
+    loads,
+    peek_signed,
+    sign_body,
+)
 from .replay import SeenCommands
 from .slots import ActiveModel, SlotStore
 from .telemetry import TelemetryCollector
@@ -116,6 +129,10 @@ class AgentOptions:
     """Commands are accepted until ``expires + clock_skew_s`` (device clocks drift)."""
     crash_at: str | None = None
     """Test hook: ``os._exit`` right after this OTA step (one of CRASH_POINTS)."""
+    train: bool = True
+    """Take part in federated rounds whenever this board can: a training participant (training data),
+    a model that trains (fp32, or a quantized model that came with its fp32 master) and a profile that
+    can train. False opts out (``edgeflow device --no-train``, ``set_config train=false``, ``train_stop``)."""
 
 
 def _opt_int(v: Any) -> int | None:
@@ -145,6 +162,14 @@ def _qos(v: Any) -> int:
     return int(v)
 
 
+def _bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.lower() in ("true", "false", "on", "off", "yes", "no", "1", "0"):
+        return v.lower() in ("true", "on", "yes", "1")
+    raise ValueError("must be true or false")
+
+
 def _runs(v: Any) -> int:
     if not 1 <= int(v) <= 1000:
         raise ValueError("health_runs must be between 1 and 1000")
@@ -159,7 +184,12 @@ CONFIG_KEYS: dict[str, Callable[[Any], Any]] = {
     "threads": _opt_int,
     "battery_file": _opt_str,
     "health_runs": _runs,
+    "train": _bool,
 }
+
+TRAIN_STATES = ("training", "off", "profile", "no_data", "no_model", "quantized", "untrainable", "model_mismatch")
+"""Why a device does (``training``) or does not take part in rounds; sent in telemetry as ``train`` with
+``train_detail`` (one line: what is wrong and what to do), shown by ``edgeflow fleet status``."""
 
 
 class CommandFailed(FleetError):
@@ -262,10 +292,9 @@ class DeviceAgent:
         self.fleet_key = fleet_key
         self.slots = SlotStore(state_dir)
         self.options = dataclasses.replace(options or AgentOptions())
-        saved = self.slots.state().get("config") or {}
-        for k, v in saved.items():
-            if k in CONFIG_KEYS:
-                setattr(self.options, k, v)
+        self._owner_opted_out = not self.options.train
+        """Started with ``train=False`` (``edgeflow device --no-train``): no command turns training on."""
+        self._load_config()
         if self.options.crash_at is not None and self.options.crash_at not in CRASH_POINTS:
             raise FleetError(f"crash_at {self.options.crash_at!r} is not one of {', '.join(CRASH_POINTS)}")
         self.make_participant = make_participant
@@ -277,7 +306,8 @@ class DeviceAgent:
         self._rt_lock = threading.Lock()
         self._run_lock = threading.Lock()
         self._participant: Participant | None = None
-        self._training = bool(self.slots.state().get("training", False))
+        self._train_lock = threading.RLock()
+        self._train_state: tuple[str, str] = ("", "")
         self.seen = SeenCommands(self.slots.root / "seen.json", clock_skew_s=self.options.clock_skew_s)
         self._ops: queue.Queue[Any] = queue.Queue(maxsize=4)
         self._ops_busy: set[str] = set()
@@ -294,6 +324,19 @@ class DeviceAgent:
         self._started = False
         self._recovery: bytes | None = None
         self.counters: dict[str, int] = {"commands": 0, "refused": 0, "inferences": 0, "deploys": 0, "rollbacks": 0}
+
+    def _load_config(self) -> None:
+        """The persisted ``set_config`` values over the given options (``train`` also from the
+        ``training`` flag older agents persisted for train_start/train_stop)."""
+        state = self.slots.state()
+        saved = state.get("config") or {}
+        for k, v in saved.items():
+            if k in CONFIG_KEYS:
+                setattr(self.options, k, v)
+        if "train" not in saved and isinstance(state.get("training"), bool):
+            self.options.train = state["training"]
+        if self._owner_opted_out:
+            self.options.train = False
 
     # ------------------------------------------------------------------ build
 
@@ -356,11 +399,7 @@ class DeviceAgent:
             delivery = self.transport.publish(self._topic["cmd/ack"], self._recovery, qos=1)
             rid = str((self.slots.pending() or {}).get("id", ""))
             delivery.add_progress_callback(lambda d: d.succeeded and self.slots.clear_pending(expect_id=rid))
-        if self._training and self.make_participant is not None and self._model is not None:
-            try:
-                self._start_participant()
-            except EdgeflowError as exc:
-                log.warning("%s: could not resume training: %s", self.device_id, exc)
+        self._sync_training()
         _AGENTS[self.device_id] = self
         _LAST[:] = [self]
         if connect:
@@ -429,6 +468,39 @@ class DeviceAgent:
     def participant(self) -> Participant | None:
         return self._participant
 
+    @property
+    def training(self) -> bool:
+        """True while the participant takes part in rounds."""
+        return self.train_status()[0] == "training"
+
+    @property
+    def train_model_path(self) -> Path | None:
+        """The fp32 model the participant trains: the deployed model itself, or, when the deployed model is
+        quantized (manifest ``precision`` other than fp32), the fp32 master that came with it (None if none did)."""
+        m = self._model
+        if m is None:
+            return None
+        meta = m.artifact.manifest.meta or {}
+        if str(meta.get("precision", "fp32")) == "fp32":
+            return m.model_path
+        source = meta.get("source_sha256")
+        if not isinstance(source, str):
+            return None
+        return self.slots.master_model(source, self.fleet_key, self.profile.name)
+
+    def train_status(self) -> tuple[str, str]:
+        """(state, detail): one of :data:`TRAIN_STATES` and, unless training, what is wrong and what to do."""
+        code, detail = self._train_state
+        p = self._participant
+        if code == "training" and p is not None:
+            try:
+                st = p.status()
+            except Exception:  # noqa: BLE001 - a participant's status must not break the agent
+                st = {}
+            if st.get("state") == "model_mismatch":
+                return "model_mismatch", str(st.get("detail", "the gateway's model does not fit the deployed one"))
+        return code or "off", detail
+
     def _load(self, m: ActiveModel) -> Any:
         o = self.options
         return load_runtime(m.model_path, self.profile, memory_budget_mb=o.memory_budget_mb, backend=o.backend,
@@ -461,6 +533,11 @@ class DeviceAgent:
 
     def predict(self, x: np.ndarray | Mapping[str, np.ndarray]) -> Any:
         """Run the deployed model: an array in -> the first output; a dict in -> a dict of outputs."""
+        out = self.run_named(x)
+        return next(iter(out.values())) if isinstance(x, np.ndarray) else out
+
+    def run_named(self, x: np.ndarray | Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run the deployed model on one array (a single-input model) or a dict; every output by its name."""
         with self._rt_lock:
             rt, m = self._runtime, self._model
         if rt is None or m is None:
@@ -475,9 +552,7 @@ class DeviceAgent:
             raise
         self.telemetry.record((time.perf_counter() - t0) * 1000.0)
         self.counters["inferences"] += 1
-        if isinstance(x, np.ndarray):
-            return next(iter(out.values()))
-        return out
+        return dict(out)
 
     # ------------------------------------------------------------- publishing
 
@@ -502,7 +577,7 @@ class DeviceAgent:
             public_key=self.signer.public_key.hex, model_version=None if m is None else m.version,
             model_sha256=None if m is None else m.sha256, backend=backend, versions=_versions(),
             telemetry_interval_s=float(self.options.telemetry_interval_s), can_train=self.profile.can_train,
-            training=self._training, commands=list(COMMANDS), seq=self._births if seq is None else seq, ts=time.time(),
+            training=self.training, commands=list(COMMANDS), seq=self._births if seq is None else seq, ts=time.time(),
         )
 
     def publish_birth(self) -> None:
@@ -512,7 +587,11 @@ class DeviceAgent:
         with self._bdseq_lock:
             self._births += 1
             birth = self.birth(self._births)
-        self.transport.publish(self._topic["birth"], birth.sign(self.signer.key), qos=1, retain=True)
+        code, detail = self.train_status()
+        # train/train_detail ride in the signed body beside the Birth fields (gateways read them from there)
+        body = {**birth.to_dict(), "train": code, **({"train_detail": detail} if detail else {})}
+        self.transport.publish(self._topic["birth"], sign_body(body, self.signer.key, BIRTH_CONTEXT), qos=1,
+                               retain=True)
 
     def _on_connection(self, event: ConnectionEvent) -> None:
         if not event.connected or self._stop.is_set():
@@ -520,16 +599,23 @@ class DeviceAgent:
         # Clear the retained death of an earlier session, then announce this one.
         self.transport.publish(self._topic["death"], b"", qos=1, retain=True)
         self.publish_birth()
+        self._tele_wake.set()  # the first telemetry (why this device trains or not) right away
 
     def telemetry_body(self) -> dict[str, Any]:
+        code, detail = self.train_status()
         body = {"device": self.device_id, "ts": time.time(), "seq": self._next_seq(), "bdseq": self.bdseq,
-                "model_version": self.model_version, "training": self._training,
+                "model_version": self.model_version, "training": code == "training", "train": code,
+                **({"train_detail": detail} if detail else {}),
                 **self.telemetry.snapshot(queue_depth=self._infer.qsize() + self._ops.qsize())}
         p = self._participant
         if p is not None:
             try:
                 st = p.status()
-                body["participant"] = {k: st[k] for k in ("rounds_trained", "last_round", "last_loss") if k in st}
+                part = {k: st[k] for k in ("rounds_trained", "last_round", "last_loss") if k in st}
+                errors = st.get("errors") or []
+                if errors:
+                    part["last_error"] = str(errors[-1])
+                body["participant"] = part
             except Exception:  # noqa: BLE001 - telemetry must not die with the participant
                 pass
         return body
@@ -683,7 +769,8 @@ class DeviceAgent:
         out: dict[str, Any] = {
             "device": self.device_id, "profile": self.profile.name, "model_version": None if m is None else m.version,
             "model_sha256": None if m is None else m.sha256, "slot": p.active, "previous_slot": p.previous,
-            "training": self._training, "config": self.config(), "bdseq": self.bdseq, "counters": dict(self.counters),
+            "training": self.training, "train": dict(zip(("state", "detail"), self.train_status())),
+            "config": self.config(), "bdseq": self.bdseq, "counters": dict(self.counters),
             "queue_depth": self._infer.qsize(), "boot_notes": list(self.boot_notes),
         }
         if p.previous is not None:
@@ -717,6 +804,9 @@ class DeviceAgent:
                 parsed[k] = CONFIG_KEYS[k](v)
             except (TypeError, ValueError) as exc:
                 raise CommandFailed("bad_args", f"bad value {v!r} for {k}: {exc}") from None
+        if parsed.get("train") and self._owner_opted_out:
+            raise CommandFailed("not_supported", "this device was started with --no-train: its owner opted out of "
+                                "federated rounds (only a restart without --no-train changes that)")
         for k, v in parsed.items():
             setattr(self.options, k, v)
         if "battery_file" in parsed:
@@ -726,21 +816,86 @@ class DeviceAgent:
         self.slots.save_state(config=persisted)
         if "telemetry_interval_s" in parsed:
             self._tele_wake.set()
+        if "train" in parsed:
+            self._sync_training(announce=False)
         if self.transport.is_connected:
             self.publish_birth()
         return {"config": self.config(), "changed": sorted(parsed),
                 "note": "memory_budget_mb, backend and threads apply from the next model load (deploy, rollback, reboot)"}
 
     # -- training --
-    def _start_participant(self) -> None:
+    def _train_blocker(self) -> tuple[str, str] | None:
+        """Why this device cannot take part in rounds now, or None."""
+        if self._owner_opted_out:
+            return "off", "this device was started with --no-train: its owner opted out of federated rounds"
+        if not self.options.train:
+            return "off", ("training is switched off on this device (train_stop or set_config train=false); "
+                           f"`edgeflow fleet cmd {self.device_id} train_start` switches it on")
+        if not self.profile.can_train:
+            return "profile", f"profile {self.profile.name} cannot train (can_train = false in its profile)"
         if self.make_participant is None:
-            raise CommandFailed("not_supported", "this agent has no training participant (start it with "
-                                "--train-data, or give DeviceAgent(make_participant=...))")
-        if self._model is None:
-            raise CommandFailed("no_model", "no model is deployed yet; deploy one before training")
-        if self._participant is None:
-            self._participant = self.make_participant(self)
-        self._participant.start()
+            return "no_data", ("this agent has no training participant: no training data (start `edgeflow device` "
+                               "with --train-data x_y.npz holding arrays x and y)")
+        m = self._model
+        if m is None:
+            return "no_model", "no model is deployed yet; deploy one (`edgeflow fleet deploy MODEL --to ...`)"
+        if self.train_model_path is None:
+            precision = (m.artifact.manifest.meta or {}).get("precision", "?")
+            return "quantized", (f"v{m.version} is quantized ({precision}) and no fp32 master came with it, so it "
+                                 "cannot train; deploy with `edgeflow fleet deploy --quantize` (it sends the master) "
+                                 "or deploy the fp32 model")
+        return None
+
+    def _sync_training(self, *, restart: bool = False, announce: bool = True) -> tuple[str, str]:
+        """Run the participant exactly when this device can and should train; record why not otherwise.
+
+        ``restart`` makes a new participant (the model changed). When the state changes and
+        ``announce``, the birth (``training``) and a telemetry message (``train``, ``train_detail``) go out
+        at once, so the gateway knows before it selects the next round's devices."""
+        with self._train_lock:
+            if restart:
+                self._stop_participant()
+            blocker = self._train_blocker()
+            if blocker is not None:
+                self._stop_participant()
+                state = blocker
+            else:
+                state = ("training", "")
+                if self._participant is None:
+                    try:
+                        p = self.make_participant(self)  # type: ignore[misc]
+                        if hasattr(p, "on_state_change"):
+                            p.on_state_change = self._participant_changed
+                        p.start()
+                        self._participant = p
+                    except Exception as exc:  # noqa: BLE001 - any failure to build a trainer is "untrainable", said once
+                        v = self.model_version
+                        state = ("untrainable", f"v{v} cannot be trained here: {type(exc).__name__}: {exc}")
+            changed = state != self._train_state
+            self._train_state = state
+        if changed:
+            if state[0] == "training":
+                log.info("%s: taking part in federated rounds on v%s", self.device_id, self.model_version)
+            else:  # a choice or a board's nature is info; a model that should train and does not is a warning
+                level = logging.WARNING if state[0] in ("quantized", "untrainable") else logging.INFO
+                log.log(level, "%s: not taking part in federated rounds: %s", self.device_id, state[1])
+            if announce and self._started and self.transport.is_connected:
+                try:
+                    self.publish_birth()
+                except EdgeflowError as exc:
+                    log.debug("%s: birth not re-announced: %s", self.device_id, exc)
+                self._tele_wake.set()
+        return state
+
+    def _participant_changed(self) -> None:
+        """The participant's own state changed (e.g. the gateway's model does not fit; it logged why): tell the
+        gateway now."""
+        if self._started and not self._stop.is_set() and self.transport.is_connected:
+            try:
+                self.publish_birth()
+            except EdgeflowError:
+                pass
+            self._tele_wake.set()
 
     def _stop_participant(self) -> None:
         p, self._participant = self._participant, None
@@ -750,29 +905,36 @@ class DeviceAgent:
             except Exception:  # noqa: BLE001 - stopping is best effort
                 log.exception("%s: participant failed to stop", self.device_id)
 
+    _START_CODES = {"profile": "not_supported", "no_data": "not_supported", "no_model": "no_model",
+                    "quantized": "not_supported", "untrainable": "failed"}
+
     def _start_training(self) -> dict[str, Any]:
-        if not self.profile.can_train:
-            raise CommandFailed("not_supported", f"profile {self.profile.name} cannot train (can_train = false)")
-        self._start_participant()
-        self._training = True
-        self.slots.save_state(training=True)
+        if self._owner_opted_out:
+            raise CommandFailed("not_supported", self._train_blocker()[1])  # type: ignore[index]
+        was = self.options.train
+        self.options.train = True
+        code, detail = self._sync_training()
+        if code != "training":
+            self.options.train = was
+            self._sync_training()
+            raise CommandFailed(self._START_CODES.get(code, "failed"), detail)
+        self._persist_train(True)
         return {"training": True, "model_version": self.model_version}
 
     def _stop_training(self) -> dict[str, Any]:
-        was = self._training
-        self._stop_participant()
-        self._training = False
-        self.slots.save_state(training=False)
+        was = self.training
+        self.options.train = False
+        self._persist_train(False)
+        self._sync_training()
         return {"training": False, "was_training": was}
 
+    def _persist_train(self, on: bool) -> None:
+        persisted = dict(self.slots.state().get("config") or {})
+        persisted["train"] = on
+        self.slots.save_state(config=persisted, training=on)
+
     def _restart_participant(self) -> None:
-        if not self._training:
-            return
-        self._stop_participant()
-        try:
-            self._start_participant()
-        except EdgeflowError as exc:
-            log.warning("%s: participant not restarted on the new model: %s", self.device_id, exc)
+        self._sync_training(restart=True)
 
     # ------------------------------------------------------------ operations
 
@@ -833,7 +995,39 @@ class DeviceAgent:
             return
         self._enqueue_op(cmd, offer.artifact, art)
 
+    def _needed_masters(self) -> set[str]:
+        """The fp32 masters the active and the rollback model train on."""
+        out: set[str] = set()
+        p = self.slots.pointer()
+        for slot in (p.active, p.previous):
+            data = None if slot is None else self.slots.read_artifact(slot)
+            if data is None:
+                continue
+            try:
+                meta = verify_artifact(data, self.fleet_key).manifest.meta or {}
+            except EdgeflowError:
+                continue
+            if str(meta.get("precision", "fp32")) != "fp32" and isinstance(meta.get("source_sha256"), str):
+                out.add(meta["source_sha256"])
+        return out
+
+    def _store_master(self, art: Artifact, data: bytes) -> dict[str, Any]:
+        """Keep the fp32 master of a quantized model (sent just before it): what the participant trains."""
+        meta = art.manifest.meta or {}
+        if meta.get("role") != "train_master" or str(meta.get("precision", "fp32")) != "fp32":
+            raise CommandFailed("bad_artifact", "a training master must be an fp32 artifact built as one "
+                                "(manifest meta role = train_master); build it with edgeflow.gateway.ota.build_artifacts")
+        try:
+            self.slots.store_master(data, art)
+        except OSError as exc:
+            raise CommandFailed("failed", f"the fp32 master of v{art.version} could not be written ({exc})") from None
+        self.slots.prune_masters(self._needed_masters() | {art.manifest.sha256})
+        self._sync_training()  # a quantized model that waited for its master trains now
+        return {"train_master": art.manifest.sha256, "version": art.version, "model_version": self.model_version}
+
     def _deploy(self, cmd: Command, data: bytes, art: Artifact) -> dict[str, Any] | None:
+        if cmd.args.get("role") == "train_master":
+            return self._store_master(art, data)
         self.counters["deploys"] += 1
         cur = self._model
         old_version = None if cur is None else cur.version
@@ -877,6 +1071,7 @@ class DeviceAgent:
                                 f"({exc}); rolled back to v{old_version}",
                                 {"model_version": old_version, "rolled_back": True}) from exc
         self._hook("loaded")
+        self.slots.prune_masters(self._needed_masters())
         self._restart_participant()
         return self._finish_op(cmd, {"model_version": m.version, "previous_version": old_version, "slot": slot,
                                      "health": report.to_dict()})
@@ -927,17 +1122,11 @@ class DeviceAgent:
 
     def _reboot(self, cmd: Command) -> dict[str, Any] | None:
         """Restart the runtime: re-read config, re-verify and reload the model, restart training, re-announce."""
-        saved = self.slots.state().get("config") or {}
-        for k, v in saved.items():
-            if k in CONFIG_KEYS:
-                setattr(self.options, k, v)
-        self._stop_participant()
+        self._load_config()
+        with self._train_lock:
+            self._stop_participant()
         self._boot_model()
-        if self._training:
-            try:
-                self._start_participant()
-            except EdgeflowError as exc:
-                log.warning("%s: training not resumed after reboot: %s", self.device_id, exc)
+        self._sync_training(restart=True)
         return self._finish_op(cmd, {"model_version": self.model_version, "notes": list(self.boot_notes)})
 
     def _recover_pending(self) -> bytes | None:
@@ -1008,9 +1197,8 @@ class DeviceAgent:
                 else:
                     raise FleetError("inference request needs 'input' (one tensor) or 'inputs' (name -> tensor)")
                 t0 = time.perf_counter()
-                out = self.predict(feeds)
-                ms = (time.perf_counter() - t0) * 1000.0
-                outs = out if isinstance(out, dict) else {"output": out}
+                outs = self.run_named(feeds)  # keyed by the model's own output names
+                ms = round((time.perf_counter() - t0) * 1000.0, 3)
                 self._reply({"id": rid, "ok": True, "model_version": self.model_version, "latency_ms": ms,
                              "outputs": {k: encode_tensor(np.asarray(v)) for k, v in outs.items()}}, msg)
             except Exception as exc:  # noqa: BLE001 - every request gets an answer

@@ -10,6 +10,8 @@ Layout of the state directory::
     pending.json           journal of an operation in progress (deploy, rollback)
     agent.json             bdseq counter, the agent's persisted config, when the running model was installed
     seen.json              command ids already accepted (edgeflow.device.replay)
+    train/<sha256>/        fp32 training masters of quantized models (artifact.efota + model.onnx),
+                           named by the fp32 model's SHA-256 (the quantized artifact's source_sha256)
 
 The power-cut argument. Every file is written as ``<name>.tmp``, fsynced,
 renamed over the target with ``os.replace`` (atomic on POSIX) and the
@@ -270,6 +272,67 @@ class SlotStore:
                 notes.append(f"fell back to slot {slot} (v{m.version})")
             return m, notes
         return None, notes
+
+    # -- fp32 training masters ---------------------------------------------
+    def master_dir(self, sha256: str) -> Path:
+        if not (isinstance(sha256, str) and len(sha256) == 64 and all(c in "0123456789abcdef" for c in sha256)):
+            raise FleetError(f"not a model SHA-256: {str(sha256)[:80]!r}")
+        return self.root / "train" / sha256
+
+    def store_master(self, artifact: bytes, art: Artifact) -> Path:
+        """Keep a verified fp32 master artifact (what a quantized model trains on); returns its model path."""
+        d = self.master_dir(art.manifest.sha256)
+        atomic_write(d / ARTIFACT, artifact)
+        atomic_write(d / MODEL, art.model)
+        return d / MODEL
+
+    def master_model(self, sha256: str, fleet_key: PublicKey, profile: str | None = None) -> Path | None:
+        """The fp32 master whose model has ``sha256``, verified again, or None if there is none (or it does
+        not verify: then it is removed)."""
+        try:
+            d = self.master_dir(sha256)
+            data = (d / ARTIFACT).read_bytes()
+        except (FleetError, OSError):
+            return None
+        try:
+            art = verify_artifact(data, fleet_key, profile=profile)
+            if art.manifest.sha256 != sha256:
+                raise FleetError("master artifact holds another model")
+        except EdgeflowError:
+            self._drop_master(d)
+            return None
+        path = d / MODEL
+        try:
+            ok = path.read_bytes() == art.model
+        except OSError:
+            ok = False
+        if not ok:
+            atomic_write(path, art.model)
+        return path
+
+    def masters(self) -> list[str]:
+        try:
+            return sorted(p.name for p in (self.root / "train").iterdir() if p.is_dir())
+        except OSError:
+            return []
+
+    def prune_masters(self, keep: set[str]) -> None:
+        """Remove the masters no slot's model needs any more (best effort)."""
+        for sha in self.masters():
+            if sha not in keep:
+                self._drop_master(self.root / "train" / sha)
+
+    @staticmethod
+    def _drop_master(d: Path) -> None:
+        for name in (ARTIFACT, MODEL, ARTIFACT + ".tmp", MODEL + ".tmp"):
+            try:
+                (d / name).unlink()
+            except OSError:
+                pass
+        try:
+            d.rmdir()
+        except OSError:
+            pass
 
     # -- journal and small state -------------------------------------------
     @property

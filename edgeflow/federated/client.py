@@ -88,6 +88,9 @@ class Client:
             that vanished mid-round).
         delay_s: extra seconds added to each local training (straggler
             simulation).
+        report_train_time: put the local training time (``train_s``) into
+            each update's metadata; off, updates are the same bytes on every
+            run with the same seed (the demo's reproducibility).
     """
 
     def __init__(
@@ -105,6 +108,7 @@ class Client:
         transform_update: UpdateTransform | None = None,
         delay_s: float = 0.0,
         trainer_options: Mapping[str, Any] | None = None,
+        report_train_time: bool = True,
     ) -> None:
         from ..train import Trainer  # numpy-only, but heavy: import where used
 
@@ -122,6 +126,7 @@ class Client:
         self.feedback = ErrorFeedback()
         self.transform_update = transform_update
         self.delay_s = float(delay_s)
+        self.report_train_time = bool(report_train_time)
         self.stats = ClientStats()
         self._seq = time.time_ns() // 1_000_000  # monotonic across restarts
         self._weights: dict[str, np.ndarray] | None = None
@@ -137,6 +142,12 @@ class Client:
         self._rng = np.random.default_rng(seed)
         self.last_delta: dict[str, np.ndarray] | None = None
         self._sa_inbox: "queue.Queue[Any]" = queue.Queue()
+        self.state = "waiting"
+        """"waiting" (no global model yet), "ready", or "model_mismatch" (the gateway's model does not
+        fit the local one: ``state_detail`` says how); the device agent reports it."""
+        self.state_detail = ""
+        self.on_state_change: Callable[[], Any] | None = None
+        """Called (on the transport's thread) when :attr:`state` changes; the agent re-announces."""
 
     # -- lifecycle --------------------------------------------------------
     def start(self) -> "Client":
@@ -169,7 +180,34 @@ class Client:
 
     def status(self) -> dict[str, Any]:
         return {"running": self._thread is not None, "model_version": self._version, "gateway_epoch": self._epoch,
-                **self.stats.to_dict()}
+                "state": self.state, "detail": self.state_detail, **self.stats.to_dict()}
+
+    def _set_state(self, state: str, detail: str = "") -> None:
+        if (state, detail) == (self.state, self.state_detail):
+            return
+        self.state, self.state_detail = state, detail
+        if state == "model_mismatch":
+            log.warning("device %s: %s", self.device_id, detail)
+        cb = self.on_state_change
+        if cb is not None:
+            try:
+                cb()
+            except Exception:  # noqa: BLE001 - a callback must not break message handling
+                log.exception("device %s: state callback failed", self.device_id)
+
+    def misfit(self, weights: Mapping[str, np.ndarray]) -> str:
+        """Why ``weights`` (the gateway's global model) cannot be trained here, or ""."""
+        known = {n: self.trainer._value(n).shape for n in self.trainer.weight_names}
+        extra = sorted(set(weights) - set(known))
+        if extra:
+            return (f"it has weight(s) {extra[:3]} that the local model lacks (local weights: "
+                    f"{sorted(known)[:3]}...)")
+        for name, arr in weights.items():
+            if tuple(np.shape(arr)) != tuple(known[name]):
+                return f"weight {name!r} is {tuple(np.shape(arr))} there and {tuple(known[name])} here"
+        if not set(weights) & set(self.trainer.trainable_names):
+            return "none of its weights is a trainable weight of the local model"
+        return ""
 
     def _follow_epoch(self, epoch: int, what: str) -> bool:
         """False (refuse) for an older gateway epoch; a newer one resets the model version seen.
@@ -206,6 +244,13 @@ class Client:
             self.stats.rejected_messages += 1
             log.warning("device %s: global model refused: model_version/epoch are not integers", self.device_id)
             return
+        problem = self.misfit(upd.tensors)
+        if problem:
+            self.stats.rejected_messages += 1
+            self._set_state("model_mismatch", f"the gateway's global model v{version} does not fit the model deployed "
+                            f"on this device: {problem}; deploy the model the gateway trains (`edgeflow fleet "
+                            "deploy MODEL`, MODEL = the gateway's [gateway] model)")
+            return
         with self._weights_cv:
             if not self._follow_epoch(epoch, f"model v{version}"):
                 return
@@ -213,6 +258,7 @@ class Client:
                 self._weights = upd.tensors
                 self._version = version
                 self._weights_cv.notify_all()
+        self._set_state("ready")
 
     def _on_round(self, msg: Any) -> None:
         if not msg.payload:
@@ -356,7 +402,7 @@ class Client:
             delta, cfg.codec, round_id=ann.round_id, device_id=self.device_id, seq=self._seq,
             signer=self.signer, state=self.feedback, num_samples=n, rng=self._rng,
             metadata={"loss": float(loss), "base_version": int(base_version),
-                      "train_s": round(self.stats.last_train_s, 4),
+                      **({"train_s": round(self.stats.last_train_s, 4)} if self.report_train_time else {}),
                       **({"round_nonce": ann.nonce} if ann.nonce else {})},
             **cfg.codec_opts,
         )
