@@ -164,8 +164,10 @@ def _value_info(vi: onnx.ValueInfoProto) -> TensorInfo:
     dims: list[int | str | None] = []
     if t.HasField("shape"):
         for d in t.shape.dim:
-            if d.HasField("dim_value"):
+            if d.HasField("dim_value") and d.dim_value >= 0:
                 dims.append(int(d.dim_value))
+            elif d.HasField("dim_value"):  # Paddle exports write -1 for a dynamic dim
+                dims.append(None)
             elif d.HasField("dim_param"):
                 dims.append(d.dim_param)
             else:
@@ -264,6 +266,11 @@ def _inputs_text(inputs: list[TensorInfo]) -> str:
     return ", ".join(f"{t.name!r} {_dims_text(t.shape)}" for t in inputs)
 
 
+ANONYMOUS_DIMS = frozenset({"?", "", "-1", "None", "none", "unk"})
+"""Symbolic dim names that exporters use for *any* free dim (Paddle writes "?"); two such dims are not
+the same symbol, unlike a named one such as "batch"."""
+
+
 def fix_input_shapes(model: onnx.ModelProto, shapes: ShapeSpec, *, source: str = "the shape given") -> onnx.ModelProto:
     """A copy of ``model`` with these inputs' dims fixed and every value's shape re-inferred.
 
@@ -278,7 +285,7 @@ def fix_input_shapes(model: onnx.ModelProto, shapes: ShapeSpec, *, source: str =
     """
     inputs = graph_inputs(model)
     by_name = {t.name: t for t in inputs}
-    symbols = {d for t in inputs for d in t.shape if isinstance(d, str)}
+    symbols = {d for t in inputs for d in t.shape if isinstance(d, str) and d not in ANONYMOUS_DIMS}
     wanted: dict[str, list[int | None]] = {}
     bound: dict[str, tuple[int, str]] = {}  # dim symbol -> (value, input that fixed it)
     for name, given in shapes.items():
@@ -311,6 +318,8 @@ def fix_input_shapes(model: onnx.ModelProto, shapes: ShapeSpec, *, source: str =
                     raise ShapeError(f"input {t.name!r} dim {i} is {d} in the model, {source} gives {g}")
                 out.append(d)
                 continue
+            if isinstance(d, str) and d in ANONYMOUS_DIMS:
+                d = None  # exporters write "?" (or "-1") for every free dim: not one shared symbol
             if g is None and isinstance(d, str) and d in bound:
                 g = bound[d][0]
             if g is not None and isinstance(d, str):

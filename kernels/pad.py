@@ -78,7 +78,7 @@ def pad_array(x: np.ndarray, widths, mode: str = "constant", value=0) -> np.ndar
     out = inner
     for a, (b, e) in enumerate(grow):
         if b or e:
-            out = np.take(out, source_index(inner.shape[a], b, e, mode), axis=a)
+            out = np.take(out, source_index(inner.shape[a], b, e, mode).astype(np.intp, copy=False), axis=a)
     return out if out is not x else x.copy()
 
 

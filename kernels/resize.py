@@ -174,7 +174,7 @@ def _apply_axis(x: np.ndarray, axis: int, table, extrapolation_value: float, wd)
             for t in range(k):
                 out[head + (t,)] = x
             return out.reshape(x.shape[:axis] + (x.shape[axis] * k,) + x.shape[axis + 1:])
-        out = np.take(x, idx[:, 0], axis=axis)
+        out = np.take(x, idx[:, 0].astype(np.intp, copy=False), axis=axis)
     elif axis == x.ndim - 1 and x.shape[axis] <= 100 * idx.shape[1] and np.isfinite(x).all():
         # Along the innermost axis a gather is slow; a short axis is faster
         # as one BLAS product with the dense (n_in, n_out) weight matrix
@@ -187,7 +187,7 @@ def _apply_axis(x: np.ndarray, axis: int, table, extrapolation_value: float, wd)
             wt = w[:, t]
             if not wt.any():
                 continue
-            term = np.take(x, idx[:, t], axis=axis)
+            term = np.take(x, idx[:, t].astype(np.intp, copy=False), axis=axis)
             term *= wt.astype(wd).reshape(bshape)
             out = term if out is None else np.add(out, term, out=out)
         if out is None:

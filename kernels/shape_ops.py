@@ -160,7 +160,7 @@ def gather(x: np.ndarray, indices: np.ndarray, *, axis: int = 0) -> np.ndarray:
     dim = x.shape[axis]
     if idx.size and (idx.min() < -dim or idx.max() >= dim):
         raise IndexError(f"Gather index out of range [-{dim}, {dim - 1}] on axis {axis}")
-    return np.take(x, idx.astype(np.int64), axis=axis)
+    return np.take(x, idx.astype(np.intp), axis=axis)  # intp: 32-bit numpy (armv7) refuses int64 here
 
 
 @gather.backward(uses="inputs")

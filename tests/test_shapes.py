@@ -196,3 +196,23 @@ def test_quantize_takes_shape(tmp_path, capsys):
     capsys.readouterr()
     assert main(args + ["--shape", "x=?x3x9x8"]) == 2
     assert "calibration data for input 'x' has shape (16, 3, 8, 8)" in _err(capsys)
+
+
+def test_anonymous_free_dims_are_not_one_symbol():
+    """Paddle exports name every free dim "?" (or write -1): fixing one must not fix the others."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from edgeflow.model import fix_input_shapes, graph_inputs
+
+    for free in ("?", -1):
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [free, 3, 8, free])
+        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+        m = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+        if free == -1:  # make_tensor_value_info refuses -1: write it as Paddle does
+            m.graph.input[0].type.tensor_type.shape.dim[0].dim_value = -1
+            m.graph.input[0].type.tensor_type.shape.dim[3].dim_value = -1
+        fixed = fix_input_shapes(m, {"x": [1, 3, 8, 192]})
+        assert tuple(graph_inputs(fixed)[0].shape) == (1, 3, 8, 192)
+        onnx.checker.check_model(fixed)

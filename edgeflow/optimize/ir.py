@@ -260,7 +260,8 @@ def _copy_fields(dst, src, skip: set[str]) -> None:
     for fd, value in src.ListFields():
         if fd.name in skip:
             continue
-        if fd.is_repeated:
+        # protobuf 7 dropped ``label``; Debian's 4.21 has no ``is_repeated``
+        if (fd.is_repeated if hasattr(fd, "is_repeated") else fd.label == fd.LABEL_REPEATED):
             getattr(dst, fd.name).extend(value)
         elif fd.type == fd.TYPE_MESSAGE:
             getattr(dst, fd.name).CopyFrom(value)
