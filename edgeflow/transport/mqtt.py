@@ -63,14 +63,24 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 from edgeflow.errors import CodecError, ConfigError, TransportError
 from edgeflow.transport.backoff import Backoff
 from edgeflow.transport.chunking import HEADER_SIZE, Reassembler, Splitter
-from edgeflow.transport.message import ConnectionEvent, Delivery, Message, Subscription, TlsConfig, Will
+from edgeflow.transport.message import (
+    ConnectionEvent,
+    Delivery,
+    Message,
+    Subscription,
+    TlsConfig,
+    Will,
+    check_properties,
+)
 from edgeflow.transport.outbox import Frame, Outbox
 from edgeflow.transport.topics import (
+    SHARED_PREFIX,
     Topic,
     TopicFilter,
     chunk_filter,
     chunk_topic,
     has_reserved_level,
+    match_filter,
     split_chunk_topic,
 )
 from edgeflow.transport.url import parse_broker_url
@@ -114,34 +124,6 @@ class _Handler:
     """The filters subscribed at the broker for this handler (the filter and its chunk filter)."""
 
 
-SHARED_PREFIX = "$share/"
-
-
-def match_filter(f: TopicFilter) -> TopicFilter:
-    """The filter a message's topic is matched against: ``f`` itself, or for an MQTT 5
-    shared subscription ``$share/<group>/<filter>`` the inner ``<filter>`` (the broker
-    delivers messages under their own topic, without the share prefix).
-
-    A shared filter ending in ``#`` is refused: it would share the chunk sub-topics of
-    chunked payloads too, and the broker would hand different chunks of one transfer
-    to different members, none of which could reassemble it.
-    """
-    if not f.value.startswith(SHARED_PREFIX):
-        return f
-    parts = f.value.split("/", 2)
-    if len(parts) < 3 or not parts[1] or "+" in parts[1] or "#" in parts[1] or not parts[2]:
-        msg = f"shared subscription {f.value!r} must be $share/<group>/<filter> (group without wildcards)"
-        raise ConfigError(msg)
-    inner = TopicFilter(parts[2])
-    if inner.value.endswith("#"):
-        msg = (
-            f"shared subscription {f.value!r}: a filter ending in '#' would share chunk sub-topics, so chunks of "
-            "one transfer would reach different members; name the channel (e.g. .../+/update)"
-        )
-        raise ConfigError(msg)
-    return inner
-
-
 @dataclass
 class _BrokerSub:
     """One filter as the broker knows it (several handlers may share it)."""
@@ -167,16 +149,6 @@ class _Raw:
 
 
 _STOP = object()
-
-
-_PROPERTY_NAMES = ("response_topic", "correlation_data", "content_type", "message_expiry_s", "user_properties")
-
-
-def _check_properties(props: dict[str, Any]) -> None:
-    unknown = sorted(set(props) - set(_PROPERTY_NAMES))
-    if unknown:
-        msg = f"unknown MQTT property {unknown[0]!r}; use {', '.join(_PROPERTY_NAMES)}"
-        raise ConfigError(msg)
 
 
 def _check_ws_options(path: str, headers: dict[str, str] | None) -> None:
@@ -598,7 +570,7 @@ class MqttTransport:
             msg = f"topic {topic!r}: the level '_chunk' is reserved for edgeflow's chunked transfers; rename the topic"
             raise ConfigError(msg)
         if properties:
-            _check_properties(properties)
+            check_properties(properties)
         data = payload.encode("utf-8") if isinstance(payload, str) else bytes(payload)
         limit = self._effective_max_payload(topic)
         frames: list[Frame] = []
