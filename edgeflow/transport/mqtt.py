@@ -62,14 +62,17 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from edgeflow.errors import CodecError, ConfigError, TransportError
 from edgeflow.transport.backoff import Backoff
+from edgeflow.transport.base import Payload, WillSpec
 from edgeflow.transport.chunking import HEADER_SIZE, Reassembler, Splitter
 from edgeflow.transport.message import (
     ConnectionEvent,
+    ConnectionListener,
     Delivery,
+    Handler,
     Message,
+    MessageProperties,
     Subscription,
     TlsConfig,
-    Will,
     check_properties,
 )
 from edgeflow.transport.outbox import Frame, Outbox
@@ -116,7 +119,7 @@ Everything else paho returns on publish/subscribe/unsubscribe is final."""
 class _Handler:
     filter: TopicFilter
     """What messages are matched against (for ``$share/<group>/<f>``: ``<f>``)."""
-    handler: Callable[[Message], Any]
+    handler: Handler
     qos: int
     include_empty: bool
     sub: Subscription
@@ -212,7 +215,7 @@ class MqttTransport:
         keepalive: int = 30,
         clean_start: bool = False,
         session_expiry_s: int = 3600,
-        will: Will | None = None,
+        will: WillSpec | None = None,
         max_payload: int = DEFAULT_MAX_PAYLOAD,
         max_queued_bytes: int = 64 * 1024 * 1024,
         max_inflight: int = 20,
@@ -275,7 +278,7 @@ class MqttTransport:
         self._stats: Counter[str] = Counter()
         self._handlers: list[_Handler] = []
         self._broker_subs: dict[str, _BrokerSub] = {}
-        self._listeners: list[Callable[[ConnectionEvent], Any]] = []
+        self._listeners: list[ConnectionListener] = []
         self._retained_chunks: dict[str, int] = {}
 
         # network-thread state
@@ -368,7 +371,7 @@ class MqttTransport:
         with self._lock:
             self._stats[key] += n
 
-    def add_connection_listener(self, listener: Callable[[ConnectionEvent], Any]) -> None:
+    def add_connection_listener(self, listener: ConnectionListener) -> None:
         """Call ``listener(ConnectionEvent)`` (on the worker thread) on every connect/disconnect.
 
         Devices use it to publish their birth message after each reconnect.
@@ -418,7 +421,9 @@ class MqttTransport:
             if self._protocol == _V5 and w.delay_s:
                 props = Properties(PacketTypes.WILLMESSAGE)
                 props.WillDelayInterval = int(w.delay_s)
-            payload = w.payload() if callable(w.payload) else w.payload  # per attempt: see Will
+            payload = w.payload  # read once per attempt (a per-session will computes it on each read): see Will
+            if callable(payload):
+                payload = payload()
             client.will_set(w.topic, payload, qos=w.qos, retain=w.retain, properties=props)
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
@@ -541,11 +546,11 @@ class MqttTransport:
     def publish(
         self,
         topic: str,
-        payload: bytes | bytearray | memoryview | str,
+        payload: Payload,
         *,
         qos: int = 1,
         retain: bool = False,
-        properties: dict[str, Any] | None = None,
+        properties: MessageProperties | None = None,
         raw: bool = False,
     ) -> Delivery:
         """Queue a message and return its :class:`Delivery` (call ``.wait()`` to block for acks).
@@ -612,7 +617,7 @@ class MqttTransport:
     def subscribe(
         self,
         filter: str | TopicFilter,
-        handler: Callable[[Message], Any],
+        handler: Handler,
         *,
         qos: int = 1,
         timeout: float | None = 10.0,
