@@ -323,7 +323,7 @@ class LoopbackBroker:
             backlog = list(session.pending)
             session.pending.clear()
             for q in backlog:
-                self._hand(session, q.msg, q.qos)
+                self._hand(session, q.msg, q.qos, duplicate=False)
             self.stats["connects"] += 1
         return present
 
@@ -433,10 +433,10 @@ class LoopbackBroker:
                 session, sub = online[turn % len(online)]
                 self._hand(session, live, min(msg.qos, sub.qos))
 
-    def _hand(self, session: _Session, msg: Message, qos: int) -> None:
+    def _hand(self, session: _Session, msg: Message, qos: int, *, duplicate: bool = True) -> None:
         """Give one message to a session: to its connection, or to its queue while it is away."""
         copies = 1
-        if qos == 1 and self.duplicate_qos1 and (self.duplicate_qos1 is True or self.duplicate_qos1(msg)):
+        if duplicate and qos == 1 and self.duplicate_qos1 and (self.duplicate_qos1 is True or self.duplicate_qos1(msg)):
             copies = 2
             self.stats["duplicated"] += 1
         if msg.qos != qos:

@@ -302,6 +302,8 @@ def test_a_bridge_maps_prefixes_both_ways_and_keeps_retained():
     root = central.transport("root").connect()
     root.publish("edgeflow/f/gateway/model", b"global", retain=True)
     bridge = LoopbackBridge(site, central, bridge_topics(BridgeSpec("f", "site-a", "central"))).start()
+    central.settle()
+    site.settle()  # the retained model crossed the bridge before the site gateway connects
     down, up = Box(), Box()
     sg = site.transport("site-gw")
     sg.subscribe("edgeflow/f/_uplink/gateway/+", down)
