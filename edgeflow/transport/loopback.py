@@ -44,7 +44,8 @@ What it keeps from MQTT (and from :class:`~edgeflow.transport.mqtt.MqttTransport
 
 Faults, for the unhappy paths: :meth:`LoopbackBroker.drop` (messages vanish,
 or are refused with an error), :meth:`LoopbackBroker.delay` (a slow link: the
-message reaches the hub later), :meth:`LoopbackBroker.disconnect` (a lost
+message reaches the hub later), :meth:`LoopbackBroker.delay_ack` (subscribers
+have it, the publisher's PUBACK comes late), :meth:`LoopbackBroker.disconnect` (a lost
 connection, with or without an automatic reconnect) and
 :class:`LoopbackBridge` (Mosquitto ``topic`` lines between two hubs).
 
@@ -229,6 +230,15 @@ class LoopbackBroker:
             raise ConfigError(f"delay must be >= 0 s, got {seconds}")
         return self._add_fault(Fault("delay", _message_match(match), times, delay_s=float(seconds)))
 
+    def delay_ack(self, match: str | TopicFilter | MessageMatch, seconds: float, *,
+                  times: int | None = None) -> Fault:
+        """Matching messages reach their subscribers at once, but the publisher's
+        acknowledgement (PUBACK) comes ``seconds`` later: a slow path back to the publisher,
+        or a PUBACK lost with a connection and the message re-sent after the reconnect."""
+        if seconds < 0:
+            raise ConfigError(f"delay must be >= 0 s, got {seconds}")
+        return self._add_fault(Fault("delay_ack", _message_match(match), times, delay_s=float(seconds)))
+
     def _add_fault(self, fault: Fault) -> Fault:
         fault._broker = self
         with self._lock:
@@ -376,33 +386,39 @@ class LoopbackBroker:
 
     # ------------------------------------------------------------ routing
 
-    def _publish(self, msg: Message, *, raw: bool) -> str | None:
-        """Accept one message; returns an error text when the hub refuses it."""
+    def _publish(self, msg: Message, *, raw: bool) -> tuple[str | None, float]:
+        """Accept one message; returns (an error text when the hub refuses it, seconds until
+        the publisher's acknowledgement)."""
         if raw and self.max_payload is not None and len(msg.payload) > self.max_payload:
             self.stats["refused_size"] += 1
             return (f"broker rejected publish to {msg.topic}: packet too large (reason code 149); the message is "
-                    "larger than the broker accepts: lower max_payload so it is chunked")
+                    "larger than the broker accepts: lower max_payload so it is chunked"), 0.0
         fault = self._fault_for(msg)
         if fault is not None and fault.kind == "drop":
             self.stats["dropped"] += 1
-            return fault.error
+            return fault.error, 0.0
         if fault is not None and fault.kind == "delay":
-            with self._lock:
-                self._delayed += 1
-            timer = threading.Timer(fault.delay_s, self._route_delayed, (msg,))
-            timer.daemon = True
-            timer.start()
-            return None
+            self._later(fault.delay_s, lambda: self._route(msg, None))
+            return None, 0.0
         self._route(msg, None)
-        return None
+        return None, fault.delay_s if fault is not None and fault.kind == "delay_ack" else 0.0
 
-    def _route_delayed(self, msg: Message) -> None:
-        try:
-            self._route(msg, None)
-        finally:
-            with self._idle:
-                self._delayed -= 1
-                self._idle.notify_all()
+    def _later(self, seconds: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` after ``seconds`` on a timer thread; :meth:`settle` waits for it."""
+        with self._lock:
+            self._delayed += 1
+
+        def run() -> None:
+            try:
+                fn()
+            finally:
+                with self._idle:
+                    self._delayed -= 1
+                    self._idle.notify_all()
+
+        timer = threading.Timer(seconds, run)
+        timer.daemon = True
+        timer.start()
 
     def _route(self, msg: Message, _sender: str | None) -> None:
         with self._lock:
@@ -693,10 +709,12 @@ class LoopbackTransport:
         return delivery
 
     def _send(self, msg: Message, raw: bool, delivery: Delivery) -> None:
-        error = self.broker._publish(msg, raw=raw)
+        error, ack_after = self.broker._publish(msg, raw=raw)
         if error is not None:
             self._count("publish_rejected")
             delivery._fail(TransportError(error))
+        elif ack_after > 0:
+            self.broker._later(ack_after, lambda: delivery._ack(0))
         else:
             delivery._ack(0)
         with self._changed:
