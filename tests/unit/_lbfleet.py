@@ -48,6 +48,8 @@ def flat_fedavg(before: dict[str, np.ndarray], clients: list[Client]) -> dict[st
 class LoopbackFleet:
     """``devices`` clients and a gateway on ``hub`` (a new LoopbackBroker by default).
 
+    ``shards``: the clients' ``(x, y)`` (default: a Dirichlet split of digits, ``samples`` each).
+
     ``candidates``: by default the devices whose transport is connected (a
     vanished device is not selected again). ``transform``: per-device
     ``transform_update`` hooks (index -> hook).
@@ -57,24 +59,27 @@ class LoopbackFleet:
                  config: dict[str, Any] | None = None, samples: int = 120, seed: int = 1,
                  transform: dict[int, Callable[..., Any]] | None = None,
                  fleet_key: PrivateKey | None = None, model: Any = None, prefix: str = "d",
-                 rounds_factory: Callable[..., RoundManager] | None = None, **rounds_kw: Any) -> None:
+                 rounds_factory: Callable[..., RoundManager] | None = None,
+                 shards: list[tuple[np.ndarray, np.ndarray]] | None = None, **rounds_kw: Any) -> None:
         self.hub = hub or LoopbackBroker(name=fleet)
         self.fleet = fleet
         self.fleet_key = fleet_key or PrivateKey.generate()
         self.model = model if model is not None else zoo.digits_mlp(seed=seed)
         self.ring = KeyRing()
-        split = digits()
-        parts = dirichlet_partition(split.y_train, devices, alpha=1.0, seed=seed)
+        if shards is None:
+            split = digits()
+            parts = dirichlet_partition(split.y_train, devices, alpha=1.0, seed=seed)
+            shards = [(split.x_train[idx][:samples], split.y_train[idx][:samples]) for idx in parts]
         self.clients: list[Client] = []
         self.transports: list[LoopbackTransport] = []
-        for i, idx in enumerate(parts):
+        for i, data in enumerate(shards):
             s = Signer.generate(f"{prefix}{i}")
             self.ring.register(s.device_id, s.public_key)
             t = self.hub.transport(f"{fleet}-{prefix}{i}")
             self.transports.append(t)
             self.clients.append(Client(
                 t, fleet=fleet, device_id=s.device_id, signer=s, fleet_key=self.fleet_key.public_key,
-                model=self.model, data=(split.x_train[idx][:samples], split.y_train[idx][:samples]), seed=i,
+                model=self.model, data=data, seed=i,
                 transform_update=(transform or {}).get(i)))
         cfg = {"rounds": 1, "min_clients": 2, "deadline_s": 20, "max_extensions": 0, "strategy": "fedavg",
                "train": TRAIN, "wait_for_devices_s": 5.0, **(config or {})}
