@@ -16,9 +16,20 @@ def _gone(delta, round_id):
     return None  # trained, shared its keys, then vanished before sending its masked input
 
 
+def _announce_after_ack(fleet: LoopbackFleet) -> LoopbackFleet:
+    """The round announcement reaches the devices 0.2 s after the gateway's PUBACK for it.
+
+    Needed until the bug shown by test_keys_advertised_before_the_announcement_is_acknowledged_are_kept
+    is fixed: the gateway drops key adverts that arrive before it created its SecAggServer,
+    which it does only after that PUBACK (the hub routes a message before acknowledging it,
+    as a broker does, so without this about one round in six failed here)."""
+    fleet.hub.delay(str(gateway_topic(fleet.fleet, "round")), 0.2)
+    return fleet
+
+
 def test_two_dropouts_after_sharing_keys_still_give_plain_fedavg_of_the_survivors():
-    fleet = LoopbackFleet(6, config={"secagg": {"max_dropout_fraction": 0.4}, "deadline_s": 3.0},
-                          transform={0: _gone, 1: _gone})
+    fleet = _announce_after_ack(LoopbackFleet(6, config={"secagg": {"max_dropout_fraction": 0.4}, "deadline_s": 3.0},
+                                              transform={0: _gone, 1: _gone}))
     seen: list[str] = []
     with fleet:
         spy = fleet.hub.transport("spy").connect()
@@ -43,9 +54,8 @@ def test_two_dropouts_after_sharing_keys_still_give_plain_fedavg_of_the_survivor
 
 
 def test_beyond_the_dropout_threshold_the_round_fails_and_the_model_stays():
-    fleet = LoopbackFleet(5, config={"secagg": {"max_dropout_fraction": 0.2, "phase_timeout_s": 1.0},
-                                     "deadline_s": 1.5},
-                          transform={0: _gone, 1: _gone, 2: _gone})
+    cfg = {"secagg": {"max_dropout_fraction": 0.2, "phase_timeout_s": 1.0}, "deadline_s": 1.5}
+    fleet = _announce_after_ack(LoopbackFleet(5, config=cfg, transform={0: _gone, 1: _gone, 2: _gone}))
     with fleet:
         before = {k: v.copy() for k, v in fleet.rounds.weights.items()}
         (m,) = fleet.rounds.run(1)
@@ -56,7 +66,7 @@ def test_beyond_the_dropout_threshold_the_round_fails_and_the_model_stays():
 
 
 def test_a_forged_secagg_frame_is_refused_and_the_round_still_completes():
-    fleet = LoopbackFleet(4, config={"secagg": {"max_dropout_fraction": 0.3}, "deadline_s": 10.0})
+    fleet = _announce_after_ack(LoopbackFleet(4, config={"secagg": {"max_dropout_fraction": 0.3}, "deadline_s": 10.0}))
     with fleet:
         evil = fleet.hub.transport("evil").connect()
         victim = fleet.clients[0].device_id
