@@ -35,7 +35,7 @@ import ssl
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import paho.mqtt.client as paho
 from paho.mqtt.packettypes import PacketTypes
@@ -45,7 +45,8 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from edgeflow.errors import ConfigError, TransportError
 from edgeflow.transport.backoff import Backoff
-from edgeflow.transport.message import ConnectionEvent
+from edgeflow.transport.base import WillSpec
+from edgeflow.transport.message import ConnectionEvent, TlsConfig
 from edgeflow.transport.mqtt.dispatch import Dispatcher, Inbound
 from edgeflow.transport.mqtt.options import (
     FATAL_CONNACK,
@@ -63,12 +64,43 @@ from edgeflow.transport.mqtt.state import ConnState, Counters, Link
 from edgeflow.transport.mqtt.subscriptions import SubscriptionTable
 from edgeflow.transport.outbox import Frame, Outbox
 
-if TYPE_CHECKING:
-    from edgeflow.transport.mqtt.facade import MqttTransport
-
-__all__ = ["NetLoop"]
+__all__ = ["NetLoop", "Owner"]
 
 log = logging.getLogger("edgeflow.transport")
+
+
+class Owner(Protocol):
+    """What the network loop reads from its transport (the facade): the connection settings,
+    read when a client is built, and two call-backs."""
+
+    host: str
+    port: int
+    client_id: str
+    username: str | None
+    password: str | None
+    tls: TlsConfig | None
+    websockets: bool
+    ws_path: str
+    ws_headers: dict[str, str] | None
+    protocol_choice: str
+    keepalive: int
+    clean_start: bool
+    session_expiry_s: int
+    will: WillSpec | None
+    max_inflight: int
+    connect_timeout_s: float
+    max_pending_messages: int
+    name: str
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def protocol_version(self) -> str: ...
+
+    def _make_client(self) -> paho.Client: ...
+
+    def _notify(self, event: ConnectionEvent) -> None: ...
 
 
 class NetLoop:
@@ -79,7 +111,7 @@ class NetLoop:
     (``owner._make_client``, which tests may wrap).
     """
 
-    def __init__(self, owner: MqttTransport, link: Link, outbox: Outbox, subs: SubscriptionTable,
+    def __init__(self, owner: Owner, link: Link, outbox: Outbox, subs: SubscriptionTable,
                  dispatcher: Dispatcher, counters: Counters, backoff: Backoff, protocol: int) -> None:
         self.t = owner
         self.link = link
