@@ -58,3 +58,14 @@ def test_both_implementations_are_transports():
     assert isinstance(Will("a/b", b"x"), WillSpec)
     t.close()
     lb.close()
+
+
+def test_the_seam_and_the_loopback_do_not_load_paho():
+    import subprocess
+    import sys
+
+    code = ("import sys, edgeflow.transport as t; t.LoopbackTransport; import edgeflow.transport.base; "
+            "print('paho' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
