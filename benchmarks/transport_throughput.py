@@ -12,7 +12,10 @@ revision whose ``edgeflow/transport/mqtt.py`` was a single module), loaded from
 (outbox, chunking, topics), so only the MqttTransport code differs. Runs
 alternate baseline/current ``--rounds`` times; the median of each is reported
 with the ratio current/baseline (>= 1 means no slower), and the ratio of the
-best runs (less sensitive to other processes on a shared machine).
+best runs (less sensitive to other processes on a shared machine), and the
+CPU time this process spent per message (both transports' threads; the
+broker is another process), which contention on a shared machine barely
+moves: a CPU ratio <= 1 means the current code costs no more per message.
 
     python benchmarks/transport_throughput.py [--rounds 5] [--baseline-rev REV] [--json out.json]
 """
@@ -63,8 +66,9 @@ def load_baseline(rev: str, tmp: Path) -> ModuleType:
     return mod
 
 
-def run_once(cls: type, port: int, size: int, count: int, max_payload: int, tag: str) -> float:
-    """Seconds from the first publish to the last message handled."""
+def run_once(cls: type, port: int, size: int, count: int, max_payload: int, tag: str) -> tuple[float, float]:
+    """(wall seconds from the first publish to the last message handled, CPU seconds this
+    process spent meanwhile: both transports' threads, not the broker)."""
     got = 0
     done = threading.Event()
 
@@ -82,16 +86,16 @@ def run_once(cls: type, port: int, size: int, count: int, max_payload: int, tag:
         rx.connect(10)
         tx.connect(10)
         payload = os.urandom(size)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         last = None
         for _ in range(count):
             last = tx.publish(f"bench/{tag}", payload, qos=1)
         assert last is not None
         if not done.wait(120):
             raise RuntimeError(f"{cls.__module__}: {got} of {count} messages arrived")
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         last.wait(30)
-        return elapsed
+        return elapsed, cpu
     finally:
         tx.close(timeout=2, flush=False)
         rx.close(timeout=2, flush=False)
@@ -119,26 +123,31 @@ def main() -> int:
         with MosquittoBroker(max_queued_messages=1_000_000).start() as broker:
             for name, size, count, max_payload in LOADS:
                 times: dict[str, list[float]] = {"baseline": [], "current": []}
+                cpus: dict[str, list[float]] = {"baseline": [], "current": []}
                 for r in range(args.rounds):
                     order = ("baseline", "current") if r % 2 == 0 else ("current", "baseline")
                     for which in order:
-                        times[which].append(run_once(impls[which], broker.port, size, count, max_payload,
-                                                     f"{which}-{r}"))
+                        wall, cpu = run_once(impls[which], broker.port, size, count, max_payload, f"{which}-{r}")
+                        times[which].append(wall)
+                        cpus[which].append(cpu)
                 row = {"load": name, "size": size, "count": count}
                 for which, ts in times.items():
                     med, best = statistics.median(ts), min(ts)
                     row[which] = {"seconds": med, "msgs_per_s": count / med, "mb_per_s": count * size / med / 1e6,
-                                  "best_msgs_per_s": count / best, "runs": ts}
+                                  "best_msgs_per_s": count / best, "runs": ts,
+                                  "cpu_us_per_msg": statistics.median(cpus[which]) / count * 1e6}
                 row["ratio"] = row["current"]["msgs_per_s"] / row["baseline"]["msgs_per_s"]
                 row["best_ratio"] = row["current"]["best_msgs_per_s"] / row["baseline"]["best_msgs_per_s"]
+                row["cpu_ratio"] = row["current"]["cpu_us_per_msg"] / row["baseline"]["cpu_us_per_msg"]
                 rows.append(row)
     print(f"MqttTransport throughput, median of {args.rounds} alternating runs; baseline = {rev}")
     print(f"{'load':24} {'baseline msg/s':>15} {'current msg/s':>14} {'baseline MB/s':>14} {'current MB/s':>13} "
-          f"{'ratio':>6} {'best-run ratio':>15}")
+          f"{'ratio':>6} {'best-run ratio':>15} {'CPU us/msg b/c':>15} {'CPU ratio':>10}")
     for row in rows:
         b, c = row["baseline"], row["current"]
         print(f"{row['load']:24} {b['msgs_per_s']:15.0f} {c['msgs_per_s']:14.0f} {b['mb_per_s']:14.1f} "
-              f"{c['mb_per_s']:13.1f} {row['ratio']:6.2f} {row['best_ratio']:15.2f}")
+              f"{c['mb_per_s']:13.1f} {row['ratio']:6.2f} {row['best_ratio']:15.2f} "
+              f"{b['cpu_us_per_msg']:7.0f}/{c['cpu_us_per_msg']:<7.0f} {row['cpu_ratio']:10.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"baseline_rev": rev, "rounds": args.rounds, "rows": rows}, indent=1))
     return 0
