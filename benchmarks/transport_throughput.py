@@ -135,7 +135,7 @@ def main() -> int:
                     med, best = statistics.median(ts), min(ts)
                     row[which] = {"seconds": med, "msgs_per_s": count / med, "mb_per_s": count * size / med / 1e6,
                                   "best_msgs_per_s": count / best, "runs": ts,
-                                  "cpu_us_per_msg": statistics.median(cpus[which]) / count * 1e6}
+                                  "cpu_us_per_msg": statistics.median(cpus[which]) / count * 1e6, "cpu_runs": cpus[which]}
                 row["ratio"] = row["current"]["msgs_per_s"] / row["baseline"]["msgs_per_s"]
                 row["best_ratio"] = row["current"]["best_msgs_per_s"] / row["baseline"]["best_msgs_per_s"]
                 row["cpu_ratio"] = row["current"]["cpu_us_per_msg"] / row["baseline"]["cpu_us_per_msg"]

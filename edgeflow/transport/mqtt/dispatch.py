@@ -66,14 +66,15 @@ _STOP = object()
 
 
 class Dispatcher:
-    def __init__(self, owner: Owner, subs: SubscriptionTable, reassembler: Reassembler, counters: Counters,
-                 ack: Callable[[Inbound], None]) -> None:
+    def __init__(self, owner: Owner, subs: SubscriptionTable, reassembler: Reassembler, counters: Counters) -> None:
         self._owner = owner
         self._subs = subs
         self.reassembler = reassembler
         self._count = counters.add
-        self._ack = ack
-        self._work: queue.Queue[object] = queue.Queue()
+        self.ack: Callable[[Inbound], None] = lambda raw: None
+        """Acknowledge a handled QoS 1 message (the transport sets the network loop's)."""
+        self.queue: queue.Queue[object] = queue.Queue()
+        """Inbound messages and listener calls, in arrival order (the network thread puts here)."""
         self._thread: threading.Thread | None = None
 
     def start(self, name: str) -> None:
@@ -82,24 +83,24 @@ class Dispatcher:
 
     def stop(self, timeout: float) -> None:
         if self._thread is not None:
-            self._work.put(_STOP)
+            self.queue.put(_STOP)
             self._thread.join(timeout)
 
     def qsize(self) -> int:
-        return self._work.qsize()
+        return self.queue.qsize()
 
     def put(self, item: Inbound) -> None:
-        self._work.put(item)
+        self.queue.put(item)
 
     def notify(self, listeners: list[ConnectionListener], event: ConnectionEvent) -> None:
         for fn in listeners:
-            self._work.put(lambda fn=fn: fn(event))
+            self.queue.put(lambda fn=fn: fn(event))
 
     def _loop(self) -> None:
         last_expire = time.monotonic()
         while True:
             try:
-                item = self._work.get(timeout=1.0)
+                item = self.queue.get(timeout=1.0)
             except queue.Empty:
                 item = None
             now = time.monotonic()
@@ -120,7 +121,7 @@ class Dispatcher:
                     log.exception("%s: failed to process a message on %s", self._owner.name, item.topic)
                 finally:
                     if item.qos:
-                        self._ack(item)
+                        self.ack(item)
             else:
                 try:
                     item()  # type: ignore[operator]

@@ -147,11 +147,11 @@ class MqttTransport:
             timeout_s=chunk_timeout_s, max_transfer_bytes=max_transfer_bytes, max_total_bytes=max_reassembly_bytes,
             max_sender_bytes=max_sender_bytes,
         )
-        self._dispatch = Dispatcher(self, self._subs, self._reassembler, self._counters,
-                                    ack=lambda raw: self._net.call(lambda: self._net.ack(raw)))
+        self._dispatch = Dispatcher(self, self._subs, self._reassembler, self._counters)
         self._net = NetLoop(self, self._link, self._outbox, self._subs, self._dispatch, self._counters,
                             Backoff(reconnect_min_s, max(reconnect_min_s, reconnect_max_s)),
                             V311 if protocol == "3.1.1" else V5)
+        self._dispatch.ack = self._net.ack_later  # handled QoS 1 messages are acknowledged by the network thread
         self._net_thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ setup

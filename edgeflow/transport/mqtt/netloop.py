@@ -118,6 +118,7 @@ class NetLoop:
         self.outbox = outbox
         self.subs = subs
         self.dispatcher = dispatcher
+        self._inbound = dispatcher.queue.put
         self._count = counters.add
         self.backoff = backoff
         self.protocol = protocol
@@ -734,8 +735,13 @@ class NetLoop:
         if msg.qos == 0 and self.dispatcher.qsize() >= self.t.max_pending_messages:
             self._count("qos0_dropped")
             return
-        self.dispatcher.put(Inbound(topic, bytes(msg.payload), msg.qos, bool(msg.retain), msg.mid,
+        self._inbound(Inbound(topic, bytes(msg.payload), msg.qos, bool(msg.retain), msg.mid,
                                     self.link.generation, props_in(getattr(msg, "properties", None))))
+
+    def ack_later(self, raw: Inbound) -> None:
+        """From the worker thread: acknowledge ``raw`` (its handler returned) on the network thread."""
+        self._cmds.append(lambda: self.ack(raw))
+        self.wake()
 
     def ack(self, raw: Inbound) -> None:
         """Acknowledge a handled QoS 1 message (network thread), if its connection still stands."""

@@ -47,15 +47,23 @@ _ENDED = (ConnState.CLOSING, ConnState.CLOSED)
 class Link:
     """The state of one transport's connection, with what goes with it.
 
-    Readers use the properties; :meth:`wait` blocks until a predicate on the
-    link holds (every change notifies).
+    ``state`` is the one source of truth; ``up``, ``ended`` and
+    ``connecting`` are views of it, recomputed on every change (plain
+    attributes: the hot paths read them per message). :meth:`wait` blocks
+    until a predicate on the link holds (every change notifies).
     """
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
-        self._state = ConnState.IDLE
+        self.state = ConnState.IDLE
         self.closing_from: ConnState | None = None
         """While CLOSING/CLOSED: the state the connection itself is in (or was in at the end)."""
+        self.up = False
+        """The MQTT connection is established (also while closing, until it is taken down)."""
+        self.ended = False
+        """``close()`` was called: the transport takes no new work."""
+        self.connecting = False
+        """A connection attempt is under way (also while closing)."""
         self.generation = 0
         """Connections made so far; an acknowledgement for an older connection is not sent."""
         self.ever_connected = False
@@ -70,57 +78,45 @@ class Link:
 
     def __repr__(self) -> str:
         extra = f" ({self.closing_from.value})" if self.closing_from is not None else ""
-        return f"<Link {self._state.value}{extra} generation {self.generation}>"
+        return f"<Link {self.state.value}{extra} generation {self.generation}>"
 
-    @property
-    def state(self) -> ConnState:
-        return self._state
-
-    @property
-    def up(self) -> bool:
-        """The MQTT connection is established (also while closing, until it is taken down)."""
-        s = self._state
-        return s is ConnState.CONNECTED or (s is ConnState.CLOSING and self.closing_from is ConnState.CONNECTED)
-
-    @property
-    def ended(self) -> bool:
-        """``close()`` was called: the transport takes no new work."""
-        return self._state in _ENDED
-
-    @property
-    def connecting(self) -> bool:
-        s = self._state
-        return s is ConnState.CONNECTING or (s is ConnState.CLOSING and self.closing_from is ConnState.CONNECTING)
+    def _views(self) -> None:
+        s, c = self.state, self.closing_from
+        closing = s is ConnState.CLOSING
+        self.up = s is ConnState.CONNECTED or (closing and c is ConnState.CONNECTED)
+        self.connecting = s is ConnState.CONNECTING or (closing and c is ConnState.CONNECTING)
+        self.ended = s in _ENDED
+        self._cv.notify_all()
 
     def to(self, new: ConnState) -> None:
         """Move to ``new`` (network thread). Once closing, only the connection's own state
         (:attr:`closing_from`) follows, until CLOSED."""
         with self._cv:
-            if self._state in _ENDED and new is not ConnState.CLOSED:
+            if self.state in _ENDED and new is not ConnState.CLOSED:
                 self.closing_from = new
             else:
-                self._state = new
-            self._cv.notify_all()
+                self.state = new
+            self._views()
 
     def close(self) -> bool:
         """Enter CLOSING from any thread; False if already closing or closed."""
         with self._cv:
-            if self._state in _ENDED:
+            if self.state in _ENDED:
                 return False
-            self.closing_from = self._state
-            self._state = ConnState.CLOSING
-            self._cv.notify_all()
+            self.closing_from = self.state
+            self.state = ConnState.CLOSING
+            self._views()
             return True
 
     def fail(self, err: TransportError) -> None:
         """A fatal error: wake everyone waiting for a connection."""
         with self._cv:
             self.fatal = err
-            if self._state is ConnState.CONNECTED:
-                self._state = ConnState.BACKING_OFF
-            elif self._state in _ENDED:
+            if self.state is ConnState.CONNECTED:
+                self.state = ConnState.BACKING_OFF
+            elif self.state in _ENDED:
                 self.closing_from = ConnState.BACKING_OFF
-            self._cv.notify_all()
+            self._views()
 
     def notify(self) -> None:
         """Wake the waiters without a state change (an attempt failed: ``last_error`` is new)."""
