@@ -17,7 +17,11 @@ CPU time this process spent per message (both transports' threads; the
 broker is another process), which contention on a shared machine barely
 moves: a CPU ratio <= 1 means the current code costs no more per message.
 
-    python benchmarks/transport_throughput.py [--rounds 5] [--baseline-rev REV] [--json out.json]
+``--calls`` adds a figure no other process can disturb: the Python function
+calls made per 1 KiB message in the transport's own code (the baseline module,
+or edgeflow/transport/mqtt/), counted in every thread with a profile hook.
+
+    python benchmarks/transport_throughput.py [--rounds 5] [--baseline-rev REV] [--calls] [--json out.json]
 """
 
 from __future__ import annotations
@@ -101,11 +105,34 @@ def run_once(cls: type, port: int, size: int, count: int, max_payload: int, tag:
         rx.close(timeout=2, flush=False)
 
 
+def count_calls(cls: type, port: int, tag: str, count: int = 2000) -> float:
+    """Python calls per message made in ``cls``'s own modules (all threads)."""
+    import collections
+
+    module_file = sys.modules[cls.__module__].__file__ or ""
+    ours = str(Path(module_file).parent) if "transport/mqtt" in module_file else module_file
+    hits: collections.Counter[str] = collections.Counter()
+
+    def hook(frame, event, arg):  # noqa: ANN001, ANN202
+        if event == "call" and frame.f_code.co_filename.startswith(ours):
+            hits["n"] += 1
+
+    threading.setprofile(hook)
+    sys.setprofile(hook)
+    try:
+        run_once(cls, port, 1024, count, 256 * 1024, tag)
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+    return hits["n"] / count
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--baseline-rev", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--calls", action="store_true", help="also count Python calls per message in the transport")
     args = ap.parse_args()
 
     from edgeflow.transport.broker import MosquittoBroker, find_mosquitto
@@ -140,6 +167,8 @@ def main() -> int:
                 row["best_ratio"] = row["current"]["best_msgs_per_s"] / row["baseline"]["best_msgs_per_s"]
                 row["cpu_ratio"] = row["current"]["cpu_us_per_msg"] / row["baseline"]["cpu_us_per_msg"]
                 rows.append(row)
+            calls = {w: count_calls(impls[w], broker.port, f"calls-{w}") for w in ("baseline", "current")} \
+                if args.calls else None
     print(f"MqttTransport throughput, median of {args.rounds} alternating runs; baseline = {rev}")
     print(f"{'load':24} {'baseline msg/s':>15} {'current msg/s':>14} {'baseline MB/s':>14} {'current MB/s':>13} "
           f"{'ratio':>6} {'best-run ratio':>15} {'CPU us/msg b/c':>15} {'CPU ratio':>10}")
@@ -148,8 +177,12 @@ def main() -> int:
         print(f"{row['load']:24} {b['msgs_per_s']:15.0f} {c['msgs_per_s']:14.0f} {b['mb_per_s']:14.1f} "
               f"{c['mb_per_s']:13.1f} {row['ratio']:6.2f} {row['best_ratio']:15.2f} "
               f"{b['cpu_us_per_msg']:7.0f}/{c['cpu_us_per_msg']:<7.0f} {row['cpu_ratio']:10.2f}")
+    if calls:
+        print(f"Python calls per 1 KiB message in the transport's own code: baseline {calls['baseline']:.1f}, "
+              f"current {calls['current']:.1f} (ratio {calls['current'] / calls['baseline']:.2f})")
     if args.json:
-        Path(args.json).write_text(json.dumps({"baseline_rev": rev, "rounds": args.rounds, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"baseline_rev": rev, "rounds": args.rounds, "rows": rows,
+                                               "calls_per_message": calls}, indent=1))
     return 0
 
 
