@@ -26,6 +26,7 @@ from .errors import ConfigError
 from .federated.client import Client
 from .federated.messages import TrainConfig
 from .signing import KeyRing, PrivateKey, Signer
+from .transport.base import Transport
 
 log = logging.getLogger("edgeflow.simulation")
 
@@ -193,7 +194,7 @@ def _attack(kind: str, scale: float, rng: np.random.Generator) -> Callable:
 class SimDevice:
     device_id: str
     profile: str
-    transport: Any
+    transport: Transport
     client: Client
     byzantine: bool = False
     straggler: bool = False

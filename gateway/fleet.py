@@ -71,6 +71,7 @@ from edgeflow.device.messages import (
 )
 from edgeflow.errors import CodecError, ConfigError, FleetError, SignatureError
 from edgeflow.signing import KeyRing, PrivateKey
+from edgeflow.transport.base import Transport
 from edgeflow.transport.topics import device_filter, device_topic, parse_topic
 
 from .store import DeviceRecord, GatewayStore
@@ -259,7 +260,7 @@ class FleetManager:
 
     def __init__(
         self,
-        transport: Any,
+        transport: Transport,
         store: GatewayStore,
         fleet: str,
         fleet_key: PrivateKey,

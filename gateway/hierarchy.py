@@ -59,6 +59,7 @@ from edgeflow.codecs import decode_update, encode_update
 from edgeflow.errors import AggregationError, CodecError, ConfigError, SignatureError
 from edgeflow.federated.messages import RoundAnnouncement, TrainConfig
 from edgeflow.signing import KeyRing, PrivateKey, PublicKey, Signer
+from edgeflow.transport.base import Transport
 from edgeflow.transport.topics import ROOT, validate_id
 
 from .aggregation import AggregateResult, Schema
@@ -93,7 +94,7 @@ class Uplink:
     """Where a site gateway meets its root: a transport and the topic prefix of
     the root's namespace on it."""
 
-    transport: Any
+    transport: Transport
     fleet: str
     bridged: bool = True
 
@@ -197,7 +198,7 @@ def check_site_config(config: RoundConfig) -> None:
         raise ConfigError("site gateway: " + "; ".join(problems))
 
 
-def root_manager(transport: Any, store: GatewayStore, *, fleet: str, fleet_key: PrivateKey, site_keys: KeyRing,
+def root_manager(transport: Transport, store: GatewayStore, *, fleet: str, fleet_key: PrivateKey, site_keys: KeyRing,
                  model: onnx.ModelProto, config: RoundConfig, sites: list[str] | Callable[[], list[Candidate]],
                  **kwargs: Any) -> RoundManager:
     """The root: a RoundManager whose clients are the sites and whose updates are their partials."""
@@ -219,7 +220,7 @@ def root_manager(transport: Any, store: GatewayStore, *, fleet: str, fleet_key: 
                         config=config, candidates=candidates, contributions="partials", **kwargs)
 
 
-def site_manager(transport: Any, store: GatewayStore, *, fleet: str, fleet_key: PrivateKey, keyring: KeyRing,
+def site_manager(transport: Transport, store: GatewayStore, *, fleet: str, fleet_key: PrivateKey, keyring: KeyRing,
                  model: onnx.ModelProto, config: RoundConfig, candidates: Callable[[], list[Candidate]],
                  uplink: Uplink, signer: Signer, **kwargs: Any) -> RoundManager:
     """A site: a RoundManager for its devices that sums and forwards instead of adopting."""

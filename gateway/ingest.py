@@ -79,6 +79,7 @@ from edgeflow.codecs import decode_update, peek_update
 from edgeflow.errors import AggregationError, CodecError, ConfigError, SignatureError
 from edgeflow.federated.messages import RoundAnnouncement, parse_update_meta
 from edgeflow.signing import KeyRing
+from edgeflow.transport.base import Transport
 from edgeflow.transport.topics import device_filter, parse_topic, validate_id
 
 from .privacy import global_norm
@@ -538,7 +539,7 @@ class IngestWorker:
     """Takes its share of the update stream: verify, persist (claim), fold; write its
     partial when the coordinator shuts the round's intake. See the module docstring."""
 
-    def __init__(self, cfg: WorkerConfig, transport: Any = None) -> None:
+    def __init__(self, cfg: WorkerConfig, transport: Transport | None = None) -> None:
         self.cfg = cfg
         self.db = IngestStore(cfg.state)
         self.keyring = KeyRing.load(cfg.keyring)

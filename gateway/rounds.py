@@ -84,6 +84,7 @@ from edgeflow.faults import fault_point
 from edgeflow.federated.messages import RoundAnnouncement, TrainConfig, UpdateMeta, parse_update_meta
 from edgeflow.signing import KeyRing, PrivateKey, ReplayGuard, Signer
 from edgeflow.transport.backoff import Backoff
+from edgeflow.transport.base import Transport
 from edgeflow.transport.topics import device_filter, gateway_topic, parse_topic
 
 from .aggregation import AggregateResult
@@ -355,7 +356,7 @@ class RoundManager:
 
     def __init__(
         self,
-        transport: Any,
+        transport: Transport,
         store: GatewayStore,
         *,
         fleet: str,
@@ -541,7 +542,7 @@ class RoundManager:
                                      f"round {ann.round_id} announcement ({ann.state})")
 
     def publish_reliably(self, topic: str, payload: bytes, what: str, *, retain: bool = True,
-                         until: float | None = None, transport: Any = None) -> bool:
+                         until: float | None = None, transport: Transport | None = None) -> bool:
         """Publish at QoS 1 and wait until the broker acknowledged it, however long that takes.
 
         A broker that stalls (or a connection flooded by others) must not kill the

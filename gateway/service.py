@@ -32,6 +32,7 @@ import onnx
 
 from edgeflow.errors import ConfigError
 from edgeflow.signing import KeyRing, PrivateKey, PublicKey, Signer
+from edgeflow.transport.base import Transport
 
 from .fleet import FleetManager, FleetOptions
 from .hierarchy import HierarchyOptions, SiteGateway, Uplink, root_manager, site_manager
@@ -134,7 +135,7 @@ class Gateway:
 
     def __init__(
         self,
-        transport: Any,
+        transport: Transport,
         store: GatewayStore,
         *,
         fleet: str,
@@ -150,7 +151,7 @@ class Gateway:
         hierarchy: HierarchyOptions | None = None,
         site_signer: Signer | None = None,
         root_key: PublicKey | None = None,
-        uplink_transport: Any = None,
+        uplink_transport: Transport | None = None,
     ) -> None:
         """``role`` "site" needs ``site_signer`` and ``root_key`` (and ``uplink_transport`` for a
         direct uplink; None = through the site broker's bridge); "root" takes its sites

@@ -47,6 +47,7 @@ __all__ = [
     "requires_mosquitto",
     "tls_material",
     "transport_factory",
+    "stays",
     "wait_until",
 ]
 
@@ -64,6 +65,24 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, interval: fl
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+def stays(value: Callable[[], Any], *, for_s: float = 0.3, reason: str, interval: float = 0.01) -> None:
+    """Assert that ``value()`` keeps its current value for ``for_s`` seconds.
+
+    The one bounded wait of a *negative* assertion ("nothing more arrived"):
+    no event can say that something will never come, so it watches for
+    ``for_s`` and fails as soon as the value changes. ``reason`` says what a
+    change would mean (it is the failure message). Positive waits use
+    :func:`wait_until` or :meth:`Inbox.wait`, which end on the event.
+    """
+    start = value()
+    deadline = time.monotonic() + for_s
+    while time.monotonic() < deadline:
+        now = value()
+        if now != start:
+            pytest.fail(f"{reason}: {start!r} became {now!r}")
+        time.sleep(interval)
 
 
 class Inbox:

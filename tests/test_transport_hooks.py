@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
-from _brokers import Inbox, mosquitto_factory, requires_mosquitto, transport_factory, wait_until  # noqa: F401
+from _brokers import Inbox, mosquitto_factory, requires_mosquitto, stays, transport_factory, wait_until  # noqa: F401
 
 from edgeflow.transport import Will, device_filter, device_topic
 from edgeflow.transport.chunking import Splitter
@@ -51,7 +50,7 @@ def test_a_transfer_filter_drops_chunks_before_they_take_memory(mosquitto_factor
     (msg,) = inbox.wait(1, timeout=10)
     assert msg.topic == device_topic(FLEET, "pi-1", "update").value
     assert wait_until(lambda: gw.stats().get("chunks_refused_sender", 0) >= 8, 10)
-    time.sleep(0.2)
+    stays(lambda: len(inbox.messages), for_s=0.2, reason="a refused sender's transfer was delivered")
     assert len(inbox.messages) == 1 and gw.stats()["reassembly_bytes"] == 0
 
 
@@ -69,5 +68,7 @@ def test_junk_retained_chunks_are_cleared_at_the_broker(mosquitto_factory, trans
     late = Inbox()
     newcomer = transport_factory(broker, client_id="late")
     newcomer.subscribe(chunk_topic(base, 0), late, include_empty=True)
-    time.sleep(0.5)
+    # retained messages follow the SUBACK that subscribe() waited for
+    stays(lambda: [m.payload for m in late.messages if m.payload], for_s=0.5,
+          reason="a retained junk chunk was still at the broker")
     assert [m.payload for m in late.messages if m.payload] == []

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from typing import Any
 
 import pytest
-from _brokers import FAST, Inbox, mosquitto_factory, requires_mosquitto, transport_factory, wait_until  # noqa: F401
+from _brokers import FAST, Inbox, mosquitto_factory, requires_mosquitto, stays, transport_factory, wait_until  # noqa: F401
 
 from edgeflow.transport import device_filter, device_topic
 from edgeflow.transport.mqtt import MqttTransport
@@ -105,7 +104,7 @@ def test_connection_lost_while_a_chunk_is_handed_to_paho(mosquitto_factory, tran
     assert s["handoff_retries"] == 1, s
     assert s.get("publish_failures", 0) == 0
     assert s["acked_frames"] == delivery.total
-    time.sleep(0.2)
+    stays(lambda: len(inbox.messages), for_s=0.2, reason="the transfer was delivered a second time")
     assert len(inbox.messages) == 1
 
 
@@ -163,8 +162,9 @@ def test_connection_lost_while_unsubscribing_keeps_the_unsubscribe(mosquitto_fac
     dev = transport_factory(broker, client_id="dev")
     dev.publish(_topic("dev"), b"after").wait(10)
     witness_inbox.wait(1, timeout=10)
-    time.sleep(0.3)
-    assert gw.stats().get("received_frames", 0) == before, "the broker still delivers to the unsubscribed filter"
+    stays(lambda: gw.stats().get("received_frames", 0), for_s=0.3,
+          reason="the broker still delivers to the unsubscribed filter")
+    assert gw.stats().get("received_frames", 0) == before
     assert seen == []
 
 
@@ -181,7 +181,8 @@ def test_unsubscribe_waits_for_the_unsuback(mosquitto_factory, transport_factory
     dev = transport_factory(broker, client_id="dev")
     dev.publish(_topic("dev"), b"late").wait(10)
     witness_inbox.wait(1, timeout=10)
-    time.sleep(0.3)
+    stays(lambda: gw.stats().get("received_frames", 0), for_s=0.3,
+          reason="unsubscribe() returned before the broker removed the subscription")
     assert gw.stats().get("received_frames", 0) == before
     assert seen == []
 

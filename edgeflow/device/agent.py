@@ -64,6 +64,7 @@ from ..errors import CodecError, EdgeflowError, FleetError, SignatureError
 from ..ota import Artifact, verify_artifact
 from ..profiles import BACKENDS, DeviceProfile, get_profile
 from ..signing import PublicKey, Signer
+from ..transport.base import Transport
 from ..transport.message import ConnectionEvent, Message
 from ..transport.topics import device_topic
 from .health import HealthReport, check_model, load_runtime
@@ -270,7 +271,7 @@ class DeviceAgent:
 
     def __init__(
         self,
-        transport: Any,
+        transport: Transport,
         *,
         device_id: str,
         fleet: str,

@@ -38,6 +38,7 @@ import numpy as np
 from ..codecs import ErrorFeedback, decode_update, encode_update
 from ..errors import CodecError, EdgeflowError, SignatureError
 from ..signing import KeyRing, PublicKey, Signer
+from ..transport.base import Transport
 from ..transport.topics import device_topic, gateway_topic
 from .messages import RoundAnnouncement, TrainConfig
 
@@ -95,7 +96,7 @@ class Client:
 
     def __init__(
         self,
-        transport: Any,
+        transport: Transport,
         *,
         fleet: str,
         device_id: str,

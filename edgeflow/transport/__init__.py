@@ -1,9 +1,12 @@
 """edgeflow.transport: MQTT for devices and the gateway.
 
-Pure modules import nothing heavy: :mod:`.topics` (the topic scheme),
-:mod:`.chunking` (split/reassemble), :mod:`.url`, :mod:`.backoff`,
-:mod:`.outbox`, :mod:`.message`. :class:`MqttTransport` (the only code that
-imports paho) and the broker launchers in :mod:`.broker` are imported
+:class:`Transport` (:mod:`.base`) is the seam everything above the transport
+is written against. Pure modules import nothing heavy: :mod:`.base`,
+:mod:`.topics` (the topic scheme), :mod:`.chunking` (split/reassemble),
+:mod:`.url`, :mod:`.backoff`, :mod:`.outbox`, :mod:`.message`.
+:class:`MqttTransport` (package :mod:`.mqtt`, the only code that imports
+paho), the in-process :class:`LoopbackBroker`/:class:`LoopbackTransport`
+(:mod:`.loopback`) and the broker launchers in :mod:`.broker` are imported
 lazily, on first attribute access, so ``import edgeflow.transport.topics``
 stays cheap.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from edgeflow.transport.base import Transport
 from edgeflow.transport.message import ConnectionEvent, Delivery, Message, Subscription, TlsConfig, Will
 from edgeflow.transport.topics import (
     Topic,
@@ -25,6 +29,7 @@ from edgeflow.transport.url import BrokerAddress, parse_broker_url
 
 if TYPE_CHECKING:
     from edgeflow.transport.broker import EmbeddedBroker, ExternalBroker, MosquittoBroker, start_broker
+    from edgeflow.transport.loopback import LoopbackBroker, LoopbackTransport
     from edgeflow.transport.mqtt import MqttTransport
 
 __all__ = [
@@ -33,6 +38,8 @@ __all__ = [
     "Delivery",
     "EmbeddedBroker",
     "ExternalBroker",
+    "LoopbackBroker",
+    "LoopbackTransport",
     "Message",
     "MosquittoBroker",
     "MqttTransport",
@@ -40,6 +47,7 @@ __all__ = [
     "TlsConfig",
     "Topic",
     "TopicFilter",
+    "Transport",
     "Will",
     "device_filter",
     "device_topic",
@@ -51,6 +59,8 @@ __all__ = [
 
 _LAZY = {
     "MqttTransport": "edgeflow.transport.mqtt",
+    "LoopbackBroker": "edgeflow.transport.loopback",
+    "LoopbackTransport": "edgeflow.transport.loopback",
     "MosquittoBroker": "edgeflow.transport.broker",
     "EmbeddedBroker": "edgeflow.transport.broker",
     "ExternalBroker": "edgeflow.transport.broker",

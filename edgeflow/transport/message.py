@@ -9,11 +9,50 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
-from edgeflow.errors import TransportError
+from edgeflow.errors import ConfigError, TransportError
 
-__all__ = ["ConnectionEvent", "Delivery", "Message", "Subscription", "TlsConfig", "Will"]
+__all__ = [
+    "ConnectionEvent",
+    "ConnectionListener",
+    "Delivery",
+    "Handler",
+    "Message",
+    "MessageProperties",
+    "PROPERTY_NAMES",
+    "Subscription",
+    "TlsConfig",
+    "Will",
+    "check_properties",
+]
+
+
+class MessageProperties(TypedDict, total=False):
+    """The MQTT 5 properties edgeflow maps, on a publish and on a received :class:`Message`.
+
+    ``user_properties`` may be given as a mapping or a list of pairs on
+    publish; a received message always has a ``dict``. On MQTT 3.1.1 none
+    travel (a received message has ``{}``).
+    """
+
+    response_topic: str
+    correlation_data: bytes
+    content_type: str
+    message_expiry_s: int
+    user_properties: dict[str, str] | list[tuple[str, str]]
+
+
+PROPERTY_NAMES = ("response_topic", "correlation_data", "content_type", "message_expiry_s", "user_properties")
+"""The keys of :class:`MessageProperties` (anything else is refused with ConfigError)."""
+
+
+def check_properties(props: MessageProperties | dict[str, object]) -> None:
+    """Refuse property names edgeflow does not map (ConfigError naming the known ones)."""
+    unknown = sorted(set(props) - set(PROPERTY_NAMES))
+    if unknown:
+        msg = f"unknown MQTT property {unknown[0]!r}; use {', '.join(PROPERTY_NAMES)}"
+        raise ConfigError(msg)
 
 
 @dataclass(frozen=True)
@@ -31,7 +70,7 @@ class Message:
     payload: bytes
     qos: int = 0
     retain: bool = False
-    properties: dict[str, Any] = field(default_factory=dict)
+    properties: MessageProperties = field(default_factory=lambda: MessageProperties())
     chunks: int = 1
     transfer_id: str | None = None
 
@@ -84,12 +123,19 @@ class ConnectionEvent:
     reason: str = ""
 
 
+Handler = Callable[[Message], object]
+"""A message handler: called on the transport's worker thread, one message at a time, in arrival order."""
+
+ConnectionListener = Callable[[ConnectionEvent], object]
+"""Called on the transport's worker thread on every connect and disconnect (in order with messages)."""
+
+
 @dataclass(frozen=True)
 class Subscription:
     """Handle returned by ``subscribe``; pass it to ``unsubscribe``."""
 
     filter: str
-    handler: Callable[[Message], Any]
+    handler: Handler
     qos: int
 
 
@@ -112,11 +158,11 @@ class Delivery:
         self._error: TransportError | None = None
         self._event = threading.Event()
         self._lock = threading.Lock()
-        self._callbacks: list[Callable[[Delivery], Any]] = []
+        self._callbacks: list[Callable[[Delivery], object]] = []
         if total == 0:
             self._event.set()
 
-    def add_progress_callback(self, fn: Callable[[Delivery], Any]) -> None:
+    def add_progress_callback(self, fn: Callable[[Delivery], object]) -> None:
         """Call ``fn(delivery)`` after every acknowledged frame and on failure.
 
         It runs on the transport's network thread, so it must be quick (update

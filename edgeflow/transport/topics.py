@@ -61,8 +61,11 @@ __all__ = [
     "gateway_topic",
     "channel_spec",
     "parse_topic",
+    "SHARED_PREFIX",
+    "match_filter",
     "retained_chunks_allowed",
     "sender_of",
+    "shared_group",
     "split_chunk_topic",
     "validate_id",
 ]
@@ -299,6 +302,39 @@ def chunk_filter(filter: str | TopicFilter) -> TopicFilter | None:
     if f.value.endswith("#"):
         return None
     return TopicFilter(f"{f.value}/{CHUNK_LEVEL}/+")
+
+
+SHARED_PREFIX = "$share/"
+
+
+def match_filter(f: TopicFilter) -> TopicFilter:
+    """The filter a message's topic is matched against: ``f`` itself, or for an MQTT 5
+    shared subscription ``$share/<group>/<filter>`` the inner ``<filter>`` (the broker
+    delivers messages under their own topic, without the share prefix).
+
+    A shared filter ending in ``#`` is refused: it would share the chunk sub-topics of
+    chunked payloads too, and the broker would hand different chunks of one transfer
+    to different members, none of which could reassemble it.
+    """
+    if not f.value.startswith(SHARED_PREFIX):
+        return f
+    parts = f.value.split("/", 2)
+    if len(parts) < 3 or not parts[1] or "+" in parts[1] or "#" in parts[1] or not parts[2]:
+        msg = f"shared subscription {f.value!r} must be $share/<group>/<filter> (group without wildcards)"
+        raise ConfigError(msg)
+    inner = TopicFilter(parts[2])
+    if inner.value.endswith("#"):
+        msg = (
+            f"shared subscription {f.value!r}: a filter ending in '#' would share chunk sub-topics, so chunks of "
+            "one transfer would reach different members; name the channel (e.g. .../+/update)"
+        )
+        raise ConfigError(msg)
+    return inner
+
+
+def shared_group(f: TopicFilter) -> str | None:
+    """The group of a ``$share/<group>/<filter>`` subscription (None for a plain filter)."""
+    return f.value.split("/", 2)[1] if f.value.startswith(SHARED_PREFIX) else None
 
 
 def has_reserved_level(topic: str) -> bool:

@@ -1,0 +1,107 @@
+"""Federated rounds without a broker: the real RoundManager and federated Clients over
+loopback transports (tests/test_federated_rounds.py runs the same logic on Mosquitto)."""
+
+from __future__ import annotations
+
+import numpy as np
+from _lbfleet import LoopbackFleet, flat_fedavg
+
+from edgeflow.gateway.rounds import model_weights
+from edgeflow.transport.topics import device_topic, gateway_topic
+
+
+def test_two_rounds_are_exactly_fedavg_and_every_device_gets_the_model():
+    fleet = LoopbackFleet(4, config={"rounds": 2})
+    expected, befores = [], [dict(fleet.rounds.weights)]
+
+    def on_round(m):  # before the next round is announced: the deltas are this round's
+        expected.append(flat_fedavg(befores[-1], fleet.clients))
+        befores.append(dict(fleet.rounds.weights))
+
+    fleet.rounds.on_round = on_round
+    with fleet:
+        history = fleet.rounds.run()
+        fleet.hub.settle()
+        assert [(m.round_id, m.participants, m.selected, m.dropped) for m in history] == [(1, 4, 4, 0), (2, 4, 4, 0)]
+        assert fleet.rounds.version == 3 and [m.model_version for m in history] == [2, 3]
+        for got, want in zip(befores[1:], expected):
+            for name in want:
+                np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+        # the new model is retained at the hub and reached every device
+        assert set(fleet.hub.retained()) == {str(gateway_topic("lb", "model")), str(gateway_topic("lb", "round"))}
+        for c in fleet.clients:
+            assert c._version == 3 and c.stats.updates_sent == 2
+            for name, w in fleet.rounds.weights.items():
+                np.testing.assert_array_equal(c._weights[name], w)
+        assert sum(m.bytes_in for m in history) == sum(c.stats.bytes_sent for c in fleet.clients)
+        assert fleet.rounds.store.round(2).state == "closed"
+
+
+def test_a_straggler_misses_the_deadline_and_the_round_closes_with_its_quorum():
+    fleet = LoopbackFleet(4, config={"deadline_s": 1.0, "quorum": 0.6})
+    slow = fleet.clients[3].device_id
+    # the straggler's update reaches the broker after the deadline (a slow uplink)
+    fleet.hub.delay(str(device_topic("lb", slow, "update")), 1.5)
+    with fleet:
+        start = model_weights(fleet.model)
+        (m,) = fleet.rounds.run(1)
+        assert (m.selected, m.participants, m.dropped) == (4, 3, 1)
+        assert m.round_s >= 0.9  # it waited for the deadline, then closed with the quorum
+        on_time = fleet.clients[:3]
+        want = flat_fedavg(start, on_time)
+        for name in want:
+            np.testing.assert_allclose(fleet.rounds.weights[name], want[name], rtol=1e-5, atol=1e-6)
+        fleet.hub.settle()  # the delayed update arrives: counted late, not folded in
+        assert fleet.rounds.counters_total.get("late") == 1
+        for name in want:
+            np.testing.assert_allclose(fleet.rounds.weights[name], want[name], rtol=1e-5, atol=1e-6)
+
+
+def test_a_device_that_vanishes_mid_round_is_dropped_and_not_selected_again():
+    holder: list[LoopbackFleet] = []
+
+    def vanish(delta, round_id):  # device 1 loses power right after training, before sending
+        holder[0].vanish(1)
+        return None
+
+    fleet = LoopbackFleet(5, config={"rounds": 2, "deadline_s": 1.0, "quorum": 0.6}, transform={1: vanish})
+    holder.append(fleet)
+    with fleet:
+        first, second = fleet.rounds.run()
+        assert (first.selected, first.participants, first.dropped) == (5, 4, 1)
+        assert (second.selected, second.participants, second.dropped) == (4, 4, 0)
+        assert second.round_s < first.round_s  # nobody to wait for in the second round
+        assert fleet.hub.connected() == sorted(f"lb-d{i}" for i in (0, 2, 3, 4)) + ["lb-gateway"]
+
+
+def test_below_quorum_the_round_is_extended_then_fails_and_the_model_stays():
+    def silent(delta, round_id):
+        return None
+
+    fleet = LoopbackFleet(4, config={"deadline_s": 0.5, "quorum": 0.75, "max_extensions": 1, "min_clients": 2},
+                          transform={i: silent for i in range(3)})
+    with fleet:
+        before = {k: v.copy() for k, v in fleet.rounds.weights.items()}
+        (m,) = fleet.rounds.run(1)
+        assert m.participants == 0 and m.extra.get("failed") == 1.0
+        assert fleet.rounds.store.round(1).state == "failed" and fleet.rounds.version == 1
+        for k, v in fleet.rounds.weights.items():
+            np.testing.assert_array_equal(v, before[k])
+
+
+def test_redelivered_updates_count_once():
+    """QoS 1 is at least once: the hub delivers every update twice; the gateway's
+    (round, device) bookkeeping makes each count once."""
+    from edgeflow.transport.loopback import LoopbackBroker
+
+    hub = LoopbackBroker(duplicate_qos1=lambda m: m.topic.endswith("/update"))
+    fleet = LoopbackFleet(3, hub=hub)
+    start = model_weights(fleet.model)
+    with fleet:
+        (m,) = fleet.rounds.run(1)
+        hub.settle()
+        assert (m.participants, m.dropped) == (3, 0)
+        assert hub.stats["duplicated"] == 3
+        want = flat_fedavg(start, fleet.clients)
+        for name in want:
+            np.testing.assert_allclose(fleet.rounds.weights[name], want[name], rtol=1e-5, atol=1e-6)
