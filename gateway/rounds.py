@@ -837,6 +837,7 @@ class RoundManager:
         done: list[RoundMetrics] = []
         if self._recovered is not None and not self._stop.is_set():
             ann, self._recovered = self._recovered, None
+            self._prepare_secagg(ann)
             self._publish_round(ann)
             done.append(self._collect_and_close(ann, time.perf_counter()))
             if rounds is not None:
@@ -894,6 +895,7 @@ class RoundManager:
         stored = {**asdict(train), "_nonce": ann.nonce, "_bounds": list(bounds) if bounds is not None else None}
         self.store.open_round(round_id, self.version, ann.deadline, stored, selected)
         fault_point("rounds.opened")
+        self._prepare_secagg(ann)  # before the announcement: devices advertise keys as soon as they see it
         self._publish_round(ann)
         fault_point("rounds.announced")
         self._status("open", f"round {round_id}: {len(selected)} device(s) selected", round_id=round_id)
@@ -1149,20 +1151,39 @@ class RoundManager:
         self.publish_reliably(str(gateway_topic(self.fleet, "secagg")), secure.seal(frame, self.fleet_key),
                               "secure-aggregation broadcast", retain=False, until=time.time() + 60.0)
 
-    def _secure_round(self, ann: RoundAnnouncement, t_start: float) -> RoundMetrics:
-        """Bonawitz et al. over MQTT; the aggregator only ever receives the unmasked sum."""
-        from edgeflow.federated import secure
+    def _prepare_secagg(self, ann: RoundAnnouncement) -> None:
+        """Install the round's SecAgg server *before* the announcement goes out.
 
-        from .secagg import SecAggConfig, SecAggError, SecAggServer
+        Devices advertise their keys as soon as the announcement reaches them
+        and never re-send; a server installed only after the announcement's
+        PUBACK (a busy gateway, a PUBACK lost in a reconnect) dropped every
+        advert as late and failed the round.
+        """
+        if not ann.config.secagg:
+            return
+        from .secagg import SecAggConfig, SecAggServer
 
         opts = dict(self.config.secagg or {})
-        phase_s = float(opts.pop("phase_timeout_s", 10.0))
+        opts.pop("phase_timeout_s", None)
         frac = float(opts.pop("max_dropout_fraction", 0.3))
         server = SecAggServer(SecAggConfig.for_clients(len(ann.selected), frac, **opts), self.weights,
                               round_id=ann.round_id)
         with self._cv:
             self._secagg = server
             self._sa_seen: dict[str, set[str]] = {}
+
+    def _secure_round(self, ann: RoundAnnouncement, t_start: float) -> RoundMetrics:
+        """Bonawitz et al. over MQTT; the aggregator only ever receives the unmasked sum."""
+        from edgeflow.federated import secure
+
+        from .secagg import SecAggError
+
+        phase_s = float(dict(self.config.secagg or {}).get("phase_timeout_s", 10.0))
+        with self._cv:
+            server = self._secagg if self._secagg is not None and self._secagg.round_id == ann.round_id else None
+        if server is None:  # not prepared before the announcement (e.g. a caller of _collect_and_close)
+            self._prepare_secagg(ann)
+            server = self._secagg
         selected = set(ann.selected)
         result = None
         try:

@@ -16,20 +16,9 @@ def _gone(delta, round_id):
     return None  # trained, shared its keys, then vanished before sending its masked input
 
 
-def _announce_after_ack(fleet: LoopbackFleet) -> LoopbackFleet:
-    """The round announcement reaches the devices 0.2 s after the gateway's PUBACK for it.
-
-    Needed until the bug shown by test_keys_advertised_before_the_announcement_is_acknowledged_are_kept
-    is fixed: the gateway drops key adverts that arrive before it created its SecAggServer,
-    which it does only after that PUBACK (the hub routes a message before acknowledging it,
-    as a broker does, so without this about one round in six failed here)."""
-    fleet.hub.delay(str(gateway_topic(fleet.fleet, "round")), 0.2)
-    return fleet
-
-
 def test_two_dropouts_after_sharing_keys_still_give_plain_fedavg_of_the_survivors():
-    fleet = _announce_after_ack(LoopbackFleet(6, config={"secagg": {"max_dropout_fraction": 0.4}, "deadline_s": 3.0},
-                                              transform={0: _gone, 1: _gone}))
+    fleet = LoopbackFleet(6, config={"secagg": {"max_dropout_fraction": 0.4}, "deadline_s": 3.0},
+                                              transform={0: _gone, 1: _gone})
     seen: list[str] = []
     with fleet:
         spy = fleet.hub.transport("spy").connect()
@@ -55,7 +44,7 @@ def test_two_dropouts_after_sharing_keys_still_give_plain_fedavg_of_the_survivor
 
 def test_beyond_the_dropout_threshold_the_round_fails_and_the_model_stays():
     cfg = {"secagg": {"max_dropout_fraction": 0.2, "phase_timeout_s": 1.0}, "deadline_s": 1.5}
-    fleet = _announce_after_ack(LoopbackFleet(5, config=cfg, transform={0: _gone, 1: _gone, 2: _gone}))
+    fleet = LoopbackFleet(5, config=cfg, transform={0: _gone, 1: _gone, 2: _gone})
     with fleet:
         before = {k: v.copy() for k, v in fleet.rounds.weights.items()}
         (m,) = fleet.rounds.run(1)
@@ -66,7 +55,7 @@ def test_beyond_the_dropout_threshold_the_round_fails_and_the_model_stays():
 
 
 def test_a_forged_secagg_frame_is_refused_and_the_round_still_completes():
-    fleet = _announce_after_ack(LoopbackFleet(4, config={"secagg": {"max_dropout_fraction": 0.3}, "deadline_s": 10.0}))
+    fleet = LoopbackFleet(4, config={"secagg": {"max_dropout_fraction": 0.3}, "deadline_s": 10.0})
     with fleet:
         evil = fleet.hub.transport("evil").connect()
         victim = fleet.clients[0].device_id
@@ -85,12 +74,6 @@ def test_a_forged_secagg_frame_is_refused_and_the_round_still_completes():
         assert fleet.rounds.counters_total.get("rejected_secagg", 0) == 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug in gateway/rounds.py RoundManager._secure_round: the SecAggServer is created only after "
-    "_publish_round(ann) returned (the broker's PUBACK), and _handle_secagg drops every frame that "
-    "arrives while self._secagg is None (counted 'late'); devices advertise their keys as soon as "
-    "the announcement reaches them and never re-send, so a PUBACK that comes later than the "
-    "announcement reaches the devices (a busy gateway, a PUBACK lost in a reconnect) fails the round"))
 def test_keys_advertised_before_the_announcement_is_acknowledged_are_kept():
     fleet = LoopbackFleet(4, config={"secagg": {"max_dropout_fraction": 0.3, "phase_timeout_s": 2.0},
                                      "deadline_s": 3.0})
