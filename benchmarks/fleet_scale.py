@@ -1,7 +1,7 @@
 """Fleet scale benchmark: N simulated devices on one machine, real MQTT connections to Mosquitto
 started with the generated fleet config (TLS listener, per-device passwords, ACL), each sending a
 signed birth and then telemetry every second; the gateway's FleetManager keeps the registry in
-SQLite. Reports what the gateway handled (messages/s), the end-to-end telemetry lag (device
+SQLite (or ``--store`` PostgreSQL). Reports what the gateway handled (messages/s), the end-to-end telemetry lag (device
 timestamp -> committed to SQLite) and the cost (threads, memory, CPU).
 
     python benchmarks/fleet_scale.py                       # 500 devices, 60 s, TLS
@@ -145,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=4, help="device processes")
     ap.add_argument("--plain", action="store_true", help="use the loopback plain listener instead of TLS")
     ap.add_argument("--dir", help="work directory (default: a temp dir)")
+    ap.add_argument("--store", default=None, help="gateway state URL (default: SQLite in the work dir), e.g. "
+                    "postgresql://postgres@127.0.0.1:5432/test")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -178,7 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         gt = MqttTransport.from_url(url, client_id="gateway", username="gateway", password=op["password"],
                                     tls=None if args.plain else TlsConfig(ca_file=str(fd.ca_file())),
                                     max_pending_messages=100_000)
-        store = GatewayStore(root / "gateway.db")
+        store_url = args.store
+        if store_url and store_url.startswith("postgres"):
+            store_url = f"{store_url}{'&' if '?' in store_url else '?'}schema=ef_fleet_{os.getpid()}"
+        store = GatewayStore(store_url or (root / "gateway.db"))
         fm = FleetManager(gt, store, "scale", fd.fleet_key(),
                           FleetOptions(lag_window=2_000_000, heartbeat_min_s=10), keyring=fd.keyring())
         fm.start()
@@ -235,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         stored = s1.get("telemetry_stored", 0) - s0.get("telemetry_stored", 0)
         lag = s1.get("telemetry_lag_ms", {})
         gw_cpu = (cpu_gw1.ru_utime + cpu_gw1.ru_stime) - (cpu_gw0.ru_utime + cpu_gw0.ru_stime)
-        rows = store._db.execute("SELECT COUNT(*) FROM telemetry").fetchone()[0]
+        rows = store.telemetry_count()
         result = {
             "devices": args.devices, "seconds": args.seconds, "interval_s": args.interval,
             "transport": "mqtt (plain loopback)" if args.plain else "mqtts (TLS)", "workers": len(procs),
@@ -248,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             "lag_ms_p50": round(lag.get("p50", float("nan")), 1), "lag_ms_p95": round(lag.get("p95", float("nan")), 1),
             "lag_ms_max": round(lag.get("max", float("nan")), 1), "lag_samples": lag.get("n", 0),
             "gateway_peak_backlog": peak_backlog, "gaps": s1.get("telemetry_gaps", 0) - s0.get("telemetry_gaps", 0),
-            "telemetry_rows_in_sqlite": rows,
+            "telemetry_rows_in_store": rows, "telemetry_rows_in_sqlite": rows,
             "gateway_cpu_percent": round(100 * gw_cpu / args.seconds, 1),
             "broker_cpu_percent": round(100 * (cpu_b1 - cpu_b0) / args.seconds, 1),
             "broker_rss_mb": round(_rss(broker.pid) / 2**20, 1),
@@ -260,8 +265,11 @@ def main(argv: list[str] | None = None) -> int:
             "reconnects": sum(w["reconnects"] for w in workers), "resent_frames": sum(w["resent_frames"] for w in workers),
             "cpus": os.cpu_count(), "broker_cpu_total_s": round(cpu_b1 - cpu_broker0, 1),
         }
+        result["store"] = store.engine
         fm.stop()
         gt.close(timeout=2)
+        if store.engine == "postgresql":
+            store.drop_schema()
         store.close()
     finally:
         broker.terminate()

@@ -29,6 +29,7 @@ its persistent session first, then drained: updates/s from the first stored upda
 from __future__ import annotations
 
 import argparse
+import hashlib
 import dataclasses
 import json
 import multiprocessing as mp
@@ -348,8 +349,9 @@ def measure(n: int, *, rounds: int, codec: str, procs: int, hier: bool = False, 
     return result
 
 
-def measure_ingest(n: int, workers: int, *, codec: str, workdir: Path) -> dict[str, Any]:
-    """Ingestion workers draining ``n`` queued updates; updates/s between the first and last store."""
+def measure_ingest(n: int, workers: int, *, codec: str, workdir: Path, store_url: str | None = None) -> dict[str, Any]:
+    """Ingestion workers draining ``n`` queued updates; updates/s between the first and last store.
+    ``store_url``: the shared state on PostgreSQL (a fresh schema in it) instead of a SQLite file."""
     from edgeflow import zoo
     import numpy as np
 
@@ -365,9 +367,13 @@ def measure_ingest(n: int, workers: int, *, codec: str, workdir: Path) -> dict[s
     broker = MosquittoBroker(max_queued_messages=100_000).start()
     model = zoo.digits_mlp(seed=0)
     weights = model_weights(model)
-    state = d / "gw.sqlite"
+    if store_url:
+        state = f"{store_url}{'&' if '?' in store_url else '?'}schema=ef_ingest_{os.getpid()}_{workers}"
+    else:
+        state = d / "gw.sqlite"
     store = GatewayStore(state)
-    store.add_model(model.SerializeToString(), "x")
+    blob = model.SerializeToString()
+    store.add_model(blob, hashlib.sha256(blob).hexdigest())
     ring = KeyRing()
     rng = np.random.default_rng(0)
     payloads = []
@@ -399,15 +405,17 @@ def measure_ingest(n: int, workers: int, *, codec: str, workdir: Path) -> dict[s
         while len(db.reported(1)) < n and time.time() < end:
             time.sleep(0.1)
         got = len(db.reported(1))
-        first, last = db._one("SELECT MIN(received), MAX(received) FROM round_updates WHERE round_id=1")
+        first, last = db.store._one("SELECT MIN(received), MAX(received) FROM round_updates WHERE round_id=1")
         pool.stop()
         db.close()
     finally:
         broker.stop()
+        if store_url:
+            store.drop_schema()
         store.close()
     span = max(1e-6, (last or 0) - (first or 0))
     return {"workers": workers, "updates": n, "stored": got, "span_s": round(span, 3),
-            "updates_per_s": round(got / span, 1)}
+            "updates_per_s": round(got / span, 1), "store": store.engine}
 
 
 def measure_root_fold(sites: int = 100, params: int = 1_000_000) -> dict[str, Any]:
@@ -441,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device-procs", type=int, default=4, help="device processes for the largest fleets")
     ap.add_argument("--hier", type=int, default=100, help="devices in the hierarchical comparison (0: skip)")
     ap.add_argument("--ingest", type=int, default=1000, help="updates in the ingestion-worker comparison (0: skip)")
+    ap.add_argument("--ingest-pg", default=None, metavar="URL",
+                    help="also run the ingestion comparison with the state on this PostgreSQL "
+                         "(e.g. postgresql://postgres@127.0.0.1:5432/test)")
     ap.add_argument("--json", help="also write the results to this JSON file")
     args = ap.parse_args(argv)
     nofile = _raise_nofile()
@@ -464,6 +475,11 @@ def main(argv: list[str] | None = None) -> int:
         one = measure_ingest(args.ingest, 1, codec=args.codec, workdir=workdir)
         two = measure_ingest(args.ingest, 2, codec=args.codec, workdir=workdir)
         ingest = {"one": one, "two": two, "speedup": round(two["updates_per_s"] / one["updates_per_s"], 2)}
+        if args.ingest_pg:
+            pg1 = measure_ingest(args.ingest, 1, codec=args.codec, workdir=workdir, store_url=args.ingest_pg)
+            pg2 = measure_ingest(args.ingest, 2, codec=args.codec, workdir=workdir, store_url=args.ingest_pg)
+            ingest["postgresql"] = {"one": pg1, "two": pg2,
+                                    "speedup": round(pg2["updates_per_s"] / pg1["updates_per_s"], 2)}
         print(json.dumps(ingest), file=sys.stderr, flush=True)
     root_fold = measure_root_fold()
     result = {"cpus": os.cpu_count(), "nofile": nofile, "rows": rows, "hier": hier, "ingest": ingest,

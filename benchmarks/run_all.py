@@ -249,6 +249,59 @@ def fig_robust(d: dict) -> list[Figure]:
     return out
 
 
+def fig_faults(d: dict) -> list[Figure]:
+    rows = {r["scenario"]: r for r in d["rows"]}
+    clean = rows.get("clean")
+    out = []
+    for sc, r in rows.items():
+        exact = r["lost"] == 0 and r["counted_twice"] == 0 and (r["aggregate_max_abs_error"] or 0) < 1e-5
+        out.append(Figure("network faults", f"{sc}: updates lost / counted twice (model = FedAvg of the counted "
+                                            f"updates, max error {r['aggregate_max_abs_error']:.1e})",
+                          f"{r['lost']} / {r['counted_twice']}", "", None, "0 / 0", exact))
+        if clean is not None and r is not clean:
+            ratio = (r["time_to_target_s"] / clean["time_to_target_s"]
+                     if r["time_to_target_s"] and clean["time_to_target_s"] else None)
+            out.append(Figure("network faults", f"{sc}: rounds completed {r['rounds_completed']}/{r['rounds']}, "
+                                                f"time to {r['target']:.0%} accuracy vs the clean network",
+                              f"{r['time_to_target_s']} s", f"{clean['time_to_target_s']} s (clean)", ratio, "", None))
+    return out
+
+
+def fig_store_engines(d: dict) -> list[Figure]:
+    out = []
+    for r in d["ratios"]:
+        unit = "rows/s" if r["what"] == "telemetry" else "claims/s"
+        size = f"batch {r['size']}" if r["what"] == "telemetry" else f"{r['size']} writer(s)"
+        out.append(Figure("state store", f"{r['what']} ({size}): PostgreSQL vs SQLite "
+                                         f"(synchronous_commit=off: {r.get('postgresql-async')} {unit})",
+                          f"{r['postgresql']} {unit} (PostgreSQL)", f"{r['sqlite']} {unit} (SQLite)",
+                          r["pg_over_sqlite"], "", None))
+    ok = all(r.get("all_exactly_once", True) for r in d["rows"])
+    out.append(Figure("state store", "concurrent claims stored exactly once (every engine, every run)",
+                      "yes" if ok else "NO", "", None, "yes", ok))
+    return out
+
+
+def fig_swarm(d: dict) -> list[Figure]:
+    out = []
+    for r in d["rows"]:
+        n = r["devices"]
+        up = r["broker_clients_connected_max"] >= n and r["births_registered"] >= n
+        out.append(Figure("swarm", f"{n:,} devices ({'two network namespaces' if r['netns'] else 'loopback'}): "
+                                   "concurrent connections at the broker, births registered",
+                          f"{r['broker_clients_connected_max'] - 1:,} / {r['births_registered']:,}", f"{n:,}",
+                          None, f"= {n:,}", up))
+        lag = r["steady_telemetry_lag_ms_p95"]
+        out.append(Figure("swarm", f"{n:,} devices: telemetry lag p95 (steady, {r['telemetry_offered_per_s']:g} msg/s) "
+                                   f"vs the {r['interval_s']:g} s interval; during rounds {r['telemetry_lag_ms_p95']} ms",
+                          f"{lag} ms", f"{1000 * r['interval_s']:.0f} ms", lag / (1000 * r["interval_s"]), "<= 0.1",
+                          lag <= 100 * r["interval_s"]))
+        out.append(Figure("swarm", f"{n:,} devices: round time, median of {len(r['round_s'])} "
+                                   f"(participants {min(r['participants'])}-{max(r['participants'])})",
+                          f"{r['round_s_median']} s", "", None, "", None))
+    return out
+
+
 def benches(quick: bool) -> list[Bench]:
     q = quick
     return [
@@ -266,6 +319,12 @@ def benches(quick: bool) -> list[Bench]:
         Bench("round_scaling", ["round_scaling.py", "--rounds", "2" if q else "3", "--ingest", "300" if q else "1000"],
               "path", fig_rounds),
         Bench("robust_default", ["robust_default.py"] + (["--quick"] if q else []), "path", fig_robust),
+        Bench("network_faults", ["network_faults.py"] + (["--scenarios", "clean", "lossy", "broker_restart",
+                                                          "--rounds", "6"] if q else []), "path", fig_faults),
+        Bench("store_engines", ["store_engines.py"] + (["--rows", "3000", "--updates", "600", "--repeats", "1"]
+                                                        if q else []), "path", fig_store_engines),
+        Bench("swarm", ["swarm.py"] + (["--devices", "1000", "--rounds", "2", "--window", "10"] if q else
+                                       ["--devices", "1000", "5000", "--rounds", "3"]), "path", fig_swarm),
     ]
 
 

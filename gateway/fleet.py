@@ -638,16 +638,17 @@ class FleetManager:
 
     def _write(self, batch: list[tuple[str, dict[str, Any], float]]) -> None:
         lags = []
-        for device, body, received in batch:
-            try:
-                self.store.add_telemetry(device, body, ts=received)
-            except Exception:  # noqa: BLE001 - a full disk must not kill the writer
-                self._count("telemetry_write_errors")
-                log.exception("telemetry of %s not stored", device)
-                continue
+        try:
+            self.store.add_telemetry_batch(batch)  # one transaction for the whole batch
+        except Exception:  # noqa: BLE001 - a full disk (or a lost database server) must not kill the writer
+            self._count("telemetry_write_errors", len(batch))
+            log.exception("%d telemetry rows not stored", len(batch))
+            return
+        now = time.time()
+        for _device, body, _received in batch:
             ts = body.get("ts")
             if isinstance(ts, (int, float)):
-                lags.append((time.time() - float(ts)) * 1000.0)
+                lags.append((now - float(ts)) * 1000.0)
         with self._lock:
             self._lag.extend(lags)
             self._counts["telemetry_stored"] = self._counts.get("telemetry_stored", 0) + len(lags)

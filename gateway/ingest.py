@@ -24,8 +24,18 @@ with the same id reconnects, which then receives all of them. So:
   it (any process may take the id over; the pool is one supervisor);
 - a worker acknowledges an update only after it is *persisted*: the
   transport sends PUBACK after the handler returns, and the handler returns
-  after the envelope is committed to the gateway's SQLite state (the shared
-  store every worker and the coordinator open, WAL mode);
+  after the envelope is committed to the gateway's state — the one store
+  (:mod:`edgeflow.gateway.store`) every worker and the coordinator open: a
+  SQLite file (workers on one machine) or PostgreSQL (workers on any machine).
+  If the store cannot take it (a server restart), the worker retries, and after
+  ``store_retry_s`` exits *without* acknowledging, so the broker hands the
+  update to its successor;
+- several machines: each worker holds a lease on its name in the store
+  (``ingest_workers``: host, heartbeat). A supervisor (:class:`IngestPool`) on
+  another host takes over the name of a worker whose heartbeat stopped
+  (``FOR UPDATE SKIP LOCKED``: two supervisors never take the same one) and
+  runs it there under the same client id; a worker that finds its lease held
+  by another live host exits instead of fighting over the MQTT session;
 - each (round, device) is *claimed* once in that store, in the same
   transaction that stores the envelope and checks that the round's intake is
   still open, so a redelivery, a chunked update every worker received, or a
@@ -56,27 +66,25 @@ Run a worker with ``python -m edgeflow.gateway.ingest worker.json`` (see
 
 from __future__ import annotations
 
-import fcntl
 import io
 import json
 import logging
 import os
 import signal
-import sqlite3
+import socket
 import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import onnx
 
 from edgeflow.codecs import decode_update, peek_update
-from edgeflow.errors import AggregationError, CodecError, ConfigError, SignatureError
+from edgeflow.errors import AggregationError, CodecError, ConfigError, SignatureError, StateError
 from edgeflow.federated.messages import RoundAnnouncement, parse_update_meta
 from edgeflow.signing import KeyRing
 from edgeflow.transport.base import Transport
@@ -84,40 +92,18 @@ from edgeflow.transport.topics import device_filter, parse_topic, validate_id
 
 from .privacy import global_norm
 from .rounds import RoundManager, model_weights, partial_clients
-from .store import MAX_SEQ, GatewayStore
+from .store import MAX_SEQ, GatewayStore, StoreError, StoreTarget, parse_store_url
 
 log = logging.getLogger("edgeflow.gateway.ingest")
 
+EXIT_LEASE_LOST = 76
+"""A worker's exit status when another host holds its name's lease (its supervisor does not restart it)."""
+EXIT_CONFIG = 2
+"""A worker's exit status for a configuration it cannot run with (one line on stderr; not restarted)."""
+EXIT_STORE_DOWN = 75
+"""A worker's exit status after the store refused an update for ``store_retry_s`` (restart it)."""
+
 __all__ = ["IngestPool", "IngestStore", "IngestWorker", "Partial", "SharedIngest", "WorkerConfig", "shared_filter"]
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS ingest_gate (round_id INTEGER PRIMARY KEY, closed REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS ingest_claims (
-    round_id INTEGER NOT NULL,
-    device_id TEXT NOT NULL,
-    worker TEXT NOT NULL,
-    pid INTEGER NOT NULL,
-    PRIMARY KEY (round_id, device_id)
-);
-CREATE TABLE IF NOT EXISTS ingest_partials (
-    round_id INTEGER NOT NULL,
-    worker TEXT NOT NULL,
-    devices TEXT NOT NULL,
-    num_clients INTEGER NOT NULL,
-    total_samples INTEGER NOT NULL,
-    losses TEXT NOT NULL,
-    sums BLOB NOT NULL,
-    PRIMARY KEY (round_id, worker)
-);
-CREATE TABLE IF NOT EXISTS ingest_workers (
-    worker TEXT PRIMARY KEY,
-    pid INTEGER NOT NULL,
-    started REAL NOT NULL,
-    seen REAL NOT NULL,
-    stats TEXT NOT NULL DEFAULT '{}'
-);
-"""
-
 
 def shared_filter(fleet: str, group: str = "ingest") -> str:
     """``$share/<group>/edgeflow/<fleet>/+/update``: the filter the workers share."""
@@ -143,171 +129,104 @@ def _open_round(row: Any) -> OpenRound:
 
 
 class IngestStore:
-    """The ingestion tables in the gateway's SQLite state file, one connection per process.
+    """The ingestion side of the gateway's one store (:class:`~edgeflow.gateway.store.GatewayStore`,
+    opened ``shared``: one connection per process), in the workers' terms.
 
-    Lives beside :class:`~edgeflow.gateway.store.GatewayStore` (same file, its
-    ``rounds``/``models``/``round_updates`` tables, plus the ``ingest_*``
-    tables made here); several processes write through SQLite's own locking.
+    ``target`` is the gateway's state: its SQLite file (workers on the same
+    machine) or its ``postgresql://`` URL (workers on any machine). The tables
+    (``ingest_gate``, ``ingest_claims``, ``ingest_partials``, ``ingest_workers``)
+    are part of the store's schema (:mod:`edgeflow.gateway.store.migrations`).
     """
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = str(path)
-        if self.path == ":memory:":
-            raise ConfigError("ingestion workers share the gateway's state: it must be a file, not ':memory:'")
-        GatewayStore(self.path).close()  # the gateway's tables exist (and the schema version matches)
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30.0)
-        self._lock = threading.RLock()
-        self._flock = os.open(self.path + ".ingest-lock", os.O_RDWR | os.O_CREAT, 0o600)
-        with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(_SCHEMA)
+    def __init__(self, target: Any) -> None:
+        t = target if isinstance(target, StoreTarget) else parse_store_url(target)
+        if t.engine == "sqlite" and t.path == ":memory:":
+            raise ConfigError("ingestion workers share the gateway's state: it must be a file or a postgresql:// "
+                              "URL, not ':memory:'")
+        self.store = GatewayStore(t, shared=True)
+        self.path = self.store.path
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
-            os.close(self._flock)
-
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        """A write transaction, serialized across processes by an advisory file lock
-        first: SQLite's own busy handler sleeps 1-100 ms when it finds the database
-        locked, longer than a claim takes, so workers contending for it would spend
-        more time asleep than writing (benchmarks/round_scaling.py, 2 workers on 2 cores:
-        about 1.65x one worker's rate without this lock, 1.9x with it)."""
-        with self._lock:
-            fcntl.flock(self._flock, fcntl.LOCK_EX)
-            try:
-                self._db.execute("BEGIN IMMEDIATE")
-                try:
-                    yield self._db
-                except BaseException:
-                    self._db.execute("ROLLBACK")
-                    raise
-                self._db.execute("COMMIT")
-            finally:
-                fcntl.flock(self._flock, fcntl.LOCK_UN)
-
-    def _one(self, sql: str, args: tuple = ()) -> Any:
-        with self._lock:
-            return self._db.execute(sql, args).fetchone()
-
-    def _all(self, sql: str, args: tuple = ()) -> list[Any]:
-        with self._lock:
-            return self._db.execute(sql, args).fetchall()
+        self.store.close()
 
     # -- what the workers read ------------------------------------------------
     def open_round(self, round_id: int) -> OpenRound | None:
         """Round ``round_id`` if it is open and its intake is not shut."""
-        r = self._one("SELECT round_id, model_version, selected, config FROM rounds WHERE round_id=? AND "
-                      "state='open' AND round_id NOT IN (SELECT round_id FROM ingest_gate)", (round_id,))
+        r = self.store.intake_round(round_id)
         return _open_round(r) if r else None
 
     def round_info(self, round_id: int) -> OpenRound | None:
         """Round ``round_id`` whatever its state (a restarted worker rebuilding its claims)."""
-        r = self._one("SELECT round_id, model_version, selected, config FROM rounds WHERE round_id=?", (round_id,))
+        r = self.store.round_row(round_id)
         return _open_round(r) if r else None
 
     def seq_floor(self, device_id: str) -> int | None:
-        r = self._one("SELECT max_seq FROM update_seqs WHERE device_id=?", (device_id,))
-        return None if r is None else int(r[0])
+        return self.store.seq_floor(device_id)
 
     def open_rounds(self) -> list[int]:
-        return [int(r[0]) for r in self._all("SELECT round_id FROM rounds WHERE state='open' ORDER BY round_id")]
+        return self.store.open_round_ids()
 
     def model(self, version: int) -> bytes | None:
-        r = self._one("SELECT onnx FROM models WHERE version=?", (version,))
-        return bytes(r[0]) if r else None
+        m = self.store.model(version)
+        return None if m is None else m[0]
 
     def has_update(self, round_id: int, device_id: str) -> bool:
-        return self._one("SELECT 1 FROM round_updates WHERE round_id=? AND device_id=?",
-                         (round_id, device_id)) is not None
+        return self.store.has_update(round_id, device_id)
 
     # -- the claim: store + dedupe + intake check, one transaction ----------------
     def claim(self, round_id: int, device_id: str, seq: int, num_samples: int, envelope: bytes,
               worker: str) -> str:
         """Persist an accepted update for ``worker``: "ok", "duplicate" or "late" (intake shut)."""
-        with self._tx() as db:
-            open_ = db.execute("SELECT 1 FROM rounds WHERE round_id=? AND state='open' AND round_id NOT IN "
-                               "(SELECT round_id FROM ingest_gate)", (round_id,)).fetchone()
-            if open_ is None:
-                return "late"
-            cur = db.execute(
-                "INSERT OR IGNORE INTO round_updates (round_id, device_id, seq, num_samples, received, nbytes, "
-                "envelope) VALUES (?,?,?,?,?,?,?)",
-                (round_id, device_id, seq, num_samples, time.time(), len(envelope), envelope))
-            if cur.rowcount != 1:
-                return "duplicate"
-            db.execute("INSERT INTO update_seqs (device_id, max_seq) VALUES (?, ?) ON CONFLICT(device_id) DO UPDATE "
-                       "SET max_seq=MAX(max_seq, excluded.max_seq)", (device_id, seq))
-            db.execute("INSERT INTO ingest_claims (round_id, device_id, worker, pid) VALUES (?,?,?,?)",
-                       (round_id, device_id, worker, os.getpid()))
-        return "ok"
+        return self.store.claim(round_id, device_id, seq, num_samples, envelope, worker)
 
     def own_claims(self, round_id: int, worker: str) -> list[str]:
-        return [r[0] for r in self._all("SELECT device_id FROM ingest_claims WHERE round_id=? AND worker=?",
-                                        (round_id, worker))]
+        return self.store.own_claims(round_id, worker)
 
     def claims(self, round_id: int) -> dict[str, set[str]]:
-        out: dict[str, set[str]] = {}
-        for device, worker in self._all("SELECT device_id, worker FROM ingest_claims WHERE round_id=?", (round_id,)):
-            out.setdefault(worker, set()).add(device)
-        return out
+        return self.store.claims(round_id)
 
     def claim_pids(self, round_id: int) -> dict[str, set[int]]:
         """{worker: pids that claimed in the round} (a restarted worker has a new pid)."""
-        out: dict[str, set[int]] = {}
-        for worker, pid in self._all("SELECT DISTINCT worker, pid FROM ingest_claims WHERE round_id=?", (round_id,)):
-            out.setdefault(worker, set()).add(int(pid))
-        return out
+        return self.store.claim_pids(round_id)
 
     def reported(self, round_id: int) -> set[str]:
-        return {r[0] for r in self._all("SELECT device_id FROM round_updates WHERE round_id=?", (round_id,))}
+        return self.store.reported(round_id)
 
     def envelope(self, round_id: int, device_id: str) -> bytes | None:
-        r = self._one("SELECT envelope FROM round_updates WHERE round_id=? AND device_id=?", (round_id, device_id))
-        return bytes(r[0]) if r else None
+        return self.store.envelope(round_id, device_id)
 
     def nbytes(self, round_id: int) -> int:
-        return int(self._one("SELECT COALESCE(SUM(nbytes), 0) FROM round_updates WHERE round_id=?", (round_id,))[0])
+        return self.store.nbytes(round_id)
 
     # -- the gate and the partials ---------------------------------------------------
     def close_gate(self, round_id: int) -> None:
-        with self._tx() as db:
-            db.execute("INSERT OR IGNORE INTO ingest_gate (round_id, closed) VALUES (?,?)", (round_id, time.time()))
+        self.store.close_gate(round_id)
 
     def gate_closed(self, round_id: int) -> bool:
-        return self._one("SELECT 1 FROM ingest_gate WHERE round_id=?", (round_id,)) is not None
+        return self.store.gate_closed(round_id)
 
     def put_partial(self, round_id: int, worker: str, p: "Partial") -> None:
-        with self._tx() as db:
-            db.execute("INSERT OR REPLACE INTO ingest_partials VALUES (?,?,?,?,?,?,?)",
-                       (round_id, worker, json.dumps(sorted(p.devices)), p.num_clients, p.total_samples,
-                        json.dumps({"losses": p.losses, "norms": p.norms, "claims": p.claims,
-                                    "clipped": p.clipped, "capped": p.capped}), p.to_bytes()))
+        self.store.put_partial(round_id, worker, sorted(p.devices), p.num_clients, p.total_samples,
+                               {"losses": p.losses, "norms": p.norms, "claims": p.claims,
+                                "clipped": p.clipped, "capped": p.capped}, p.to_bytes())
 
     def partials(self, round_id: int) -> dict[str, "Partial"]:
-        rows = self._all("SELECT worker, devices, num_clients, total_samples, losses, sums FROM ingest_partials "
-                         "WHERE round_id=?", (round_id,))
-        return {w: Partial.from_row(set(json.loads(d)), n, t, json.loads(ls), bytes(b)) for w, d, n, t, ls, b in rows}
+        return {w: Partial.from_row(set(d), n, t, x, b) for w, d, n, t, x, b in self.store.partial_rows(round_id)}
 
     def forget_before(self, round_id: int) -> None:
         """Drop the ingestion rows of rounds before ``round_id`` (their aggregates are stored models)."""
-        with self._tx() as db:
-            for table in ("ingest_gate", "ingest_claims", "ingest_partials"):
-                db.execute(f"DELETE FROM {table} WHERE round_id < ?", (round_id,))  # noqa: S608 - fixed names
+        self.store.forget_ingest_before(round_id)
 
-    # -- liveness ------------------------------------------------------------------
-    def heartbeat(self, worker: str, started: float, stats: dict[str, int]) -> None:
-        with self._tx() as db:
-            db.execute("INSERT INTO ingest_workers (worker, pid, started, seen, stats) VALUES (?,?,?,?,?) "
-                       "ON CONFLICT(worker) DO UPDATE SET pid=excluded.pid, started=excluded.started, "
-                       "seen=excluded.seen, stats=excluded.stats",
-                       (worker, os.getpid(), started, time.time(), json.dumps(stats)))
+    # -- liveness and leases -------------------------------------------------------
+    def heartbeat(self, worker: str, started: float, stats: dict[str, int], *, host: str = "",
+                  dead_after_s: float | None = None) -> bool:
+        return self.store.heartbeat(worker, started, stats, host=host, dead_after_s=dead_after_s)
 
     def workers(self) -> dict[str, dict[str, Any]]:
-        rows = self._all("SELECT worker, pid, started, seen, stats FROM ingest_workers")
-        return {w: {"pid": pid, "started": st, "seen": seen, "stats": json.loads(s)} for w, pid, st, seen, s in rows}
+        return self.store.workers()
+
+    def take_over(self, host: str, dead_after_s: float, names: list[str]) -> str | None:
+        return self.store.take_over_worker(host, dead_after_s, names=names)
 
 
 @dataclass
@@ -396,7 +315,7 @@ class SharedIngest:
         self.last_merge: dict[str, Any] = {}
 
     def attach(self, rounds: RoundManager) -> None:
-        self.db = IngestStore(rounds.store.path)
+        self.db = IngestStore(rounds.store.url)
 
     def poll(self, rounds: RoundManager, ann: RoundAnnouncement) -> None:
         assert self.db is not None
@@ -500,6 +419,7 @@ class WorkerConfig:
     name: str
     broker: str
     state: str
+    """The gateway's state: its SQLite file (same machine) or ``postgresql://`` URL (any machine)."""
     fleet: str
     keyring: str
     """A :class:`~edgeflow.signing.KeyRing` JSON file: the devices' public keys."""
@@ -515,6 +435,14 @@ class WorkerConfig:
     connect_at: float | None = None
     """Wall-clock time (epoch s) to connect at: benchmarks start several workers together."""
     log_level: str = "INFO"
+    host: str = ""
+    """Who holds this worker's lease (default: the machine's host name)."""
+    lease_s: float | None = None
+    """Refuse to run while another host's lease on this name is younger than this (None: one
+    machine, the supervisor alone decides; set it when several hosts may take names over)."""
+    store_retry_s: float = 30.0
+    """How long a worker retries an update the store could not take (server restart) before it
+    exits unacknowledged, so that the broker redelivers it to the worker's successor."""
 
     def __post_init__(self) -> None:
         validate_id(self.name, "worker name")
@@ -561,7 +489,7 @@ class IngestWorker:
         self._stop = threading.Event()
         self.started = time.time()
         self.stats: dict[str, int] = {k: 0 for k in ("received", "claimed", "duplicate", "late", "rejected",
-                                                        "not_selected", "rebuilt")}
+                                                        "not_selected", "rebuilt", "connected")}
 
     # -- startup: a restarted worker picks up its own stored claims ---------------
     def _rebuild(self) -> None:
@@ -595,15 +523,32 @@ class IngestWorker:
 
     # -- the handler (transport worker thread; PUBACK goes out when it returns) --------
     def on_update(self, msg: Any) -> None:
-        try:
-            self._on_update(msg)
-        except Exception:  # noqa: BLE001 - one message must never take the transport's worker thread down
-            self.stats["rejected"] += 1
-            log.exception("worker %s: update on %s dropped after an unexpected failure (a bug: please report it)",
-                          self.cfg.name, msg.topic)
+        self.stats["received"] += 1
+        end = time.monotonic() + self.cfg.store_retry_s
+        wait = 0.05
+        while True:
+            try:
+                self._on_update(msg)
+                return
+            except StoreError as exc:
+                # The store could not take it (server restart, network cut): retry the whole
+                # (idempotent) handling; the update is not acknowledged while we do.
+                self.stats["store_retries"] = self.stats.get("store_retries", 0) + 1
+                if time.monotonic() >= end or self._stop.is_set():
+                    log.error("worker %s: the state store refused an update for %.0f s (%s); exiting without "
+                              "acknowledging it, so the broker hands it to this worker's successor",
+                              self.cfg.name, self.cfg.store_retry_s, exc)
+                    os._exit(EXIT_STORE_DOWN)
+                log.warning("worker %s: store unavailable (%s); retrying in %.2f s", self.cfg.name, exc, wait)
+                time.sleep(wait)
+                wait = min(wait * 2, 1.0)
+            except Exception:  # noqa: BLE001 - one message must never take the transport's worker thread down
+                self.stats["rejected"] += 1
+                log.exception("worker %s: update on %s dropped after an unexpected failure (a bug: please report "
+                              "it)", self.cfg.name, msg.topic)
+                return
 
     def _on_update(self, msg: Any) -> None:
-        self.stats["received"] += 1
         info = parse_topic(msg.topic)
         sender = info.device if info else None
         try:
@@ -656,31 +601,64 @@ class IngestWorker:
                     sender, upd.tensors, meta.num_samples, meta.loss, rnd.bounds)
 
     # -- housekeeping thread: heartbeat, write partials of shut rounds -------------
+    @property
+    def host(self) -> str:
+        return self.cfg.host or socket.gethostname()
+
+    def _beat(self) -> bool:
+        """Renew the lease; False if another host holds it (see :attr:`WorkerConfig.lease_s`)."""
+        return self.db.heartbeat(self.cfg.name, self.started, dict(self.stats), host=self.host,
+                                 dead_after_s=self.cfg.lease_s)
+
     def _housekeeping(self) -> None:
         next_beat = 0.0
         while not self._stop.wait(0.05):
+            try:
+                self._housekeeping_step(next_beat)
+            except StoreError as exc:  # the server is back soon, or the lease runs out and a peer takes over
+                log.warning("worker %s: housekeeping: %s", self.cfg.name, exc)
+                continue
             now = time.time()
             if now >= next_beat:
-                self.db.heartbeat(self.cfg.name, self.started, dict(self.stats))
                 next_beat = now + self.cfg.heartbeat_s
+
+    def _housekeeping_step(self, next_beat: float) -> None:
+        if time.time() >= next_beat and not self._beat():
+            log.error("worker %s: another host took this worker's lease over; exiting", self.cfg.name)
+            os._exit(EXIT_LEASE_LOST)
+        with self._lock:
+            rounds = list(self._partials)
+        for r in rounds:
+            if r in self._written or not self.db.gate_closed(r):
+                continue
             with self._lock:
-                rounds = list(self._partials)
-            for r in rounds:
-                if r in self._written or not self.db.gate_closed(r):
-                    continue
-                with self._lock:
-                    p = self._partials.pop(r)
-                    self._written.add(r)
-                self.db.put_partial(r, self.cfg.name, p)
-                log.info("worker %s: round %d partial of %d update(s) written", self.cfg.name, r, p.num_clients)
+                p = self._partials[r]
+            self.db.put_partial(r, self.cfg.name, p)
+            with self._lock:
+                self._partials.pop(r, None)
+                self._written.add(r)
+            log.info("worker %s: round %d partial of %d update(s) written", self.cfg.name, r, p.num_clients)
 
     def run(self) -> None:
         """Serve until SIGTERM/SIGINT or :meth:`stop`."""
+        if not self._beat():  # before connecting: never take a live session from its holder
+            log.error("worker %s: its lease is held by another live host; not starting", self.cfg.name)
+            self.db.close()
+            raise SystemExit(EXIT_LEASE_LOST)
         self._rebuild()
         self.transport.subscribe(shared_filter(self.cfg.fleet, self.cfg.group), self.on_update)
         if self.cfg.connect_at is not None:
             self._stop.wait(max(0.0, self.cfg.connect_at - time.time()))
         self.transport.connect(timeout=30)
+        if getattr(self.transport, "protocol_version", "5") != "5":
+            self.transport.close(timeout=2)
+            self.db.close()
+            raise ConfigError(f"worker {self.cfg.name}: shared subscriptions need MQTT 5, and the broker at "
+                              f"{self.cfg.broker} speaks only MQTT {self.transport.protocol_version} (RabbitMQ 3.10 "
+                              "takes '$share/...' as a plain topic): run the gateway without ingestion workers "
+                              "there, or use Mosquitto 2 / EMQX (docs/brokers.md)")
+        self.stats["connected"] = 1
+        self._beat()
         hk = threading.Thread(target=self._housekeeping, name=f"ingest-{self.cfg.name}", daemon=True)
         hk.start()
         log.info("worker %s ready (pid %d, %s)", self.cfg.name, os.getpid(), shared_filter(self.cfg.fleet, self.cfg.group))
@@ -697,16 +675,46 @@ class IngestWorker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m edgeflow.gateway.ingest WORKER.json", file=sys.stderr)
+    """``python -m edgeflow.gateway.ingest WORKER.json``: one worker. With ``--pool w0,w1``:
+    a supervisor running those workers (``--peers``: names other hosts run, taken over
+    here after ``--takeover-after`` seconds without their heartbeat)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m edgeflow.gateway.ingest")
+    ap.add_argument("config", help="worker settings (JSON, see WorkerConfig)")
+    ap.add_argument("--pool", help="run these worker names as a supervisor (comma-separated)")
+    ap.add_argument("--peers", default="", help="names other hosts run, to take over when they die")
+    ap.add_argument("--takeover-after", type=float, default=None, metavar="S")
+    ap.add_argument("--workdir", default=None, help="where the pool keeps worker configs and logs")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = WorkerConfig.load(args.config)
+    except (OSError, ValueError, TypeError) as exc:
+        print(f"error: worker config {args.config}: {exc}", file=sys.stderr)
         return 2
-    cfg = WorkerConfig.load(args[0])
+    if args.pool:
+        logging.basicConfig(level=cfg.log_level, format="ingest-pool %(levelname)s %(message)s")
+        pool = IngestPool(cfg, [n for n in args.pool.split(",") if n], workdir=args.workdir or ".",
+                          peers=[n for n in args.peers.split(",") if n], takeover_after_s=args.takeover_after)
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        pool.start()
+        try:
+            while not stop.wait(0.2):
+                pass
+        finally:
+            pool.stop()
+        return 0
     logging.basicConfig(level=cfg.log_level, format=f"ingest[{cfg.name}] %(levelname)s %(message)s")
-    worker = IngestWorker(cfg)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: worker.stop())
-    worker.run()
+    try:
+        worker = IngestWorker(cfg)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: worker.stop())
+        worker.run()
+    except (ConfigError, StateError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     return 0
 
 
@@ -716,19 +724,33 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class IngestPool:
-    """Runs N worker processes and restarts any that dies under the same name (so the
-    broker hands it the dead session's in-flight and queued updates)."""
+    """Runs worker processes and restarts any that dies under the same name (so the broker
+    hands it the dead session's in-flight and queued updates).
+
+    Several machines: give each machine's pool its own ``names`` and the others' as
+    ``peers``, a distinct ``host`` and ``takeover_after_s``. When a peer's heartbeat is older
+    than that (its machine died), one surviving pool takes the name's lease over
+    (:meth:`~edgeflow.gateway.store.GatewayStore.take_over_worker`, ``FOR UPDATE SKIP
+    LOCKED`` on PostgreSQL: two pools never take the same name) and runs the worker here,
+    under the same client id: the broker redelivers what was routed to the dead one. A worker
+    that finds its lease taken exits (:data:`EXIT_LEASE_LOST`) and is not restarted here."""
 
     def __init__(self, base: WorkerConfig, names: list[str], *, workdir: str | Path, restart: bool = True,
-                 python: str = sys.executable) -> None:
-        self.base = base
+                 python: str = sys.executable, peers: list[str] | None = None, host: str | None = None,
+                 takeover_after_s: float | None = None) -> None:
         self.names = [validate_id(n, "worker name") for n in names]
+        self.peers = [validate_id(n, "worker name") for n in (peers or []) if n not in self.names]
+        self.host = host or base.host or socket.gethostname()
+        self.takeover_after_s = takeover_after_s
+        lease = base.lease_s if base.lease_s is not None else takeover_after_s
+        self.base = WorkerConfig(**{**asdict(base), "host": self.host, "lease_s": lease})
         self.workdir = Path(workdir)
         self.restart = restart
         self.python = python
         self.procs: dict[str, subprocess.Popen] = {}
-        self.restarts: dict[str, int] = {n: 0 for n in self.names}
-        self.pids: dict[str, list[int]] = {n: [] for n in self.names}
+        self.restarts: dict[str, int] = {n: 0 for n in self.names + self.peers}
+        self.pids: dict[str, list[int]] = {n: [] for n in self.names + self.peers}
+        self.taken_over: list[str] = []
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -754,16 +776,49 @@ class IngestPool:
         return self
 
     def _watch(self) -> None:
-        while not self._stop.wait(0.1):
-            with self._lock:
-                for n, p in list(self.procs.items()):
-                    if p.poll() is not None and self.restart and not self._stop.is_set():
+        db: IngestStore | None = None
+        next_takeover = time.monotonic() + (self.takeover_after_s or 0.0)
+        try:
+            while not self._stop.wait(0.1):
+                with self._lock:
+                    for n, p in list(self.procs.items()):
+                        if p.poll() is None or not self.restart or self._stop.is_set():
+                            continue
+                        if p.returncode == EXIT_CONFIG:
+                            log.error("ingest worker %s refused its configuration (see its log); not restarting", n)
+                            del self.procs[n]
+                            continue
+                        if p.returncode == EXIT_LEASE_LOST:
+                            log.warning("ingest worker %s: its lease is held on another host; not restarting", n)
+                            del self.procs[n]
+                            continue
                         log.warning("ingest worker %s (pid %d) exited with %s; restarting", n, p.pid, p.returncode)
                         self.restarts[n] += 1
                         self._spawn(n)
+                if self.takeover_after_s is None or time.monotonic() < next_takeover:
+                    continue
+                next_takeover = time.monotonic() + 0.25
+                with self._lock:
+                    idle = [n for n in self.names + self.peers if n not in self.procs]
+                if not idle:
+                    continue
+                try:
+                    db = db or IngestStore(self.base.state)
+                    name = db.take_over(self.host, self.takeover_after_s, idle)
+                except Exception as exc:  # noqa: BLE001 - the store is down: try again later
+                    log.warning("ingest pool %s: takeover check failed: %s", self.host, exc)
+                    continue
+                if name is not None:
+                    log.warning("ingest pool %s: worker %s's host stopped beating; running it here", self.host, name)
+                    with self._lock:
+                        self.taken_over.append(name)
+                        self._spawn(name)
+        finally:
+            if db is not None:
+                db.close()
 
     def wait_ready(self, timeout: float = 30.0) -> bool:
-        """True once every current worker process has sent a heartbeat (it subscribed and connected)."""
+        """True once every current worker process has connected (its heartbeat says so)."""
         db = IngestStore(self.base.state)
         try:
             end = time.time() + timeout
@@ -771,7 +826,7 @@ class IngestPool:
                 w = db.workers()
                 with self._lock:
                     want = {n: p.pid for n, p in self.procs.items()}
-                if all(w.get(n, {}).get("pid") == pid for n, pid in want.items()):
+                if all(w.get(n, {}).get("pid") == pid and w[n]["stats"].get("connected") for n, pid in want.items()):
                     return True
                 time.sleep(0.05)
             return False

@@ -68,7 +68,6 @@ import json
 import logging
 import math
 import secrets
-import sqlite3
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -88,7 +87,7 @@ from edgeflow.transport.base import Transport
 from edgeflow.transport.topics import device_filter, gateway_topic, parse_topic
 
 from .aggregation import AggregateResult
-from .store import MAX_SEQ, GatewayStore
+from .store import MAX_SEQ, GatewayStore, StoreError
 from .strategies import make_aggregator
 
 log = logging.getLogger("edgeflow.gateway.rounds")
@@ -796,7 +795,7 @@ class RoundManager:
                     if not self.store.add_update(ann.round_id, upd.device_id, upd.seq, meta.num_samples, payload):
                         self._count("duplicates")
                         return
-                except sqlite3.Error as exc:
+                except StoreError as exc:
                     self._count("rejected_store")
                     log.error("update from %s could not be stored (%s); not counted", upd.device_id, exc)
                     return
@@ -1078,7 +1077,7 @@ class RoundManager:
             self.store.finish_round(ann.round_id, metrics, state=state,
                                     model=None if staged is None else (staged.onnx_bytes, staged.sha256),
                                     model_version=None if staged is None else staged.version)
-        except sqlite3.Error as exc:
+        except StoreError as exc:
             raise StateError(f"round {ann.round_id}: its result could not be stored ({exc}); the round stays open "
                              "in the state and a restarted gateway resumes it") from None
         fault_point("rounds.committed")

@@ -3,7 +3,7 @@
 :class:`Gateway` composes the independent parts — :class:`~edgeflow.gateway.fleet.FleetManager`
 (births, liveness, telemetry, commands, OTA), :class:`~edgeflow.gateway.rounds.RoundManager`
 (federated rounds) — over one MQTT connection with a persistent session and
-one SQLite state file, and publishes the gateway's own status retained on
+one state store (a SQLite file, or PostgreSQL with ``[store] url``), and publishes the gateway's own status retained on
 ``gateway/state`` (with a last will saying it went offline).
 
 Configuration comes from ``gateway.toml`` (see :func:`load_config` and
@@ -37,7 +37,7 @@ from edgeflow.transport.base import Transport
 from .fleet import FleetManager, FleetOptions
 from .hierarchy import HierarchyOptions, SiteGateway, Uplink, root_manager, site_manager
 from .rounds import RoundConfig, RoundManager, RoundMetrics
-from .store import GatewayStore
+from .store import GatewayStore, StoreTarget, parse_store_url
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -66,13 +66,47 @@ class GatewayConfig:
     fleet_options: FleetOptions = field(default_factory=FleetOptions)
     rounds: RoundConfig = field(default_factory=RoundConfig)
     hierarchy: HierarchyOptions = field(default_factory=HierarchyOptions)
+    store_url: str | None = None  # [store] url: sqlite:///PATH or postgresql://... (instead of [gateway] state)
+    telemetry_keep: int = 500  # [store] telemetry_keep: rows of telemetry history kept per device
     base_dir: Path = field(default_factory=Path.cwd)
+
+    def store_target(self) -> StoreTarget:
+        """Where the state lives: ``[store] url`` if given, else ``[gateway] state`` (a file)."""
+        if self.store_url is not None:
+            return parse_store_url(self.store_url, base_dir=self.base_dir)
+        return parse_store_url(str(self.path(self.state)))
 
     def path(self, p: str | None) -> Path | None:
         if p is None:
             return None
         q = Path(p).expanduser()
         return q if q.is_absolute() else self.base_dir / q
+
+
+_STORE_KEYS = {"url", "telemetry_keep"}
+
+
+def _store_section(st: dict[str, Any], gw: dict[str, Any], where: str, base: Path) -> dict[str, Any]:
+    """``[store]``: validated here, so a bad URL is one line naming the key before anything starts."""
+    bad = sorted(set(st) - _STORE_KEYS)
+    if bad:
+        raise ConfigError(f"{where}: [store] unknown key(s) {bad}; known: {sorted(_STORE_KEYS)}")
+    out: dict[str, Any] = {}
+    if "url" in st:
+        if "state" in gw:
+            raise ConfigError(f"{where}: [gateway] state and [store] url both name the gateway's state; keep one "
+                              "([store] url = \"sqlite:///gateway.sqlite\" is the same as state = \"gateway.sqlite\")")
+        try:
+            parse_store_url(st["url"], base_dir=base)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        out["store_url"] = st["url"]
+    if "telemetry_keep" in st:
+        keep = st["telemetry_keep"]
+        if not isinstance(keep, int) or isinstance(keep, bool) or not 1 <= keep <= 1_000_000:
+            raise ConfigError(f"{where}: [store] telemetry_keep must be an integer from 1 to 1000000, got {keep!r}")
+        out["telemetry_keep"] = keep
+    return out
 
 
 _GATEWAY_KEYS = {"fleet_dir", "fleet", "state", "model", "eval", "metrics", "client_id", "broker", "max_payload", "role"}
@@ -91,10 +125,10 @@ def load_config(source: str | Path | Mapping[str, Any]) -> GatewayConfig:
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{p}: not valid TOML: {exc}") from exc
         base, where = p.resolve().parent, str(p)
-    unknown = sorted(set(data) - {"gateway", "fleet", "rounds", "hierarchy"})
+    unknown = sorted(set(data) - {"gateway", "fleet", "rounds", "hierarchy", "store"})
     if unknown:
         raise ConfigError(f"{where}: unknown section(s) {unknown}; sections are [gateway], [fleet], [rounds], "
-                          "[hierarchy]")
+                          "[hierarchy], [store]")
     gw = dict(data.get("gateway", {}))
     bad = sorted(set(gw) - _GATEWAY_KEYS)
     if bad:
@@ -118,7 +152,11 @@ def load_config(source: str | Path | Mapping[str, Any]) -> GatewayConfig:
         hierarchy.check(gw.get("role", "flat"))
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
-    return GatewayConfig(**gw, fleet_options=FleetOptions(**fo), rounds=rounds, hierarchy=hierarchy, base_dir=base)
+    if not isinstance(data.get("store", {}), dict):
+        raise ConfigError(f"{where}: [store] must be a table, e.g. [store] url = \"postgresql://HOST/DB\"")
+    store = _store_section(dict(data.get("store", {})), gw, where, base)
+    return GatewayConfig(**gw, fleet_options=FleetOptions(**fo), rounds=rounds, hierarchy=hierarchy, base_dir=base,
+                         **store)
 
 
 def load_eval(path: Path | None) -> tuple[np.ndarray, np.ndarray] | None:
@@ -220,8 +258,7 @@ class Gateway:
             will=Will(str(gateway_topic(fleet, "state")), json.dumps({"online": False}), qos=1, retain=True),
             **kwargs,
         )
-        state = config.path(config.state)
-        store = GatewayStore(state)
+        store = GatewayStore(config.store_target(), telemetry_keep=config.telemetry_keep)
         if store.latest_model() is None:
             mp = config.path(config.model)
             if mp is None:
