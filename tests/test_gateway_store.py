@@ -341,3 +341,31 @@ def test_the_cli_names_a_bad_store_url_in_one_line(tmp_path):
                        text=True, env=env, timeout=120)
     assert p.returncode != 0
     assert "Traceback" not in p.stderr and "names no host" in p.stderr, p.stderr
+
+
+def test_gateway_export_model_reads_the_configured_store(store_target, tmp_path):  # noqa: F811
+    """`edgeflow gateway --export-model` reads where [store] url points, PostgreSQL included."""
+    import hashlib
+    import json
+    import subprocess
+    import sys
+
+    from edgeflow.gateway.store import open_store
+
+    onnx_bytes = b"not-a-real-model-but-bytes"
+    store = open_store(store_target)
+    try:
+        store.add_model(onnx_bytes, hashlib.sha256(onnx_bytes).hexdigest())
+    finally:
+        store.close()
+    url = store_target.dsn if store_target.engine == "postgresql" else "sqlite:///" + store_target.path
+    if store_target.schema:
+        url += ("&" if "?" in url else "?") + f"schema={store_target.schema}"
+    conf = tmp_path / "gw.toml"
+    conf.write_text(f'[gateway]\nfleet_dir = "fleet"\n[store]\nurl = "{url}"\n')
+    out = tmp_path / "m.onnx"
+    r = subprocess.run([sys.executable, "-m", "edgeflow", "gateway", "--config", str(conf), "--export-model", str(out),
+                        "--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["model_version"] == 1
+    assert out.read_bytes() == onnx_bytes

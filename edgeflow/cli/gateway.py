@@ -31,6 +31,9 @@ gateway.toml (every key optional except where noted; see docs/gateway.md):
   lr = 0.05
   codec = "topk-int8"
   codec_opts = { ratio = 0.03 }
+
+  # [store]                      # instead of [gateway] state: PostgreSQL for several gateways and
+  # url = "postgresql://postgres@127.0.0.1:5432/test?schema=lab"   # ingestion workers (docs/scaling.md)
 """
 
 
@@ -42,7 +45,7 @@ def register(sub) -> None:
         help="run the federated aggregator and fleet manager",
         description="Run rounds of federated learning over MQTT (select, announce, collect signed "
         "updates, aggregate, publish the new global model) and keep the fleet registry, liveness, "
-        "telemetry and command channel. State lives in SQLite: a restarted gateway resumes the "
+        "telemetry and command channel. State lives in SQLite (or PostgreSQL with [store] url): a restarted gateway resumes the "
         "round it was in.",
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -66,14 +69,15 @@ def _export(cfg, args) -> int:
     from ..errors import StateError
     from ._common import check_output_path, console, emit_json
 
-    state = cfg.path(cfg.state)
-    if state is None or not Path(state).is_file():
+    target = cfg.store_target()
+    state = target.display
+    if target.engine == "sqlite" and (target.path == ":memory:" or not Path(target.path).is_file()):
         raise StateError(f"no gateway state at {state}: run `edgeflow gateway --config {args.config}` first "
-                         "([gateway] state names the file)")
+                         "([gateway] state or [store] url names it)")
     check_output_path(args.export_model, "--export-model")
-    from edgeflow.gateway.store import GatewayStore
+    from edgeflow.gateway.store import open_store
 
-    store = GatewayStore(state)
+    store = open_store(target)
     try:
         latest = store.latest_model()
     finally:
