@@ -55,6 +55,7 @@ import secrets
 import shutil
 import socket
 import stat
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,7 +80,13 @@ __all__ = [
     "write_password_file",
 ]
 
-OPERATORS = ("gateway", "admin")
+ADMIN_SESSIONS = 4
+"""Operator users made for the ``edgeflow fleet`` CLI: ``admin``, ``admin-2`` .. ``admin-4``. The
+generated broker sets ``use_username_as_clientid`` (no device can take over another's session), so
+two connections as one user would knock each other off: each command claims a free one
+(:meth:`FleetDir.claim_operator`), and up to this many run at once."""
+
+OPERATORS = ("gateway", "admin", *(f"admin-{i}" for i in range(2, ADMIN_SESSIONS + 1)))
 
 DEFAULT_MAX_PACKET = 1 << 20
 """Largest MQTT packet the generated broker accepts (payload, topic and headers): 1 MiB. MQTT 5 clients
@@ -539,6 +546,46 @@ class FleetDir:
         except FileNotFoundError:
             raise ConfigError(f"no credentials for operator {user!r} in {self.path}/operators; "
                               "re-run `edgeflow broker-config`") from None
+
+    def claim_operator(self, user: str = "admin", *, wait_s: float = 600.0) -> tuple[dict[str, str], Any]:
+        """Credentials of ``user`` or of a free one of its session users (``user-2`` ...), and the lock
+        that holds it (close it to release; :data:`ADMIN_SESSIONS`).
+
+        A lock file per operator user (``operators/.USER.lock``, ``flock``) marks it taken while a
+        command runs on this machine, so commands started at once connect as different users and
+        never share a broker session. When all are taken the call waits (logging why) for one to
+        be released, at most ``wait_s`` seconds; then it is a ConfigError naming the fix.
+        """
+        import logging
+
+        known = set(self.meta().get("operators", ())) if self.exists else set()
+        pool = [user] + [f"{user}-{i}" for i in range(2, 100) if f"{user}-{i}" in known]
+        try:
+            import fcntl
+        except ImportError:  # no flock (Windows): one session user, as before
+            return self.operator(user), None
+        creds = self.operator(user)  # a missing operator is its ConfigError before any lock is taken
+        deadline = time.monotonic() + wait_s
+        said = False
+        while True:
+            for name in pool:
+                lock = open(self.path / "operators" / f".{name}.lock", "a+b")  # noqa: SIM115 (held)
+                try:
+                    fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    lock.close()
+                    continue
+                return (creds if name == user else self.operator(name)), lock
+            if time.monotonic() > deadline:
+                raise ConfigError(f"all {len(pool)} session(s) of operator {user!r} are in use by other "
+                                  f"`edgeflow fleet` commands for {wait_s:g} s; wait for them, or re-run "
+                                  "`edgeflow broker-config` (it adds session users) and reload the broker")
+            if not said:
+                logging.getLogger("edgeflow.fleet").warning(
+                    "all %d session(s) of operator %r are in use by other `edgeflow fleet` commands: "
+                    "waiting for one", len(pool), user)
+                said = True
+            time.sleep(0.2)
 
     def ca_file(self) -> Path | None:
         p = self.broker_dir / "ca.crt"

@@ -21,7 +21,7 @@ import pytest
 from _brokers import Inbox, make_tls_material, mosquitto_factory, tls_material, transport_factory  # noqa: F401
 from _fleet import BROKER_USER, FLEET, PROFILE, GeneratedBroker, artifact, fleet_env, wait_until  # noqa: F401
 
-from edgeflow.brokerconfig import FleetDir, ListenerSettings, fleet_acl, read_password_file, render_config
+from edgeflow.brokerconfig import OPERATORS, FleetDir, ListenerSettings, fleet_acl, read_password_file, render_config
 from edgeflow.device.agent import AgentOptions, DeviceAgent
 from edgeflow.device.messages import Ack, Command, OtaOffer, deploy_command
 from edgeflow.errors import ConfigError, TransportError
@@ -88,7 +88,7 @@ def test_fleet_dir_provisioning_and_mosquitto_hashes(tmp_path) -> None:
     files = fd.write_broker_config(ListenerSettings(port=18883, user=BROKER_USER), tls_hosts=["localhost"])
     creds = json.loads((fd.device_dir("pi-1") / "device.json").read_text())
     hashes = read_password_file(files.password_file)
-    assert set(hashes) == {"gateway", "admin", "pi-1"}
+    assert set(hashes) == {*OPERATORS, "pi-1"}
     _, kind, iters, salt, digest = hashes["pi-1"].split("$")
     want = hashlib.pbkdf2_hmac("sha512", creds["password"].encode(), base64.b64decode(salt), int(iters), 64)
     assert kind == "7" and base64.b64decode(digest) == want
@@ -99,7 +99,7 @@ def test_fleet_dir_provisioning_and_mosquitto_hashes(tmp_path) -> None:
     fd.provision("pi-2")
     again = fd.write_broker_config()  # provisioning later keeps the listener settings and the CA
     assert "listener 18883" in again.config.read_text() and again.ca_file.read_bytes() == ca
-    assert set(read_password_file(again.password_file)) == {"gateway", "admin", "pi-1", "pi-2"}
+    assert set(read_password_file(again.password_file)) == {*OPERATORS, "pi-1", "pi-2"}
     with pytest.raises(ConfigError, match="operator"):
         fd.provision("admin")
     with pytest.raises(ConfigError, match="already holds"):

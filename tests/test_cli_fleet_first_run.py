@@ -299,7 +299,9 @@ def test_two_operator_commands_at_once_have_their_own_sessions(tmp_path):
             assert json.loads(out) == {"devices": []}
         log = broker.log()
         ids = {line.split(" as ")[1].split(" ")[0] for line in log.splitlines() if "New client connected" in line}
-        assert len([i for i in ids if i.startswith("admin-status-")]) == 2, log
+        status_ids = [i for i in ids if "-status-" in i]
+        assert len(status_ids) == 2, log
+        assert {i.split("-status-")[0] for i in status_ids} == {"admin", "admin-2"}, "each claims its own operator user"
         assert "already connected, closing old connection" not in log, log
     finally:
         broker.stop()

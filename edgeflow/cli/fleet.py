@@ -143,7 +143,7 @@ class _Session:
         url = args.broker or fd.broker_url
         if not url:
             raise ConfigError("no broker URL: pass --broker or run broker-config with --broker-url/--public-host")
-        op = fd.operator(args.user)
+        op, self._operator_lock = fd.claim_operator(args.user)
         kwargs: dict[str, Any] = {"client_id": _client_id(op["username"], purpose), "username": op["username"],
                                   "password": op["password"], "clean_start": True, "session_expiry_s": 0,
                                   "name": f"fleet-{purpose}-{op['username']}"}
@@ -188,6 +188,9 @@ class _Session:
         self.fm.stop()
         self.transport.close(timeout=2.0)
         self.store.close()
+        if self._operator_lock is not None:  # the operator session user is free for the next command
+            self._operator_lock.close()
+            self._operator_lock = None
 
 
 class _StateReader:
