@@ -40,6 +40,10 @@ def test_profile_list_and_show(capsys):
     assert "raspberry-pi-4" in names
     assert main(["profile", "show", "visionfive-2", "--json"]) == 0
     assert _json(capsys)["backends"] == ["numpy"]
+    assert main(["profile", "show", "raspberry-pi-4"]) == 0
+    shown = capsys.readouterr().out
+    assert "train_memory_budget_mb: 0 (= memory_budget_mb: 1024 MiB" in shown, "the budget in force, not a bare 0"
+    assert "    format: qdq" in shown and "{" not in shown, "nested settings one per line"
     assert main(["profile", "show", "nope"]) == 2
     assert "unknown device profile 'nope'" in capsys.readouterr().err
 

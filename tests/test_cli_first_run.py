@@ -140,3 +140,18 @@ def test_an_unwritable_output_is_refused_before_any_work(mlp_path, tmp_path, cmd
              "train": ["--data", str(x), "--epochs", "1"]}[cmd]
     one_clear_line(ef(cmd, str(mlp_path), *extra, "-o", "/nonexistent/dir/out.onnx"),
                    "/nonexistent/dir", "does not exist")
+
+
+@pytest.mark.parametrize("argv", [["models", "list"], ["profile", "show", "raspberry-pi-4"]])
+def test_more_tables_fit_80_columns(argv):
+    import os
+
+    from edgeflow import model_suite as ms
+
+    out = subprocess.run([sys.executable, "-m", "edgeflow", *argv], capture_output=True, text=True,
+                         env={**os.environ, "COLUMNS": "80"}, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert max(len(line) for line in out.stdout.splitlines()) <= 80, out.stdout
+    if argv[0] == "models":
+        for m in ms.models():
+            assert m.name in out.stdout  # names whole, never cut

@@ -58,15 +58,15 @@ def cmd_list(args) -> int:
     if args.json:
         emit_json({"cache": str(ms.cache_dir()), "models": rows})
         return 0
-    from rich.table import Table
+    from ._common import fit_table
 
-    t = Table(title=f"real-model suite ({len(rows)} models; cache {ms.cache_dir()})")
-    for col in ("name", "family", "package", "MiB", "shapes", "cached"):
-        t.add_column(col)
-    for r in rows:
-        t.add_row(r["name"], r["family"], r["package"], f"{r['bytes'] / 2**20:.1f}", r["shapes"],
-                  "yes" if r["cached"] else "no")
-    console(min_width=140).print(t)
+    cols = [("name", 0, "left"), ("family", 1, "left"), ("MiB", 2, "right"), ("cached", 1, "left"),
+            ("package", 3, "left"), ("shapes", 4, "left")]
+    cells = [[r["name"], r["family"], f"{r['bytes'] / 2**20:.1f}", "yes" if r["cached"] else "no", r["package"],
+              r["shapes"]] for r in rows]
+    c = console()
+    c.print(fit_table(f"real-model suite ({len(rows)} models)", cols, cells, c.width))
+    c.print(f"cache: {ms.cache_dir()}", soft_wrap=True)
     return 0
 
 
@@ -132,15 +132,14 @@ def cmd_ops(args) -> int:
     if args.markdown:
         sys.stdout.write(ops_markdown(reports, {m.name: m.to_dict() for m in ms.models()}))
         return 0
-    from rich.table import Table
+    from ._common import fit_table
 
-    t = Table(title="real-model suite: ops and numpy coverage")
-    for col in ("name", "nodes", "op types", "opset", "weights", "dynamic", "numpy lacks"):
-        t.add_column(col)
-    for n, r in reports.items():
-        t.add_row(n, str(r["nodes"]), str(len(r["ops"])), str(r["opsets"].get("ai.onnx", "?")), r["weights"],
-                  str(len(r["dynamic_dims"])), ", ".join(r["numpy_missing"]) or "-")
-    console(min_width=160).print(t)
+    cols = [("name", 0, "left"), ("nodes", 1, "right"), ("op types", 2, "right"), ("opset", 2, "right"),
+            ("weights", 3, "left"), ("dynamic", 3, "right"), ("numpy lacks", 0, "left")]
+    cells = [[n, str(r["nodes"]), str(len(r["ops"])), str(r["opsets"].get("ai.onnx", "?")), r["weights"],
+              str(len(r["dynamic_dims"])), ", ".join(r["numpy_missing"]) or "-"] for n, r in reports.items()]
+    c = console()
+    c.print(fit_table("real-model suite: ops and numpy coverage", cols, cells, c.width))
     return 0
 
 

@@ -55,11 +55,23 @@ def _show(p, as_json: bool) -> int:
     if as_json:
         emit_json(p.to_dict())
         return 0
+    from rich.markup import escape
+
     c = console()
-    c.print(f"[bold]{p.name}[/bold]: {p.description}")
+    c.print(f"[bold]{escape(p.name)}[/bold]: {escape(p.description)}")
     for k, v in p.to_dict().items():
-        if k not in ("name", "description"):
-            c.print(f"  {k}: {v}")
+        if k in ("name", "description"):
+            continue
+        if k == "train_memory_budget_mb" and not v:  # 0 = the inference budget (docs/profiles.md)
+            v = f"0 (= memory_budget_mb: {p.train_memory_budget_bytes // 2**20} MiB for a training step)"
+        if isinstance(v, dict):  # one line per key, so nothing wraps mid-value at 80 columns
+            c.print(f"  {k}:", soft_wrap=True)
+            for kk, vv in v.items():
+                c.print(f"    {kk}: {escape(str(vv))}", soft_wrap=True)
+            continue
+        if isinstance(v, (list, tuple)):
+            v = ", ".join(str(x) for x in v)
+        c.print(f"  {k}: {escape(str(v))}", soft_wrap=True)
     return 0
 
 
