@@ -53,16 +53,19 @@ def run_both(m, feeds):
     return [ours[n] for n in names], ref
 
 
-def assert_same(ours, ref):
+def assert_same(ours, ref, rtol=1e-5, atol=1e-6):
     assert len(ours) == len(ref)
     for a, b in zip(ours, ref):
         if isinstance(b, list):
             assert isinstance(a, list) and len(a) == len(b)
-            assert_same(a, b)
+            assert_same(a, b, rtol, atol)
             continue
         a = np.asarray(a)
         assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        if a.dtype.kind in "fc":
+            np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+        else:
+            np.testing.assert_array_equal(a, b)  # tokens, counts, flags: exactly
 
 
 # ---------------------------------------------------------------- nested If in Loop, outer scope
@@ -324,7 +327,10 @@ def test_loop_based_greedy_decode_matches_onnxruntime():
         for start in range(3):
             feeds = {"bos": np.array([start], np.int64), "h0": rng.standard_normal((1, 5)).astype(np.float32)}
             ours, ref = run_both(m, feeds)
-            assert_same(ours, ref)
+            # the hidden state goes through up to 12 MatMul+Tanh steps: float32 sums in another order
+            # (numpy's BLAS vs onnxruntime's MLAS, and which SIMD width the CPU has) drift by ~2e-5
+            # relative by the end; the tokens chosen on the way must still be the same, exactly
+            assert_same(ours, ref, rtol=1e-4, atol=1e-5)
             lengths.add(int(ours[2]))
     assert len(lengths) > 1  # some decodes stop early at the end token, others run to max_len
 
