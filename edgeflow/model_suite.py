@@ -117,6 +117,9 @@ class SuiteModel(SuiteFile):
     license: str = ""
     notes: str = ""
     check_outputs: tuple[str, ...] = ()  # inner values compared too (made graph outputs by load(check=True))
+    # outputs no fp32 engine can reproduce (why: ``unstable_reason``); their inputs are in check_outputs
+    unstable_outputs: tuple[str, ...] = ()
+    unstable_reason: str = ""
 
     @property
     def input_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -140,6 +143,8 @@ class SuiteModel(SuiteFile):
             "license": self.license or self.dist.license,
             "notes": self.notes,
             "check_outputs": list(self.check_outputs),
+            "unstable_outputs": list(self.unstable_outputs),
+            "unstable_reason": self.unstable_reason,
         }
 
 
@@ -203,7 +208,12 @@ def load_manifest(path: Path | str | None = None) -> Manifest:
             family=m["family"], task=m.get("task", ""), input=m["input"], shapes=m["shapes"],
             assets=tuple(m.get("assets", ())), license=m.get("license", ""), notes=m.get("notes", ""),
             check_outputs=tuple(m.get("check_outputs", ())),
+            unstable_outputs=tuple(m.get("unstable_outputs", ())),
+            unstable_reason=m.get("unstable_reason", ""),
         )
+        if models[m["name"]].unstable_outputs and not (m.get("unstable_reason") and m.get("check_outputs")):
+            raise ModelSuiteError(f"{p.name}: model {m['name']!r} lists unstable_outputs: give unstable_reason and "
+                                  "the check_outputs compared instead")
         parse_shapes(m["shapes"])
     return Manifest(dists, models, assets)
 

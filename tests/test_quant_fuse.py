@@ -31,6 +31,8 @@ def _ort_qdq(model: onnx.ModelProto, shape: tuple[int, ...], n: int = 64, seed: 
 def _ort_run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
+    # exact u8 x s8 on x86 without VNNI (else int16 pair sums saturate), as edgeflow's ort backend sets it
+    so.add_session_config_entry("session.x64quantprecision", "1")
     return ort.InferenceSession(model.SerializeToString(), so).run(None, {"input": x})[0]
 
 

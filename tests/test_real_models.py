@@ -72,6 +72,10 @@ def test_numpy_backend_matches_onnxruntime(suite, name):
     assert not missing, f"{name}: the numpy backend has no kernel for {', '.join(missing)}"
     got = numpy_backend.load(model, SessionOptions(threads=1)).run(feeds)
     assert set(got) == set(ref)
+    entry = ms.get(name)
+    for k in entry.unstable_outputs:  # no fp32 engine reproduces these (the manifest says why)
+        assert k in ref and entry.check_outputs, (name, k)
+        ref.pop(k)
     errors = {k: ms.max_relative_error(got[k], ref[k]) for k in ref}
     bad = {k: f"{e:.3g} (shape {np.shape(got[k])} vs {np.shape(ref[k])})" for k, e in errors.items() if not e <= TOL}
     if bad:
