@@ -24,7 +24,7 @@ import onnx
 from .datasets import Split, dirichlet_partition, load_digits
 from .errors import ConfigError
 from .federated.client import Client
-from .federated.messages import TrainConfig
+from .protocol.rounds import TrainConfig
 from .signing import KeyRing, PrivateKey, Signer
 from .transport.base import Transport
 

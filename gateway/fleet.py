@@ -57,18 +57,9 @@ from typing import Any
 
 import numpy as np
 
-from edgeflow.device.messages import (
-    ACK_CONTEXT,
-    Ack,
-    Birth,
-    Command,
-    Death,
-    OtaOffer,
-    deploy_command,
-    loads,
-    open_signed,
-    peek_signed,
-)
+from edgeflow.protocol.fleet import ACK_CONTEXT, Ack, Birth, Command, Death
+from edgeflow.protocol.ota import OtaOffer, deploy_command
+from edgeflow.protocol.signed_json import loads, open_signed, peek_signed
 from edgeflow.errors import CodecError, ConfigError, FleetError, SignatureError
 from edgeflow.signing import KeyRing, PrivateKey
 from edgeflow.transport.base import Transport

@@ -15,7 +15,7 @@ import pytest
 from _fleet import FLEET, PROFILE, artifact, fleet_env, mlp_bytes, wait_until  # noqa: F401
 
 from edgeflow.device.agent import CRASH_EXIT_CODE, CRASH_POINTS
-from edgeflow.device.messages import decode_tensor, encode_tensor
+from edgeflow.protocol.fleet import decode_tensor, encode_tensor
 from edgeflow.device.slots import SlotStore
 from edgeflow.ota import verify_artifact
 from edgeflow.runtime import load

@@ -8,7 +8,7 @@ What it does, on the transport it is given (one :class:`MqttTransport`):
   agent clears its retained death and publishes a retained, signed birth
   (profile, versions, model version, public key, that ``bdseq``), so the
   gateway can tell a stale will from a live device, also after a
-  broker-side timeout (see :mod:`edgeflow.device.messages`). A clean
+  broker-side timeout (see :mod:`edgeflow.protocol.fleet`). A clean
   :meth:`DeviceAgent.stop` publishes a signed death itself.
 - **telemetry** every ``telemetry_interval_s``: latency p50/p95 of the
   inferences since the last report, RSS, CPU, queue depth, battery.
@@ -63,25 +63,14 @@ import numpy as np
 from ..errors import CodecError, EdgeflowError, FleetError, SignatureError
 from ..ota import Artifact, verify_artifact
 from ..profiles import BACKENDS, DeviceProfile, get_profile
+from ..protocol.fleet import BIRTH_CONTEXT, COMMANDS, Ack, Birth, Command, Death, decode_tensor, encode_tensor
+from ..protocol.ota import OtaOffer
+from ..protocol.signed_json import loads, peek_signed, sign_body
 from ..signing import PublicKey, Signer
 from ..transport.base import Transport
 from ..transport.message import ConnectionEvent, Message
 from ..transport.topics import device_topic
 from .health import HealthReport, check_model, load_runtime
-from .messages import (
-    BIRTH_CONTEXT,
-    COMMANDS,
-    Ack,
-    Birth,
-    Command,
-    Death,
-    OtaOffer,
-    decode_tensor,
-    encode_tensor,
-    loads,
-    peek_signed,
-    sign_body,
-)
 from .replay import SeenCommands
 from .slots import ActiveModel, SlotStore
 from .telemetry import TelemetryCollector

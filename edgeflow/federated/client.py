@@ -40,7 +40,7 @@ from ..errors import CodecError, EdgeflowError, SignatureError
 from ..signing import KeyRing, PublicKey, Signer
 from ..transport.base import Transport
 from ..transport.topics import device_topic, gateway_topic
-from .messages import RoundAnnouncement, TrainConfig
+from ..protocol.rounds import RoundAnnouncement, TrainConfig
 
 log = logging.getLogger("edgeflow.federated")
 
@@ -279,7 +279,7 @@ class Client:
 
     def _on_secagg(self, msg: Any) -> None:
         """Gateway -> devices secure-aggregation broadcasts (signed by the fleet key)."""
-        from . import secure
+        from ..protocol import secagg_wire as secure
 
         try:
             frame = secure.unseal(msg.payload, self.keyring.get(GATEWAY_ID))
@@ -312,8 +312,9 @@ class Client:
 
     def _run_secure_round(self, ann: RoundAnnouncement, weights: dict[str, np.ndarray], version: int) -> None:
         """One round under secure aggregation: the gateway only ever sees the masked sum."""
-        from ..gateway.secagg import KeyDirectory, SecAggClient, ShareBundle, UnmaskRequest
-        from . import secure
+        from ..protocol.secagg import KeyDirectory, ShareBundle, UnmaskRequest
+        from .secagg_client import SecAggClient
+        from ..protocol import secagg_wire as secure
 
         topic = str(device_topic(self.fleet, self.device_id, "secagg"))
 

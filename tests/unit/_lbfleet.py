@@ -19,7 +19,7 @@ import numpy as np
 from edgeflow import zoo
 from edgeflow.datasets import dirichlet_partition, load_digits
 from edgeflow.federated import Client
-from edgeflow.federated.messages import RoundAnnouncement, TrainConfig
+from edgeflow.protocol.rounds import RoundAnnouncement, TrainConfig
 from edgeflow.gateway.rounds import Candidate, RoundConfig, RoundManager, RoundMetrics
 from edgeflow.gateway.store import GatewayStore
 from edgeflow.signing import KeyRing, PrivateKey, Signer
