@@ -237,7 +237,7 @@ def _versions() -> dict[str, str]:
     import platform
     from importlib import metadata
 
-    from .. import __version__
+    from .._version import __version__
 
     out = {"edgeflow": __version__, "python": platform.python_version()}
     for dist in ("numpy", "onnx", "onnxruntime"):
