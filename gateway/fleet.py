@@ -327,7 +327,7 @@ class FleetManager:
             try:
                 self.transport.unsubscribe(s)
             except Exception:  # noqa: BLE001 - the transport may already be closed
-                pass
+                log.debug("unsubscribe at stop failed (transport closed?)", exc_info=True)
         self._subs = []
         self._tq.put(None)
         for t in self._threads:

@@ -661,6 +661,7 @@ class RoundManager:
         try:
             pool = {cand.device_id: cand for cand in self.candidates()}
         except Exception:  # noqa: BLE001 - an explanation must never fail the round's end
+            log.warning("candidates() failed while explaining the missing devices", exc_info=True)
             pool = {}
         says = []
         for d in missing[:6]:
@@ -939,6 +940,7 @@ class RoundManager:
         try:
             return any(c.can_train for c in self.candidates() if c.device_id in missing)
         except Exception:  # noqa: BLE001 - when in doubt, keep waiting as configured
+            log.warning("candidates() failed; waiting as configured", exc_info=True)
             return True
 
     def _closing(self, ann: RoundAnnouncement, extensions: int) -> bool:

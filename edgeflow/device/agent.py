@@ -486,6 +486,7 @@ class DeviceAgent:
             try:
                 st = p.status()
             except Exception:  # noqa: BLE001 - a participant's status must not break the agent
+                log.warning("participant status failed; the training state is reported without it", exc_info=True)
                 st = {}
             if st.get("state") == "model_mismatch":
                 return "model_mismatch", str(st.get("detail", "the gateway's model does not fit the deployed one"))
@@ -607,7 +608,7 @@ class DeviceAgent:
                     part["last_error"] = str(errors[-1])
                 body["participant"] = part
             except Exception:  # noqa: BLE001 - telemetry must not die with the participant
-                pass
+                log.debug("participant status failed; telemetry goes out without it", exc_info=True)
         return body
 
     def _telemetry_loop(self) -> None:
@@ -775,6 +776,7 @@ class DeviceAgent:
             try:
                 out["participant"] = part.status()
             except Exception as exc:  # noqa: BLE001
+                log.warning("participant status failed: %s: %s", type(exc).__name__, exc)
                 out["participant"] = {"error": str(exc)}
         return out
 
@@ -859,6 +861,7 @@ class DeviceAgent:
                         p.start()
                         self._participant = p
                     except Exception as exc:  # noqa: BLE001 - any failure to build a trainer is "untrainable", said once
+                        log.debug("participant for v%s not built", self.model_version, exc_info=True)
                         v = self.model_version
                         state = ("untrainable", f"v{v} cannot be trained here: {type(exc).__name__}: {exc}")
             changed = state != self._train_state
@@ -1192,4 +1195,5 @@ class DeviceAgent:
                 self._reply({"id": rid, "ok": True, "model_version": self.model_version, "latency_ms": ms,
                              "outputs": {k: encode_tensor(np.asarray(v)) for k, v in outs.items()}}, msg)
             except Exception as exc:  # noqa: BLE001 - every request gets an answer
+                log.warning("inference request %s failed: %s: %s", rid, type(exc).__name__, exc)
                 self._reply({"id": rid, "ok": False, "error": f"{type(exc).__name__}: {exc}"}, msg)

@@ -198,7 +198,7 @@ class Client:
             try:
                 self.transport.unsubscribe(s)
             except Exception:  # the transport may already be closed
-                pass
+                log.debug("device %s: unsubscribe at stop failed (transport closed?)", self.device_id, exc_info=True)
         self._subs = []
         if self._thread is not None:
             self._thread.join(timeout)
