@@ -37,9 +37,8 @@ OTA and power cuts: see :mod:`edgeflow.device.slots` for the argument. The
 journal ``pending.json`` is written before the first byte is staged and
 removed after the ack, so an agent restarted mid-deploy acknowledges the
 interrupted command with what it actually runs now (``restarted: true``).
-For crash tests, ``AgentOptions.crash_at`` (the CLI reads
-``EDGEFLOW_OTA_CRASH_AT``) makes the process ``os._exit`` right after one of
-the steps in :data:`CRASH_POINTS`.
+Each step is an ``ota.<step>`` fault point of :mod:`edgeflow.faults`: crash tests
+(``EDGEFLOW_FAULTS=ota.staged``) make the process die right after it.
 """
 
 from __future__ import annotations
@@ -61,6 +60,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from ..errors import CodecError, EdgeflowError, FleetError, SignatureError
+from ..faults import fault_point
 from ..ota import Artifact, verify_artifact
 from ..profiles import BACKENDS, DeviceProfile, get_profile
 from ..protocol.fleet import BIRTH_CONTEXT, COMMANDS, Ack, Birth, Command, Death, decode_tensor, encode_tensor
@@ -75,14 +75,10 @@ from .replay import SeenCommands
 from .slots import ActiveModel, SlotStore
 from .telemetry import TelemetryCollector
 
-__all__ = ["CRASH_POINTS", "AgentOptions", "DeviceAgent", "Participant", "ParticipantFactory"]
+__all__ = ["AgentOptions", "DeviceAgent", "Participant", "ParticipantFactory"]
 
 log = logging.getLogger("edgeflow.device")
 
-CRASH_POINTS = ("received", "staging", "staged", "checked", "swapped", "loaded")
-"""OTA steps after which ``crash_at`` kills the process: verified in memory; half the artifact
-written; artifact on disk; health check done; pointer swapped; new model serving (ack not sent)."""
-CRASH_EXIT_CODE = 86
 
 
 @runtime_checkable
@@ -117,8 +113,6 @@ class AgentOptions:
     infer_queue: int = 64
     clock_skew_s: float = 120.0
     """Commands are accepted until ``expires + clock_skew_s`` (device clocks drift)."""
-    crash_at: str | None = None
-    """Test hook: ``os._exit`` right after this OTA step (one of CRASH_POINTS)."""
     train: bool = True
     """Take part in federated rounds whenever this board can: a training participant (training data),
     a model that trains (fp32, or a quantized model that came with its fp32 master) and a profile that
@@ -285,8 +279,6 @@ class DeviceAgent:
         self._owner_opted_out = not self.options.train
         """Started with ``train=False`` (``edgeflow device --no-train``): no command turns training on."""
         self._load_config()
-        if self.options.crash_at is not None and self.options.crash_at not in CRASH_POINTS:
-            raise FleetError(f"crash_at {self.options.crash_at!r} is not one of {', '.join(CRASH_POINTS)}")
         self.make_participant = make_participant
         self.telemetry = TelemetryCollector(battery_file=self.options.battery_file, battery_fn=battery_fn)
         self._topic = {ch: device_topic(fleet, device_id, ch).value
@@ -959,10 +951,7 @@ class DeviceAgent:
                 self._ops_busy.discard(cmd.id)
 
     def _hook(self, step: str) -> None:
-        if self.options.crash_at == step:
-            log.warning("%s: crash_at=%s: exiting now (test hook)", self.device_id, step)
-            logging.shutdown()
-            os._exit(CRASH_EXIT_CODE)
+        fault_point(f"ota.{step}")
 
     def _on_ota(self, msg: Message) -> None:
         if self._stop.is_set():
