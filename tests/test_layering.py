@@ -317,3 +317,17 @@ def test_the_checker_catches_the_protocol_importing_upwards(tmp_path):
     assert _layering_violations(_plant(tmp_path, tree)) == [
         "edgeflow.protocol.rounds imports edgeflow.transport: the protocol uses only errors, signing and "
         "codecs.untrusted"]
+
+
+if __name__ == "__main__":  # python tests/test_layering.py: the room graph docs/architecture.md shows
+    _rooms = _room_graph(_import_graph(_tree_sources(TREE)))
+    _level: dict[str, int] = {}
+
+    def _depth(room: str) -> int:
+        if room not in _level:
+            _level[room] = 1 + max((_depth(t) for t in _rooms[room]), default=-1)
+        return _level[room]
+
+    for _r in sorted(_rooms, key=lambda r: (_depth(r), r)):
+        print(f"L{_depth(_r)}  {_r.removeprefix('edgeflow.'):14} -> "
+              + ", ".join(sorted(t.removeprefix("edgeflow.") for t in _rooms[_r])))
