@@ -51,7 +51,7 @@ def device_worker(ids: list[str], fleet_dir: str, url: str, start: Any, t0_value
 
     from edgeflow.brokerconfig import FleetDir
     from edgeflow.device.credentials import DeviceCredentials
-    from edgeflow.device.messages import Birth, Death
+    from edgeflow.protocol.fleet import Birth, Death
     from edgeflow.transport.message import TlsConfig, Will
     from edgeflow.transport.mqtt import MqttTransport
     from edgeflow.transport.topics import device_topic

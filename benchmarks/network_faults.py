@@ -93,7 +93,7 @@ def run_scenario(scenario: str, *, devices: int = 10, rounds: int = 10, target: 
     from edgeflow import zoo
     from edgeflow.datasets import dirichlet_partition, load_digits
     from edgeflow.federated import Client
-    from edgeflow.federated.messages import TrainConfig
+    from edgeflow.protocol.rounds import TrainConfig
     from edgeflow.gateway.rounds import Candidate, RoundConfig, RoundManager
     from edgeflow.gateway.store import GatewayStore
     from edgeflow.gateway.strategies import bounded_mean

@@ -110,7 +110,7 @@ class LightDevice:
             self.send(ann)
 
     def on_round(self, msg: Any) -> None:
-        from edgeflow.federated.messages import RoundAnnouncement
+        from edgeflow.protocol.rounds import RoundAnnouncement
 
         if not msg.payload:
             return
@@ -184,7 +184,7 @@ def gateway_worker(spec: dict[str, Any], out: Any) -> None:
     """One flat gateway (or, with spec["sites"], two site gateways and a root) running rounds."""
     _raise_nofile()
     from edgeflow import zoo
-    from edgeflow.federated.messages import TrainConfig
+    from edgeflow.protocol.rounds import TrainConfig
     from edgeflow.gateway.rounds import Candidate, RoundConfig, RoundManager
     from edgeflow.gateway.store import GatewayStore
     from edgeflow.signing import KeyRing, PrivateKey

@@ -245,7 +245,7 @@ class _Verified:
         h = hashlib.sha256(payload).digest()
         a = self._anns.get(h)
         if a is None:
-            from edgeflow.federated.messages import RoundAnnouncement
+            from edgeflow.protocol.rounds import RoundAnnouncement
 
             ann = RoundAnnouncement.verify(payload, self.fleet_key)
             a = self._anns[h] = (ann, frozenset(ann.selected))
@@ -274,7 +274,7 @@ class SimDevice:
         return f"edgeflow/{FLEET}/{self.device_id}/{channel}"
 
     async def run(self, connect_gate: asyncio.Semaphore) -> None:
-        from edgeflow.device.messages import Birth, Death
+        from edgeflow.protocol.fleet import Birth, Death
 
         death = Death(self.device_id, self.bdseq).sign(self.key)
         self.mqtt = MiniMqtt(self.sim.host, self.sim.port, f"{FLEET}-{self.device_id}", self.on_message,
@@ -440,7 +440,7 @@ def run_size(n: int, *, rounds: int, interval: float, procs: int, netns: bool, s
     _raise_nofile()
     sys.path.insert(0, str(ROOT / "tests"))
     from edgeflow import zoo
-    from edgeflow.federated.messages import TrainConfig
+    from edgeflow.protocol.rounds import TrainConfig
     from edgeflow.gateway.fleet import FleetOptions
     from edgeflow.gateway.rounds import RoundConfig
     from edgeflow.gateway.service import Gateway

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import sys
 import warnings
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ import onnx
 
 from . import image_decoder
 from .graph import compile_graph, unsupported_ops
+
+log = logging.getLogger("edgeflow.conformance")
 
 _NUMPY_DTYPES = {
     onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
@@ -222,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 run_case(c)
             except Exception as exc:  # report all, do not stop at the first
+                log.debug("conformance case %s failed", c.name, exc_info=True)
                 failures.append((c.name, f"{type(exc).__name__}: {str(exc)[:300]}"))
         for name, why in failures:
             print(f"FAIL {name}: {why}")

@@ -217,7 +217,7 @@ class Demo:
         from . import zoo
         from .datasets import dirichlet_partition, load_digits
         from .device.agent import AgentOptions, DeviceAgent
-        from .federated.messages import TrainConfig
+        from .protocol.rounds import TrainConfig
         from .gateway.fleet import FleetOptions
         from .gateway.rounds import RoundConfig
         from .gateway.service import Gateway

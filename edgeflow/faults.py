@@ -14,7 +14,8 @@ messages for the persistent session) - what ``kill -9`` or a power cut does,
 at an exact step instead of a random instant. The plan is read once at import;
 with the variable unset each call is one attribute test. The points edgeflow
 defines are listed in :data:`POINTS` (tests/test_gateway_crash_points.py kills
-the gateway at each of them and checks that a restart recovers).
+the gateway at each of the ``rounds.*`` ones, tests/test_ota_crash.py a device agent
+at each ``ota.*`` one, and both check that a restart recovers).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import os
 import sys
 import threading
 
-__all__ = ["EXIT_CODE", "POINTS", "fault_point"]
+__all__ = ["EXIT_CODE", "OTA_STEPS", "POINTS", "fault_point"]
 
 EXIT_CODE = 137
 POINTS = {
@@ -34,7 +35,15 @@ POINTS = {
     "store.finish_round": "inside the transaction that stores the model and closes the round, before COMMIT",
     "rounds.committed": "model and round committed, the model not yet published",
     "rounds.published": "the new model published, the next round not yet opened",
+    "ota.received": "a device agent verified an OTA offer in memory, nothing written",
+    "ota.staging": "half of the artifact is written to the inactive slot",
+    "ota.staged": "the artifact is on disk in the inactive slot",
+    "ota.checked": "the staged model passed its health check",
+    "ota.swapped": "the active-slot pointer is swapped to the new model",
+    "ota.loaded": "the new model serves; the deploy is not yet acknowledged",
 }
+OTA_STEPS = tuple(p.split(".", 1)[1] for p in POINTS if p.startswith("ota."))
+"""The steps of an OTA deploy, in order (tests/test_ota_crash.py kills a device agent after each)."""
 
 
 def _parse(spec: str) -> dict[tuple[str, str | None], int]:

@@ -22,6 +22,7 @@ size and are reported in ``unknown``.
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,6 +31,8 @@ import onnx
 from .errors import ShapeError
 from .graph import CompiledGraph
 from .model import TensorInfo, elem_dtype
+
+log = logging.getLogger("edgeflow.memory")
 
 
 @dataclass(frozen=True)
@@ -198,7 +201,11 @@ def plan_memory(graph: CompiledGraph, batch_size: int = 1,
                          else (weights_of[x].shape if x else None) for x in node.inputs]
             try:
                 ws = int(node.kernel.workspace_fn(in_shapes, node.attrs) or 0)
-            except Exception:  # a workspace estimate must never break planning
+            except Exception as exc:  # noqa: BLE001 - planning goes on; the gap is reported, not hidden as 0 bytes
+                what = f"workspace of {node.op_type} node {node.name or '?'}"
+                log.warning("memory plan: the %s is not estimated (%s: %s); it is listed in the plan's unknown",
+                            what, type(exc).__name__, exc)
+                unknown.append(what)
                 ws = 0
         if node.subgraphs:
             ws += max(sub_peak(sg) for sg in node.subgraphs.values())

@@ -15,7 +15,7 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import MISSING, dataclass, field
+from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -24,7 +24,8 @@ import onnx
 from .datasets import Split, dirichlet_partition, load_digits
 from .errors import ConfigError
 from .federated.client import Client
-from .federated.messages import TrainConfig
+from .gateway.rounds import RoundConfig
+from .protocol.rounds import TrainConfig
 from .signing import KeyRing, PrivateKey, Signer
 from .transport.base import Transport
 
@@ -33,30 +34,47 @@ log = logging.getLogger("edgeflow.simulation")
 ATTACKS = ("scale", "flip", "noise")
 
 
+ROUND_KNOBS = ("rounds", "mode", "fraction", "min_clients", "overselect", "quorum", "deadline_s", "max_extensions",
+               "strategy", "strategy_params", "dp", "secagg", "async_buffer", "seed")
+"""The :class:`~edgeflow.gateway.rounds.RoundConfig` settings a simulation exposes (``seed`` also seeds its data)."""
+
+TRAIN_KNOBS = ("epochs", "batch_size", "lr", "momentum", "proximal_mu", "codec", "codec_opts")
+"""The :class:`~edgeflow.protocol.rounds.TrainConfig` settings a simulation exposes."""
+
+SIM_DEFAULTS: dict[str, Any] = {"deadline_s": 30.0, "epochs": 2, "batch_size": 16, "lr": 0.1}
+"""The only places a simulated fleet departs from a real gateway's defaults: all its devices share
+one machine, so rounds finish well inside 30 s, and the digits models learn in a few rounds with
+these training settings. Every other round and training default is RoundConfig's and TrainConfig's."""
+
+
+def _knobs(cls: type, names: tuple[str, ...]) -> list[tuple[str, Any, Any]]:
+    out = []
+    for f in fields(cls):
+        if f.name not in names:
+            continue
+        if f.name in SIM_DEFAULTS:
+            default = field(default=SIM_DEFAULTS[f.name])
+        elif f.default is not MISSING:
+            default = field(default=f.default)
+        else:
+            default = field(default_factory=f.default_factory)  # type: ignore[arg-type]
+        out.append((f.name, f.type, default))
+    return out
+
+
+_Knobs = make_dataclass("_Knobs", _knobs(RoundConfig, ROUND_KNOBS) + _knobs(TrainConfig, TRAIN_KNOBS))
+_Knobs.__doc__ = "The round and training settings of a simulation: RoundConfig's and TrainConfig's, with SIM_DEFAULTS."
+
+
 @dataclass
-class SimConfig:
-    """Every knob of a simulated fleet (``edgeflow simulate`` exposes them all)."""
+class SimConfig(_Knobs):
+    """Every knob of a simulated fleet (``edgeflow simulate`` exposes them all): the round and
+    training settings of :data:`ROUND_KNOBS` and :data:`TRAIN_KNOBS` (defaults from RoundConfig and
+    TrainConfig, except :data:`SIM_DEFAULTS`), and the fleet's own below."""
 
     devices: int = 20
-    rounds: int = 10
     model: str = "mlp"  # "mlp" | "cnn"
     alpha: float = 0.3
-    seed: int = 0
-    codec: str = "int8"
-    codec_opts: dict[str, Any] = field(default_factory=dict)
-    strategy: str = "fedavg"
-    strategy_params: dict[str, Any] = field(default_factory=dict)
-    fraction: float = 1.0
-    min_clients: int = 2
-    overselect: float = 1.0
-    quorum: float = 0.6
-    deadline_s: float = 30.0
-    max_extensions: int = 2
-    epochs: int = 2
-    batch_size: int = 16
-    lr: float = 0.1
-    momentum: float = 0.0
-    proximal_mu: float = 0.0
     dropout: float = 0.0  # fraction of devices that vanish mid-round (once, in ``dropout_round``)
     dropout_round: int = 1
     skip_rate: float = 0.0  # per-round probability a selected device sends nothing (transient fault)
@@ -66,11 +84,7 @@ class SimConfig:
     stragglers: float = 0.0
     straggler_delay_s: float = 0.0
     profiles: tuple[str, ...] = ("x86-gateway",)
-    dp: dict[str, Any] | None = None
-    secagg: dict[str, Any] | None = None
     secagg_dropouts: int = 0  # devices that drop after sharing keys, in every secure round
-    mode: str = "sync"
-    async_buffer: int = 10
     fleet: str = ""
 
     def __post_init__(self) -> None:
@@ -86,8 +100,14 @@ class SimConfig:
             self.fleet = f"sim{int(time.time() * 1000) % 10**9}"
 
     def train_config(self) -> TrainConfig:
-        return TrainConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr, momentum=self.momentum,
-                           proximal_mu=self.proximal_mu, codec=self.codec, codec_opts=dict(self.codec_opts))
+        knobs = {n: getattr(self, n) for n in TRAIN_KNOBS}
+        return TrainConfig(**{**knobs, "codec_opts": dict(self.codec_opts)})
+
+    def round_config(self, **extra: Any) -> RoundConfig:
+        """The gateway's RoundConfig for this simulation (``extra``: settings a simulation does not expose)."""
+        knobs = {n: getattr(self, n) for n in ROUND_KNOBS}
+        return RoundConfig(**{**knobs, "strategy_params": dict(self.strategy_params)}, train=self.train_config(),
+                           **extra)
 
 
 def _type_problems(cfg: SimConfig) -> list[str]:
@@ -206,7 +226,7 @@ class SimulatedFleet:
 
     def __init__(self, cfg: SimConfig, broker_url: str, *, state_path: str = ":memory:",
                  on_round: Callable | None = None, protocol: str = "auto") -> None:
-        from .gateway.rounds import RoundConfig, RoundManager
+        from .gateway.rounds import RoundManager
         from .gateway.store import GatewayStore
         from .transport import MqttTransport
 
@@ -243,13 +263,7 @@ class SimulatedFleet:
             self.devices.append(SimDevice(did, prof, t, c, byzantine=i in byz, straggler=i in slow))
         self.gateway_transport = MqttTransport.from_url(broker_url, client_id=f"{cfg.fleet}-gateway",
                                                         protocol=protocol)
-        rc = RoundConfig(
-            rounds=cfg.rounds, mode=cfg.mode, fraction=cfg.fraction, min_clients=cfg.min_clients,
-            overselect=cfg.overselect, quorum=cfg.quorum, deadline_s=cfg.deadline_s,
-            max_extensions=cfg.max_extensions, strategy=cfg.strategy,
-            strategy_params=dict(cfg.strategy_params), train=cfg.train_config(), dp=cfg.dp, secagg=cfg.secagg,
-            async_buffer=cfg.async_buffer, seed=cfg.seed, wait_for_devices_s=10.0,
-        )
+        rc = cfg.round_config(wait_for_devices_s=10.0)
         self.store = GatewayStore(state_path)
         self.rounds = RoundManager(
             self.gateway_transport, self.store, fleet=cfg.fleet, fleet_key=self.fleet_key, keyring=self.keyring,

@@ -7,8 +7,8 @@ The aggregation layer (usable alone, no MQTT):
   TrimmedMean, Krum, MultiKrum, and :func:`make_aggregator` by name
 * :mod:`.buffered`    - FedBuff-style asynchronous buffering and staleness weights
 * :mod:`.privacy`     - clipping, Gaussian noise, RDP accountant (central DP)
-* :mod:`.secagg`, :mod:`.shamir` - secure aggregation by pairwise masking;
-  :mod:`.secagg_wire` - its messages as bytes
+* :mod:`.secagg` - the server of secure aggregation by pairwise masking (the protocol,
+  its messages and frames: :mod:`edgeflow.protocol.secagg`, :mod:`edgeflow.protocol.secagg_wire`)
 
 See docs/aggregation.md.
 """

@@ -57,18 +57,9 @@ from typing import Any
 
 import numpy as np
 
-from edgeflow.device.messages import (
-    ACK_CONTEXT,
-    Ack,
-    Birth,
-    Command,
-    Death,
-    OtaOffer,
-    deploy_command,
-    loads,
-    open_signed,
-    peek_signed,
-)
+from edgeflow.protocol.fleet import ACK_CONTEXT, Ack, Birth, Command, Death
+from edgeflow.protocol.ota import OtaOffer, deploy_command
+from edgeflow.protocol.signed_json import loads, open_signed, peek_signed
 from edgeflow.errors import CodecError, ConfigError, FleetError, SignatureError
 from edgeflow.signing import KeyRing, PrivateKey
 from edgeflow.transport.base import Transport
@@ -336,7 +327,7 @@ class FleetManager:
             try:
                 self.transport.unsubscribe(s)
             except Exception:  # noqa: BLE001 - the transport may already be closed
-                pass
+                log.debug("unsubscribe at stop failed (transport closed?)", exc_info=True)
         self._subs = []
         self._tq.put(None)
         for t in self._threads:

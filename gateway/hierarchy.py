@@ -57,7 +57,7 @@ import onnx
 from edgeflow.bridgeconfig import UPLINK_LEVEL
 from edgeflow.codecs import decode_update, encode_update
 from edgeflow.errors import AggregationError, CodecError, ConfigError, SignatureError
-from edgeflow.federated.messages import RoundAnnouncement, TrainConfig
+from edgeflow.protocol.rounds import RoundAnnouncement, TrainConfig
 from edgeflow.signing import KeyRing, PrivateKey, PublicKey, Signer
 from edgeflow.transport.base import Transport
 from edgeflow.transport.topics import ROOT, validate_id

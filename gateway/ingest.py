@@ -85,7 +85,7 @@ import onnx
 
 from edgeflow.codecs import decode_update, peek_update
 from edgeflow.errors import AggregationError, CodecError, ConfigError, SignatureError, StateError
-from edgeflow.federated.messages import RoundAnnouncement, parse_update_meta
+from edgeflow.protocol.rounds import RoundAnnouncement, parse_update_meta
 from edgeflow.signing import KeyRing
 from edgeflow.transport.base import Transport
 from edgeflow.transport.topics import device_filter, parse_topic, validate_id

@@ -381,11 +381,13 @@ class Rollout:
                                                          timeout_s=pol.report_timeout_s, ttl_s=pol.command_ttl_s,
                                                          role="train_master")
                 except Exception as exc:  # noqa: BLE001 - serving does not need the master
+                    log.warning("device %s: training master not sent: %s", d, exc)
                     r.train_master = f"not sent: {exc}"
             try:
                 pending[d] = self.fleet.send_ota(d, art, version=self.version, timeout_s=pol.report_timeout_s,
                                                  ttl_s=pol.command_ttl_s, allow_downgrade=pol.allow_downgrade)
             except Exception as exc:  # noqa: BLE001 - a publish failure is this device's failure
+                log.warning("device %s: OTA offer not sent: %s", d, exc)
                 r.state, r.code, r.error = "failed", "send_failed", str(exc)
                 self._progress(r)
         deadline = time.monotonic() + pol.report_timeout_s
@@ -407,6 +409,7 @@ class Rollout:
                                                 ttl_s=pol.rollback_ttl_s, timeout_s=pol.rollback_ttl_s)
                         r.rolled_back = True
                     except Exception as exc2:  # noqa: BLE001
+                        log.warning("device %s: rollback not sent: %s", d, exc2)
                         r.error += f"; rollback not sent: {exc2}"
                 self._progress(r)
                 continue

@@ -80,7 +80,7 @@ from onnx import numpy_helper
 from edgeflow.codecs import decode_update, encode_update, peek_update
 from edgeflow.errors import AggregationError, CodecError, ConfigError, SignatureError, StateError, TransportError
 from edgeflow.faults import fault_point
-from edgeflow.federated.messages import RoundAnnouncement, TrainConfig, UpdateMeta, parse_update_meta
+from edgeflow.protocol.rounds import RoundAnnouncement, TrainConfig, UpdateMeta, parse_update_meta
 from edgeflow.signing import KeyRing, PrivateKey, ReplayGuard, Signer
 from edgeflow.transport.backoff import Backoff
 from edgeflow.transport.base import Transport
@@ -661,6 +661,7 @@ class RoundManager:
         try:
             pool = {cand.device_id: cand for cand in self.candidates()}
         except Exception:  # noqa: BLE001 - an explanation must never fail the round's end
+            log.warning("candidates() failed while explaining the missing devices", exc_info=True)
             pool = {}
         says = []
         for d in missing[:6]:
@@ -939,6 +940,7 @@ class RoundManager:
         try:
             return any(c.can_train for c in self.candidates() if c.device_id in missing)
         except Exception:  # noqa: BLE001 - when in doubt, keep waiting as configured
+            log.warning("candidates() failed; waiting as configured", exc_info=True)
             return True
 
     def _closing(self, ann: RoundAnnouncement, extensions: int) -> bool:
@@ -1097,9 +1099,9 @@ class RoundManager:
                           msg.topic)
 
     def _handle_secagg(self, msg: Any) -> None:
-        from edgeflow.federated import secure
+        from edgeflow.protocol import secagg_wire as secure
 
-        from .secagg import AdvertiseKeys, MaskedInput, SecAggError, ShareKeys, UnmaskResponse
+        from edgeflow.protocol.secagg import AdvertiseKeys, MaskedInput, SecAggError, ShareKeys, UnmaskResponse
 
         info = parse_topic(msg.topic)
         sender = info.device if info else None
@@ -1145,7 +1147,7 @@ class RoundManager:
             return set(self._sa_seen.get(kind, set()))
 
     def _sa_broadcast(self, frame: bytes) -> None:
-        from edgeflow.federated import secure
+        from edgeflow.protocol import secagg_wire as secure
 
         self.publish_reliably(str(gateway_topic(self.fleet, "secagg")), secure.seal(frame, self.fleet_key),
                               "secure-aggregation broadcast", retain=False, until=time.time() + 60.0)
@@ -1160,7 +1162,9 @@ class RoundManager:
         """
         if not ann.config.secagg:
             return
-        from .secagg import SecAggConfig, SecAggServer
+        from edgeflow.protocol.secagg import SecAggConfig
+
+        from .secagg import SecAggServer
 
         opts = dict(self.config.secagg or {})
         opts.pop("phase_timeout_s", None)
@@ -1173,9 +1177,9 @@ class RoundManager:
 
     def _secure_round(self, ann: RoundAnnouncement, t_start: float) -> RoundMetrics:
         """Bonawitz et al. over MQTT; the aggregator only ever receives the unmasked sum."""
-        from edgeflow.federated import secure
+        from edgeflow.protocol import secagg_wire as secure
 
-        from .secagg import SecAggError
+        from edgeflow.protocol.secagg import SecAggError
 
         phase_s = float(dict(self.config.secagg or {}).get("phase_timeout_s", 10.0))
         with self._cv:

@@ -340,7 +340,7 @@ class Gateway:
             try:
                 self._publish_state(False)
             except Exception:  # pragma: no cover - shutting down anyway
-                pass
+                log.debug("publishing the final state at stop failed", exc_info=True)
             self.fleet.stop()
             self.transport.close()
             self._started = False

@@ -15,7 +15,7 @@ import sys
 
 import onnx
 
-from edgeflow.federated.messages import TrainConfig
+from edgeflow.protocol.rounds import TrainConfig
 from edgeflow.gateway.rounds import Candidate, RoundConfig, RoundManager
 from edgeflow.gateway.store import GatewayStore
 from edgeflow.signing import KeyRing, PrivateKey

@@ -19,7 +19,7 @@ from edgeflow import zoo
 from edgeflow.codecs.envelope import SectionInput, build_envelope, dtype_code
 from edgeflow.datasets import dirichlet_partition, load_digits
 from edgeflow.federated import Client
-from edgeflow.federated.messages import RoundAnnouncement, TrainConfig
+from edgeflow.protocol.rounds import RoundAnnouncement, TrainConfig
 from edgeflow.gateway.rounds import Candidate, RoundConfig, RoundManager, model_weights
 from edgeflow.gateway.store import GatewayStore
 from edgeflow.signing import KeyRing, PrivateKey, Signer

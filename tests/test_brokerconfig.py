@@ -23,7 +23,8 @@ from _fleet import BROKER_USER, FLEET, PROFILE, GeneratedBroker, artifact, fleet
 
 from edgeflow.brokerconfig import OPERATORS, FleetDir, ListenerSettings, fleet_acl, read_password_file, render_config
 from edgeflow.device.agent import AgentOptions, DeviceAgent
-from edgeflow.device.messages import Ack, Command, OtaOffer, deploy_command
+from edgeflow.protocol.fleet import Ack, Command
+from edgeflow.protocol.ota import OtaOffer, deploy_command
 from edgeflow.errors import ConfigError, TransportError
 from edgeflow.signing import PrivateKey, Signer
 from edgeflow.transport.broker import free_port, wait_for_port

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 from _fleet import FLEET, PROFILE, artifact, fleet_env, mlp_bytes, wait_until  # noqa: F401
 
-from edgeflow.device.messages import Ack, Command, OtaOffer, decode_tensor, deploy_command, encode_tensor, sign_body
+from edgeflow.protocol.fleet import Ack, Command, decode_tensor, encode_tensor
+from edgeflow.protocol.ota import OtaOffer, deploy_command
+from edgeflow.protocol.signed_json import sign_body
 from edgeflow.runtime import load
 from edgeflow.signing import PrivateKey
 from edgeflow.transport.topics import device_topic

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from _fleet import FLEET, PROFILE, artifact, fleet_env, wait_until  # noqa: F401
 
-from edgeflow.device.messages import Death
+from edgeflow.protocol.fleet import Death
 from edgeflow.gateway.store import GatewayStore
 from edgeflow.transport.topics import device_topic
 

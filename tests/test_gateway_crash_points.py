@@ -45,7 +45,8 @@ CRASHES = {  # point -> EDGEFLOW_FAULTS spec that fires in round 2
 
 
 def test_every_fault_point_is_exercised():
-    assert set(CRASHES) == set(POINTS)
+    """Every gateway point here; the device agent's ``ota.*`` points in tests/test_ota_crash.py."""
+    assert set(CRASHES) == {p for p in POINTS if not p.startswith("ota.")}
 
 
 def _gateway(args, faults: str = "") -> subprocess.CompletedProcess:

@@ -23,7 +23,8 @@ from _brokers import FAST, Inbox, mosquitto_factory, wait_until  # noqa: F401
 from _secfleet import Fleet, dense_sections, envelope, int8_sections
 from edgeflow.codecs import decode_update
 from edgeflow.errors import CodecError, StateError
-from edgeflow.federated.messages import RoundAnnouncement, TrainConfig, open_json
+from edgeflow.protocol.rounds import RoundAnnouncement, TrainConfig
+from edgeflow.protocol.signed_json import open_signed
 from edgeflow.gateway.rounds import RoundConfig, RoundManager
 from edgeflow.gateway.store import GatewayStore
 from edgeflow.signing import PrivateKey
@@ -468,12 +469,12 @@ def test_the_cli_reports_a_damaged_state_in_one_line(tmp_path):
 def test_deep_json_and_huge_numbers_are_refused_cleanly():
     from edgeflow.codecs import peek_update
     from edgeflow.codecs.untrusted import loads_untrusted
-    from edgeflow.federated.messages import parse_update_meta
+    from edgeflow.protocol.rounds import parse_update_meta
     from edgeflow.signing import Signer
 
     deep = b"[" * 60000 + b"]" * 60000
     for fn in (lambda: loads_untrusted(deep), lambda: loads_untrusted(b'{"a":' * 60000 + b"1" + b"}" * 60000),
-               lambda: open_json(deep, PrivateKey.generate().public_key, "round/v1"),
+               lambda: open_signed(deep, PrivateKey.generate().public_key, "round/v1"),
                lambda: loads_untrusted(b"\xff\xfe")):
         with pytest.raises(CodecError):
             fn()
@@ -492,8 +493,8 @@ def test_deep_json_and_huge_numbers_are_refused_cleanly():
                              metadata_json=b"[" * 30000 + b"]" * 30000))  # 30,000 deep, under the 64 KiB cap
     assert e.value.reason == "malformed"
     # a (device-signed) secure-aggregation frame with a deep JSON header
-    from edgeflow.gateway.secagg import SecAggError
-    from edgeflow.gateway.secagg_wire import _HEAD, _MAGIC, _VERSION, decode_message
+    from edgeflow.protocol.secagg import SecAggError
+    from edgeflow.protocol.secagg_wire import _HEAD, _MAGIC, _VERSION, decode_message
 
     head = b"[" * 3000 + b"]" * 3000
     with pytest.raises(SecAggError, match="not JSON"):

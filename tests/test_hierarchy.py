@@ -17,7 +17,7 @@ from edgeflow.bridgeconfig import BridgeSpec, render_bridge
 from edgeflow.datasets import dirichlet_partition, load_digits
 from edgeflow.errors import ConfigError
 from edgeflow.federated import Client
-from edgeflow.federated.messages import TrainConfig
+from edgeflow.protocol.rounds import TrainConfig
 from edgeflow.gateway.hierarchy import PartialSum, SiteGateway, Uplink, root_manager, site_manager
 from edgeflow.gateway.rounds import Candidate, RoundConfig
 from edgeflow.gateway.store import GatewayStore

@@ -26,7 +26,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from _brokers import mosquitto_factory  # noqa: F401
-from edgeflow.federated.messages import TrainConfig
+from edgeflow.protocol.rounds import TrainConfig
 from edgeflow.gateway.rounds import Candidate, RoundConfig, RoundManager
 from edgeflow.gateway.store import GatewayStore
 from edgeflow.signing import KeyRing, PrivateKey

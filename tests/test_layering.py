@@ -75,8 +75,9 @@ def _module_name(path: Path) -> str:
 
 def _import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
     """Import edges between the given modules (name -> (source, is_package)), in-function and
-    TYPE_CHECKING imports included; ``from pkg import name`` counts as an edge to ``pkg.name``
-    when that is one of the modules."""
+    TYPE_CHECKING imports included. ``from pkg import name`` is an edge to ``pkg.name`` when that
+    is one of the modules, else to ``pkg``; an import of something that is not one of the modules
+    (``from pkg.mod import Class``) is an edge to the longest module prefix (``pkg.mod``)."""
     graph: dict[str, set[str]] = {}
     for name, (src, is_pkg) in sources.items():
         edges: set[str] = set()
@@ -91,8 +92,13 @@ def _import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
                     mod = ".".join(base + ([node.module] if node.module else []))
                 else:
                     mod = node.module or ""
-                targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
-            edges.update(t for t in targets if t in sources and t != name)
+                subs = [f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in sources]
+                targets = subs if len(subs) == len(node.names) else subs + [mod]
+            for target in targets:
+                while target and target not in sources:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    edges.add(target)
         graph[name] = edges
     return graph
 
@@ -169,3 +175,159 @@ def test_the_cycle_check_sees_in_function_and_relative_imports():
     assert _find_cycle(_import_graph(sources)) == ["pkg.a", "pkg.b", "pkg.a"]
     sources["pkg.b"] = ("import json\n", False)
     assert _find_cycle(_import_graph(sources)) is None
+
+
+# ---------------------------------------------------------------- the whole tree (issue 16, item 4)
+
+TREE = {"edgeflow": ROOT / "edgeflow", "edgeflow.kernels": ROOT / "kernels", "edgeflow.gateway": ROOT / "gateway"}
+"""Where each installed package's source lives (pyproject's package-dir)."""
+
+GATEWAY_IMPORTERS = ("edgeflow.cli", "edgeflow.demo", "edgeflow.simulation")
+"""The allow-list: the only edgeflow modules (besides the gateway itself and the lazy front
+door ``edgeflow/__init__.py``) that may import ``edgeflow.gateway``: the operator's CLI, and
+the demo and simulation, which run a gateway in-process. Device-side code (device, federated,
+protocol, transport, runtime, train, quantization, codecs, ...) never does."""
+
+PROTOCOL_MAY_IMPORT = ("edgeflow.errors", "edgeflow.signing", "edgeflow.codecs.untrusted", "edgeflow.protocol")
+
+
+def _tree_sources(tree: dict[str, Path]) -> dict[str, tuple[str, bool]]:
+    """Installed module name -> (source, is_package) for every .py file under the tree's folders."""
+    out: dict[str, tuple[str, bool]] = {}
+    for prefix, folder in tree.items():
+        for f in sorted(folder.rglob("*.py")):
+            rel = f.relative_to(folder).with_suffix("").parts
+            is_pkg = rel[-1] == "__init__"
+            name = ".".join(prefix.split(".") + list(rel[:-1] if is_pkg else rel))
+            out[name] = (f.read_text(), is_pkg)
+    return out
+
+
+def _within(module: str, packages: tuple[str, ...] | str) -> bool:
+    packages = (packages,) if isinstance(packages, str) else packages
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def _room(module: str) -> str:
+    """The room a module lives in: ``edgeflow.<first part>`` (``edgeflow.gateway.store.base`` ->
+    ``edgeflow.gateway``, ``edgeflow.runtime`` -> itself)."""
+    return ".".join(module.split(".")[:2])
+
+
+def _room_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Edges between rooms; the root package (the lazy front door, imported by everything) is left out."""
+    rooms: dict[str, set[str]] = {}
+    for src, targets in graph.items():
+        if src == "edgeflow":
+            continue
+        edges = rooms.setdefault(_room(src), set())
+        edges.update(_room(t) for t in targets if t != "edgeflow" and _room(t) != _room(src))
+    for targets in list(rooms.values()):
+        for t in targets:
+            rooms.setdefault(t, set())
+    return rooms
+
+
+def _layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every rule the graph breaks, one line each (empty = the layering holds)."""
+    out: list[str] = []
+    cycle = _find_cycle(graph)
+    if cycle:
+        out.append("import cycle: " + " -> ".join(cycle))
+    room_cycle = _find_cycle(_room_graph(graph))
+    if room_cycle:
+        out.append("cycle between rooms: " + " -> ".join(room_cycle))
+    for src, targets in sorted(graph.items()):
+        if src == "edgeflow" or _within(src, ("edgeflow.gateway",) + GATEWAY_IMPORTERS):
+            continue
+        for t in sorted(targets):
+            if _within(t, "edgeflow.gateway"):
+                out.append(f"{src} imports {t}: device-side code never imports the gateway")
+            if _within(src, "edgeflow.protocol") and not _within(t, PROTOCOL_MAY_IMPORT):
+                out.append(f"{src} imports {t}: the protocol uses only errors, signing and codecs.untrusted")
+    return out
+
+
+def test_the_whole_tree_keeps_its_layering():
+    """No import cycle anywhere in edgeflow/, kernels/ and gateway/ (in-function and TYPE_CHECKING
+    imports included), none between rooms, device side never -> gateway, protocol at the bottom."""
+    graph = _import_graph(_tree_sources(TREE))
+    assert len(graph) > 150 and "edgeflow.gateway.rounds" in graph and "edgeflow.kernels.conv" in graph
+    assert "edgeflow.protocol.rounds" in graph["edgeflow.gateway.rounds"]  # absolute imports resolve
+    assert "edgeflow.protocol.secagg_wire" in graph["edgeflow.federated.client"]  # in-function, relative
+    assert _layering_violations(graph) == []
+
+
+def _plant(tmp_path: Path, files: dict[str, str]) -> dict[str, set[str]]:
+    for rel, src in files.items():
+        f = tmp_path / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(src)
+    tree = {"edgeflow": tmp_path / "edgeflow", "edgeflow.gateway": tmp_path / "gateway"}
+    return _import_graph(_tree_sources(tree))
+
+
+CLEAN_TREE = {
+    "edgeflow/__init__.py": "def __getattr__(name):\n    from .federated.client import Client\n    return Client\n",
+    "edgeflow/errors.py": "",
+    "edgeflow/protocol/__init__.py": "",
+    "edgeflow/protocol/rounds.py": "from ..errors import *\n",
+    "edgeflow/federated/__init__.py": "",
+    "edgeflow/federated/client.py": "from edgeflow.protocol.rounds import X\n",
+    "edgeflow/cli/__init__.py": "",
+    "edgeflow/cli/gateway.py": "from edgeflow.gateway.rounds import RoundManager\n",
+    "gateway/__init__.py": "",
+    "gateway/rounds.py": "from edgeflow.protocol.rounds import X\nfrom . import secagg\n",
+    "gateway/secagg.py": "import numpy\n",
+}
+
+
+def test_the_checker_passes_a_clean_planted_tree(tmp_path):
+    assert _layering_violations(_plant(tmp_path, CLEAN_TREE)) == []
+
+
+def test_the_checker_catches_a_planted_cycle(tmp_path):
+    """A cycle closed by an in-function relative import, across two rooms, on a tree of files."""
+    tree = dict(CLEAN_TREE)
+    tree["edgeflow/protocol/rounds.py"] = "def later():\n    from ..federated import client\n"
+    found = _layering_violations(_plant(tmp_path, tree))
+    assert "import cycle: edgeflow.federated.client -> edgeflow.protocol.rounds -> edgeflow.federated.client" in found
+    rooms = [line for line in found if line.startswith("cycle between rooms: ")]
+    assert len(rooms) == 1 and set(rooms[0].split(": ")[1].split(" -> ")) == {"edgeflow.federated", "edgeflow.protocol"}
+
+
+def test_the_checker_catches_a_cycle_inside_the_gateway(tmp_path):
+    tree = dict(CLEAN_TREE)
+    tree["gateway/secagg.py"] = "if False:\n    from edgeflow.gateway.rounds import RoundManager\n"
+    assert _layering_violations(_plant(tmp_path, tree)) == [
+        "import cycle: edgeflow.gateway.rounds -> edgeflow.gateway.secagg -> edgeflow.gateway.rounds"]
+
+
+def test_the_checker_catches_device_side_code_importing_the_gateway(tmp_path):
+    tree = dict(CLEAN_TREE)
+    tree["edgeflow/federated/client.py"] = "def f():\n    from ..gateway.secagg import SecAggClient\n"
+    assert _layering_violations(_plant(tmp_path, tree)) == [
+        "edgeflow.federated.client imports edgeflow.gateway.secagg: device-side code never imports the gateway"]
+
+
+def test_the_checker_catches_the_protocol_importing_upwards(tmp_path):
+    tree = dict(CLEAN_TREE)
+    tree["edgeflow/transport/__init__.py"] = ""
+    tree["edgeflow/protocol/rounds.py"] = "import edgeflow.transport\n"
+    assert _layering_violations(_plant(tmp_path, tree)) == [
+        "edgeflow.protocol.rounds imports edgeflow.transport: the protocol uses only errors, signing and "
+        "codecs.untrusted"]
+
+
+if __name__ == "__main__":  # python tests/test_layering.py: the room graph docs/architecture.md shows
+    _rooms = _room_graph(_import_graph(_tree_sources(TREE)))
+    _level: dict[str, int] = {}
+
+    def _depth(room: str) -> int:
+        if room not in _level:
+            _level[room] = 1 + max((_depth(t) for t in _rooms[room]), default=-1)
+        return _level[room]
+
+    for _r in sorted(_rooms, key=lambda r: (_depth(r), r)):
+        print(f"L{_depth(_r)}  {_r.removeprefix('edgeflow.'):14} -> "
+              + ", ".join(sorted(t.removeprefix("edgeflow.") for t in _rooms[_r])))

@@ -25,7 +25,7 @@ from _stores import pg_schema_url
 from edgeflow import zoo
 from edgeflow.datasets import dirichlet_partition, load_digits
 from edgeflow.federated import Client
-from edgeflow.federated.messages import TrainConfig
+from edgeflow.protocol.rounds import TrainConfig
 from edgeflow.gateway.ingest import IngestStore, SharedIngest, WorkerConfig
 from edgeflow.gateway.rounds import Candidate, RoundConfig, RoundManager
 from edgeflow.gateway.store import GatewayStore

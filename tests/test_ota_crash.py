@@ -1,5 +1,5 @@
-"""Power cut at every OTA step: a real ``edgeflow device`` process is killed (``os._exit``) right
-after each step of a deploy, restarted, and must come back on a working model — the old one
+"""Power cut at every OTA step: a real ``edgeflow device`` process is killed (``os._exit``, the
+``ota.*`` fault points of edgeflow.faults) right after each step of a deploy, restarted, and must come back on a working model — the old one
 before the pointer swap, the new one after — and report the interrupted command consistently."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from _fleet import FLEET, PROFILE, artifact, fleet_env, mlp_bytes, wait_until  # noqa: F401
 
-from edgeflow.device.agent import CRASH_EXIT_CODE, CRASH_POINTS
-from edgeflow.device.messages import decode_tensor, encode_tensor
+from edgeflow.faults import EXIT_CODE, OTA_STEPS
+from edgeflow.protocol.fleet import decode_tensor, encode_tensor
 from edgeflow.device.slots import SlotStore
 from edgeflow.ota import verify_artifact
 from edgeflow.runtime import load
@@ -35,9 +35,9 @@ def _seed(state, data: bytes, key) -> None:
 
 def _spawn(env, device: str, state, log, crash_at: str | None) -> subprocess.Popen:
     e = dict(os.environ)
-    e.pop("EDGEFLOW_OTA_CRASH_AT", None)
+    e.pop("EDGEFLOW_FAULTS", None)
     if crash_at:
-        e["EDGEFLOW_OTA_CRASH_AT"] = crash_at
+        e["EDGEFLOW_FAULTS"] = f"ota.{crash_at}"
     cmd = [sys.executable, "-m", "edgeflow.cli.main", "device", "--credentials", str(env.fleet_dir.device_dir(device)),
            "--broker", env.url, "--state", str(state), "--profile", PROFILE, "--telemetry-interval", "0.5"]
     return subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -47,9 +47,9 @@ def test_agent_killed_at_each_ota_step_restarts_on_a_working_model(fleet_env, tm
     fm = fleet_env.gateway(command_timeout_s=60)
     key = fleet_env.fleet_dir.fleet_key()
     v1, v2 = artifact(fleet_env, 1), artifact(fleet_env, 2)
-    devices = {point: fleet_env.new_id() for point in CRASH_POINTS}
+    devices = {point: fleet_env.new_id() for point in OTA_STEPS}
     states = {p: tmp_path / d for p, d in devices.items()}
-    logs = {p: open(tmp_path / f"{p}.log", "ab") for p in CRASH_POINTS}  # noqa: SIM115
+    logs = {p: open(tmp_path / f"{p}.log", "ab") for p in OTA_STEPS}  # noqa: SIM115
     procs: dict[str, subprocess.Popen] = {}
     try:
         for p, d in devices.items():
@@ -60,15 +60,15 @@ def test_agent_killed_at_each_ota_step_restarts_on_a_working_model(fleet_env, tm
         pending = {p: fm.send_ota(d, v2, version=2, timeout_s=60) for p, d in devices.items()}
         for p, proc in procs.items():
             rc = proc.wait(30)
-            assert rc == CRASH_EXIT_CODE, f"{p}: exit {rc}\n{(tmp_path / f'{p}.log').read_text()}"
+            assert rc == EXIT_CODE, f"{p}: exit {rc}\n{(tmp_path / f'{p}.log').read_text()}"
         assert fm.wait_online(list(devices.values()), 10, online=False), "the will reports every crash"
 
         on_disk = {}
-        for p in CRASH_POINTS:  # the disk alone, before any agent touches it again
+        for p in OTA_STEPS:  # the disk alone, before any agent touches it again
             model, notes = SlotStore(states[p]).boot(key.public_key, PROFILE)
             assert model is not None and not notes, (p, notes)
             on_disk[p] = model.version
-        assert on_disk == {p: 2 if p in NEW_AFTER else 1 for p in CRASH_POINTS}
+        assert on_disk == {p: 2 if p in NEW_AFTER else 1 for p in OTA_STEPS}
 
         for p, d in devices.items():
             procs[p] = _spawn(fleet_env, d, states[p], logs[p], None)
@@ -105,7 +105,7 @@ def test_agent_killed_at_each_ota_step_restarts_on_a_working_model(fleet_env, tm
         for p, pc in again.items():
             ack = pc.wait(60)
             assert ack.ok and ack.result["model_version"] == 2, (p, ack)
-        assert wait_until(lambda: not any((states[p] / "pending.json").exists() for p in CRASH_POINTS), 5)
+        assert wait_until(lambda: not any((states[p] / "pending.json").exists() for p in OTA_STEPS), 5)
     finally:
         for proc in procs.values():
             if proc.poll() is None:

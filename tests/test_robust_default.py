@@ -141,7 +141,7 @@ def test_bad_settings_are_config_errors(kw):
 
 def test_the_gateway_caps_claims_at_max_samples_and_restores_the_reference(tmp_path):
     from edgeflow import zoo
-    from edgeflow.federated.messages import TrainConfig
+    from edgeflow.protocol.rounds import TrainConfig
     from edgeflow.gateway.rounds import RoundConfig, RoundManager
     from edgeflow.gateway.store import GatewayStore
     from edgeflow.signing import KeyRing, PrivateKey

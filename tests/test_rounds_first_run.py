@@ -21,7 +21,7 @@ from _fleet import FLEET, PROFILE, artifact, fleet_env, mlp_bytes, wait_until  #
 
 from edgeflow import zoo
 from edgeflow.codecs import encode_update
-from edgeflow.federated.messages import RoundAnnouncement, TrainConfig
+from edgeflow.protocol.rounds import RoundAnnouncement, TrainConfig
 from edgeflow.gateway.rounds import Candidate, RoundConfig, RoundManager, model_weights
 from edgeflow.gateway.store import GatewayStore
 from edgeflow.signing import KeyRing, PrivateKey, Signer

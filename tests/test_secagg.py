@@ -10,16 +10,10 @@ import numpy as np
 import pytest
 
 from edgeflow.errors import AggregationError, ConfigError
-from edgeflow.gateway.secagg import (
-    FixedPoint,
-    MaskedInput,
-    SecAggClient,
-    SecAggConfig,
-    SecAggError,
-    SecAggServer,
-    UnmaskRequest,
-)
-from edgeflow.gateway.shamir import Share, combine_shares, split_secret
+from edgeflow.protocol.secagg import FixedPoint, MaskedInput, SecAggConfig, SecAggError, UnmaskRequest
+from edgeflow.federated.secagg_client import SecAggClient
+from edgeflow.gateway.secagg import SecAggServer
+from edgeflow.protocol.shamir import Share, combine_shares, split_secret
 from edgeflow.gateway.strategies import FedAvg
 
 LAYOUT = {"conv.w": np.zeros((4, 3, 3), np.float32), "fc.w": np.zeros((36, 10), np.float32),
@@ -255,7 +249,7 @@ def test_shamir_any_threshold_subset_rebuilds_the_secret():
 
 
 def test_every_message_survives_the_wire_and_the_sum_is_still_exact():
-    from edgeflow.gateway.secagg_wire import decode_message, encode_message
+    from edgeflow.protocol.secagg_wire import decode_message, encode_message
 
     def wire(msg):
         out = decode_message(encode_message(msg))
@@ -288,7 +282,7 @@ def test_every_message_survives_the_wire_and_the_sum_is_still_exact():
 
 
 def test_malformed_frames_raise_secagg_error():
-    from edgeflow.gateway.secagg_wire import decode_message, encode_message
+    from edgeflow.protocol.secagg_wire import decode_message, encode_message
 
     good = encode_message(SecAggClient("dev-1").advertise())
     masked = encode_message(MaskedInput("d", b"s", np.arange(4, dtype=np.uint64)))

@@ -29,7 +29,9 @@ from _brokers import mosquitto_factory  # noqa: F401
 from _fleet import FAST, FLEET, PROFILE, artifact, fleet_env, mlp_bytes, wait_until  # noqa: F401
 
 from edgeflow.device.agent import AgentOptions, DeviceAgent
-from edgeflow.device.messages import Ack, Birth, Command, Death, OtaOffer, deploy_command, encode_tensor, sign_body
+from edgeflow.protocol.fleet import Ack, Birth, Command, Death, encode_tensor
+from edgeflow.protocol.ota import OtaOffer, deploy_command
+from edgeflow.protocol.signed_json import sign_body
 from edgeflow.device.replay import SeenCommands
 from edgeflow.errors import CodecError, TransportError
 from edgeflow.gateway.fleet import FleetManager, FleetOptions
@@ -537,7 +539,7 @@ def test_deep_json_and_huge_numbers_are_refused_cleanly(fleet_env, fm, no_traceb
 
 
 def test_messages_refuse_hostile_json_with_codec_errors_only() -> None:
-    from edgeflow.device.messages import loads, peek_signed
+    from edgeflow.protocol.signed_json import loads, peek_signed
 
     for bad in (b"[" * 60_000, b'{"a":' * 60_000, b"\xff\xfe", b"1e400", b'{"v":1,"body":"' + b"[" * 60_000 + b'"}'):
         with pytest.raises(CodecError) as err:

@@ -16,7 +16,7 @@ from edgeflow import zoo
 from edgeflow.datasets import dirichlet_partition, load_digits
 from edgeflow.errors import ConfigError
 from edgeflow.federated import Client
-from edgeflow.federated.messages import TrainConfig
+from edgeflow.protocol.rounds import TrainConfig
 from edgeflow.gateway.ingest import IngestPool, IngestStore, SharedIngest, WorkerConfig, shared_filter
 from edgeflow.gateway.rounds import Candidate, RoundConfig, RoundManager
 from edgeflow.gateway.store import GatewayStore

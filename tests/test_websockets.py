@@ -212,7 +212,7 @@ def test_federated_round_over_wss_on_the_generated_fleet_broker(tmp_path) -> Non
     from edgeflow.datasets import dirichlet_partition, load_digits
     from edgeflow.device.credentials import DeviceCredentials
     from edgeflow.federated import Client
-    from edgeflow.federated.messages import TrainConfig
+    from edgeflow.protocol.rounds import TrainConfig
     from edgeflow.gateway.rounds import Candidate, RoundConfig, RoundManager
     from edgeflow.gateway.store import GatewayStore
 

@@ -25,11 +25,13 @@ import numpy as np
 import pytest
 
 from edgeflow.codecs import decode_update
-from edgeflow.device.messages import ACK_CONTEXT, BIRTH_CONTEXT, Command, Death, OtaOffer, open_signed
+from edgeflow.protocol.fleet import ACK_CONTEXT, BIRTH_CONTEXT, Command, Death
+from edgeflow.protocol.ota import OtaOffer
+from edgeflow.protocol.signed_json import open_signed
 from edgeflow.errors import CodecError, SignatureError
-from edgeflow.federated import secure
-from edgeflow.federated.messages import RoundAnnouncement
-from edgeflow.gateway import secagg_wire
+from edgeflow.protocol import secagg_wire as secure
+from edgeflow.protocol.rounds import RoundAnnouncement
+from edgeflow.protocol import secagg_wire
 from edgeflow.ota import verify_artifact
 from edgeflow.signing import KeyRing, PrivateKey
 from edgeflow.transport.chunking import Reassembler, parse_chunk
@@ -226,7 +228,8 @@ def test_the_generator_is_deterministic() -> None:
 def test_the_guard_catches_a_format_change_without_a_version_bump(stored, monkeypatch, change) -> None:
     from edgeflow.codecs import envelope, fp16
     from edgeflow.codecs.dense import DenseCodec
-    from edgeflow.federated import messages
+    from edgeflow.protocol import rounds as messages
+    from edgeflow.protocol import signed_json
     from edgeflow.transport import chunking
 
     if change == "codec id":
@@ -247,7 +250,7 @@ def test_the_guard_catches_a_format_change_without_a_version_bump(stored, monkey
         monkeypatch.setattr(fp16.Fp16Codec, "encode", truncating)
     elif change == "signed json":
         real_dumps = json.dumps
-        monkeypatch.setattr(messages.json, "dumps", lambda obj, **kw: real_dumps(obj, **{**kw, "separators": (", ", ": ")}))
+        monkeypatch.setattr(signed_json.json, "dumps", lambda obj, **kw: real_dumps(obj, **{**kw, "separators": (", ", ": ")}))
     elif change == "round body":
         real_body = messages.RoundAnnouncement.to_body
         monkeypatch.setattr(messages.RoundAnnouncement, "to_body", lambda self: {**real_body(self), "extra": 1})

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 ORDER = 60
 
-CRASH_ENV = "EDGEFLOW_OTA_CRASH_AT"
-
 
 def register(sub) -> None:
     p = sub.add_parser(
@@ -46,7 +44,6 @@ def _participant_factory(path: str):
 
 
 def cmd(args) -> int:
-    import os
     import signal
     import sys
     import threading
@@ -69,7 +66,6 @@ def cmd(args) -> int:
         opts.memory_budget_mb = args.memory_budget_mb
     if args.backend:
         opts.backend = args.backend
-    opts.crash_at = os.environ.get(CRASH_ENV) or None
     opts.train = not args.no_train
     factory = _participant_factory(args.train_data) if args.train_data else None
     agent = DeviceAgent.from_credentials(args.credentials, broker=args.broker, profile=args.profile,

@@ -15,7 +15,7 @@ import pkgutil
 import sys
 import traceback
 
-from .. import __version__
+from .._version import __version__
 from ..errors import EdgeflowError
 
 EPILOG = """\

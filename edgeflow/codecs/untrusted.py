@@ -11,7 +11,7 @@ with one :class:`~edgeflow.errors.CodecError` (``reason`` "bad_message")
 that names what was wrong.
 
 Shared by the gateway (rounds, updates' metadata) and the fleet protocol
-(:mod:`edgeflow.device.messages`); imports nothing but the standard library
+(:mod:`edgeflow.protocol`); imports nothing but the standard library
 and :mod:`edgeflow.errors`, so any layer may use it.
 """
 

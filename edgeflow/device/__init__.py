@@ -3,11 +3,11 @@
 - :class:`DeviceAgent` (:mod:`.agent`): birth/death, telemetry, inference,
   signed commands and OTA deployment with A/B slots and rollback;
 - :func:`predict` (:mod:`.api`): in-process inference on the deployed model;
-- :mod:`.messages`: the wire protocol shared with the gateway;
 - :mod:`.slots`, :mod:`.health`, :mod:`.telemetry`, :mod:`.credentials`.
 
-Imports are lazy so that ``import edgeflow.device.messages`` (the gateway
-does) does not pull in the runtime.
+The wire protocol shared with the gateway is :mod:`edgeflow.protocol`
+(:mod:`~edgeflow.protocol.fleet`, :mod:`~edgeflow.protocol.ota`). Imports are
+lazy so that ``import edgeflow.device`` does not pull in the runtime.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ What it does, on the transport it is given (one :class:`MqttTransport`):
   agent clears its retained death and publishes a retained, signed birth
   (profile, versions, model version, public key, that ``bdseq``), so the
   gateway can tell a stale will from a live device, also after a
-  broker-side timeout (see :mod:`edgeflow.device.messages`). A clean
+  broker-side timeout (see :mod:`edgeflow.protocol.fleet`). A clean
   :meth:`DeviceAgent.stop` publishes a signed death itself.
 - **telemetry** every ``telemetry_interval_s``: latency p50/p95 of the
   inferences since the last report, RSS, CPU, queue depth, battery.
@@ -37,9 +37,8 @@ OTA and power cuts: see :mod:`edgeflow.device.slots` for the argument. The
 journal ``pending.json`` is written before the first byte is staged and
 removed after the ack, so an agent restarted mid-deploy acknowledges the
 interrupted command with what it actually runs now (``restarted: true``).
-For crash tests, ``AgentOptions.crash_at`` (the CLI reads
-``EDGEFLOW_OTA_CRASH_AT``) makes the process ``os._exit`` right after one of
-the steps in :data:`CRASH_POINTS`.
+Each step is an ``ota.<step>`` fault point of :mod:`edgeflow.faults`: crash tests
+(``EDGEFLOW_FAULTS=ota.staged``) make the process die right after it.
 """
 
 from __future__ import annotations
@@ -61,39 +60,25 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from ..errors import CodecError, EdgeflowError, FleetError, SignatureError
+from ..faults import fault_point
 from ..ota import Artifact, verify_artifact
 from ..profiles import BACKENDS, DeviceProfile, get_profile
+from ..protocol.fleet import BIRTH_CONTEXT, COMMANDS, Ack, Birth, Command, Death, decode_tensor, encode_tensor
+from ..protocol.ota import OtaOffer
+from ..protocol.signed_json import loads, peek_signed, sign_body
 from ..signing import PublicKey, Signer
 from ..transport.base import Transport
 from ..transport.message import ConnectionEvent, Message
 from ..transport.topics import device_topic
 from .health import HealthReport, check_model, load_runtime
-from .messages import (
-    BIRTH_CONTEXT,
-    COMMANDS,
-    Ack,
-    Birth,
-    Command,
-    Death,
-    OtaOffer,
-    decode_tensor,
-    encode_tensor,
-    loads,
-    peek_signed,
-    sign_body,
-)
 from .replay import SeenCommands
 from .slots import ActiveModel, SlotStore
 from .telemetry import TelemetryCollector
 
-__all__ = ["CRASH_POINTS", "AgentOptions", "DeviceAgent", "Participant", "ParticipantFactory"]
+__all__ = ["AgentOptions", "DeviceAgent", "Participant", "ParticipantFactory"]
 
 log = logging.getLogger("edgeflow.device")
 
-CRASH_POINTS = ("received", "staging", "staged", "checked", "swapped", "loaded")
-"""OTA steps after which ``crash_at`` kills the process: verified in memory; half the artifact
-written; artifact on disk; health check done; pointer swapped; new model serving (ack not sent)."""
-CRASH_EXIT_CODE = 86
 
 
 @runtime_checkable
@@ -128,8 +113,6 @@ class AgentOptions:
     infer_queue: int = 64
     clock_skew_s: float = 120.0
     """Commands are accepted until ``expires + clock_skew_s`` (device clocks drift)."""
-    crash_at: str | None = None
-    """Test hook: ``os._exit`` right after this OTA step (one of CRASH_POINTS)."""
     train: bool = True
     """Take part in federated rounds whenever this board can: a training participant (training data),
     a model that trains (fp32, or a quantized model that came with its fp32 master) and a profile that
@@ -248,7 +231,7 @@ def _versions() -> dict[str, str]:
     import platform
     from importlib import metadata
 
-    from .. import __version__
+    from .._version import __version__
 
     out = {"edgeflow": __version__, "python": platform.python_version()}
     for dist in ("numpy", "onnx", "onnxruntime"):
@@ -296,8 +279,6 @@ class DeviceAgent:
         self._owner_opted_out = not self.options.train
         """Started with ``train=False`` (``edgeflow device --no-train``): no command turns training on."""
         self._load_config()
-        if self.options.crash_at is not None and self.options.crash_at not in CRASH_POINTS:
-            raise FleetError(f"crash_at {self.options.crash_at!r} is not one of {', '.join(CRASH_POINTS)}")
         self.make_participant = make_participant
         self.telemetry = TelemetryCollector(battery_file=self.options.battery_file, battery_fn=battery_fn)
         self._topic = {ch: device_topic(fleet, device_id, ch).value
@@ -497,6 +478,7 @@ class DeviceAgent:
             try:
                 st = p.status()
             except Exception:  # noqa: BLE001 - a participant's status must not break the agent
+                log.warning("participant status failed; the training state is reported without it", exc_info=True)
                 st = {}
             if st.get("state") == "model_mismatch":
                 return "model_mismatch", str(st.get("detail", "the gateway's model does not fit the deployed one"))
@@ -618,7 +600,7 @@ class DeviceAgent:
                     part["last_error"] = str(errors[-1])
                 body["participant"] = part
             except Exception:  # noqa: BLE001 - telemetry must not die with the participant
-                pass
+                log.debug("participant status failed; telemetry goes out without it", exc_info=True)
         return body
 
     def _telemetry_loop(self) -> None:
@@ -786,6 +768,7 @@ class DeviceAgent:
             try:
                 out["participant"] = part.status()
             except Exception as exc:  # noqa: BLE001
+                log.warning("participant status failed: %s: %s", type(exc).__name__, exc)
                 out["participant"] = {"error": str(exc)}
         return out
 
@@ -870,6 +853,7 @@ class DeviceAgent:
                         p.start()
                         self._participant = p
                     except Exception as exc:  # noqa: BLE001 - any failure to build a trainer is "untrainable", said once
+                        log.debug("participant for v%s not built", self.model_version, exc_info=True)
                         v = self.model_version
                         state = ("untrainable", f"v{v} cannot be trained here: {type(exc).__name__}: {exc}")
             changed = state != self._train_state
@@ -967,10 +951,7 @@ class DeviceAgent:
                 self._ops_busy.discard(cmd.id)
 
     def _hook(self, step: str) -> None:
-        if self.options.crash_at == step:
-            log.warning("%s: crash_at=%s: exiting now (test hook)", self.device_id, step)
-            logging.shutdown()
-            os._exit(CRASH_EXIT_CODE)
+        fault_point(f"ota.{step}")
 
     def _on_ota(self, msg: Message) -> None:
         if self._stop.is_set():
@@ -1203,4 +1184,5 @@ class DeviceAgent:
                 self._reply({"id": rid, "ok": True, "model_version": self.model_version, "latency_ms": ms,
                              "outputs": {k: encode_tensor(np.asarray(v)) for k, v in outs.items()}}, msg)
             except Exception as exc:  # noqa: BLE001 - every request gets an answer
+                log.warning("inference request %s failed: %s: %s", rid, type(exc).__name__, exc)
                 self._reply({"id": rid, "ok": False, "error": f"{type(exc).__name__}: {exc}"}, msg)

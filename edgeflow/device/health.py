@@ -18,6 +18,7 @@ random input and requires finite outputs, the weakest useful test.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,8 @@ import numpy as np
 from ..errors import EdgeflowError
 from ..ota import Golden
 from ..profiles import DeviceProfile
+
+log = logging.getLogger("edgeflow.device")
 
 __all__ = ["HealthReport", "check_model", "load_runtime"]
 
@@ -86,11 +89,13 @@ def check_model(
     except EdgeflowError as exc:
         return HealthReport(False, "load", f"model does not load for profile {profile.name}: {exc}")
     except Exception as exc:  # noqa: BLE001 - any failure to load is a failed health check, with its reason
+        log.debug("health check: model does not load", exc_info=True)
         return HealthReport(False, "load", f"model does not load: {type(exc).__name__}: {exc}")
     feeds = dict(golden.inputs) if golden is not None else _random_feeds(rt)
     try:
         outputs = rt.run(feeds)
     except Exception as exc:  # noqa: BLE001 - same: report, do not crash the agent
+        log.debug("health check: model fails on the golden input", exc_info=True)
         return HealthReport(False, "golden", f"model fails on the golden input: {type(exc).__name__}: {exc}",
                             backend=rt.backend_name)
     worst = 0.0

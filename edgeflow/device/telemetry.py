@@ -13,6 +13,7 @@ unit).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -24,6 +25,8 @@ from typing import Any
 import numpy as np
 
 from ..timing import peak_rss_bytes
+
+log = logging.getLogger("edgeflow.device")
 
 __all__ = ["TelemetryCollector", "read_battery", "rss_bytes"]
 
@@ -109,6 +112,7 @@ class TelemetryCollector:
                 value = self.battery_fn()
                 level = None if value is None else float(value)
             except Exception:  # noqa: BLE001 - a broken battery callback must not stop telemetry
+                log.debug("battery callback failed; battery level unknown", exc_info=True)
                 level = None
         elif self.battery_file:
             level, charging = read_battery(self.battery_file)

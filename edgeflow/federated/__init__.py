@@ -1,11 +1,12 @@
 """edgeflow.federated: the device side of federated learning.
 
 :class:`Client` takes part in the gateway's rounds (see
-:mod:`edgeflow.gateway.rounds` for the other side); :mod:`.messages` holds
-the signed round announcement both sides share.
+:mod:`edgeflow.gateway.rounds` for the other side); :mod:`.secagg_client`
+is a device's side of secure aggregation. The messages both sides share are
+:mod:`edgeflow.protocol` (:mod:`edgeflow.protocol.rounds`).
 """
 
+from ..protocol.rounds import RoundAnnouncement, TrainConfig
 from .client import Client, ClientStats
-from .messages import RoundAnnouncement, TrainConfig, open_json, sign_json
 
-__all__ = ["Client", "ClientStats", "RoundAnnouncement", "TrainConfig", "open_json", "sign_json"]
+__all__ = ["Client", "ClientStats", "RoundAnnouncement", "TrainConfig"]

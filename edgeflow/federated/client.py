@@ -38,9 +38,10 @@ import numpy as np
 from ..codecs import ErrorFeedback, decode_update, encode_update
 from ..errors import CodecError, EdgeflowError, SignatureError
 from ..signing import KeyRing, PublicKey, Signer
+from ..protocol.rounds import RoundAnnouncement, TrainConfig
 from ..transport.base import Transport
 from ..transport.topics import device_topic, gateway_topic
-from .messages import RoundAnnouncement, TrainConfig
+from .numpy_client import NumPyClient, check_evaluate, check_fit
 
 log = logging.getLogger("edgeflow.federated")
 
@@ -82,6 +83,9 @@ class Client:
         model: the ONNX model to train (architecture; weights are replaced by
             the global ones each round).
         data: local ``(x, y)`` arrays.
+        app: instead of ``model`` and ``data``, your own training loop: a
+            :class:`~edgeflow.federated.numpy_client.NumPyClient` whose ``fit``
+            (and ``evaluate``) the client calls each round.
         profile: the device profile (threads, training memory budget).
         transform_update: a hook ``(delta, round_id) -> delta | None`` applied
             before encoding, for simulations of faulty or malicious devices
@@ -102,17 +106,16 @@ class Client:
         device_id: str,
         signer: Signer,
         fleet_key: PublicKey,
-        model: Any,
-        data: tuple[np.ndarray, np.ndarray],
+        model: Any = None,
+        data: tuple[np.ndarray, np.ndarray] | None = None,
         profile: Any = None,
         seed: int = 0,
         transform_update: UpdateTransform | None = None,
         delay_s: float = 0.0,
         trainer_options: Mapping[str, Any] | None = None,
         report_train_time: bool = True,
+        app: NumPyClient | None = None,
     ) -> None:
-        from ..train import Trainer  # numpy-only, but heavy: import where used
-
         if signer.device_id != device_id:
             raise EdgeflowError(f"signer is for {signer.device_id!r}, client is {device_id!r}")
         self.transport = transport
@@ -120,10 +123,32 @@ class Client:
         self.device_id = device_id
         self.signer = signer
         self.keyring = KeyRing({GATEWAY_ID: fleet_key})
-        self.x, self.y = data
-        if len(self.x) != len(self.y) or len(self.x) == 0:
-            raise EdgeflowError(f"device {device_id}: local data needs matching, non-empty x and y")
-        self.trainer = Trainer(model, profile=profile, seed=seed, **dict(trainer_options or {}))
+        self.app = app
+        self.trainer: Any = None
+        self.x: Any = None
+        self.y: Any = None
+        if app is not None:
+            if not isinstance(app, NumPyClient):
+                raise EdgeflowError(f"device {device_id}: app must be an edgeflow.NumPyClient (fit/evaluate), "
+                                    f"got {type(app).__name__}")
+            if model is not None or data is not None:
+                raise EdgeflowError(f"device {device_id}: give either app= (your own training loop) or "
+                                    "model= and data= (edgeflow's trainer), not both")
+        else:
+            from ..train import Trainer  # numpy-only, but heavy: import where used
+
+            if model is None or data is None:
+                raise EdgeflowError(f"device {device_id}: a client needs model= and data=, or app= "
+                                    "(a NumPyClient with your own training loop)")
+            self.x, self.y = data
+            if len(self.x) != len(self.y) or len(self.x) == 0:
+                raise EdgeflowError(f"device {device_id}: local data needs matching, non-empty x and y")
+            self.trainer = Trainer(model, profile=profile, seed=seed, **dict(trainer_options or {}))
+        self.last_fit: dict[str, Any] | None = None
+        """The app's last fit: ``{"round_id", "num_examples", "metrics"}`` (app clients only)."""
+        self.last_evaluate: dict[str, Any] | None = None
+        """The app's last evaluation of a global model: ``{"round_id", "loss", "num_examples", "metrics"}``."""
+        self._app_meta: dict[str, Any] = {}
         self.feedback = ErrorFeedback()
         self.transform_update = transform_update
         self.delay_s = float(delay_s)
@@ -173,7 +198,7 @@ class Client:
             try:
                 self.transport.unsubscribe(s)
             except Exception:  # the transport may already be closed
-                pass
+                log.debug("device %s: unsubscribe at stop failed (transport closed?)", self.device_id, exc_info=True)
         self._subs = []
         if self._thread is not None:
             self._thread.join(timeout)
@@ -198,6 +223,8 @@ class Client:
 
     def misfit(self, weights: Mapping[str, np.ndarray]) -> str:
         """Why ``weights`` (the gateway's global model) cannot be trained here, or ""."""
+        if self.app is not None:
+            return self._app_misfit(weights)
         known = {n: self.trainer._value(n).shape for n in self.trainer.weight_names}
         extra = sorted(set(weights) - set(known))
         if extra:
@@ -208,6 +235,23 @@ class Client:
                 return f"weight {name!r} is {tuple(np.shape(arr))} there and {tuple(known[name])} here"
         if not set(weights) & set(self.trainer.trainable_names):
             return "none of its weights is a trainable weight of the local model"
+        return ""
+
+    def _app_misfit(self, weights: Mapping[str, np.ndarray]) -> str:
+        try:
+            local = self.app.get_parameters({})
+        except Exception as exc:  # user code: report, the global model is then refused
+            log.warning("device %s: %s.get_parameters failed", self.device_id, type(self.app).__name__,
+                        exc_info=True)
+            return f"{type(self.app).__name__}.get_parameters raised {type(exc).__name__}: {exc}"
+        if local is None:
+            return ""
+        extra = sorted(set(weights) - set(local))
+        if extra:
+            return f"it has weight(s) {extra[:3]} that the local model lacks (local weights: {sorted(local)[:3]}...)"
+        for name, arr in weights.items():
+            if tuple(np.shape(arr)) != tuple(np.shape(local[name])):
+                return f"weight {name!r} is {tuple(np.shape(arr))} there and {tuple(np.shape(local[name]))} here"
         return ""
 
     def _follow_epoch(self, epoch: int, what: str) -> bool:
@@ -279,7 +323,7 @@ class Client:
 
     def _on_secagg(self, msg: Any) -> None:
         """Gateway -> devices secure-aggregation broadcasts (signed by the fleet key)."""
-        from . import secure
+        from ..protocol import secagg_wire as secure
 
         try:
             frame = secure.unseal(msg.payload, self.keyring.get(GATEWAY_ID))
@@ -312,8 +356,9 @@ class Client:
 
     def _run_secure_round(self, ann: RoundAnnouncement, weights: dict[str, np.ndarray], version: int) -> None:
         """One round under secure aggregation: the gateway only ever sees the masked sum."""
-        from ..gateway.secagg import KeyDirectory, SecAggClient, ShareBundle, UnmaskRequest
-        from . import secure
+        from ..protocol.secagg import KeyDirectory, ShareBundle, UnmaskRequest
+        from .secagg_client import SecAggClient
+        from ..protocol import secagg_wire as secure
 
         topic = str(device_topic(self.fleet, self.device_id, "secagg"))
 
@@ -372,6 +417,8 @@ class Client:
 
     def _train(self, weights: dict[str, np.ndarray], cfg: TrainConfig,
                round_id: int) -> tuple[dict[str, np.ndarray] | None, int, float]:
+        if self.app is not None:
+            return self._train_app(weights, cfg, round_id)
         from ..train import make_optimizer
 
         t = self.trainer
@@ -395,14 +442,50 @@ class Client:
             delta = self.transform_update(delta, round_id)
         return delta, len(x), hist.mean_loss
 
-    def _send(self, ann: RoundAnnouncement, delta: dict[str, np.ndarray], n: int, loss: float,
+    def _train_app(self, weights: dict[str, np.ndarray], cfg: TrainConfig,
+                   round_id: int) -> tuple[dict[str, np.ndarray] | None, int, float | None]:
+        """One round through the user's NumPyClient: evaluate the global model (if it can), fit, delta."""
+        app, name = self.app, type(self.app).__name__
+        config = {**cfg.__dict__, "codec_opts": dict(cfg.codec_opts), "round_id": round_id,
+                  "model_version": self._version}
+        meta: dict[str, Any] = {}
+        if app.evaluates:
+            try:
+                result = app.evaluate({k: v.copy() for k, v in weights.items()}, dict(config))
+            except Exception as exc:
+                raise EdgeflowError(f"{name}.evaluate raised {type(exc).__name__}: {exc}") from exc
+            loss, n_eval, metrics = check_evaluate(result, f"{name}.evaluate")
+            self.last_evaluate = {"round_id": round_id, "loss": loss, "num_examples": n_eval, "metrics": metrics}
+            meta["eval"] = {"loss": loss, "num_examples": n_eval, "metrics": metrics}
+        t0 = time.perf_counter()
+        try:
+            result = app.fit({k: v.copy() for k, v in weights.items()}, dict(config))
+        except Exception as exc:
+            raise EdgeflowError(f"{name}.fit raised {type(exc).__name__}: {exc}") from exc
+        params, n, metrics = check_fit(result, weights, f"{name}.fit")
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        self.stats.last_train_s = time.perf_counter() - t0
+        self.stats.train_s_total += self.stats.last_train_s
+        self.last_fit = {"round_id": round_id, "num_examples": n, "metrics": metrics}
+        if metrics:
+            meta["metrics"] = metrics
+        self._app_meta = meta
+        delta = {k: (params[k].astype(np.float32) - np.asarray(w, dtype=np.float32)) for k, w in weights.items()}
+        self.last_delta = delta
+        if self.transform_update is not None:
+            delta = self.transform_update(delta, round_id)
+        return delta, n, metrics.get("loss")  # None: the app reports no training loss
+
+    def _send(self, ann: RoundAnnouncement, delta: dict[str, np.ndarray], n: int, loss: float | None,
               base_version: int) -> bool:
         cfg = ann.config
         self._seq += 1
         payload = encode_update(
             delta, cfg.codec, round_id=ann.round_id, device_id=self.device_id, seq=self._seq,
             signer=self.signer, state=self.feedback, num_samples=n, rng=self._rng,
-            metadata={"loss": float(loss), "base_version": int(base_version),
+            metadata={**({} if loss is None else {"loss": float(loss)}), "base_version": int(base_version),
+                      **self._app_meta,
                       **({"train_s": round(self.stats.last_train_s, 4)} if self.report_train_time else {}),
                       **({"round_nonce": ann.nonce} if ann.nonce else {})},
             **cfg.codec_opts,

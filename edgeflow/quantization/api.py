@@ -19,6 +19,7 @@ either backend.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,8 @@ from .calibration import METHODS as CALIBRATION_METHODS
 from .calibration import collect_ranges
 from .data import CalibrationSet, DataSource, as_calibration_set, fixed_batch, full_batches
 from .report import LatencyComparison, QuantizationReport, accuracy, model_bytes, output_error
+
+log = logging.getLogger("edgeflow.quantization")
 
 METHODS = ("static", *CALIBRATION_METHODS, "dynamic", "fp16")
 ENGINES = ("auto", "ort", "numpy")
@@ -161,6 +164,7 @@ def _opset_for_int8(model: onnx.ModelProto, per_channel: bool) -> tuple[onnx.Mod
         up = version_converter.convert_version(model, QDQ_OPSET)
         up = load_model(up)
     except Exception as exc:  # noqa: BLE001 - the converter raises assorted types; per-tensor still works
+        log.warning("opset upgrade to %d failed (%s): weights per tensor", QDQ_OPSET, _one_line(exc))
         return model, False, (f"opset {opset} < {QDQ_OPSET} and the upgrade failed ({_one_line(exc)}): "
                               "weights quantized per tensor instead of per channel")
     return up, True, f"model upgraded from opset {opset} to {QDQ_OPSET} for per-channel int8 weights"

@@ -511,6 +511,7 @@ class EmbeddedBroker(_BrokerBase):
         try:
             loop.run_until_complete(boot())
         except BaseException as exc:  # noqa: BLE001 - reported to start()
+            log.debug("embedded broker failed to start: %s", exc)
             self._error = exc
             self._ready.set()
             loop.close()
@@ -577,7 +578,7 @@ async def _shutdown_amqtt(broker: Any) -> None:
             try:
                 await asyncio.wait_for(instance.wait_closed(), 2)
             except Exception:  # noqa: BLE001 - connections of dead clients may linger; the socket is closed
-                pass
+                log.debug("embedded broker: connections still closing at shutdown", exc_info=True)
     current = asyncio.current_task()
     for task in asyncio.all_tasks():
         if task is not current:

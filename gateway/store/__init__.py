@@ -21,8 +21,25 @@ from .base import (
     StoreTarget,
     open_store,
     parse_store_url,
+    register_engine,
 )
 from .migrations import MIGRATIONS, SCHEMA_VERSION
+
+
+def _sqlite() -> type[GatewayStore]:
+    from .sqlite import SqliteStore
+
+    return SqliteStore
+
+
+def _postgres() -> type[GatewayStore]:
+    from .postgres import PostgresStore
+
+    return PostgresStore
+
+
+register_engine("sqlite", _sqlite)
+register_engine("postgresql", _postgres)
 
 __all__ = [
     "MAX_SEQ",

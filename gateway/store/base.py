@@ -57,7 +57,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from edgeflow.errors import ConfigError, StateError
 from edgeflow.faults import fault_point
@@ -77,6 +77,7 @@ __all__ = [
     "StoredUpdate",
     "open_store",
     "parse_store_url",
+    "register_engine",
 ]
 
 MAX_SEQ = (1 << 63) - 1
@@ -225,14 +226,17 @@ def parse_store_url(value: Any, *, base_dir: str | os.PathLike | None = None) ->
 
 def open_store(target: Any = ":memory:", **kwargs: Any) -> "GatewayStore":
     """Open the state at ``target`` (a path, a URL or a :class:`StoreTarget`) on its engine."""
-    t = target if isinstance(target, StoreTarget) else parse_store_url(target)
-    if t.engine == "postgresql":
-        from .postgres import PostgresStore
+    return GatewayStore(target, **kwargs)
 
-        return PostgresStore(t, **kwargs)
-    from .sqlite import SqliteStore
 
-    return SqliteStore(t, **kwargs)
+ENGINES: dict[str, Callable[[], type["GatewayStore"]]] = {}
+"""Engine name -> a loader of its :class:`GatewayStore` subclass. The package
+(:mod:`edgeflow.gateway.store`) registers SQLite and PostgreSQL, so this module
+imports neither engine (no import cycle) and PostgreSQL's psycopg loads only when used."""
+
+
+def register_engine(name: str, loader: Callable[[], type["GatewayStore"]]) -> None:
+    ENGINES[name] = loader
 
 
 class Tx:
@@ -265,11 +269,10 @@ class GatewayStore:
     def __new__(cls, target: Any = ":memory:", *args: Any, **kwargs: Any) -> "GatewayStore":
         if cls is GatewayStore:
             t = target if isinstance(target, StoreTarget) else parse_store_url(target)
-            if t.engine == "postgresql":
-                from .postgres import PostgresStore as impl
-            else:
-                from .sqlite import SqliteStore as impl
-            return super().__new__(impl)  # __init__ then runs with the caller's arguments
+            loader = ENGINES.get(t.engine)
+            if loader is None:
+                raise ConfigError(f"[store] engine {t.engine!r} is not available; known: {', '.join(sorted(ENGINES))}")
+            return super().__new__(loader())  # __init__ then runs with the caller's arguments
         return super().__new__(cls)
 
     def __init__(self, target: Any = ":memory:", *, telemetry_keep: int = 500, check: bool = True,

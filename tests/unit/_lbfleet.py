@@ -19,7 +19,7 @@ import numpy as np
 from edgeflow import zoo
 from edgeflow.datasets import dirichlet_partition, load_digits
 from edgeflow.federated import Client
-from edgeflow.federated.messages import RoundAnnouncement, TrainConfig
+from edgeflow.protocol.rounds import RoundAnnouncement, TrainConfig
 from edgeflow.gateway.rounds import Candidate, RoundConfig, RoundManager, RoundMetrics
 from edgeflow.gateway.store import GatewayStore
 from edgeflow.signing import KeyRing, PrivateKey, Signer
@@ -48,7 +48,8 @@ def flat_fedavg(before: dict[str, np.ndarray], clients: list[Client]) -> dict[st
 class LoopbackFleet:
     """``devices`` clients and a gateway on ``hub`` (a new LoopbackBroker by default).
 
-    ``shards``: the clients' ``(x, y)`` (default: a Dirichlet split of digits, ``samples`` each).
+    ``shards``: the clients' ``(x, y)`` (default: a Dirichlet split of digits, ``samples`` each);
+    ``apps``: NumPyClients instead (one device each, no shards).
 
     ``candidates``: by default the devices whose transport is connected (a
     vanished device is not selected again). ``transform``: per-device
@@ -60,13 +61,16 @@ class LoopbackFleet:
                  transform: dict[int, Callable[..., Any]] | None = None,
                  fleet_key: PrivateKey | None = None, model: Any = None, prefix: str = "d",
                  rounds_factory: Callable[..., RoundManager] | None = None,
-                 shards: list[tuple[np.ndarray, np.ndarray]] | None = None, **rounds_kw: Any) -> None:
+                 shards: list[tuple[np.ndarray, np.ndarray]] | None = None,
+                 apps: list[Any] | None = None, **rounds_kw: Any) -> None:
         self.hub = hub or LoopbackBroker(name=fleet)
         self.fleet = fleet
         self.fleet_key = fleet_key or PrivateKey.generate()
         self.model = model if model is not None else zoo.digits_mlp(seed=seed)
         self.ring = KeyRing()
-        if shards is None:
+        if apps is not None:  # NumPyClients: the users' own training loops instead of edgeflow's trainer
+            shards = [None] * len(apps)
+        elif shards is None:
             split = digits()
             parts = dirichlet_partition(split.y_train, devices, alpha=1.0, seed=seed)
             shards = [(split.x_train[idx][:samples], split.y_train[idx][:samples]) for idx in parts]
@@ -77,10 +81,10 @@ class LoopbackFleet:
             self.ring.register(s.device_id, s.public_key)
             t = self.hub.transport(f"{fleet}-{prefix}{i}")
             self.transports.append(t)
+            own = {"app": apps[i]} if apps is not None else {"model": self.model, "data": data}
             self.clients.append(Client(
                 t, fleet=fleet, device_id=s.device_id, signer=s, fleet_key=self.fleet_key.public_key,
-                model=self.model, data=data, seed=i,
-                transform_update=(transform or {}).get(i)))
+                seed=i, transform_update=(transform or {}).get(i), **own))
         cfg = {"rounds": 1, "min_clients": 2, "deadline_s": 20, "max_extensions": 0, "strategy": "fedavg",
                "train": TRAIN, "wait_for_devices_s": 5.0, **(config or {})}
         self.gateway_transport = self.hub.transport(f"{fleet}-gateway")

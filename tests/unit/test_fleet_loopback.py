@@ -8,7 +8,7 @@ import json
 
 from _lbdevices import FLEET, PROFILE, lb_env, wait_until  # noqa: F401
 
-from edgeflow.device.messages import Ack, Command, Death
+from edgeflow.protocol.fleet import Ack, Command, Death
 from edgeflow.gateway.store import GatewayStore
 from edgeflow.transport.loopback import LoopbackBroker
 from edgeflow.transport.topics import device_topic

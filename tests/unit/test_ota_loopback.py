@@ -100,7 +100,7 @@ def test_an_offer_redelivered_across_a_dropped_connection_installs_once(tmp_path
 
     from _lbdevices import LoopbackFleetEnv
 
-    from edgeflow.device.messages import Ack
+    from edgeflow.protocol.fleet import Ack
     from edgeflow.transport.loopback import LoopbackBroker
 
     hub = LoopbackBroker(duplicate_qos1=lambda m: m.topic.endswith("/ota"))

@@ -32,13 +32,16 @@ import numpy as np
 
 from edgeflow.codecs import decode_update, encode_update, peek_update
 from edgeflow.codecs import envelope as envelope_mod
-from edgeflow.device import messages as device_messages
-from edgeflow.device.messages import Ack, Birth, Command, Death, OtaOffer
-from edgeflow.federated import messages as round_messages
-from edgeflow.federated import secure
-from edgeflow.federated.messages import RoundAnnouncement, TrainConfig
-from edgeflow.gateway import secagg_wire
-from edgeflow.gateway.secagg import AdvertiseKeys, MaskedInput
+from edgeflow.protocol import fleet as device_messages
+from edgeflow.protocol import ota as ota_messages
+from edgeflow.protocol.fleet import Ack, Birth, Command, Death
+from edgeflow.protocol.ota import OtaOffer
+from edgeflow.protocol import rounds as round_messages
+from edgeflow.protocol import signed_json
+from edgeflow.protocol import secagg_wire as secure
+from edgeflow.protocol.rounds import RoundAnnouncement, TrainConfig
+from edgeflow.protocol import secagg_wire
+from edgeflow.protocol.secagg import AdvertiseKeys, MaskedInput
 from edgeflow import ota
 from edgeflow.signing import PrivateKey, Signer, signing_message
 from edgeflow.transport import chunking
@@ -81,7 +84,7 @@ def _values(flat: np.ndarray) -> dict[str, Any]:
 
 def current_versions() -> dict[str, Any]:
     """Every format version the vectors depend on, read from the code (not from this file)."""
-    probe = json.loads(round_messages.sign_json({}, PrivateKey.from_bytes(FLEET_SEED), "probe/v1"))
+    probe = json.loads(signed_json.sign_body({}, PrivateKey.from_bytes(FLEET_SEED), "probe/v1"))
     return {
         "spec": SPEC_REVISION,
         "envelope": envelope_mod.VERSION,
@@ -98,7 +101,7 @@ def current_versions() -> dict[str, Any]:
         "ota_format": ota.FORMAT,
         "ota_magic": ota.MAGIC.hex(),
         "ota_context": ota.CONTEXT,
-        "ota_offer_magic": device_messages.OFFER_MAGIC.hex(),
+        "ota_offer_magic": ota_messages.OFFER_MAGIC.hex(),
     }
 
 

@@ -385,7 +385,7 @@ class NetLoop:
         try:
             client.loop_read()
         except Exception:  # noqa: BLE001 - paho may raise on a dead socket; it is being dropped anyway
-            pass
+            log.debug("reading a dropped socket failed", exc_info=True)
 
     def _shutdown_connection(self, client: paho.Client) -> None:
         if client.socket() is None:

@@ -1,61 +1,29 @@
-"""Control messages of a federated round, and signed JSON to carry them.
+"""The messages of a federated round: the announcement, the training config, an update's metadata.
 
 The gateway announces each round on the retained ``gateway/round`` topic;
 the devices trust it only if the fleet key signed it, so a misconfigured
 broker cannot let anyone start rounds or steer clients. Signed JSON keeps
 the *exact* body bytes (a JSON string inside the wrapper): the signature
 covers bytes, not a re-serialisation, so another implementation (C
-firmware) verifies without canonical-JSON rules::
-
-    {"v": 1, "ctx": "round/v1", "body": "<json text>", "key_id": "<hex>", "sig": "<hex>"}
-
-``sig`` = Ed25519 over ``signing_message(ctx, SHA-256(body bytes))``.
+firmware) verifies without canonical-JSON rules (:mod:`.signed_json`, context
+``round/v1``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..codecs.untrusted import as_int, as_number, loads_untrusted
-from ..errors import CodecError, SignatureError
-from ..signing import PrivateKey, PublicKey, signing_message
+from ..codecs.untrusted import as_int, as_number
+from ..errors import CodecError
+from ..signing import PrivateKey, PublicKey
+from .signed_json import open_signed, sign_body
+
+__all__ = ["MAX_NUM_SAMPLES", "ROUND_CONTEXT", "RoundAnnouncement", "TrainConfig", "UpdateMeta", "parse_update_meta"]
 
 ROUND_CONTEXT = "round/v1"
-MAX_CONTROL_BYTES = 1 << 20
 MAX_NUM_SAMPLES = (1 << 31) - 1
 """Largest ``num_samples`` an update may claim (the gateway caps the weight far lower, see docs/aggregation.md)."""
-
-
-def sign_json(body: dict[str, Any], key: PrivateKey, context: str) -> bytes:
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
-    digest = hashlib.sha256(text.encode("utf-8")).digest()
-    sig = key.sign(signing_message(context, digest))
-    wrapper = {"v": 1, "ctx": context, "body": text, "key_id": key.public_key.key_id.hex(), "sig": sig.hex()}
-    return json.dumps(wrapper, separators=(",", ":")).encode("utf-8")
-
-
-def open_json(data: bytes, key: PublicKey, context: str) -> dict[str, Any]:
-    """Verify and parse a signed JSON message; SignatureError/CodecError say why not."""
-    if len(data) > MAX_CONTROL_BYTES:
-        raise CodecError(f"control message of {len(data)} bytes exceeds {MAX_CONTROL_BYTES}")
-    try:
-        wrapper = loads_untrusted(data, "control message")
-        text, sig, ctx = wrapper["body"], bytes.fromhex(wrapper["sig"]), wrapper["ctx"]
-        if wrapper.get("v") != 1 or not isinstance(text, str):
-            raise ValueError("unknown version or body type")
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # CodecError is a ValueError
-        raise CodecError(f"not a signed edgeflow control message ({exc})") from None
-    if ctx != context:
-        raise SignatureError(f"message signed for {ctx!r}, expected {context!r}")
-    digest = hashlib.sha256(text.encode("utf-8")).digest()
-    key.verify(signing_message(context, digest), sig)
-    body = loads_untrusted(text, "signed body")
-    if not isinstance(body, dict):
-        raise CodecError("signed body is not a JSON object")
-    return body
 
 
 @dataclass(frozen=True)
@@ -146,11 +114,11 @@ class RoundAnnouncement:
             raise CodecError(f"malformed round announcement ({exc})") from None
 
     def sign(self, key: PrivateKey) -> bytes:
-        return sign_json(self.to_body(), key, ROUND_CONTEXT)
+        return sign_body(self.to_body(), key, ROUND_CONTEXT)
 
     @classmethod
     def verify(cls, data: bytes, key: PublicKey) -> "RoundAnnouncement":
-        return cls.from_body(open_json(data, key, ROUND_CONTEXT))
+        return cls.from_body(open_signed(data, key, ROUND_CONTEXT))
 
 
 @dataclass(frozen=True)

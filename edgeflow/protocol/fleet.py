@@ -4,14 +4,8 @@ telemetry, commands, acknowledgements, OTA offers and inference requests.
 Pure data and signing, no MQTT: the gateway's :mod:`edgeflow.gateway.fleet`
 and the agent both import it, so both ends agree by construction.
 
-Signed JSON uses the same wrapper as the federated round messages
-(:mod:`edgeflow.federated.messages`): the *exact* body text travels inside
-the wrapper, so the signature covers bytes and not a re-serialisation::
-
-    {"v": 1, "ctx": "cmd/v1", "body": "<json text>", "key_id": "<hex>", "sig": "<hex>"}
-
-with ``sig`` = Ed25519 over ``signing_message(ctx, SHA-256(body))``.
-Commands and OTA offers are signed by the fleet key (the gateway); acks,
+Every signed message uses the one wrapper of :mod:`.signed_json` (the same as
+the round announcements of :mod:`.rounds`). Commands and OTA offers are signed by the fleet key (the gateway); acks,
 births and deaths by the device key. Contexts keep one kind from being
 replayed as another.
 
@@ -47,10 +41,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
-import json
 import math
-import struct
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -58,8 +49,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import CodecError, FleetError, SignatureError
-from ..signing import PrivateKey, PublicKey, signing_message
+from ..errors import CodecError, FleetError
+from ..signing import PrivateKey, PublicKey
+from .signed_json import loads, open_signed, peek_signed, sign_body
+from .signed_json import with_reason as _reason
 
 __all__ = [
     "ACK_CONTEXT",
@@ -71,42 +64,19 @@ __all__ = [
     "Birth",
     "Command",
     "Death",
-    "OtaOffer",
     "decode_tensor",
-    "deploy_command",
     "encode_tensor",
-    "loads",
-    "open_signed",
-    "peek_signed",
-    "sign_body",
 ]
 
 CMD_CONTEXT = "cmd/v1"
 ACK_CONTEXT = "ack/v1"
 BIRTH_CONTEXT = "birth/v1"
 DEATH_CONTEXT = "death/v1"
-MAX_CONTROL_BYTES = 1 << 20
 MAX_BIRTH_BYTES = 16 * 1024
 MAX_INT = (1 << 63) - 1
-OFFER_MAGIC = b"EFOF\x01"
 
 COMMANDS = ("deploy", "rollback", "train_start", "train_stop", "set_config", "reboot", "status")
 """Commands the agent understands. ``deploy`` only arrives as an :class:`OtaOffer` on the ``ota`` channel."""
-
-
-def _reason(exc: Exception, reason: str) -> Exception:
-    exc.reason = reason  # type: ignore[attr-defined]
-    return exc
-
-
-def loads(data: bytes | str, what: str = "message") -> Any:
-    """``json.loads`` that fails only with CodecError (``reason`` "bad_message"), whatever the input."""
-    try:
-        return json.loads(data)
-    except RecursionError:
-        raise _reason(CodecError(f"{what} is nested too deeply to be JSON we accept"), "bad_message") from None
-    except (ValueError, TypeError) as exc:  # UnicodeDecodeError is a ValueError
-        raise _reason(CodecError(f"{what} is not JSON ({exc})"), "bad_message") from None
 
 
 def _int(v: Any, what: str, *, low: int = 0, high: int = MAX_INT) -> int:
@@ -131,61 +101,6 @@ def _str(v: Any, what: str, limit: int = 64, *, optional: bool = False) -> str |
     if not isinstance(v, str) or len(v) > limit:
         raise ValueError(f"{what} must be a string of at most {limit} characters")
     return v
-
-
-def sign_body(body: Mapping[str, Any], key: PrivateKey, context: str) -> bytes:
-    """The signed JSON wrapper around ``body`` (see the module docstring)."""
-    text = json.dumps(dict(body), sort_keys=True, separators=(",", ":"))
-    sig = key.sign(signing_message(context, hashlib.sha256(text.encode("utf-8")).digest()))
-    wrapper = {"v": 1, "ctx": context, "body": text, "key_id": key.public_key.key_id_hex, "sig": sig.hex()}
-    return json.dumps(wrapper, separators=(",", ":")).encode("utf-8")
-
-
-def peek_signed(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(wrapper, body) without checking the signature: to learn who claims to have sent it.
-
-    Raises CodecError with ``reason`` "bad_message" (not JSON) or "unsigned"
-    (JSON, but no signature wrapper).
-    """
-    if len(data) > MAX_CONTROL_BYTES:
-        raise _reason(CodecError(f"control message of {len(data)} bytes exceeds {MAX_CONTROL_BYTES}"), "bad_message")
-    wrapper = loads(data)
-    if not isinstance(wrapper, dict):
-        raise _reason(CodecError("message is not a JSON object"), "bad_message")
-    if "sig" not in wrapper or "body" not in wrapper:
-        raise _reason(
-            CodecError("message is not signed: expected the signed wrapper {v, ctx, body, key_id, sig}"), "unsigned"
-        )
-    text = wrapper.get("body")
-    try:
-        body = loads(text, "signed body") if isinstance(text, str) else None
-    except CodecError:
-        body = None
-    if not isinstance(body, dict):
-        raise _reason(CodecError("signed message body is not a JSON object"), "bad_message")
-    return wrapper, body
-
-
-def open_signed(data: bytes, key: PublicKey, context: str) -> dict[str, Any]:
-    """Verify and return the body; SignatureError/CodecError carry ``reason``."""
-    wrapper, body = peek_signed(data)
-    if wrapper.get("v") != 1:
-        raise _reason(CodecError(f"signed message version {wrapper.get('v')!r} is not 1"), "bad_message")
-    if wrapper.get("ctx") != context:
-        raise _reason(SignatureError(f"message signed for {wrapper.get('ctx')!r}, expected {context!r}"), "bad_signature")
-    try:
-        sig = bytes.fromhex(str(wrapper["sig"]))
-    except ValueError:
-        raise _reason(SignatureError("signature is not hex"), "bad_signature") from None
-    key_id = str(wrapper.get("key_id", ""))
-    if key_id and key_id != key.key_id_hex:
-        raise _reason(SignatureError(f"signed with key {key_id}, expected key {key.key_id_hex}"), "wrong_key")
-    digest = hashlib.sha256(str(wrapper["body"]).encode("utf-8")).digest()
-    try:
-        key.verify(signing_message(context, digest), sig)
-    except SignatureError as exc:
-        raise _reason(SignatureError(str(exc)), "bad_signature") from None
-    return body
 
 
 # --------------------------------------------------------------------- commands
@@ -377,49 +292,6 @@ class Death:
         if not isinstance(d, dict):
             raise _reason(CodecError("death message is not a JSON object"), "bad_message")
         return cls.from_body(d)
-
-
-# ---------------------------------------------------------------- OTA offers
-
-
-@dataclass(frozen=True)
-class OtaOffer:
-    """A ``deploy`` command and the artifact it installs, in one message on the device's ``ota`` topic.
-
-    Why one message: the command (signed, fresh, addressed to one device)
-    and the artifact (signed, durable, per profile) arrive together, so the
-    agent never has to match a command with an artifact that is still on
-    its way. The command's ``args["artifact_sha256"]`` binds the two.
-    Layout: magic ``EFOF\\x01`` | u32 length | signed command | artifact.
-    """
-
-    command: bytes
-    artifact: bytes
-
-    def to_bytes(self) -> bytes:
-        return OFFER_MAGIC + struct.pack(">I", len(self.command)) + self.command + self.artifact
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> OtaOffer:
-        data = bytes(data)
-        if not data.startswith(OFFER_MAGIC) or len(data) < len(OFFER_MAGIC) + 4:
-            raise _reason(CodecError("not an edgeflow OTA offer (bad magic)"), "bad_message")
-        (n,) = struct.unpack_from(">I", data, len(OFFER_MAGIC))
-        start = len(OFFER_MAGIC) + 4
-        if n > MAX_CONTROL_BYTES or start + n > len(data):
-            raise _reason(CodecError("OTA offer is truncated"), "bad_message")
-        return cls(data[start:start + n], data[start + n:])
-
-    @classmethod
-    def make(cls, command: Command, artifact: bytes, key: PrivateKey) -> OtaOffer:
-        return cls(command.sign(key), artifact)
-
-
-def deploy_command(device: str, fleet: str, artifact: bytes, *, version: int, ttl_s: float = 600.0,
-                   extra: Mapping[str, Any] | None = None) -> Command:
-    """The ``deploy`` command that goes with ``artifact`` in an :class:`OtaOffer`."""
-    args = {"artifact_sha256": hashlib.sha256(artifact).hexdigest(), "version": int(version), **dict(extra or {})}
-    return Command.make("deploy", device, fleet, args, ttl_s=ttl_s)
 
 
 # ----------------------------------------------------------------- inference
