@@ -30,7 +30,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", help="attack ids (A01..B26)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--verbose", "-v", action="store_true", help="details of held attacks too")
+    ap.add_argument("--log", help="write the fleet's log (INFO) to this file")
     args = ap.parse_args(argv)
+    import logging
+
+    if args.log:
+        logging.basicConfig(filename=args.log, level=logging.INFO,
+                            format="%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s")
+    else:
+        logging.basicConfig(level=logging.CRITICAL)
 
     from arena import Arena
     from attacks import ATTACKS, run

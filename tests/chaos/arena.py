@@ -192,8 +192,12 @@ codec = "dense"
                      raw: bool = False, wait: bool = True) -> Any:
         from edgeflow.transport.topics import device_topic
 
-        d = self.evil.transport.publish(device_topic(FLEET, EVIL, channel).value, payload, qos=qos, retain=retain,
-                                        raw=raw)
+        if "/_chunk/" in channel:
+            head, _, idx = channel.partition("/_chunk/")
+            topic = f"{device_topic(FLEET, EVIL, head).value}/_chunk/{idx}"
+        else:
+            topic = device_topic(FLEET, EVIL, channel).value
+        d = self.evil.transport.publish(topic, payload, qos=qos, retain=retain, raw=raw)
         if wait and qos:
             d.wait(15)
         return d
