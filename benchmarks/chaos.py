@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(filename=args.log, level=logging.INFO,
                             format="%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s")
     else:
-        logging.basicConfig(level=logging.CRITICAL)
+        logging.basicConfig(handlers=[logging.NullHandler()])
 
     from arena import Arena
     from attacks import ATTACKS, run

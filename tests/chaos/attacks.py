@@ -299,8 +299,6 @@ def a04_signatures(c: Checks, arena: Arena) -> None:
 
 @attack("A05", "held", "16 kinds of bad values")
 def a05_bad_values(c: Checks, arena: Arena) -> None:
-    from _secfleet import dense_sections
-
     n_sent = []
 
     def send(ann: Any) -> None:
@@ -336,7 +334,6 @@ def a05_bad_values(c: Checks, arena: Arena) -> None:
                 n_sent.append(1)
             except Exception as exc:  # noqa: BLE001 - a variant the builder itself refuses is not sent
                 c.notes.append(f"not sent: {exc}")
-        _ = dense_sections  # noqa: F841
 
     r0 = sum(v for k, v in arena.counters().items() if k.startswith(("rejected", "late")))
     m, ann, ns = _evil_round(arena, send)
@@ -689,7 +686,7 @@ def _open_fleet(arena: Arena) -> tuple[Any, Any, Any, Any]:
     return broker, fm, gt, a
 
 
-@attack("B18", "F8", "open broker: 50 fake births (and a fake canary)")
+@attack("B18", "F8", "open broker: 50 fake births (round selection, deploy targets)")
 def b18_fake_births(c: Checks, arena: Arena) -> None:
     from edgeflow.device.messages import Birth
     from edgeflow.signing import PrivateKey
@@ -710,6 +707,10 @@ def b18_fake_births(c: Checks, arena: Arena) -> None:
         time.sleep(0.5)
         c.must([r.device_id for r in fm.devices()] == [a.device_id], "fake ids were registered")
         c.must([x.device_id for x in fm.round_candidates()] == [a.device_id], "a round would select fake ids")
+        from edgeflow.gateway.ota import select_devices
+
+        targets = select_devices(fm.devices(), "all", online=fm.is_online)
+        c.must([getattr(t, "device_id", t) for t in targets] == [a.device_id], f"deploy would target {targets}")
     finally:
         for i in range(50):
             att.publish(_topic(f"fake-{i:02d}", "birth"), b"", retain=True)
