@@ -76,7 +76,7 @@ from edgeflow.signing import KeyRing, PrivateKey
 from edgeflow.transport.base import Transport
 from edgeflow.transport.topics import device_filter, device_topic, parse_topic
 
-from .store import DeviceRecord, GatewayStore
+from .store import DeviceRecord, GatewayStore, StoreError
 
 __all__ = ["FleetEvent", "FleetManager", "FleetOptions", "PendingCommand", "bounded_telemetry"]
 
@@ -667,7 +667,19 @@ class FleetManager:
         lags = []
         try:
             self.store.add_telemetry_batch(batch)  # one transaction for the whole batch
-        except Exception:  # noqa: BLE001 - a full disk (or a lost database server) must not kill the writer
+        except StoreError as exc:  # a full disk, a lost database server: one line, at most every 10 s
+            self._count("telemetry_write_errors", len(batch))
+            now = time.monotonic()
+            with self._lock:
+                last = self._counts.get("_logged_store", 0)
+                quiet = now - last < 10
+                if not quiet:
+                    self._counts["_logged_store"] = int(now)
+            if not quiet:
+                log.error("%d telemetry rows not stored (%s); further failures are counted "
+                          "(telemetry_write_errors), the registry goes on", len(batch), exc)
+            return
+        except Exception:  # noqa: BLE001 - anything else is a bug, but must not kill the writer either
             self._count("telemetry_write_errors", len(batch))
             log.exception("%d telemetry rows not stored", len(batch))
             return
