@@ -59,6 +59,7 @@ from typing import Any
 
 import numpy as np
 
+from edgeflow.bridgeconfig import UPLINK_LEVEL
 from edgeflow.device.messages import (
     ACK_CONTEXT,
     Ack,
@@ -504,6 +505,8 @@ class FleetManager:
         who = levels[2]
         if who == "gateway" or self.keyring.get(who) is not None:
             return True
+        if who == UPLINK_LEVEL and len(levels) >= 5 and levels[3] == "gateway":
+            return True  # a bridged site hears its root's (signed) model and rounds under _uplink/gateway/
         if self._reload_keyring() and self.keyring.get(who) is not None:
             return True
         self._count("transfers_unknown")

@@ -97,6 +97,9 @@ def test_the_gateway_service_filters_chunked_transfers_by_the_key_ring(fleet_env
         assert gw.transport.stats().get("reassembly_bytes", 0) == 0
         assert gw.fleet.accepts_transfer(device_topic(FLEET, dev, "update").value)
         assert not gw.fleet.accepts_transfer("edgeflow/otherfleet/dev-00/update")
+        # a bridged site hears its root's model under _uplink/gateway/ (signed by the root): accepted
+        assert gw.fleet.accepts_transfer(f"edgeflow/{FLEET}/_uplink/gateway/model")
+        assert not gw.fleet.accepts_transfer(f"edgeflow/{FLEET}/_uplink/made-up-9/update")
     finally:
         gw.stop()
 
