@@ -126,8 +126,25 @@ codec = "dense"
         if state is not None:
             cfg.state = str(state)
         self.gw = Gateway.from_config(cfg, broker=self.gw_url)
+        self._observe(self.gw.store)
         self.gw.start(timeout=30)
         return self.gw
+
+    def _observe(self, store: Any) -> None:
+        """Record every update the store accepts, (round, device) -> num_samples: a closed round's updates
+        are dropped from the state, and the last reporter's update lives there only for an instant."""
+        real = store.add_update
+        self.accepted: dict[tuple[int, str], int] = getattr(self, "accepted", {})
+
+        def add_update(round_id: int, device_id: str, seq: int, num_samples: int, envelope: bytes) -> bool:
+            ok = real(round_id, device_id, seq, num_samples, envelope)
+            if ok:
+                self.accepted.setdefault((round_id, device_id), num_samples)
+                self.accepted_envelopes[(round_id, device_id)] = envelope
+            return ok
+
+        self.accepted_envelopes: dict[tuple[int, str], bytes] = getattr(self, "accepted_envelopes", {})
+        store.add_update = add_update
 
     def stop_gateway(self) -> None:
         if self.gw is not None:
@@ -215,6 +232,9 @@ codec = "dense"
         seen: list[Any] = []
         done = threading.Event()
         before = self.gw.store.last_round_id()
+        for key in [k for k in self.accepted if k[0] > before]:  # round ids repeat after a wipe or restore
+            self.accepted.pop(key, None)
+            self.accepted_envelopes.pop(key, None)
 
         def on_round(msg: Any) -> None:
             if not msg.payload or done.is_set():

@@ -135,10 +135,6 @@ def _delta(arena: Arena, scale: float = 1e-3, seed: int = 7) -> dict[str, np.nda
     return {k: (scale * rng.standard_normal(v.shape)).astype(np.float32) for k, v in arena.gw.rounds.weights.items()}
 
 
-def _stored(arena: Arena, round_id: int) -> dict[str, Any]:
-    return {u.device_id: u for u in arena.gw.store.updates(round_id)}
-
-
 def _ok(m: list[Any]) -> bool:
     """The round produced a model (a failed round returns metrics too, marked failed)."""
     return bool(m) and not m[0].extra.get("failed")
@@ -168,39 +164,29 @@ def _junk_chunk(total: int, index: int = 0, chunk_size: int = 64 * 1024, *, magi
 def _evil_round(arena: Arena, send: Callable[[Any], None]) -> tuple[list[Any], Any, int | None]:
     """One round in which the compromised device sends ``send(announcement)`` before its own honest update
     (its client waits 2.5 s). Returns the metrics, the announcement and the num_samples of the update the
-    gateway stored for the compromised device (watched while the round is open: a closed round's updates
-    are dropped), None if none."""
+    gateway accepted from the compromised device (None if none); ``arena.last_stored`` holds the round's
+    accepted envelopes by device."""
     sent = threading.Event()
-    seen: list[int] = []
 
     def on_open(ann: Any) -> None:
-        threading.Thread(target=watch, args=(ann,), daemon=True).start()
         try:
             send(ann)
         finally:
             sent.set()
 
-    def watch(ann: Any) -> None:
-        end = time.monotonic() + 40
-        while time.monotonic() < end and not closed.is_set():
-            try:
-                snap = _stored(arena, ann.round_id)
-            except Exception:  # noqa: BLE001 - the round closed meanwhile
-                snap = {}
-            if snap:
-                arena.last_stored = snap
-            if EVIL in snap and not seen:
-                seen.append(snap[EVIL].num_samples)
-            time.sleep(0.05)
-
-    closed = threading.Event()
-    arena.last_stored = {}
-    try:
-        metrics = arena.round(on_open)
-    finally:
-        closed.set()
+    metrics = arena.round(on_open)
     sent.wait(30)
-    return metrics, arena.last_announcement, (seen[0] if seen else None)
+    ann = arena.last_announcement
+    rid = ann.round_id if ann is not None else -1
+    arena.last_stored = {d: _Stored(arena.accepted[(r, d)], env) for (r, d), env in arena.accepted_envelopes.items()
+                         if r == rid}
+    return metrics, ann, arena.accepted.get((rid, EVIL))
+
+
+@dataclass
+class _Stored:
+    num_samples: int
+    envelope: bytes
 
 
 # ------------------------------------------------------------------ A01-A08: held in the original run
