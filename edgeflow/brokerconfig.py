@@ -756,6 +756,39 @@ class FleetDir:
                 _write_secret(path.with_name("device.json.tmp"), (json.dumps(creds, indent=2) + "\n").encode())
                 os.replace(path.with_name("device.json.tmp"), path)
 
+    def revoked(self) -> dict[str, Any]:
+        """Revoked devices: ``{device_id: {"ts", "key", "moved_to"}}`` (fleet.json)."""
+        return dict(self.meta().get("revoked") or {}) if self.exists else {}
+
+    def revoke(self, device_id: str) -> dict[str, Any]:
+        """Revoke a device (a stolen or compromised board): its key leaves the key ring (a gateway running
+        with the fleet directory's key ring refuses its births, updates and acks within
+        ``[fleet] keyring_reload_s``), its credentials directory moves to ``revoked/`` (so the next
+        :meth:`write_broker_config` drops its password and ACL entries), and fleet.json records it.
+        Provisioning the id again later makes a new key and password."""
+        validate_id(device_id, "device id")
+        ring = self.keyring()
+        d = self.device_dir(device_id)
+        key = ring.get(device_id)
+        if key is None and not d.exists():
+            known = ", ".join(self.devices()) or "none"
+            raise ConfigError(f"device {device_id!r} is not provisioned in {self.path} (provisioned: {known})")
+        moved = None
+        if d.exists():
+            dst = self.path / "revoked" / f"{device_id}-{int(time.time())}"
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.chmod(dst.parent, 0o700)
+            shutil.move(str(d), str(dst))
+            moved = str(dst)
+        if key is not None:
+            ring.unregister(device_id)
+            ring.save(self.keyring_path)
+        meta = self.meta()
+        rec = {"ts": time.time(), "key": key.hex if key is not None else None, "moved_to": moved}
+        meta.setdefault("revoked", {})[device_id] = rec
+        self.meta_path.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        return rec
+
     def provision(self, device_id: str, *, profile: str | None = None, broker: str | None = None,
                   overwrite: bool = False) -> Path:
         """A credentials directory for ``device_id`` under devices/, its key in the key ring.
@@ -778,4 +811,7 @@ class FleetDir:
         ring = self.keyring()
         ring.register(device_id, creds.key.public_key, replace=True)
         ring.save(self.keyring_path)
+        if device_id in (meta.get("revoked") or {}):  # provisioned again: a new key, no longer revoked
+            meta["revoked"].pop(device_id)
+            self.meta_path.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         return d

@@ -178,7 +178,8 @@ def _participant_factory(shards: dict[str, tuple[np.ndarray, np.ndarray]], seed:
         c = Client(agent.transport, fleet=agent.fleet, device_id=agent.device_id, signer=agent.signer,
                    fleet_key=agent.fleet_key, model=str(agent.train_model_path), data=shards[agent.device_id],
                    profile=agent.profile, seed=seed * 1000 + sorted(shards).index(agent.device_id),
-                   report_train_time=False)  # no timings in the updates: the same bytes on every run
+                   report_train_time=False,  # no timings in the updates: the same bytes on every run
+                   epoch_file=agent.slots.root / "gateway_epoch.json")
         created.setdefault(agent.device_id, []).append(c)
         return c
 

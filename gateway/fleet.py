@@ -8,8 +8,10 @@
   the :attr:`keyring` does not know are ignored (counted as ``*_unknown``),
   on any broker: registration is ``edgeflow fleet provision``, nothing
   else. ``keyring_loader`` (e.g. ``FleetDir.keyring``) is re-read, at most
-  every ``keyring_reload_s``, when an unknown id shows up, so devices
-  provisioned while the gateway runs are picked up without a restart;
+  every ``keyring_reload_s`` (and at once when an unknown id shows up), so
+  devices provisioned while the gateway runs are picked up without a
+  restart, and a device revoked with ``edgeflow fleet revoke`` (its key
+  removed) is refused and marked offline within ``keyring_reload_s``;
 - **liveness** from two signals: the broker's last will (a signed ``death``
   whose ``bdseq`` is not older than the newest birth; an older one is a
   stale will of an earlier session, and an unsigned or forged one is
@@ -57,6 +59,7 @@ from typing import Any
 
 import numpy as np
 
+from edgeflow.bridgeconfig import UPLINK_LEVEL
 from edgeflow.protocol.fleet import ACK_CONTEXT, Ack, Birth, Command, Death
 from edgeflow.protocol.ota import OtaOffer, deploy_command
 from edgeflow.protocol.signed_json import loads, open_signed, peek_signed
@@ -65,7 +68,7 @@ from edgeflow.signing import KeyRing, PrivateKey
 from edgeflow.transport.base import Transport
 from edgeflow.transport.topics import device_filter, device_topic, parse_topic
 
-from .store import DeviceRecord, GatewayStore
+from .store import DeviceRecord, GatewayStore, StoreError
 
 __all__ = ["FleetEvent", "FleetManager", "FleetOptions", "PendingCommand", "bounded_telemetry"]
 
@@ -469,9 +472,36 @@ class FleetManager:
             key = fresh.get(dev)
             if key is not None and self.keyring.get(dev) != key:
                 self.keyring.register(dev, key, replace=True)
-        for dev in set(self.keyring.devices()) - set(fresh.devices()):
+        gone = sorted(set(self.keyring.devices()) - set(fresh.devices()))
+        for dev in gone:
             self.keyring.unregister(dev)
+        for dev in gone:  # revoked (`edgeflow fleet revoke`): its key is refused from now on, and it is offline
+            with self._lock:
+                was = self._online.get(dev, False)
+                self._online[dev] = False
+            if was and self.options.record_registry:
+                self.store.set_online(dev, False)
+            self._count("keys_revoked")
+            log.warning("device %s is no longer provisioned (revoked): its messages are refused from now on", dev)
+            self._emit("revoked", dev, {"reason": "key removed from the fleet's key ring"})
         return True
+
+    def accepts_transfer(self, base: str) -> bool:
+        """The transport's ``accept_transfer`` hook: chunked transfers only from provisioned devices (and the
+        gateway's own topics), so made-up ids cannot take reassembly memory. Per-sender budgets
+        (:class:`edgeflow.transport.chunking.Reassembler`) bound what a provisioned one can take."""
+        levels = base.split("/")
+        if len(levels) < 4 or levels[0] != "edgeflow" or levels[1] != self.fleet:
+            return False
+        who = levels[2]
+        if who == "gateway" or self.keyring.get(who) is not None:
+            return True
+        if who == UPLINK_LEVEL and len(levels) >= 5 and levels[3] == "gateway":
+            return True  # a bridged site hears its root's (signed) model and rounds under _uplink/gateway/
+        if self._reload_keyring() and self.keyring.get(who) is not None:
+            return True
+        self._count("transfers_unknown")
+        return False
 
     def _on_birth(self, msg: Any) -> None:
         device = self._device_of(msg.topic, "birth")
@@ -631,7 +661,19 @@ class FleetManager:
         lags = []
         try:
             self.store.add_telemetry_batch(batch)  # one transaction for the whole batch
-        except Exception:  # noqa: BLE001 - a full disk (or a lost database server) must not kill the writer
+        except StoreError as exc:  # a full disk, a lost database server: one line, at most every 10 s
+            self._count("telemetry_write_errors", len(batch))
+            now = time.monotonic()
+            with self._lock:
+                last = self._counts.get("_logged_store", 0)
+                quiet = now - last < 10
+                if not quiet:
+                    self._counts["_logged_store"] = int(now)
+            if not quiet:
+                log.error("%d telemetry rows not stored (%s); further failures are counted "
+                          "(telemetry_write_errors), the registry goes on", len(batch), exc)
+            return
+        except Exception:  # noqa: BLE001 - anything else is a bug, but must not kill the writer either
             self._count("telemetry_write_errors", len(batch))
             log.exception("%d telemetry rows not stored", len(batch))
             return
@@ -646,6 +688,8 @@ class FleetManager:
 
     def _liveness_loop(self) -> None:
         while not self._stop.wait(self.options.liveness_check_s):
+            if self.keyring_loader is not None:
+                self._reload_keyring()  # rate-limited: picks up provisioning and revocations while running
             now = time.monotonic()
             expired = []
             with self._lock:

@@ -190,8 +190,10 @@ class Gateway:
         site_signer: Signer | None = None,
         root_key: PublicKey | None = None,
         uplink_transport: Transport | None = None,
+        keyring_loader: Callable[[], KeyRing] | None = None,
     ) -> None:
-        """``role`` "site" needs ``site_signer`` and ``root_key`` (and ``uplink_transport`` for a
+        """``keyring_loader`` (``FleetDir.keyring`` from :meth:`from_config`) re-reads the provisioned keys
+        while the gateway runs: new devices are picked up, revoked ones refused. ``role`` "site" needs ``site_signer`` and ``root_key`` (and ``uplink_transport`` for a
         direct uplink; None = through the site broker's bridge); "root" takes its sites
         from ``hierarchy.sites`` and their keys from ``keyring``."""
         hierarchy = hierarchy or HierarchyOptions()
@@ -203,7 +205,11 @@ class Gateway:
         self.role = role
         self.uplink_transport = uplink_transport
         self._on_round_cb = on_round
-        self.fleet = FleetManager(transport, store, fleet, fleet_key, fleet_options, keyring=keyring)
+        self.fleet = FleetManager(transport, store, fleet, fleet_key, fleet_options, keyring=keyring,
+                                  keyring_loader=keyring_loader)
+        if getattr(transport, "accept_transfer", False) is None:
+            # chunked transfers only from provisioned ids (per-sender budgets bound the rest)
+            transport.accept_transfer = self.fleet.accepts_transfer  # type: ignore[attr-defined]
         common: dict[str, Any] = dict(fleet=fleet, fleet_key=fleet_key, model=model, config=rounds,
                                       eval_data=eval_data, on_round=self._on_round)
         self.site: SiteGateway | None = None
@@ -275,7 +281,7 @@ class Gateway:
             transport, store, fleet=fleet, fleet_key=fd.fleet_key(), keyring=fd.keyring(), model=model,
             rounds=config.rounds, fleet_options=config.fleet_options,
             eval_data=load_eval(config.path(config.eval)), metrics_path=config.path(config.metrics),
-            on_round=on_round, role=config.role, hierarchy=config.hierarchy, **site,
+            on_round=on_round, role=config.role, hierarchy=config.hierarchy, keyring_loader=fd.keyring, **site,
         )
 
     # -- lifecycle ---------------------------------------------------------------

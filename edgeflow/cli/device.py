@@ -38,7 +38,8 @@ def _participant_factory(path: str):
         from ..federated import Client
 
         return Client(agent.transport, fleet=agent.fleet, device_id=agent.device_id, signer=agent.signer,
-                      fleet_key=agent.fleet_key, model=str(agent.train_model_path), data=data, profile=agent.profile)
+                      fleet_key=agent.fleet_key, model=str(agent.train_model_path), data=data, profile=agent.profile,
+                      epoch_file=agent.slots.root / "gateway_epoch.json")
 
     return make
 

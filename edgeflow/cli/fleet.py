@@ -4,7 +4,8 @@
 one, listens to the broker's retained births and deaths; ``deploy``,
 ``rollback`` and ``cmd`` connect as the ``admin`` operator, sign with the
 fleet key from the fleet directory and wait for the devices' acks;
-``provision`` creates a device's credentials directory.
+``provision`` creates a device's credentials directory, ``revoke`` takes a
+device's key and broker credentials away.
 """
 
 from __future__ import annotations
@@ -101,6 +102,13 @@ def register(sub) -> None:
     v.add_argument("--force", action="store_true", help="replace existing credentials (new key and password)")
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=cmd_provision)
+
+    rv = fs.add_parser("revoke", help="revoke a device (stolen or compromised board): the gateway refuses its key, "
+                       "the next broker config drops its password and ACL entries")
+    rv.add_argument("device")
+    rv.add_argument("--dir", default=None, help="fleet directory")
+    rv.add_argument("--json", action="store_true")
+    rv.set_defaults(func=cmd_revoke)
 
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
@@ -606,6 +614,29 @@ def cmd_provision(args) -> int:
                 "in) or provision again with --broker URL --force")
     if files is not None:
         c.print("broker password file and ACL updated: reload Mosquitto (kill -HUP <pid>)")
+    else:
+        c.print("run `edgeflow broker-config` to write the broker configuration")
+    return 0
+
+
+def cmd_revoke(args) -> int:
+    from ._common import console, emit_json
+
+    fd = _fleet_dir(args)
+    rec = fd.revoke(args.device)
+    files = fd.write_broker_config() if (fd.broker_dir / "mosquitto.conf").exists() else None
+    out = {"device": args.device, **rec, "broker_config_updated": files is not None}
+    if args.json:
+        emit_json(out)
+        return 0
+    c = console()
+    c.print(f"{args.device}: revoked; its key left {fd.keyring_path} (a running gateway refuses it within "
+            "[fleet] keyring_reload_s, 5 s by default)")
+    if rec.get("moved_to"):
+        c.print(f"  its credentials moved to {rec['moved_to']}")
+    if files is not None:
+        c.print("broker password file and ACL rewritten without it: reload Mosquitto (kill -HUP <pid>) and, to cut "
+                "a live session, restart it or disconnect the client")
     else:
         c.print("run `edgeflow broker-config` to write the broker configuration")
     return 0

@@ -26,11 +26,14 @@ thread, never on the transport's message thread.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -115,7 +118,11 @@ class Client:
         trainer_options: Mapping[str, Any] | None = None,
         report_train_time: bool = True,
         app: NumPyClient | None = None,
+        epoch_file: str | os.PathLike[str] | None = None,
     ) -> None:
+        """``epoch_file`` keeps the newest gateway epoch across restarts (the device agent passes one in its
+        state directory), so a replayed model or announcement of an older epoch stays refused after a
+        restart too."""
         if signer.device_id != device_id:
             raise EdgeflowError(f"signer is for {signer.device_id!r}, client is {device_id!r}")
         self.transport = transport
@@ -157,7 +164,8 @@ class Client:
         self._seq = time.time_ns() // 1_000_000  # monotonic across restarts
         self._weights: dict[str, np.ndarray] | None = None
         self._version = -1
-        self._epoch = 0
+        self.epoch_file = Path(epoch_file) if epoch_file is not None else None
+        self._epoch = self._load_epoch()
         self._weights_cv = threading.Condition()
         self._rounds: "queue.Queue[RoundAnnouncement | None]" = queue.Queue()
         self._done: set[tuple[int, str]] = set()
@@ -254,6 +262,33 @@ class Client:
                 return f"weight {name!r} is {tuple(np.shape(arr))} there and {tuple(np.shape(local[name]))} here"
         return ""
 
+    def _load_epoch(self) -> int:
+        if self.epoch_file is None:
+            return 0
+        try:
+            value = json.loads(self.epoch_file.read_text(encoding="utf-8")).get("gateway_epoch", 0)
+        except FileNotFoundError:
+            return 0
+        except (OSError, ValueError, AttributeError) as exc:
+            log.warning("device %s: %s unreadable (%s): starting from gateway epoch 0", self.device_id,
+                        self.epoch_file, exc)
+            return 0
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+    def _save_epoch(self) -> None:
+        if self.epoch_file is None:
+            return
+        tmp = self.epoch_file.with_name(self.epoch_file.name + ".tmp")
+        try:
+            self.epoch_file.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump({"gateway_epoch": self._epoch}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.epoch_file)
+        except OSError as exc:
+            log.warning("device %s: gateway epoch not persisted to %s: %s", self.device_id, self.epoch_file, exc)
+
     def _follow_epoch(self, epoch: int, what: str) -> bool:
         """False (refuse) for an older gateway epoch; a newer one resets the model version seen.
         Call with ``_weights_cv`` held."""
@@ -269,6 +304,7 @@ class Client:
             self._epoch = epoch  # rounds done stay done: a resumed round keeps its nonce
             self._version = -1
             self._weights = None
+            self._save_epoch()
         return True
 
     # -- handlers (transport worker thread: keep them short) ---------------

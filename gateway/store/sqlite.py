@@ -13,7 +13,7 @@
   a claim takes, so contending workers would spend more time asleep than
   writing (benchmarks/round_scaling.py, 2 workers on 2 cores: about 1.65x one
   worker's rate without this lock, 1.9x with it).
-- Damage is detected on open: ``PRAGMA quick_check`` and the SHA-256 of the
+- Damage is detected on open: ``PRAGMA integrity_check`` and the SHA-256 of the
   latest model; a truncated, overwritten or non-SQLite file raises one
   :class:`~edgeflow.errors.StateError` line that names the file and the
   recovery path (docs/security.md), never a raw traceback.
@@ -68,9 +68,9 @@ class SqliteStore(GatewayStore):
     def _prepare(self, existed: bool, check: bool) -> None:
         db = self._db
         if existed and check:
-            problems = [r[0] for r in db.execute("PRAGMA quick_check(5)").fetchall()]
+            problems = [r[0] for r in db.execute("PRAGMA integrity_check(5)").fetchall()]
             if problems != ["ok"]:
-                raise StateError(f"gateway state {self.path} is damaged (SQLite quick_check: "
+                raise StateError(f"gateway state {self.path} is damaged (SQLite integrity_check: "
                                  f"{'; '.join(' '.join(str(p).split()) for p in problems)[:300]}): {RECOVERY}")
         if self.target.path != ":memory:":
             db.execute("PRAGMA journal_mode=WAL")

@@ -48,6 +48,7 @@ from edgeflow.transport.backoff import Backoff
 from edgeflow.transport.base import WillSpec
 from edgeflow.transport.message import ConnectionEvent, TlsConfig
 from edgeflow.transport.mqtt.dispatch import Dispatcher, Inbound
+from edgeflow.transport.topics import CHUNK_LEVEL, retained_chunks_allowed
 from edgeflow.transport.mqtt.options import (
     FATAL_CONNACK,
     PUBACK_HINTS,
@@ -674,7 +675,7 @@ class NetLoop:
         if not items:
             return
         if self.protocol == V5:
-            req: list[tuple[str, object]] = [(f, SubscribeOptions(qos=q)) for f, q in items]
+            req: list[tuple[str, object]] = [(f, SubscribeOptions(qos=q, retainAsPublished=_rap(f))) for f, q in items]
         else:
             req = list(items)  # type: ignore[arg-type]
         rc, mid = self.client.subscribe(req)  # type: ignore[arg-type]
@@ -747,3 +748,19 @@ class NetLoop:
         """Acknowledge a handled QoS 1 message (network thread), if its connection still stands."""
         if raw.qos and self.link.up and raw.generation == self.link.generation and self.client is not None:
             self.client.ack(raw.mid, raw.qos)
+
+
+def _rap(filter: str) -> bool:
+    """Subscribe ``filter`` with MQTT 5's retain-as-published? Only the chunk filters of channels that never
+    carry retained chunks (every device channel): a device that publishes retained junk chunks there is then
+    seen doing it live too (the flag is kept), so the receiver refuses the chunk and clears the topic at the
+    broker at once instead of only when it next subscribes. Honest traffic there is never retained."""
+    tail = f"/{CHUNK_LEVEL}/+"
+    if not filter.endswith(tail) or filter.startswith("$share/"):
+        return False
+    levels = filter[: -len(tail)].split("/")
+    if len(levels) >= 3 and levels[2] == "+":
+        levels[2] = "x"  # any device: the channel decides
+    if "+" in levels or "#" in levels:
+        return False
+    return not retained_chunks_allowed("/".join(levels))
