@@ -166,6 +166,37 @@ def _opset_for_int8(model: onnx.ModelProto, per_channel: bool) -> tuple[onnx.Mod
     return up, True, f"model upgraded from opset {opset} to {QDQ_OPSET} for per-channel int8 weights"
 
 
+def preprocess_graph(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
+    """The graph optimizer's portable passes before planning (``edgeflow.optimize``).
+
+    Paddle and TF exports hold their weights in Constant nodes and wrap
+    Conv in BatchNormalization; as initializers, folded into the Conv, the
+    weights are what int8 quantizes. Shape subgraphs fixed by ``--shape``
+    fold away too. Returns the model and a note of what changed (None when
+    nothing did).
+    """
+    from ..optimize import optimize
+
+    try:
+        res = optimize(model)
+    except EdgeflowError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a pass that fails leaves the model as it came
+        return model, f"graph preprocessing skipped ({_one_line(exc)})"
+    r = res.report
+    if r.nodes_after == r.nodes_before and r.before == r.after:
+        return model, None
+    done = []
+    for what, key in (("Constant", "Constant"), ("BatchNormalization", "BatchNormalization"),
+                      ("Identity", "Identity"), ("Shape", "Shape")):
+        gone = r.before.get(key, 0) - r.after.get(key, 0)
+        if gone > 0:
+            done.append(f"{gone} {what}")
+    detail = f" ({', '.join(done)} removed)" if done else ""
+    return load_model(res.model), (f"graph preprocessed: {r.nodes_before} -> {r.nodes_after} nodes{detail}: "
+                                   "Constant weights as initializers, constants and BatchNormalization folded")
+
+
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:300]
 
@@ -192,6 +223,7 @@ def quantize(
     seed: int = 0,
     output: str | os.PathLike | None = None,
     preprocess: "ImagePrep | AudioPrep | str | os.PathLike | None" = None,
+    optimize_graph: bool = True,
 ) -> QuantizedModel:
     """Quantize ``model`` for ``profile``; see the module docstring.
 
@@ -208,20 +240,26 @@ def quantize(
     saved to ``output`` when given. ``calibration`` / ``eval_data`` may be a
     folder of images or .wav files, read with ``preprocess`` (an
     :class:`~edgeflow.preprocess.ImagePrep` / ``AudioPrep`` or a TOML file;
-    default: from the model's input shape).
+    default: from the model's input shape). ``optimize_graph`` runs the graph
+    optimizer first (Constant-node weights, folding, BatchNormalization).
     """
     if engine not in ENGINES:
         raise QuantizationError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
     if batch_size < 1:
         raise QuantizationError(f"batch_size must be >= 1, got {batch_size}")
     src = copy.deepcopy(model) if isinstance(model, onnx.ModelProto) else model
-    fp32 = name_nodes(load_model(src))
+    fp32 = load_model(src)
     prof = get_profile(profile)
     kind, calib = resolve_method(method, prof)
+    notes: list[str] = []
+    if optimize_graph:
+        fp32, note = preprocess_graph(fp32)
+        if note:
+            notes.append(note)
+    fp32 = name_nodes(fp32)
     inputs = graph_inputs(fp32)
     per_channel = prof.quantization.weights == "per-channel"
     activations = prof.quantization.activations
-    notes: list[str] = []
     if kind != "fp16":
         fp32, per_channel, note = _opset_for_int8(fp32, per_channel)
         if note:
