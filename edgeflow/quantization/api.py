@@ -197,6 +197,53 @@ def preprocess_graph(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | Non
                                    "Constant weights as initializers, constants and BatchNormalization folded")
 
 
+def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss, fallback, per_channel, cal, calib,
+           percentile, activations, batch, rounds, seed, inputs):
+    """The bench-gated choice (:mod:`.gate`): the model it picked and the decision."""
+    from ..runtime import load
+    from .gate import Trial, choose, layer_groups, loss_percent, time_pair, weight_only_int8
+
+    feeds = _latency_feeds(inputs, ev, batch, seed)
+    ref = evaluator.predict(fp32, ev)
+    rt32 = load(fp32, prof, backend=backend, batch_size=batch, allow_over_budget=True)
+    built: dict[frozenset, onnx.ModelProto] = {}
+    base: dict[str, float] = {}
+
+    def measure(kept: frozenset) -> Trial:
+        m = built.get(kept)
+        if m is None:
+            m = built[kept] = build(kept)
+        rt = load(m, prof, backend=backend, batch_size=batch, allow_over_budget=True)
+        t32, t8 = time_pair(lambda: rt32.run(feeds), lambda: rt.run(feeds), rounds=rounds)
+        base.setdefault("fp32", t32)
+        return Trial(kept, t8 * base["fp32"] / t32, loss_percent(ref, evaluator.predict(m, ev), labels))
+
+    sens_box: list = []
+
+    def sensitivity() -> list[str]:
+        from .qdq import tensor_qparams
+        from .sensitivity import layer_sensitivity
+
+        ranges = collect_ranges(fp32, plan.calibrated_tensors, cal, evaluator.runner, method=calib,
+                                percentile=percentile, batch_size=evaluator.batch_size)
+        qp = tensor_qparams(plan, ranges, activations)
+        sens_box[:] = layer_sensitivity(fp32, plan, qp, ev, ref, evaluator.predict, labels=labels,
+                                        per_channel=per_channel)
+        return [s.node for s in sens_box]
+
+    targets = [t.node for t in plan.targets]
+    first = measure(frozenset())
+    decision = choose(targets, layer_groups(fp32, targets), lambda k: first if not k else measure(k),
+                      base["fp32"], sensitivity, max_loss=max_loss, fallback=fallback, backend=backend)
+    decision.sensitivity = list(sens_box)
+    if decision.choice == "int8":
+        kept = frozenset(n for n in decision.kept_fp32)
+        return built[kept], decision
+    if decision.choice == "weight-only":
+        return load_model(weight_only_int8(fp32, targets, per_channel)), decision
+    return copy.deepcopy(fp32), decision
+
+
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:300]
 
@@ -224,6 +271,9 @@ def quantize(
     output: str | os.PathLike | None = None,
     preprocess: "ImagePrep | AudioPrep | str | os.PathLike | None" = None,
     optimize_graph: bool = True,
+    max_loss: float | None = None,
+    fallback: str = "weight-only",
+    gate_rounds: int = 5,
 ) -> QuantizedModel:
     """Quantize ``model`` for ``profile``; see the module docstring.
 
@@ -242,6 +292,13 @@ def quantize(
     :class:`~edgeflow.preprocess.ImagePrep` / ``AudioPrep`` or a TOML file;
     default: from the model's input shape). ``optimize_graph`` runs the graph
     optimizer first (Constant-node weights, folding, BatchNormalization).
+
+    ``max_loss`` (percent; see :mod:`.gate`) turns on the bench-gated
+    choice for static int8: int8 is timed against fp32 on the profile's
+    backend, kinds of layers that are slower in int8 and the layers that
+    cost the most accuracy stay fp32, and where no int8 model is faster the
+    result is ``fallback`` (``"weight-only"`` int8 or ``"fp32"``);
+    ``report.gate`` says what was chosen and why.
     """
     if engine not in ENGINES:
         raise QuantizationError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
@@ -336,24 +393,41 @@ def quantize(
             notes.append(note)
 
     ranges = qparams = None
+    gate = None
     if kind == "static":
         assert plan is not None and cal is not None
-        if engine == "ort":
-            qm = ort_backend.quantize_static_ort(
-                fp32, cal, method=calib, activations=activations, per_channel=per_channel,
-                exclude=list(plan.kept_fp32), percentile=percentile, batch_size=fixed or batch_size,
-                fixed=fixed is not None, qoperator=prof.quantization.format == "qoperator",
-            )
-        else:
-            from .qdq import insert_qdq, tensor_qparams
+        if engine == "numpy":
+            from .qdq import tensor_qparams
 
             ranges = collect_ranges(fp32, plan.calibrated_tensors, cal, evaluator.runner, method=calib,
                                     percentile=percentile, batch_size=fixed or batch_size)
             qparams = tensor_qparams(plan, ranges, activations)
-            qm, more = insert_qdq(fp32, plan, qparams, per_channel=per_channel)
-            notes += more
             if prof.quantization.format == "qoperator":
                 notes.append("the profile asks for QOperator format; the numpy engine writes QDQ (same arithmetic)")
+
+        def build(extra: frozenset = frozenset()) -> onnx.ModelProto:
+            if engine == "ort":
+                return ort_backend.quantize_static_ort(
+                    fp32, cal, method=calib, activations=activations, per_channel=per_channel,
+                    exclude=list(plan.kept_fp32) + sorted(extra), percentile=percentile,
+                    batch_size=fixed or batch_size, fixed=fixed is not None,
+                    qoperator=prof.quantization.format == "qoperator",
+                )
+            from .qdq import insert_qdq
+
+            sub = plan if not extra else plan.subset([t.node for t in plan.targets if t.node not in extra], fp32)
+            qm_, more = insert_qdq(fp32, sub, {k: qparams[k] for k in sub.quantized_tensors}, per_channel=per_channel)
+            if not extra:
+                notes.extend(more)
+            return qm_
+
+        if max_loss is None:
+            qm = build()
+        else:
+            qm, gate = _gated(fp32, plan, build, prof, be, evaluator, ev if ev is not None else cal, ev_labels,
+                              max_loss=max_loss, fallback=fallback, per_channel=per_channel, cal=cal, calib=calib,
+                              percentile=percentile, activations=activations, batch=fixed or 1,
+                              rounds=gate_rounds, seed=seed, inputs=inputs)
     elif kind == "dynamic":
         assert plan is not None
         if engine == "ort":
@@ -382,6 +456,18 @@ def quantize(
         kept_fp32=dict(plan.kept_fp32) if plan else {},
         notes=notes,
     )
+    if gate is not None:
+        report.gate = gate
+        report.kept_fp32.update(gate.kept_fp32)
+        if gate.choice == "int8":
+            report.quantized_nodes = [n for n in report.quantized_nodes if n not in gate.kept_fp32]
+        else:
+            report.activations = "float32 (weight-only int8)" if gate.choice == "weight-only" else None
+            report.weights = "int8 (weight-only)" if gate.choice == "weight-only" else "float32"
+            if gate.choice == "fp32":
+                report.quantized_nodes = []
+        if gate.sensitivity:
+            report.sensitivity = gate.sensitivity
     if ev is not None:
         ref = evaluator.predict(fp32, ev)
         got = evaluator.predict(qm, ev)
@@ -391,7 +477,7 @@ def quantize(
             report.accuracy_quantized = accuracy(got, ev_labels)
         if sensitivity is None:
             sensitivity = ev_labels is not None and kind == "static"
-        if sensitivity and kind == "static":
+        if sensitivity and kind == "static" and not report.sensitivity:
             assert plan is not None and cal is not None
             from .qdq import tensor_qparams
             from .sensitivity import layer_sensitivity
