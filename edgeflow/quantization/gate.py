@@ -176,8 +176,9 @@ def choose(
             k *= 2
 
     int8_left = len(targets) - len(best.kept)
-    if best.loss > max_loss:
-        reason = (f"no int8 model within --max-loss {max_loss:g}% (best {best.loss:.2f}% with "
+    loss_kept = any(w.startswith("over --max-loss") for w in kept.values())
+    if best.loss > max_loss or (int8_left == 0 and loss_kept):
+        reason = (f"no int8 model within --max-loss {max_loss:g}% (loss {best.loss:.2f}% with "
                   f"{int8_left} of {len(targets)} layers int8); {fallback} chosen")
         return GateDecision(fallback, backend, fp32_ms, None, None, max_loss, kept, steps, reason)
     if int8_left == 0 or best.latency_ms * (1 + margin) >= fp32_ms:
