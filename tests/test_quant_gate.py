@@ -143,7 +143,7 @@ def _consistent(result, fallback="weight-only"):
         assert "QuantizeLinear" not in ops and "DequantizeLinear" in ops
     else:
         assert "DequantizeLinear" not in ops
-    assert d.steps and d.steps[0].startswith("all ")
+    assert any(s.startswith("all ") for s in d.steps)
     assert d.reason in result.report.format()
     assert result.report.to_dict()["gate"]["choice"] == d.choice
 
@@ -189,9 +189,10 @@ def test_real_ocr_classifier_with_constant_weights_is_gated_on_onnxruntime():
     pytest.importorskip("onnxruntime")
     from edgeflow import model_suite
 
-    feeds = np.concatenate([model_suite.build_inputs("ocr-cls-ppocr-mobile-v2", s)["x"] for s in range(6)])
+    feeds = np.concatenate([model_suite.build_inputs("ocr-cls-ppocr-mobile-v2", s)["x"] for s in range(4)])
     r = edgeflow.quantize(model_suite.load("ocr-cls-ppocr-mobile-v2"), "x86-gateway", calibration=feeds,
-                          eval_data=feeds, max_loss=1.0, latency_runs=0, gate_rounds=2, batch_size=1)
+                          eval_data=feeds, max_loss=1.0, latency_runs=0, gate_rounds=1, batch_size=1)
+    assert {s.split(" format")[0] for s in r.report.gate.steps if " format, all layers" in s} == {"qdq", "qoperator"}
     assert any("Constant" in n for n in r.report.notes)  # weights were Constant nodes
     _consistent(r)
     assert r.report.error.top1_agreement == 100.0  # upright vs upside-down lines: same call as fp32

@@ -66,6 +66,7 @@ class GateDecision:
     steps: list[str] = field(default_factory=list)  # what was tried, in order
     reason: str = ""
     sensitivity: list = field(default_factory=list)  # LayerSensitivity, when it was measured
+    int8_format: str | None = None  # "qdq" | "qoperator": the int8 model's format
 
     @property
     def speedup(self) -> float | None:
@@ -77,7 +78,8 @@ class GateDecision:
         return d
 
     def format(self) -> list[str]:
-        lines = [f"  choice     {self.choice} on {self.backend}: {self.reason}"]
+        fmt = f" ({self.int8_format} format)" if self.int8_format and self.choice == "int8" else ""
+        lines = [f"  choice     {self.choice}{fmt} on {self.backend}: {self.reason}"]
         for s in self.steps:
             lines.append(f"    tried: {s}")
         return lines
