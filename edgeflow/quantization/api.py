@@ -198,7 +198,7 @@ def preprocess_graph(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | Non
 
 
 def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss, fallback, per_channel, cal, calib,
-           percentile, activations, batch, rounds, seed, inputs, formats=(None,)):
+           percentile, activations, batch, rounds, seed, inputs, formats=(None,), retry_method=None):
     """The bench-gated choice (:mod:`.gate`): the model it picked and the decision."""
     from ..runtime import load
     from .gate import Trial, choose, layer_groups, loss_percent, time_pair, weight_only_int8
@@ -209,12 +209,12 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
     built: dict[frozenset, onnx.ModelProto] = {}
     base: dict[str, float] = {}
 
-    fmt_box: list = [formats[0]]
+    fmt_box: list = [formats[0], None]  # format, calibration method (None: the profile's)
 
     def measure(kept: frozenset) -> Trial:
         m = built.get(kept)
         if m is None:
-            m = built[kept] = build(kept, fmt_box[0])
+            m = built[kept] = build(kept, fmt_box[0], fmt_box[1])
         rt = load(m, prof, backend=backend, batch_size=batch, allow_over_budget=True)
         t32, t8 = time_pair(lambda: rt32.run(feeds), lambda: rt.run(feeds), rounds=rounds)
         base.setdefault("fp32", t32)
@@ -236,30 +236,47 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
     targets = [t.node for t in plan.targets]
     fmt_steps: list[str] = []
     first = None
-    if len(formats) > 1:  # onnxruntime: QDQ and QOperator differ per model by up to 4x: measure both
+    if len(formats) > 1 or retry_method:
+        # onnxruntime: QDQ and QOperator differ per model by up to 4x, so both are measured; where
+        # MinMax ranges lose too much (one outlier coarsens a whole tensor), percentile ranges are tried.
         tried = []
-        for fmt in formats:
-            fmt_box[0] = fmt
+
+        def variant(fmt, cmethod):
+            fmt_box[:] = [fmt, cmethod]
             built.pop(frozenset(), None)
             t = measure(frozenset())
-            tried.append((t.loss > max_loss, t.latency_ms, fmt, t, built[frozenset()]))
-            fmt_steps.append(f"{fmt} format, all layers int8: {t.latency_ms:.3f} ms, loss {t.loss:.2f}%")
-        _, _, fmt, first, model = min(tried, key=lambda r: (r[0], r[1]))
-        fmt_box[0] = fmt
+            tried.append((t.loss > max_loss, t.latency_ms, (fmt, cmethod), t, built[frozenset()]))
+            fmt_steps.append(f"{fmt} format, {cmethod or calib} calibration, all layers int8: "
+                             f"{t.latency_ms:.3f} ms, loss {t.loss:.2f}%")
+
+        for fmt in formats:
+            variant(fmt, None)
+        if retry_method and all(r[0] for r in tried):
+            for fmt in formats:
+                variant(fmt, retry_method)
+        _, _, chosen, first, model = min(tried, key=lambda r: (r[0], r[1] if not r[0] else r[3].loss))
+        fmt_box[:] = list(chosen)
+        built.clear()
         built[frozenset()] = model
-        fmt_steps.append(f"{fmt} format chosen (faster)")
+        fmt_steps.append(f"{chosen[0]} format, {chosen[1] or calib} calibration chosen")
     if first is None:
         first = measure(frozenset())
     decision = choose(targets, layer_groups(fp32, targets), lambda k: first if not k else measure(k),
                       base["fp32"], sensitivity, max_loss=max_loss, fallback=fallback, backend=backend)
     decision.steps[:0] = fmt_steps
     decision.int8_format = fmt_box[0] or prof.quantization.format
+    decision.calibration = fmt_box[1] or calib
     decision.sensitivity = list(sens_box)
     if decision.choice == "int8":
         kept = frozenset(n for n in decision.kept_fp32)
         return built[kept], decision
     if decision.choice == "weight-only":
-        return load_model(weight_only_int8(fp32, targets, per_channel)), decision
+        wo = load_model(weight_only_int8(fp32, targets, per_channel))
+        rt = load(wo, prof, backend=backend, batch_size=batch, allow_over_budget=True)
+        t32, t_wo = time_pair(lambda: rt32.run(feeds), lambda: rt.run(feeds), rounds=rounds)
+        decision.reason += (f"; measured: weight-only {t_wo:.3f} ms vs fp32 {t32:.3f} ms, "
+                            f"{wo.ByteSize() / max(1, fp32.ByteSize()):.3f} of the fp32 size")
+        return wo, decision
     return copy.deepcopy(fp32), decision
 
 
@@ -424,10 +441,10 @@ def quantize(
             if prof.quantization.format == "qoperator":
                 notes.append("the profile asks for QOperator format; the numpy engine writes QDQ (same arithmetic)")
 
-        def build(extra: frozenset = frozenset(), fmt: str | None = None) -> onnx.ModelProto:
+        def build(extra: frozenset = frozenset(), fmt: str | None = None, cmethod: str | None = None) -> onnx.ModelProto:
             if engine == "ort":
                 return ort_backend.quantize_static_ort(
-                    fp32, cal, method=calib, activations=activations, per_channel=per_channel,
+                    fp32, cal, method=cmethod or calib, activations=activations, per_channel=per_channel,
                     exclude=list(plan.kept_fp32) + sorted(extra), percentile=percentile,
                     batch_size=fixed or batch_size, fixed=fixed is not None,
                     qoperator=(fmt or prof.quantization.format) == "qoperator",
@@ -445,6 +462,7 @@ def quantize(
         else:
             qm, gate = _gated(fp32, plan, build, prof, be, evaluator, ev if ev is not None else cal, ev_labels,
                               formats=("qdq", "qoperator") if engine == "ort" and be == "ort" else (None,),
+                              retry_method="percentile" if engine == "ort" and calib == "minmax" else None,
                               max_loss=max_loss, fallback=fallback, per_channel=per_channel, cal=cal, calib=calib,
                               percentile=percentile, activations=activations, batch=fixed or 1,
                               rounds=gate_rounds, seed=seed, inputs=inputs)

@@ -66,6 +66,7 @@ class GateDecision:
     steps: list[str] = field(default_factory=list)  # what was tried, in order
     reason: str = ""
     sensitivity: list = field(default_factory=list)  # LayerSensitivity, when it was measured
+    calibration: str | None = None  # the calibration method of the int8 candidates
     int8_format: str | None = None  # "qdq" | "qoperator": the int8 model's format
 
     @property
@@ -185,7 +186,7 @@ def choose(
         return GateDecision(fallback, backend, fp32_ms, None, None, max_loss, kept, steps, reason)
     if int8_left == 0 or best.latency_ms * (1 + margin) >= fp32_ms:
         reason = (f"int8 is not faster than fp32 on {backend} ({best.latency_ms:.3f} ms vs {fp32_ms:.3f} ms at best); "
-                  + ("weight-only int8 chosen: 4x smaller weights, fp32 arithmetic, fp32 speed"
+                  + ("weight-only int8 chosen: 4x smaller weights, fp32 arithmetic"
                      if fallback == "weight-only" else "fp32 chosen (--fallback fp32)"))
         return GateDecision(fallback, backend, fp32_ms, None, None, max_loss, kept, steps, reason)
     reason = (f"{int8_left} of {len(targets)} layers int8, {fp32_ms / best.latency_ms:.2f}x faster than fp32 "
@@ -250,6 +251,23 @@ def weight_only_int8(model: onnx.ModelProto, nodes: Sequence[str], per_channel: 
                                               **({"axis": axis} if pc else {})))
             done[w_name] = out
         n.input[1] = done[w_name]
+    for n in g.node:  # embedding tables: int8 rows (one scale per row)
+        if n.op_type == "Gather" and n.input and n.input[0] in inits and n.input[0] not in done:
+            w = initializer_array(model, n.input[0])
+            if w.dtype != np.float32 or w.ndim != 2 or w.size < 4096:
+                continue
+            qw = quantize_weight(w, 0, per_channel)
+            base = n.input[0]
+            q, s, z, out = (f"{base}_wq", f"{base}_wscale", f"{base}_wzero", f"{base}_wdq")
+            new_inits += [numpy_helper.from_array(qw.values, q), numpy_helper.from_array(qw.scale, s),
+                          numpy_helper.from_array(np.zeros(qw.scale.shape, np.int8), z)]
+            new_nodes.append(helper.make_node("DequantizeLinear", [q, s, z], [out], name=f"{base}_DequantizeLinear",
+                                              **({"axis": 0} if per_channel else {})))
+            done[base] = out
+            for r in g.node:
+                for i, x in enumerate(r.input):
+                    if x == base and r.op_type == "Gather" and i == 0:
+                        r.input[0] = out
     used = {x for n in list(g.node) + new_nodes for x in n.input}
     keep = [t for t in g.initializer if t.name in used]
     all_nodes = new_nodes + list(g.node)
