@@ -206,6 +206,9 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
     feeds = _latency_feeds(inputs, ev, batch, seed)
     ref = evaluator.predict(fp32, ev)
     rt32 = load(fp32, prof, backend=backend, batch_size=batch, allow_over_budget=True)
+    from ..runtime import session_options
+
+    cpu = backend == "ort" and session_options(prof).threads == 1  # runs in our thread: CPU time ignores other load
     built: dict[frozenset, onnx.ModelProto] = {}
     base: dict[str, float] = {}
 
@@ -216,7 +219,7 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
         if m is None:
             m = built[kept] = build(kept, fmt_box[0], fmt_box[1])
         rt = load(m, prof, backend=backend, batch_size=batch, allow_over_budget=True)
-        t32, t8 = time_pair(lambda: rt32.run(feeds), lambda: rt.run(feeds), rounds=rounds)
+        t32, t8 = time_pair(lambda: rt32.run(feeds), lambda: rt.run(feeds), rounds=rounds, cpu=cpu)
         base.setdefault("fp32", t32)
         return Trial(kept, t8 * base["fp32"] / t32, loss_percent(ref, evaluator.predict(m, ev), labels))
 
@@ -273,7 +276,7 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
     if decision.choice == "weight-only":
         wo = load_model(weight_only_int8(fp32, targets, per_channel))
         rt = load(wo, prof, backend=backend, batch_size=batch, allow_over_budget=True)
-        t32, t_wo = time_pair(lambda: rt32.run(feeds), lambda: rt.run(feeds), rounds=rounds)
+        t32, t_wo = time_pair(lambda: rt32.run(feeds), lambda: rt.run(feeds), rounds=rounds, cpu=cpu)
         decision.reason += (f"; measured: weight-only {t_wo:.3f} ms vs fp32 {t32:.3f} ms, "
                             f"{wo.ByteSize() / max(1, fp32.ByteSize()):.3f} of the fp32 size")
         return wo, decision
