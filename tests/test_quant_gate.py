@@ -196,3 +196,15 @@ def test_real_ocr_classifier_with_constant_weights_is_gated_on_onnxruntime():
     assert any("Constant" in n for n in r.report.notes)  # weights were Constant nodes
     _consistent(r)
     assert r.report.error.cosine >= 0.99  # the model chosen, on real text lines
+
+
+def test_onnxruntime_folds_weight_only_dequantization_at_load():
+    pytest.importorskip("onnxruntime")
+    from edgeflow.backends.ort import weight_only_quantized
+
+    m = zoo.digits_cnn(seed=3)
+    w = weight_only_int8(m, [n.name for n in m.graph.node if n.op_type in ("Conv", "Gemm")])
+    assert weight_only_quantized(w) and not weight_only_quantized(m)
+    q = edgeflow.quantize(m, "x86-gateway", calibration=np.random.default_rng(0).random((16, 1, 8, 8), dtype=np.float32),
+                          engine="numpy", latency_runs=0).model
+    assert not weight_only_quantized(q)  # full QDQ: onnxruntime must keep its DequantizeLinear for fusion
