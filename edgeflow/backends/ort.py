@@ -41,6 +41,13 @@ def choose_providers(preferred: tuple[str, ...] | list[str], available: list[str
     return chosen
 
 
+def weight_only_quantized(model: onnx.ModelProto) -> bool:
+    """DequantizeLinear nodes and no QuantizeLinear or QLinear*/Integer op in the main graph."""
+    ops = {n.op_type for n in model.graph.node}
+    return "DequantizeLinear" in ops and "QuantizeLinear" not in ops and not any(
+        o.startswith("QLinear") or o.endswith("Integer") or o == "DynamicQuantizeLinear" for o in ops)
+
+
 class OrtSession(Session):
     backend_name = "ort"
 
@@ -58,6 +65,11 @@ class OrtSession(Session):
         # steps off on a small CNN. This switches such weights to the exact u8 x u8 path; on VNNI and
         # ARM it changes nothing (onnxruntime >= 1.13; docs/quantization.md).
         so.add_session_config_entry("session.x64quantprecision", "1")
+        if weight_only_quantized(model):
+            # int8 weights behind DequantizeLinear, float activations: without this onnxruntime keeps
+            # the DequantizeLinear nodes for QDQ fusion and dequantizes every weight on every run
+            # (measured 12.3 vs 5.0 ms CPU on PP-LCNet, 1 thread); with it they fold once at load.
+            so.add_session_config_entry("session.disable_quant_qdq", "1")
         self.providers = choose_providers(options.providers, ort.get_available_providers())
         try:
             self._sess = ort.InferenceSession(model.SerializeToString(), sess_options=so, providers=self.providers)

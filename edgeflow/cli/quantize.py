@@ -31,6 +31,19 @@ def register(sub) -> None:
     p.add_argument("--percentile", type=float, default=99.999, help="percentile calibration's cut (default 99.999)")
     p.add_argument("--no-sensitivity", action="store_true", help="skip per-layer sensitivity (one model per layer)")
     p.add_argument("--backend", choices=["ort", "numpy"], help="backend for the report (default: the profile's)")
+    gg = p.add_argument_group(
+        "bench-gated choice (int8 only where it pays)",
+        "With --max-loss, int8 is timed against fp32 on the profile's backend (batch 1) on this host: kinds of "
+        "layers (depthwise/1x1/kxk Conv, MatMul, Gemm) that make the model slower in int8 stay fp32, then the layers "
+        "that cost the most accuracy stay fp32 until the loss is within --max-loss. Where no int8 model is faster "
+        "than fp32 (the numpy backend today) the result is --fallback, and the report says so.")
+    gg.add_argument("--max-loss", type=_percent, metavar="PCT",
+                    help="largest loss allowed, in percent: top-1 accuracy points with labels, else 100 - top-1 "
+                    "agreement with fp32 (classifiers) or 100 x (1 - cosine) of the output; 1 = 99%% agreement "
+                    "or cosine 0.99")
+    gg.add_argument("--fallback", choices=["weight-only", "fp32"], default="weight-only",
+                    help="what to write when int8 does not pay: weight-only int8 (4x smaller weights, fp32 "
+                    "arithmetic and speed) or the fp32 model (default: weight-only)")
     g = p.add_argument_group("preprocessing of image/audio folders (default: from the model's input shape)")
     g.add_argument("--preprocess", metavar="TOML", help="a recipe file with an [image] or [audio] table "
                    "(see docs/quantization.md)")
@@ -50,6 +63,19 @@ def register(sub) -> None:
     add_shape_arg(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd)
+
+
+def _percent(text: str) -> float:
+    import argparse
+    import math
+
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not (math.isfinite(v) and 0 <= v <= 100):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a percentage: give a number from 0 to 100, e.g. --max-loss 1")
+    return v
 
 
 _IMAGE_FLAGS = ("resize", "crop", "scale", "mean", "std", "channels", "layout")
@@ -123,7 +149,7 @@ def cmd(args) -> int:
             keep_fp32=args.keep_fp32, keep_first=args.keep_first, keep_last=args.keep_last,
             eval_data=ev, labels=labels, percentile=args.percentile,
             sensitivity=False if args.no_sensitivity else None, backend=args.backend,
-            output=args.output, preprocess=prep,
+            output=args.output, preprocess=prep, max_loss=args.max_loss, fallback=args.fallback,
         )
     rep = result.report.to_dict()
     rep["output"] = args.output

@@ -170,6 +170,123 @@ def _opset_for_int8(model: onnx.ModelProto, per_channel: bool) -> tuple[onnx.Mod
     return up, True, f"model upgraded from opset {opset} to {QDQ_OPSET} for per-channel int8 weights"
 
 
+def preprocess_graph(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
+    """The graph optimizer's portable passes before planning (``edgeflow.optimize``).
+
+    Paddle and TF exports hold their weights in Constant nodes and wrap
+    Conv in BatchNormalization; as initializers, folded into the Conv, the
+    weights are what int8 quantizes. Shape subgraphs fixed by ``--shape``
+    fold away too. Returns the model and a note of what changed (None when
+    nothing did).
+    """
+    from ..optimize import optimize
+
+    try:
+        res = optimize(model)
+    except EdgeflowError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a pass that fails leaves the model as it came
+        return model, f"graph preprocessing skipped ({_one_line(exc)})"
+    r = res.report
+    if r.nodes_after == r.nodes_before and r.before == r.after:
+        return model, None
+    done = []
+    for what, key in (("Constant", "Constant"), ("BatchNormalization", "BatchNormalization"),
+                      ("Identity", "Identity"), ("Shape", "Shape")):
+        gone = r.before.get(key, 0) - r.after.get(key, 0)
+        if gone > 0:
+            done.append(f"{gone} {what}")
+    detail = f" ({', '.join(done)} removed)" if done else ""
+    return load_model(res.model), (f"graph preprocessed: {r.nodes_before} -> {r.nodes_after} nodes{detail}: "
+                                   "Constant weights as initializers, constants and BatchNormalization folded")
+
+
+def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss, fallback, per_channel, cal, calib,
+           percentile, activations, batch, rounds, seed, inputs, formats=(None,), retry_method=None):
+    """The bench-gated choice (:mod:`.gate`): the model it picked and the decision."""
+    from ..runtime import load
+    from .gate import Trial, choose, layer_groups, loss_percent, time_pair, weight_only_int8
+
+    feeds = _latency_feeds(inputs, ev, batch, seed)
+    ref = evaluator.predict(fp32, ev)
+    rt32 = load(fp32, prof, backend=backend, batch_size=batch, allow_over_budget=True)
+    from ..runtime import session_options
+
+    cpu = backend == "ort" and session_options(prof).threads == 1  # runs in our thread: CPU time ignores other load
+    built: dict[frozenset, onnx.ModelProto] = {}
+    base: dict[str, float] = {}
+
+    fmt_box: list = [formats[0], None]  # format, calibration method (None: the profile's)
+
+    def measure(kept: frozenset) -> Trial:
+        m = built.get(kept)
+        if m is None:
+            m = built[kept] = build(kept, fmt_box[0], fmt_box[1])
+        rt = load(m, prof, backend=backend, batch_size=batch, allow_over_budget=True)
+        t32, t8 = time_pair(lambda: rt32.run(feeds), lambda: rt.run(feeds), rounds=rounds, cpu=cpu)
+        base.setdefault("fp32", t32)
+        return Trial(kept, t8 * base["fp32"] / t32, loss_percent(ref, evaluator.predict(m, ev), labels))
+
+    sens_box: list = []
+
+    def sensitivity() -> list[str]:
+        from .qdq import tensor_qparams
+        from .sensitivity import layer_sensitivity
+
+        ranges = collect_ranges(fp32, plan.calibrated_tensors, cal, evaluator.runner, method=calib,
+                                percentile=percentile, batch_size=evaluator.batch_size)
+        qp = tensor_qparams(plan, ranges, activations)
+        sens_box[:] = layer_sensitivity(fp32, plan, qp, ev, ref, evaluator.predict, labels=labels,
+                                        per_channel=per_channel)
+        return [s.node for s in sens_box]
+
+    targets = [t.node for t in plan.targets]
+    fmt_steps: list[str] = []
+    first = None
+    if len(formats) > 1 or retry_method:
+        # onnxruntime: QDQ and QOperator differ per model by up to 4x, so both are measured; where
+        # MinMax ranges lose too much (one outlier coarsens a whole tensor), percentile ranges are tried.
+        tried = []
+
+        def variant(fmt, cmethod):
+            fmt_box[:] = [fmt, cmethod]
+            built.pop(frozenset(), None)
+            t = measure(frozenset())
+            tried.append((t.loss > max_loss, t.latency_ms, (fmt, cmethod), t, built[frozenset()]))
+            fmt_steps.append(f"{fmt} format, {cmethod or calib} calibration, all layers int8: "
+                             f"{t.latency_ms:.3f} ms, loss {t.loss:.2f}%")
+
+        for fmt in formats:
+            variant(fmt, None)
+        if retry_method and all(r[0] for r in tried):
+            for fmt in formats:
+                variant(fmt, retry_method)
+        _, _, chosen, first, model = min(tried, key=lambda r: (r[0], r[1] if not r[0] else r[3].loss))
+        fmt_box[:] = list(chosen)
+        built.clear()
+        built[frozenset()] = model
+        fmt_steps.append(f"{chosen[0]} format, {chosen[1] or calib} calibration chosen")
+    if first is None:
+        first = measure(frozenset())
+    decision = choose(targets, layer_groups(fp32, targets), lambda k: first if not k else measure(k),
+                      base["fp32"], sensitivity, max_loss=max_loss, fallback=fallback, backend=backend)
+    decision.steps[:0] = fmt_steps
+    decision.int8_format = fmt_box[0] or prof.quantization.format
+    decision.calibration = fmt_box[1] or calib
+    decision.sensitivity = list(sens_box)
+    if decision.choice == "int8":
+        kept = frozenset(n for n in decision.kept_fp32)
+        return built[kept], decision
+    if decision.choice == "weight-only":
+        wo = load_model(weight_only_int8(fp32, targets, per_channel))
+        rt = load(wo, prof, backend=backend, batch_size=batch, allow_over_budget=True)
+        t32, t_wo = time_pair(lambda: rt32.run(feeds), lambda: rt.run(feeds), rounds=rounds, cpu=cpu)
+        decision.reason += (f"; measured: weight-only {t_wo:.3f} ms vs fp32 {t32:.3f} ms, "
+                            f"{wo.ByteSize() / max(1, fp32.ByteSize()):.3f} of the fp32 size")
+        return wo, decision
+    return copy.deepcopy(fp32), decision
+
+
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:300]
 
@@ -196,6 +313,10 @@ def quantize(
     seed: int = 0,
     output: str | os.PathLike | None = None,
     preprocess: "ImagePrep | AudioPrep | str | os.PathLike | None" = None,
+    optimize_graph: bool = True,
+    max_loss: float | None = None,
+    fallback: str = "weight-only",
+    gate_rounds: int = 5,
 ) -> QuantizedModel:
     """Quantize ``model`` for ``profile``; see the module docstring.
 
@@ -212,20 +333,33 @@ def quantize(
     saved to ``output`` when given. ``calibration`` / ``eval_data`` may be a
     folder of images or .wav files, read with ``preprocess`` (an
     :class:`~edgeflow.preprocess.ImagePrep` / ``AudioPrep`` or a TOML file;
-    default: from the model's input shape).
+    default: from the model's input shape). ``optimize_graph`` runs the graph
+    optimizer first (Constant-node weights, folding, BatchNormalization).
+
+    ``max_loss`` (percent; see :mod:`.gate`) turns on the bench-gated
+    choice for static int8: int8 is timed against fp32 on the profile's
+    backend, kinds of layers that are slower in int8 and the layers that
+    cost the most accuracy stay fp32, and where no int8 model is faster the
+    result is ``fallback`` (``"weight-only"`` int8 or ``"fp32"``);
+    ``report.gate`` says what was chosen and why.
     """
     if engine not in ENGINES:
         raise QuantizationError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
     if batch_size < 1:
         raise QuantizationError(f"batch_size must be >= 1, got {batch_size}")
     src = copy.deepcopy(model) if isinstance(model, onnx.ModelProto) else model
-    fp32 = name_nodes(load_model(src))
+    fp32 = load_model(src)
     prof = get_profile(profile)
     kind, calib = resolve_method(method, prof)
+    notes: list[str] = []
+    if optimize_graph:
+        fp32, note = preprocess_graph(fp32)
+        if note:
+            notes.append(note)
+    fp32 = name_nodes(fp32)
     inputs = graph_inputs(fp32)
     per_channel = prof.quantization.weights == "per-channel"
     activations = prof.quantization.activations
-    notes: list[str] = []
     if kind != "fp16":
         fp32, per_channel, note = _opset_for_int8(fp32, per_channel)
         if note:
@@ -302,24 +436,43 @@ def quantize(
             notes.append(note)
 
     ranges = qparams = None
+    gate = None
     if kind == "static":
         assert plan is not None and cal is not None
-        if engine == "ort":
-            qm = ort_backend.quantize_static_ort(
-                fp32, cal, method=calib, activations=activations, per_channel=per_channel,
-                exclude=list(plan.kept_fp32), percentile=percentile, batch_size=fixed or batch_size,
-                fixed=fixed is not None, qoperator=prof.quantization.format == "qoperator",
-            )
-        else:
-            from .qdq import insert_qdq, tensor_qparams
+        if engine == "numpy":
+            from .qdq import tensor_qparams
 
             ranges = collect_ranges(fp32, plan.calibrated_tensors, cal, evaluator.runner, method=calib,
                                     percentile=percentile, batch_size=fixed or batch_size)
             qparams = tensor_qparams(plan, ranges, activations)
-            qm, more = insert_qdq(fp32, plan, qparams, per_channel=per_channel)
-            notes += more
             if prof.quantization.format == "qoperator":
                 notes.append("the profile asks for QOperator format; the numpy engine writes QDQ (same arithmetic)")
+
+        def build(extra: frozenset = frozenset(), fmt: str | None = None, cmethod: str | None = None) -> onnx.ModelProto:
+            if engine == "ort":
+                return ort_backend.quantize_static_ort(
+                    fp32, cal, method=cmethod or calib, activations=activations, per_channel=per_channel,
+                    exclude=list(plan.kept_fp32) + sorted(extra), percentile=percentile,
+                    batch_size=fixed or batch_size, fixed=fixed is not None,
+                    qoperator=(fmt or prof.quantization.format) == "qoperator",
+                )
+            from .qdq import insert_qdq
+
+            sub = plan if not extra else plan.subset([t.node for t in plan.targets if t.node not in extra], fp32)
+            qm_, more = insert_qdq(fp32, sub, {k: qparams[k] for k in sub.quantized_tensors}, per_channel=per_channel)
+            if not extra:
+                notes.extend(more)
+            return qm_
+
+        if max_loss is None:
+            qm = build()
+        else:
+            qm, gate = _gated(fp32, plan, build, prof, be, evaluator, ev if ev is not None else cal, ev_labels,
+                              formats=("qdq", "qoperator") if engine == "ort" and be == "ort" else (None,),
+                              retry_method="percentile" if engine == "ort" and calib == "minmax" else None,
+                              max_loss=max_loss, fallback=fallback, per_channel=per_channel, cal=cal, calib=calib,
+                              percentile=percentile, activations=activations, batch=fixed or 1,
+                              rounds=gate_rounds, seed=seed, inputs=inputs)
     elif kind == "dynamic":
         assert plan is not None
         if engine == "ort":
@@ -348,6 +501,18 @@ def quantize(
         kept_fp32=dict(plan.kept_fp32) if plan else {},
         notes=notes,
     )
+    if gate is not None:
+        report.gate = gate
+        report.kept_fp32.update(gate.kept_fp32)
+        if gate.choice == "int8":
+            report.quantized_nodes = [n for n in report.quantized_nodes if n not in gate.kept_fp32]
+        else:
+            report.activations = "float32 (weight-only int8)" if gate.choice == "weight-only" else None
+            report.weights = "int8 (weight-only)" if gate.choice == "weight-only" else "float32"
+            if gate.choice == "fp32":
+                report.quantized_nodes = []
+        if gate.sensitivity:
+            report.sensitivity = gate.sensitivity
     if ev is not None:
         ref = evaluator.predict(fp32, ev)
         got = evaluator.predict(qm, ev)
@@ -357,7 +522,7 @@ def quantize(
             report.accuracy_quantized = accuracy(got, ev_labels)
         if sensitivity is None:
             sensitivity = ev_labels is not None and kind == "static"
-        if sensitivity and kind == "static":
+        if sensitivity and kind == "static" and not report.sensitivity:
             assert plan is not None and cal is not None
             from .qdq import tensor_qparams
             from .sensitivity import layer_sensitivity

@@ -109,6 +109,7 @@ class QuantizationReport:
     latency: LatencyComparison | None = None
     sensitivity: list[LayerSensitivity] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    gate: object | None = None  # gate.GateDecision when the bench-gated choice ran
 
     @property
     def size_ratio(self) -> float:
@@ -122,7 +123,8 @@ class QuantizationReport:
         return self.accuracy_fp32 - self.accuracy_quantized
 
     def to_dict(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k not in ("latency", "error", "sensitivity")}
+        d = {k: v for k, v in asdict(self).items() if k not in ("latency", "error", "sensitivity", "gate")}
+        d["gate"] = self.gate.to_dict() if self.gate is not None else None
         d["size_ratio"] = self.size_ratio
         d["accuracy_drop"] = self.accuracy_drop
         d["error"] = asdict(self.error) if self.error else None
@@ -147,7 +149,13 @@ class QuantizationReport:
             lines.append("  layers     every float32 weight and activation in float16 (inputs/outputs stay float32)")
         else:
             lines.append(f"  layers     {len(self.quantized_nodes)} quantized, {len(self.kept_fp32)} kept fp32"
-                         + (f": {', '.join(f'{k} ({v})' for k, v in self.kept_fp32.items())}" if self.kept_fp32 else ""))
+                         + (":" if self.kept_fp32 else ""))
+            by_why: dict[str, list[str]] = {}
+            for k, v in self.kept_fp32.items():
+                by_why.setdefault(v, []).append(k)
+            for why, nodes in by_why.items():
+                shown = ", ".join(nodes[:4]) + (f", ... ({len(nodes)} in all)" if len(nodes) > 4 else "")
+                lines.append(f"    {shown}: {why}")
         lines.append(f"  eval data  {self.n_eval} samples ({self.eval_source}); calibration {self.n_calibration} samples")
         if self.accuracy_fp32 is not None:
             lines.append(
@@ -166,6 +174,8 @@ class QuantizationReport:
                 f"  latency    {lat.backend} batch {lat.batch_size}, {lat.threads} thread(s): fp32 p50 "
                 f"{lat.fp32.p50_ms:.3f} ms, quantized p50 {lat.quantized.p50_ms:.3f} ms ({lat.speedup:.2f}x)"
             )
+        if self.gate is not None:
+            lines += self.gate.format()
         if self.sensitivity:
             lines.append("  per-layer sensitivity (each layer quantized alone, worst first):")
             for s in self.sensitivity:

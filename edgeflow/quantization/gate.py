@@ -1,0 +1,288 @@
+"""Bench-gated int8: keep int8 only where it is measured faster and within ``max_loss``.
+
+int8 is not faster everywhere. A depthwise convolution has too little work
+per output for int8 GEMM to win; a Conv between two float ops pays a
+QuantizeLinear and a DequantizeLinear for nothing; on the numpy backend
+int8 runs at fp32 speed at best. So the choice is measured, per board, on
+the backend the board runs:
+
+1. the whole model in int8, timed against fp32 (alternating runs, batch 1);
+2. per kind of layer (depthwise / grouped / 1x1 / kxk Conv, MatMul, Gemm):
+   the model with that kind kept fp32; where that is faster, the kind stays
+   fp32 ("slower in int8");
+3. while the loss exceeds ``max_loss``, the layers that cost the most when
+   quantized alone (per-layer sensitivity) go back to fp32, a growing number
+   at a time ("over --max-loss");
+4. if what is left is not faster than fp32, int8 does not pay on this
+   backend: the choice is weight-only int8 (4x smaller weights, fp32
+   arithmetic) or fp32 (``fallback``), and the decision says so.
+
+The logic (:func:`choose`) is a pure function of two callables: ``measure``
+(the int8 model with some layers kept fp32 -> its latency and loss) and
+``sensitivity`` (layers, worst first); tests drive it with fakes.
+
+Loss, in percent, from the evaluation outputs: with labels, top-1 accuracy
+points lost; for a classifier's 2-D output, 100 - top-1 agreement with
+fp32; otherwise 100 * (1 - mean cosine) of the first output. The default
+``max_loss`` of 1.0 is 99% agreement, or cosine 0.99.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import onnx
+
+from ..errors import QuantizationError
+from .report import accuracy, output_error
+
+FALLBACKS = ("weight-only", "fp32")
+
+Measure = Callable[[frozenset], "Trial"]
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One measured candidate: the int8 model with ``kept`` nodes in fp32."""
+
+    kept: frozenset
+    latency_ms: float
+    loss: float
+
+
+@dataclass
+class GateDecision:
+    """What the gate chose, and why (every figure measured)."""
+
+    choice: str  # "int8" | "weight-only" | "fp32"
+    backend: str
+    fp32_ms: float
+    chosen_ms: float | None  # latency of the int8 model chosen (None: no int8 model)
+    loss: float | None  # of the chosen int8 model, percent
+    max_loss: float
+    kept_fp32: dict[str, str] = field(default_factory=dict)  # node -> why
+    steps: list[str] = field(default_factory=list)  # what was tried, in order
+    reason: str = ""
+    sensitivity: list = field(default_factory=list)  # LayerSensitivity, when it was measured
+    calibration: str | None = None  # the calibration method of the int8 candidates
+    int8_format: str | None = None  # "qdq" | "qoperator": the int8 model's format
+
+    @property
+    def speedup(self) -> float | None:
+        return self.fp32_ms / self.chosen_ms if self.chosen_ms else None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["speedup"] = self.speedup
+        return d
+
+    def format(self) -> list[str]:
+        fmt = f" ({self.int8_format} format)" if self.int8_format and self.choice == "int8" else ""
+        lines = [f"  choice     {self.choice}{fmt} on {self.backend}: {self.reason}"]
+        for s in self.steps:
+            lines.append(f"    tried: {s}")
+        return lines
+
+
+def loss_percent(ref: np.ndarray, got: np.ndarray, labels: np.ndarray | None = None) -> float:
+    """The quantized model's loss against fp32, in percent (see the module docstring)."""
+    if labels is not None:
+        return accuracy(ref, labels) - accuracy(got, labels)
+    err = output_error(ref, got)
+    if err.top1_agreement is not None:
+        return 100.0 - err.top1_agreement
+    return 100.0 * (1.0 - err.cosine)
+
+
+def layer_kind(node: onnx.NodeProto, weight_shape: Sequence[int] | None) -> str:
+    """The kind of a quantizable layer, for timing kinds of layers separately."""
+    if node.op_type != "Conv":
+        return node.op_type
+    group = next((a.i for a in node.attribute if a.name == "group"), 1)
+    if weight_shape is not None and group > 1:
+        return "depthwise Conv" if weight_shape[1] == 1 else "grouped Conv"
+    if weight_shape is not None and all(int(k) == 1 for k in weight_shape[2:]):
+        return "1x1 Conv"
+    return "kxk Conv"
+
+
+def layer_groups(model: onnx.ModelProto, nodes: Iterable[str]) -> dict[str, list[str]]:
+    """Quantized nodes grouped by :func:`layer_kind` (in model order)."""
+    shapes = {t.name: list(t.dims) for t in model.graph.initializer}
+    want = set(nodes)
+    groups: dict[str, list[str]] = {}
+    for n in model.graph.node:
+        if n.name in want:
+            w = shapes.get(n.input[1]) if len(n.input) > 1 else None
+            groups.setdefault(layer_kind(n, w), []).append(n.name)
+    return groups
+
+
+def choose(
+    targets: Sequence[str],
+    groups: dict[str, list[str]],
+    measure: Measure,
+    fp32_ms: float,
+    sensitivity: Callable[[], list[str]],
+    *,
+    max_loss: float = 1.0,
+    fallback: str = "weight-only",
+    backend: str = "ort",
+    margin: float = 0.03,
+    max_steps: int = 6,
+) -> GateDecision:
+    """Decide which layers stay int8; see the module docstring.
+
+    ``targets``: every layer quantized in the all-int8 model; ``groups``:
+    kind -> layers; ``measure(kept)``: the int8 model with ``kept`` in fp32;
+    ``sensitivity()``: the layers, worst first (called only when the loss is
+    over ``max_loss``); ``margin``: the share by which one latency must beat
+    another to count as faster (timing noise).
+    """
+    if fallback not in FALLBACKS:
+        raise QuantizationError(f"fallback must be one of {', '.join(FALLBACKS)}, got {fallback!r}")
+    if not max_loss >= 0:
+        raise QuantizationError(f"max_loss must be a number >= 0 (percent), got {max_loss!r}")
+    steps: list[str] = []
+    kept: dict[str, str] = {}
+    best = measure(frozenset())
+    steps.append(f"all {len(targets)} layers int8: {best.latency_ms:.3f} ms vs fp32 {fp32_ms:.3f} ms "
+                 f"({fp32_ms / best.latency_ms:.2f}x), loss {best.loss:.2f}%")
+
+    # Speed: a kind of layer whose int8 makes the model slower stays fp32.
+    if len(groups) > 1:
+        for kind, nodes in groups.items():
+            trial = measure(best.kept | frozenset(nodes))
+            faster = trial.latency_ms * (1 + margin) < best.latency_ms
+            steps.append(f"{kind} ({len(nodes)}) fp32: {trial.latency_ms:.3f} ms, loss {trial.loss:.2f}%"
+                         + (" -> kept fp32" if faster else ""))
+            if faster and len(trial.kept) < len(targets):
+                why = (f"{kind}: slower in int8 (model {best.latency_ms:.3f} ms with them int8, "
+                       f"{trial.latency_ms:.3f} ms with them fp32)")
+                kept.update({n: why for n in nodes})
+                best = trial
+
+    # Accuracy: the most sensitive layers go back to fp32 until within max_loss.
+    if best.loss > max_loss:
+        order = [n for n in sensitivity() if n not in best.kept]
+        k = 1
+        while best.loss > max_loss and order and len(steps) < 2 + len(groups) + max_steps:
+            take, order = order[:k], order[k:]
+            trial = measure(best.kept | frozenset(take))
+            steps.append(f"{len(take)} most sensitive layer(s) fp32 ({', '.join(take[:3])}"
+                         f"{', ...' if len(take) > 3 else ''}): {trial.latency_ms:.3f} ms, loss {trial.loss:.2f}%")
+            why = f"over --max-loss {max_loss:g}%: among the most sensitive layers (loss {best.loss:.2f}% with them int8)"
+            kept.update({n: why for n in take})
+            best = trial
+            k *= 2
+
+    int8_left = len(targets) - len(best.kept)
+    loss_kept = any(w.startswith("over --max-loss") for w in kept.values())
+    if best.loss > max_loss or (int8_left == 0 and loss_kept):
+        reason = (f"no int8 model within --max-loss {max_loss:g}% (loss {best.loss:.2f}% with "
+                  f"{int8_left} of {len(targets)} layers int8); {fallback} chosen")
+        return GateDecision(fallback, backend, fp32_ms, None, None, max_loss, kept, steps, reason)
+    if int8_left == 0 or best.latency_ms * (1 + margin) >= fp32_ms:
+        reason = (f"int8 is not faster than fp32 on {backend} ({best.latency_ms:.3f} ms vs {fp32_ms:.3f} ms at best); "
+                  + ("weight-only int8 chosen: 4x smaller weights, fp32 arithmetic"
+                     if fallback == "weight-only" else "fp32 chosen (--fallback fp32)"))
+        return GateDecision(fallback, backend, fp32_ms, None, None, max_loss, kept, steps, reason)
+    reason = (f"{int8_left} of {len(targets)} layers int8, {fp32_ms / best.latency_ms:.2f}x faster than fp32 "
+              f"({best.latency_ms:.3f} vs {fp32_ms:.3f} ms), loss {best.loss:.2f}% <= {max_loss:g}%")
+    return GateDecision("int8", backend, fp32_ms, best.latency_ms, best.loss, max_loss, kept, steps, reason)
+
+
+def time_pair(run_a: Callable[[], object], run_b: Callable[[], object], *, rounds: int = 5,
+              runs: int = 5, cpu: bool = False) -> tuple[float, float]:
+    """ms of two callables timed in alternating rounds: the lowest per-round median of
+    each (load on a shared host only ever adds time, and hits both alike).
+
+    ``cpu``: the calling thread's CPU time instead of wall time — for sessions with
+    one thread, which run in the calling thread: other processes on a shared host
+    then cannot inflate it (measured here: 31 ms of CPU in 164 ms of wall time at
+    load 14 on 2 cores)."""
+    import time
+
+    clock = time.thread_time if cpu else time.perf_counter
+
+    for fn in (run_a, run_b):
+        fn()
+        fn()
+    a: list[float] = []
+    b: list[float] = []
+    for _ in range(max(1, rounds)):
+        for fn, out in ((run_a, a), (run_b, b)):
+            t = []
+            for _ in range(runs):
+                t0 = clock()
+                fn()
+                t.append((clock() - t0) * 1e3)
+            out.append(float(np.median(t)))
+    return min(a), min(b)
+
+
+def weight_only_int8(model: onnx.ModelProto, nodes: Sequence[str], per_channel: bool = True) -> onnx.ModelProto:
+    """int8 weights behind a DequantizeLinear, float activations: 4x smaller
+    weights, fp32 arithmetic (both backends fold the constant DequantizeLinear at load)."""
+    import copy
+
+    from onnx import helper, numpy_helper
+
+    from .analysis import initializer_array
+    from .params import quantize_weight
+    from .qdq import ensure_opset
+
+    m = ensure_opset(copy.deepcopy(model))
+    g = m.graph
+    by_name = {n.name: n for n in g.node}
+    inits = {t.name for t in g.initializer}
+    done: dict[str, str] = {}
+    new_nodes, new_inits = [], []
+    for name in nodes:
+        n = by_name.get(name)
+        if n is None or len(n.input) < 2 or n.input[1] not in inits:
+            continue
+        w_name = n.input[1]
+        if w_name not in done:
+            w = initializer_array(model, w_name)
+            axis = 0 if n.op_type == "Conv" else (w.ndim - 1 if n.op_type == "MatMul" else
+                                                  (0 if next((a.i for a in n.attribute if a.name == "transB"), 0) else 1))
+            pc = per_channel and w.ndim >= 2
+            qw = quantize_weight(w, axis, pc)
+            q, s, z, out = (f"{w_name}_wq", f"{w_name}_wscale", f"{w_name}_wzero", f"{w_name}_wdq")
+            new_inits += [numpy_helper.from_array(qw.values, q), numpy_helper.from_array(qw.scale, s),
+                          numpy_helper.from_array(np.zeros(qw.scale.shape, np.int8), z)]
+            new_nodes.append(helper.make_node("DequantizeLinear", [q, s, z], [out], name=f"{w_name}_DequantizeLinear",
+                                              **({"axis": axis} if pc else {})))
+            done[w_name] = out
+        n.input[1] = done[w_name]
+    for n in g.node:  # embedding tables: int8 rows (one scale per row)
+        if n.op_type == "Gather" and n.input and n.input[0] in inits and n.input[0] not in done:
+            w = initializer_array(model, n.input[0])
+            if w.dtype != np.float32 or w.ndim != 2 or w.size < 4096:
+                continue
+            qw = quantize_weight(w, 0, per_channel)
+            base = n.input[0]
+            q, s, z, out = (f"{base}_wq", f"{base}_wscale", f"{base}_wzero", f"{base}_wdq")
+            new_inits += [numpy_helper.from_array(qw.values, q), numpy_helper.from_array(qw.scale, s),
+                          numpy_helper.from_array(np.zeros(qw.scale.shape, np.int8), z)]
+            new_nodes.append(helper.make_node("DequantizeLinear", [q, s, z], [out], name=f"{base}_DequantizeLinear",
+                                              **({"axis": 0} if per_channel else {})))
+            done[base] = out
+            for r in g.node:
+                for i, x in enumerate(r.input):
+                    if x == base and r.op_type == "Gather" and i == 0:
+                        r.input[0] = out
+    used = {x for n in list(g.node) + new_nodes for x in n.input}
+    keep = [t for t in g.initializer if t.name in used]
+    all_nodes = new_nodes + list(g.node)
+    del g.node[:]
+    g.node.extend(all_nodes)
+    del g.initializer[:]
+    g.initializer.extend(keep + new_inits)
+    live = [i for i in g.input if i.name not in inits or i.name in used]
+    del g.input[:]
+    g.input.extend(live)
+    return m

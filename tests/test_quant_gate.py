@@ -1,0 +1,210 @@
+"""The bench-gated int8 choice (edgeflow.quantization.gate): the decision logic on
+fake measurements, weight-only int8, the wiring through quantize / the CLI, and one
+real model (Paddle's OCR angle classifier, Constant-node weights)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+import edgeflow
+from edgeflow import zoo
+from edgeflow.cli.main import main
+from edgeflow.errors import QuantizationError
+from edgeflow.quantization.gate import Trial, choose, layer_groups, loss_percent, weight_only_int8
+from edgeflow.runtime import load
+
+TARGETS = ["dw0", "dw1", "pw0", "pw1", "fc"]
+GROUPS = {"depthwise Conv": ["dw0", "dw1"], "1x1 Conv": ["pw0", "pw1"], "Gemm": ["fc"]}
+
+
+def _fake(cost: dict[str, float], loss: dict[str, float], fp32_cost: dict[str, float], calls: list):
+    """A model whose latency is the sum of its layers' costs (int8 or fp32) and whose
+    loss is the sum of its int8 layers' losses."""
+
+    def measure(kept: frozenset) -> Trial:
+        calls.append(kept)
+        ms = sum(fp32_cost[n] if n in kept else cost[n] for n in TARGETS)
+        return Trial(kept, ms, sum(loss[n] for n in TARGETS if n not in kept))
+
+    return measure
+
+
+FP32 = {"dw0": 1.0, "dw1": 1.0, "pw0": 4.0, "pw1": 4.0, "fc": 1.0}  # 11 ms
+FAST = {"dw0": 0.5, "dw1": 0.5, "pw0": 1.0, "pw1": 1.0, "fc": 0.3}
+NO_LOSS = dict.fromkeys(TARGETS, 0.0)
+
+
+def _never():
+    raise AssertionError("sensitivity must not be measured when the loss is within max_loss")
+
+
+def test_int8_everywhere_when_every_kind_is_faster_and_within_the_loss():
+    calls: list = []
+    d = choose(TARGETS, GROUPS, _fake(FAST, NO_LOSS, FP32, calls), 11.0, _never)
+    assert d.choice == "int8" and d.kept_fp32 == {}
+    assert d.chosen_ms == pytest.approx(3.3) and d.speedup == pytest.approx(11.0 / 3.3)
+    assert len(calls) == 1 + len(GROUPS)  # all-int8, then each kind kept fp32 once
+    assert "5 of 5 layers int8" in d.reason
+
+
+def test_a_kind_slower_in_int8_stays_fp32_and_says_why():
+    slow_dw = dict(FAST, dw0=3.0, dw1=3.0)  # depthwise: 3 ms int8 vs 1 ms fp32
+    d = choose(TARGETS, GROUPS, _fake(slow_dw, NO_LOSS, FP32, []), 11.0, _never)
+    assert d.choice == "int8"
+    assert set(d.kept_fp32) == {"dw0", "dw1"}
+    assert d.kept_fp32["dw0"].startswith("depthwise Conv: slower in int8")
+    assert d.chosen_ms == pytest.approx(1 + 1 + 1 + 1 + 0.3)
+
+
+def test_the_most_sensitive_layers_go_back_to_fp32_until_within_max_loss():
+    loss = dict(NO_LOSS, fc=3.0, pw1=0.8, pw0=0.1)  # 3.9% with all int8
+    asked = []
+
+    def sensitivity():
+        asked.append(1)
+        return ["fc", "pw1", "pw0", "dw0", "dw1"]
+
+    d = choose(TARGETS, GROUPS, _fake(FAST, loss, FP32, []), 11.0, sensitivity, max_loss=0.5)
+    assert asked == [1]
+    # fc alone leaves 0.9% > 0.5; then two more (pw1, pw0) -> 0.0%
+    assert set(d.kept_fp32) == {"fc", "pw1", "pw0"}
+    assert d.choice == "int8" and d.loss == pytest.approx(0.0)
+    assert "over --max-loss 0.5%" in d.kept_fp32["fc"]
+
+
+def test_where_int8_is_never_faster_weight_only_is_chosen_and_said():
+    slow = {n: 2.0 * FP32[n] for n in TARGETS}
+    d = choose(TARGETS, GROUPS, _fake(slow, NO_LOSS, FP32, []), 11.0, _never, backend="numpy")
+    assert d.choice == "weight-only" and d.chosen_ms is None
+    assert "int8 is not faster than fp32 on numpy" in d.reason and "weight-only int8 chosen" in d.reason
+
+
+def test_fallback_fp32_and_a_loss_that_cannot_be_met():
+    slow = {n: 2.0 * FP32[n] for n in TARGETS}
+    d = choose(TARGETS, GROUPS, _fake(slow, NO_LOSS, FP32, []), 11.0, _never, fallback="fp32")
+    assert d.choice == "fp32" and "fp32 chosen" in d.reason
+    lossy = dict.fromkeys(TARGETS, 5.0)
+    d = choose(TARGETS, {"Conv": TARGETS}, _fake(FAST, lossy, FP32, []), 11.0, lambda: list(TARGETS),
+               max_loss=1.0)
+    assert d.choice == "weight-only" and "no int8 model within --max-loss 1%" in d.reason
+
+
+@pytest.mark.parametrize("kw, words", [({"fallback": "int4"}, "fallback must be one of"),
+                                       ({"max_loss": -1.0}, "max_loss must be a number >= 0")])
+def test_bad_gate_settings_are_one_clear_error(kw, words):
+    with pytest.raises(QuantizationError, match=words):
+        choose(TARGETS, GROUPS, _fake(FAST, NO_LOSS, FP32, []), 11.0, _never, **kw)
+
+
+def test_loss_percent_uses_labels_then_agreement_then_cosine():
+    ref = np.array([[2.0, 1.0], [0.0, 3.0], [1.0, 0.0], [0.0, 1.0]])
+    got = np.array([[2.0, 1.0], [3.0, 0.0], [1.0, 0.0], [0.0, 1.0]])  # one of four flipped
+    assert loss_percent(ref, got) == pytest.approx(25.0)
+    assert loss_percent(ref, got, labels=np.array([0, 1, 0, 0])) == pytest.approx(25.0)  # 75% -> 50%
+    a = np.array([[[1.0, 0.0]]])
+    b = np.array([[[1.0, 1.0]]])  # cosine 0.7071
+    assert loss_percent(a, b) == pytest.approx(100 * (1 - 2 ** -0.5))
+
+
+def test_layer_groups_tell_depthwise_from_pointwise():
+    m = zoo.small_cnn()
+    names = [n.name or f"n{i}" for i, n in enumerate(m.graph.node)]
+    for n, name in zip(m.graph.node, names):
+        n.name = name
+    groups = layer_groups(m, [n.name for n in m.graph.node if n.op_type in ("Conv", "Gemm", "MatMul")])
+    assert "kxk Conv" in groups and sum(len(v) for v in groups.values()) >= 3
+
+
+def test_weight_only_int8_is_smaller_and_runs_in_both_backends():
+    m = zoo.digits_cnn(seed=3)
+    nodes = [n.name for n in m.graph.node if n.op_type in ("Conv", "Gemm")]
+    w = weight_only_int8(m, nodes)
+    onnx.checker.check_model(w)
+    ops = [n.op_type for n in w.graph.node]
+    assert "QuantizeLinear" not in ops and ops.count("DequantizeLinear") == len(nodes)
+    assert w.ByteSize() < 0.5 * m.ByteSize()
+    x = np.random.default_rng(0).random((16, 1, 8, 8), dtype=np.float32)
+    ref = load(m, "x86-gateway", backend="numpy")(x)
+    for backend in ("numpy", "ort"):
+        got = load(w, "x86-gateway", backend=backend)(x)
+        assert np.argmax(got, 1).tolist() == np.argmax(ref, 1).tolist()
+        assert np.max(np.abs(got - ref)) < 0.05 * np.max(np.abs(ref))
+
+
+def _consistent(result, fallback="weight-only"):
+    """The model written is the one the decision names."""
+    d = result.report.gate
+    ops = {n.op_type for n in result.model.graph.node}
+    if d.choice == "int8":
+        assert "QuantizeLinear" in ops and d.speedup > 1.0 and d.loss <= d.max_loss
+    elif d.choice == "weight-only":
+        assert "QuantizeLinear" not in ops and "DequantizeLinear" in ops
+    else:
+        assert "DequantizeLinear" not in ops
+    assert any(s.startswith("all ") for s in d.steps)
+    assert d.reason in result.report.format()
+    assert result.report.to_dict()["gate"]["choice"] == d.choice
+
+
+def test_quantize_with_max_loss_on_the_numpy_backend_reports_its_choice():
+    x = np.random.default_rng(1).random((24, 1, 8, 8), dtype=np.float32)
+    r = edgeflow.quantize(zoo.digits_cnn(seed=2), "raspberry-pi-4", calibration=x, engine="numpy",
+                          backend="numpy", max_loss=1.0, latency_runs=0, gate_rounds=2)
+    _consistent(r)
+    assert r.report.gate.backend == "numpy"
+
+
+def test_cli_max_loss_and_fallback(tmp_path, capsys):
+    model = tmp_path / "cnn.onnx"
+    onnx.save(zoo.digits_cnn(seed=7), str(model))
+    cal = tmp_path / "cal.npy"
+    np.save(cal, np.random.default_rng(0).random((20, 1, 8, 8), dtype=np.float32))
+    out = tmp_path / "q.onnx"
+    rc = main(["quantize", str(model), "--profile", "x86-gateway", "-c", str(cal), "-o", str(out), "--engine",
+               "numpy", "--backend", "numpy", "--max-loss", "2", "--fallback", "fp32", "--no-sensitivity"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "choice" in text and "tried: all" in text
+    with pytest.raises(SystemExit) as e:
+        main(["quantize", str(model), "--profile", "x86-gateway", "-c", str(cal), "-o", str(out),
+              "--max-loss", "lots"])
+    assert e.value.code == 2
+    assert "'lots' is not a percentage" in capsys.readouterr().err
+
+
+def _cached(name: str) -> bool:
+    from edgeflow import model_suite
+
+    try:
+        return model_suite.cached(name)
+    except Exception:  # noqa: BLE001 - no manifest or cache: skip
+        return False
+
+
+@pytest.mark.skipif(not _cached("ocr-cls-ppocr-mobile-v2"),
+                    reason="the real-model cache lacks ocr-cls-ppocr-mobile-v2 (edgeflow models fetch)")
+def test_real_ocr_classifier_with_constant_weights_is_gated_on_onnxruntime():
+    pytest.importorskip("onnxruntime")
+    from edgeflow import model_suite
+
+    feeds = np.concatenate([model_suite.build_inputs("ocr-cls-ppocr-mobile-v2", s)["x"] for s in range(4)])
+    r = edgeflow.quantize(model_suite.load("ocr-cls-ppocr-mobile-v2"), "x86-gateway", calibration=feeds,
+                          eval_data=feeds, max_loss=100.0, latency_runs=0, gate_rounds=1, batch_size=1)
+    assert {s.split(" format")[0] for s in r.report.gate.steps if "calibration, all layers int8" in s} == {"qdq", "qoperator"}
+    assert any("Constant" in n for n in r.report.notes)  # weights were Constant nodes
+    _consistent(r)
+    assert r.report.error.cosine >= 0.99  # the model chosen, on real text lines
+
+
+def test_onnxruntime_folds_weight_only_dequantization_at_load():
+    pytest.importorskip("onnxruntime")
+    from edgeflow.backends.ort import weight_only_quantized
+
+    m = zoo.digits_cnn(seed=3)
+    w = weight_only_int8(m, [n.name for n in m.graph.node if n.op_type in ("Conv", "Gemm")])
+    assert weight_only_quantized(w) and not weight_only_quantized(m)
+    q = edgeflow.quantize(m, "x86-gateway", calibration=np.random.default_rng(0).random((16, 1, 8, 8), dtype=np.float32),
+                          engine="numpy", latency_runs=0).model
+    assert not weight_only_quantized(q)  # full QDQ: onnxruntime must keep its DequantizeLinear for fusion
