@@ -186,6 +186,7 @@ def preprocess_graph(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | Non
     except EdgeflowError:
         raise
     except Exception as exc:  # noqa: BLE001 - a pass that fails leaves the model as it came
+        log.warning("graph preprocessing failed, quantizing the model as it came: %s", _one_line(exc), exc_info=True)
         return model, f"graph preprocessing skipped ({_one_line(exc)})"
     r = res.report
     if r.nodes_after == r.nodes_before and r.before == r.after:
