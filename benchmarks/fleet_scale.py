@@ -49,7 +49,7 @@ def device_worker(ids: list[str], fleet_dir: str, url: str, start: Any, t0_value
     """One process of simulated devices: connect all, then telemetry every ``interval`` from ``t0``."""
     import random
 
-    from edgeflow.brokerconfig import FleetDir
+    from edgeflow.broker.mosquitto import FleetDir
     from edgeflow.device.credentials import DeviceCredentials
     from edgeflow.protocol.fleet import Birth, Death
     from edgeflow.transport.message import TlsConfig, Will
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
-    from edgeflow.brokerconfig import FleetDir, ListenerSettings
+    from edgeflow.broker.mosquitto import FleetDir, ListenerSettings
     from edgeflow.gateway.fleet import FleetManager, FleetOptions
     from edgeflow.gateway.store import GatewayStore
     from edgeflow.transport.broker import find_mosquitto, free_port, wait_for_port

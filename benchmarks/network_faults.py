@@ -91,7 +91,7 @@ def run_scenario(scenario: str, *, devices: int = 10, rounds: int = 10, target: 
 
     from _faultproxy import FaultProxy, Faults
     from edgeflow import zoo
-    from edgeflow.datasets import dirichlet_partition, load_digits
+    from edgeflow.data.datasets import dirichlet_partition, load_digits
     from edgeflow.federated import Client
     from edgeflow.protocol.rounds import TrainConfig
     from edgeflow.gateway.rounds import Candidate, RoundConfig, RoundManager

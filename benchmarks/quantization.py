@@ -31,7 +31,7 @@ from onnx import numpy_helper
 import edgeflow
 import edgeflow.optimize
 from edgeflow import zoo
-from edgeflow.datasets import load_digits
+from edgeflow.data.datasets import load_digits
 from edgeflow.runtime import load
 
 PROFILE = "x86-gateway"

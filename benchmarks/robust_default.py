@@ -4,7 +4,7 @@
     python benchmarks/robust_default.py --quick         # 2 seeds, 12 rounds
     python benchmarks/robust_default.py --json out.json
 
-Each run is a real federated fleet (:class:`edgeflow.simulation.SimulatedFleet`):
+Each run is a real federated fleet (:class:`edgeflow.sim.simulation.SimulatedFleet`):
 a gateway and 4 devices, each with its own MQTT connection to a private
 Mosquitto, training the digits MLP on label-skewed (Dirichlet alpha 0.3)
 shards of scikit-learn's digits, dense updates. Three scenarios, each with
@@ -51,7 +51,7 @@ def _claim_more(client: Any, factor: int) -> None:
 
 
 def one_run(broker_url: str, scenario: str, arm: str, seed: int, rounds: int, devices: int) -> dict[str, Any]:
-    from edgeflow.simulation import SimConfig, SimulatedFleet
+    from edgeflow.sim.simulation import SimConfig, SimulatedFleet
 
     if scenario == "clean (20 devices)":
         devices = 20

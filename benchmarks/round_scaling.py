@@ -267,7 +267,7 @@ def _pub_hex(pk: Any) -> str:
 
 
 def measure(n: int, *, rounds: int, codec: str, procs: int, hier: bool = False, workdir: Path) -> dict[str, Any]:
-    from edgeflow.bridgeconfig import BridgeSpec, render_bridge
+    from edgeflow.broker.bridge import BridgeSpec, render_bridge
     from edgeflow.signing import PrivateKey
     from edgeflow.transport.broker import MosquittoBroker
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from . import image_decoder
+from .data import image_decoder
 from .graph import compile_graph, unsupported_ops
 
 log = logging.getLogger("edgeflow.conformance")

@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from . import image_decoder as _image_decoder  # noqa: F401 - registers ImageDecoder where Pillow is installed
+from .data import image_decoder as _image_decoder  # noqa: F401 - registers ImageDecoder where Pillow is installed
 from .control_flow import Subgraph, bind_subgraphs, check_arity
 from .errors import ModelError, UnsupportedOpError
 from .kernels import Kernel, UnknownOpError, get_kernel

@@ -59,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from edgeflow.bridgeconfig import UPLINK_LEVEL
+from edgeflow.broker.bridge import UPLINK_LEVEL
 from edgeflow.protocol.fleet import ACK_CONTEXT, Ack, Birth, Command, Death
 from edgeflow.protocol.ota import OtaOffer, deploy_command
 from edgeflow.protocol.signed_json import loads, open_signed, peek_signed

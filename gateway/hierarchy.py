@@ -3,7 +3,7 @@
 When a fleet outgrows one gateway, each *site* (a building, a cell, a
 region) runs its own gateway on its own broker, and one *root* gateway
 combines the sites. Nothing new travels between them but MQTT through the
-brokers' own bridging (docs/scaling.md, :mod:`edgeflow.bridgeconfig`):
+brokers' own bridging (docs/scaling.md, :mod:`edgeflow.broker.bridge`):
 
 - the **root** is an ordinary :class:`~edgeflow.gateway.rounds.RoundManager`
   whose clients are the sites: it announces rounds and publishes the global
@@ -54,7 +54,7 @@ from typing import Any, Callable
 import numpy as np
 import onnx
 
-from edgeflow.bridgeconfig import UPLINK_LEVEL
+from edgeflow.broker.bridge import UPLINK_LEVEL
 from edgeflow.codecs import decode_update, encode_update
 from edgeflow.errors import AggregationError, CodecError, ConfigError, SignatureError
 from edgeflow.protocol.rounds import RoundAnnouncement, TrainConfig
@@ -400,7 +400,7 @@ class HierarchyOptions:
     Site: ``site_id`` (the site's id as the root's client, provisioned in the
     central fleet directory like a device), ``uplink`` ("bridge": the root's
     topics arrive through the site broker's bridge, see
-    :mod:`edgeflow.bridgeconfig`; or the central broker's URL for a direct
+    :mod:`edgeflow.broker.bridge`; or the central broker's URL for a direct
     second connection), ``site_key`` (signs the partials; default
     ``<fleet_dir>/devices/<site_id>/device.key``), ``root_key`` (verifies the
     root's rounds and models; default the fleet's ``fleet.pub``),

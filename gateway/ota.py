@@ -5,7 +5,7 @@ A rollout of version V to a set of devices:
 1. **artifacts** — :func:`build_artifacts` makes one per target profile:
    the model (quantized for the profile when asked), golden data computed
    here for the health check, signed with the fleet key
-   (:mod:`edgeflow.ota`).
+   (:mod:`edgeflow.artifact`).
 2. **canary** — the first ``canary`` share of the targets (at least one
    device) gets V. Each device verifies, stages, health-checks, swaps and
    acks; a device whose check fails stays on its old model (the ack says
@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from edgeflow.errors import ConfigError, FleetError
-from edgeflow.ota import ANY_PROFILE, build_artifact, parse_artifact
+from edgeflow.artifact import ANY_PROFILE, build_artifact, parse_artifact
 
 from .store import DeviceRecord
 
@@ -236,7 +236,7 @@ def build_artifacts(
     """
     import hashlib
 
-    from edgeflow.ota import make_golden
+    from edgeflow.artifact import make_golden
 
     notes = notes if notes is not None else []
     out: dict[str, bytes] = {}

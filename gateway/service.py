@@ -235,7 +235,7 @@ class Gateway:
     @classmethod
     def from_config(cls, config: GatewayConfig, *, broker: str | None = None, fleet_dir: str | None = None,
                     on_round: Callable[[RoundMetrics], None] | None = None) -> "Gateway":
-        from edgeflow.brokerconfig import FleetDir
+        from edgeflow.broker.mosquitto import FleetDir
         from edgeflow.transport import MqttTransport
         from edgeflow.transport.message import TlsConfig, Will
         from edgeflow.transport.topics import gateway_topic

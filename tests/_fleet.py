@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 
 from edgeflow import zoo
-from edgeflow.brokerconfig import FleetDir, ListenerSettings
+from edgeflow.broker.mosquitto import FleetDir, ListenerSettings
 from edgeflow.device.agent import AgentOptions, DeviceAgent
 from edgeflow.gateway.fleet import FleetManager, FleetOptions
 from edgeflow.gateway.store import GatewayStore
-from edgeflow.ota import build_artifact, make_golden
+from edgeflow.artifact import build_artifact, make_golden
 from edgeflow.transport.broker import find_mosquitto, free_port, wait_for_port
 from edgeflow.transport.message import TlsConfig
 from edgeflow.transport.mqtt import MqttTransport

@@ -17,7 +17,7 @@ import numpy as np
 from _brokers import FAST, wait_until
 from edgeflow import zoo
 from edgeflow.codecs.envelope import SectionInput, build_envelope, dtype_code
-from edgeflow.datasets import dirichlet_partition, load_digits
+from edgeflow.data.datasets import dirichlet_partition, load_digits
 from edgeflow.federated import Client
 from edgeflow.protocol.rounds import RoundAnnouncement, TrainConfig
 from edgeflow.gateway.rounds import Candidate, RoundConfig, RoundManager, model_weights

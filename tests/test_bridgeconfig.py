@@ -12,8 +12,8 @@ import pytest
 
 from _brokers import Inbox, mosquitto_factory, wait_until  # noqa: F401
 from _fleet import BROKER_USER, GeneratedBroker
-from edgeflow.bridgeconfig import BridgeSpec, bridge_from_fleet_dir, bridge_topics, render_bridge
-from edgeflow.brokerconfig import FleetDir, ListenerSettings
+from edgeflow.broker.bridge import BridgeSpec, bridge_from_fleet_dir, bridge_topics, render_bridge
+from edgeflow.broker.mosquitto import FleetDir, ListenerSettings
 from edgeflow.errors import ConfigError
 from edgeflow.transport import MqttTransport
 from edgeflow.transport.broker import free_port

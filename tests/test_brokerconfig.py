@@ -21,7 +21,14 @@ import pytest
 from _brokers import Inbox, make_tls_material, mosquitto_factory, tls_material, transport_factory  # noqa: F401
 from _fleet import BROKER_USER, FLEET, PROFILE, GeneratedBroker, artifact, fleet_env, wait_until  # noqa: F401
 
-from edgeflow.brokerconfig import OPERATORS, FleetDir, ListenerSettings, fleet_acl, read_password_file, render_config
+from edgeflow.broker.mosquitto import (
+    OPERATORS,
+    FleetDir,
+    ListenerSettings,
+    fleet_acl,
+    read_password_file,
+    render_config,
+)
 from edgeflow.device.agent import AgentOptions, DeviceAgent
 from edgeflow.protocol.fleet import Ack, Command
 from edgeflow.protocol.ota import OtaOffer, deploy_command

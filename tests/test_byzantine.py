@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgeflow.datasets import dirichlet_partition, load_digits
+from edgeflow.data.datasets import dirichlet_partition, load_digits
 from edgeflow.gateway import make_aggregator
 
 N_CLIENTS, N_BYZANTINE, ROUNDS = 20, 4, 25

@@ -282,7 +282,7 @@ def test_two_operator_commands_at_once_have_their_own_sessions(tmp_path):
     docs/fleet.md.)"""
     import shutil as _shutil
 
-    from edgeflow.brokerconfig import FleetDir
+    from edgeflow.broker.mosquitto import FleetDir
     from edgeflow.transport.broker import MosquittoBroker, find_mosquitto
 
     binary = find_mosquitto()

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from edgeflow.demo import Demo, DemoConfig
+from edgeflow.sim.demo import Demo, DemoConfig
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from _brokers import mosquitto_factory  # noqa: F401  (fixture)
-from edgeflow.simulation import SimConfig, SimulatedFleet
+from edgeflow.sim.simulation import SimConfig, SimulatedFleet
 
 pytestmark = pytest.mark.integration
 

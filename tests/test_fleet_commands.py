@@ -263,7 +263,7 @@ def test_unsigned_or_wrongly_signed_models_are_refused(fleet_env, fm) -> None:
 
 def test_a_model_larger_than_one_message_is_chunked_through_the_acl(fleet_env, fm) -> None:
     from edgeflow import zoo
-    from edgeflow.ota import build_artifact, make_golden
+    from edgeflow.artifact import build_artifact, make_golden
 
     a = fleet_env.agent()
     dev = a.device_id

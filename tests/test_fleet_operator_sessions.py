@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from edgeflow.brokerconfig import ADMIN_SESSIONS, FleetDir
+from edgeflow.broker.mosquitto import ADMIN_SESSIONS, FleetDir
 from edgeflow.errors import ConfigError
 from edgeflow.transport.broker import find_mosquitto, free_port
 

@@ -6,7 +6,7 @@ import pytest
 from _fleet import FLEET, PROFILE, artifact, fleet_env, mlp_bytes, wait_until  # noqa: F401
 
 from edgeflow.gateway.ota import Rollout, RolloutPolicy, build_artifacts, parse_selector, plan_waves, select_devices
-from edgeflow.ota import verify_artifact
+from edgeflow.artifact import verify_artifact
 
 pytestmark = pytest.mark.integration
 

@@ -23,7 +23,7 @@ import pytest
 from _brokers import Inbox, mosquitto_factory, wait_until  # noqa: F401
 from edgeflow import zoo
 from edgeflow.codecs import decode_update
-from edgeflow.datasets import dirichlet_partition, load_digits
+from edgeflow.data.datasets import dirichlet_partition, load_digits
 from edgeflow.faults import EXIT_CODE, POINTS
 from edgeflow.federated import Client
 from edgeflow.gateway.store import GatewayStore

@@ -16,7 +16,7 @@ import pytest
 
 from _brokers import mosquitto_factory, wait_until  # noqa: F401
 from edgeflow import zoo
-from edgeflow.datasets import dirichlet_partition, load_digits
+from edgeflow.data.datasets import dirichlet_partition, load_digits
 from edgeflow.federated import Client
 from edgeflow.gateway.rounds import model_weights
 from edgeflow.gateway.store import GatewayStore

@@ -248,7 +248,7 @@ def test_a_stalled_broker_is_waited_for_not_fatal(mosquitto_factory, tmp_path, c
 
 
 def test_a_round_below_min_clients_fails_cleanly_and_publishes_no_model(mosquitto_factory, caplog):  # noqa: F811
-    from edgeflow.simulation import SimConfig, SimulatedFleet
+    from edgeflow.sim.simulation import SimConfig, SimulatedFleet
 
     broker = mosquitto_factory()
     cfg = SimConfig(devices=4, rounds=1, min_clients=3, quorum=0.5, dropout=0.5, dropout_round=1, deadline_s=2,
@@ -275,7 +275,7 @@ def _claim_1000x(client) -> None:
 
 
 def _poisoned_run(broker, attack: str, params: dict) -> float:
-    from edgeflow.simulation import SimConfig, SimulatedFleet
+    from edgeflow.sim.simulation import SimConfig, SimulatedFleet
 
     cfg = SimConfig(devices=4, rounds=8, alpha=0.3, seed=0, codec="dense", epochs=2, lr=0.1, deadline_s=20,
                     byzantine=0.25, attack="scale", attack_scale=10.0 if attack == "scale" else 1.0,

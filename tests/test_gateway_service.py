@@ -19,8 +19,8 @@ import pytest
 
 from _fleet import BROKER_USER, GeneratedBroker
 from edgeflow import zoo
-from edgeflow.brokerconfig import FleetDir, ListenerSettings
-from edgeflow.datasets import dirichlet_partition, load_digits
+from edgeflow.broker.mosquitto import FleetDir, ListenerSettings
+from edgeflow.data.datasets import dirichlet_partition, load_digits
 from edgeflow.transport.broker import free_port
 
 pytestmark = pytest.mark.integration

@@ -13,8 +13,8 @@ import pytest
 
 from _brokers import mosquitto_factory, wait_until  # noqa: F401
 from edgeflow import zoo
-from edgeflow.bridgeconfig import BridgeSpec, render_bridge
-from edgeflow.datasets import dirichlet_partition, load_digits
+from edgeflow.broker.bridge import BridgeSpec, render_bridge
+from edgeflow.data.datasets import dirichlet_partition, load_digits
 from edgeflow.errors import ConfigError
 from edgeflow.federated import Client
 from edgeflow.protocol.rounds import TrainConfig

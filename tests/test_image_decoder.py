@@ -7,7 +7,7 @@ import pytest
 from onnx import TensorProto as T
 from onnx import helper as h
 
-from edgeflow import image_decoder
+from edgeflow.data import image_decoder
 from edgeflow.backends.numpy_backend import NumpyBackend
 from edgeflow.errors import BackendError
 from edgeflow.graph import unsupported_ops

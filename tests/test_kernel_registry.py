@@ -48,5 +48,5 @@ def test_kernels_import_only_numpy():
         for k in registry.kernels_for(op):
             mod = k.forward.__module__
             # the library is numpy-only; ImageDecoder needs Pillow, so it registers itself from
-            # edgeflow.image_decoder (outside the library) where Pillow is installed
-            assert mod.startswith("edgeflow.kernels") or mod == "edgeflow.image_decoder", mod
+            # edgeflow.data.image_decoder (outside the library) where Pillow is installed
+            assert mod.startswith("edgeflow.kernels") or mod == "edgeflow.data.image_decoder", mod

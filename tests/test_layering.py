@@ -182,7 +182,7 @@ def test_the_cycle_check_sees_in_function_and_relative_imports():
 TREE = {"edgeflow": ROOT / "edgeflow", "edgeflow.kernels": ROOT / "kernels", "edgeflow.gateway": ROOT / "gateway"}
 """Where each installed package's source lives (pyproject's package-dir)."""
 
-GATEWAY_IMPORTERS = ("edgeflow.cli", "edgeflow.demo", "edgeflow.simulation")
+GATEWAY_IMPORTERS = ("edgeflow.cli", "edgeflow.sim.demo", "edgeflow.sim.simulation")
 """The allow-list: the only edgeflow modules (besides the gateway itself and the lazy front
 door ``edgeflow/__init__.py``) that may import ``edgeflow.gateway``: the operator's CLI, and
 the demo and simulation, which run a gateway in-process. Device-side code (device, federated,

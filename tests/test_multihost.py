@@ -23,7 +23,7 @@ from _brokers import FAST, wait_until
 from _netns import pg_cluster, testnet  # noqa: F401
 from _stores import pg_schema_url
 from edgeflow import zoo
-from edgeflow.datasets import dirichlet_partition, load_digits
+from edgeflow.data.datasets import dirichlet_partition, load_digits
 from edgeflow.federated import Client
 from edgeflow.protocol.rounds import TrainConfig
 from edgeflow.gateway.ingest import IngestStore, SharedIngest, WorkerConfig

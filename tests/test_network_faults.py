@@ -126,7 +126,7 @@ def test_a_chunked_ota_transfer_cut_midway_resumes(mosquitto_factory, tmp_path):
     """The device's connection is cut when half the signed artifact's bytes have passed: the broker
     keeps the rest for its persistent session, the reassembler keeps what arrived, and the
     transfer completes once, with only the missing chunks sent again."""
-    from edgeflow.brokerconfig import FleetDir
+    from edgeflow.broker.mosquitto import FleetDir
     from edgeflow.device.agent import AgentOptions, DeviceAgent
     from edgeflow.gateway.fleet import FleetManager, FleetOptions
     from edgeflow.gateway.store import GatewayStore

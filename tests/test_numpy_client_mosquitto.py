@@ -12,7 +12,7 @@ from _brokers import mosquitto_factory, transport_factory  # noqa: F401  (fixtur
 
 import edgeflow
 from edgeflow import zoo
-from edgeflow.datasets import dirichlet_partition, load_digits
+from edgeflow.data.datasets import dirichlet_partition, load_digits
 from edgeflow.gateway.rounds import Candidate, RoundConfig, RoundManager
 from edgeflow.gateway.store import GatewayStore
 from edgeflow.protocol.rounds import TrainConfig

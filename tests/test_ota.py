@@ -20,7 +20,7 @@ from edgeflow import zoo
 from edgeflow.device.health import check_model
 from edgeflow.device.slots import SlotStore
 from edgeflow.errors import FleetError, SignatureError
-from edgeflow.ota import MAGIC, Golden, build_artifact, make_golden, parse_artifact, verify_artifact
+from edgeflow.artifact import MAGIC, Golden, build_artifact, make_golden, parse_artifact, verify_artifact
 from edgeflow.profiles import get_profile
 from edgeflow.signing import PrivateKey
 
@@ -208,7 +208,7 @@ def test_hostile_manifests_are_bad_artifacts_not_crashes(key: PrivateKey) -> Non
     """Issue 20, finding 12: deep nesting and 1e400 in an artifact's manifest are refusals, not tracebacks."""
     import struct
 
-    from edgeflow.ota import MAGIC, parse_artifact
+    from edgeflow.artifact import MAGIC, parse_artifact
 
     for manifest in (b"[" * 60_000 + b"]" * 4_000, b'{"version": 1e400, "profile": "x", "size": 0, "sha256": ""}',
                      b"[1, 2]"):

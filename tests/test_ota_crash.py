@@ -17,7 +17,7 @@ from _fleet import FLEET, PROFILE, artifact, fleet_env, mlp_bytes, wait_until  #
 from edgeflow.faults import EXIT_CODE, OTA_STEPS
 from edgeflow.protocol.fleet import decode_tensor, encode_tensor
 from edgeflow.device.slots import SlotStore
-from edgeflow.ota import verify_artifact
+from edgeflow.artifact import verify_artifact
 from edgeflow.runtime import load
 from edgeflow.transport.topics import device_topic
 

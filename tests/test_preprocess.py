@@ -1,4 +1,4 @@
-"""Real image and sound files -> model inputs (edgeflow.preprocess), and calibration from folders.
+"""Real image and sound files -> model inputs (edgeflow.data.preprocess), and calibration from folders.
 
 Images are the ones scikit-learn ships (its two sample photos, and its 8x8
 digits written out as PNG files); nothing is random noise.
@@ -19,7 +19,15 @@ import pytest
 
 from edgeflow import zoo
 from edgeflow.errors import InputError, QuantizationError
-from edgeflow.preprocess import AudioPrep, ImagePrep, folder_samples, image_to_array, load_prep, read_wav, resample
+from edgeflow.data.preprocess import (
+    AudioPrep,
+    ImagePrep,
+    folder_samples,
+    image_to_array,
+    load_prep,
+    read_wav,
+    resample,
+)
 
 PIL = pytest.importorskip("PIL.Image")
 datasets = pytest.importorskip("sklearn.datasets")

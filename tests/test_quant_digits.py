@@ -17,7 +17,7 @@ from onnx import numpy_helper
 
 import edgeflow
 from edgeflow import zoo
-from edgeflow.datasets import load_digits
+from edgeflow.data.datasets import load_digits
 from edgeflow.runtime import load
 
 SEED = 0

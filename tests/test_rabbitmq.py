@@ -16,13 +16,13 @@ import pytest
 from _brokers import FAST, Inbox, wait_until
 from _fleet import PROFILE, artifact, mlp_bytes  # noqa: F401
 from _rabbitmq import RabbitMQ, rabbitmq_mqtt  # noqa: F401
-from edgeflow.brokerconfig import FleetDir
+from edgeflow.broker.mosquitto import FleetDir
 from edgeflow.device.agent import AgentOptions, DeviceAgent
 from edgeflow.errors import ConfigError
 from edgeflow.gateway.fleet import FleetManager, FleetOptions
 from edgeflow.gateway.ota import Rollout, RolloutPolicy, build_artifacts, select_devices
 from edgeflow.gateway.store import GatewayStore
-from edgeflow.simulation import SimConfig, SimulatedFleet
+from edgeflow.sim.simulation import SimConfig, SimulatedFleet
 from edgeflow.transport import MqttTransport
 
 pytestmark = pytest.mark.integration

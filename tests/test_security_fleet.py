@@ -37,7 +37,7 @@ from edgeflow.errors import CodecError, TransportError
 from edgeflow.gateway.fleet import FleetManager, FleetOptions
 from edgeflow.gateway.ota import RolloutPolicy
 from edgeflow.gateway.store import GatewayStore
-from edgeflow.ota import build_artifact, make_golden
+from edgeflow.artifact import build_artifact, make_golden
 from edgeflow.signing import KeyRing, PrivateKey, Signer
 from edgeflow.transport.chunking import Splitter
 from edgeflow.transport.mqtt import MqttTransport

@@ -13,7 +13,7 @@ import pytest
 
 from _brokers import FAST, Inbox, mosquitto_factory, transport_factory, wait_until  # noqa: F401
 from edgeflow import zoo
-from edgeflow.datasets import dirichlet_partition, load_digits
+from edgeflow.data.datasets import dirichlet_partition, load_digits
 from edgeflow.errors import ConfigError
 from edgeflow.federated import Client
 from edgeflow.protocol.rounds import TrainConfig

@@ -10,7 +10,7 @@ import pytest
 
 from edgeflow import zoo
 from edgeflow.cli.main import main
-from edgeflow.datasets import load_digits
+from edgeflow.data.datasets import load_digits
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from edgeflow import zoo
-from edgeflow.datasets import load_digits
+from edgeflow.data.datasets import load_digits
 from edgeflow.errors import TrainingError
 from edgeflow.train import Trainer
 from edgeflow.train.qat import QATConfig, fake_quant_activation, fake_quant_weight

@@ -10,7 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edgeflow import zoo
 from edgeflow.data import DataLoader, from_arrays
-from edgeflow.datasets import load_digits
+from edgeflow.data.datasets import load_digits
 from edgeflow.errors import InputError, ModelError, ShapeError, TrainingError
 from edgeflow.train import Trainer
 

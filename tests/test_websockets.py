@@ -208,8 +208,8 @@ def test_federated_round_over_wss_on_the_generated_fleet_broker(tmp_path) -> Non
     if binary is None:
         pytest.skip("mosquitto is not installed")
     from edgeflow import zoo
-    from edgeflow.brokerconfig import FleetDir, ListenerSettings
-    from edgeflow.datasets import dirichlet_partition, load_digits
+    from edgeflow.broker.mosquitto import FleetDir, ListenerSettings
+    from edgeflow.data.datasets import dirichlet_partition, load_digits
     from edgeflow.device.credentials import DeviceCredentials
     from edgeflow.federated import Client
     from edgeflow.protocol.rounds import TrainConfig

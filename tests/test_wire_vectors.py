@@ -32,7 +32,7 @@ from edgeflow.errors import CodecError, SignatureError
 from edgeflow.protocol import secagg_wire as secure
 from edgeflow.protocol.rounds import RoundAnnouncement
 from edgeflow.protocol import secagg_wire
-from edgeflow.ota import verify_artifact
+from edgeflow.artifact import verify_artifact
 from edgeflow.signing import KeyRing, PrivateKey
 from edgeflow.transport.chunking import Reassembler, parse_chunk
 from edgeflow.transport.topics import split_chunk_topic

@@ -52,7 +52,7 @@ def register(sub) -> None:
 
 
 def bridge_cmd(args, fd) -> int:
-    from ..bridgeconfig import bridge_from_fleet_dir, write_bridge
+    from ..broker.bridge import bridge_from_fleet_dir, write_bridge
     from ._common import console, emit_json
 
     spec = bridge_from_fleet_dir(fd, args.bridge_site, args.central)
@@ -83,7 +83,7 @@ def settings_from_args(args, fd):
     """The stored settings of the fleet directory, overridden by the flags given on this command line."""
     import dataclasses
 
-    from ..brokerconfig import ListenerSettings
+    from ..broker.mosquitto import ListenerSettings
 
     base = fd.listener_settings() if fd.exists else ListenerSettings()
     changes = {field: getattr(args, flag) for flag, field in _FLAGS.items() if getattr(args, flag, None) is not None}
@@ -91,7 +91,7 @@ def settings_from_args(args, fd):
 
 
 def cmd(args) -> int:
-    from ..brokerconfig import FleetDir, broker_user
+    from ..broker.mosquitto import FleetDir, broker_user
     from ..errors import ConfigError
     from ..transport.url import parse_broker_url
     from ._common import console, emit_json

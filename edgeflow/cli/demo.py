@@ -55,7 +55,7 @@ def cmd(args) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..demo import Demo, DemoConfig
+    from ..sim.demo import Demo, DemoConfig
     from ._common import console
 
     c = console()

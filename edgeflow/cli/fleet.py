@@ -117,7 +117,7 @@ def register(sub) -> None:
 
 
 def _fleet_dir(args):
-    from ..brokerconfig import FleetDir
+    from ..broker.mosquitto import FleetDir
     from .broker_config import fleet_dir_arg
 
     return FleetDir(fleet_dir_arg(args.dir))

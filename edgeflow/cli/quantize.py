@@ -87,7 +87,7 @@ def _prep(args):
     from dataclasses import fields, replace
 
     from ..errors import InputError
-    from ..preprocess import AudioPrep, ImagePrep, load_prep, prep_from_dict
+    from ..data.preprocess import AudioPrep, ImagePrep, load_prep, prep_from_dict
 
     base = load_prep(args.preprocess) if args.preprocess else None
     img = {k: getattr(args, k) for k in _IMAGE_FLAGS if getattr(args, k) is not None}

@@ -103,7 +103,7 @@ def build_config(args):
     import sys
 
     from ..errors import ConfigError
-    from ..simulation import SimConfig
+    from ..sim.simulation import SimConfig
 
     settings: dict = {}
     if args.config:
@@ -158,9 +158,9 @@ def cmd(args) -> int:
     import onnx
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..demo import describe_broker, select_broker
-    from ..report import make_plots, write_jsonl, write_report
-    from ..simulation import SimulatedFleet
+    from ..sim.demo import describe_broker, select_broker
+    from ..sim.report import make_plots, write_jsonl, write_report
+    from ..sim.simulation import SimulatedFleet
     from ..timing import peak_rss_bytes
     from ._common import console
 

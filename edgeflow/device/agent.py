@@ -61,7 +61,7 @@ import numpy as np
 
 from ..errors import CodecError, EdgeflowError, FleetError, SignatureError
 from ..faults import fault_point
-from ..ota import Artifact, verify_artifact
+from ..artifact import Artifact, verify_artifact
 from ..profiles import BACKENDS, DeviceProfile, get_profile
 from ..protocol.fleet import BIRTH_CONTEXT, COMMANDS, Ack, Birth, Command, Death, decode_tensor, encode_tensor
 from ..protocol.ota import OtaOffer

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import EdgeflowError
-from ..ota import Golden
+from ..artifact import Golden
 from ..profiles import DeviceProfile
 
 log = logging.getLogger("edgeflow.device")

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EdgeflowError, FleetError
-from ..ota import Artifact, verify_artifact
+from ..artifact import Artifact, verify_artifact
 from ..signing import PublicKey
 
 __all__ = ["ActiveModel", "Pointer", "SlotStore", "atomic_write"]

@@ -9,7 +9,7 @@ agree by construction, and device-side code never needs the gateway:
   an update's metadata;
 - :mod:`.fleet` - births, deaths, commands, acks, tensors for inference;
 - :mod:`.ota` - the OTA offer (a signed ``deploy`` command and its artifact;
-  the artifact format itself is :mod:`edgeflow.ota`);
+  the artifact format itself is :mod:`edgeflow.artifact`);
 - :mod:`.secagg`, :mod:`.secagg_wire`, :mod:`.shamir` - secure aggregation: its
   messages, shared primitives, frames and Shamir sharing (the client is
   :mod:`edgeflow.federated.secagg_client`, the server :mod:`edgeflow.gateway.secagg`).

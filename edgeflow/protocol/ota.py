@@ -1,6 +1,6 @@
 """The OTA offer: a signed ``deploy`` command and the artifact it installs, in one message.
 
-The artifact itself (its format, signature and checks) is :mod:`edgeflow.ota`;
+The artifact itself (its format, signature and checks) is :mod:`edgeflow.artifact`;
 the gateway's rollout is :mod:`edgeflow.gateway.ota`; the agent installs it.
 """
 

@@ -33,7 +33,7 @@ from ..model import ModelSource, TensorInfo, graph_inputs, load_model
 from ..profiles import DeviceProfile, get_profile
 
 if TYPE_CHECKING:
-    from ..preprocess import AudioPrep, ImagePrep
+    from ..data.preprocess import AudioPrep, ImagePrep
 from .analysis import QUANTIZABLE, QuantPlan, name_nodes, plan_quantization, pool_before_relu
 from .calibration import METHODS as CALIBRATION_METHODS
 from .calibration import collect_ranges
@@ -333,7 +333,7 @@ def quantize(
     report runs (default: the profile's first usable backend). The result is
     saved to ``output`` when given. ``calibration`` / ``eval_data`` may be a
     folder of images or .wav files, read with ``preprocess`` (an
-    :class:`~edgeflow.preprocess.ImagePrep` / ``AudioPrep`` or a TOML file;
+    :class:`~edgeflow.data.preprocess.ImagePrep` / ``AudioPrep`` or a TOML file;
     default: from the model's input shape). ``optimize_graph`` runs the graph
     optimizer first (Constant-node weights, folding, BatchNormalization).
 
@@ -391,7 +391,7 @@ def quantize(
     # Data: calibration, held-out evaluation, labels.
     if isinstance(preprocess, (str, os.PathLike)):
         from ..errors import InputError
-        from ..preprocess import load_prep
+        from ..data.preprocess import load_prep
 
         try:
             preprocess = load_prep(preprocess)

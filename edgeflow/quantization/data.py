@@ -104,7 +104,7 @@ def _check_one(name: str, a: np.ndarray, info: TensorInfo, what: str) -> tuple[n
 def folder_arrays(path: Path, inputs: list[TensorInfo], prep=None, *, what: str = "calibration data"):
     """A folder of images or .wav files as samples for a single-input model, and notes on what was read."""
     from ..errors import InputError
-    from ..preprocess import folder_samples
+    from ..data.preprocess import folder_samples
 
     if len(inputs) != 1:
         names = [i.name for i in inputs]
@@ -124,7 +124,7 @@ def as_calibration_set(source: DataSource, inputs: list[TensorInfo], *, what: st
     """Validate ``source`` against the model's inputs; one error lists every problem.
 
     ``source`` may also be a folder of images or .wav files (single-input
-    models), read with the :mod:`edgeflow.preprocess` recipe ``prep``; what
+    models), read with the :mod:`edgeflow.data.preprocess` recipe ``prep``; what
     was read is appended to ``notes``.
     """
     if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():

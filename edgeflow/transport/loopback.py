@@ -852,7 +852,7 @@ _STOP = object()
 class LoopbackBridge:
     """Mosquitto-style bridge between two hubs: ``local`` is the site broker, ``remote``
     the central one, ``topics`` the bridge's ``topic`` lines (as
-    :func:`edgeflow.bridgeconfig.bridge_topics` writes them:
+    :func:`edgeflow.broker.bridge.bridge_topics` writes them:
     ``topic <pattern> in|out|both <qos> <local prefix> <remote prefix>``).
     Retained flags cross the bridge as published."""
 

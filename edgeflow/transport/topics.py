@@ -80,7 +80,7 @@ MAX_TOPIC_BYTES = 65535
 class ChannelSpec:
     """One channel of the scheme: who writes it, whether it is retained, whether it may be chunked.
 
-    The broker ACL (:func:`edgeflow.brokerconfig.fleet_acl`), the receivers'
+    The broker ACL (:func:`edgeflow.broker.mosquitto.fleet_acl`), the receivers'
     retained-chunk policy (:func:`retained_chunks_allowed`) and the topic
     table of docs/transport.md are all derived from :data:`DEVICE_CHANNEL_SPECS`
     and :data:`GATEWAY_CHANNEL_SPECS`, so they cannot drift apart.

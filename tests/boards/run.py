@@ -649,8 +649,8 @@ def fleet_round(arch: Arch, rootfs: Path, share: Path, *, rounds: int, second_ot
     import onnx
 
     from edgeflow import zoo
-    from edgeflow.brokerconfig import FleetDir, ListenerSettings
-    from edgeflow.datasets import dirichlet_partition, load_digits
+    from edgeflow.broker.mosquitto import FleetDir, ListenerSettings
+    from edgeflow.data.datasets import dirichlet_partition, load_digits
     from edgeflow.gateway.store import GatewayStore
     from edgeflow.transport.broker import find_mosquitto, free_port, wait_for_port
 

@@ -215,7 +215,7 @@ def test_cli_runs_a_model_through_the_stand_in_like_onnxruntime(tmp_path: Path) 
 
 
 def test_training_through_the_stand_in_writes_a_model_onnx_accepts(tmp_path: Path) -> None:
-    from edgeflow.datasets import load_digits
+    from edgeflow.data.datasets import load_digits
 
     split = load_digits(seed=0).flat()
     np.savez(tmp_path / "d.npz", x=split.x_train[:256], y=split.y_train[:256])

@@ -56,7 +56,7 @@ class Tracebacks(logging.Handler):
 class Arena:
     def __init__(self, root: Path, *, say: Callable[[str], None] = lambda s: None) -> None:
         from edgeflow import zoo
-        from edgeflow.datasets import dirichlet_partition, load_digits
+        from edgeflow.data.datasets import dirichlet_partition, load_digits
 
         self.root = root
         self.say = say

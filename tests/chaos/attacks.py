@@ -361,7 +361,7 @@ def a06_acl(c: Checks, arena: Arena) -> None:
 
 @attack("A07", "held", "tampered artifacts and path traversal")
 def a07_artifacts(c: Checks, arena: Arena) -> None:
-    from edgeflow.ota import build_artifact
+    from edgeflow.artifact import build_artifact
     from edgeflow.signing import PrivateKey
 
     from _fleet import mlp_bytes
@@ -944,7 +944,7 @@ def _sqlite_backup(arena: Arena, dst: Path) -> None:
 def b26_smaller(c: Checks, arena: Arena) -> None:
     from edgeflow.protocol.fleet import Ack
     from edgeflow.protocol.signed_json import sign_body
-    from edgeflow.ota import build_artifact, make_golden
+    from edgeflow.artifact import build_artifact, make_golden
 
     from _fleet import mlp_bytes
 

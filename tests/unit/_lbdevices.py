@@ -21,7 +21,7 @@ from edgeflow import zoo
 from edgeflow.device.agent import AgentOptions, DeviceAgent
 from edgeflow.gateway.fleet import FleetManager, FleetOptions
 from edgeflow.gateway.store import GatewayStore
-from edgeflow.ota import build_artifact, make_golden
+from edgeflow.artifact import build_artifact, make_golden
 from edgeflow.signing import KeyRing, PrivateKey, Signer
 from edgeflow.transport.loopback import LoopbackBroker
 

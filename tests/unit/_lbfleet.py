@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from edgeflow import zoo
-from edgeflow.datasets import dirichlet_partition, load_digits
+from edgeflow.data.datasets import dirichlet_partition, load_digits
 from edgeflow.federated import Client
 from edgeflow.protocol.rounds import RoundAnnouncement, TrainConfig
 from edgeflow.gateway.rounds import Candidate, RoundConfig, RoundManager, RoundMetrics

@@ -1,5 +1,5 @@
 """Hierarchical rounds without a broker: two site hubs bridged (the bridge's own topic
-lines, from edgeflow.bridgeconfig) to a central hub, devices on the sites, a SiteGateway
+lines, from edgeflow.broker.bridge) to a central hub, devices on the sites, a SiteGateway
 per site, a root gateway on the central hub (tests/test_hierarchy.py runs the same over
 bridged Mosquitto brokers)."""
 
@@ -12,8 +12,8 @@ from _lbdevices import wait_until
 from _lbfleet import TRAIN, LoopbackFleet, digits, flat_fedavg
 
 from edgeflow import zoo
-from edgeflow.bridgeconfig import BridgeSpec, bridge_topics
-from edgeflow.datasets import dirichlet_partition
+from edgeflow.broker.bridge import BridgeSpec, bridge_topics
+from edgeflow.data.datasets import dirichlet_partition
 from edgeflow.gateway.hierarchy import PartialSum, SiteGateway, Uplink, root_manager, site_manager
 from edgeflow.gateway.rounds import RoundConfig
 from edgeflow.gateway.store import GatewayStore

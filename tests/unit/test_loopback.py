@@ -296,7 +296,7 @@ def test_drop_and_delay_faults(hub):
 
 
 def test_a_bridge_maps_prefixes_both_ways_and_keeps_retained():
-    from edgeflow.bridgeconfig import BridgeSpec, bridge_topics
+    from edgeflow.broker.bridge import BridgeSpec, bridge_topics
 
     site, central = LoopbackBroker(name="site"), LoopbackBroker(name="central")
     root = central.transport("root").connect()

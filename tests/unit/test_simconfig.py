@@ -9,7 +9,7 @@ import pytest
 from edgeflow.errors import ConfigError
 from edgeflow.gateway.rounds import RoundConfig
 from edgeflow.protocol.rounds import TrainConfig
-from edgeflow.simulation import ROUND_KNOBS, SIM_DEFAULTS, TRAIN_KNOBS, SimConfig
+from edgeflow.sim.simulation import ROUND_KNOBS, SIM_DEFAULTS, TRAIN_KNOBS, SimConfig
 
 
 def _default(f):

@@ -42,7 +42,7 @@ from edgeflow.protocol import secagg_wire as secure
 from edgeflow.protocol.rounds import RoundAnnouncement, TrainConfig
 from edgeflow.protocol import secagg_wire
 from edgeflow.protocol.secagg import AdvertiseKeys, MaskedInput
-from edgeflow import ota
+from edgeflow import artifact as ota
 from edgeflow.signing import PrivateKey, Signer, signing_message
 from edgeflow.transport import chunking
 from edgeflow.transport.topics import chunk_topic, device_topic, gateway_topic

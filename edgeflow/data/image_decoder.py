@@ -16,7 +16,7 @@ import io
 
 import numpy as np
 
-from .kernels import register
+from ..kernels import register
 
 try:
     import PIL.Image as _Image

@@ -70,9 +70,9 @@ class DemoConfig:
 
 def check_config(cfg: DemoConfig) -> None:
     """Every setting checked before a broker starts: ConfigError naming each problem and its flag."""
-    from .codecs import available_codecs
-    from .errors import ConfigError
-    from .profiles import get_profile
+    from ..codecs import available_codecs
+    from ..errors import ConfigError
+    from ..profiles import get_profile
 
     problems = []
     trainers = sum(1 for i in range(max(0, cfg.devices)) if get_profile(DEMO_PROFILES[i % len(DEMO_PROFILES)]).can_train)
@@ -142,8 +142,8 @@ class DemoResult:
 
 def select_broker(spec: str | None):
     """A running broker for ``spec``: a URL, "mosquitto", "embedded", or None (auto)."""
-    from .errors import TransportError
-    from .transport.broker import EmbeddedBroker, MosquittoBroker, find_mosquitto, start_broker
+    from ..errors import TransportError
+    from ..transport.broker import EmbeddedBroker, MosquittoBroker, find_mosquitto, start_broker
 
     if spec in (None, "", "auto"):
         return start_broker(None)
@@ -172,7 +172,7 @@ def _participant_factory(shards: dict[str, tuple[np.ndarray, np.ndarray]], seed:
     Every client made is remembered in ``created`` so the demo can total the
     bytes each device uploaded after training stopped.
     """
-    from .federated import Client
+    from ..federated import Client
 
     def make(agent):
         c = Client(agent.transport, fleet=agent.fleet, device_id=agent.device_id, signer=agent.signer,
@@ -215,19 +215,19 @@ class Demo:
 
     # -- set-up ---------------------------------------------------------------
     def _setup(self) -> None:
-        from . import zoo
-        from .datasets import dirichlet_partition, load_digits
-        from .device.agent import AgentOptions, DeviceAgent
-        from .protocol.rounds import TrainConfig
-        from .gateway.fleet import FleetOptions
-        from .gateway.rounds import RoundConfig
-        from .gateway.service import Gateway
-        from .gateway.store import GatewayStore
-        from .profiles import get_profile
-        from .signing import KeyRing, PrivateKey, Signer
-        from .transport import MqttTransport
-        from .transport.message import Will
-        from .transport.topics import gateway_topic
+        from .. import zoo
+        from ..data.datasets import dirichlet_partition, load_digits
+        from ..device.agent import AgentOptions, DeviceAgent
+        from ..protocol.rounds import TrainConfig
+        from ..gateway.fleet import FleetOptions
+        from ..gateway.rounds import RoundConfig
+        from ..gateway.service import Gateway
+        from ..gateway.store import GatewayStore
+        from ..profiles import get_profile
+        from ..signing import KeyRing, PrivateKey, Signer
+        from ..transport import MqttTransport
+        from ..transport.message import Will
+        from ..transport.topics import gateway_topic
 
         cfg = self.cfg
         check_config(cfg)
@@ -254,7 +254,7 @@ class Demo:
         self.device_ids = ids
         trainers = [d for d, p in zip(ids, profiles) if get_profile(p).can_train]
         if not trainers:
-            from .errors import ConfigError
+            from ..errors import ConfigError
 
             raise ConfigError("no device of the demo can train: use more devices")
         parts = dirichlet_partition(split.y_train, len(trainers), alpha=cfg.alpha, seed=cfg.seed)
@@ -300,7 +300,7 @@ class Demo:
             self._stack.callback(agent.stop)
             self.agents[d] = agent
         if not self.gateway.fleet.wait_online(ids, timeout=30):
-            from .errors import FleetError
+            from ..errors import FleetError
 
             raise FleetError("not every demo device came online within 30 s")
 
@@ -308,7 +308,7 @@ class Demo:
     def _wait_trainers(self, timeout: float = 60.0) -> None:
         """Until the gateway sees every training board as a trainable candidate, so every round selects
         the same devices (a birth still in flight would make round 1 select fewer)."""
-        from .errors import FleetError
+        from ..errors import FleetError
 
         end = time.monotonic() + timeout
         while True:
@@ -328,7 +328,7 @@ class Demo:
                                  description=f"federated rounds (accuracy {m.accuracy:.3f})")
 
     def _rollout(self, onnx_bytes: bytes, version: int, *, quantize: bool, label: str) -> Any:
-        from .gateway.ota import RolloutPolicy, build_artifacts
+        from ..gateway.ota import RolloutPolicy, build_artifacts
 
         profiles = sorted({a.profile.name for a in self.agents.values()})
         notes: list[str] = []
@@ -354,14 +354,14 @@ class Demo:
         return report, arts
 
     def run(self) -> DemoResult:
-        from .runtime import load
+        from ..runtime import load
 
         t0 = time.perf_counter()
         self.accuracy: list[float] = []
         self._setup()
         rep1, _ = self._rollout(self.model.SerializeToString(), 1, quantize=False, label="OTA deploy v1 (fp32)")
         if rep1.state != "completed":
-            from .errors import FleetError
+            from ..errors import FleetError
 
             raise FleetError(f"initial deployment {rep1.state}: {rep1.halted_reason}")
         self._wait_trainers()  # they joined by themselves once v1 was deployed: no train_start
@@ -373,7 +373,7 @@ class Demo:
         final = self.gateway.rounds.current_model()
         rep2, arts = self._rollout(final.SerializeToString(), 2, quantize=True, label="OTA deploy v2 (quantized)")
 
-        from .ota import parse_artifact
+        from ..artifact import parse_artifact
 
         x, y = self.split.x_test, self.split.y_test
         rows = []

@@ -37,7 +37,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .errors import InputError
+from ..errors import InputError
 
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"})
 AUDIO_SUFFIXES = frozenset({".wav"})

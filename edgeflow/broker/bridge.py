@@ -40,12 +40,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import ConfigError
-from .transport.topics import GATEWAY, ROOT, validate_id
-from .transport.url import parse_broker_url
+from ..errors import ConfigError
+from ..transport.topics import GATEWAY, ROOT, validate_id
+from ..transport.url import parse_broker_url
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .brokerconfig import FleetDir
+    from .mosquitto import FleetDir
 
 __all__ = ["UPLINK_LEVEL", "BridgeSpec", "bridge_from_fleet_dir", "bridge_topics", "render_bridge", "write_bridge"]
 

@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Iterator, Sequence, Union
 
 import numpy as np
 
-from .errors import InputError, ShapeError
+from ..errors import InputError, ShapeError
 
 #: Key pairs tried, in order, when a .npz file does not name its arrays.
 NPZ_KEYS: tuple[tuple[str, str], ...] = (

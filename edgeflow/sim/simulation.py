@@ -21,15 +21,15 @@ from typing import Any, Callable
 import numpy as np
 import onnx
 
-from .datasets import Split, dirichlet_partition, load_digits
-from .errors import ConfigError
-from .federated.client import Client
-from .gateway.rounds import RoundConfig
-from .protocol.rounds import TrainConfig
-from .signing import KeyRing, PrivateKey, Signer
-from .transport.base import Transport
+from ..data.datasets import Split, dirichlet_partition, load_digits
+from ..errors import ConfigError
+from ..federated.client import Client
+from ..gateway.rounds import RoundConfig
+from ..protocol.rounds import TrainConfig
+from ..signing import KeyRing, PrivateKey, Signer
+from ..transport.base import Transport
 
-log = logging.getLogger("edgeflow.simulation")
+log = logging.getLogger("edgeflow.sim.simulation")
 
 ATTACKS = ("scale", "flip", "noise")
 
@@ -137,9 +137,9 @@ def _type_problems(cfg: SimConfig) -> list[str]:
 
 
 def _range_problems(cfg: SimConfig) -> list[str]:
-    from .codecs import available_codecs
-    from .gateway.strategies import available_aggregators
-    from .profiles import list_profiles
+    from ..codecs import available_codecs
+    from ..gateway.strategies import available_aggregators
+    from ..profiles import list_profiles
 
     out = []
     for name in ("devices", "rounds", "min_clients", "epochs", "batch_size", "async_buffer", "dropout_round"):
@@ -184,7 +184,7 @@ def _range_problems(cfg: SimConfig) -> list[str]:
 
 
 def build_model(kind: str, seed: int) -> onnx.ModelProto:
-    from . import zoo
+    from .. import zoo
 
     return zoo.digits_mlp(seed=seed) if kind == "mlp" else zoo.digits_cnn(seed=seed)
 
@@ -226,9 +226,9 @@ class SimulatedFleet:
 
     def __init__(self, cfg: SimConfig, broker_url: str, *, state_path: str = ":memory:",
                  on_round: Callable | None = None, protocol: str = "auto") -> None:
-        from .gateway.rounds import RoundManager
-        from .gateway.store import GatewayStore
-        from .transport import MqttTransport
+        from ..gateway.rounds import RoundManager
+        from ..gateway.store import GatewayStore
+        from ..transport import MqttTransport
 
         self.cfg = cfg
         self.broker_url = broker_url
@@ -294,7 +294,7 @@ class SimulatedFleet:
         threading.Thread(target=d.transport.close, kwargs={"abort": True}, daemon=True).start()
 
     def candidates(self):
-        from .gateway.rounds import Candidate
+        from ..gateway.rounds import Candidate
 
         return [Candidate(d.device_id, d.profile) for d in self.devices if not d.vanished]
 

@@ -61,10 +61,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
-from .signing import KeyRing, PrivateKey, PublicKey
-from .transport.broker import mosquitto_password_hash
-from .transport.topics import DEVICE_CHANNEL_SPECS, GATEWAY, GATEWAY_CHANNEL_SPECS, validate_id
+from ..errors import ConfigError
+from ..signing import KeyRing, PrivateKey, PublicKey
+from ..transport.broker import mosquitto_password_hash
+from ..transport.topics import DEVICE_CHANNEL_SPECS, GATEWAY, GATEWAY_CHANNEL_SPECS, validate_id
 
 __all__ = [
     "DEFAULT_MAX_PACKET",
@@ -799,7 +799,7 @@ class FleetDir:
         :meth:`write_broker_config` (``edgeflow fleet provision`` does) and
         reload Mosquitto so the new password and ACL are accepted.
         """
-        from .device.credentials import provision_device
+        from ..device.credentials import provision_device
 
         validate_id(device_id, "device id")
         meta = self.meta()

@@ -1,0 +1,1 @@
+"""Fleet broker tooling: Mosquitto configuration for a fleet, site bridges."""

@@ -1,0 +1,1 @@
+"""A whole fleet in one process: simulation, the demo, the run report."""
