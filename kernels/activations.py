@@ -318,3 +318,67 @@ def _(grads, inputs, outputs, *, needs_grad=None):
     if needs_grad is None or needs_grad[1]:
         ds = reduce_to_shape(np.where(pos, 0, dy * x), s.shape).reshape(slope.shape)
     return (dx, ds)
+
+
+# ---------------------------------------------------------------- backwards (transfer learning)
+# Kept apart from the forwards above; each names its forward.
+
+
+def _clip_grad(dy, x, lo, hi):
+    # The gradient passes where lo <= x <= hi (PyTorch's clamp rule: the bounds themselves pass).
+    keep = np.ones(x.shape, dtype=bool)
+    if lo is not None:
+        keep &= x >= x.dtype.type(lo)
+    if hi is not None:
+        keep &= x <= x.dtype.type(hi)
+    return np.multiply(dy, keep, dtype=dy.dtype)
+
+
+@clip.backward(uses="inputs")
+def _(grads, inputs, outputs):
+    dy, x = grads[0], inputs[0]
+    lo = inputs[1] if len(inputs) > 1 else None
+    hi = inputs[2] if len(inputs) > 2 else None
+    rest = (None,) * (len(inputs) - 1)
+    if dy is None:
+        return (None,) + rest
+    return (_clip_grad(dy, x, lo, hi),) + rest
+
+
+@clip_v6.backward(uses="inputs")
+def _(grads, inputs, outputs, *, min=-3.4028234663852886e38, max=3.4028234663852886e38):  # noqa: A002
+    dy, x = grads[0], inputs[0]
+    return (None if dy is None else _clip_grad(dy, x, min, max),)
+
+
+@hard_sigmoid.backward(uses="inputs")
+def _(grads, inputs, outputs, *, alpha=0.2, beta=0.5):
+    dy, x = grads[0], inputs[0]
+    if dy is None:
+        return (None,)
+    t = x * x.dtype.type(alpha) + x.dtype.type(beta)
+    inside = (t > 0) & (t < 1)
+    return (np.multiply(dy, inside, dtype=dy.dtype) * dy.dtype.type(alpha),)
+
+
+@elu.backward(uses="inputs")
+def _(grads, inputs, outputs, *, alpha=1.0):
+    dy, x = grads[0], inputs[0]
+    if dy is None:
+        return (None,)
+    return (np.where(x > 0, dy, dy * x.dtype.type(alpha) * np.exp(np.minimum(x, 0))),)
+
+
+@selu.backward(uses="inputs")
+def _(grads, inputs, outputs, *, alpha=1.67326319217681884765625, gamma=1.05070102214813232421875):
+    dy, x = grads[0], inputs[0]
+    if dy is None:
+        return (None,)
+    g = x.dtype.type(gamma)
+    return (np.where(x > 0, dy * g, dy * g * x.dtype.type(alpha) * np.exp(np.minimum(x, 0))),)
+
+
+@softplus.backward(uses="inputs")
+def _(grads, inputs, outputs):
+    dy, x = grads[0], inputs[0]
+    return (None if dy is None else dy * _sigmoid(x),)

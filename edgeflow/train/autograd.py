@@ -42,6 +42,14 @@ NON_DIFFERENTIABLE_INPUTS: dict[str, frozenset[int]] = {
     "Squeeze": frozenset({1}),
     "Unsqueeze": frozenset({1}),
     "Clip": frozenset({1, 2}),
+    "Where": frozenset({0}),
+    "Split": frozenset({1}),
+    "Slice": frozenset({1, 2, 3, 4}),
+    "Expand": frozenset({1}),
+    "Tile": frozenset({1}),
+    "CastLike": frozenset({1}),
+    "Pad": frozenset({1, 2, 3}),
+    "Resize": frozenset({1, 2, 3}),
 }
 #: Ops whose outputs past the first carry no gradient (stats, masks, indices).
 FIRST_OUTPUT_ONLY = frozenset({"BatchNormalization", "Dropout", "MaxPool"})
