@@ -324,31 +324,33 @@ def _(grads, inputs, outputs, *, needs_grad=None):
 # Kept apart from the forwards above; each names its forward.
 
 
-def _clip_grad(dy, x, lo, hi):
-    # The gradient passes where lo <= x <= hi (PyTorch's clamp rule: the bounds themselves pass).
-    keep = np.ones(x.shape, dtype=bool)
+def _clip_grad(dy, y, lo, hi):
+    # From the output, so the input need not be kept (a HardSwish written as x * Clip(x + 3, 0, 6) / 6
+    # keeps x and the Clip's output anyway): the gradient passes where lo < y < hi. Exactly at a bound
+    # it is 0 (PyTorch's clamp passes it there; Relu's rule at 0 is the same as this one).
+    keep = np.ones(y.shape, dtype=bool)
     if lo is not None:
-        keep &= x >= x.dtype.type(lo)
+        keep &= y > y.dtype.type(lo)
     if hi is not None:
-        keep &= x <= x.dtype.type(hi)
+        keep &= y < y.dtype.type(hi)
     return np.multiply(dy, keep, dtype=dy.dtype)
 
 
-@clip.backward(uses="inputs")
+@clip.backward(uses="all")
 def _(grads, inputs, outputs):
-    dy, x = grads[0], inputs[0]
+    dy, y = grads[0], outputs[0]
     lo = inputs[1] if len(inputs) > 1 else None
     hi = inputs[2] if len(inputs) > 2 else None
     rest = (None,) * (len(inputs) - 1)
     if dy is None:
         return (None,) + rest
-    return (_clip_grad(dy, x, lo, hi),) + rest
+    return (_clip_grad(dy, y, lo, hi),) + rest
 
 
-@clip_v6.backward(uses="inputs")
+@clip_v6.backward(uses="outputs")
 def _(grads, inputs, outputs, *, min=-3.4028234663852886e38, max=3.4028234663852886e38):  # noqa: A002
-    dy, x = grads[0], inputs[0]
-    return (None if dy is None else _clip_grad(dy, x, min, max),)
+    dy, y = grads[0], outputs[0]
+    return (None if dy is None else _clip_grad(dy, y, min, max),)
 
 
 @hard_sigmoid.backward(uses="inputs")

@@ -75,9 +75,11 @@ def _(grads, inputs, outputs, *, epsilon=1e-5, momentum=0.9, training_mode=0, ne
     else:
         mean, var = inputs[3], inputs[4]
     inv = (1.0 / np.sqrt(var + epsilon)).astype(dy.dtype, copy=False)
-    xhat = (x - mean.reshape(cs)) * inv.reshape(cs)
     dbias = dy.sum(axis=axes)
-    dscale = (dy * xhat).sum(axis=axes)
+    xhat = dscale = None
+    if training_mode or want[1]:  # frozen statistics: x's values matter only for the scale's gradient
+        xhat = (x - mean.reshape(cs)) * inv.reshape(cs)
+        dscale = (dy * xhat).sum(axis=axes)
     dx = None
     if want[0]:
         k = (scale * inv).reshape(cs)

@@ -145,10 +145,14 @@ def plan_training_step(tape: Tape, batch_size: int, *, trainable_bytes: int, opt
         scratch = max(new.values(), default=0)
         if st.node.op_type == "Conv":
             cols = saved.get(i) or _workspace(st, shape_of, consts) * itemsize // 4
-            scratch += cols if i in saved else 2 * cols  # dcols (+ recomputed cols)
-            w_shape = shape_of.get(st.inputs[1]) or ()
-            n = shapes[graph.inputs[0].name][0] if graph.inputs else batch_size
-            scratch += int(n) * int(np.prod(w_shape, dtype=np.int64)) * itemsize  # (N, M, CK) before the sum
+            wants_w = len(st.needs) > 1 and st.needs[1]
+            wants_x = bool(st.needs) and st.needs[0]
+            # dcols (passing the gradient on) + recomputed cols (weight gradient, when not saved)
+            scratch += (cols if wants_x else 0) + (cols if wants_w and i not in saved else 0)
+            if wants_w:
+                w_shape = shape_of.get(st.inputs[1]) or ()
+                n = shapes[graph.inputs[0].name][0] if graph.inputs else batch_size
+                scratch += int(n) * int(np.prod(w_shape, dtype=np.int64)) * itemsize  # (N, M, CK) before the sum
         total = sum(live.values()) + sum(saved.values()) + sum(grads.values()) + sum(new.values()) + scratch
         if total > peak:
             peak, phase, where = total, "backward", st.node.name
