@@ -255,7 +255,13 @@ class Tape:
         # Conv's saved columns serve only its weight's gradient.
         if not (self.save_workspace and st.differentiable and st.kernel.forward_train is not None):
             return False
-        return not (st.node.op_type in ("Conv", "ConvTranspose") and 0 in st.shape_only)
+        if st.node.op_type in ("Conv", "ConvTranspose") and 0 in st.shape_only:
+            return False
+        if st.node.op_type == "Conv" and len(st.inputs) > 1:  # the depthwise backward reads no columns
+            w = self.constants.get(st.inputs[1], self.graph.initializers.get(st.inputs[1]))
+            if w is not None and w.ndim > 1 and w.shape[1] == 1 and st.train_attrs.get("group", 1) == w.shape[0]:
+                return False
+        return True
 
     def _lifetimes(self) -> None:
         persistent = set(self.constants) | set(self.trainable) | {self.target}

@@ -143,7 +143,13 @@ def plan_training_step(tape: Tape, batch_size: int, *, trainable_bytes: int, opt
         # Kernel temporaries: about one array the size of the largest gradient made here
         # (masks, products), plus Conv's column gradient and per-sample weight gradients.
         scratch = max(new.values(), default=0)
-        if st.node.op_type == "Conv":
+        w_shape = shape_of.get(st.inputs[1]) if st.node.op_type == "Conv" and len(st.inputs) > 1 else None
+        x_shape = shape_of.get(st.inputs[0]) if st.node.op_type == "Conv" else None
+        depthwise = (w_shape is not None and x_shape is not None and len(w_shape) > 1 and w_shape[1] == 1
+                     and st.bwd_attrs.get("group", 1) == x_shape[1] == w_shape[0])
+        if depthwise:  # the offset loop (kernels/conv.py): a padded dx and one dy-sized temporary
+            scratch += nbytes(st.inputs[0]) + nbytes(st.outputs[0])
+        elif st.node.op_type == "Conv":
             cols = saved.get(i) or _workspace(st, shape_of, consts) * itemsize // 4
             wants_w = len(st.needs) > 1 and st.needs[1]
             wants_x = bool(st.needs) and st.needs[0]
