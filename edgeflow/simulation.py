@@ -42,6 +42,7 @@ class SimConfig:
     model: str = "mlp"  # "mlp" | "cnn" | a real-model suite name (a pretrained model fine-tuned on digits)
     train_mode: str = "full"  # transfer learning: full | head | bias | last:N (edgeflow.train.transfer)
     input_size: int = 48  # real models: digits are resized to input_size x input_size x 3
+    max_samples: int = 0  # a device trains on at most this many of its samples per round (0: all)
     alpha: float = 0.3
     seed: int = 0
     codec: str = "int8"
@@ -89,7 +90,8 @@ class SimConfig:
 
     def train_config(self) -> TrainConfig:
         return TrainConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr, momentum=self.momentum,
-                           proximal_mu=self.proximal_mu, codec=self.codec, codec_opts=dict(self.codec_opts))
+                           proximal_mu=self.proximal_mu, codec=self.codec, codec_opts=dict(self.codec_opts),
+                           max_samples=self.max_samples or None)
 
 
 def _type_problems(cfg: SimConfig) -> list[str]:
