@@ -207,3 +207,29 @@ def test_resume_across_an_ota_update_of_the_base(model, tmp_path):
     np.testing.assert_array_equal(other.params["fc_0.w_0"], before)
     with pytest.raises(TrainingError, match="optimizer"):
         Trainer(v2, batch_size=BATCH, mode="head", optimizer="adam").load_state(tmp_path / "s")
+
+
+def test_cli_mode_new_head_and_resume(base, tmp_path, capsys):
+    import onnx
+
+    from edgeflow.cli.main import main
+
+    onnx.save(base, tmp_path / "base.onnx")
+    x, y = _batch(7)
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    out = tmp_path / "t.onnx"
+    args = ["train", str(tmp_path / "base.onnx"), "--data", str(tmp_path / "d.npz"), "-o", str(out),
+            "--mode", "bias", "--new-head", "5", "--batch-size", str(BATCH), "--profile", "x86-gateway"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "mode bias:" in text and "weight tensors train" in text
+    meta = json.loads((tmp_path / "t.train.json").read_text())
+    assert meta["global_step"] == 1 and meta["mode"] == "bias"
+    assert main(args + ["--resume", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 2
+    assert main(["train", str(tmp_path / "base.onnx"), "--data", str(tmp_path / "d.npz"), "-o", str(out),
+                 "--mode", "bias", "--new-head", "7", "--batch-size", str(BATCH), "--resume"]) != 0
+    err = capsys.readouterr().err
+    assert "does not fit this model" in err and "Traceback" not in err
+    assert main(args[:-4] + ["--mode", "lats"]) != 0
+    assert "unknown training mode" in capsys.readouterr().err
