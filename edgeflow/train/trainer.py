@@ -41,8 +41,8 @@ from .export import with_weights
 from .losses import Loss, get_loss
 from .memory import BudgetDecision, TrainingMemoryPlan, fit_budget, plan_training_step
 from .optim import Optimizer, clip_by_global_norm, global_norm, make_optimizer
-from .transfer import (Mode, describe, find_layers, largest_fitting, logits_of, parse_mode, prepare_model,
-                       select)
+from .transfer import (Mode, describe, find_layers, fuse_hardswish, largest_fitting, logits_of, parse_mode,
+                       prepare_model, select)
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class Trainer:
             raise InputError(f"proximal_mu must be >= 0, got {proximal_mu}")
         self.model = prepare_model(load_model(model))  # Constant-node weights -> initializers
         self.mode = parse_mode(mode, blocks)
-        self.graph = compile_graph(self.model, optimize=False)
+        self.graph = fuse_hardswish(compile_graph(self.model, optimize=False))
         refuse_control_flow(self.graph)
         self.dtype = np.dtype(dtype)
         if self.dtype.kind != "f":
@@ -202,6 +202,7 @@ class Trainer:
                              self.profile.train_memory_budget_bytes if self.profile is not None else None)
         self.layers = find_layers(self.graph, self._candidates(), self.output_name)
         self.sparse_k: int | None = None
+        self._bn_given = bn_training
         self.bn_training = (self.mode.name == "full") if bn_training is None else bool(bn_training)
         if self.mode.name == "sparse":
             self.sparse_k = self._fit_sparse(trainable, freeze)
@@ -289,12 +290,14 @@ class Trainer:
         """Which tensors train: '3 of 146 weight tensors train (5,124 values): ...'."""
         return describe(self.trainable_names, self.graph.initializers, len(self._candidates()))
 
-    def _plan_for(self, names: Sequence[str], batch_size: int) -> TrainingMemoryPlan:
+    def _plan_for(self, names: Sequence[str], batch_size: int, bn_training: bool | None = None
+                  ) -> TrainingMemoryPlan:
         """Planned step memory if ``names`` trained (a throw-away tape; nothing runs)."""
+        bn_training = self.bn_training if bn_training is None else bn_training
         inits = self.graph.initializers
         consts = {n: (np.asarray(a, dtype=self.dtype) if a.dtype.kind == "f" else a)
                   for n, a in inits.items() if n not in names}
-        tape = Tape(self.graph, set(names), self.output_name, constants=consts, bn_training=self.bn_training)
+        tape = Tape(self.graph, set(names), self.output_name, constants=consts, bn_training=bn_training)
         nbytes = sum(int(inits[n].size) * self.dtype.itemsize for n in names)
         return plan_training_step(tape, batch_size, trainable_bytes=nbytes, optimizer_slots=self.optimizer.slots,
                                   itemsize=self.dtype.itemsize)
@@ -332,7 +335,9 @@ class Trainer:
                 names = select(m, self.layers, cands)
             except TrainingError:
                 continue
-            peak = self._plan_for(names, batch_size or self.batch_size).peak_bytes
+            # as that mode would run: frozen BatchNorm statistics unless bn_training= was given
+            bn = self._bn_given if self._bn_given is not None else m.name == "full"
+            peak = self._plan_for(names, batch_size or self.batch_size, bn).peak_bytes
             if peak <= budget_bytes:
                 out.append((str(m), peak))
         return out

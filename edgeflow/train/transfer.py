@@ -319,3 +319,81 @@ def _attr(node, name: str, default: int = 0) -> int:
         if a.name == name:
             return int(a.i)
     return default
+
+
+def _scalar(graph, name: str) -> float | None:
+    a = graph.initializers.get(name)
+    if a is None or a.size != 1 or a.dtype.kind != "f":
+        return None
+    return float(a.reshape(-1)[0])
+
+
+def fuse_hardswish(graph):
+    """The compiled graph with each decomposed HardSwish, ``x * Clip(x + 3, 0, 6) / 6`` (how Paddle and
+    TF export it), as one HardSwish node: a pure function (the graph given is not changed).
+
+    Exactly the same values, and for training a quarter of the memory: the four nodes keep ``x``,
+    ``x + 3``, the Clip's output and the product for their backwards, HardSwish only ``x``. The
+    model proto is not touched (export writes weights into it by name; shapes are inferred from
+    it), so only the trainer's tape sees the fused node.
+    """
+    import dataclasses
+
+    from ..kernels import get_kernel
+
+    users: dict[str, list[int]] = {}
+    for i, n in enumerate(graph.nodes):
+        for x in n.inputs:
+            if x:
+                users.setdefault(x, []).append(i)
+    outputs = set(graph.output_names)
+    by_output = {o: i for i, n in enumerate(graph.nodes) for o in n.outputs if o}
+    drop: set[int] = set()
+    replace: dict[int, object] = {}
+    kernel = get_kernel("HardSwish", "", 14)
+
+    def only_user(value: str) -> int | None:
+        u = users.get(value, [])
+        return u[0] if len(u) == 1 and value not in outputs else None
+
+    for i, n in enumerate(graph.nodes):
+        if n.op_type != "Add" or n.domain or len(n.inputs) != 2:
+            continue
+        consts = [k for k, x in enumerate(n.inputs) if _scalar(graph, x) == 3.0]
+        if len(consts) != 1:
+            continue
+        x = n.inputs[1 - consts[0]]
+        ci = only_user(n.outputs[0])
+        if ci is None:
+            continue
+        clip = graph.nodes[ci]
+        if clip.op_type != "Clip" or clip.domain:
+            continue
+        lo = _scalar(graph, clip.inputs[1]) if len(clip.inputs) > 1 and clip.inputs[1] else clip.attrs.get("min")
+        hi = _scalar(graph, clip.inputs[2]) if len(clip.inputs) > 2 and clip.inputs[2] else clip.attrs.get("max")
+        if lo != 0.0 or hi != 6.0:
+            continue
+        mi = only_user(clip.outputs[0])
+        if mi is None:
+            continue
+        mul = graph.nodes[mi]
+        if mul.op_type != "Mul" or mul.domain or sorted(mul.inputs) != sorted([x, clip.outputs[0]]):
+            continue
+        di = only_user(mul.outputs[0])
+        if di is None:
+            continue
+        div = graph.nodes[di]
+        scale = _scalar(graph, div.inputs[1]) if len(div.inputs) == 2 else None
+        if not ((div.op_type == "Div" and scale == 6.0) or (div.op_type == "Mul" and scale is not None
+                                                           and abs(scale - 1 / 6) < 1e-7)):
+            continue
+        if div.inputs[0] != mul.outputs[0] or by_output.get(x, -1) > i:
+            continue
+        drop.update((i, ci, mi))
+        replace[di] = dataclasses.replace(div, op_type="HardSwish", domain="", inputs=[x],
+                                          outputs=[div.outputs[0]], attrs={}, kernel=kernel, free_after=[],
+                                          fused_relu=False, name=f"{div.name}.hardswish")
+    if not replace:
+        return graph
+    nodes = [replace.get(i, n) for i, n in enumerate(graph.nodes) if i not in drop]
+    return dataclasses.replace(graph, nodes=nodes)
