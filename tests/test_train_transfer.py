@@ -251,3 +251,40 @@ def test_fuse_hardswish_is_exact_and_pure(model):
     ref = Tape(g, set(), out).infer({}, {g.input_names[0]: x})
     got = Tape(f, set(), out).infer({}, {f.input_names[0]: x})
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_transformer_encoder_gradient_vs_finite_differences():
+    """MiniLM (the suite's transformer encoder) in float64: every bias and LayerNorm parameter through
+    attention, GELU (Erf), the masks (Where/Cast/Expand) to the pooled sentence embedding."""
+    from edgeflow.graph import compile_graph
+    from edgeflow.train.autograd import Tape
+    from edgeflow.train.transfer import prepare_model
+
+    name = "minilm-l3-paraphrase"
+    try:
+        ms.fetch([name])
+    except ms.ModelDownloadError as exc:
+        pytest.skip(f"{name} is not cached and cannot be downloaded: {exc}")
+    g = compile_graph(prepare_model(ms.load(name)), optimize=False)
+    consts = {k: (a.astype(np.float64) if a.dtype.kind == "f" else a) for k, a in g.initializers.items()}
+    names = [k for k, a in g.initializers.items() if a.dtype.kind == "f" and a.ndim == 1 and a.size > 1]
+    assert len(names) == 32
+    tape = Tape(g, set(names), "461", constants=consts)  # "461": the pooled (1, 384) embedding
+    feeds = ms.build_inputs(name)
+    params = {k: consts[k].copy() for k in names}
+    fwd = tape.forward(params, feeds)
+    dy = np.random.default_rng(0).standard_normal(fwd.output.shape)
+    grads = tape.backward(fwd, dy)
+    assert all(np.abs(v).sum() > 0 for v in grads.values())
+    rng = np.random.default_rng(1)
+    for n in (names[0], names[len(names) // 2], names[-1]):
+        w = params[n].reshape(-1)
+        j = int(rng.integers(w.size))
+        orig = w[j]
+        w[j] = orig + 1e-6
+        fp = float((tape.infer(params, feeds) * dy).sum())
+        w[j] = orig - 1e-6
+        fm = float((tape.infer(params, feeds) * dy).sum())
+        w[j] = orig
+        num = (fp - fm) / 2e-6
+        assert abs(grads[n].reshape(-1)[j] - num) <= 1e-6 * max(1.0, abs(num)), (n, grads[n].reshape(-1)[j], num)
