@@ -107,10 +107,10 @@ REAL_MODEL = "ocr-cls-ppocr-mobile-v2"  # PP-OCR's MobileNetV3 (HardSwish, SE bl
 MODES = ("full", "bias", "head", "last:4", "sparse")
 
 
-def _real_model(size: int, classes: int = 10):
+def _real_model(size: int, name: str = REAL_MODEL):
     from edgeflow.simulation import build_model
 
-    return build_model(REAL_MODEL, 0, size) if classes == 10 else None
+    return build_model(name, 0, size)
 
 
 def onnx_to_torch(model, trainable: set[str], bn_training: bool):
@@ -179,6 +179,8 @@ def onnx_to_torch(model, trainable: set[str], bn_training: bool):
                 shape = [int(v) for v in i[1]]
                 shape = [i[0].shape[j] if v == 0 else v for j, v in enumerate(shape)]
                 y = i[0].reshape(shape)
+            elif op in ("Identity", "Dropout"):  # inference semantics, as the ONNX graph states
+                y = i[0]
             elif op == "Flatten":
                 y = i[0].flatten(a.get("axis", 1))
             elif op == "MatMul":
@@ -190,6 +192,15 @@ def onnx_to_torch(model, trainable: set[str], bn_training: bool):
                 y = torch.softmax(i[0], a.get("axis", -1))
             elif op == "Shape":
                 y = torch.tensor(i[0].shape, dtype=torch.int64)
+            elif op == "Slice":
+                idx = [slice(None)] * i[0].dim()
+                axes = [int(v) for v in i[3]] if len(i) > 3 and i[3] is not None else range(len(i[1]))
+                steps = [int(v) for v in i[4]] if len(i) > 4 and i[4] is not None else [1] * len(i[1])
+                for st, en, ax, sp in zip(i[1], i[2], axes, steps):
+                    idx[ax] = slice(int(st), min(int(en), 2**62), sp)
+                y = i[0][tuple(idx)]
+            elif op == "Concat":
+                y = torch.cat([torch.as_tensor(v) for v in i], a.get("axis", 0))
             else:
                 raise NotImplementedError(f"onnx_to_torch: no mapping for {op}")
             env[n.output[0]] = y
@@ -236,11 +247,11 @@ def real_model_rows(args, torch) -> tuple[list[dict], list[dict]]:
     """Step time vs PyTorch (full fine-tune and bias) and memory per mode vs the full fine-tune."""
     from edgeflow.train import Trainer
 
-    model = _real_model(args.real_size)
+    model = _real_model(args.real_size, args.real_model)
     rng = np.random.default_rng(1)
     x = rng.standard_normal((args.real_batch, 3, args.real_size, args.real_size)).astype(np.float32)
     y = rng.integers(0, 10, args.real_batch).astype(np.int64)
-    label = f"{REAL_MODEL} 3x{args.real_size}x{args.real_size}"
+    label = f"{args.real_model} 3x{args.real_size}x{args.real_size}"
     speed, memory = [], []
     trainers = {}
     for mode in MODES:
@@ -276,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=50)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--real-model", default=REAL_MODEL,
+                    help=f"a MobileNet-class suite model (default {REAL_MODEL}; or orientation-pplcnet at 224)")
     ap.add_argument("--real-size", type=int, default=48, help="input size of the real model (default 48)")
     ap.add_argument("--real-batch", type=int, default=16)
     ap.add_argument("--real-runs", type=int, default=5)
@@ -331,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         q = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
         print(f"{r['model']:<30} {r['numpy_ms']:>9.2f} {t:>9} {q:>6} {r['target']:>6.1f}x")
     if memory:
-        print(f"\n{REAL_MODEL} 3x{args.real_size}x{args.real_size}, batch {args.real_batch}: memory per mode "
+        print(f"\n{args.real_model} 3x{args.real_size}x{args.real_size}, batch {args.real_batch}: memory per mode "
               "(planned peak of a step; measured: numpy bytes allocated during a step, tracemalloc)")
         print(f"{'mode':<8} {'tensors':>7} {'values':>9} {'planned MiB':>11} {'vs full':>7} "
               f"{'measured MiB':>12} {'vs full':>7} {'step ms':>8}")
