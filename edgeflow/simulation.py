@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 
 from .datasets import Split, dirichlet_partition, load_digits
-from .errors import ConfigError
+from .errors import ConfigError, EdgeflowError
 from .federated.client import Client
 from .gateway.rounds import RoundConfig
 from .protocol.rounds import TrainConfig
@@ -176,7 +176,7 @@ def _range_problems(cfg: SimConfig) -> list[str]:
         from .train.transfer import parse_mode
 
         parse_mode(cfg.train_mode)
-    except Exception as exc:  # noqa: BLE001 - one line per problem
+    except EdgeflowError as exc:  # parse_mode's InputError: one line per problem
         out.append(str(exc))
     if cfg.input_size < 8:
         out.append(f"input_size must be >= 8, got {cfg.input_size}")
