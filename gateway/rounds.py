@@ -370,11 +370,15 @@ class RoundManager:
         aggregator: Any = None,
         contributions: str = "updates",
         ingest: UpdateSource | None = None,
+        weight_names: Iterable[str] | None = None,
     ) -> None:
         """``sink`` (default :class:`AdoptAndPublish`), ``aggregator`` (default: the
         configured strategy), ``contributions`` ("updates" from devices, or
         "partials" from site gateways) and ``ingest`` (default: subscribe here)
-        are the seams described in the module docstring."""
+        are the seams described in the module docstring. ``weight_names``: the
+        weights the rounds federate (default: every float initializer); a fleet
+        fine-tuning only a pretrained model's head or biases names just those,
+        so the model broadcast and every update carry only them."""
         if contributions not in ("updates", "partials"):
             raise ConfigError(f"contributions must be 'updates' or 'partials', got {contributions!r}")
         self.sink: AggregateSink = sink or AdoptAndPublish()
@@ -422,6 +426,13 @@ class RoundManager:
             except Exception as exc:  # noqa: BLE001 - a damaged blob must become one clear line
                 raise StateError(f"gateway state {store.path}: model v{self.version} cannot be loaded ({exc}); "
                                  "restore a backup or start without a state file (docs/security.md)") from None
+        if weight_names is not None:
+            names = list(dict.fromkeys(weight_names))
+            unknown = [n for n in names if n not in self.weights]
+            if unknown or not names:
+                raise ConfigError(f"weight_names {unknown[:4] or '(none)'} are not float weights of the model; "
+                                  f"it has {len(self.weights)} (e.g. {list(self.weights)[:3]})")
+            self.weights = {n: self.weights[n] for n in names}
         self.epoch = self._new_epoch()
         self._strategy = aggregator if aggregator is not None else self._make_strategy()
         if contributions == "partials" and not hasattr(self._strategy, "add_partial"):

@@ -318,3 +318,69 @@ def _(grads, inputs, outputs, *, needs_grad=None):
     if needs_grad is None or needs_grad[1]:
         ds = reduce_to_shape(np.where(pos, 0, dy * x), s.shape).reshape(slope.shape)
     return (dx, ds)
+
+
+# ---------------------------------------------------------------- backwards (transfer learning)
+# Kept apart from the forwards above; each names its forward.
+
+
+def _clip_grad(dy, y, lo, hi):
+    # From the output, so the input need not be kept (a HardSwish written as x * Clip(x + 3, 0, 6) / 6
+    # keeps x and the Clip's output anyway): the gradient passes where lo < y < hi. Exactly at a bound
+    # it is 0 (PyTorch's clamp passes it there; Relu's rule at 0 is the same as this one).
+    keep = np.ones(y.shape, dtype=bool)
+    if lo is not None:
+        keep &= y > y.dtype.type(lo)
+    if hi is not None:
+        keep &= y < y.dtype.type(hi)
+    return np.multiply(dy, keep, dtype=dy.dtype)
+
+
+@clip.backward(uses="all")
+def _(grads, inputs, outputs):
+    dy, y = grads[0], outputs[0]
+    lo = inputs[1] if len(inputs) > 1 else None
+    hi = inputs[2] if len(inputs) > 2 else None
+    rest = (None,) * (len(inputs) - 1)
+    if dy is None:
+        return (None,) + rest
+    return (_clip_grad(dy, y, lo, hi),) + rest
+
+
+@clip_v6.backward(uses="outputs")
+def _(grads, inputs, outputs, *, min=-3.4028234663852886e38, max=3.4028234663852886e38):  # noqa: A002
+    dy, y = grads[0], outputs[0]
+    return (None if dy is None else _clip_grad(dy, y, min, max),)
+
+
+@hard_sigmoid.backward(uses="inputs")
+def _(grads, inputs, outputs, *, alpha=0.2, beta=0.5):
+    dy, x = grads[0], inputs[0]
+    if dy is None:
+        return (None,)
+    t = x * x.dtype.type(alpha) + x.dtype.type(beta)
+    inside = (t > 0) & (t < 1)
+    return (np.multiply(dy, inside, dtype=dy.dtype) * dy.dtype.type(alpha),)
+
+
+@elu.backward(uses="inputs")
+def _(grads, inputs, outputs, *, alpha=1.0):
+    dy, x = grads[0], inputs[0]
+    if dy is None:
+        return (None,)
+    return (np.where(x > 0, dy, dy * x.dtype.type(alpha) * np.exp(np.minimum(x, 0))),)
+
+
+@selu.backward(uses="inputs")
+def _(grads, inputs, outputs, *, alpha=1.67326319217681884765625, gamma=1.05070102214813232421875):
+    dy, x = grads[0], inputs[0]
+    if dy is None:
+        return (None,)
+    g = x.dtype.type(gamma)
+    return (np.where(x > 0, dy * g, dy * g * x.dtype.type(alpha) * np.exp(np.minimum(x, 0))),)
+
+
+@softplus.backward(uses="inputs")
+def _(grads, inputs, outputs):
+    dy, x = grads[0], inputs[0]
+    return (None if dy is None else dy * _sigmoid(x),)

@@ -242,6 +242,8 @@ def _(grads, inputs, outputs, *, group=1, needs_grad=None, saved=None, **attrs):
         return (None, None, None)[: len(inputs)]
     want = needs_grad or (True, True, True)
     g = conv_geometry(x.shape, w.shape, **attrs)
+    if _depthwise_backward_applies(x, w, group, g):
+        return _depthwise_backward(dy, x, w, b, g, want)[: len(inputs)]
     n_batch, m = x.shape[0], w.shape[0]
     dy_g = dy.reshape(n_batch, group, m // group, -1)  # (N, g, M/g, P)
     dx = dw = db = None
@@ -275,3 +277,43 @@ def _conv_workspace(shapes: list, attrs: dict) -> int:
     if all(k == 1 for k in g.kernel) and all(s == 1 for s in g.strides) and not g.padded:
         return 0
     return 4 * int(x[0]) * int(x[1]) * int(np.prod(g.kernel)) * int(np.prod(g.out_shape))
+
+
+# ---------------------------------------------------------------- depthwise backward (transfer learning)
+# MobileNets are mostly depthwise convolutions. Their backward through im2col
+# builds (N, C, k*k, P) columns and column gradients, k*k times the input;
+# looping over the k*k offsets instead needs one dy-sized temporary and no
+# batched matmul of 1-row matrices.
+
+
+def _depthwise_backward_applies(x, w, group, g) -> bool:
+    c = x.shape[1]
+    return x.ndim >= 3 and group == c and w.shape[0] == c and w.shape[1] == 1 and len(g.kernel) == x.ndim - 2
+
+
+def _depthwise_backward(dy, x, w, b, g, want):
+    n, c = x.shape[:2]
+    axes = (0,) + tuple(range(2, dy.ndim))
+    wk = w.reshape(c, -1).astype(dy.dtype, copy=False)
+    bshape = (1, c) + (1,) * (dy.ndim - 2)
+    dx = dw = db = None
+    if want[1]:
+        xp = spatial.pad_spatial(x, g)
+        dw = np.empty((c, len(g.offset_slices)), dtype=dy.dtype)
+        sub = "nc" + "hwdefg"[: dy.ndim - 2]
+        for k, sl in enumerate(g.offset_slices):
+            # sum over batch and positions of dy * x at this offset, per channel
+            dw[:, k] = np.einsum(f"{sub},{sub}->c", dy, xp[sl])
+        dw = dw.reshape(w.shape)
+    if want[0]:
+        padded = (n, c) + tuple(s + p0 + p1 for s, p0, p1 in zip(x.shape[2:], g.pads_begin, g.pads_end))
+        dxp = np.zeros(padded, dtype=dy.dtype)
+        tmp = np.empty_like(dy)
+        for k, sl in enumerate(g.offset_slices):
+            np.multiply(dy, wk[:, k].reshape(bshape), out=tmp)
+            dxp[sl] += tmp
+        inner = (slice(None), slice(None)) + tuple(slice(p0, p0 + s) for p0, s in zip(g.pads_begin, x.shape[2:]))
+        dx = dxp[inner] if g.padded or dxp.shape != x.shape else dxp
+    if b is not None and len(want) > 2 and want[2]:
+        db = dy.sum(axis=axes)
+    return (dx, dw, db)

@@ -261,3 +261,110 @@ def isinf(x: np.ndarray, *, detect_negative: int = 1, detect_positive: int = 1) 
     if detect_positive:
         return np.isposinf(x)
     return np.zeros(x.shape, dtype=bool)
+
+
+# ---------------------------------------------------------------- backwards (transfer learning)
+# Added apart from the forwards above so that forward speed-ups and these
+# backwards can change independently; each names its forward.
+
+
+@pow_.backward(uses="all")
+def _(grads, inputs, outputs, *, needs_grad=None):
+    (dy,), (x, p), (y,) = grads[:1], inputs[:2], outputs[:1]
+    if dy is None:
+        return (None, None)
+    dx = dp = None
+    if _wanted(needs_grad, 0, x):
+        pf = p.astype(x.dtype, copy=False)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            local = pf * np.power(x, pf - 1)
+        dx = reduce_to_shape(dy * np.where(pf == 0, 0, local), x.shape)
+    if _wanted(needs_grad, 1, p):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            logx = np.where(x > 0, np.log(np.where(x > 0, x, 1)), 0)
+        dp = reduce_to_shape(dy * y * logx, p.shape).astype(p.dtype, copy=False)
+    return (dx, dp)
+
+
+@exp.backward(uses="outputs")
+def _(grads, inputs, outputs):
+    dy, y = grads[0], outputs[0]
+    return (None if dy is None else dy * y,)
+
+
+@log.backward(uses="inputs")
+def _(grads, inputs, outputs):
+    dy, x = grads[0], inputs[0]
+    return (None if dy is None else dy / x,)
+
+
+@sqrt.backward(uses="outputs")
+def _(grads, inputs, outputs):
+    dy, y = grads[0], outputs[0]
+    if dy is None:
+        return (None,)
+    with np.errstate(divide="ignore"):
+        return (dy / (y.dtype.type(2) * y),)
+
+
+@reciprocal.backward(uses="outputs")
+def _(grads, inputs, outputs):
+    dy, y = grads[0], outputs[0]
+    return (None if dy is None else -dy * y * y,)
+
+
+@abs_.backward(uses="inputs")
+def _(grads, inputs, outputs):
+    dy, x = grads[0], inputs[0]
+    return (None if dy is None else dy * np.sign(x),)
+
+
+@sum_.backward(uses="inputs")
+def _(grads, inputs, outputs, *, needs_grad=None):
+    dy = grads[0]
+    return tuple(reduce_to_shape(dy, x.shape) if dy is not None and _wanted(needs_grad, i, x) else None
+                 for i, x in enumerate(inputs))
+
+
+@mean.backward(uses="inputs")
+def _(grads, inputs, outputs, *, needs_grad=None):
+    dy = grads[0]
+    if dy is None:
+        return (None,) * len(inputs)
+    g = dy / dy.dtype.type(len(inputs))
+    return tuple(reduce_to_shape(g, x.shape) if _wanted(needs_grad, i, x) else None for i, x in enumerate(inputs))
+
+
+def _select_backward(grads, inputs, outputs, needs_grad):
+    # The gradient goes to the input that won; ties share it evenly (torch.maximum's rule for two inputs).
+    dy, y = grads[0], outputs[0]
+    if dy is None:
+        return (None,) * len(inputs)
+    hits = [np.broadcast_to(x == y, y.shape) for x in inputs]
+    count = np.sum(hits, axis=0, dtype=dy.dtype)
+    share = dy / np.maximum(count, 1)
+    return tuple(reduce_to_shape(share * h, x.shape) if _wanted(needs_grad, i, x) else None
+                 for i, (x, h) in enumerate(zip(inputs, hits)))
+
+
+@max_.backward(uses="all")
+def _(grads, inputs, outputs, *, needs_grad=None):
+    return _select_backward(grads, inputs, outputs, needs_grad)
+
+
+@min_.backward(uses="all")
+def _(grads, inputs, outputs, *, needs_grad=None):
+    return _select_backward(grads, inputs, outputs, needs_grad)
+
+
+@where.backward(uses="inputs")
+def _(grads, inputs, outputs, *, needs_grad=None):
+    dy, (cond, x, y) = grads[0], inputs[:3]
+    if dy is None:
+        return (None, None, None)
+    zero = dy.dtype.type(0)
+    return (
+        None,
+        reduce_to_shape(np.where(cond, dy, zero), x.shape) if _wanted(needs_grad, 1, x) else None,
+        reduce_to_shape(np.where(cond, zero, dy), y.shape) if _wanted(needs_grad, 2, y) else None,
+    )

@@ -75,9 +75,11 @@ def _(grads, inputs, outputs, *, epsilon=1e-5, momentum=0.9, training_mode=0, ne
     else:
         mean, var = inputs[3], inputs[4]
     inv = (1.0 / np.sqrt(var + epsilon)).astype(dy.dtype, copy=False)
-    xhat = (x - mean.reshape(cs)) * inv.reshape(cs)
     dbias = dy.sum(axis=axes)
-    dscale = (dy * xhat).sum(axis=axes)
+    xhat = dscale = None
+    if training_mode or want[1]:  # frozen statistics: x's values matter only for the scale's gradient
+        xhat = (x - mean.reshape(cs)) * inv.reshape(cs)
+        dscale = (dy * xhat).sum(axis=axes)
     dx = None
     if want[0]:
         k = (scale * inv).reshape(cs)
@@ -349,3 +351,31 @@ def lrn(
     square_sum = cs[:, end] - cs[:, begin]
     y = x / (wd.type(bias) + wd.type(alpha / size) * square_sum) ** wd.type(beta)
     return y.astype(x.dtype, copy=False)
+
+
+# ---------------------------------------------------------------- backwards (transfer learning)
+
+
+def _window_sum(v: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """out[:, c] = sum of v[:, c - lo : c + hi + 1] over the channel axis (clipped to the edges)."""
+    c = v.shape[1]
+    cs = np.zeros((v.shape[0], c + 1) + v.shape[2:], dtype=v.dtype)
+    np.cumsum(v, axis=1, out=cs[:, 1:])
+    idx = np.arange(c)
+    return cs[:, np.clip(idx + hi + 1, 0, c)] - cs[:, np.clip(idx - lo, 0, c)]
+
+
+@lrn.backward(uses="inputs")
+def _(grads, inputs, outputs, *, alpha=1e-4, beta=0.75, bias=1.0, size=None):
+    dy, x = grads[0], inputs[0]
+    if dy is None:
+        return (None,)
+    wd = work_dtype(x.dtype)
+    xw = x.astype(wd, copy=False)
+    lo, hi = (size - 1) // 2, -(-(size - 1) // 2)
+    d = wd.type(bias) + wd.type(alpha / size) * _window_sum(np.square(xw), lo, hi)
+    dpow = d ** wd.type(-beta)
+    t = dy * xw * dpow / d  # dy_c x_c d_c^(-beta-1)
+    # x_j sits in the window of channel c when c - lo <= j <= c + hi: the transposed window swaps lo, hi.
+    dx = dy * dpow - wd.type(2 * beta * alpha / size) * xw * _window_sum(t, hi, lo)
+    return (dx.astype(x.dtype, copy=False),)

@@ -366,3 +366,17 @@ def max_unpool(
     common = tuple(slice(0, min(a, b)) for a, b in zip(shape, inferred))
     out[common] = y[common]
     return out
+
+
+# ---------------------------------------------------------------- backwards (transfer learning)
+
+
+@global_max_pool.backward(uses="all")
+def _(grads, inputs, outputs):
+    # Ties share the gradient evenly (torch.amax's rule).
+    dy, x, y = grads[0], inputs[0], outputs[0]
+    if dy is None:
+        return (None,)
+    hit = x == y
+    count = hit.sum(axis=tuple(range(2, x.ndim)), keepdims=True)
+    return (np.multiply(hit, dy / count, dtype=dy.dtype),)

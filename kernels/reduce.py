@@ -224,3 +224,35 @@ def argmax(x: np.ndarray, *, axis: int = 0, keepdims: int = 1, select_last_index
 @register("ArgMin", dtypes=NUMERIC_TYPES)
 def argmin(x: np.ndarray, *, axis: int = 0, keepdims: int = 1, select_last_index: int = 0) -> np.ndarray:
     return _arg(np.argmin, x, axis, keepdims, select_last_index)
+
+
+# ---------------------------------------------------------------- backwards (transfer learning)
+# ReduceMax / ReduceMin: the gradient goes to the extreme elements, ties sharing it
+# evenly (torch.amax / amin's rule).
+
+
+def _attach_extreme_backward(kernel, with_input: bool) -> None:
+    @kernel.backward(uses="all")
+    def _(grads, inputs, outputs, *, axes=None, keepdims=1, noop_with_empty_axes=0):
+        dy, x = grads[0], inputs[0]
+        extra = (None,) * (len(inputs) - 1)
+        if dy is None:
+            return (None,) + extra
+        if with_input:
+            axes = inputs[1] if len(inputs) > 1 else None
+        ax = _norm_axes(axes, x.ndim, noop_with_empty_axes)
+        hit = x == _keepdims_grad(outputs[0], x, ax, keepdims)
+        count = hit.sum(axis=ax, keepdims=True) if ax != () else np.ones_like(x, dtype=np.int64)
+        g = _keepdims_grad(dy, x, ax, keepdims) / np.maximum(count, 1)
+        return (np.multiply(hit, g, dtype=dy.dtype),) + extra
+
+
+def _extreme_backwards() -> None:
+    from .registry import kernels_for
+
+    for op in ("ReduceMax", "ReduceMin"):
+        for k in kernels_for(op):
+            _attach_extreme_backward(k, k.since >= 18)
+
+
+_extreme_backwards()

@@ -339,3 +339,75 @@ def reverse_sequence(
         src = src.T
     src = src.reshape(src.shape + (1,) * (x.ndim - 2))
     return np.take_along_axis(x, np.broadcast_to(src, x.shape), axis=time_axis)
+
+
+# ---------------------------------------------------------------- backwards (transfer learning)
+# Kept apart from the forwards above; each names its forward.
+
+
+def _split_back(grads, inputs, outputs, axis):
+    x = inputs[0]
+    ax = axis % x.ndim
+    parts = []
+    for dy, y in zip(grads, outputs):
+        parts.append(dy if dy is not None else np.zeros(y.shape, dtype=x.dtype))
+    return (np.concatenate(parts, axis=ax) if parts else None,) + (None,) * (len(inputs) - 1)
+
+
+@split.backward(uses="all")
+def _(grads, inputs, outputs, *, axis=0, num_outputs=None):
+    return _split_back(grads, inputs, outputs, axis)
+
+
+@split_v2.backward(uses="all")
+def _(grads, inputs, outputs, *, axis=0, split=None):
+    return _split_back(grads, inputs, outputs, axis)
+
+
+@slice_.backward(uses="inputs")
+def _(grads, inputs, outputs):
+    dy, x = grads[0], inputs[0]
+    rest = (None,) * (len(inputs) - 1)
+    if dy is None:
+        return (None,) + rest
+    # Slice a grid of flat positions the same way: it names where each output element came from.
+    where = slice_.forward(np.arange(x.size).reshape(x.shape), *inputs[1:])
+    g = np.zeros(x.size, dtype=dy.dtype)
+    g[where.reshape(-1)] = dy.reshape(-1)  # a slice never repeats a position
+    return (g.reshape(x.shape),) + rest
+
+
+@expand.backward(uses="inputs")
+def _(grads, inputs, outputs):
+    from .elementwise import reduce_to_shape  # in-function: the forwards above need nothing from it
+
+    dy, x = grads[0], inputs[0]
+    return (None if dy is None else reduce_to_shape(dy, x.shape), None)
+
+
+@tile.backward(uses="inputs")
+def _(grads, inputs, outputs):
+    dy, x = grads[0], inputs[0]
+    if dy is None:
+        return (None, None)
+    reps = [int(r) for r in np.asarray(inputs[1]).reshape(-1)]
+    # (r0, d0, r1, d1, ...) then sum over the repeat axes
+    split_shape = [v for r, d in zip(reps, x.shape) for v in (r, d)]
+    g = dy.reshape(split_shape).sum(axis=tuple(range(0, 2 * x.ndim, 2)))
+    return (g, None)
+
+
+@cast.backward(uses="inputs")
+def _(grads, inputs, outputs, *, to, saturate=1, round_mode="up"):
+    dy, x = grads[0], inputs[0]
+    if dy is None or not np.issubdtype(x.dtype, np.floating):
+        return (None,)
+    return (dy.astype(x.dtype, copy=False),)
+
+
+@cast_like.backward(uses="inputs")
+def _(grads, inputs, outputs, *, saturate=1, round_mode="up"):
+    dy, x = grads[0], inputs[0]
+    if dy is None or not np.issubdtype(x.dtype, np.floating):
+        return (None, None)
+    return (dy.astype(x.dtype, copy=False), None)

@@ -225,16 +225,16 @@ def test_nan_loss_stops_and_keeps_last_good_weights(digits):
 def test_op_without_backward_is_named_at_construction():
     g = helper.make_graph(
         [helper.make_node("Gemm", ["x", "w1"], ["h"], transB=1, name="fc"),
-         helper.make_node("Elu", ["h"], ["e"], name="the_elu"),
+         helper.make_node("Celu", ["h"], ["e"], name="the_celu"),
          helper.make_node("Gemm", ["e", "w2"], ["y"], transB=1, name="head")],
         "elu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2])],
         [numpy_helper.from_array(np.ones((4, 3), np.float32), "w1"),
          numpy_helper.from_array(np.ones((2, 4), np.float32), "w2")])
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    with pytest.raises(TrainingError, match=r"Elu \(node 'the_elu'\)"):
+    with pytest.raises(TrainingError, match=r"Celu \(node 'the_celu'\)"):
         Trainer(model)
-    assert Trainer(model, freeze=["w1"]).trainable_names == ["w2"]  # the Elu is off the gradient path
+    assert Trainer(model, freeze=["w1"]).trainable_names == ["w2"]  # the Celu is off the gradient path
 
 
 def test_labels_out_of_range_and_wrong_shapes(digits):

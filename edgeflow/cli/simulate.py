@@ -8,7 +8,11 @@ ORDER = 2
 FLAGS: dict[str, tuple[str, type, str]] = {
     "--devices": ("devices", int, "simulated devices, each with its own MQTT connection (default 20)"),
     "--rounds": ("rounds", int, "federated rounds (default 10)"),
-    "--model": ("model", str, "mlp or cnn (default mlp)"),
+    "--model": ("model", str, "mlp, cnn, or a real-model suite name to fine-tune on digits, e.g. "
+                "ocr-cls-ppocr-mobile-v2 (default mlp)"),
+    "--train-mode": ("train_mode", str, "what devices train: full, head, bias (biases + head), last:N "
+                     "(default full)"),
+    "--input-size": ("input_size", int, "real models: digits resized to this square size (default 48)"),
     "--alpha": ("alpha", float, "Dirichlet label skew: smaller = more non-IID (default 0.3)"),
     "--seed": ("seed", int, "fixes data split, device behaviour and sampling (default 0)"),
     "--codec": ("codec", str, "update codec: dense fp16 int8 topk topk-int8 (default int8)"),

@@ -31,6 +31,13 @@ def register(sub) -> None:
                    help="do not train weights whose names start with PREFIX (repeatable)")
     p.add_argument("--trainable", action="append", metavar="PREFIX",
                    help="train only weights whose names start with PREFIX (repeatable)")
+    p.add_argument("--mode", help="transfer learning: full (default), head, bias (biases + head, TinyTL), "
+                   "last:N (the last N layers), sparse (what fits --budget-mib or the profile's training budget)")
+    p.add_argument("--budget-mib", type=float, help="training memory budget for --mode sparse (default: the profile's)")
+    p.add_argument("--new-head", type=int, metavar="CLASSES",
+                   help="replace the last Gemm/MatMul/1x1-Conv layer by a fresh one with CLASSES outputs")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the optimizer state and step saved beside -o by an earlier run")
     p.add_argument("--clip-norm", type=float, help="clip gradients to this global L2 norm")
     p.add_argument("--qat", action="store_true", help="quantization-aware training (int8 fake-quant)")
     p.add_argument("--grad-accumulation", action="store_true",
@@ -66,18 +73,30 @@ def cmd(args) -> int:
     profile = args.profile if args.profile is not None else detect()
     model = model_with_shapes(args.model, args.shape)
     require_static_shapes(model, args.batch_size)
+    if args.new_head:
+        from ..train.transfer import new_head
+
+        model = new_head(model, args.new_head, seed=args.seed)
+    budget = None if args.budget_mib is None else int(args.budget_mib * 2**20)
     trainer = Trainer(
         model, loss=args.loss, optimizer=args.optimizer, lr=args.lr,
         momentum=args.momentum if args.optimizer == "sgd" else 0.0, weight_decay=args.weight_decay,
         trainable=args.trainable, freeze=args.freeze, batch_size=args.batch_size, seed=args.seed,
         clip_norm=args.clip_norm, qat=args.qat, profile=profile, grad_accumulation=args.grad_accumulation,
+        mode=args.mode, budget_bytes=budget,
     )
+    if args.resume:
+        from ..train.checkpoint import load_state, state_path
+
+        load_state(trainer, state_path(args.output))
     loader = DataLoader(data, args.batch_size, shuffle=True, seed=args.seed)
     out = console()
     plan = trainer.memory.plan if trainer.memory else trainer.plan_memory()
     if not args.json:
         out.print(f"{args.model}: {len(trainer.trainable_names)} trainable weight(s), {len(data)} samples, "
                   f"profile {trainer.profile.name if trainer.profile else '-'}")
+        if args.mode:
+            out.print(f"  mode {trainer.mode}: {trainer.describe_trainable()}", soft_wrap=True)
         micro = f", micro-batches of {trainer.micro_batch}" if trainer.micro_batch < args.batch_size else ""
         out.print(f"  planned step memory {human_bytes(plan.peak_bytes)} at batch {args.batch_size}{micro}")
 
@@ -107,9 +126,13 @@ def cmd(args) -> int:
         history = trainer.fit(loader, args.epochs, validation=None if val is None else (val.x, val.y),
                               on_batch=on_batch, on_epoch=on_epoch)
     trainer.export(args.output)
+    from ..train.checkpoint import save_state, state_path
+
+    save_state(trainer, state_path(args.output))
     if args.json:
         emit_json({"model": args.model, "output": args.output, "profile": trainer.profile.name if trainer.profile else None,
                    "trainable": trainer.trainable_names, "micro_batch": trainer.micro_batch,
+                   "mode": str(trainer.mode), "step": trainer.global_step,
                    "memory_plan": plan.to_dict(), **history.to_dict()})
         return 0
     out.print(f"saved {args.output}")

@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 
 from ..data.datasets import Split, dirichlet_partition, load_digits
-from ..errors import ConfigError
+from ..errors import ConfigError, EdgeflowError
 from ..federated.client import Client
 from ..gateway.rounds import RoundConfig
 from ..protocol.rounds import TrainConfig
@@ -38,7 +38,7 @@ ROUND_KNOBS = ("rounds", "mode", "fraction", "min_clients", "overselect", "quoru
                "strategy", "strategy_params", "dp", "secagg", "async_buffer", "seed")
 """The :class:`~edgeflow.gateway.rounds.RoundConfig` settings a simulation exposes (``seed`` also seeds its data)."""
 
-TRAIN_KNOBS = ("epochs", "batch_size", "lr", "momentum", "proximal_mu", "codec", "codec_opts")
+TRAIN_KNOBS = ("epochs", "batch_size", "lr", "momentum", "proximal_mu", "codec", "codec_opts", "max_samples")
 """The :class:`~edgeflow.protocol.rounds.TrainConfig` settings a simulation exposes."""
 
 SIM_DEFAULTS: dict[str, Any] = {"deadline_s": 30.0, "epochs": 2, "batch_size": 16, "lr": 0.1}
@@ -73,7 +73,9 @@ class SimConfig(_Knobs):
     TrainConfig, except :data:`SIM_DEFAULTS`), and the fleet's own below."""
 
     devices: int = 20
-    model: str = "mlp"  # "mlp" | "cnn"
+    model: str = "mlp"  # "mlp" | "cnn" | a real-model suite name (a pretrained model fine-tuned on digits)
+    train_mode: str = "full"  # transfer learning: full | head | bias | last:N (edgeflow.train.transfer)
+    input_size: int = 48  # real models: digits are resized to input_size x input_size x 3
     alpha: float = 0.3
     dropout: float = 0.0  # fraction of devices that vanish mid-round (once, in ``dropout_round``)
     dropout_round: int = 1
@@ -168,8 +170,16 @@ def _range_problems(cfg: SimConfig) -> list[str]:
         out.append(f"overselect must be >= 1, got {cfg.overselect}")
     if cfg.attack not in ATTACKS:
         out.append(f"attack must be one of {', '.join(ATTACKS)}, got {cfg.attack!r}")
-    if cfg.model not in ("mlp", "cnn"):
-        out.append(f"model must be 'mlp' or 'cnn', got {cfg.model!r}")
+    if cfg.model not in ("mlp", "cnn") and not _is_suite_model(cfg.model):
+        out.append(f"model must be 'mlp', 'cnn' or a real-model suite name (edgeflow models list), got {cfg.model!r}")
+    try:
+        from ..train.transfer import parse_mode
+
+        parse_mode(cfg.train_mode)
+    except EdgeflowError as exc:  # parse_mode's InputError: one line per problem
+        out.append(str(exc))
+    if cfg.input_size < 8:
+        out.append(f"input_size must be >= 8, got {cfg.input_size}")
     if cfg.mode not in ("sync", "async"):
         out.append(f"mode must be 'sync' or 'async', got {cfg.mode!r}")
     if cfg.codec not in available_codecs():
@@ -183,16 +193,50 @@ def _range_problems(cfg: SimConfig) -> list[str]:
     return out
 
 
-def build_model(kind: str, seed: int) -> onnx.ModelProto:
+def _is_suite_model(name: str) -> bool:
+    from .. import model_suite as ms
+
+    return name in {m.name for m in ms.models()}
+
+
+def build_model(kind: str, seed: int, input_size: int = 48) -> onnx.ModelProto:
+    """The digits MLP/CNN, or a pretrained suite model with a fresh 10-class head at ``input_size``."""
     from .. import zoo
 
-    return zoo.digits_mlp(seed=seed) if kind == "mlp" else zoo.digits_cnn(seed=seed)
+    if kind == "mlp":
+        return zoo.digits_mlp(seed=seed)
+    if kind == "cnn":
+        return zoo.digits_cnn(seed=seed)
+    from .. import model_suite as ms
+    from ..model import fix_input_shapes
+    from ..train.transfer import new_head
+
+    m = ms.load(kind)
+    inp = m.graph.input[0].name
+    m = fix_input_shapes(m, {inp: (None, 3, input_size, input_size)}, source=f"simulate input_size={input_size}")
+    return new_head(m, 10, seed=seed)
+
+
+def digits_as_images(x: np.ndarray, size: int) -> np.ndarray:
+    """(N, 1, 8, 8) digits in [0, 1] -> (N, 3, size, size) in [-1, 1] (bilinear resize, grey to RGB)
+    (PP-OCR's and PP-LCNet's normalisation, (v - 0.5) / 0.5)."""
+    n = len(x)
+    src = np.linspace(0, 7, size)
+    i0 = np.floor(src).astype(int).clip(0, 6)
+    f = (src - i0).astype(np.float32)
+    rows = x[:, 0, i0, :] * (1 - f)[None, :, None] + x[:, 0, i0 + 1, :] * f[None, :, None]
+    img = rows[:, :, i0] * (1 - f)[None, None, :] + rows[:, :, i0 + 1] * f[None, None, :]
+    img = (img - 0.5) / 0.5
+    return np.ascontiguousarray(np.broadcast_to(img[:, None], (n, 3, size, size)), dtype=np.float32)
 
 
 def shard_data(cfg: SimConfig) -> tuple[Split, list[np.ndarray]]:
     split = load_digits(seed=cfg.seed)
     if cfg.model == "mlp":
         split = split.flat()
+    elif cfg.model != "cnn":
+        split = Split(digits_as_images(split.x_train, cfg.input_size), split.y_train,
+                      digits_as_images(split.x_test, cfg.input_size), split.y_test)
     parts = dirichlet_partition(split.y_train, cfg.devices, alpha=cfg.alpha, seed=cfg.seed,
                                 min_size=max(2, min(8, len(split.y_train) // (2 * cfg.devices))))
     return split, parts
@@ -235,7 +279,8 @@ class SimulatedFleet:
         self.protocol = protocol
         rng = np.random.default_rng(cfg.seed)
         self.split, parts = shard_data(cfg)
-        self.model = build_model(cfg.model, cfg.seed)
+        self.model = build_model(cfg.model, cfg.seed, cfg.input_size)
+        trainer_options = {} if cfg.train_mode == "full" and cfg.model in ("mlp", "cnn") else {"mode": cfg.train_mode}
         self.fleet_key = PrivateKey.generate()
         self.keyring = KeyRing()
         n_byz = int(round(cfg.byzantine * cfg.devices))
@@ -259,7 +304,7 @@ class SimulatedFleet:
             c = Client(t, fleet=cfg.fleet, device_id=did, signer=signer, fleet_key=self.fleet_key.public_key,
                        model=self.model, data=(self.split.x_train[idx], self.split.y_train[idx]),
                        profile=prof, seed=cfg.seed * 1000 + i, transform_update=transform,
-                       delay_s=cfg.straggler_delay_s if i in slow else 0.0)
+                       delay_s=cfg.straggler_delay_s if i in slow else 0.0, trainer_options=trainer_options)
             self.devices.append(SimDevice(did, prof, t, c, byzantine=i in byz, straggler=i in slow))
         self.gateway_transport = MqttTransport.from_url(broker_url, client_id=f"{cfg.fleet}-gateway",
                                                         protocol=protocol)
@@ -269,8 +314,14 @@ class SimulatedFleet:
             self.gateway_transport, self.store, fleet=cfg.fleet, fleet_key=self.fleet_key, keyring=self.keyring,
             model=self.model, config=rc, candidates=self.candidates,
             eval_data=(self.split.x_test, self.split.y_test), on_round=on_round,
+            weight_names=None if cfg.train_mode == "full" else self.trainable_names,
         )
         self._started = False
+
+    @property
+    def trainable_names(self) -> list[str]:
+        """What the devices train (and the rounds federate): every device trains the same tensors."""
+        return list(self.devices[0].client.trainer.trainable_names)
 
     def _transform(self, i: int, byzantine: bool, rng: np.random.Generator) -> Callable:
         attack = _attack(self.cfg.attack, self.cfg.attack_scale, np.random.default_rng(int(rng.integers(2**31))))

@@ -42,9 +42,46 @@ NON_DIFFERENTIABLE_INPUTS: dict[str, frozenset[int]] = {
     "Squeeze": frozenset({1}),
     "Unsqueeze": frozenset({1}),
     "Clip": frozenset({1, 2}),
+    "Where": frozenset({0}),
+    "Split": frozenset({1}),
+    "Slice": frozenset({1, 2, 3, 4}),
+    "Expand": frozenset({1}),
+    "Tile": frozenset({1}),
+    "CastLike": frozenset({1}),
+    "Pad": frozenset({1, 2, 3}),
+    "Resize": frozenset({1, 2, 3}),
 }
 #: Ops whose outputs past the first carry no gradient (stats, masks, indices).
 FIRST_OUTPUT_ONLY = frozenset({"BatchNormalization", "Dropout", "MaxPool"})
+
+#: Inputs whose *values* a backward reads only to form the gradient of other
+#: inputs: position -> the input positions whose gradient needs them. An
+#: input whose listed gradients are all unwanted is not kept for the
+#: backward (the backward gets a zero-strided stand-in of the right shape and
+#: dtype). This is what makes bias-only training cheap (TinyTL): a Conv's
+#: input is needed for its weight's gradient, not for its bias's nor to pass
+#: the gradient on. An empty tuple: only the shape is ever read.
+VALUES_NEEDED_FOR: dict[str, dict[int, tuple[int, ...]]] = {
+    "Conv": {0: (1,)},
+    "ConvTranspose": {0: (1,)},
+    "Gemm": {0: (1,), 1: (0,)},
+    "MatMul": {0: (1,), 1: (0,)},
+    "Mul": {0: (1,), 1: (0,)},
+    "Div": {0: (1,)},
+    "Add": {0: (), 1: ()},
+    "Sub": {0: (), 1: ()},
+    "Reshape": {0: ()},
+    "Flatten": {0: ()},
+    "Squeeze": {0: ()},
+    "Unsqueeze": {0: ()},
+    "GlobalAveragePool": {0: ()},
+    "Slice": {0: ()},
+    "Expand": {0: ()},
+    "Tile": {0: ()},
+    "Clip": {0: ()},  # its backward reads the output and the bounds
+}
+#: Frozen-statistics BatchNormalization reads x only for its scale's gradient.
+_BN_EVAL_VALUES = {0: (1,)}
 
 #: A hook: (value, training) -> (value to use, gradient mask or None).
 Hook = Callable[[np.ndarray, bool], "tuple[np.ndarray, np.ndarray | None]"]
@@ -67,6 +104,7 @@ class Step:
     save: bool = False  # call kernel.forward_train and keep what it saves
     keep_inputs: bool = False
     keep_outputs: bool = False
+    shape_only: tuple[int, ...] = ()  # input positions kept as (shape, dtype) only
     reseed: bool = False  # Dropout: a fresh seed per training step
     free_train: list[str] = field(default_factory=list)
     free_eval: list[str] = field(default_factory=list)
@@ -84,6 +122,7 @@ class Forward:
     masks: dict[tuple[int, int], np.ndarray]
     output: np.ndarray
     state: dict[str, np.ndarray]  # buffer name -> new value (BatchNorm running stats)
+    shapes: dict[tuple[int, int], tuple[tuple[int, ...], np.dtype]] = field(default_factory=dict)
 
 
 def _is_float(types: dict[str, str], name: str) -> bool:
@@ -112,6 +151,7 @@ class Tape:
         *,
         save_workspace: bool = True,
         constants: dict[str, np.ndarray] | None = None,
+        bn_training: bool = True,
     ) -> None:
         refuse_control_flow(graph)
         if target not in {n for s in graph.nodes for n in s.outputs} | set(graph.input_names):
@@ -120,6 +160,9 @@ class Tape:
         self.target = target
         self.trainable = frozenset(trainable)
         self.save_workspace = save_workspace
+        # False: BatchNormalization keeps its running statistics (inference mode) while its
+        # scale and bias may still train: the usual transfer-learning setting (TinyTL).
+        self.bn_training = bool(bn_training)
         self.constants: dict[str, np.ndarray] = dict(constants if constants is not None else graph.initializers)
         self.hooks: dict[int, list[tuple[int, Hook]]] = {}
         self.steps = [self._step(n) for n in graph.nodes]
@@ -132,7 +175,9 @@ class Tape:
         inputs, outputs, kernel = list(node.inputs), list(node.outputs), node.kernel
         step_updates: list[tuple[str, str]] = []
         reseed = False
-        if node.op_type == "BatchNormalization" and not node.domain:
+        if node.op_type == "BatchNormalization" and not node.domain and not self.bn_training:
+            attrs["training_mode"] = 0
+        elif node.op_type == "BatchNormalization" and not node.domain:
             attrs["training_mode"] = 1
             attrs["n_outputs"] = 3
             outputs = (outputs + ["", ""])[:3]
@@ -182,7 +227,8 @@ class Tape:
             uses = st.kernel.backward_uses
             st.keep_inputs = uses in ("all", "inputs")
             st.keep_outputs = uses in ("all", "outputs")
-            st.save = self.save_workspace and st.kernel.forward_train is not None
+            st.shape_only = self._shape_only(st) if st.keep_inputs else ()
+            st.save = self._saves(st)
         if missing:
             raise TrainingError(
                 f"{len(missing)} op(s) on the gradient path have no backward kernel: {', '.join(missing)}. "
@@ -192,13 +238,38 @@ class Tape:
         self.reaches_target = frozenset(p for p in self.trainable if p in useful)
         self._lifetimes()
 
+    def _shape_only(self, st: Step) -> tuple[int, ...]:
+        """Input positions whose values this step's backward will not read."""
+        if st.node.domain:
+            return ()
+        table = VALUES_NEEDED_FOR.get(st.node.op_type)
+        if st.node.op_type == "BatchNormalization" and not st.train_attrs.get("training_mode"):
+            table = _BN_EVAL_VALUES
+        if not table:
+            return ()
+        return tuple(pos for pos, uses in table.items()
+                     if pos < len(st.inputs) and st.inputs[pos] and not any(
+                         j < len(st.needs) and st.needs[j] for j in uses))
+
+    def _saves(self, st: Step) -> bool:
+        # Conv's saved columns serve only its weight's gradient.
+        if not (self.save_workspace and st.differentiable and st.kernel.forward_train is not None):
+            return False
+        if st.node.op_type in ("Conv", "ConvTranspose") and 0 in st.shape_only:
+            return False
+        if st.node.op_type == "Conv" and len(st.inputs) > 1:  # the depthwise backward reads no columns
+            w = self.constants.get(st.inputs[1], self.graph.initializers.get(st.inputs[1]))
+            if w is not None and w.ndim > 1 and w.shape[1] == 1 and st.train_attrs.get("group", 1) == w.shape[0]:
+                return False
+        return True
+
     def _lifetimes(self) -> None:
         persistent = set(self.constants) | set(self.trainable) | {self.target}
         kept: set[str] = set()
         for st in self.steps:
             if st.differentiable:
                 if st.keep_inputs:
-                    kept.update(x for x in st.inputs if x)
+                    kept.update(x for p, x in enumerate(st.inputs) if x and p not in st.shape_only)
                 if st.keep_outputs:
                     kept.update(o for o in st.outputs if o)
         state_outputs = {o for st in self.steps for o, _ in st.state_updates}
@@ -221,7 +292,8 @@ class Tape:
         for i, st in enumerate(self.steps):
             if not st.differentiable:
                 continue
-            names = (st.inputs if st.keep_inputs else []) + (st.outputs if st.keep_outputs else [])
+            ins = [x for p, x in enumerate(st.inputs) if p not in st.shape_only] if st.keep_inputs else []
+            names = ins + (st.outputs if st.keep_outputs else [])
             for x in names:
                 if x and x not in first_bwd:
                     first_bwd[x] = i
@@ -234,7 +306,7 @@ class Tape:
         """Keep training-forward savings (im2col columns...) or recompute them in the backward."""
         self.save_workspace = bool(flag)
         for st in self.steps:
-            st.save = self.save_workspace and st.differentiable and st.kernel.forward_train is not None
+            st.save = self._saves(st)
 
     # ------------------------------------------------------------ hooks
 
@@ -263,8 +335,13 @@ class Tape:
         saved: dict[int, Any] = {}
         args_kept: dict[int, list] = {}
         masks: dict[tuple[int, int], np.ndarray] = {}
+        shapes: dict[tuple[int, int], tuple[tuple[int, ...], np.dtype]] = {}
         for i, st in enumerate(self.steps):
             args = [env[x] if x else None for x in st.inputs]
+            for pos in st.shape_only:
+                a = args[pos]
+                if a is not None:
+                    shapes[(i, pos)] = (a.shape, a.dtype)
             hooks = self.hooks.get(i)
             if hooks:
                 for pos, hook in hooks:
@@ -284,7 +361,7 @@ class Tape:
             for name in st.free_train:
                 env.pop(name, None)
         state = {buf: env[o] for st in self.steps for o, buf in st.state_updates if o in env}
-        return Forward(env, saved, args_kept, masks, env[self.target], state)
+        return Forward(env, saved, args_kept, masks, env[self.target], state, shapes)
 
     def infer(self, params: dict[str, np.ndarray], feeds: dict[str, np.ndarray]) -> np.ndarray:
         """Inference-mode forward (running stats, no dropout) of the target."""
@@ -318,6 +395,10 @@ class Tape:
                     ins = fwd.args.pop(i)
                 elif st.keep_inputs:
                     ins = [env.get(x) if x else None for x in st.inputs]
+                    for pos in st.shape_only:
+                        if ins[pos] is None and (i, pos) in fwd.shapes:
+                            shp, dt = fwd.shapes[(i, pos)]
+                            ins[pos] = np.broadcast_to(np.zeros((), dt), shp)
                 else:
                     ins = [None] * len(st.inputs)
                 outs = [env.get(o) if o else None for o in st.outputs] if st.keep_outputs else [None] * len(st.outputs)

@@ -151,12 +151,22 @@ def plan_training_step(tape: Tape, batch_size: int, *, trainable_bytes: int, opt
         # Kernel temporaries: about one array the size of the largest gradient made here
         # (masks, products), plus Conv's column gradient and per-sample weight gradients.
         scratch = max(new.values(), default=0)
-        if st.node.op_type == "Conv":
+        w_shape = shape_of.get(st.inputs[1]) if st.node.op_type == "Conv" and len(st.inputs) > 1 else None
+        x_shape = shape_of.get(st.inputs[0]) if st.node.op_type == "Conv" else None
+        depthwise = (w_shape is not None and x_shape is not None and len(w_shape) > 1 and w_shape[1] == 1
+                     and st.bwd_attrs.get("group", 1) == x_shape[1] == w_shape[0])
+        if depthwise:  # the offset loop (kernels/conv.py): a padded dx and one dy-sized temporary
+            scratch += nbytes(st.inputs[0]) + nbytes(st.outputs[0])
+        elif st.node.op_type == "Conv":
             cols = saved.get(i) or _workspace(st, shape_of, consts, unknown) * itemsize // 4
-            scratch += cols if i in saved else 2 * cols  # dcols (+ recomputed cols)
-            w_shape = shape_of.get(st.inputs[1]) or ()
-            n = shapes[graph.inputs[0].name][0] if graph.inputs else batch_size
-            scratch += int(n) * int(np.prod(w_shape, dtype=np.int64)) * itemsize  # (N, M, CK) before the sum
+            wants_w = len(st.needs) > 1 and st.needs[1]
+            wants_x = bool(st.needs) and st.needs[0]
+            # dcols (passing the gradient on) + recomputed cols (weight gradient, when not saved)
+            scratch += (cols if wants_x else 0) + (cols if wants_w and i not in saved else 0)
+            if wants_w:
+                w_shape = shape_of.get(st.inputs[1]) or ()
+                n = shapes[graph.inputs[0].name][0] if graph.inputs else batch_size
+                scratch += int(n) * int(np.prod(w_shape, dtype=np.int64)) * itemsize  # (N, M, CK) before the sum
         total = sum(live.values()) + sum(saved.values()) + sum(grads.values()) + sum(new.values()) + scratch
         if total > peak:
             peak, phase, where = total, "backward", st.node.name

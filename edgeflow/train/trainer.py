@@ -31,7 +31,7 @@ import numpy as np
 import onnx
 
 from ..data import Dataset, as_loader, check_inputs, check_labels, from_arrays
-from ..errors import InputError, ShapeError, TrainingError
+from ..errors import InputError, MemoryBudgetError, ShapeError, TrainingError
 from ..graph import compile_graph
 from ..model import ModelSource, load_model
 from ..profiles import DeviceProfile, get_profile
@@ -41,6 +41,8 @@ from .export import with_weights
 from .losses import Loss, get_loss
 from .memory import BudgetDecision, TrainingMemoryPlan, fit_budget, plan_training_step
 from .optim import Optimizer, clip_by_global_norm, global_norm, make_optimizer
+from .transfer import (Mode, describe, find_layers, fuse_hardswish, largest_fitting, logits_of, parse_mode,
+                       prepare_model, select)
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +158,10 @@ class Trainer:
         dtype: str | np.dtype = "float32",
         loss_options: Mapping[str, Any] | None = None,
         save_workspace: bool = True,
+        mode: "str | Mode | None" = None,
+        blocks: int | None = None,
+        budget_bytes: int | None = None,
+        bn_training: bool | None = None,
     ) -> None:
         if int(batch_size) < 1 or int(epochs) < 0:
             raise InputError(f"batch_size must be >= 1 and epochs >= 0; got {batch_size} and {epochs}")
@@ -163,8 +169,9 @@ class Trainer:
             raise InputError(f"clip_norm must be > 0, got {clip_norm}")
         if proximal_mu < 0:
             raise InputError(f"proximal_mu must be >= 0, got {proximal_mu}")
-        self.model = load_model(model)
-        self.graph = compile_graph(self.model, optimize=False)
+        self.model = prepare_model(load_model(model))  # Constant-node weights -> initializers
+        self.mode = parse_mode(mode, blocks)
+        self.graph = fuse_hardswish(compile_graph(self.model, optimize=False))
         refuse_control_flow(self.graph)
         self.dtype = np.dtype(dtype)
         if self.dtype.kind != "f":
@@ -181,6 +188,8 @@ class Trainer:
 
         self.input_name, self.input_shape = self._pick_input(input)
         self.output_name = output or self.graph.output_names[0]
+        if output is None and mode is not None and self.loss.classifies:
+            self.output_name = logits_of(self.graph, self.output_name)  # cross-entropy wants the logits
         produced = {o for n in self.graph.nodes for o in n.outputs if o}
         if self.output_name not in produced:
             raise TrainingError(
@@ -188,6 +197,15 @@ class Trainer:
                 "(an intermediate value such as the logits before a final Softmax may be named too)"
             )
 
+        self.profile = get_profile(profile) if profile is not None else None
+        self.budget_bytes = (int(budget_bytes) if budget_bytes is not None else
+                             self.profile.train_memory_budget_bytes if self.profile is not None else None)
+        self.layers = find_layers(self.graph, self._candidates(), self.output_name)
+        self.sparse_k: int | None = None
+        self._bn_given = bn_training
+        self.bn_training = (self.mode.name == "full") if bn_training is None else bool(bn_training)
+        if self.mode.name == "sparse":
+            self.sparse_k = self._fit_sparse(trainable, freeze)
         self.trainable_names = self._select_trainable(trainable, freeze)
         inits = self.graph.initializers
         self._orig_dtypes = {n: a.dtype for n, a in inits.items()}
@@ -199,7 +217,9 @@ class Trainer:
             for n, a in inits.items() if n not in self.params
         }
         self.tape = Tape(self.graph, set(self.trainable_names), self.output_name,
-                         save_workspace=save_workspace, constants=constants)
+                         save_workspace=save_workspace, constants=constants, bn_training=self.bn_training)
+        if mode is not None:
+            log.info("mode %s: %s", self.mode, self.describe_trainable())
         unused = sorted(set(self.trainable_names) - self.tape.reaches_target)
         if unused:
             log.warning("trainable weight(s) %s do not influence output %s; they will not change",
@@ -213,7 +233,6 @@ class Trainer:
             cfg = qat if isinstance(qat, QATConfig) else QATConfig()
             self.qat = FakeQuantizer(self.tape, cfg, self.trainable_names)
 
-        self.profile = get_profile(profile) if profile is not None else None
         self.micro_batch = self.batch_size
         self.memory: BudgetDecision | None = None
         if self.profile is not None:
@@ -253,7 +272,7 @@ class Trainer:
         if isinstance(trainable, str) or isinstance(freeze, str):
             raise InputError("trainable and freeze take a list of names or prefixes, e.g. freeze=['conv']")
         if trainable is None:
-            chosen = list(cands)
+            chosen = select(self.mode, self.layers, cands, sparse_k=self.sparse_k)
         else:
             bad = [p for p in trainable if not any(_matches(c, [p]) for c in cands)]
             if bad:
@@ -266,6 +285,62 @@ class Trainer:
         if not chosen:
             raise TrainingError("no weight is left to train: loosen trainable= / freeze=")
         return chosen
+
+    def describe_trainable(self) -> str:
+        """Which tensors train: '3 of 146 weight tensors train (5,124 values): ...'."""
+        return describe(self.trainable_names, self.graph.initializers, len(self._candidates()))
+
+    def _plan_for(self, names: Sequence[str], batch_size: int, bn_training: bool | None = None
+                  ) -> TrainingMemoryPlan:
+        """Planned step memory if ``names`` trained (a throw-away tape; nothing runs)."""
+        bn_training = self.bn_training if bn_training is None else bn_training
+        inits = self.graph.initializers
+        consts = {n: (np.asarray(a, dtype=self.dtype) if a.dtype.kind == "f" else a)
+                  for n, a in inits.items() if n not in names}
+        tape = Tape(self.graph, set(names), self.output_name, constants=consts, bn_training=bn_training)
+        nbytes = sum(int(inits[n].size) * self.dtype.itemsize for n in names)
+        return plan_training_step(tape, batch_size, trainable_bytes=nbytes, optimizer_slots=self.optimizer.slots,
+                                  itemsize=self.dtype.itemsize)
+
+    def _fit_sparse(self, trainable, freeze) -> int:
+        if self.budget_bytes is None:
+            raise InputError("mode 'sparse' chooses what trains from a memory budget: give profile= "
+                             "(--profile) or budget_bytes= (--budget-mib)")
+        if not self.layers:
+            raise TrainingError("mode 'sparse' found no Conv/Gemm/MatMul layer with a weight initializer")
+        cands = self._candidates()
+
+        def fits(k: int) -> bool:
+            names = [c for c in select(Mode("sparse"), self.layers, cands, sparse_k=k) if not _matches(c, freeze)]
+            return bool(names) and self._plan_for(names, self.batch_size).peak_bytes <= self.budget_bytes
+
+        k = largest_fitting(fits, len(self.layers))
+        if k is None:
+            head = select(Mode("head"), self.layers, cands)
+            plan = self._plan_for(head, self.batch_size)
+            raise MemoryBudgetError(
+                f"mode 'sparse': even the head alone needs {plan.describe()}, over the training budget of "
+                f"{self.budget_bytes / 2**20:.1f} MiB; lower batch_size or train on a board with more memory",
+                planned_bytes=plan.peak_bytes, budget_bytes=self.budget_bytes)
+        return k
+
+    def modes_that_fit(self, budget_bytes: int, batch_size: int | None = None) -> list[tuple[str, int]]:
+        """(mode, planned peak bytes) of the modes cheaper than full whose step fits ``budget_bytes``."""
+        cands = self._candidates()
+        out = []
+        for m in (Mode("bias"), Mode("head")):
+            if m == self.mode:
+                continue
+            try:
+                names = select(m, self.layers, cands)
+            except TrainingError:
+                continue
+            # as that mode would run: frozen BatchNorm statistics unless bn_training= was given
+            bn = self._bn_given if self._bn_given is not None else m.name == "full"
+            peak = self._plan_for(names, batch_size or self.batch_size, bn).peak_bytes
+            if peak <= budget_bytes:
+                out.append((str(m), peak))
+        return out
 
     def _output_classes(self) -> int | None:
         out = next((o for o in self.graph.outputs if o.name == self.output_name), None)
@@ -284,11 +359,21 @@ class Trainer:
         from ..backends.numpy_backend import _set_blas_threads
 
         _set_blas_threads(profile.threads)
-        decision = fit_budget(
-            lambda m, save: self.plan_memory(m, save_workspace=save), self.batch_size,
-            profile.train_memory_budget_bytes, allow_accumulation=self.grad_accumulation,
-            profile_name=profile.name,
-        )
+        budget = self.budget_bytes if self.budget_bytes is not None else profile.train_memory_budget_bytes
+        try:
+            decision = fit_budget(
+                lambda m, save: self.plan_memory(m, save_workspace=save), self.batch_size,
+                budget, allow_accumulation=self.grad_accumulation, profile_name=profile.name,
+            )
+        except MemoryBudgetError as e:
+            fit = self.modes_that_fit(budget) if self.layers else []
+            if not fit:
+                raise
+            hint = ", ".join(f"mode={m!r} ({b / 2**20:.1f} MiB)" for m, b in fit)
+            raise MemoryBudgetError(
+                f"mode {str(self.mode)!r} needs {e.planned_bytes / 2**20:.1f} MiB per step at batch "
+                f"{self.batch_size}, over profile {profile.name!r}'s training budget of {budget / 2**20:.1f} MiB; "
+                f"fits: {hint}", planned_bytes=e.planned_bytes, budget_bytes=budget) from None
         self.memory = decision
         self.micro_batch = decision.micro_batch
         self.tape.set_save_workspace(decision.save_workspace)
@@ -577,3 +662,17 @@ class Trainer:
 
     def export(self, path: str | os.PathLike) -> None:
         save_model(self.to_onnx(), path)
+
+    # ------------------------------------------------------------ resuming
+
+    def save_state(self, path: str | os.PathLike):
+        """Optimizer state, step and trainable weights to ``PATH.npz`` + ``PATH.json`` (no pickle)."""
+        from .checkpoint import save_state
+
+        return save_state(self, path)
+
+    def load_state(self, path: str | os.PathLike, *, weights: bool = True) -> dict:
+        """Restore :meth:`save_state`'s files (onto an updated base model too, where shapes match)."""
+        from .checkpoint import load_state
+
+        return load_state(self, path, weights=weights)
