@@ -7,7 +7,8 @@ process per model (so that its peak RSS is honest: nothing of the other
 backend or of another model is resident), loads the model through
 ``edgeflow.backends`` (``SessionOptions(threads=1)``: onnxruntime's
 intra_op_num_threads=1, numpy's BLAS pool limited to one thread), warms up,
-and times ``--runs`` runs; ``--rounds`` alternates the two backends' processes
+and times ``--runs`` runs (input dims fixed to the manifest's shapes for
+both backends, as ``--shape`` does; ``--dynamic`` keeps symbolic dims); ``--rounds`` alternates the two backends' processes
 so that machine noise hits both, and the medians are over all timed runs.
 
 Reported per model: median latency per backend, their ratio (numpy / ort),
@@ -77,13 +78,17 @@ def _read(path: Path) -> dict[str, np.ndarray]:
         return {n: z[f"a{i}"] for i, n in enumerate(names)}
 
 
-def worker(name: str, backend: str, feeds_path: Path, out_path: Path, runs: int, warmup: int) -> dict:
+def worker(name: str, backend: str, feeds_path: Path, out_path: Path, runs: int, warmup: int,
+           dynamic: bool = False) -> dict:
     from edgeflow import model_suite as ms
     from edgeflow.backends import SessionOptions, get_backend
     from edgeflow.errors import EdgeflowError
+    from edgeflow.model import fix_input_shapes
 
     feeds = _read(feeds_path)
     model = ms.load(name, check=True)
+    if not dynamic:  # what `--shape NAME=...` does, for both backends alike
+        model = fix_input_shapes(model, ms.get(name).input_shapes, source="the manifest")
     base = _rss_now()
     t0 = time.perf_counter()
     try:
@@ -113,10 +118,10 @@ def worker(name: str, backend: str, feeds_path: Path, out_path: Path, runs: int,
 # -- the parent ---------------------------------------------------------------------------
 
 
-def _spawn(name, backend, feeds_path, out_path, runs, warmup, timeout) -> dict:
+def _spawn(name, backend, feeds_path, out_path, runs, warmup, timeout, dynamic=False) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--backend", backend,
-           "--feeds", str(feeds_path), "--out", str(out_path), "--runs", str(runs), "--warmup", str(warmup)]
+           "--feeds", str(feeds_path), "--out", str(out_path), "--runs", str(runs), "--warmup", str(warmup)] + (["--dynamic"] if dynamic else [])
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -128,7 +133,8 @@ def _spawn(name, backend, feeds_path, out_path, runs, warmup, timeout) -> dict:
         return {"error": f"worker failed: {tail[0][:300]}"}
 
 
-def bench_model(name: str, runs: int, rounds: int, warmup: int, timeout: float, tmp: Path) -> dict:
+def bench_model(name: str, runs: int, rounds: int, warmup: int, timeout: float, tmp: Path,
+                dynamic: bool = False) -> dict:
     from edgeflow import model_suite as ms
 
     m = ms.get(name)
@@ -144,7 +150,7 @@ def bench_model(name: str, runs: int, rounds: int, warmup: int, timeout: float, 
             r = res[backend]
             if "error" in r:
                 continue
-            got = _spawn(name, backend, feeds_path, tmp / f"{name}.{backend}.npz", runs, warmup, timeout)
+            got = _spawn(name, backend, feeds_path, tmp / f"{name}.{backend}.npz", runs, warmup, timeout, dynamic)
             if "error" in got:
                 r.update(error=got["error"])
                 continue
@@ -257,13 +263,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600, help="per worker process, seconds")
     ap.add_argument("--json", help="also write rows and summary to this JSON file")
     ap.add_argument("--doc", help="rewrite the generated table in this Markdown file (docs/real-models.md)")
+    ap.add_argument("--dynamic", action="store_true",
+                    help="keep the models' symbolic input dims (default: fix them to the manifest's shapes for "
+                         "both backends, as `--shape` does)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--backend", help=argparse.SUPPRESS)
     ap.add_argument("--feeds", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(raw)
     if args.worker:
-        print(json.dumps(worker(args.worker, args.backend, Path(args.feeds), Path(args.out), args.runs, args.warmup)))
+        print(json.dumps(worker(args.worker, args.backend, Path(args.feeds), Path(args.out), args.runs, args.warmup,
+                                args.dynamic)))
         return 0
 
     from edgeflow import model_suite as ms
@@ -280,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="edgeflow-real-models-") as tmp:
         for name in names:
             t0 = time.monotonic()
-            row = bench_model(name, args.runs, args.rounds, args.warmup, args.timeout, Path(tmp))
+            row = bench_model(name, args.runs, args.rounds, args.warmup, args.timeout, Path(tmp), args.dynamic)
             rows.append(row)
             print(f"[real_models] {name}: ort {_fmt(row.get('ort_ms'))} ms, numpy {_fmt(row.get('numpy_ms'))} ms"
                   + (f", ratio {row['ratio']:.2f}" if "ratio" in row else f" ({row.get('numpy_error', '')})")
@@ -291,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine(), "runs": args.runs, "rounds": args.rounds,
+                                               "dynamic": args.dynamic,
                                                "rows": rows, "summary": summary}, indent=2))
     if args.doc:
         shown, skip = [], False

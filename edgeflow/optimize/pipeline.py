@@ -36,6 +36,8 @@ from .passes import (
     fuse_activation,
     fuse_batchnorm,
     fuse_qdq,
+    inline_constant_if,
+    optimize_subgraphs,
     prepack_gemm,
     remove_dead_nodes,
     remove_identity,
@@ -48,8 +50,10 @@ MODEL_PASSES: tuple[tuple[str, ModelPass], ...] = (
     ("constants", constants_to_initializers),
     ("identity", remove_identity),
     ("fold", fold_constants),
+    ("inline_if", inline_constant_if),
     ("fuse_bn", fuse_batchnorm),
     ("dce", remove_dead_nodes),
+    ("subgraphs", optimize_subgraphs),
 )
 
 #: The numpy backend's passes, in order (each CompiledGraph -> CompiledGraph).

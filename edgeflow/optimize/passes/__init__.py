@@ -2,7 +2,8 @@
 
 Portable passes (``Graph -> Graph`` on :mod:`edgeflow.optimize.ir`; the
 result is a valid ONNX model any backend runs): :mod:`.constants`,
-:mod:`.identity`, :mod:`.fold`, :mod:`.fuse_bn`, :mod:`.dce`.
+:mod:`.identity`, :mod:`.fold`, :mod:`.fuse_bn`, :mod:`.dce`, :mod:`.subgraphs`
+(all of them inside If/Loop/Scan bodies).
 
 numpy-backend passes (``CompiledGraph -> CompiledGraph``, on the node list
 bound to kernels; the result runs only on the numpy executor):
@@ -17,6 +18,7 @@ from .fuse_bn import fuse_batchnorm
 from .fuse_qdq import fuse_qdq
 from .identity import remove_identity
 from .prepack_gemm import prepack_gemm
+from .subgraphs import inline_constant_if, optimize_subgraphs
 
 __all__ = [
     "constants_to_initializers",
@@ -24,6 +26,8 @@ __all__ = [
     "fuse_activation",
     "fuse_batchnorm",
     "fuse_qdq",
+    "inline_constant_if",
+    "optimize_subgraphs",
     "prepack_gemm",
     "remove_dead_nodes",
     "remove_identity",
