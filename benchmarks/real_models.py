@@ -7,8 +7,10 @@ process per model (so that its peak RSS is honest: nothing of the other
 backend or of another model is resident), loads the model through
 ``edgeflow.backends`` (``SessionOptions(threads=1)``: onnxruntime's
 intra_op_num_threads=1, numpy's BLAS pool limited to one thread), warms up,
-and times ``--runs`` runs (input dims fixed to the manifest's shapes for
-both backends, as ``--shape`` does; ``--dynamic`` keeps symbolic dims); ``--rounds`` alternates the two backends' processes
+and times ``--runs`` runs (the numpy backend loads the model with its input
+dims fixed to the manifest's shapes, as ``--shape`` does, so that shape
+subgraphs fold at load; onnxruntime loads the file as shipped and plans with
+the real shapes itself; ``--dynamic`` keeps symbolic dims for numpy too); ``--rounds`` alternates the two backends' processes
 so that machine noise hits both, and the medians are over all timed runs.
 
 Reported per model: median latency per backend, their ratio (numpy / ort),
@@ -87,8 +89,16 @@ def worker(name: str, backend: str, feeds_path: Path, out_path: Path, runs: int,
 
     feeds = _read(feeds_path)
     model = ms.load(name, check=True)
-    if not dynamic:  # what `--shape NAME=...` does, for both backends alike
-        model = fix_input_shapes(model, ms.get(name).input_shapes, source="the manifest")
+    fixed = False
+    if not dynamic and backend == "numpy":
+        # what `--shape NAME=...` does: shapes fold at load. onnxruntime gets the model as
+        # shipped (it plans with the real shapes at run time; some models' re-inferred
+        # subgraph shapes it refuses to load); a model whose shapes cannot be fixed runs as is
+        try:
+            model = fix_input_shapes(model, ms.get(name).input_shapes, source="the manifest")
+            fixed = True
+        except EdgeflowError:
+            pass
     base = _rss_now()
     t0 = time.perf_counter()
     try:
@@ -112,7 +122,7 @@ def worker(name: str, backend: str, feeds_path: Path, out_path: Path, runs: int,
         return {"error": f"crashed: {type(exc).__name__}: {str(exc).splitlines()[0][:250] if str(exc) else ''}"}
     _save(out_path, out)
     peak = _status_kib("VmHWM")
-    return {"times_ms": times, "load_s": load_s, "rss_base": base, "rss_peak": peak}
+    return {"times_ms": times, "load_s": load_s, "rss_base": base, "rss_peak": peak, "fixed_shapes": fixed}
 
 
 # -- the parent ---------------------------------------------------------------------------
@@ -158,6 +168,7 @@ def bench_model(name: str, runs: int, rounds: int, warmup: int, timeout: float, 
             r["rss_peak"] = max(r["rss_peak"], got["rss_peak"])
             r["rss_above"] = max(r["rss_above"], got["rss_peak"] - got["rss_base"])
             r["load_s"] = got["load_s"]
+            r["fixed_shapes"] = got.get("fixed_shapes", False)
     for backend, r in res.items():
         if "error" in r:
             row[f"{backend}_error"] = r["error"]
@@ -167,6 +178,7 @@ def bench_model(name: str, runs: int, rounds: int, warmup: int, timeout: float, 
         row[f"{backend}_rss_peak_mb"] = r["rss_peak"] / 2**20
         row[f"{backend}_rss_above_mb"] = r["rss_above"] / 2**20
         row[f"{backend}_load_s"] = r["load_s"]
+        row[f"{backend}_fixed_shapes"] = r["fixed_shapes"]
     if "ort_ms" in row and "numpy_ms" in row:
         row["ratio"] = row["numpy_ms"] / row["ort_ms"]
         ref, got = _read(tmp / f"{name}.ort.npz"), _read(tmp / f"{name}.numpy.npz")
@@ -210,7 +222,7 @@ def markdown(rows: list[dict], summary: dict) -> str:
         rss = (f"{_fmt(r.get('ort_rss_peak_mb'), '.0f')} ({_fmt(r.get('ort_rss_above_mb'), '.0f')}) / "
                f"{_fmt(r.get('numpy_rss_peak_mb'), '.0f')} ({_fmt(r.get('numpy_rss_above_mb'), '.0f')})")
         lines.append(f"| {r['model']} | {r['family']} | {r['package']} | {r['nodes']} / {r['op_types']} | "
-                     f"{r['bytes'] / 2**20:.1f} | `{r['shapes']}` | {match} | {_fmt(r.get('ort_ms'))} | "
+                     f"{r['bytes'] / 2**20:.1f} | `{r['shapes']}`{'' if r.get('numpy_fixed_shapes', True) else ' (numpy: symbolic)'} | {match} | {_fmt(r.get('ort_ms'))} | "
                      f"{_fmt(r.get('numpy_ms'))} | {_fmt(r.get('ratio'))} | {rss} |")
     s = summary
     met = lambda ok: "met" if ok else "**not met**"  # noqa: E731

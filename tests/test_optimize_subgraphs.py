@@ -121,3 +121,83 @@ def test_inline_leaves_an_if_whose_condition_is_not_constant():
     g = from_model(m)
     assert inline_constant_if(g, PassOptions()) is g
     assert optimize_subgraphs(from_model(optimize_model(m)), PassOptions()).nodes  # idempotent, still valid
+
+
+# ------------------------------------------------------------------ numpy-backend passes
+
+def _decomposed_layernorm(x="x", out="y", p="", pow_=True, relu=True):
+    """PyTorch's export of nn.LayerNorm below opset 17 (+ a Relu after it)."""
+    nodes = [
+        helper.make_node("ReduceMean", [x], [f"{p}m"], axes=[-1]),
+        helper.make_node("Sub", [x, f"{p}m"], [f"{p}d"]),
+        helper.make_node("Pow", [f"{p}d", "two"], [f"{p}q"]) if pow_ else helper.make_node("Mul", [f"{p}d", f"{p}d"], [f"{p}q"]),
+        helper.make_node("ReduceMean", [f"{p}q"], [f"{p}v"], axes=[-1]),
+        helper.make_node("Add", [f"{p}v", "eps"], [f"{p}ve"]),
+        helper.make_node("Sqrt", [f"{p}ve"], [f"{p}s"]),
+        helper.make_node("Div", [f"{p}d", f"{p}s"], [f"{p}n"]),
+        helper.make_node("Mul", ["gamma", f"{p}n"], [f"{p}g"]),  # gamma first: either order is matched
+        helper.make_node("Add", [f"{p}g", "beta"], [f"{p}b" if relu else out]),
+    ]
+    if relu:
+        nodes.append(helper.make_node("Relu", [f"{p}b"], [out]))
+    return nodes
+
+
+def _ln_inits(rng, n=16):
+    return {"two": np.array(2.0, np.float32), "eps": np.array(1e-5, np.float32),
+            "gamma": rand(rng, n), "beta": rand(rng, n)}
+
+
+@pytest.mark.parametrize("pow_", [True, False])
+def test_decomposed_layernorm_is_one_node_with_the_same_results(pow_):
+    from edgeflow.graph import compile_graph
+
+    rng = np.random.default_rng(4)
+    m = make(_decomposed_layernorm(pow_=pow_), [("x", [3, 16])], [("y", [3, 16])], _ln_inits(rng))
+    g = compile_graph(m)
+    assert [n.kernel.op_type for n in g.nodes] == ["LayerNorm(fused)+Relu"]
+    x = rand(rng, 3, 16, scale=3.0) + 1.0
+    np.testing.assert_allclose(run_numpy(m, {"x": x}, True)[0], run_numpy(m, {"x": x}, False)[0], rtol=1e-6, atol=1e-6)
+    from _graphs import run_ort
+
+    np.testing.assert_allclose(run_numpy(m, {"x": x}, True)[0], run_ort(m, {"x": x})[0], rtol=1e-5, atol=1e-5)
+
+
+def test_layernorm_chain_read_elsewhere_is_not_fused():
+    from edgeflow.graph import compile_graph
+
+    rng = np.random.default_rng(5)
+    nodes = _decomposed_layernorm(relu=False) + [helper.make_node("Add", ["y", "d"], ["z"])]  # d read outside
+    m = make(nodes, [("x", [2, 16])], [("z", [2, 16])], _ln_inits(rng))
+    assert "LayerNorm(fused)" not in [n.kernel.op_type for n in compile_graph(m).nodes]
+
+
+def test_numpy_passes_run_inside_subgraphs_with_outer_weights():
+    """An If branch: Gemm(transB) on an outer weight is prepacked, the layer norm and the
+    activations fused; the enclosing graph keeps its weights; results unchanged."""
+    from edgeflow.graph import compile_graph
+
+    rng = np.random.default_rng(6)
+    body_nodes = [helper.make_node("Gemm", ["x", "W", "bias"], ["h"], transB=1)] + \
+        _decomposed_layernorm(x="h", out="t", p="b_")
+    then_g = helper.make_graph(body_nodes, "then", [], [helper.make_tensor_value_info("t", F, [2, 16])])
+    else_g = helper.make_graph([helper.make_node("Neg", ["x16"], ["e"])], "else", [],
+                               [helper.make_tensor_value_info("e", F, [2, 16])])
+    nodes = [helper.make_node("Tile", ["x", "reps"], ["x16"]),
+             helper.make_node("If", ["c"], ["y"], then_branch=then_g, else_branch=else_g)]
+    inits = {**_ln_inits(rng), "W": rand(rng, 16, 8), "bias": rand(rng, 16), "reps": np.array([1, 2], np.int64)}
+    m = make(nodes, [("x", [2, 8]), helper.make_tensor_value_info("c", TensorProto.BOOL, [])], [("y", [2, 16])], inits)
+    g = compile_graph(m)
+    if_node = next(n for n in g.nodes if n.op_type == "If")
+    sub = if_node.subgraphs["then_branch"]
+    assert [n.kernel.op_type for n in sub.nodes] == ["Gemm", "LayerNorm(fused)+Relu"]
+    assert sub.nodes[0].attrs.get("transB", 0) == 0 and sub.initializers["W"].shape == (8, 16)
+    assert g.initializers["W"].shape == (16, 8)  # the enclosing graph's copy is untouched
+    assert not set(sub.initializers) & {"gamma", "beta", "eps", "bias"}  # outer values are not copied in
+    from _graphs import run_ort
+
+    x = rand(rng, 2, 8)
+    for c in (True, False):
+        feeds = {"x": x, "c": np.array(c)}
+        np.testing.assert_allclose(run_numpy(m, feeds, True)[0], run_numpy(m, feeds, False)[0], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(run_numpy(m, feeds, True)[0], run_ort(m, feeds)[0], rtol=1e-5, atol=1e-5)

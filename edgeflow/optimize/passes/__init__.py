@@ -7,7 +7,7 @@ result is a valid ONNX model any backend runs): :mod:`.constants`,
 
 numpy-backend passes (``CompiledGraph -> CompiledGraph``, on the node list
 bound to kernels; the result runs only on the numpy executor):
-:mod:`.fuse_qdq`, :mod:`.prepack_gemm`, :mod:`.fuse_activation`.
+:mod:`.fuse_qdq`, :mod:`.prepack_gemm`, :mod:`.fuse_layernorm`, :mod:`.fuse_activation`.
 """
 
 from .constants import constants_to_initializers
@@ -15,6 +15,7 @@ from .dce import remove_dead_nodes
 from .fold import fold_constants
 from .fuse_activation import fuse_activation
 from .fuse_bn import fuse_batchnorm
+from .fuse_layernorm import fuse_layernorm
 from .fuse_qdq import fuse_qdq
 from .identity import remove_identity
 from .prepack_gemm import prepack_gemm
@@ -25,6 +26,7 @@ __all__ = [
     "fold_constants",
     "fuse_activation",
     "fuse_batchnorm",
+    "fuse_layernorm",
     "fuse_qdq",
     "inline_constant_if",
     "optimize_subgraphs",
