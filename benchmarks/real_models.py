@@ -13,6 +13,11 @@ subgraphs fold at load; onnxruntime loads the file as shipped and plans with
 the real shapes itself; ``--dynamic`` keeps symbolic dims for numpy too); ``--rounds`` alternates the two backends' processes
 so that machine noise hits both, and the medians are over all timed runs.
 
+Latency is the process's CPU time per run by default (``--clock cpu``): both
+backends run one thread, so on an idle core it is the wall-clock latency, and
+unlike wall-clock time it does not grow when other processes share the
+cores; ``--clock wall`` times wall-clock (both are in the JSON).
+
 Reported per model: median latency per backend, their ratio (numpy / ort),
 peak RSS of each process and its peak above the baseline taken just before
 the model was loaded, and whether the outputs match (max relative error, as
@@ -111,18 +116,19 @@ def worker(name: str, backend: str, feeds_path: Path, out_path: Path, runs: int,
         out = sess.run(feeds)
         for _ in range(max(0, warmup - 1)):
             sess.run(feeds)
-        times = []
+        times, cpu = [], []
         for _ in range(runs):
-            t = time.perf_counter()
+            c, t = time.process_time(), time.perf_counter()
             sess.run(feeds)
             times.append((time.perf_counter() - t) * 1e3)
+            cpu.append((time.process_time() - c) * 1e3)
     except EdgeflowError as exc:
         return {"error": str(exc).splitlines()[0][:300]}
     except Exception as exc:  # a kernel crash is a result to report, not a reason to stop the benchmark
         return {"error": f"crashed: {type(exc).__name__}: {str(exc).splitlines()[0][:250] if str(exc) else ''}"}
     _save(out_path, out)
     peak = _status_kib("VmHWM")
-    return {"times_ms": times, "load_s": load_s, "rss_base": base, "rss_peak": peak, "fixed_shapes": fixed}
+    return {"times_ms": times, "cpu_ms": cpu, "load_s": load_s, "rss_base": base, "rss_peak": peak, "fixed_shapes": fixed}
 
 
 # -- the parent ---------------------------------------------------------------------------
@@ -144,7 +150,7 @@ def _spawn(name, backend, feeds_path, out_path, runs, warmup, timeout, dynamic=F
 
 
 def bench_model(name: str, runs: int, rounds: int, warmup: int, timeout: float, tmp: Path,
-                dynamic: bool = False) -> dict:
+                dynamic: bool = False, clock: str = "cpu") -> dict:
     from edgeflow import model_suite as ms
 
     m = ms.get(name)
@@ -154,7 +160,7 @@ def bench_model(name: str, runs: int, rounds: int, warmup: int, timeout: float, 
     row = {"model": name, "family": m.family, "package": m.dist.requirement, "bytes": m.bytes,
            "nodes": rep["nodes"], "op_types": len(rep["ops"]), "opset": rep["opsets"].get("ai.onnx"),
            "shapes": m.shapes, "numpy_missing": rep["numpy_missing"]}
-    res: dict[str, dict] = {"ort": {"times_ms": [], "rss_peak": 0, "rss_above": 0}, "numpy": {"times_ms": [], "rss_peak": 0, "rss_above": 0}}
+    res: dict[str, dict] = {b: {"times_ms": [], "cpu_ms": [], "rss_peak": 0, "rss_above": 0} for b in ("ort", "numpy")}
     for _ in range(rounds):
         for backend in ("ort", "numpy"):
             r = res[backend]
@@ -165,6 +171,7 @@ def bench_model(name: str, runs: int, rounds: int, warmup: int, timeout: float, 
                 r.update(error=got["error"])
                 continue
             r["times_ms"] += got["times_ms"]
+            r["cpu_ms"] += got["cpu_ms"]
             r["rss_peak"] = max(r["rss_peak"], got["rss_peak"])
             r["rss_above"] = max(r["rss_above"], got["rss_peak"] - got["rss_base"])
             r["load_s"] = got["load_s"]
@@ -173,8 +180,11 @@ def bench_model(name: str, runs: int, rounds: int, warmup: int, timeout: float, 
         if "error" in r:
             row[f"{backend}_error"] = r["error"]
             continue
-        row[f"{backend}_ms"] = float(np.median(r["times_ms"]))
-        row[f"{backend}_p90_ms"] = float(np.percentile(r["times_ms"], 90))
+        timed = r["cpu_ms"] if clock == "cpu" else r["times_ms"]
+        row[f"{backend}_ms"] = float(np.median(timed))
+        row[f"{backend}_p90_ms"] = float(np.percentile(timed, 90))
+        row[f"{backend}_wall_ms"] = float(np.median(r["times_ms"]))
+        row[f"{backend}_cpu_ms"] = float(np.median(r["cpu_ms"]))
         row[f"{backend}_rss_peak_mb"] = r["rss_peak"] / 2**20
         row[f"{backend}_rss_above_mb"] = r["rss_above"] / 2**20
         row[f"{backend}_load_s"] = r["load_s"]
@@ -275,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600, help="per worker process, seconds")
     ap.add_argument("--json", help="also write rows and summary to this JSON file")
     ap.add_argument("--doc", help="rewrite the generated table in this Markdown file (docs/real-models.md)")
+    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                    help="what the ratio compares: the process's CPU time per run (default: on a shared, "
+                         "loaded machine it is the latency an idle core would give; both backends run one "
+                         "thread) or wall-clock time")
     ap.add_argument("--dynamic", action="store_true",
                     help="keep the models' symbolic input dims (default: fix them to the manifest's shapes for "
                          "both backends, as `--shape` does)")
@@ -302,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="edgeflow-real-models-") as tmp:
         for name in names:
             t0 = time.monotonic()
-            row = bench_model(name, args.runs, args.rounds, args.warmup, args.timeout, Path(tmp), args.dynamic)
+            row = bench_model(name, args.runs, args.rounds, args.warmup, args.timeout, Path(tmp), args.dynamic,
+                              args.clock)
             rows.append(row)
             print(f"[real_models] {name}: ort {_fmt(row.get('ort_ms'))} ms, numpy {_fmt(row.get('numpy_ms'))} ms"
                   + (f", ratio {row['ratio']:.2f}" if "ratio" in row else f" ({row.get('numpy_error', '')})")
@@ -313,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine(), "runs": args.runs, "rounds": args.rounds,
-                                               "dynamic": args.dynamic,
+                                               "dynamic": args.dynamic, "clock": args.clock,
                                                "rows": rows, "summary": summary}, indent=2))
     if args.doc:
         shown, skip = [], False
