@@ -48,7 +48,8 @@ def test_the_plans_are_taken():
     assert plan((1, 16, 40, 40), (16, 1, 3, 3), group=16)
     assert not plan((1, 16, 20, 20), (16, 1, 3, 3), group=16)
     assert plan((1, 96, 12, 16), (24, 96, 3, 3))
-    assert plan((1, 32, 40, 40), (32, 32, 3, 3))
+    assert plan((1, 64, 40, 40), (64, 64, 3, 3))
+    assert not plan((1, 16, 40, 40), (64, 16, 3, 3))  # K-starved per-offset GEMMs: im2col
     assert not plan((1, 32, 40, 40), (32, 32, 3, 3), strides=(2, 2))
     assert not plan((1, 8, 6, 6), (8, 4, 3, 3), group=2)
     assert not plan((1, 32, 8, 8), (64, 32, 3, 3))
