@@ -137,6 +137,21 @@ def _depthwise_columns(x: np.ndarray, w: np.ndarray, g: spatial.WindowGeometry) 
 _DW_BAND = 64
 
 
+def _depthwise_im2col_banded(x: np.ndarray, w: np.ndarray, g: spatial.WindowGeometry) -> np.ndarray:
+    """Depthwise im2col (strided ones) in bands of channels, for the same cache reason;
+    each channel's GEMV is the one the unbanded batched matmul makes."""
+    n, c = x.shape[:2]
+    xp = spatial.pad_spatial(x, g)
+    k, p = math.prod(g.kernel), math.prod(g.out_shape)
+    wr = w.reshape(c, 1, k)
+    y = np.empty((n, c, 1, p), np.result_type(x, w))
+    for c0 in range(0, c, _DW_BAND):
+        c1 = min(c, c0 + _DW_BAND)
+        cols = spatial.windows(xp[:, c0:c1], g).reshape(n, c1 - c0, k, p)
+        np.matmul(wr[c0:c1], cols, out=y[:, c0:c1])
+    return y.reshape((n, c) + g.out_shape)
+
+
 def _hashable(v):
     return None if v is None else tuple(int(i) for i in v)
 
@@ -167,6 +182,11 @@ def conv(
             y += b.reshape(1, -1, 1, 1).astype(y.dtype, copy=False)
         return y
     n_batch, m = x.shape[0], w.shape[0]
+    if mode == "im2col" and group == x.shape[1] == m > _DW_BAND and w.shape[1] == 1:
+        y = _depthwise_im2col_banded(x, w, g)
+        if b is not None:
+            y += b.reshape((1, m) + (1,) * len(g.out_shape))
+        return y
     if mode == "direct":
         cols = x.reshape(n_batch, group, x.shape[1] // group, -1)
     else:
