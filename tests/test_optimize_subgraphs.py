@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from _graphs import assert_same_on_ort, const, make, rand, run_numpy
 from edgeflow.optimize import from_model, optimize_model, to_model
