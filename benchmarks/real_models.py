@@ -7,8 +7,16 @@ process per model (so that its peak RSS is honest: nothing of the other
 backend or of another model is resident), loads the model through
 ``edgeflow.backends`` (``SessionOptions(threads=1)``: onnxruntime's
 intra_op_num_threads=1, numpy's BLAS pool limited to one thread), warms up,
-and times ``--runs`` runs; ``--rounds`` alternates the two backends' processes
+and times ``--runs`` runs (the numpy backend loads the model with its input
+dims fixed to the manifest's shapes, as ``--shape`` does, so that shape
+subgraphs fold at load; onnxruntime loads the file as shipped and plans with
+the real shapes itself; ``--dynamic`` keeps symbolic dims for numpy too); ``--rounds`` alternates the two backends' processes
 so that machine noise hits both, and the medians are over all timed runs.
+
+Latency is the process's CPU time per run by default (``--clock cpu``): both
+backends run one thread, so on an idle core it is the wall-clock latency, and
+unlike wall-clock time it does not grow when other processes share the
+cores; ``--clock wall`` times wall-clock (both are in the JSON).
 
 Reported per model: median latency per backend, their ratio (numpy / ort),
 peak RSS of each process and its peak above the baseline taken just before
@@ -77,13 +85,25 @@ def _read(path: Path) -> dict[str, np.ndarray]:
         return {n: z[f"a{i}"] for i, n in enumerate(names)}
 
 
-def worker(name: str, backend: str, feeds_path: Path, out_path: Path, runs: int, warmup: int) -> dict:
+def worker(name: str, backend: str, feeds_path: Path, out_path: Path, runs: int, warmup: int,
+           dynamic: bool = False) -> dict:
     from edgeflow import model_suite as ms
     from edgeflow.backends import SessionOptions, get_backend
     from edgeflow.errors import EdgeflowError
+    from edgeflow.model import fix_input_shapes
 
     feeds = _read(feeds_path)
     model = ms.load(name, check=True)
+    fixed = False
+    if not dynamic and backend == "numpy":
+        # what `--shape NAME=...` does: shapes fold at load. onnxruntime gets the model as
+        # shipped (it plans with the real shapes at run time; some models' re-inferred
+        # subgraph shapes it refuses to load); a model whose shapes cannot be fixed runs as is
+        try:
+            model = fix_input_shapes(model, ms.get(name).input_shapes, source="the manifest")
+            fixed = True
+        except EdgeflowError:
+            pass
     base = _rss_now()
     t0 = time.perf_counter()
     try:
@@ -96,27 +116,28 @@ def worker(name: str, backend: str, feeds_path: Path, out_path: Path, runs: int,
         out = sess.run(feeds)
         for _ in range(max(0, warmup - 1)):
             sess.run(feeds)
-        times = []
+        times, cpu = [], []
         for _ in range(runs):
-            t = time.perf_counter()
+            c, t = time.process_time(), time.perf_counter()
             sess.run(feeds)
             times.append((time.perf_counter() - t) * 1e3)
+            cpu.append((time.process_time() - c) * 1e3)
     except EdgeflowError as exc:
         return {"error": str(exc).splitlines()[0][:300]}
     except Exception as exc:  # a kernel crash is a result to report, not a reason to stop the benchmark
         return {"error": f"crashed: {type(exc).__name__}: {str(exc).splitlines()[0][:250] if str(exc) else ''}"}
     _save(out_path, out)
     peak = _status_kib("VmHWM")
-    return {"times_ms": times, "load_s": load_s, "rss_base": base, "rss_peak": peak}
+    return {"times_ms": times, "cpu_ms": cpu, "load_s": load_s, "rss_base": base, "rss_peak": peak, "fixed_shapes": fixed}
 
 
 # -- the parent ---------------------------------------------------------------------------
 
 
-def _spawn(name, backend, feeds_path, out_path, runs, warmup, timeout) -> dict:
+def _spawn(name, backend, feeds_path, out_path, runs, warmup, timeout, dynamic=False) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--backend", backend,
-           "--feeds", str(feeds_path), "--out", str(out_path), "--runs", str(runs), "--warmup", str(warmup)]
+           "--feeds", str(feeds_path), "--out", str(out_path), "--runs", str(runs), "--warmup", str(warmup)] + (["--dynamic"] if dynamic else [])
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -128,7 +149,8 @@ def _spawn(name, backend, feeds_path, out_path, runs, warmup, timeout) -> dict:
         return {"error": f"worker failed: {tail[0][:300]}"}
 
 
-def bench_model(name: str, runs: int, rounds: int, warmup: int, timeout: float, tmp: Path) -> dict:
+def bench_model(name: str, runs: int, rounds: int, warmup: int, timeout: float, tmp: Path,
+                dynamic: bool = False, clock: str = "cpu") -> dict:
     from edgeflow import model_suite as ms
 
     m = ms.get(name)
@@ -138,29 +160,35 @@ def bench_model(name: str, runs: int, rounds: int, warmup: int, timeout: float, 
     row = {"model": name, "family": m.family, "package": m.dist.requirement, "bytes": m.bytes,
            "nodes": rep["nodes"], "op_types": len(rep["ops"]), "opset": rep["opsets"].get("ai.onnx"),
            "shapes": m.shapes, "numpy_missing": rep["numpy_missing"]}
-    res: dict[str, dict] = {"ort": {"times_ms": [], "rss_peak": 0, "rss_above": 0}, "numpy": {"times_ms": [], "rss_peak": 0, "rss_above": 0}}
+    res: dict[str, dict] = {b: {"times_ms": [], "cpu_ms": [], "rss_peak": 0, "rss_above": 0} for b in ("ort", "numpy")}
     for _ in range(rounds):
         for backend in ("ort", "numpy"):
             r = res[backend]
             if "error" in r:
                 continue
-            got = _spawn(name, backend, feeds_path, tmp / f"{name}.{backend}.npz", runs, warmup, timeout)
+            got = _spawn(name, backend, feeds_path, tmp / f"{name}.{backend}.npz", runs, warmup, timeout, dynamic)
             if "error" in got:
                 r.update(error=got["error"])
                 continue
             r["times_ms"] += got["times_ms"]
+            r["cpu_ms"] += got["cpu_ms"]
             r["rss_peak"] = max(r["rss_peak"], got["rss_peak"])
             r["rss_above"] = max(r["rss_above"], got["rss_peak"] - got["rss_base"])
             r["load_s"] = got["load_s"]
+            r["fixed_shapes"] = got.get("fixed_shapes", False)
     for backend, r in res.items():
         if "error" in r:
             row[f"{backend}_error"] = r["error"]
             continue
-        row[f"{backend}_ms"] = float(np.median(r["times_ms"]))
-        row[f"{backend}_p90_ms"] = float(np.percentile(r["times_ms"], 90))
+        timed = r["cpu_ms"] if clock == "cpu" else r["times_ms"]
+        row[f"{backend}_ms"] = float(np.median(timed))
+        row[f"{backend}_p90_ms"] = float(np.percentile(timed, 90))
+        row[f"{backend}_wall_ms"] = float(np.median(r["times_ms"]))
+        row[f"{backend}_cpu_ms"] = float(np.median(r["cpu_ms"]))
         row[f"{backend}_rss_peak_mb"] = r["rss_peak"] / 2**20
         row[f"{backend}_rss_above_mb"] = r["rss_above"] / 2**20
         row[f"{backend}_load_s"] = r["load_s"]
+        row[f"{backend}_fixed_shapes"] = r["fixed_shapes"]
     if "ort_ms" in row and "numpy_ms" in row:
         row["ratio"] = row["numpy_ms"] / row["ort_ms"]
         ref, got = _read(tmp / f"{name}.ort.npz"), _read(tmp / f"{name}.numpy.npz")
@@ -204,7 +232,7 @@ def markdown(rows: list[dict], summary: dict) -> str:
         rss = (f"{_fmt(r.get('ort_rss_peak_mb'), '.0f')} ({_fmt(r.get('ort_rss_above_mb'), '.0f')}) / "
                f"{_fmt(r.get('numpy_rss_peak_mb'), '.0f')} ({_fmt(r.get('numpy_rss_above_mb'), '.0f')})")
         lines.append(f"| {r['model']} | {r['family']} | {r['package']} | {r['nodes']} / {r['op_types']} | "
-                     f"{r['bytes'] / 2**20:.1f} | `{r['shapes']}` | {match} | {_fmt(r.get('ort_ms'))} | "
+                     f"{r['bytes'] / 2**20:.1f} | `{r['shapes']}`{'' if r.get('numpy_fixed_shapes', True) else ' (numpy: symbolic)'} | {match} | {_fmt(r.get('ort_ms'))} | "
                      f"{_fmt(r.get('numpy_ms'))} | {_fmt(r.get('ratio'))} | {rss} |")
     s = summary
     met = lambda ok: "met" if ok else "**not met**"  # noqa: E731
@@ -257,13 +285,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600, help="per worker process, seconds")
     ap.add_argument("--json", help="also write rows and summary to this JSON file")
     ap.add_argument("--doc", help="rewrite the generated table in this Markdown file (docs/real-models.md)")
+    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                    help="what the ratio compares: the process's CPU time per run (default: on a shared, "
+                         "loaded machine it is the latency an idle core would give; both backends run one "
+                         "thread) or wall-clock time")
+    ap.add_argument("--dynamic", action="store_true",
+                    help="keep the models' symbolic input dims (default: fix them to the manifest's shapes for "
+                         "both backends, as `--shape` does)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--backend", help=argparse.SUPPRESS)
     ap.add_argument("--feeds", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(raw)
     if args.worker:
-        print(json.dumps(worker(args.worker, args.backend, Path(args.feeds), Path(args.out), args.runs, args.warmup)))
+        print(json.dumps(worker(args.worker, args.backend, Path(args.feeds), Path(args.out), args.runs, args.warmup,
+                                args.dynamic)))
         return 0
 
     from edgeflow import model_suite as ms
@@ -280,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="edgeflow-real-models-") as tmp:
         for name in names:
             t0 = time.monotonic()
-            row = bench_model(name, args.runs, args.rounds, args.warmup, args.timeout, Path(tmp))
+            row = bench_model(name, args.runs, args.rounds, args.warmup, args.timeout, Path(tmp), args.dynamic,
+                              args.clock)
             rows.append(row)
             print(f"[real_models] {name}: ort {_fmt(row.get('ort_ms'))} ms, numpy {_fmt(row.get('numpy_ms'))} ms"
                   + (f", ratio {row['ratio']:.2f}" if "ratio" in row else f" ({row.get('numpy_error', '')})")
@@ -291,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine(), "runs": args.runs, "rounds": args.rounds,
+                                               "dynamic": args.dynamic, "clock": args.clock,
                                                "rows": rows, "summary": summary}, indent=2))
     if args.doc:
         shown, skip = [], False

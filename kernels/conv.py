@@ -17,6 +17,9 @@ with strided slices — prod(kernel) vectorised adds, no ``np.add.at``.
 
 from __future__ import annotations
 
+import functools
+import math
+
 import numpy as np
 
 from . import spatial
@@ -28,9 +31,7 @@ def im2col(x: np.ndarray, g: spatial.WindowGeometry, group: int, pad_value: floa
     n_batch, channels = x.shape[:2]
     xp = spatial.pad_spatial(x, g, pad_value)
     win = spatial.windows(xp, g)  # (N, C, *k, *out)
-    k = int(np.prod(g.kernel))
-    p = int(np.prod(g.out_shape))
-    return win.reshape(n_batch, group, (channels // group) * k, p)
+    return win.reshape(n_batch, group, (channels // group) * math.prod(g.kernel), math.prod(g.out_shape))
 
 
 def conv_geometry(
@@ -81,11 +82,78 @@ def _conv_columns(x, w, b, group, attrs) -> tuple[np.ndarray, np.ndarray]:
         cols = x.reshape(n_batch, group, x.shape[1] // group, -1)
     else:
         cols = im2col(x, g, group)
-    y = np.matmul(w_g, cols)  # (N, g, M/g, P)
+    if group == 1 and n_batch == 1:
+        y = w.reshape(m, -1) @ cols[0, 0]  # the plain forward's 2-d GEMM, bit for bit
+    else:
+        y = np.matmul(w_g, cols)  # (N, g, M/g, P)
     y = y.reshape((n_batch, m) + g.out_shape)
     if b is not None:
         y += b.reshape((1, m) + (1,) * len(g.out_shape))
     return y, cols
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(x_shape, w_shape, group, auto_pad, dilations, kernel_shape, pads, strides):
+    """(geometry, mode) of one Conv call, mode "shifted", "direct" or "im2col".
+
+    Memoised on the shapes and attributes: a model calls each Conv with the
+    same ones every run, and deciding costs more Python than a small GEMM."""
+    if len(x_shape) < 3 or len(w_shape) != len(x_shape) or x_shape[1] != w_shape[1] * group or w_shape[0] % group:
+        return None, "check"
+    g = conv_geometry(x_shape, w_shape, auto_pad=auto_pad, dilations=dilations, kernel_shape=kernel_shape,
+                      pads=pads, strides=strides)
+    if len(x_shape) == 4 and x_shape[0] * x_shape[1] and not all(k == 1 for k in g.kernel):
+        if _shifted_applies(x_shape, w_shape, group, g):
+            return g, "shifted"
+        if (group == x_shape[1] == w_shape[0] and w_shape[1] == 1 and all(s == 1 for s in g.strides)
+                and min(g.out_shape) > 0):
+            return g, "depthwise_columns"
+    return g, "direct" if _direct(g) else "im2col"
+
+
+def _depthwise_columns(x: np.ndarray, w: np.ndarray, g: spatial.WindowGeometry) -> np.ndarray:
+    """Stride-1 depthwise convolution on a small image: one batched GEMV.
+
+    The columns come from the flattened padded image (:func:`_flat_padded`)
+    as a strided view (N, C, kh, kw, out_h * Wp) whose copy moves contiguous
+    runs, measured 1.2-2x faster than gathering im2col's windows; the junk
+    columns past out_w are dropped at the end."""
+    n, c = x.shape[:2]
+    kh, kw = g.kernel
+    dh, dw = g.dilations
+    oh, ow = g.out_shape
+    flat, wp, length = _flat_padded(x, g)
+    sn, sc, se = flat.strides
+    wr = w.reshape(c, 1, kh * kw).astype(flat.dtype, copy=False)
+    y = np.empty((n, c, 1, length), flat.dtype)
+    for c0 in range(0, c, _DW_BAND):  # bands of channels: the columns of all of them at once
+        c1 = min(c, c0 + _DW_BAND)    # (C x kernel x image) would not stay in cache (2.7x slower)
+        view = np.ndarray((n, c1 - c0, kh, kw, length), flat.dtype, buffer=flat, offset=c0 * sc,
+                          strides=(sn, sc, dh * wp * se, dw * se, se))
+        np.matmul(wr[c0:c1], view.reshape(n, c1 - c0, kh * kw, length), out=y[:, c0:c1])
+    return np.ascontiguousarray(y.reshape(n, c, oh, wp)[:, :, :, :ow])
+
+
+_DW_BAND = 64
+
+
+def _depthwise_im2col_banded(x: np.ndarray, w: np.ndarray, g: spatial.WindowGeometry) -> np.ndarray:
+    """Depthwise im2col (strided ones) in bands of channels, for the same cache reason;
+    each channel's GEMV is the one the unbanded batched matmul makes."""
+    n, c = x.shape[:2]
+    xp = spatial.pad_spatial(x, g)
+    k, p = math.prod(g.kernel), math.prod(g.out_shape)
+    wr = w.reshape(c, 1, k)
+    y = np.empty((n, c, 1, p), np.result_type(x, w))
+    for c0 in range(0, c, _DW_BAND):
+        c1 = min(c, c0 + _DW_BAND)
+        cols = spatial.windows(xp[:, c0:c1], g).reshape(n, c1 - c0, k, p)
+        np.matmul(wr[c0:c1], cols, out=y[:, c0:c1])
+    return y.reshape((n, c) + g.out_shape)
+
+
+def _hashable(v):
+    return None if v is None else tuple(int(i) for i in v)
 
 
 @register("Conv", dtypes=FLOAT_TYPES)
@@ -101,9 +169,36 @@ def conv(
     pads: list[int] | None = None,
     strides: list[int] | None = None,
 ) -> np.ndarray:
-    attrs = dict(auto_pad=auto_pad, dilations=dilations, kernel_shape=kernel_shape, pads=pads, strides=strides)
-    y = _conv_without_columns(x, w, b, group, attrs)
-    return y if y is not None else _conv_columns(x, w, b, group, attrs)[0]
+    try:
+        g, mode = _plan(x.shape, w.shape, group, auto_pad, dilations, kernel_shape, pads, strides)
+    except TypeError:  # lists from a direct caller
+        g, mode = _plan(x.shape, w.shape, group, auto_pad, _hashable(dilations), _hashable(kernel_shape),
+                        _hashable(pads), _hashable(strides))
+    if mode == "check":
+        check_conv_shapes(x, w, group)
+    if mode == "shifted" or mode == "depthwise_columns":
+        y = _conv2d_shifted(x, w, group, g) if mode == "shifted" else _depthwise_columns(x, w, g)
+        if b is not None:
+            y += b.reshape(1, -1, 1, 1).astype(y.dtype, copy=False)
+        return y
+    n_batch, m = x.shape[0], w.shape[0]
+    if mode == "im2col" and group == x.shape[1] == m > _DW_BAND and w.shape[1] == 1:
+        y = _depthwise_im2col_banded(x, w, g)
+        if b is not None:
+            y += b.reshape((1, m) + (1,) * len(g.out_shape))
+        return y
+    if mode == "direct":
+        cols = x.reshape(n_batch, group, x.shape[1] // group, -1)
+    else:
+        cols = im2col(x, g, group)
+    if group == 1 and n_batch == 1:
+        y = w.reshape(m, -1) @ cols[0, 0]  # one 2-d GEMM
+    else:
+        y = np.matmul(w.reshape(group, m // group, -1), cols)  # (N, g, M/g, P)
+    y = y.reshape((n_batch, m) + g.out_shape)
+    if b is not None:
+        y += b.reshape((1, m) + (1,) * len(g.out_shape))
+    return y
 
 
 def _conv_without_columns(x, w, b, group, attrs):
@@ -118,6 +213,21 @@ def _conv_without_columns(x, w, b, group, attrs):
     if y is not None and b is not None:
         y += b.reshape(1, -1, 1, 1).astype(y.dtype, copy=False)
     return y
+
+
+def _shifted_applies(x_shape, w_shape, group: int, g: spatial.WindowGeometry) -> bool:
+    """Whether :func:`_conv2d_shifted` is the better plan for these shapes."""
+    c, m = x_shape[1], w_shape[0]
+    oh, ow = g.out_shape
+    if oh <= 0 or ow <= 0 or any(s != 1 for s in g.strides):
+        return False
+    depthwise = group == c and m == c and w_shape[1] == 1
+    if depthwise:
+        return oh * ow > 2500  # smaller images: batched GEMVs over the columns beat prod(kernel) passes (2-4x)
+    if group != 1:
+        return False
+    # per-offset GEMMs with few input channels are K-starved: im2col's one GEMM is 2.5-3x faster at C = 16
+    return 2 * m <= c or (oh * ow >= 1024 and c >= 64)
 
 
 def _flat_padded(x: np.ndarray, g: spatial.WindowGeometry) -> tuple[np.ndarray, int, int]:
@@ -139,29 +249,27 @@ def _conv2d_shifted(x: np.ndarray, w: np.ndarray, group: int, g: spatial.WindowG
     starting at ``i * d_h * Wp + j * d_w`` (output rows then carry
     Wp - out_w junk columns, dropped at the end). So:
 
-    - depthwise: one multiply-add of each offset's slice by its weight;
+    - depthwise on a large image (> 2500 outputs; on smaller ones the
+      batched GEMV of :func:`_depthwise_columns` is 2-4x faster): one multiply-add of each offset's slice
+      by its weight;
     - out channels <= in / 2: one GEMM of all offsets' weights with the
       image, then each offset's output slab shifted and summed;
-    - otherwise, for a large image and >= 16 input channels: one GEMM per
+    - otherwise, for a large image and >= 64 input channels: one GEMM per
       offset on its slice (BLAS reads the strided slice in place).
 
     Each avoids the prod(kernel)-times-larger column matrix; measured 1.4x
     to 5x faster than im2col at such shapes on one thread. Strided
     convolutions stay on im2col (a phase split measured no faster).
     """
+    if not _shifted_applies(x.shape, w.shape, group, g):
+        return None
     n, c, _, _ = x.shape
     m = w.shape[0]
     oh, ow = g.out_shape
     kh, kw = g.kernel
     dh, dw = g.dilations
-    if oh <= 0 or ow <= 0 or any(s != 1 for s in g.strides):
-        return None
     depthwise = group == c and m == c and w.shape[1] == 1
-    if not depthwise and group != 1:
-        return None
     gemm_then_shift = 2 * m <= c
-    if not depthwise and not gemm_then_shift and not (oh * ow >= 1024 and c >= 16):
-        return None
     flat, wp, length = _flat_padded(x, g)
     offsets = [i * dh * wp + j * dw for i in range(kh) for j in range(kw)]
     dtype = np.result_type(x, w)
@@ -205,6 +313,16 @@ def _(x, w, b=None, *, group=1, **attrs):
     y = _conv_without_columns(x, w, b, group, attrs)
     if y is not None:
         return y, None
+    if x.ndim == 4 and w.ndim == 4:
+        t = {k: (None if v is None or isinstance(v, str) else tuple(int(i) for i in v)) if k != "auto_pad" else v
+             for k, v in attrs.items()}
+        g, mode = _plan(x.shape, w.shape, group, t.get("auto_pad", "NOTSET"), t.get("dilations"),
+                        t.get("kernel_shape"), t.get("pads"), t.get("strides"))
+        if mode == "depthwise_columns":
+            y = _depthwise_columns(x, w, g)
+            if b is not None:
+                y += b.reshape(1, -1, 1, 1).astype(y.dtype, copy=False)
+            return y, None
     return _conv_columns(x, w, b, group, attrs)
 
 

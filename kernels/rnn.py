@@ -256,7 +256,7 @@ def lstm(
     for k in range(n_dirs):
         bw = None if b is None else b[k, : 4 * hs] + b[k, 4 * hs:]
         xproj.append(_project(x, w[k], bw, wd))
-        rt.append(np.ascontiguousarray(r[k].T, dtype=wd))
+        rt.append(r[k].T.astype(wd, copy=False))  # BLAS reads the transpose in place: no copy per call
         peep.append(None if p is None else p[k].astype(wd).reshape(3, hs))
 
     plain = [a[0] is _sigmoid and a[1] is np.tanh and a[2] is np.tanh for a in acts]
@@ -334,9 +334,9 @@ def gru(
         if not linear_before_reset:  # Rb of z and r can join Wb; Rb of h stays inside
             bw = (np.zeros(3 * hs, wd) if bw is None else bw) + np.concatenate([br[: 2 * hs], np.zeros(hs, wd)])
         xproj.append(_project(x, w[k], bw, wd))
-        rt_zr.append(np.ascontiguousarray(r[k].T, dtype=wd))  # (H, 3H)
-        rt_zr_2.append(np.ascontiguousarray(r[k, : 2 * hs].T, dtype=wd))  # (H, 2H)
-        rt_h.append(np.ascontiguousarray(r[k, 2 * hs:].T, dtype=wd))
+        rt_zr.append(r[k].T.astype(wd, copy=False))  # (H, 3H), a view: BLAS transposes
+        rt_zr_2.append(r[k, : 2 * hs].T.astype(wd, copy=False))  # (H, 2H)
+        rt_h.append(r[k, 2 * hs:].T.astype(wd, copy=False))
         rb.append(br)
 
     def step(k, xp_t, state):
@@ -408,7 +408,7 @@ def rnn(
     for k in range(n_dirs):
         bw = None if b is None else b[k, :hs] + b[k, hs:]
         xproj.append(_project(x, w[k], bw, wd))
-        rt.append(np.ascontiguousarray(r[k].T, dtype=wd))
+        rt.append(r[k].T.astype(wd, copy=False))  # BLAS reads the transpose in place: no copy per call
 
     def step(k, xp_t, state):
         (h,) = state

@@ -36,17 +36,20 @@ def test_plans_match_im2col(cmg, kernel, pads, dil, nhw):
 
 
 def test_the_plans_are_taken():
-    """Depthwise, few-output-channel and large-image convolutions skip im2col; a
-    strided one and a small grouped one do not."""
+    """Depthwise convolutions on large images, few-output-channel and large-image
+    convolutions skip im2col; a strided one, a small grouped one and a depthwise
+    one on a small image (<= 2500 outputs: the batched GEMV is faster) do not."""
     def plan(x_shape, w_shape, group=1, strides=None):
         x = np.zeros(x_shape, np.float32)
         w = np.zeros(w_shape, np.float32)
         g = conv_geometry(x.shape, w.shape, pads=(1, 1, 1, 1), strides=strides)
         return _conv2d_shifted(x, w, group, g) is not None
 
-    assert plan((1, 16, 20, 20), (16, 1, 3, 3), group=16)
+    assert plan((1, 16, 60, 60), (16, 1, 3, 3), group=16)
+    assert not plan((1, 16, 20, 20), (16, 1, 3, 3), group=16)
     assert plan((1, 96, 12, 16), (24, 96, 3, 3))
-    assert plan((1, 32, 40, 40), (32, 32, 3, 3))
+    assert plan((1, 64, 40, 40), (64, 64, 3, 3))
+    assert not plan((1, 16, 40, 40), (64, 16, 3, 3))  # K-starved per-offset GEMMs: im2col
     assert not plan((1, 32, 40, 40), (32, 32, 3, 3), strides=(2, 2))
     assert not plan((1, 8, 6, 6), (8, 4, 3, 3), group=2)
     assert not plan((1, 32, 8, 8), (64, 32, 3, 3))

@@ -35,7 +35,10 @@ from .passes import (
     fold_constants,
     fuse_activation,
     fuse_batchnorm,
+    fuse_layernorm,
     fuse_qdq,
+    inline_constant_if,
+    optimize_subgraphs,
     prepack_gemm,
     remove_dead_nodes,
     remove_identity,
@@ -48,14 +51,17 @@ MODEL_PASSES: tuple[tuple[str, ModelPass], ...] = (
     ("constants", constants_to_initializers),
     ("identity", remove_identity),
     ("fold", fold_constants),
+    ("inline_if", inline_constant_if),
     ("fuse_bn", fuse_batchnorm),
     ("dce", remove_dead_nodes),
+    ("subgraphs", optimize_subgraphs),
 )
 
 #: The numpy backend's passes, in order (each CompiledGraph -> CompiledGraph).
 NUMPY_PASSES = (
     ("fuse_qdq", fuse_qdq),
     ("prepack_gemm", prepack_gemm),
+    ("fuse_layernorm", fuse_layernorm),
     ("fuse_activation", fuse_activation),
 )
 
@@ -168,10 +174,62 @@ def optimize_model(model: onnx.ModelProto, **kwargs) -> onnx.ModelProto:
 
 
 def optimize_compiled(graph, passes: Sequence[str] | None = None):
-    """Run the numpy backend's passes on a CompiledGraph (returns a new one)."""
-    for _, fn in _pick(NUMPY_PASSES, passes):
+    """Run the numpy backend's passes on a CompiledGraph (returns a new one), and
+    on every compiled subgraph its nodes hold (If branches, Loop/Scan bodies)."""
+    chosen = _pick(NUMPY_PASSES, passes)
+    for _, fn in chosen:
         graph = fn(graph)
+    _optimize_bodies(graph.nodes, chosen, graph.opset, graph.types, graph.initializers)
     return graph
+
+
+@dataclass
+class _Body:
+    """A compiled subgraph as the numpy passes see a CompiledGraph."""
+
+    nodes: list
+    initializers: dict
+    output_names: list
+    opset: int
+    types: dict
+
+
+def _optimize_bodies(nodes, chosen, opset: int, types: dict, outer: dict) -> None:
+    """The numpy passes on each compiled subgraph, in place (the subgraphs were
+    compiled for this graph alone; the control-flow kernels hold them), with the
+    executor's value lifetimes recomputed. The enclosing graphs' initializers
+    (``outer``) are visible to the passes as constants; those a pass did not
+    replace are read from the enclosing scope again, never copied."""
+    for n in nodes:
+        for sub in getattr(n, "subgraphs", {}).values():
+            seen = {k: v for k, v in outer.items() if k in sub.outer_names}
+            body = _Body(list(sub.nodes), {**seen, **sub.initializers}, list(sub.output_names), opset, types)
+            start = body
+            for _, fn in chosen:
+                body = fn(body)
+            _optimize_bodies(body.nodes, chosen, opset, types, {**outer, **body.initializers})
+            if body is start:
+                continue
+            body.initializers = {k: v for k, v in body.initializers.items() if not (k in seen and v is seen[k])}
+            for m in body.nodes:
+                m.free_after = []
+            _lifetimes(body.nodes, set(body.initializers) | set(sub.outer_names), set(sub.output_names))
+            sub.nodes, sub.initializers = body.nodes, body.initializers
+
+
+def _lifetimes(nodes, keep: set, outputs: set) -> None:
+    """Each value freed after its last reader (as edgeflow.graph assigns them)."""
+    last: dict[str, int] = {}
+    for i, n in enumerate(nodes):
+        for x in n.inputs:
+            if x:
+                last[x] = i
+        for o in n.outputs:
+            if o and o not in last:
+                last[o] = i
+    for name, i in last.items():
+        if name not in keep and name not in outputs:
+            nodes[i].free_after.append(name)
 
 
 def _pick(table, names: Sequence[str] | None):

@@ -140,6 +140,8 @@ def fold_constants(graph: Graph, options: PassOptions = PassOptions()) -> Graph:
             elif n.op_type in ("Shape", "Size", "Gather", "Slice"):
                 values = _fold_shape_op(graph, n, inits, const, producers)
                 in_bytes = 0
+        if values is not None and not all(isinstance(v, (np.ndarray, np.generic)) for v in values):
+            values = None  # a sequence or an optional is no initializer
         if values is not None:
             names = [o for o in n.outputs if o]
             outs = [np.asarray(v) for v, o in zip(values, n.outputs) if o]

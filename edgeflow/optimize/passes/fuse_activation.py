@@ -21,7 +21,8 @@ import dataclasses
 
 import numpy as np
 
-PRODUCERS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "Add", "Sum", "BatchNormalization"})
+PRODUCERS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "Add", "Sum", "BatchNormalization",
+                       "LayerNorm(fused)"})
 ACTIVATIONS = frozenset({"Relu", "Clip", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid", "HardSwish",
                          "Elu", "Selu", "Softplus", "Gelu"})
 
