@@ -269,6 +269,27 @@ def fig_robust(d: dict) -> list[Figure]:
     return out
 
 
+def fig_chaos(d: dict) -> list[Figure]:
+    c = d["counts"]
+    n = len(d["rows"])
+    return [Figure("security", f"red-team attacks held against a live fleet ({n} attacks, {d['seconds']:.0f} s; "
+                               "docs/security.md)", f"{c['held']} held", f"{c['degraded']} degraded, "
+                   f"{c['broken']} broken", c["held"] / n if n else None, "= 1 (all held)", n > 0 and c["held"] == n)]
+
+
+def fig_numpy_int8(d: list) -> list[Figure]:
+    out = []
+    for r in d:
+        t = r.get("weight_only_vs_fp32")
+        size = r.get("weight_only_size_ratio")
+        if t is None or size is None:
+            continue
+        out.append(Figure("quantization", f"{r['model']}: weight-only int8 on the numpy backend, time vs fp32 "
+                                          f"(file {size:.2f}x)", f"{t:.2f}x fp32 time", "fp32 numpy", t, "<= 1.05",
+                          t <= 1.05))
+    return out
+
+
 def fig_faults(d: dict) -> list[Figure]:
     rows = {r["scenario"]: r for r in d["rows"]}
     clean = rows.get("clean")
@@ -337,6 +358,8 @@ def benches(quick: bool) -> list[Bench]:
               "stdout", fig_fleet),
         Bench("real_models", ["real_models.py", "--runs", "5" if q else "20", "--rounds", "1" if q else "2"],
               "path", fig_real_models),
+        Bench("numpy_int8", ["numpy_int8.py", "--runs", "4" if q else "8", "--rounds", "2"], "path", fig_numpy_int8),
+        Bench("chaos", ["chaos.py"], "path", fig_chaos),
         Bench("round_scaling", ["round_scaling.py", "--rounds", "2" if q else "3", "--ingest", "300" if q else "1000"],
               "path", fig_rounds),
         Bench("robust_default", ["robust_default.py"] + (["--quick"] if q else []), "path", fig_robust),
@@ -431,8 +454,6 @@ def write_results(path: Path, figures: list[Figure], details: dict[str, tuple[st
         "",
         "Every figure is a ratio against its peer, both measured in this run on this machine: onnxruntime for "
         "inference, real models and int8, PyTorch for training, Flower for aggregation, the dense envelope for codecs, "
-        "the offered load for the fleet, the 10-device round and the flat gateway for round scaling.",
-        "inference and int8, PyTorch for training, Flower for aggregation, the dense envelope for codecs, "
         "the offered load for the fleet, the 10-device round and the flat gateway for round scaling, "
         "unbounded FedAvg (same seeds) for the default norm bound.",
         "",
