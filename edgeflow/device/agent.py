@@ -709,10 +709,51 @@ class DeviceAgent:
         if cmd is None:
             return
         self.counters["commands"] += 1
-        if cmd.name in ("rollback", "reboot"):
+        lane, _ = self._COMMAND_TABLE.get(cmd.name, ("quick", ""))
+        if lane == "ops":
             self._enqueue_op(cmd, None, None)
             return
-        self._run_command(cmd, self._dispatch_quick)
+        self._run_command(cmd, self._handler(cmd.name))
+
+    # name -> (lane, handler). "quick": runs on the transport's thread and acks at once; "ops": queued
+    # behind deployments on the ops thread (it swaps slots). deploy arrives as an OTA offer with its
+    # artifact (``_on_ota``); a bare deploy command is refused. The protocol's COMMANDS lists the same
+    # names (tests/unit/test_agent_commands.py checks both stay in step).
+    _COMMAND_TABLE: dict[str, tuple[str, str]] = {
+        "status": ("quick", "_cmd_status"),
+        "set_config": ("quick", "_cmd_set_config"),
+        "train_start": ("quick", "_cmd_train_start"),
+        "train_stop": ("quick", "_cmd_train_stop"),
+        "deploy": ("quick", "_cmd_bare_deploy"),
+        "rollback": ("ops", "_rollback"),
+        "reboot": ("ops", "_reboot"),
+    }
+
+    def _handler(self, name: str) -> Callable[[Command], dict[str, Any] | None]:
+        entry = self._COMMAND_TABLE.get(name)
+        if entry is None:
+            return self._cmd_unknown
+        return getattr(self, entry[1])
+
+    def _cmd_status(self, cmd: Command) -> dict[str, Any]:
+        return self.status()
+
+    def _cmd_set_config(self, cmd: Command) -> dict[str, Any]:
+        return self._set_config(cmd.args)
+
+    def _cmd_train_start(self, cmd: Command) -> dict[str, Any]:
+        return self._start_training()
+
+    def _cmd_train_stop(self, cmd: Command) -> dict[str, Any]:
+        return self._stop_training()
+
+    def _cmd_bare_deploy(self, cmd: Command) -> dict[str, Any]:
+        raise CommandFailed("bad_message", "deploy travels with its artifact as an OTA offer on the device's ota "
+                            "topic; use FleetManager.deploy / `edgeflow fleet deploy`")
+
+    def _cmd_unknown(self, cmd: Command) -> dict[str, Any]:
+        raise CommandFailed("unknown_command", f"unknown command {cmd.name!r}; this agent understands "
+                            f"{', '.join(COMMANDS)}")
 
     def _run_command(self, cmd: Command, fn: Callable[[Command], dict[str, Any] | None]) -> None:
         """Run ``fn`` and ack its result; ``fn`` returns None when it acked itself."""
@@ -730,21 +771,6 @@ class DeviceAgent:
             return
         if result is not None:
             self._ack(cmd.id, cmd.name, ok=True, result=result)
-
-    def _dispatch_quick(self, cmd: Command) -> dict[str, Any]:
-        if cmd.name == "status":
-            return self.status()
-        if cmd.name == "set_config":
-            return self._set_config(cmd.args)
-        if cmd.name == "train_start":
-            return self._start_training()
-        if cmd.name == "train_stop":
-            return self._stop_training()
-        if cmd.name == "deploy":
-            raise CommandFailed("bad_message", "deploy travels with its artifact as an OTA offer on the device's ota "
-                                "topic; use FleetManager.deploy / `edgeflow fleet deploy`")
-        raise CommandFailed("unknown_command", f"unknown command {cmd.name!r}; this agent understands "
-                            f"{', '.join(COMMANDS)}")
 
     def status(self) -> dict[str, Any]:
         m = self._model
@@ -941,12 +967,10 @@ class DeviceAgent:
                 return
             cmd, data, art = item
             try:
-                if cmd.name == "deploy":
+                if cmd.name == "deploy":  # an OTA offer, with its artifact
                     self._run_command(cmd, lambda c: self._deploy(c, data, art))
-                elif cmd.name == "rollback":
-                    self._run_command(cmd, self._rollback)
-                elif cmd.name == "reboot":
-                    self._run_command(cmd, self._reboot)
+                else:
+                    self._run_command(cmd, self._handler(cmd.name))
             finally:
                 self._ops_busy.discard(cmd.id)
 
