@@ -87,6 +87,7 @@ from edgeflow.transport.base import Transport
 from edgeflow.transport.topics import device_filter, gateway_topic, parse_topic
 
 from .aggregation import AggregateResult
+from .secure_rounds import SecureRounds
 from .store import MAX_SEQ, GatewayStore, StoreError
 from .strategies import make_aggregator
 
@@ -411,7 +412,7 @@ class RoundManager:
         self._dense_bytes = 0
         self.history: list[RoundMetrics] = []
         self._recovered: RoundAnnouncement | None = None
-        self._secagg = None  # SecAggServer of the open round, if any
+        self.secure = SecureRounds(self)  # secure aggregation: its server and phases (gateway/secure_rounds.py)
         self._staged: _Staged | None = None
         self.counters_total: dict[str, int] = {}
         # global model
@@ -507,7 +508,7 @@ class RoundManager:
             else:
                 self._sub = self.transport.subscribe(str(device_filter(self.fleet, "update")), self._on_update)
             if self.config.secagg is not None:
-                self.transport.subscribe(str(device_filter(self.fleet, "secagg")), self._on_secagg)
+                self.transport.subscribe(str(device_filter(self.fleet, "secagg")), self.secure.on_frame)
 
     def _recover(self) -> None:
         """Make the stored rounds consistent with the latest model, whatever step a previous
@@ -848,7 +849,7 @@ class RoundManager:
         done: list[RoundMetrics] = []
         if self._recovered is not None and not self._stop.is_set():
             ann, self._recovered = self._recovered, None
-            self._prepare_secagg(ann)
+            self.secure.prepare(ann)
             self._publish_round(ann)
             done.append(self._collect_and_close(ann, time.perf_counter()))
             if rounds is not None:
@@ -906,7 +907,7 @@ class RoundManager:
         stored = {**asdict(train), "_nonce": ann.nonce, "_bounds": list(bounds) if bounds is not None else None}
         self.store.open_round(round_id, self.version, ann.deadline, stored, selected)
         fault_point("rounds.opened")
-        self._prepare_secagg(ann)  # before the announcement: devices advertise keys as soon as they see it
+        self.secure.prepare(ann)  # before the announcement: devices advertise keys as soon as they see it
         self._publish_round(ann)
         fault_point("rounds.announced")
         self._status("open", f"round {round_id}: {len(selected)} device(s) selected", round_id=round_id)
@@ -966,7 +967,7 @@ class RoundManager:
 
     def _collect_and_close(self, ann: RoundAnnouncement, t_start: float) -> RoundMetrics:
         if ann.config.secagg:
-            return self._secure_round(ann, t_start)
+            return self.secure.run(ann, t_start)
         extensions = 0
         with self._cv:
             while not self._stop.is_set():
@@ -1098,157 +1099,6 @@ class RoundManager:
             self.weights, self.version = staged.weights, staged.version
             self.publish_model()
             fault_point("rounds.published")
-
-    # -- secure aggregation -------------------------------------------------------
-    def _on_secagg(self, msg: Any) -> None:
-        try:
-            self._handle_secagg(msg)
-        except Exception:  # noqa: BLE001 - one message must never take the transport's worker thread down
-            with self._lock:
-                self._count("rejected_internal")
-            log.exception("secagg frame on %s dropped after an unexpected failure (a bug: please report it)",
-                          msg.topic)
-
-    def _handle_secagg(self, msg: Any) -> None:
-        from edgeflow.protocol import secagg_wire as secure
-
-        from edgeflow.protocol.secagg import AdvertiseKeys, MaskedInput, SecAggError, ShareKeys, UnmaskResponse
-
-        info = parse_topic(msg.topic)
-        sender = info.device if info else None
-        if sender is None:
-            return  # our own broadcast on gateway/secagg also matches +/secagg
-        try:
-            m = secure.decode(secure.unseal_from(msg.payload, self.keyring, sender))
-            if getattr(m, "client_id", None) != sender:
-                raise SignatureError(f"secagg frame names {getattr(m, 'client_id', None)!r} but came from {sender!r}")
-            with self._cv:
-                server = self._secagg
-                if server is None:
-                    self._count("late")
-                    return
-                if isinstance(m, AdvertiseKeys):
-                    if self._ann is None or sender not in self._ann.selected:
-                        self._count("not_selected")
-                        return
-                    server.receive_advertise(m)
-                elif isinstance(m, ShareKeys):
-                    server.receive_share_keys(m)
-                elif isinstance(m, MaskedInput):
-                    server.receive_masked_input(m)
-                    self._reported.add(sender)
-                    self._bytes_in += len(msg.payload)
-                elif isinstance(m, UnmaskResponse):
-                    server.receive_unmask(m)
-                else:
-                    raise SecAggError(f"unexpected secagg message {type(m).__name__}")
-                self._sa_seen.setdefault(type(m).__name__, set()).add(sender)
-                self._cv.notify_all()
-        except (CodecError, SignatureError, SecAggError) as exc:
-            with self._lock:
-                self._count("rejected_secagg")
-            log.warning("secagg frame from %s refused: %s", sender, exc)
-
-    def _sa_phase(self, kind: str, expected: set[str], until: float) -> set[str]:
-        with self._cv:
-            while not self._stop.is_set() and time.time() < until:
-                if expected <= self._sa_seen.get(kind, set()):
-                    break
-                self._cv.wait(0.05)
-            return set(self._sa_seen.get(kind, set()))
-
-    def _sa_broadcast(self, frame: bytes) -> None:
-        from edgeflow.protocol import secagg_wire as secure
-
-        self.publish_reliably(str(gateway_topic(self.fleet, "secagg")), secure.seal(frame, self.fleet_key),
-                              "secure-aggregation broadcast", retain=False, until=time.time() + 60.0)
-
-    def _prepare_secagg(self, ann: RoundAnnouncement) -> None:
-        """Install the round's SecAgg server *before* the announcement goes out.
-
-        Devices advertise their keys as soon as the announcement reaches them
-        and never re-send; a server installed only after the announcement's
-        PUBACK (a busy gateway, a PUBACK lost in a reconnect) dropped every
-        advert as late and failed the round.
-        """
-        if not ann.config.secagg:
-            return
-        from edgeflow.protocol.secagg import SecAggConfig
-
-        from .secagg import SecAggServer
-
-        opts = dict(self.config.secagg or {})
-        opts.pop("phase_timeout_s", None)
-        frac = float(opts.pop("max_dropout_fraction", 0.3))
-        server = SecAggServer(SecAggConfig.for_clients(len(ann.selected), frac, **opts), self.weights,
-                              round_id=ann.round_id)
-        with self._cv:
-            self._secagg = server
-            self._sa_seen: dict[str, set[str]] = {}
-
-    def _secure_round(self, ann: RoundAnnouncement, t_start: float) -> RoundMetrics:
-        """Bonawitz et al. over MQTT; the aggregator only ever receives the unmasked sum."""
-        from edgeflow.protocol import secagg_wire as secure
-
-        from edgeflow.protocol.secagg import SecAggError
-
-        phase_s = float(dict(self.config.secagg or {}).get("phase_timeout_s", 10.0))
-        with self._cv:
-            server = self._secagg if self._secagg is not None and self._secagg.round_id == ann.round_id else None
-        if server is None:  # not prepared before the announcement (e.g. a caller of _collect_and_close)
-            self._prepare_secagg(ann)
-            server = self._secagg
-        selected = set(ann.selected)
-        result = None
-        try:
-            adv = self._sa_phase("AdvertiseKeys", selected, min(ann.deadline, time.time() + phase_s))
-            with self._lock:
-                directory = server.key_directory()
-            self._sa_broadcast(secure.encode(directory))
-            self._sa_phase("ShareKeys", adv, min(ann.deadline, time.time() + phase_s))
-            with self._lock:
-                bundles = server.share_bundles()
-            self._sa_broadcast(secure.pack_bundles([secure.encode(b) for b in bundles.values()]))
-            holders = set(bundles)
-            self._sa_phase("MaskedInput", holders, ann.deadline)
-            with self._lock:
-                request = server.unmask_request()
-            self._sa_broadcast(secure.encode(request))
-            self._sa_phase("UnmaskResponse", set(request.survivors), time.time() + phase_s)
-            with self._lock:
-                sa_result = server.finish()
-            t0 = time.perf_counter()
-            with self._lock:
-                summed = {k: np.asarray(v, dtype=self.weights[k].dtype) for k, v in sa_result.sum.items()}
-                self._agg.add_partial(summed, total_samples=max(1, int(round(sa_result.total_weight))),
-                                      num_clients=sa_result.num_clients, client_id="secagg")
-                result = self._agg.finish()
-            agg_s = time.perf_counter() - t0
-        except AggregationError as exc:  # SecAggError, or a non-finite sum
-            log.error("round %d: secure aggregation failed: %s", ann.round_id, exc)
-            agg_s = 0.0
-        finally:
-            with self._cv:
-                self._secagg = None
-                closed = RoundAnnouncement(**{**ann.__dict__, "state": "closed"})
-                self._ann = closed
-        self._publish_round(closed)
-        if result is None:
-            return self._fail_round(ann, t_start, "secure aggregation failed", 0)
-        if sa_result.num_clients < self.config.min_clients:
-            return self._fail_round(ann, t_start, f"{sa_result.num_clients} masked input(s) unmasked, below "
-                                                  f"min_clients {self.config.min_clients}", sa_result.num_clients)
-        result = AggregateResult(**{**result.__dict__, "num_clients": sa_result.num_clients})
-        try:
-            self.sink.deliver(self, result, ann)
-        except AggregationError as exc:
-            self._staged = None
-            return self._fail_round(ann, t_start, str(exc), sa_result.num_clients)
-        metrics = self._metrics(ann, result, agg_s, t_start)
-        metrics.extra["secagg_dropped"] = float(len(sa_result.dropped))
-        self._commit(ann, metrics.to_dict())
-        self._report(metrics)
-        return metrics
 
     def _adopt_async(self, result: AggregateResult, round_id: int) -> None:
         """FedBuff: each buffered aggregate becomes a version at once (the session stays open)."""

@@ -1,0 +1,184 @@
+"""Secure aggregation rounds for the :class:`~edgeflow.gateway.rounds.RoundManager`.
+
+A collaborator, not a mode flag inside the manager: it holds the round's
+:class:`~edgeflow.gateway.secagg.SecAggServer`, receives the devices' sealed
+SecAgg frames, drives the four phases of Bonawitz et al. over MQTT and hands
+the unmasked sum to the manager's aggregator. The manager owns the round
+(selection, announcement, deadline, commit); this owns the protocol.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from edgeflow.errors import AggregationError, CodecError, SignatureError
+from edgeflow.protocol.rounds import RoundAnnouncement
+from edgeflow.transport.topics import gateway_topic, parse_topic
+
+from .aggregation import AggregateResult
+
+log = logging.getLogger("edgeflow.gateway.rounds")
+
+
+class SecureRounds:
+    """The secure half of a RoundManager (``rm.secure``)."""
+
+    def __init__(self, rm: Any) -> None:  # the RoundManager (which imports this module)
+        self.rm = rm
+        self.server: Any = None  # SecAggServer of the open round, if any
+        self.seen: dict[str, set[str]] = {}  # message kind -> devices it came from, this round
+
+    def on_frame(self, msg: Any) -> None:
+        try:
+            self._handle(msg)
+        except Exception:  # noqa: BLE001 - one message must never take the transport's worker thread down
+            with self.rm._lock:
+                self.rm._count("rejected_internal")
+            log.exception("secagg frame on %s dropped after an unexpected failure (a bug: please report it)",
+                          msg.topic)
+
+    def _handle(self, msg: Any) -> None:
+        from edgeflow.protocol import secagg_wire as secure
+
+        from edgeflow.protocol.secagg import AdvertiseKeys, MaskedInput, SecAggError, ShareKeys, UnmaskResponse
+
+        info = parse_topic(msg.topic)
+        sender = info.device if info else None
+        if sender is None:
+            return  # our own broadcast on gateway/secagg also matches +/secagg
+        try:
+            m = secure.decode(secure.unseal_from(msg.payload, self.rm.keyring, sender))
+            if getattr(m, "client_id", None) != sender:
+                raise SignatureError(f"secagg frame names {getattr(m, 'client_id', None)!r} but came from {sender!r}")
+            with self.rm._cv:
+                server = self.server
+                if server is None:
+                    self.rm._count("late")
+                    return
+                if isinstance(m, AdvertiseKeys):
+                    if self.rm._ann is None or sender not in self.rm._ann.selected:
+                        self.rm._count("not_selected")
+                        return
+                    server.receive_advertise(m)
+                elif isinstance(m, ShareKeys):
+                    server.receive_share_keys(m)
+                elif isinstance(m, MaskedInput):
+                    server.receive_masked_input(m)
+                    self.rm._reported.add(sender)
+                    self.rm._bytes_in += len(msg.payload)
+                elif isinstance(m, UnmaskResponse):
+                    server.receive_unmask(m)
+                else:
+                    raise SecAggError(f"unexpected secagg message {type(m).__name__}")
+                self.seen.setdefault(type(m).__name__, set()).add(sender)
+                self.rm._cv.notify_all()
+        except (CodecError, SignatureError, SecAggError) as exc:
+            with self.rm._lock:
+                self.rm._count("rejected_secagg")
+            log.warning("secagg frame from %s refused: %s", sender, exc)
+
+    def _phase(self, kind: str, expected: set[str], until: float) -> set[str]:
+        with self.rm._cv:
+            while not self.rm._stop.is_set() and time.time() < until:
+                if expected <= self.seen.get(kind, set()):
+                    break
+                self.rm._cv.wait(0.05)
+            return set(self.seen.get(kind, set()))
+
+    def _broadcast(self, frame: bytes) -> None:
+        from edgeflow.protocol import secagg_wire as secure
+
+        self.rm.publish_reliably(str(gateway_topic(self.rm.fleet, "secagg")), secure.seal(frame, self.rm.fleet_key),
+                              "secure-aggregation broadcast", retain=False, until=time.time() + 60.0)
+
+    def prepare(self, ann: RoundAnnouncement) -> None:
+        """Install the round's SecAgg server *before* the announcement goes out.
+
+        Devices advertise their keys as soon as the announcement reaches them
+        and never re-send; a server installed only after the announcement's
+        PUBACK (a busy gateway, a PUBACK lost in a reconnect) dropped every
+        advert as late and failed the round.
+        """
+        if not ann.config.secagg:
+            return
+        from edgeflow.protocol.secagg import SecAggConfig
+
+        from .secagg import SecAggServer
+
+        opts = dict(self.rm.config.secagg or {})
+        opts.pop("phase_timeout_s", None)
+        frac = float(opts.pop("max_dropout_fraction", 0.3))
+        server = SecAggServer(SecAggConfig.for_clients(len(ann.selected), frac, **opts), self.rm.weights,
+                              round_id=ann.round_id)
+        with self.rm._cv:
+            self.server = server
+            self.seen = {}
+
+    def run(self, ann: RoundAnnouncement, t_start: float) -> Any:  # RoundMetrics
+        """Bonawitz et al. over MQTT; the aggregator only ever receives the unmasked sum."""
+        from edgeflow.protocol import secagg_wire as secure
+
+        from edgeflow.protocol.secagg import SecAggError
+
+        phase_s = float(dict(self.rm.config.secagg or {}).get("phase_timeout_s", 10.0))
+        with self.rm._cv:
+            server = self.server if self.server is not None and self.server.round_id == ann.round_id else None
+        if server is None:  # not prepared before the announcement (e.g. a caller of _collect_and_close)
+            self.prepare(ann)
+            server = self.server
+        selected = set(ann.selected)
+        result = None
+        try:
+            adv = self._phase("AdvertiseKeys", selected, min(ann.deadline, time.time() + phase_s))
+            with self.rm._lock:
+                directory = server.key_directory()
+            self._broadcast(secure.encode(directory))
+            self._phase("ShareKeys", adv, min(ann.deadline, time.time() + phase_s))
+            with self.rm._lock:
+                bundles = server.share_bundles()
+            self._broadcast(secure.pack_bundles([secure.encode(b) for b in bundles.values()]))
+            holders = set(bundles)
+            self._phase("MaskedInput", holders, ann.deadline)
+            with self.rm._lock:
+                request = server.unmask_request()
+            self._broadcast(secure.encode(request))
+            self._phase("UnmaskResponse", set(request.survivors), time.time() + phase_s)
+            with self.rm._lock:
+                sa_result = server.finish()
+            t0 = time.perf_counter()
+            with self.rm._lock:
+                summed = {k: np.asarray(v, dtype=self.rm.weights[k].dtype) for k, v in sa_result.sum.items()}
+                self.rm._agg.add_partial(summed, total_samples=max(1, int(round(sa_result.total_weight))),
+                                      num_clients=sa_result.num_clients, client_id="secagg")
+                result = self.rm._agg.finish()
+            agg_s = time.perf_counter() - t0
+        except AggregationError as exc:  # SecAggError, or a non-finite sum
+            log.error("round %d: secure aggregation failed: %s", ann.round_id, exc)
+            agg_s = 0.0
+        finally:
+            with self.rm._cv:
+                self.server = None
+                closed = RoundAnnouncement(**{**ann.__dict__, "state": "closed"})
+                self.rm._ann = closed
+        self.rm._publish_round(closed)
+        if result is None:
+            return self.rm._fail_round(ann, t_start, "secure aggregation failed", 0)
+        if sa_result.num_clients < self.rm.config.min_clients:
+            return self.rm._fail_round(ann, t_start, f"{sa_result.num_clients} masked input(s) unmasked, below "
+                                                  f"min_clients {self.rm.config.min_clients}", sa_result.num_clients)
+        result = AggregateResult(**{**result.__dict__, "num_clients": sa_result.num_clients})
+        try:
+            self.rm.sink.deliver(self.rm, result, ann)
+        except AggregationError as exc:
+            self.rm._staged = None
+            return self.rm._fail_round(ann, t_start, str(exc), sa_result.num_clients)
+        metrics = self.rm._metrics(ann, result, agg_s, t_start)
+        metrics.extra["secagg_dropped"] = float(len(sa_result.dropped))
+        self.rm._commit(ann, metrics.to_dict())
+        self.rm._report(metrics)
+        return metrics
+
