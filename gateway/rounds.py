@@ -323,6 +323,22 @@ class UpdateSource(Protocol):
     def merge(self, rounds: "RoundManager", ann: RoundAnnouncement) -> None: ...
 
 
+def classification_metrics(model: onnx.ModelProto, eval_data: Any, *, profile: str = "x86-gateway"
+                           ) -> dict[str, float]:
+    """The default evaluator: top-1 accuracy and mean cross-entropy of ``model``'s first output (logits)
+    on ``eval_data = (x, y)``, run by the runtime for ``profile`` (onnxruntime where installed, else numpy).
+    Another task brings its own ``RoundManager(evaluator=...)``: ``(model, eval_data) -> {metric: value}``."""
+    from edgeflow.runtime import load
+
+    x, y = eval_data
+    rt = load(model, profile, batch_size=len(x), allow_over_budget=True)
+    logits = rt(np.asarray(x, np.float32))
+    acc = float((logits.argmax(1) == y).mean())
+    z = logits - logits.max(1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(1, keepdims=True))
+    return {"accuracy": acc, "loss": float(-logp[np.arange(len(y)), y].mean())}
+
+
 def partial_clients(metadata: Mapping[str, Any], sender: str) -> int:
     """The device count a partial aggregate claims (``metadata["num_clients"]``)."""
     n = metadata.get("num_clients")
@@ -372,6 +388,7 @@ class RoundManager:
         contributions: str = "updates",
         ingest: UpdateSource | None = None,
         weight_names: Iterable[str] | None = None,
+        evaluator: Callable[[onnx.ModelProto, Any], Mapping[str, float]] | None = None,
     ) -> None:
         """``sink`` (default :class:`AdoptAndPublish`), ``aggregator`` (default: the
         configured strategy), ``contributions`` ("updates" from devices, or
@@ -379,7 +396,12 @@ class RoundManager:
         are the seams described in the module docstring. ``weight_names``: the
         weights the rounds federate (default: every float initializer); a fleet
         fine-tuning only a pretrained model's head or biases names just those,
-        so the model broadcast and every update carry only them."""
+        so the model broadcast and every update carry only them. ``evaluator``:
+        ``(model, eval_data) -> {metric: value}``, run on each new global model
+        when ``eval_data`` is given (default :func:`classification_metrics`:
+        top-1 accuracy and cross-entropy on onnxruntime or numpy for the
+        x86-gateway profile); "accuracy" and "loss" fill the round's metrics,
+        any other key goes to its ``extra`` as ``eval_<key>``."""
         if contributions not in ("updates", "partials"):
             raise ConfigError(f"contributions must be 'updates' or 'partials', got {contributions!r}")
         self.sink: AggregateSink = sink or AdoptAndPublish()
@@ -395,6 +417,7 @@ class RoundManager:
         self.config = config
         self.candidates = candidates
         self.eval_data = eval_data
+        self.evaluator = evaluator or classification_metrics
         self.on_round = on_round
         self.replay = ReplayGuard()
         self._lock = threading.RLock()
@@ -1115,24 +1138,20 @@ class RoundManager:
 
     def evaluate(self, weights: Mapping[str, np.ndarray] | None = None) -> tuple[float | None, float | None]:
         """Accuracy and loss on the eval set of the current weights (or of ``weights``)."""
-        if self.eval_data is None:
-            return None, None
-        from edgeflow.runtime import load
+        m = self.evaluate_metrics(weights)
+        return m.get("accuracy"), m.get("loss")
 
-        x, y = self.eval_data
-        rt = load(self.current_model(weights), "x86-gateway", batch_size=len(x), allow_over_budget=True)
-        logits = rt(x.astype(np.float32))
-        acc = float((logits.argmax(1) == y).mean())
-        z = logits - logits.max(1, keepdims=True)
-        logp = z - np.log(np.exp(z).sum(1, keepdims=True))
-        return acc, float(-logp[np.arange(len(y)), y].mean())
+    def evaluate_metrics(self, weights: Mapping[str, np.ndarray] | None = None) -> dict[str, float]:
+        """The evaluator's metrics for the current weights (or ``weights``); {} without eval data."""
+        if self.eval_data is None:
+            return {}
+        out = self.evaluator(self.current_model(weights), self.eval_data)
+        return {str(k): float(v) for k, v in dict(out).items()}
 
     def _metrics(self, ann, result: AggregateResult | None, agg_s: float, t_start: float) -> RoundMetrics:
         staged = self._staged
-        if result is None:
-            acc, eval_loss = None, None
-        else:
-            acc, eval_loss = self.evaluate(staged.weights if staged is not None else None)
+        evaluated = {} if result is None else self.evaluate_metrics(staged.weights if staged is not None else None)
+        acc, eval_loss = evaluated.pop("accuracy", None), evaluated.pop("loss", None)
         with self._lock:
             c = dict(self._counters)
             rejected = sum(v for k, v in c.items() if k.startswith("rejected"))
@@ -1148,8 +1167,9 @@ class RoundManager:
                 round_s=time.perf_counter() - t_start,
                 mean_client_loss=float(np.mean(sorted(self._losses))) if self._losses else None,
                 accuracy=acc, eval_loss=eval_loss,
-                extra={k: float(v) for k, v in (result.metrics.items() if result else ())
-                       if k.startswith("dp_") or k in _ROBUST_METRICS},
+                extra={**{k: float(v) for k, v in (result.metrics.items() if result else ())
+                          if k.startswith("dp_") or k in _ROBUST_METRICS},
+                       **{f"eval_{k}": v for k, v in evaluated.items()}},
             )
         return m
 

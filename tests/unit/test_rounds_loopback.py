@@ -105,3 +105,37 @@ def test_redelivered_updates_count_once():
         want = flat_fedavg(start, fleet.clients)
         for name in want:
             np.testing.assert_allclose(fleet.rounds.weights[name], want[name], rtol=1e-5, atol=1e-6)
+
+
+def test_evaluation_is_a_hook_any_metric_any_backend():
+    """The gateway's evaluation is the caller's: RoundManager(evaluator=...) gets each new global model."""
+    from edgeflow.runtime import load
+
+    split = __import__("_lbfleet").digits()
+    seen = []
+
+    def evaluator(model, data):  # e.g. per-class recall on the numpy backend of a board profile
+        x, y = data
+        pred = load(model, "raspberry-pi-4", backend="numpy", batch_size=len(x), allow_over_budget=True)(x).argmax(1)
+        seen.append(model)
+        return {"accuracy": float((pred == y).mean()), "recall_0": float((pred[y == 0] == 0).mean())}
+
+    fleet = LoopbackFleet(3, config={"rounds": 1}, eval_data=(split.x_test[:200], split.y_test[:200]),
+                          evaluator=evaluator)
+    with fleet:
+        (m,) = fleet.rounds.run()
+    assert len(seen) == 1 and m.accuracy is not None and m.eval_loss is None
+    assert 0.0 <= m.extra["eval_recall_0"] <= 1.0
+    x, y = split.x_test[:200], split.y_test[:200]
+    want = float((load(fleet.rounds.current_model(), "x86-gateway")(x).argmax(1) == y).mean())
+    assert m.accuracy == want  # the hook's figure is the model's, not a default's
+
+
+def test_the_default_evaluator_is_top1_accuracy_and_cross_entropy():
+    from edgeflow.gateway.rounds import classification_metrics
+
+    split = __import__("_lbfleet").digits()
+    fleet = LoopbackFleet(2, eval_data=(split.x_test[:100], split.y_test[:100]))
+    out = classification_metrics(fleet.model, (split.x_test[:100], split.y_test[:100]))
+    assert set(out) == {"accuracy", "loss"} and 0 <= out["accuracy"] <= 1 and out["loss"] > 0
+    assert fleet.rounds.evaluate() == (out["accuracy"], out["loss"])
