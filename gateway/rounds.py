@@ -389,6 +389,7 @@ class RoundManager:
         ingest: UpdateSource | None = None,
         weight_names: Iterable[str] | None = None,
         evaluator: Callable[[onnx.ModelProto, Any], Mapping[str, float]] | None = None,
+        selector: Callable[[list[Candidate], int, Any], Iterable[str]] | None = None,
     ) -> None:
         """``sink`` (default :class:`AdoptAndPublish`), ``aggregator`` (default: the
         configured strategy), ``contributions`` ("updates" from devices, or
@@ -401,7 +402,10 @@ class RoundManager:
         when ``eval_data`` is given (default :func:`classification_metrics`:
         top-1 accuracy and cross-entropy on onnxruntime or numpy for the
         x86-gateway profile); "accuracy" and "loss" fill the round's metrics,
-        any other key goes to its ``extra`` as ``eval_<key>``."""
+        any other key goes to its ``extra`` as ``eval_<key>``. ``selector``:
+        ``(eligible, n, rng) -> device ids``, which ``n`` of the eligible
+        candidates (those that can train and pass the profile/battery filters)
+        a round takes; default: ``n`` uniformly at random (seeded)."""
         if contributions not in ("updates", "partials"):
             raise ConfigError(f"contributions must be 'updates' or 'partials', got {contributions!r}")
         self.sink: AggregateSink = sink or AdoptAndPublish()
@@ -418,6 +422,7 @@ class RoundManager:
         self.candidates = candidates
         self.eval_data = eval_data
         self.evaluator = evaluator or classification_metrics
+        self.selector = selector
         self.on_round = on_round
         self.replay = ReplayGuard()
         self._lock = threading.RLock()
@@ -647,6 +652,14 @@ class RoundManager:
         if cfg.max_clients:
             n = min(n, math.ceil(cfg.max_clients * cfg.overselect))
         n = min(n, len(eligible))
+        if self.selector is not None:
+            known = {c.device_id for c in eligible}
+            chosen = sorted(set(self.selector(list(eligible), n, self._rng)))
+            bad = [d for d in chosen if d not in known]
+            if bad or len(chosen) > n:
+                raise ConfigError(f"the round's selector chose {chosen[:5]}: it must pick at most {n} of the "
+                                  f"eligible devices ({sorted(known)[:5]}...); {bad[:3]} are not eligible")
+            return chosen
         idx = self._rng.choice(len(eligible), n, replace=False) if n else []
         return sorted(eligible[i].device_id for i in idx)
 

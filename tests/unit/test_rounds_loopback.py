@@ -139,3 +139,30 @@ def test_the_default_evaluator_is_top1_accuracy_and_cross_entropy():
     out = classification_metrics(fleet.model, (split.x_test[:100], split.y_test[:100]))
     assert set(out) == {"accuracy", "loss"} and 0 <= out["accuracy"] <= 1 and out["loss"] > 0
     assert fleet.rounds.evaluate() == (out["accuracy"], out["loss"])
+
+
+def test_client_selection_is_a_hook():
+    """RoundManager(selector=...) picks which eligible devices a round takes (e.g. the freshest batteries)."""
+    picked = []
+
+    def selector(eligible, n, rng):
+        picked.append((sorted(c.device_id for c in eligible), n))
+        return sorted(c.device_id for c in eligible)[-2:]  # the last two, always
+
+    fleet = LoopbackFleet(4, config={"rounds": 1, "fraction": 0.5, "min_clients": 2}, selector=selector)
+    with fleet:
+        (m,) = fleet.rounds.run()
+        assert fleet.rounds.store.round(1).selected == ["d2", "d3"]
+    assert picked == [(["d0", "d1", "d2", "d3"], 2)]
+    assert (m.selected, m.participants) == (2, 2)
+
+
+def test_a_selector_that_picks_an_ineligible_device_is_one_clear_error():
+    import pytest
+
+    from edgeflow.errors import ConfigError
+    from edgeflow.gateway.rounds import Candidate
+
+    fleet = LoopbackFleet(2, selector=lambda eligible, n, rng: ["nobody"])
+    with pytest.raises(ConfigError, match="not eligible"):
+        fleet.rounds.select([Candidate("d0"), Candidate("d1")])
