@@ -63,7 +63,7 @@ from ..errors import CodecError, EdgeflowError, FleetError, SignatureError
 from ..faults import fault_point
 from ..artifact import Artifact, verify_artifact
 from ..profiles import BACKENDS, DeviceProfile, get_profile
-from ..protocol.fleet import BIRTH_CONTEXT, COMMANDS, Ack, Birth, Command, Death, decode_tensor, encode_tensor
+from ..protocol.fleet import BIRTH_CONTEXT, COMMANDS, Ack, Birth, Command, Death
 from ..protocol.ota import OtaOffer
 from ..protocol.signed_json import loads, peek_signed, sign_body
 from ..signing import PublicKey, Signer
@@ -71,6 +71,7 @@ from ..transport.base import Transport
 from ..transport.message import ConnectionEvent, Message
 from ..transport.topics import device_topic
 from .health import HealthReport, check_model, load_runtime
+from .inference import InferenceService
 from .replay import SeenCommands
 from .slots import ActiveModel, SlotStore
 from .telemetry import TelemetryCollector
@@ -293,7 +294,7 @@ class DeviceAgent:
         self.seen = SeenCommands(self.slots.root / "seen.json", clock_skew_s=self.options.clock_skew_s)
         self._ops: queue.Queue[Any] = queue.Queue(maxsize=4)
         self._ops_busy: set[str] = set()
-        self._infer: queue.Queue[Any] = queue.Queue(maxsize=max(1, self.options.infer_queue))
+        self.inference = InferenceService(self, self.options.infer_queue)  # the infer topic (device/inference.py)
         self._stop = threading.Event()
         self._tele_wake = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -371,9 +372,9 @@ class DeviceAgent:
         self._recovery = self._recover_pending()
         self.transport.subscribe(self._topic["cmd"], self._on_cmd)
         self.transport.subscribe(self._topic["ota"], self._on_ota)
-        self.transport.subscribe(self._topic["infer"], self._on_infer)
+        self.transport.subscribe(self._topic["infer"], self.inference.on_request)
         self.transport.add_connection_listener(self._on_connection)
-        for name, target in (("ops", self._ops_loop), ("infer", self._infer_loop), ("telemetry", self._telemetry_loop)):
+        for name, target in (("ops", self._ops_loop), ("infer", self.inference.loop), ("telemetry", self._telemetry_loop)):
             t = threading.Thread(target=target, name=f"edgeflow-agent-{name}-{self.device_id}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -411,7 +412,7 @@ class DeviceAgent:
 
     def _halt_threads(self, timeout: float) -> None:
         self._tele_wake.set()
-        for q in (self._ops, self._infer):
+        for q in (self._ops, self.inference.queue):
             try:
                 q.put_nowait(None)
             except queue.Full:
@@ -589,7 +590,7 @@ class DeviceAgent:
         body = {"device": self.device_id, "ts": time.time(), "seq": self._next_seq(), "bdseq": self.bdseq,
                 "model_version": self.model_version, "training": code == "training", "train": code,
                 **({"train_detail": detail} if detail else {}),
-                **self.telemetry.snapshot(queue_depth=self._infer.qsize() + self._ops.qsize())}
+                **self.telemetry.snapshot(queue_depth=self.inference.queue.qsize() + self._ops.qsize())}
         p = self._participant
         if p is not None:
             try:
@@ -780,7 +781,7 @@ class DeviceAgent:
             "model_sha256": None if m is None else m.sha256, "slot": p.active, "previous_slot": p.previous,
             "training": self.training, "train": dict(zip(("state", "detail"), self.train_status())),
             "config": self.config(), "bdseq": self.bdseq, "counters": dict(self.counters),
-            "queue_depth": self._infer.qsize(), "boot_notes": list(self.boot_notes),
+            "queue_depth": self.inference.queue.qsize(), "boot_notes": list(self.boot_notes),
         }
         if p.previous is not None:
             data = self.slots.read_artifact(p.previous)
@@ -1163,50 +1164,3 @@ class DeviceAgent:
         return payload
 
     # -------------------------------------------------------------- inference
-
-    def _on_infer(self, msg: Message) -> None:
-        try:
-            req = loads(msg.payload, "inference request")
-            if not isinstance(req, dict):
-                raise CodecError("inference request must be a JSON object")
-        except CodecError as exc:
-            self._reply({"id": None, "ok": False, "code": "bad_message", "error": str(exc)}, msg)
-            return
-        try:
-            self._infer.put_nowait((req, msg))
-        except queue.Full:
-            self._reply({"id": req.get("id"), "ok": False, "code": "busy",
-                         "error": f"inference queue is full ({self._infer.maxsize}); retry later"}, msg)
-
-    def _reply(self, body: dict[str, Any], msg: Message) -> None:
-        props = {}
-        if "correlation_data" in msg.properties:
-            props["correlation_data"] = msg.properties["correlation_data"]
-        try:
-            self.transport.publish(self._topic["infer/reply"], json.dumps(body, separators=(",", ":")), qos=1,
-                                   properties=props or None)
-        except EdgeflowError as exc:
-            log.warning("%s: inference reply not sent: %s", self.device_id, exc)
-
-    def _infer_loop(self) -> None:
-        while not self._stop.is_set():
-            item = self._infer.get()
-            if item is None or self._stop.is_set():
-                return
-            req, msg = item
-            rid = req.get("id")
-            try:
-                if "inputs" in req:
-                    feeds = {str(k): decode_tensor(v) for k, v in dict(req["inputs"]).items()}
-                elif "input" in req:
-                    feeds = decode_tensor(req["input"])
-                else:
-                    raise FleetError("inference request needs 'input' (one tensor) or 'inputs' (name -> tensor)")
-                t0 = time.perf_counter()
-                outs = self.run_named(feeds)  # keyed by the model's own output names
-                ms = round((time.perf_counter() - t0) * 1000.0, 3)
-                self._reply({"id": rid, "ok": True, "model_version": self.model_version, "latency_ms": ms,
-                             "outputs": {k: encode_tensor(np.asarray(v)) for k, v in outs.items()}}, msg)
-            except Exception as exc:  # noqa: BLE001 - every request gets an answer
-                log.warning("inference request %s failed: %s: %s", rid, type(exc).__name__, exc)
-                self._reply({"id": rid, "ok": False, "error": f"{type(exc).__name__}: {exc}"}, msg)
