@@ -28,7 +28,8 @@ from .profiles import DeviceProfile, detect, get_profile
 log = logging.getLogger(__name__)
 
 
-def session_options(profile: DeviceProfile, threads: int | None = None) -> SessionOptions:
+def session_options(profile: DeviceProfile, threads: int | None = None, *, exact_int8: bool = False
+                    ) -> SessionOptions:
     """Backend settings from the profile; threads capped at this host's cores
     (a profile for a 4-core board emulated on 2 cores must not oversubscribe)."""
     wanted = threads or profile.threads
@@ -36,6 +37,7 @@ def session_options(profile: DeviceProfile, threads: int | None = None) -> Sessi
         threads=max(1, min(wanted, os.cpu_count() or 1)),
         providers=tuple(profile.execution_providers) or ("CPUExecutionProvider",),
         memory_arena=profile.memory_arena,
+        exact_int8=exact_int8,
     )
 
 
@@ -92,8 +94,10 @@ class Runtime:
         input_shapes: "dict[str, tuple[int, ...]] | None" = None,
         threads: int | None = None,
         allow_over_budget: bool = False,
+        exact_int8: bool = False,
     ) -> None:
         self.model = load_model(model)
+        self.exact_int8 = exact_int8
         if input_shapes:
             self.model = fix_input_shapes(self.model, input_shapes, source="input_shapes")
         self.profile = get_profile(profile) if profile is not None else detect()
@@ -116,7 +120,7 @@ class Runtime:
                 budget_bytes=self.profile.memory_budget_bytes,
             )
         chosen = get_backend(self.backend_name)
-        options = session_options(self.profile, threads)
+        options = session_options(self.profile, threads, exact_int8=self.exact_int8)
         # A backend that runs the compiled graph itself takes the one just
         # planned, rather than compiling (and pre-packing weights) again.
         load_compiled = getattr(chosen, "load_compiled", None)

@@ -56,7 +56,8 @@ def test_numpy_engine_model_loads_in_onnxruntime_and_matches_the_numpy_backend(p
     q = edgeflow.quantize(model, profile, calibration=X_CNN, engine="numpy", latency_runs=0).model
     x = RNG.random((40, 1, 8, 8), dtype=np.float32)
     y_np = load(q, profile, backend="numpy")(x)
-    y_ort = load(q, profile, backend="ort")(x)
+    # exact_int8: onnxruntime's u8 x s8 kernels saturate int16 pair sums on x86 without VNNI
+    y_ort = load(q, profile, backend="ort", exact_int8=True)(x)
     assert np.all(np.abs(y_np - y_ort) <= _float_output_step(q) * 1.001)
 
 
@@ -291,3 +292,21 @@ def test_entropy_keeps_the_range_of_uniform_data():
     x = np.random.default_rng(2).random(100_000).astype(np.float32)  # one-sided, no tail
     r = _observe(EntropyObserver(), x)
     assert r.lo == pytest.approx(x.min()) and r.hi > 0.95
+
+
+@needs_ort
+def test_exact_int8_reaches_onnxruntime():
+    """exact_int8 turns on onnxruntime's exact u8 x u8 path; by default the session keeps its fast kernels."""
+    from edgeflow.backends import get_backend
+    from edgeflow.backends.base import SessionOptions
+
+    model = zoo.digits_mlp(seed=0)
+    for exact in (False, True):
+        sess = get_backend("ort").load(model, SessionOptions(exact_int8=exact))
+        entries = sess._sess.get_session_options().get_session_config_entry  # noqa: SLF001
+        try:
+            got = entries("session.x64quantprecision")
+        except Exception:  # noqa: BLE001 - onnxruntime raises when the key was never set
+            got = ""
+        assert (got == "1") == exact
+    assert load(model, "x86-gateway", backend="ort", exact_int8=True).exact_int8

@@ -26,6 +26,9 @@ class SessionOptions:
     providers: tuple[str, ...] = ("CPUExecutionProvider",)
     memory_arena: bool = True
     optimization: str = "all"  # "disabled" | "basic" | "extended" | "all"
+    # onnxruntime on x86 without VNNI: exact u8 x u8 int8 instead of the fast, saturating u8 x s8
+    # kernels (docs/quantization.md); no effect on VNNI CPUs, ARM or the numpy backend
+    exact_int8: bool = False
     extra: dict = field(default_factory=dict)
 
 

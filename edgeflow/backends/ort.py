@@ -60,11 +60,12 @@ class OrtSession(Session):
         so.enable_cpu_mem_arena = bool(options.memory_arena)
         so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _OPT_LEVELS[options.optimization])
         so.log_severity_level = 3
-        # x86 without VNNI (AVX2, AVX-512F): MLAS's u8 x s8 kernels add pairs of products in int16
-        # (vpmaddubsw), which saturates for weights outside [-64, 63]: measured here, up to 20 output
-        # steps off on a small CNN. This switches such weights to the exact u8 x u8 path; on VNNI and
-        # ARM it changes nothing (onnxruntime >= 1.13; docs/quantization.md).
-        so.add_session_config_entry("session.x64quantprecision", "1")
+        if options.exact_int8:
+            # x86 without VNNI (AVX2, AVX-512F): MLAS's u8 x s8 kernels add pairs of products in int16
+            # (vpmaddubsw), which saturates for weights outside [-64, 63] (up to 20 output steps off on a
+            # small CNN here); this switches such layers to the exact u8 x u8 path, at a cost in speed
+            # (docs/quantization.md). On VNNI CPUs and ARM it changes nothing (onnxruntime >= 1.13).
+            so.add_session_config_entry("session.x64quantprecision", "1")
         if weight_only_quantized(model):
             # int8 weights behind DequantizeLinear, float activations: without this onnxruntime keeps
             # the DequantizeLinear nodes for QDQ fusion and dequantizes every weight on every run
