@@ -232,7 +232,9 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
         ranges = collect_ranges(fp32, plan.calibrated_tensors, cal, evaluator.runner, method=calib,
                                 percentile=percentile, batch_size=evaluator.batch_size)
         qp = tensor_qparams(plan, ranges, activations)
-        sens_box[:] = layer_sensitivity(fp32, plan, qp, ev, ref, evaluator.predict, labels=labels,
+        k = min(ev.n, 16)  # one model per layer: rank on a few samples (the loss is checked on all)
+        sens_box[:] = layer_sensitivity(fp32, plan, qp, ev.take(slice(0, k)), ref[:k], evaluator.predict,
+                                        labels=labels[:k] if labels is not None else None,
                                         per_channel=per_channel)
         return [s.node for s in sens_box]
 
