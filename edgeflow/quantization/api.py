@@ -286,9 +286,13 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
         wo = load_model(weight_only_int8(fp32, targets, per_channel))
         rt = load(wo, prof, backend=backend, batch_size=batch, allow_over_budget=True)
         t32, t_wo = time_pair(lambda: rt32.run(feeds), lambda: rt.run(feeds), rounds=rounds, cpu=cpu)
+        wo_loss = loss_percent(ref, evaluator.predict(wo, ev), labels)
         decision.reason += (f"; measured: weight-only {t_wo:.3f} ms vs fp32 {t32:.3f} ms, "
-                            f"{wo.ByteSize() / max(1, fp32.ByteSize()):.3f} of the fp32 size")
-        return wo, decision
+                            f"{wo.ByteSize() / max(1, fp32.ByteSize()):.3f} of the fp32 size, loss {wo_loss:.2f}%")
+        if wo_loss <= max_loss:
+            return wo, decision
+        decision.choice = "fp32"
+        decision.reason += f" > --max-loss {max_loss:g}%: fp32 chosen"
     return copy.deepcopy(fp32), decision
 
 
