@@ -236,7 +236,11 @@ def print_real(rows: list[dict]) -> None:
         ch = r["choice"] + (f" {r['format']}" if r["choice"] == "int8" and r["format"] else "")
         fid = f"{r['fidelity']:.4f}" if r["fidelity_kind"] == "cosine" else f"{r['fidelity']:.1f}%"
         print(f"{r['model']:24s} {r['profile']:15s} {ch:16s} {r['size_ratio']:6.3f} {r['fp32_ms']:8.2f} "
-              f"{r['int8_ms']:8.2f} {r['speedup']:6.2f}x {fid:>9s}  {r['kept_fp32']} ({'; '.join(r['kept_why'])})")
+              f"{r['int8_ms']:8.2f} {r['speedup']:6.2f}x {fid:>9s}  "
+              + (f"{r['kept_fp32']} ({'; '.join(r['kept_why'])})" if r["choice"] == "int8"
+                 else "every activation (int8 did not pay: see the reason)"))
+    for r in rows:
+        print(f"  {r['model']} / {r['profile']}: {r['reason']}")
     for p in sorted({r["profile"] for r in rows}):
         conv = [r["speedup"] for r in rows if r["profile"] == p and r["kind"] == "conv"]
         if conv:

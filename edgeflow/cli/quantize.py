@@ -35,7 +35,7 @@ def register(sub) -> None:
         "bench-gated choice (int8 only where it pays)",
         "With --max-loss, int8 is timed against fp32 on the profile's backend (batch 1) on this host: kinds of "
         "layers (depthwise/1x1/kxk Conv, MatMul, Gemm) that make the model slower in int8 stay fp32, then the layers "
-        "that cost the most accuracy stay fp32 until the loss is within --max-loss. Where no int8 model is faster "
+        "that cost the most accuracy stay fp32 until the loss is within --max-loss. Where no int8 model is 1.1x faster "
         "than fp32 (the numpy backend today) the result is --fallback, and the report says so.")
     gg.add_argument("--max-loss", type=_percent, metavar="PCT",
                     help="largest loss allowed, in percent: top-1 accuracy points with labels, else 100 - top-1 "

@@ -217,12 +217,12 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
     built: dict[frozenset, onnx.ModelProto] = {}
     base: dict[str, float] = {}
 
-    fmt_box: list = [formats[0], None]  # format, calibration method (None: the profile's)
+    fmt_box: list = [formats[0], None, None]  # format, calibration method (None: the profile's), op types
 
     def measure(kept: frozenset) -> Trial:
         m = built.get(kept)
         if m is None:
-            m = built[kept] = build(kept, fmt_box[0], fmt_box[1])
+            m = built[kept] = build(kept, fmt_box[0], fmt_box[1], fmt_box[2])
         rt = load(m, prof, backend=backend, batch_size=batch, allow_over_budget=True)
         t32, t8 = time_pair(lambda: rt32.run(feeds), lambda: rt.run(feeds), rounds=rounds, cpu=cpu)
         base.setdefault("fp32", t32)
@@ -237,7 +237,9 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
         ranges = collect_ranges(fp32, plan.calibrated_tensors, cal, evaluator.runner, method=calib,
                                 percentile=percentile, batch_size=evaluator.batch_size)
         qp = tensor_qparams(plan, ranges, activations)
-        sens_box[:] = layer_sensitivity(fp32, plan, qp, ev, ref, evaluator.predict, labels=labels,
+        k = min(ev.n, 16)  # one model per layer: rank on a few samples (the loss is checked on all)
+        sens_box[:] = layer_sensitivity(fp32, plan, qp, ev.take(slice(0, k)), ref[:k], evaluator.predict,
+                                        labels=labels[:k] if labels is not None else None,
                                         per_channel=per_channel)
         return [s.node for s in sens_box]
 
@@ -249,24 +251,31 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
         # MinMax ranges lose too much (one outlier coarsens a whole tensor), percentile ranges are tried.
         tried = []
 
-        def variant(fmt, cmethod):
-            fmt_box[:] = [fmt, cmethod]
+        def variant(fmt, cmethod, ops=None):
+            fmt_box[:] = [fmt, cmethod, ops]
             built.pop(frozenset(), None)
             t = measure(frozenset())
-            tried.append((t.loss > max_loss, t.latency_ms, (fmt, cmethod), t, built[frozenset()]))
-            fmt_steps.append(f"{fmt} format, {cmethod or calib} calibration, all layers int8: "
-                             f"{t.latency_ms:.3f} ms, loss {t.loss:.2f}%")
+            tried.append((t.loss > max_loss, t.latency_ms, (fmt, cmethod, ops), t, built[frozenset()]))
+            fmt_steps.append(f"{fmt} format, {cmethod or calib} calibration, "
+                             f"{'only ' + '/'.join(ops) if ops else 'every op onnxruntime quantizes'} int8, "
+                             f"all layers int8: {t.latency_ms:.3f} ms, loss {t.loss:.2f}%")
 
         for fmt in formats:
             variant(fmt, None)
         if retry_method and all(r[0] for r in tried):
             for fmt in formats:
                 variant(fmt, retry_method)
+        if all(r[0] for r in tried):
+            # onnxruntime also quantizes Add/Mul/Softmax/...; keeping those float is the next thing to try,
+            # and it makes the per-layer steps below (Conv/MatMul/Gemm) cover everything that is int8.
+            for fmt in formats:
+                variant(fmt, None, ("Conv", "MatMul", "Gemm"))
         _, _, chosen, first, model = min(tried, key=lambda r: (r[0], r[1] if not r[0] else r[3].loss))
         fmt_box[:] = list(chosen)
         built.clear()
         built[frozenset()] = model
-        fmt_steps.append(f"{chosen[0]} format, {chosen[1] or calib} calibration chosen")
+        fmt_steps.append(f"{chosen[0]} format, {chosen[1] or calib} calibration"
+                         f"{', only ' + '/'.join(chosen[2]) if chosen[2] else ''} chosen")
     if first is None:
         first = measure(frozenset())
     decision = choose(targets, layer_groups(fp32, targets), lambda k: first if not k else measure(k),
@@ -282,9 +291,13 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
         wo = load_model(weight_only_int8(fp32, targets, per_channel))
         rt = load(wo, prof, backend=backend, batch_size=batch, allow_over_budget=True)
         t32, t_wo = time_pair(lambda: rt32.run(feeds), lambda: rt.run(feeds), rounds=rounds, cpu=cpu)
+        wo_loss = loss_percent(ref, evaluator.predict(wo, ev), labels)
         decision.reason += (f"; measured: weight-only {t_wo:.3f} ms vs fp32 {t32:.3f} ms, "
-                            f"{wo.ByteSize() / max(1, fp32.ByteSize()):.3f} of the fp32 size")
-        return wo, decision
+                            f"{wo.ByteSize() / max(1, fp32.ByteSize()):.3f} of the fp32 size, loss {wo_loss:.2f}%")
+        if wo_loss <= max_loss:
+            return wo, decision
+        decision.choice = "fp32"
+        decision.reason += f" > --max-loss {max_loss:g}%: fp32 chosen"
     return copy.deepcopy(fp32), decision
 
 
@@ -449,10 +462,11 @@ def quantize(
             if prof.quantization.format == "qoperator":
                 notes.append("the profile asks for QOperator format; the numpy engine writes QDQ (same arithmetic)")
 
-        def build(extra: frozenset = frozenset(), fmt: str | None = None, cmethod: str | None = None) -> onnx.ModelProto:
+        def build(extra: frozenset = frozenset(), fmt: str | None = None, cmethod: str | None = None,
+                  ops: tuple | None = None) -> onnx.ModelProto:
             if engine == "ort":
                 return ort_backend.quantize_static_ort(
-                    fp32, cal, method=cmethod or calib, activations=activations, per_channel=per_channel,
+                    fp32, cal, method=cmethod or calib, op_types=list(ops) if ops else None, activations=activations, per_channel=per_channel,
                     exclude=list(plan.kept_fp32) + sorted(extra), percentile=percentile,
                     batch_size=fixed or batch_size, fixed=fixed is not None,
                     qoperator=(fmt or prof.quantization.format) == "qoperator",

@@ -89,6 +89,7 @@ def quantize_static_ort(
     batch_size: int = 32,
     fixed: bool = False,
     qoperator: bool = False,
+    op_types: list[str] | None = None,
 ) -> onnx.ModelProto:
     """``quantize_static`` on ``data``; ``fixed`` when the model's batch size is fixed."""
     oq = _oq()
@@ -112,6 +113,7 @@ def quantize_static_ort(
                 activation_type=act,
                 weight_type=oq.QuantType.QInt8,
                 nodes_to_exclude=list(exclude),
+                **({"op_types_to_quantize": list(op_types)} if op_types else {}),
                 calibrate_method=getattr(oq.CalibrationMethod, _ORT_METHODS[method]),
                 extra_options=extra,
             )
