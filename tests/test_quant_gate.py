@@ -12,7 +12,8 @@ import edgeflow
 from edgeflow import zoo
 from edgeflow.cli.main import main
 from edgeflow.errors import QuantizationError
-from edgeflow.quantization.gate import Trial, choose, layer_groups, loss_percent, weight_only_int8
+from edgeflow.quantization.gate import Trial, choose, layer_groups, loss_percent
+from edgeflow.quantization.weight_only import weight_only_int8
 from edgeflow.runtime import load
 
 TARGETS = ["dw0", "dw1", "pw0", "pw1", "fc"]

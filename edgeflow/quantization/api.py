@@ -206,7 +206,8 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
            percentile, activations, batch, rounds, seed, inputs, formats=(None,), retry_method=None):
     """The bench-gated choice (:mod:`.gate`): the model it picked and the decision."""
     from ..runtime import load
-    from .gate import Trial, choose, layer_groups, loss_percent, time_pair, weight_only_int8
+    from .gate import Trial, choose, layer_groups, loss_percent, time_pair
+    from .weight_only import weight_only_int8
 
     feeds = _latency_feeds(inputs, ev, batch, seed)
     ref = evaluator.predict(fp32, ev)
@@ -288,7 +289,7 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
         kept = frozenset(n for n in decision.kept_fp32)
         return built[kept], decision
     if decision.choice == "weight-only":
-        wo = load_model(weight_only_int8(fp32, targets, per_channel))
+        wo = load_model(weight_only_int8(fp32, targets, per_channel=per_channel, optimize=False))
         rt = load(wo, prof, backend=backend, batch_size=batch, allow_over_budget=True)
         t32, t_wo = time_pair(lambda: rt32.run(feeds), lambda: rt.run(feeds), rounds=rounds, cpu=cpu)
         wo_loss = loss_percent(ref, evaluator.predict(wo, ev), labels)

@@ -17,6 +17,8 @@ DequantizeLinear nodes too).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
@@ -35,69 +37,77 @@ def _channel_axis(node: onnx.NodeProto, w: np.ndarray) -> int:
 
 def quantize_weights(w: np.ndarray, axis: int | None) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int8 in [-127, 127]: (q, scale), one scale per slice along ``axis`` (None: one in all)."""
+    from .params import quantize_weight
+
     w = np.asarray(w, np.float32)
-    if axis is None:
-        amax = np.array(np.abs(w).max() if w.size else 0.0, np.float32)
-    else:
-        amax = np.abs(np.moveaxis(w, axis, 0)).reshape(w.shape[axis], -1).max(axis=1).astype(np.float32)
-    scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
-    shape = [1] * w.ndim
-    if axis is not None:
-        shape[axis] = -1
-    q = np.clip(np.rint(w / scale.reshape(shape)), -127, 127).astype(np.int8)
-    return q, scale
+    qw = quantize_weight(w, 0 if axis is None else axis, per_channel=axis is not None)
+    return qw.values, np.asarray(qw.scale, np.float32)
 
 
-def weight_only_int8(model: onnx.ModelProto, *, min_elements: int = 256) -> onnx.ModelProto:
+def weight_only_int8(model: onnx.ModelProto, nodes: Sequence[str] | None = None, *, per_channel: bool = True,
+                     min_elements: int = 256, optimize: bool = True, embeddings: bool = True) -> onnx.ModelProto:
     """A copy of ``model`` whose Conv/ConvTranspose/Gemm/MatMul float32 weight
-    initializers (of at least ``min_elements`` values, read by no other node)
-    are int8 behind a DequantizeLinear. Activations are untouched.
+    initializers are int8 behind a DequantizeLinear; activations are untouched.
 
-    The model goes through the portable optimizer first (Constant-node weights
-    become initializers, BatchNormalization folds into the conv weights), so
-    the weights quantized are the ones the backend will run."""
-    from ..optimize import optimize_model
+    ``nodes``: only these nodes' weights (the bench-gated choice of
+    :mod:`.gate` names them); None: every such weight of at least
+    ``min_elements`` values. ``embeddings``: 2-d float tables read by Gather
+    (4096 values or more) too, one scale per row. ``optimize``: the model goes
+    through the portable optimizer first (Constant-node weights become
+    initializers, BatchNormalization folds into the conv weights), so the
+    weights quantized are the ones the backend will run."""
+    import copy
 
-    m = optimize_model(model)
+    if optimize:
+        from ..optimize import optimize_model
+
+        m = optimize_model(model)
+    else:
+        m = copy.deepcopy(model)
     g = m.graph
     opset = next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), 0)
     inits = {t.name: t for t in g.initializer}
-    readers: dict[str, int] = {}
-    for n in g.node:
-        for x in n.input:
-            readers[x] = readers.get(x, 0) + 1
     graph_inputs = {i.name for i in g.input}
+    wanted = None if nodes is None else set(nodes)
     new_nodes: list[onnx.NodeProto] = []
     done: set[str] = set()
+
+    def dequantized(name: str, w: np.ndarray, axis: int | None) -> list[onnx.NodeProto]:
+        """Replace initializer ``name`` by int8 + scales and the nodes that give ``name`` back in float."""
+        q, scale = quantize_weights(w, axis)
+        qname, sname, zname = f"{name}_int8", f"{name}_scale", f"{name}_zero_point"
+        g.initializer.remove(inits[name])
+        g.initializer.append(numpy_helper.from_array(q, qname))
+        done.add(name)
+        if opset >= 13 or axis is None:
+            g.initializer.extend([numpy_helper.from_array(scale.reshape(()) if axis is None else scale, sname),
+                                  numpy_helper.from_array(np.zeros(() if axis is None else scale.shape, np.int8),
+                                                          zname)])
+            return [helper.make_node("DequantizeLinear", [qname, sname, zname], [name], name=f"{name}_dequantize",
+                                     **({} if axis is None else {"axis": axis}))]
+        shape = [1] * w.ndim  # no per-channel DequantizeLinear before opset 13: Cast and a broadcast Mul
+        shape[axis] = -1
+        g.initializer.append(numpy_helper.from_array(scale.reshape(shape), sname))
+        return [helper.make_node("Cast", [qname], [f"{name}_float"], name=f"{name}_cast", to=onnx.TensorProto.FLOAT),
+                helper.make_node("Mul", [f"{name}_float", sname], [name], name=f"{name}_dequantize")]
+
     for n in g.node:
-        spec = _WEIGHTS.get(n.op_type) if n.domain in ("", "ai.onnx") else None
-        if spec is not None and len(n.input) > spec[0]:
+        plain = n.domain in ("", "ai.onnx")
+        spec = _WEIGHTS.get(n.op_type) if plain else None
+        if spec is not None and len(n.input) > spec[0] and (wanted is None or n.name in wanted):
             name = n.input[spec[0]]
             t = inits.get(name)
-            if (t is not None and name not in done and name not in graph_inputs and readers.get(name) == 1
-                    and t.data_type == onnx.TensorProto.FLOAT):
+            if t is not None and name not in done and name not in graph_inputs and t.data_type == onnx.TensorProto.FLOAT:
                 w = numpy_helper.to_array(t)
-                if w.size >= min_elements and w.ndim >= 2:
-                    axis = _channel_axis(n, w)
-                    q, scale = quantize_weights(w, axis)
-                    qname, sname, zname = f"{name}_int8", f"{name}_scale", f"{name}_zero_point"
-                    g.initializer.remove(t)
-                    g.initializer.append(numpy_helper.from_array(q, qname))
-                    if opset >= 13:
-                        g.initializer.extend([numpy_helper.from_array(scale, sname),
-                                              numpy_helper.from_array(np.zeros(scale.shape, np.int8), zname)])
-                        new_nodes.append(helper.make_node("DequantizeLinear", [qname, sname, zname], [name],
-                                                          name=f"{name}_dequantize", axis=axis))
-                    else:  # no per-channel DequantizeLinear before opset 13: Cast and a broadcast Mul
-                        shape = [1] * w.ndim
-                        shape[axis] = -1
-                        g.initializer.append(numpy_helper.from_array(scale.reshape(shape), sname))
-                        new_nodes += [
-                            helper.make_node("Cast", [qname], [f"{name}_float"], name=f"{name}_cast",
-                                             to=onnx.TensorProto.FLOAT),
-                            helper.make_node("Mul", [f"{name}_float", sname], [name], name=f"{name}_dequantize"),
-                        ]
-                    done.add(name)
+                if w.ndim >= 2 and (w.size >= min_elements or wanted is not None):
+                    new_nodes += dequantized(name, w, _channel_axis(n, w) if per_channel else None)
+        elif embeddings and plain and n.op_type == "Gather" and n.input:
+            name = n.input[0]
+            t = inits.get(name)
+            if t is not None and name not in done and t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == 2:
+                w = numpy_helper.to_array(t)
+                if w.size >= 4096:
+                    new_nodes += dequantized(name, w, 0 if per_channel else None)
         new_nodes.append(n)
     del g.node[:]
     g.node.extend(new_nodes)
