@@ -28,6 +28,7 @@ from .errors import ModelError, UnsupportedOpError
 from .kernels import Kernel, UnknownOpError, get_kernel
 from .model import TensorInfo, elem_dtype, graph_inputs, graph_outputs, model_opset
 from .optimize import optimize_compiled, optimize_model
+from .optimize.pipeline import assign_lifetimes
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 _GRAPH_ATTRS = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
@@ -430,15 +431,4 @@ def _used_outputs(outputs: list[str]) -> int:
 
 
 def _assign_lifetimes(nodes: list[Node], keep: set[str], graph_outputs_: set[str]) -> None:
-    last: dict[str, int] = {}
-    for i, n in enumerate(nodes):
-        for x in n.inputs:
-            if x:
-                last[x] = i
-        for o in n.outputs:
-            if o and o not in last:
-                last[o] = i  # produced but never read: free right away
-    for name, i in last.items():
-        if name in keep or name in graph_outputs_:
-            continue
-        nodes[i].free_after.append(name)
+    assign_lifetimes(nodes, keep, graph_outputs_)

@@ -213,12 +213,13 @@ def _optimize_bodies(nodes, chosen, opset: int, types: dict, outer: dict) -> Non
             body.initializers = {k: v for k, v in body.initializers.items() if not (k in seen and v is seen[k])}
             for m in body.nodes:
                 m.free_after = []
-            _lifetimes(body.nodes, set(body.initializers) | set(sub.outer_names), set(sub.output_names))
+            assign_lifetimes(body.nodes, set(body.initializers) | set(sub.outer_names), set(sub.output_names))
             sub.nodes, sub.initializers = body.nodes, body.initializers
 
 
-def _lifetimes(nodes, keep: set, outputs: set) -> None:
-    """Each value freed after its last reader (as edgeflow.graph assigns them)."""
+def assign_lifetimes(nodes, keep: set, outputs: set) -> None:
+    """Each value of compiled ``nodes`` freed after its last reader (``node.free_after``), except
+    ``keep`` (weights, outer-scope values) and ``outputs``; edgeflow.graph uses this too."""
     last: dict[str, int] = {}
     for i, n in enumerate(nodes):
         for x in n.inputs:
