@@ -661,16 +661,18 @@ class GatewayStore:
     def add_telemetry_batch(self, items: Iterable[tuple[str, dict, float]]) -> int:
         """Store many ``(device, data, ts)`` rows in one transaction: insert them, mark their
         devices seen, and trim each device's history to its newest ``telemetry_keep`` rows
-        (at most a tenth more between trims). Returns the number stored."""
+        (never more: a trim cuts a tenth below the bound, so rows stored between two trims fit
+        under it). Returns the number stored."""
         rows = [(d, float(ts), json.dumps(data)) for d, data, ts in items]
         if not rows:
             return 0
         devices = sorted({r[0] for r in rows})  # one lock order for every writer (no deadlock between two)
         now = time.time()
-        # Trimming a device costs a walk over its newest rows: do it when its history may have
-        # grown past telemetry_keep by a tenth (and the first time this process sees it), so a
-        # device holds at most keep + keep // 10 rows between two trims.
+        # Trimming a device costs a walk over its newest rows: do it once per ``every`` rows (and
+        # the first time this process sees the device), down to keep - (every - 1) rows, so the
+        # rows stored before the next trim leave a device at most telemetry_keep rows.
         every = max(1, self.telemetry_keep // 10)
+        target = self.telemetry_keep - (every - 1)
         with self._lock:
             for d, _ts, _data in rows:
                 self._since_trim[d] = self._since_trim.get(d, every - 1) + 1
@@ -679,7 +681,7 @@ class GatewayStore:
             db.many("INSERT INTO telemetry (device_id, ts, data) VALUES (?,?,?)", rows)
             db.many("UPDATE devices SET last_seen=?, online=1 WHERE device_id=?", [(now, d) for d in devices])
             if trim:
-                db.many(self._TRIM, [(d, d, self.telemetry_keep - 1) for d in trim])
+                db.many(self._TRIM, [(d, d, target - 1) for d in trim])
         with self._lock:
             for d in trim:
                 self._since_trim[d] = 0
