@@ -51,6 +51,7 @@ def cmd(args) -> int:
 
     from ..device.agent import AgentOptions, DeviceAgent
     from ..errors import ConfigError
+    from .profile import runtime_parts
 
     opts = AgentOptions()
     if args.telemetry_interval is not None:
@@ -83,6 +84,9 @@ def cmd(args) -> int:
     v = agent.model_version
     print(f"edgeflow device {agent.device_id}: profile {agent.profile.name}, model "
           f"{'v' + str(v) if v is not None else 'none yet'}, broker {agent.transport.url}", file=sys.stderr, flush=True)
+    for part in runtime_parts():  # a board without onnxruntime/onnx/cryptography wheels says so at start
+        if not part["ok"]:
+            print(f"  missing: {part['part']}: {part['using']}; instead: {part['instead']}", file=sys.stderr, flush=True)
     for note in agent.boot_notes:
         print(f"  boot: {note}", file=sys.stderr, flush=True)
     code, detail = agent.train_status()

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,43 @@ def test_distro_dists_reads_dist_info_and_egg_info(tmp_path: Path) -> None:
     (site / "onnx-1.12.0.egg-info" / "PKG-INFO").write_text("Metadata-Version: 1.2\nName: onnx\nVersion: 1.12.0\n")
     (site / "typing_extensions-4.4.0.egg-info").write_text("Name: typing_extensions\nVersion: 4.4.0\n")
     assert harness.distro_dists(tmp_path) == {"numpy": "1.24.2", "onnx": "1.12.0", "typing-extensions": "4.4.0"}
+
+
+def test_the_device_agent_names_missing_parts_at_start(tmp_path: Path) -> None:
+    """A board without onnxruntime and cryptography wheels: `edgeflow device` says so in its first lines,
+    with what it uses instead (the numpy backend, pure-Python Ed25519), not only when a model first loads."""
+    d = tmp_path / "fleet"
+    user = ["--broker-user", "root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
+    assert _cli(["broker-config", "--dir", str(d), "--fleet", "farm", "--public-host", "localhost", *user],
+                {}).returncode == 0
+    assert _cli(["fleet", "provision", "cam-1", "--dir", str(d), "--profile", "raspberry-pi-zero-2w"],
+                {}).returncode == 0
+    code = textwrap.dedent(f"""
+        import sys
+        for name in {list(BARE)!r}:
+            sys.modules[name] = None
+        from edgeflow.cli.main import main
+        sys.exit(main({["device", "--credentials", str(d / "devices" / "cam-1"), "--broker", "mqtt://127.0.0.1:9",
+                        "--state", str(tmp_path / "state")]!r}))
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "EDGEFLOW_ONNX": "compat"})
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        assert proc.stderr is not None
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line.rstrip())
+            if line.lstrip().startswith("federated rounds:"):
+                break
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    text = "\n".join(lines)
+    assert "edgeflow device cam-1" in text, text
+    assert "missing: onnxruntime: not installed" in text and "numpy backend" in text, text
+    assert "missing: cryptography" in text and "pure-Python" in text, text
+    assert "Traceback" not in text, text
