@@ -307,6 +307,7 @@ def test_generated_broker_starts_from_any_directory_unprivileged_and_without_war
     (["--log-file", "/nonexistent/dir/m.log"], "directory /nonexistent/dir does not exist"),
     (["--max-packet-size", "100"], "max_packet_size 100 is too small"),
     (["--broker-url", "gw:8883"], "has no scheme"),
+    (["--broker-user", "nosuchuser"], "--broker-user nosuchuser"),
 ])
 def test_broker_config_checks_ports_and_files_before_writing_anything(tmp_path, capsys, tls_material, argv,
                                                                       message) -> None:
@@ -332,6 +333,7 @@ def test_as_root_an_unreachable_fleet_directory_is_a_clear_error(tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "drops to user 'mosquitto', which cannot enter" in err[0]
     assert "--broker-user root" in err[0]
+    assert not (tmp_path / "fleet").exists(), "nothing is written when the broker could not read it"
 
 
 def test_a_rerun_and_provisioning_keep_the_fleets_settings(tmp_path, capsys) -> None:

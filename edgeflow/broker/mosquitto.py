@@ -303,6 +303,8 @@ def broker_user(settings: ListenerSettings) -> str:
 def _reachable(path: Path, uid: int, gids: set[int]) -> tuple[bool, Path | None]:
     """Can (uid, gids) traverse every directory above ``path``? The first one it cannot, if any."""
     for d in reversed(path.parents):
+        if not d.exists():  # created later by mkdir(parents=True): 0777 & ~umask, owned by whoever runs it
+            break
         st = d.stat()
         mode = st.st_mode
         if uid == 0 or mode & stat.S_IXOTH:
@@ -640,14 +642,7 @@ class FleetDir:
         """
         meta = self.meta()
         fleet, ops = meta["fleet"], list(meta.get("operators", OPERATORS))
-        s = dataclasses.replace(settings) if settings is not None else self.listener_settings()
-        s.validate()
-        for attr in ("certfile", "keyfile", "cafile", "log_file", "persistence_dir"):
-            v = getattr(s, attr)
-            if v:
-                setattr(s, attr, str(Path(v).expanduser().absolute()))
-        user = broker_user(s)
-        grant = self._broker_access(user, s)  # raises before anything is written
+        s, user, grant = self._checked(settings)  # raises before anything is written
         b = self.broker_dir
         b.mkdir(parents=True, exist_ok=True)
         hosts = list(tls_hosts) if tls_hosts is not None else None
@@ -693,6 +688,23 @@ class FleetDir:
             grant()
         self._fill_broker_urls()
         return BrokerFiles(conf, b / "passwd", acl, ca if ca.exists() else None)
+
+    def check_broker_config(self, settings: ListenerSettings) -> None:
+        """Every check :meth:`write_broker_config` makes (ports, certificate files, the broker user and
+        whether it can reach the directory), without writing anything; the directory need not exist yet,
+        so ``edgeflow broker-config`` runs it before :meth:`init` creates anything."""
+        self._checked(settings)
+
+    def _checked(self, settings: ListenerSettings | None) -> tuple[ListenerSettings, str, Any]:
+        """The validated settings (paths made absolute), the broker's user and the step granting it access."""
+        s = dataclasses.replace(settings) if settings is not None else self.listener_settings()
+        s.validate()
+        for attr in ("certfile", "keyfile", "cafile", "log_file", "persistence_dir"):
+            v = getattr(s, attr)
+            if v:
+                setattr(s, attr, str(Path(v).expanduser().absolute()))
+        user = broker_user(s)
+        return s, user, self._broker_access(user, s)
 
     def _broker_access(self, user: str, s: ListenerSettings) -> Any:
         """Check that ``user`` will be able to read the broker's files; return the step that grants it.

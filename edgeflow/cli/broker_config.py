@@ -91,8 +91,9 @@ def settings_from_args(args, fd):
 
 
 def cmd(args) -> int:
-    from ..broker.mosquitto import FleetDir, broker_user
+    from ..broker.mosquitto import FleetDir
     from ..errors import ConfigError
+    from ..transport.topics import validate_id
     from ..transport.url import parse_broker_url
     from ._common import console, emit_json
 
@@ -101,14 +102,16 @@ def cmd(args) -> int:
         return bridge_cmd(args, fd)
     if not fd.exists and not args.fleet:
         raise ConfigError(f"{fd.path} is not a fleet directory yet: pass --fleet NAME to create it")
-    settings = settings_from_args(args, fd).validate()  # everything checked before anything is written
-    broker_user(settings)
+    # everything is checked before anything is written: settings, the broker's user and its access
     if args.broker_url:
         parse_broker_url(args.broker_url)
     hosts = args.public_host
     url = args.broker_url
     if fd.exists and args.fleet and args.fleet != fd.fleet:
         raise ConfigError(f"{fd.path} belongs to fleet {fd.fleet!r}, not {args.fleet!r}")
+    validate_id(args.fleet or fd.fleet, "fleet id")
+    settings = settings_from_args(args, fd)
+    fd.check_broker_config(settings)
     fd.init(args.fleet or fd.fleet, broker=url)
     files = fd.write_broker_config(settings, tls_hosts=hosts)
     out = {"fleet": fd.fleet, "dir": str(fd.path), "config": str(files.config), "password_file": str(files.password_file),
