@@ -47,6 +47,38 @@ def test_opset_11_model_is_upgraded_for_per_channel_weights(engine):
 
 
 @pytest.mark.parametrize("engine", ["ort", "numpy"])
+def test_a_failed_opset_upgrade_falls_back_to_per_tensor_weights(engine, monkeypatch):
+    """The converter cannot upgrade the model: per-tensor QDQ at the model's own opset,
+    and the report says per-tensor (before: the numpy engine failed with "QDQ quantization
+    needs opset >= 13"; the ort engine's report said "int8 per-channel")."""
+    from onnx import version_converter
+
+    def fail(*a, **k):
+        raise RuntimeError("no adapter for this op")
+
+    monkeypatch.setattr(version_converter, "convert_version", fail)
+    m = zoo.small_cnn((2, 8, 8), channels=(8, 16), hidden=16, opset=11)
+    x = np.random.default_rng(0).random((40, 2, 8, 8), dtype=np.float32)
+    q = quantize(m, "x86-gateway", x, engine=engine, latency_runs=0, min_int8_channels=0)
+    onnx.checker.check_model(q.model)
+    assert model_opset(q.model) == 11
+    assert q.report.weights == "int8 per-tensor"
+    assert any("upgrade failed" in n and "per tensor" in n for n in q.report.notes), q.report.notes
+    assert all(a is None for a in _dq_axes(q.model))  # no per-axis DequantizeLinear below opset 13
+    scales = {t.name: numpy_helper.to_array(t) for t in q.model.graph.initializer}
+    assert all(scales[n.input[1]].size == 1 for n in q.model.graph.node
+               if n.op_type in ("DequantizeLinear", "QuantizeLinear") and n.input[1] in scales)
+    assert "int8 per-tensor" in q.report.format()
+    assert q.report.error.cosine > 0.99
+    from edgeflow.runtime import load
+
+    ref = load(m, "x86-gateway", backend="numpy")(x[:8])
+    for backend in ("numpy", "ort"):
+        got = load(q.model, "x86-gateway", backend=backend)(x[:8])
+        assert np.corrcoef(got.ravel(), ref.ravel())[0, 1] > 0.99, backend
+
+
+@pytest.mark.parametrize("engine", ["ort", "numpy"])
 @pytest.mark.parametrize("n", [66, 3])
 def test_a_fixed_batch_model_calibrates_in_whole_batches(engine, n):
     m = zoo.mlp((64, 32, 10))

@@ -509,7 +509,7 @@ def quantize(
     report = QuantizationReport(
         profile=prof.name, method=kind, engine=engine, calibration=calib,
         activations=activations if kind == "static" else ("uint8 (dynamic)" if kind == "dynamic" else None),
-        weights=("int8 " + prof.quantization.weights) if kind != "fp16" else "float16",
+        weights=("int8 " + ("per-channel" if per_channel else "per-tensor")) if kind != "fp16" else "float16",
         n_calibration=cal.n if (cal is not None and kind == "static") else 0,
         n_eval=ev.n if ev is not None else 0, eval_source=source,
         fp32_bytes=model_bytes(fp32), quantized_bytes=model_bytes(qm),

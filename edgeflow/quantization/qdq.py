@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 #: Per-axis DequantizeLinear (the ``axis`` attribute) needs opset 13.
 MIN_QDQ_OPSET = 13
+#: Per-tensor QuantizeLinear/DequantizeLinear (scalar scale and zero point) exist from opset 10.
+MIN_PER_TENSOR_OPSET = 10
 
 
 def tensor_qparams(plan: QuantPlan, ranges: dict[str, Range], dtype: str, symmetric: bool = False) -> dict[str, TensorQParams]:
@@ -107,8 +109,12 @@ def insert_qdq(
     *,
     per_channel: bool = True,
 ) -> tuple[onnx.ModelProto, list[str]]:
-    """The QDQ model for ``plan``; returns it and a list of notes (e.g. clipped biases)."""
-    m = ensure_opset(copy.deepcopy(model))
+    """The QDQ model for ``plan``; returns it and a list of notes (e.g. clipped biases).
+
+    Per-channel weights need opset 13 (DequantizeLinear's ``axis``); per tensor,
+    every scale is a scalar and opset 10 is enough, so a model the version
+    converter cannot upgrade still quantizes (``per_channel=False``)."""
+    m = ensure_opset(copy.deepcopy(model), MIN_QDQ_OPSET if per_channel else MIN_PER_TENSOR_OPSET)
     g = m.graph
     names = _Names(m)
     notes: list[str] = []
@@ -178,6 +184,9 @@ def insert_qdq(
         if t.bias:
             x_scale = qparams[t.activation].scale
             bq, bs, clipped = quantize_bias(initializer_array(model, t.bias), x_scale, w_scale)
+            bias_attrs = {"axis": 0}
+            if not per_channel:  # one scale for every channel: a scalar, legal below opset 13
+                bs, bias_attrs = np.asarray(bs.reshape(-1)[0] if bs.size else np.float32(1.0), np.float32), {}
             if clipped:
                 notes.append(f"{t.node}: bias clipped to the int32 range (very small input/weight scales)")
             bq_name = names.new(f"{t.bias}_quantized")
@@ -190,7 +199,8 @@ def insert_qdq(
                 numpy_helper.from_array(np.zeros(bs.shape, np.int32), bz_name),
             ]
             new_nodes.append(helper.make_node(
-                "DequantizeLinear", [bq_name, bs_name, bz_name], [b_out], name=names.new(f"{t.bias}_DequantizeLinear"), axis=0
+                "DequantizeLinear", [bq_name, bs_name, bz_name], [b_out], name=names.new(f"{t.bias}_DequantizeLinear"),
+                **bias_attrs
             ))
             node.input[2] = b_out
 
