@@ -196,8 +196,10 @@ def ensure_userland(arch: Arch, cache: Path, *, rebuild: bool = False) -> tuple[
     base.mkdir(parents=True, exist_ok=True)
     log(f"{arch.name}: debootstrap {arch.suite} {arch.debian} (minbase) into {partial}")
     t0 = time.monotonic()
-    run(["debootstrap", f"--arch={arch.debian}", "--variant=minbase", "--include=ca-certificates", arch.suite,
-         str(partial), MIRROR], timeout=3600)
+    debs = base / "debs"  # downloaded .debs survive a build that was cut short: a retry only unpacks
+    debs.mkdir(parents=True, exist_ok=True)
+    run(["debootstrap", f"--arch={arch.debian}", "--variant=minbase", "--include=ca-certificates",
+         f"--cache-dir={debs}", arch.suite, str(partial), MIRROR], timeout=3600)
     t1 = time.monotonic()
     # apt resolves what debootstrap's --include does not (virtual packages such as
     # python3-cryptography's python3-cffi-backend-api-min).
@@ -902,6 +904,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run with EDGEFLOW_ONNX=compat EDGEFLOW_SIGNING=pure on the board")
     ap.add_argument("--no-round", action="store_true", help="skip the fleet round")
     ap.add_argument("--rebuild", action="store_true", help="rebuild the userland even if cached")
+    ap.add_argument("--userland-only", action="store_true",
+                    help="only build (or find cached) the userland and stop: CI gives the build its own time limit")
     ap.add_argument("--keep", action="store_true", help="keep the run folder (logs, outputs)")
     ap.add_argument("--model", nargs=2, metavar=("MODEL.onnx", "INPUT.npz"), help="model for the inference check")
     ap.add_argument("--json-out", help="also write the reports here")
@@ -916,6 +920,15 @@ def main(argv: list[str] | None = None) -> int:
     arches = list(ARCHES.values()) if args.arch == "all" else [ARCHES[args.arch]]
     reports = []
     for arch in arches:
+        if args.userland_only:
+            try:
+                _, stamp = ensure_userland(arch, cache, rebuild=args.rebuild)
+            except HarnessError as exc:
+                print(f"boards: {arch.name}: {exc}", file=sys.stderr)
+                return 2
+            how = "cached" if stamp.get("cached") else f"built in {stamp.get('build_s')} s"
+            print(f"boards: {arch.name}: userland {how} ({stamp.get('suite', arch.suite)} {arch.debian})", flush=True)
+            continue
         try:
             rep = run_arch(arch, args, cache)
         except HarnessError as exc:
