@@ -48,7 +48,7 @@ def test_the_fleet_quick_start_runs_as_written():
     work = Path(tempfile.mkdtemp(prefix="edgeflow-quickstart-"))
     os.chmod(work, 0o755)
     bindir = Path(sys.executable).parent
-    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}", "COLUMNS": "100"}
+    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}", "COLUMNS": "80"}
     env.pop("EDGEFLOW_FLEET_DIR", None)
     # -x: the transcript shows each command; the trap stops what the block left running if a step fails.
     wrapped = "set -eu -o pipefail\ntrap 'kill $(jobs -p) 2>/dev/null || true' EXIT\nset -x\n" + script
@@ -81,6 +81,10 @@ def test_the_fleet_quick_start_runs_as_written():
             assert creds["broker"] == f"mqtts://localhost:{port}"
             masters = list((work / "state" / dev / "train").iterdir())
             assert masters, f"{dev} keeps the fp32 master of its int8 model"
+        # piped at 80 columns, each round is one line a script can grep (text is never wrapped; tables fit)
+        round_lines = [ln for ln in out.stdout.splitlines() if re.match(r"round \d+: model v\d+, ", ln)]
+        assert len(round_lines) >= 3 and all(re.search(r"KiB in, accuracy [0-9.]+, [0-9.]+ s$", ln)
+                                             for ln in round_lines), out.stdout
         assert "rollout of v2: completed" in out.stdout and "rollout of v1: completed" in out.stdout, out.stdout
         assert "cam-1: ok v1" in out.stdout or "cam-1: [green]ok" in out.stdout or "cam-1: ok" in out.stdout
     finally:

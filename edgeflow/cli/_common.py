@@ -10,15 +10,26 @@ from typing import Any
 import numpy as np
 
 
-
 def console(stderr: bool = False, *, min_width: int = 0):
-    """A rich console; ``min_width`` widens it when output is not a terminal
-    (pipes and CI logs would otherwise wrap tables at 80 columns)."""
-    from rich.console import Console
+    """A rich console whose width applies to tables and progress bars only.
 
-    c = Console(stderr=stderr, highlight=False)
+    Lines of text are never broken at the console width (a script that greps
+    one round's line must find all of it; a terminal wraps long lines
+    itself). ``min_width`` widens the console for tables when output is not
+    a terminal (pipes and CI logs would otherwise squeeze them to 80 columns).
+    """
+    from rich.console import Console
+    from rich.text import Text
+
+    class _Console(Console):
+        def print(self, *objects, soft_wrap=None, **kwargs) -> None:  # type: ignore[override]
+            if soft_wrap is None and objects and all(isinstance(o, (str, Text)) for o in objects):
+                soft_wrap = True
+            super().print(*objects, soft_wrap=soft_wrap, **kwargs)
+
+    c = _Console(stderr=stderr, highlight=False)
     if min_width and not c.is_terminal and c.width < min_width:
-        c = Console(stderr=stderr, highlight=False, width=min_width)
+        c = _Console(stderr=stderr, highlight=False, width=min_width)
     return c
 
 

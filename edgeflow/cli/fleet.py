@@ -341,7 +341,7 @@ def _print_table(rows: list[dict[str, Any]], rounds: dict[str, Any] | None) -> N
         if r["online"] and r["train"] != "training" and r["train_detail"]:
             why.setdefault(r["train_detail"], []).append(r["device"])
     for detail, ids in sorted(why.items()):
-        c.print(f"not training: {', '.join(ids)}: {detail}", soft_wrap=False)
+        c.print(f"not training: {', '.join(ids)}: {detail}")
     if rounds:
         c.print(f"rounds: {rounds.get('state')}: {rounds.get('reason', '')}")
 
