@@ -191,7 +191,7 @@ class _Stored:
 
 # ------------------------------------------------------------------ A01-A08: held in the original run
 
-@attack("A01", "held", "fuzzing every topic")
+@attack("A01", "-", "fuzzing every topic")
 def a01_fuzz(c: Checks, arena: Arena) -> None:
     rng = np.random.default_rng(1)
     before = arena.gw.fleet.stats()
@@ -212,7 +212,7 @@ def a01_fuzz(c: Checks, arena: Arena) -> None:
     c.should(num(after) > num(before), "nothing was counted")
 
 
-@attack("A02", "held", "chunk-header checks")
+@attack("A02", "-", "chunk-header checks")
 def a02_chunk_headers(c: Checks, arena: Arena) -> None:
     gt = arena.gw.transport
     bad0 = gt.stats().get("chunks_bad", 0)
@@ -234,7 +234,7 @@ def a02_chunk_headers(c: Checks, arena: Arena) -> None:
     c.must(_ping(arena), "the gateway stopped answering")
 
 
-@attack("A03", "held", "replayed and reordered updates")
+@attack("A03", "-", "replayed and reordered updates")
 def a03_replay(c: Checks, arena: Arena) -> None:
     got: dict[str, Any] = {}
 
@@ -258,7 +258,7 @@ def a03_replay(c: Checks, arena: Arena) -> None:
     c.must(ns2 is not None and ns2 != 77, f"a replayed update was accepted into a later round ({ns2})")
 
 
-@attack("A04", "held", "forged and wrong-key signatures")
+@attack("A04", "-", "forged and wrong-key signatures")
 def a04_signatures(c: Checks, arena: Arena) -> None:
     from edgeflow.protocol.fleet import Birth
     from edgeflow.signing import PrivateKey, Signer
@@ -283,7 +283,7 @@ def a04_signatures(c: Checks, arena: Arena) -> None:
            "a forged birth changed the registry")
 
 
-@attack("A05", "held", "16 kinds of bad values")
+@attack("A05", "-", "16 kinds of bad values")
 def a05_bad_values(c: Checks, arena: Arena) -> None:
     n_sent = []
 
@@ -331,7 +331,7 @@ def a05_bad_values(c: Checks, arena: Arena) -> None:
     c.must(len(n_sent) >= 15, f"only {len(n_sent)} of 16 variants could be sent")
 
 
-@attack("A06", "held", "the ACL")
+@attack("A06", "-", "the ACL")
 def a06_acl(c: Checks, arena: Arena) -> None:
     from edgeflow.errors import TransportError
 
@@ -359,7 +359,7 @@ def a06_acl(c: Checks, arena: Arena) -> None:
     arena.evil_publish("telemetry", json.dumps({"device": EVIL, "ts": time.time()}), qos=1)
 
 
-@attack("A07", "held", "tampered artifacts and path traversal")
+@attack("A07", "-", "tampered artifacts and path traversal")
 def a07_artifacts(c: Checks, arena: Arena) -> None:
     from edgeflow.artifact import build_artifact
     from edgeflow.signing import PrivateKey
@@ -385,7 +385,7 @@ def a07_artifacts(c: Checks, arena: Arena) -> None:
     c.notes.append(f"codes {codes}")
 
 
-@attack("A08", "held", "kill -9 with 3 of 4 updates stored; a full disk; a connection storm")
+@attack("A08", "-", "kill -9 with 3 of 4 updates stored; a full disk; a connection storm")
 def a08_host_faults(c: Checks, arena: Arena) -> None:
     # (1) kill -9 with 3 of 4 updates stored: the real `edgeflow gateway` process, killed at that step
     r = _gateway_process(arena, "rounds.update_stored@{next}:3")

@@ -27,7 +27,7 @@ def arena(tmp_path_factory):
         a.close()
 
 
-@pytest.mark.parametrize("attack", ATTACKS, ids=[f"{a.id}-{a.finding}" for a in ATTACKS])
+@pytest.mark.parametrize("attack", ATTACKS, ids=[a.id if a.finding == "-" else f"{a.id}-{a.finding}" for a in ATTACKS])
 def test_attack_holds(arena, attack):
     if attack.id in XFAIL:
         pytest.xfail(XFAIL[attack.id])
