@@ -12,7 +12,7 @@ import edgeflow
 from edgeflow import zoo
 from edgeflow.cli.main import main
 from edgeflow.errors import QuantizationError
-from edgeflow.quantization.gate import Trial, choose, layer_groups, loss_percent
+from edgeflow.quantization.gate import MIN_SPEEDUP, Trial, choose, confirm, layer_groups, loss_percent
 from edgeflow.quantization.weight_only import weight_only_int8
 from edgeflow.runtime import load
 
@@ -140,6 +140,8 @@ def _consistent(result, fallback="weight-only"):
     ops = {n.op_type for n in result.model.graph.node}
     if d.choice == "int8":
         assert "QuantizeLinear" in ops and d.speedup > 1.0 and d.loss <= d.max_loss
+        assert d.confirmation is not None and d.confirmed_speedup >= MIN_SPEEDUP  # re-timed before it was written
+        assert d.confirmation.against == fallback and "re-timed against" in result.report.format()
     elif d.choice == "weight-only":
         assert "QuantizeLinear" not in ops and "DequantizeLinear" in ops
     else:
@@ -220,3 +222,65 @@ def test_a_marginal_int8_gain_is_not_worth_its_size():
     assert d.choice == "weight-only" and "not 1.1x faster" in d.reason
     d = choose(TARGETS, GROUPS, _fake(barely, NO_LOSS, FP32, []), 11.0, _never, min_speedup=1.0)
     assert d.choice == "int8"
+
+
+# --- confirmation: the chosen int8 model re-timed against the fallback ---------------------------
+
+def _search(ratio: float):
+    """A decision of the search with int8 ``ratio`` x faster than fp32."""
+    fast = {n: FP32[n] / ratio for n in TARGETS}
+    return choose(TARGETS, GROUPS, _fake(fast, NO_LOSS, FP32, []), 11.0, _never)
+
+
+def test_a_search_win_that_holds_up_when_re_timed_is_kept_with_both_figures():
+    d = _search(2.0)
+    assert d.choice == "int8" and d.search_speedup == pytest.approx(2.0)
+    calls = []
+
+    def retime():
+        calls.append(1)
+        return [11.0, 11.2, 10.8, 11.0, 11.0, 11.1, 10.9], [5.5, 5.6, 5.4, 5.5, 5.5, 5.5, 5.5]
+
+    d = confirm(d, retime, fallback="weight-only")
+    assert calls == [1] and d.choice == "int8"
+    assert d.confirmation.against == "weight-only" and d.confirmation.rounds == 7
+    assert d.confirmed_speedup == pytest.approx(2.0, abs=0.01)
+    assert "confirmed" in d.reason and d.chosen_ms is not None
+    text = "\n".join(d.format())
+    assert "2.00x vs fp32 in the search" in text and "vs weight-only re-timed (7 rounds)" in text
+    assert d.to_dict()["confirmed_speedup"] == pytest.approx(d.confirmed_speedup)
+
+
+def test_an_optimistic_search_win_is_not_confirmed_and_the_fallback_is_chosen():
+    """PP-OCRv4's recognizer: 1.15x in the search (over the 1.1x threshold), 1.00x re-timed."""
+    d = _search(1.15)
+    assert d.choice == "int8"  # the threshold alone lets it through
+    d = confirm(d, lambda: ([31.0] * 9, [31.0] * 9), fallback="weight-only")
+    assert d.choice == "weight-only" and d.chosen_ms is None and d.loss is None
+    assert "1.15x faster than fp32 in the search" in d.reason and "1.00x" in d.reason
+    assert "not confirmed" in d.reason and "weight-only int8 chosen" in d.reason
+    assert d.search_speedup == pytest.approx(1.15) and d.confirmed_speedup == pytest.approx(1.0)
+    d = confirm(_search(1.15), lambda: ([31.0] * 9, [31.0] * 9), fallback="fp32")
+    assert d.choice == "fp32" and "fp32 chosen" in d.reason
+
+
+def test_the_confirmation_is_the_median_of_per_round_ratios():
+    # load drifts between rounds (both models of a round alike); one round is an outlier for int8 only
+    ref = [10.0, 20.0, 30.0, 10.0, 20.0]
+    q = [8.0, 16.0, 24.0, 2.0, 16.0]  # 1.25x in every round but one (5x)
+    d = confirm(_search(2.0), lambda: (ref, q), min_speedup=1.3)
+    assert d.confirmed_speedup == pytest.approx(1.25) and d.choice == "weight-only"
+    d = confirm(_search(2.0), lambda: (ref, q), min_speedup=1.2)
+    assert d.choice == "int8"
+
+
+def test_only_int8_decisions_are_re_timed():
+    slow = {n: 2.0 * FP32[n] for n in TARGETS}
+    d = choose(TARGETS, GROUPS, _fake(slow, NO_LOSS, FP32, []), 11.0, _never)
+
+    def retime():
+        raise AssertionError("a fallback decision must not be re-timed")
+
+    assert confirm(d, retime).choice == "weight-only" and d.confirmation is None
+    with pytest.raises(QuantizationError, match="fallback must be one of"):
+        confirm(_search(2.0), retime, fallback="int4")
