@@ -142,6 +142,36 @@ def test_an_unwritable_output_is_refused_before_any_work(mlp_path, tmp_path, cmd
                    "/nonexistent/dir", "does not exist")
 
 
+def test_an_unwritable_report_is_refused_before_quantizing(mlp_path, tmp_path):
+    x = tmp_path / "x.npz"
+    np.savez(x, input=np.zeros((4, 16), np.float32))
+    out = ef("quantize", str(mlp_path), "--profile", "x86-gateway", "-c", str(x), "-o", str(tmp_path / "q.onnx"),
+             "--report", "/nonexistent/dir/r.json")
+    one_clear_line(out, "--report /nonexistent/dir/r.json", "does not exist")
+    assert not (tmp_path / "q.onnx").exists(), "refused before the quantization, not after it"
+
+
+def test_quantize_takes_the_x_y_files_train_reads(mlp_path, tmp_path):
+    rng = np.random.default_rng(0)
+    xy = tmp_path / "eval.npz"
+    np.savez(xy, x=rng.random((40, 16), dtype=np.float32), y=rng.integers(0, 4, 40))
+    out = ef("quantize", str(mlp_path), "--profile", "x86-gateway", "--calibration", str(xy), "-o",
+             str(tmp_path / "q.onnx"), "--no-sensitivity", "--json")
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    assert rep["accuracy_fp32"] is not None, "y is taken as the labels"
+    assert out.stderr.strip() == "", out.stderr
+
+
+def test_calibration_without_the_input_names_says_how_to_save_it(mlp_path, tmp_path):
+    bad = tmp_path / "cal.npz"
+    np.savez(bad, images=np.zeros((4, 16), np.float32))
+    out = ef("quantize", str(mlp_path), "--profile", "x86-gateway", "--calibration", str(bad), "-o",
+             str(tmp_path / "q.onnx"))
+    one_clear_line(out, "no array for input(s) ['input']", "np.savez(PATH, input=...)")
+    assert out.stderr.startswith("edgeflow quantize: error:"), "no blank line (a spinner's) before the error"
+
+
 @pytest.mark.parametrize("argv", [["models", "list"], ["profile", "show", "raspberry-pi-4"]])
 def test_more_tables_fit_80_columns(argv):
     import os

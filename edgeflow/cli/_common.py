@@ -33,6 +33,19 @@ def console(stderr: bool = False, *, min_width: int = 0):
     return c
 
 
+def spinner(*columns, disable: bool = False, **kwargs):
+    """A transient rich Progress on stderr, shown only on a terminal.
+
+    Piped or logged, a transient display shows nothing but leaves a blank line
+    on stderr when it stops (rich prints one for non-interactive consoles), in
+    front of any error line; so it is not started there at all.
+    """
+    from rich.progress import Progress
+
+    c = console(stderr=True)
+    return Progress(*columns, console=c, transient=True, disable=disable or not c.is_terminal, **kwargs)
+
+
 def emit_json(obj: Any) -> None:
     """Machine output: one JSON document on stdout."""
     json.dump(obj, sys.stdout, indent=2, default=_jsonable)

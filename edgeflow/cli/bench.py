@@ -41,13 +41,11 @@ def random_feeds(inputs, batch: int, seed: int = 0):
 
 
 def cmd(args) -> int:
-    from rich.progress import Progress
-
     from ..runtime import load
     from ..timing import measure, peak_rss_bytes
     from ..errors import InputError, ShapeError
     from ..model import graph_inputs
-    from ._common import console, emit_json, human_bytes, model_with_shapes, require_static_shapes
+    from ._common import console, emit_json, human_bytes, model_with_shapes, require_static_shapes, spinner
 
     if (args.batch is not None and args.batch < 1) or args.runs < 1:
         raise InputError("--batch and --runs must be >= 1")
@@ -64,7 +62,7 @@ def cmd(args) -> int:
     feeds = random_feeds(rt.inputs, batch)
     first = next(iter(feeds.values()), None)
     batch = int(first.shape[0]) if first is not None and first.ndim else 1
-    with Progress(transient=True, console=console(stderr=True), disable=args.json) as prog:
+    with spinner(disable=args.json) as prog:
         task = prog.add_task(f"bench {rt.backend_name} batch {batch}", total=args.runs)
         stats = measure(lambda: rt.run(feeds), runs=args.runs, warmup=args.warmup,
                         batch_size=batch, on_step=lambda: prog.advance(task))

@@ -11,8 +11,9 @@ def register(sub) -> None:
         help="quantize a model for a board (int8 static/dynamic or fp16) and report the cost",
         description="Quantize MODEL the way --profile's board runs fastest (its [quantization] "
         "section), calibrating on --calibration (.npz with one array per input, or .npy for a "
-        "single-input model). An array named by --labels-key in that file (default 'labels') is "
-        "taken as class labels: the report then gives accuracy and per-layer sensitivity.",
+        "single-input model, or for a single-input model the x/y .npz that `edgeflow train` reads). An "
+        "array named by --labels-key in that file (default 'labels', or y of an x/y file) is taken as class "
+        "labels: the report then gives accuracy and per-layer sensitivity.",
     )
     p.add_argument("model", help="fp32 .onnx file")
     p.add_argument("--profile", required=True, help="device profile name or .toml path")
@@ -124,25 +125,29 @@ def _split_labels(path: str | None, key: str):
     if isinstance(data, np.ndarray):
         return data, None
     labels = data.pop(key, None)
+    y = data.get("y")
+    if labels is None and set(data) == {"x", "y"} and y.ndim == 1 and y.dtype.kind in "iu":
+        labels = data.pop("y")  # the x/y files `edgeflow train` reads: y holds the class labels
     return data, labels
 
 
 def cmd(args) -> int:
     import json
 
-    from rich.progress import Progress, SpinnerColumn, TextColumn
+    from rich.progress import SpinnerColumn, TextColumn
 
     from ..quantization import quantize
-    from ._common import check_output_path, console, emit_json, model_with_shapes
+    from ._common import check_output_path, console, emit_json, model_with_shapes, spinner
 
     check_output_path(args.output)
+    if args.report:
+        check_output_path(args.report, "--report")
     prep = _prep(args)
     model = model_with_shapes(args.model, args.shape) if args.shape else args.model
     cal, cal_labels = _split_labels(args.calibration, args.labels_key)
     ev, ev_labels = _split_labels(args.eval, args.labels_key)
     labels = ev_labels if args.eval else cal_labels
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), transient=True,
-                  console=console(stderr=True), disable=args.json) as prog:
+    with spinner(SpinnerColumn(), TextColumn("{task.description}"), disable=args.json) as prog:
         prog.add_task(f"quantizing {args.model} for {args.profile}", total=None)
         result = quantize(
             model, args.profile, calibration=cal, method=args.method, engine=args.engine,

@@ -53,13 +53,14 @@ def register(sub) -> None:
 
 
 def cmd(args) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
     from ..data import DataLoader, load_npz
     from ..errors import InputError
     from ..profiles import detect
     from ..train import Trainer
-    from ._common import check_output_path, console, emit_json, human_bytes, model_with_shapes, require_static_shapes
+    from ._common import (check_output_path, console, emit_json, human_bytes, model_with_shapes,
+                          require_static_shapes, spinner)
 
     check_output_path(args.output)
     if args.epochs < 1 or args.batch_size < 1:
@@ -101,9 +102,8 @@ def cmd(args) -> int:
         out.print(f"  planned step memory {human_bytes(plan.peak_bytes)} at batch {args.batch_size}{micro}")
 
     steps = len(loader)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("loss {task.fields[loss]}"), console=console(stderr=True), transient=True,
-                  disable=args.json) as prog:
+    with spinner(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                 TextColumn("loss {task.fields[loss]}"), disable=args.json) as prog:
         state = {"task": None, "epoch": 0}
 
         def on_batch(r):

@@ -140,12 +140,18 @@ def as_calibration_set(source: DataSource, inputs: list[TensorInfo], *, what: st
                 f"the model has {len(inputs)} inputs {names}; give {what} as a dict / .npz with one array per input"
             )
         raw = {names[0]: raw}
+    if len(names) == 1 and names[0] not in raw and "x" in raw and set(raw) <= {"x", "y"}:
+        # the x/y files of `edgeflow train`, `device --train-data` and the gateway's eval: x holds the samples
+        raw = {names[0]: raw["x"]}
     missing = [n for n in names if n not in raw]
     extra = [k for k in raw if k not in names]
     if missing:
+        each = (", ".join(f"{n}=..." for n in names) if all(n.isidentifier() for n in names)
+                else "**{" + ", ".join(f"{n!r}: ..." for n in names) + "}")
         raise QuantizationError(
             f"{what} has no array for input(s) {missing}; it has {sorted(raw)} "
-            f"(the model's inputs are {names})"
+            f"(the model's inputs are {names}): save the samples under the input names, "
+            f"e.g. np.savez(PATH, {each})"
         )
     problems = []
     if extra:
