@@ -180,6 +180,28 @@ def test_resume_continues_exactly(model, tmp_path):
         np.testing.assert_allclose(resumed.params[n], straight.params[n], rtol=1e-6, atol=1e-7, err_msg=n)
 
 
+def test_full_mode_resume_keeps_batchnorm_statistics(model, tmp_path):
+    """2 + 2 steps with a save/load in between equal 4 steps exactly, BatchNorm running mean/var too
+    (they are not trainable weights, but full mode updates them; they used to restart from the base)."""
+    kw = dict(batch_size=BATCH, mode="full", optimizer="adam", lr=1e-3, seed=2)
+    straight = Trainer(model, **kw)
+    _fit(straight, 4, 30)
+    first = Trainer(model, **kw)
+    _fit(first, 2, 30)
+    npz, _ = first.save_state(tmp_path / "bn.train")
+    resumed = Trainer(model, **kw)  # a fresh trainer on the base model, as the CLI's --resume does
+    resumed.load_state(tmp_path / "bn.train")
+    _fit(resumed, 2, 32)
+    buffers = [n for n in straight.weight_names if n not in straight.trainable_names]
+    assert any(n.endswith("_bn_mean") for n in buffers) and any(n.endswith("_bn_variance") for n in buffers)
+    with np.load(npz, allow_pickle=False) as z:
+        assert {f"state/{n}" for n in buffers} <= set(z.files)
+    got, want = resumed.get_weights(), straight.get_weights()
+    assert set(got) == set(want)
+    for n in want:
+        np.testing.assert_array_equal(got[n], want[n], err_msg=n)
+
+
 def test_resume_across_an_ota_update_of_the_base(model, tmp_path):
     from onnx import numpy_helper
 

@@ -4,15 +4,19 @@
     load_state(trainer, "trained.train")     # continue where it stopped
 
 Two files, no pickle: ``.npz`` holds arrays only (the trainable weights as
-``param/NAME`` and the optimizer's per-weight slots as ``opt/SLOT/NAME``;
-read back with ``allow_pickle=False``), ``.json`` the step counters, the
-optimizer's kind and settings, the mode, the data-shuffling RNG state and
-each saved tensor's shape.
+``param/NAME``, the optimizer's per-weight slots as ``opt/SLOT/NAME`` and the
+non-trainable tensors that training updates -- BatchNorm running mean and
+variance when the mode trains BatchNorm (full) -- as ``state/NAME``; read back
+with ``allow_pickle=False``), ``.json`` the step counters, the optimizer's
+kind and settings, the mode, the data-shuffling RNG state and each saved
+tensor's shape. Without the ``state/`` entries a resumed full-mode run would
+restart the running statistics from the base model (the CLI reloads it).
 
 A checkpoint restores onto a different base model (an OTA update of the
 pretrained weights) when every saved tensor is still a weight of the new
 model with the same shape: the saved trainable weights and optimizer state
-replace the new model's, the frozen body comes from the new model. Where a
+replace the new model's, the frozen body comes from the new model (in the
+transfer modes BatchNorm statistics are frozen, so they come from it too). Where a
 name is gone or a shape differs, :class:`~edgeflow.errors.TrainingError`
 lists them in one line and nothing is changed.
 """
@@ -51,12 +55,20 @@ def _optimizer_settings(opt) -> dict:
     return keep
 
 
+def updated_buffers(trainer) -> list[str]:
+    """Weights that are no trainable candidate but change as training runs (BatchNorm running stats)."""
+    cands = set(trainer._candidates())
+    return [n for n in trainer.weight_names if n not in cands and n not in trainer.params]
+
+
 def save_state(trainer, path: "str | os.PathLike") -> tuple[Path, Path]:
     """Write ``PATH.npz`` and ``PATH.json``; returns both paths."""
     npz, meta = _files(path)
     arrays: dict[str, np.ndarray] = {}
     for name in trainer.trainable_names:
         arrays[f"param/{name}"] = np.asarray(trainer.params[name])
+    for name in updated_buffers(trainer):
+        arrays[f"state/{name}"] = np.asarray(trainer.tape.constants[name])
     for name, slots in trainer.optimizer.state.items():
         for slot, arr in slots.items():
             arrays[f"opt/{slot}/{name}"] = np.asarray(arr)
@@ -82,7 +94,8 @@ def save_state(trainer, path: "str | os.PathLike") -> tuple[Path, Path]:
 def load_state(trainer, path: "str | os.PathLike", *, weights: bool = True) -> dict:
     """Restore what :func:`save_state` wrote (all checked before anything changes); returns the JSON record.
 
-    ``weights=False`` restores only the optimizer state and step (the model's own weights stay).
+    ``weights=False`` restores only the optimizer state and step (the model's own weights and
+    BatchNorm statistics stay).
     """
     npz, meta = _files(path)
     if not npz.exists() or not meta.exists():
@@ -100,13 +113,25 @@ def load_state(trainer, path: "str | os.PathLike", *, weights: bool = True) -> d
     with np.load(npz, allow_pickle=False) as z:
         arrays = {k: z[k] for k in z.files}
     current = {n: trainer._value(n) for n in trainer.weight_names}
+    buffers = set(updated_buffers(trainer))
     params: dict[str, np.ndarray] = {}
+    state: dict[str, np.ndarray] = {}
     opt: dict[str, dict[str, np.ndarray]] = {}
     problems: list[str] = []
     for key, arr in arrays.items():
         kind_, _, rest = key.partition("/")
         if kind_ == "param":
             name, slot = rest, None
+        elif kind_ == "state":
+            if rest in buffers and tuple(arr.shape) == tuple(current[rest].shape):
+                state[rest] = arr
+            elif rest in buffers:
+                problems.append(f"{rest!r} was {tuple(arr.shape)}, the model has {tuple(current[rest].shape)}")
+            elif rest in trainer.graph.initializers:
+                problems.append(f"{rest!r} (a statistic that training updated) stays frozen in mode {trainer.mode}")
+            else:
+                problems.append(f"{rest!r} is not a weight of this model")
+            continue
         elif kind_ == "opt":
             slot, _, name = rest.partition("/")
         else:
@@ -132,6 +157,9 @@ def load_state(trainer, path: "str | os.PathLike", *, weights: bool = True) -> d
     if weights:
         for name, arr in params.items():
             np.copyto(trainer.params[name], arr, casting="unsafe")
+        for name, arr in state.items():
+            trainer.tape.constants[name] = np.array(arr, dtype=trainer.dtype)
+        trainer._pending_state = {}
     trainer.optimizer.state.clear()
     for name, slots in opt.items():
         trainer.optimizer.state[name] = {s: np.array(a, dtype=trainer.params[name].dtype) for s, a in slots.items()}
