@@ -20,7 +20,12 @@ Scenarios (the same seed, data and configuration each time; only the network dif
   (each loss stalls the stream one retransmission timeout, 200 ms doubling: what TCP makes of it);
 - ``partition``: site A is cut off for ``--partition-s`` (30) seconds, starting in round 2 while
   an update is half transferred (the gateway holds some of its chunks);
-- ``broker_restart``: Mosquitto is stopped at the same instant and started again ``--down-s`` later.
+- ``broker_restart``: Mosquitto is stopped at the same instant and started again ``--down-s`` later;
+- ``model_cut``: the other direction: right after round 1 closes, site A's link is cut (one
+  connection, deterministically at a byte count: ``FaultProxy.cut_after``) when half of the new
+  retained, chunked global model has passed towards the device. The device reconnects, resumes its
+  persistent session and must complete the same transfer from the chunks it kept plus the ones the
+  broker still owed it (``model_cut`` in the result: chunks before the cut, after it, duplicates).
 
 A round closes when every device reported or at its deadline with at least half of them
 (``quorum 0.5``, ``min_clients N/2``). Reported per scenario: rounds completed (closed) out of
@@ -39,6 +44,7 @@ accounting that shows nothing was lost or counted twice:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import sys
@@ -52,22 +58,38 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 FLEET = "faults"
-SCENARIOS = ("clean", "lossy", "partition", "broker_restart")
+SCENARIOS = ("clean", "lossy", "partition", "broker_restart", "model_cut")
 LOSSY = {"delay_ms": 200.0, "jitter_ms": 50.0, "loss": 0.10}
 FAST = {"reconnect_min_s": 0.1, "reconnect_max_s": 2.0, "connect_timeout_s": 5.0}
 
 
 class _Recorded:
-    """A device transport that notes when the broker acknowledged each update (all its chunks)."""
+    """A device transport that notes when the broker acknowledged each update (all its chunks),
+    and every global model it delivered (SHA-256, chunk count, transfer id, chunk counters then)."""
 
     def __init__(self, transport: Any, log: list[tuple[str, int, float]], device: str) -> None:
         self._t = transport
         self._log = log
         self._device = device
         self.round_of_next: int | None = None
+        self.models: list[dict[str, Any]] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._t, name)
+
+    def subscribe(self, topic: Any, handler: Any, **kw: Any) -> Any:
+        if str(topic).endswith("/gateway/model"):
+            inner = handler
+
+            def handler(msg: Any, inner: Any = inner) -> Any:
+                if msg.payload:
+                    st = self._t.stats()
+                    self.models.append({"sha256": hashlib.sha256(msg.payload).hexdigest(), "chunks": msg.chunks,
+                                        "transfer_id": msg.transfer_id,
+                                        "reassembly_chunks": st.get("reassembly_chunks", 0),
+                                        "reassembly_duplicates": st.get("reassembly_duplicates", 0)})
+                return inner(msg)
+        return self._t.subscribe(topic, handler, **kw)
 
     def publish(self, topic: str, payload: Any, **kw: Any) -> Any:
         d = self._t.publish(topic, payload, **kw)
@@ -86,7 +108,7 @@ class _Recorded:
 def run_scenario(scenario: str, *, devices: int = 10, rounds: int = 10, target: float = 0.9,
                  store: str | None = None, seed: int = 0, max_payload: int = 4096, deadline_s: float = 10.0,
                  partition_s: float = 30.0, down_s: float = 3.0, workdir: str | Path | None = None,
-                 epochs: int = 2) -> dict[str, Any]:
+                 epochs: int = 2, layers: tuple[int, ...] = (64, 64, 32, 10)) -> dict[str, Any]:
     import numpy as np
 
     from _faultproxy import FaultProxy, Faults
@@ -110,11 +132,22 @@ def run_scenario(scenario: str, *, devices: int = 10, rounds: int = 10, target: 
     ports = {"site-a": proxy.listen("site-a"),
              "site-b": proxy.listen("site-b", Faults(**LOSSY) if scenario == "lossy" else None)}
     fleet_key = PrivateKey.generate()
-    model = zoo.digits_mlp(seed=seed)
+    model = zoo.mlp(tuple(layers), seed=seed)  # the default is zoo.digits_mlp's
     split = load_digits(seed=seed).flat()
     parts = dirichlet_partition(split.y_train, devices, alpha=1.0, seed=seed + 1)
     ring = KeyRing()
     acks: list[tuple[str, int, float]] = []
+    # model_cut: the armed cut (model version, size, SHA-256, each device's chunk counters then) and
+    # each device's chunk counters at its first disconnect after it (on the transport's worker
+    # thread, in order with the messages it handled)
+    cut: dict[str, Any] = {}
+    cut_seen: dict[str, dict[str, int]] = {}
+
+    def on_connection(did: str, t: Any, ev: Any) -> None:
+        if cut and not ev.connected and did not in cut_seen:
+            st = t.stats()
+            cut_seen[did] = {"chunks": st.get("reassembly_chunks", 0),
+                             "duplicates": st.get("reassembly_duplicates", 0)}
     deltas: dict[tuple[str, int], dict[str, np.ndarray]] = {}
     clients: list[Client] = []
     site_of: dict[str, str] = {}
@@ -127,6 +160,7 @@ def run_scenario(scenario: str, *, devices: int = 10, rounds: int = 10, target: 
         t = MqttTransport("127.0.0.1", ports[site], client_id=f"{FLEET}-{did}", clean_start=False,
                           max_payload=max_payload, name=did, **FAST)
         rec = _Recorded(t, acks, did)
+        t.add_connection_listener(lambda ev, did=did, t=t: on_connection(did, t, ev))
 
         def hook(delta: dict, round_id: int, did: str = did, rec: _Recorded = rec) -> dict:
             deltas[(did, round_id)] = {k: np.array(v, dtype=np.float64) for k, v in delta.items()}
@@ -172,6 +206,24 @@ def run_scenario(scenario: str, *, devices: int = 10, rounds: int = 10, target: 
         befores.append({k: v.copy() for k, v in rm.weights.items()})
     rm.on_round = on_round
 
+    if scenario == "model_cut":
+        models_published: list[str] = []
+        publish = rm.publish_reliably
+
+        def publish_reliably(topic: str, payload: bytes, what: str, **kw: Any) -> bool:
+            if topic.endswith("/gateway/model"):
+                models_published.append(hashlib.sha256(payload).hexdigest())
+                if len(models_published) == 2 and not cut:  # the model round 1 produced, as it goes out
+                    counters = {c.device_id: c.transport.stats() for c in clients}
+                    cut.update(version=rm.version, bytes=len(payload), sha256=models_published[-1],
+                               next_round=gstore.last_round_id() + 1,
+                               armed={d: {"chunks": st.get("reassembly_chunks", 0),
+                                          "duplicates": st.get("reassembly_duplicates", 0)}
+                                      for d, st in counters.items()})
+                    proxy.cut_after("site-a", len(payload) // 2)
+            return publish(topic, payload, what, **kw)
+        rm.publish_reliably = publish_reliably
+
     fault_log: list[str] = []
     t_start = [time.time()]
     stop = threading.Event()
@@ -197,7 +249,7 @@ def run_scenario(scenario: str, *, devices: int = 10, rounds: int = 10, target: 
             fault_log.append(f"{time.time() - t_start[0]:.2f} s: broker back")
 
     out: dict[str, Any] = {"scenario": scenario, "devices": devices, "rounds": rounds, "store": gstore.engine,
-                           "max_payload": max_payload, "deadline_s": deadline_s}
+                           "max_payload": max_payload, "deadline_s": deadline_s, "layers": list(layers)}
     try:
         for c in clients:
             c.start()
@@ -212,6 +264,8 @@ def run_scenario(scenario: str, *, devices: int = 10, rounds: int = 10, target: 
         total = time.time() - t0
         stop.set()
         ft.join(partition_s + 10)
+        if scenario == "model_cut":
+            time.sleep(1.0)  # whatever the broker still re-sends after the model (duplicates) is counted
         # -- accounting ----------------------------------------------------------------------
         lost = []
         for did, r, t_ack in acks:
@@ -257,6 +311,11 @@ def run_scenario(scenario: str, *, devices: int = 10, rounds: int = 10, target: 
             "proxy": dict(proxy.stats),
             "faults": fault_log,
         })
+        if scenario == "model_cut":
+            out["model_cut"] = _model_cut_report(cut, cut_seen, clients, counted, dev_stats)
+            if cut_seen:
+                fault_log.append(f"site-a cut after {cut['bytes'] // 2} of model v{cut['version']}'s "
+                                 f"{cut['bytes']} bytes: {', '.join(sorted(cut_seen))} disconnected")
     finally:
         stop.set()
         rm.stop()
@@ -270,6 +329,39 @@ def run_scenario(scenario: str, *, devices: int = 10, rounds: int = 10, target: 
     return out
 
 
+def _model_cut_report(cut: dict[str, Any], seen: dict[str, dict[str, int]], clients: list[Any],
+                      counted: dict[int, list[str]], dev_stats: list[dict[str, int]]) -> dict[str, Any]:
+    """Per device the cut disconnected: how the half-delivered global model completed.
+
+    ``chunks_before_cut``: chunks of the model the device handled before its disconnect;
+    ``chunks_after_cut``: those it handled after it until the model was delivered; ``duplicates``:
+    chunks it got twice until the model was delivered (re-sent by the broker: in flight,
+    unacknowledged at the cut), ``duplicates_to_end`` until the end of the run. Resumed means
+    ``chunks_before_cut + chunks_after_cut - duplicates == chunks`` with ``chunks_after_cut <
+    chunks``: the same transfer finished from the kept chunks, not a restart from chunk 0.
+    """
+    if not cut:
+        return {"armed": False}
+    devices = {}
+    for c, st in zip(clients, dev_stats):
+        did = c.device_id
+        if did not in seen:
+            continue
+        armed, at_cut = cut["armed"][did], seen[did]
+        got = [m for m in c.transport.models if m["sha256"] == cut["sha256"]]
+        d: dict[str, Any] = {"delivered": len(got), "reconnects": st.get("reconnects", 0),
+                             "chunks_before_cut": at_cut["chunks"] - armed["chunks"],
+                             "counted_next_round": counted.get(cut["next_round"], []).count(did)}
+        if got:
+            m = got[0]
+            d.update(chunks=m["chunks"], chunks_after_cut=m["reassembly_chunks"] - at_cut["chunks"],
+                     duplicates=m["reassembly_duplicates"] - armed["duplicates"])
+        d["duplicates_to_end"] = st.get("reassembly_duplicates", 0) - armed["duplicates"]  # also those after delivery
+        devices[did] = d
+    return {"armed": True, "model_version": cut["version"], "model_bytes": cut["bytes"], "sha256": cut["sha256"],
+            "cut_after_bytes": cut["bytes"] // 2, "next_round": cut["next_round"], "devices": devices}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
@@ -281,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline-s", type=float, default=10.0)
     ap.add_argument("--partition-s", type=float, default=30.0)
     ap.add_argument("--down-s", type=float, default=3.0)
+    ap.add_argument("--layers", default="64,64,32,10",
+                    help="MLP layer sizes (the model's size: 64,256,64,10 makes the global model 135 KB)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -293,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
             store = f"{store}{'&' if '?' in store else '?'}schema=ef_bench_{uuid.uuid4().hex[:8]}"
         r = run_scenario(sc, devices=args.devices, rounds=args.rounds, target=args.target, store=store,
                          seed=args.seed, max_payload=args.max_payload, deadline_s=args.deadline_s,
-                         partition_s=args.partition_s, down_s=args.down_s)
+                         partition_s=args.partition_s, down_s=args.down_s,
+                         layers=tuple(int(x) for x in args.layers.split(",")))
         if store and store.startswith("postgres"):
             from edgeflow.gateway.store import GatewayStore
 
@@ -310,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
             r["time_to_target_vs_clean"] = round(r["time_to_target_s"] / clean["time_to_target_s"], 2)
     doc = {"benchmark": "network_faults", "rows": rows,
            "config": {"devices": args.devices, "rounds": args.rounds, "lossy": LOSSY, "partition_s": args.partition_s,
-                      "down_s": args.down_s, "max_payload": args.max_payload, "deadline_s": args.deadline_s}}
+                      "down_s": args.down_s, "max_payload": args.max_payload, "deadline_s": args.deadline_s,
+                      "layers": args.layers}}
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2))
     else:
