@@ -62,7 +62,8 @@ def bench_model(name: str, profile: str, runs: int, rounds: int, calib_samples: 
         samples = [ms.build_inputs(name, sample=k) for k in range(calib_samples)]
         (inp,) = [k for k in feeds]
         calib = np.concatenate([s[inp] for s in samples])
-        q = edgeflow.quantize(optimize_model(model), profile, calibration=calib, engine="numpy")
+        q = edgeflow.quantize(optimize_model(model), profile, calibration=calib, engine="numpy", method="static",
+                              latency_runs=0)
         variants["static"] = q.model
     except (EdgeflowError, ValueError) as exc:
         row["static_error"] = str(exc).splitlines()[0][:200]

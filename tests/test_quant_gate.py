@@ -284,3 +284,54 @@ def test_only_int8_decisions_are_re_timed():
     assert confirm(d, retime).choice == "weight-only" and d.confirmation is None
     with pytest.raises(QuantizationError, match="fallback must be one of"):
         confirm(_search(2.0), retime, fallback="int4")
+
+
+# --- numpy-backend boards: static int8 is never silently slower than fp32 ------------------------
+
+def test_a_numpy_board_gets_the_gate_by_default_and_the_report_says_why():
+    """raspberry-pi-zero-2w runs the numpy backend, where static int8 is slower than fp32:
+    without --max-loss the gate runs (max_loss 1) and its choice is explicit."""
+    x = np.random.default_rng(1).random((24, 1, 8, 8), dtype=np.float32)
+    r = edgeflow.quantize(zoo.digits_cnn(seed=2), "raspberry-pi-zero-2w", calibration=x, engine="numpy",
+                          latency_runs=0, gate_rounds=1)
+    d = r.report.gate
+    assert d is not None and d.backend == "numpy" and d.max_loss == 1.0
+    _consistent(r)
+    text = r.report.format()
+    assert "runs the numpy backend, where static int8 is expected to be slower than fp32" in text
+    assert "--method static writes static int8 regardless" in text and d.reason in text
+
+
+@pytest.mark.parametrize("profile, kw", [("raspberry-pi-zero-2w", {"method": "static"}),
+                                         ("x86-gateway", {"backend": "numpy"})])
+def test_static_int8_on_numpy_without_the_gate_carries_a_warning(profile, kw, caplog):
+    x = np.random.default_rng(1).random((24, 1, 8, 8), dtype=np.float32)
+    with caplog.at_level("WARNING", logger="edgeflow.quantization"):
+        r = edgeflow.quantize(zoo.digits_cnn(seed=2), profile, calibration=x, engine="numpy", latency_runs=0,
+                              sensitivity=False, **kw)
+    assert r.report.gate is None and "QuantizeLinear" in {n.op_type for n in r.model.graph.node}
+    note = "static int8 is expected to be slower than fp32 on the numpy backend"
+    assert any(note in n and "--max-loss PCT" in n for n in r.report.notes)
+    assert note in caplog.text
+
+
+def test_an_onnxruntime_board_and_an_explicit_gate_get_no_numpy_note():
+    x = np.random.default_rng(1).random((24, 1, 8, 8), dtype=np.float32)
+    r = edgeflow.quantize(zoo.digits_cnn(seed=2), "x86-gateway", calibration=x, engine="numpy", latency_runs=0,
+                          sensitivity=False)
+    assert r.report.gate is None and not any("numpy backend" in n for n in r.report.notes)
+    r = edgeflow.quantize(zoo.digits_cnn(seed=2), "raspberry-pi-zero-2w", calibration=x, engine="numpy",
+                          latency_runs=0, max_loss=5.0, gate_rounds=1)
+    assert r.report.gate.max_loss == 5.0 and not any("default for numpy boards" in n for n in r.report.notes)
+
+
+def test_cli_on_a_numpy_board_says_what_it_chose(tmp_path, capsys):
+    model = tmp_path / "cnn.onnx"
+    onnx.save(zoo.digits_cnn(seed=7), str(model))
+    cal = tmp_path / "cal.npy"
+    np.save(cal, np.random.default_rng(0).random((20, 1, 8, 8), dtype=np.float32))
+    rc = main(["quantize", str(model), "--profile", "raspberry-pi-zero-2w", "-c", str(cal), "-o",
+               str(tmp_path / "q.onnx"), "--no-sensitivity"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "choice" in out and "expected to be slower than fp32" in out and "--max-loss" in out

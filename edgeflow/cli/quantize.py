@@ -37,7 +37,8 @@ def register(sub) -> None:
         "With --max-loss, int8 is timed against fp32 on the profile's backend (batch 1) on this host: kinds of "
         "layers (depthwise/1x1/kxk Conv, MatMul, Gemm) that make the model slower in int8 stay fp32, then the layers "
         "that cost the most accuracy stay fp32 until the loss is within --max-loss. Where no int8 model is 1.1x faster "
-        "than fp32 (the numpy backend today) the result is --fallback, and the report says so.")
+        "than fp32 (the numpy backend today) the result is --fallback, and the report says so. Profiles whose backend "
+        "is numpy get this by default (--max-loss 1); --method static writes static int8 there anyway.")
     gg.add_argument("--max-loss", type=_percent, metavar="PCT",
                     help="largest loss allowed, in percent: top-1 accuracy points with labels, else 100 - top-1 "
                     "agreement with fp32 (classifiers) or 100 x (1 - cosine) of the output; 1 = 99%% agreement "

@@ -314,6 +314,39 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
     return copy.deepcopy(fp32), decision
 
 
+NUMPY_MAX_LOSS = 1.0
+"""--max-loss of the bench-gated choice that numpy-backend boards get by default (percent)."""
+
+
+def _numpy_backend_default(prof: DeviceProfile, method: str | None, backend: str | None,
+                           notes: list[str]) -> float | None:
+    """Static int8 for a numpy backend, without --max-loss: never silently slower than fp32.
+
+    numpy has no integer GEMM, so static int8 runs slower than fp32 there
+    (docs/quantization.md, "int8 vs fp32 on the numpy backend"). A board whose
+    profile runs numpy (its first backend) gets the bench-gated choice with
+    ``--max-loss 1`` unless static int8 was asked for by name (``method=``);
+    otherwise the report and the log say what to expect and what to do.
+    Returns the ``max_loss`` to use (None: no gate).
+    """
+    why = "numpy has no integer GEMM: int8 runs on the same float sgemm plus requantization passes"
+    board_numpy = list(prof.backends)[:1] == ["numpy"]
+    if backend is None and not board_numpy:
+        return None  # the board runs onnxruntime; numpy only stands in for it on this host
+    if method is None and backend is None:
+        notes.append(f"profile {prof.name!r} runs the numpy backend, where static int8 is expected to be slower "
+                     f"than fp32 ({why}): the bench-gated choice ran with --max-loss {NUMPY_MAX_LOSS:g} (the default "
+                     "for numpy boards): int8 only if measured faster, else weight-only int8 (4x smaller weights) or "
+                     "fp32; --max-loss PCT sets the loss allowed, --method static writes static int8 regardless")
+        return NUMPY_MAX_LOSS
+    note = (f"static int8 is expected to be slower than fp32 on the numpy backend ({why}); pass --max-loss PCT "
+            "(max_loss=) for the bench-gated choice, which writes weight-only int8 (4x smaller weights, fp32 speed) "
+            "or fp32 where int8 does not pay")
+    log.warning(note)
+    notes.append(note)
+    return None
+
+
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:300]
 
@@ -368,7 +401,10 @@ def quantize(
     backend, kinds of layers that are slower in int8 and the layers that
     cost the most accuracy stay fp32, and where no int8 model is faster the
     result is ``fallback`` (``"weight-only"`` int8 or ``"fp32"``);
-    ``report.gate`` says what was chosen and why.
+    ``report.gate`` says what was chosen and why. A profile whose backend is
+    numpy (boards without onnxruntime, where static int8 is slower than fp32)
+    gets the gate by default (``max_loss`` 1) unless ``method`` names static
+    int8 explicitly; static int8 on numpy without the gate carries a note.
     """
     if engine not in ENGINES:
         raise QuantizationError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
@@ -461,6 +497,9 @@ def quantize(
         cal, note = full_batches(cal, fixed)
         if note:
             notes.append(note)
+
+    if kind == "static" and max_loss is None and be == "numpy":
+        max_loss = _numpy_backend_default(prof, method, backend, notes)
 
     ranges = qparams = None
     gate = None
