@@ -168,6 +168,15 @@ def load_eval(path: Path | None) -> tuple[np.ndarray, np.ndarray] | None:
     return ds.x, ds.y
 
 
+def _initial_model(config: GatewayConfig) -> onnx.ModelProto:
+    mp = config.path(config.model)
+    if mp is None:
+        raise ConfigError("[gateway] model: the initial global model is needed on first start")
+    from edgeflow.model import load_model
+
+    return load_model(mp)
+
+
 class Gateway:
     """The gateway service. ``start()``, then ``run_rounds()`` and/or ``serve()``; ``stop()``."""
 
@@ -264,14 +273,15 @@ class Gateway:
             will=Will(str(gateway_topic(fleet, "state")), json.dumps({"online": False}), qos=1, retain=True),
             **kwargs,
         )
-        store = GatewayStore(config.store_target(), telemetry_keep=config.telemetry_keep)
+        # The user's files are checked before the state is opened: a bad eval file or model creates no state.
+        eval_data = load_eval(config.path(config.eval))
+        target = config.store_target()
+        initial = None
+        if target.engine == "sqlite" and (target.path == ":memory:" or not Path(target.path).exists()):
+            initial = _initial_model(config)  # a first start
+        store = GatewayStore(target, telemetry_keep=config.telemetry_keep)
         if store.latest_model() is None:
-            mp = config.path(config.model)
-            if mp is None:
-                raise ConfigError("[gateway] model: the initial global model is needed on first start")
-            from edgeflow.model import load_model
-
-            model = load_model(mp)
+            model = initial if initial is not None else _initial_model(config)
         else:
             model = onnx.load_model_from_string(store.latest_model()[1])
         site: dict[str, Any] = {}
@@ -280,7 +290,7 @@ class Gateway:
         return cls(
             transport, store, fleet=fleet, fleet_key=fd.fleet_key(), keyring=fd.keyring(), model=model,
             rounds=config.rounds, fleet_options=config.fleet_options,
-            eval_data=load_eval(config.path(config.eval)), metrics_path=config.path(config.metrics),
+            eval_data=eval_data, metrics_path=config.path(config.metrics),
             on_round=on_round, role=config.role, hierarchy=config.hierarchy, keyring_loader=fd.keyring, **site,
         )
 

@@ -171,6 +171,22 @@ def test_gateway_config_with_a_string_for_a_number(tmp_path):
     assert not (tmp_path / "gateway.sqlite").exists(), "no state is created for a refused configuration"
 
 
+def test_gateway_checks_its_eval_data_and_model_before_creating_the_state(fleet, model, tmp_path):
+    bad = tmp_path / "eval.npz"
+    bad.write_bytes(b"PK\x03\x04 this is not a zip archive")
+    conf = tmp_path / "gw.toml"
+    conf.write_text(f'[gateway]\nfleet_dir = "{fleet}"\nstate = "gw.sqlite"\nmodel = "{model}"\neval = "eval.npz"\n'
+                    f'broker = "{NOBODY}"\n')
+    one_clear_line(ef("gateway", "--config", str(conf)), str(bad), "np.save")
+    assert not (tmp_path / "gw.sqlite").exists(), "no state is created before the eval data is checked"
+    np.savez(bad, x=np.zeros((4, 64), np.float32), y=np.zeros(4, np.int64))
+    (tmp_path / "model.onnx").write_bytes(b"not a model")
+    conf.write_text(f'[gateway]\nfleet_dir = "{fleet}"\nstate = "gw.sqlite"\nmodel = "model.onnx"\n'
+                    f'eval = "eval.npz"\nbroker = "{NOBODY}"\n')
+    one_clear_line(ef("gateway", "--config", str(conf)), "model.onnx", "not a valid ONNX model")
+    assert not (tmp_path / "gw.sqlite").exists(), "no state is created before the initial model is checked"
+
+
 def test_gateway_export_without_a_state(tmp_path):
     conf = tmp_path / "gw.toml"
     conf.write_text('[gateway]\nfleet_dir = "fleet"\nstate = "gw.sqlite"\n')
