@@ -88,9 +88,11 @@ def test_a_damaged_npy_is_one_line_and_the_traceback_needs_dash_v(mlp_path, tmp_
     assert out_v.returncode != 0 and "Traceback" in out_v.stderr
 
 
-def test_json_into_a_closed_pipe_is_quiet():
-    """`edgeflow profile list --json | head -1`: the reader leaves early; no BrokenPipeError traceback."""
-    p = subprocess.Popen([sys.executable, "-m", "edgeflow", "profile", "list", "--json"],
+@pytest.mark.parametrize("fmt", [["--json"], []])
+def test_output_into_a_closed_pipe_is_quiet(fmt):
+    """`edgeflow profile list [--json] | head -1`: the reader leaves early; no BrokenPipeError traceback, and
+    the same exit code (141, as for SIGPIPE) whether JSON or a table was being written."""
+    p = subprocess.Popen([sys.executable, "-m", "edgeflow", "profile", "list", *fmt],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     p.stdout.close()  # the reader is gone before edgeflow writes
     _, err = p.communicate(timeout=60)

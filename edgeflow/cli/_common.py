@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 from pathlib import Path
@@ -26,6 +27,11 @@ def console(stderr: bool = False, *, min_width: int = 0):
             if soft_wrap is None and objects and all(isinstance(o, (str, Text)) for o in objects):
                 soft_wrap = True
             super().print(*objects, soft_wrap=soft_wrap, **kwargs)
+
+        def on_broken_pipe(self) -> None:
+            # rich exits 1 here; edgeflow's main turns a BrokenPipeError into 141 (128 + SIGPIPE), as for JSON
+            self.quiet = True
+            raise BrokenPipeError(errno.EPIPE, "the reader of the output went away")
 
     c = _Console(stderr=stderr, highlight=False)
     if min_width and not c.is_terminal and c.width < min_width:
@@ -152,18 +158,21 @@ def parse_shapes(specs: list[str]) -> dict[str, list[int | None]]:
     return out
 
 
-def model_with_shapes(path: str, specs: list[str], arrays=None):
-    """The model at ``path``, checked, with ``--shape`` and the shapes of ``arrays``
-    (the ``--input`` of ``run``: a dict or, for a single-input model, one array) fixed."""
+def model_and_shapes(path: str, specs: list[str], arrays=None, *, infer_shapes: bool = True):
+    """The model at ``path``, checked, and the input dims that ``--shape`` and the shapes of
+    ``arrays`` (the ``--input`` of ``run``: a dict or, for a single-input model, one array) fix,
+    checked against it (``{name: dims}``, for ``Runtime(input_shapes=...)``). The model is left as
+    it is: onnxruntime loads it so; the runtime fixes the dims for the numpy backend and the plan
+    (``infer_shapes=False`` leaves shape inference to it too)."""
     from ..errors import InputError, ShapeError
-    from ..model import fix_input_shapes, graph_inputs, load_model
+    from ..model import graph_inputs, load_model, resolve_input_shapes, with_input_dims
 
-    model = load_model(path)
+    model = load_model(path, infer_shapes=infer_shapes)
     shapes = parse_shapes(specs)
-    if shapes:
-        model = fix_input_shapes(model, shapes, source="--shape")
+    inputs = graph_inputs(model)
+    fixed = resolve_input_shapes(inputs, shapes, source="--shape") if shapes else {}
     if arrays is not None:
-        inputs = graph_inputs(model)
+        inputs = with_input_dims(inputs, fixed)
         if isinstance(arrays, np.ndarray):
             if len(inputs) != 1:
                 raise InputError(f"the model has {len(inputs)} inputs {[t.name for t in inputs]}; "
@@ -177,17 +186,29 @@ def model_with_shapes(path: str, specs: list[str], arrays=None):
                 raise ShapeError(f"--shape {k}={'x'.join('?' if w is None else str(w) for w in want)} "
                                  f"disagrees with the --input array {k!r} of shape {'x'.join(map(str, dims))}")
         if given:
-            model = fix_input_shapes(model, given, source="the --input array")
+            fixed.update(resolve_input_shapes(inputs, given, source="the --input array"))
+    return model, fixed
+
+
+def model_with_shapes(path: str, specs: list[str], arrays=None):
+    """The model at ``path``, checked, with ``--shape`` and the shapes of ``arrays`` fixed
+    (:func:`model_and_shapes`) and every value's shape re-inferred."""
+    from ..model import fix_input_shapes
+
+    model, fixed = model_and_shapes(path, specs, arrays)
+    if fixed:
+        model = fix_input_shapes(model, fixed, source="--shape" if arrays is None else "--shape and --input")
     return model
 
 
 def require_static_shapes(model, batch: int | None = None, *, batch_dim: bool = True) -> None:
-    """One line naming --shape when an input still has a dynamic dim besides the batch."""
+    """One line naming --shape when an input still has a dynamic dim besides the batch
+    (``model``: a model, or its inputs as TensorInfo)."""
     from ..errors import ShapeError
     from ..memory import shape_example
     from ..model import graph_inputs
 
-    for t in graph_inputs(model):
+    for t in (graph_inputs(model) if hasattr(model, "graph") else model):
         dyn = [i for i, d in enumerate(t.shape) if not (isinstance(d, int) and d >= 0) and (i > 0 or not batch_dim)]
         if dyn:
             names = ", ".join(f"{i} ({t.shape[i]!r})" if t.shape[i] else str(i) for i in dyn)
