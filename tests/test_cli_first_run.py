@@ -108,6 +108,7 @@ def test_output_into_a_closed_pipe_is_quiet(fmt):
     (["--profiles", "rpi4"], None, ["rpi4", "edgeflow profile list"]),
     ([], 'rounds = "three"\n', ["rounds must be an integer", "'three'"]),
     ([], "devices = 2.5\n", ["devices must be an integer"]),
+    ([], "[rounds]\nrounds = 3\n", ["simulate's TOML has no tables ([rounds])", "top level", "rounds = 3"]),
 ])
 def test_simulate_refuses_bad_settings_before_starting_anything(tmp_path, args, toml, needles):
     extra = []

@@ -69,7 +69,8 @@ def test_status_state_on_a_file_that_is_not_sqlite(tmp_path):
 
 def test_a_mistyped_state_path_creates_nothing(tmp_path):
     typo = tmp_path / "gatway.sqlite"
-    one_clear_line(ef("fleet", "status", "--state", str(typo)), str(typo), "no such file", "never created")
+    line = one_clear_line(ef("fleet", "status", "--state", str(typo)), str(typo), "no such file", "never created")
+    assert line.startswith("edgeflow fleet status: error: "), "the error names the whole command"
     assert not typo.exists() and not list(tmp_path.iterdir())
 
 

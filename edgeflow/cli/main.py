@@ -86,6 +86,19 @@ def split_verbosity(argv: list[str]) -> tuple[list[str], int, int]:
     return rest, verbose, quiet
 
 
+def command_name(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """The subcommands that parsed ``args``, e.g. ``"fleet status"``: error lines name the whole command."""
+    names: list[str] = []
+    p = parser
+    while True:
+        subs = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+        chosen = getattr(args, subs[0].dest, None) if subs else None
+        if not isinstance(chosen, str) or chosen not in subs[0].choices:
+            return " ".join(names)
+        names.append(chosen)
+        p = subs[0].choices[chosen]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     argv, verbose, quiet = split_verbosity(argv)
@@ -97,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    name = command_name(parser, args) or args.command
     try:
         rc = int(args.func(args) or 0)
         sys.stdout.flush()
@@ -104,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     except EdgeflowError as exc:
         if verbose:
             traceback.print_exc()
-        print(f"edgeflow {args.command}: error: {exc}", file=sys.stderr)
+        print(f"edgeflow {name}: error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         # `edgeflow ... --json | head`: the reader left. Silence the interpreter's own flush at exit.
@@ -118,13 +132,13 @@ def main(argv: list[str] | None = None) -> int:
         if verbose:
             traceback.print_exc()
         what = f"{exc.strerror}: {exc.filename}" if exc.filename and exc.strerror else str(exc)
-        print(f"edgeflow {args.command}: error: {what}; check the path and its permissions", file=sys.stderr)
+        print(f"edgeflow {name}: error: {what}; check the path and its permissions", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - last resort: one line, the traceback under -v
         if verbose:
             raise
         print(
-            f"edgeflow {args.command}: internal error: {type(exc).__name__}: {exc} "
+            f"edgeflow {name}: internal error: {type(exc).__name__}: {exc} "
             "(a bug in edgeflow; rerun with -v for the traceback and report it)",
             file=sys.stderr,
         )

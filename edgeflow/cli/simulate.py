@@ -104,6 +104,7 @@ def _kv(items: list[str]) -> dict:
 
 
 def build_config(args):
+    import dataclasses
     import sys
 
     from ..errors import ConfigError
@@ -123,6 +124,14 @@ def build_config(args):
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{args.config}: not valid TOML: {exc}") from exc
         known = set(SimConfig.__dataclass_fields__) | {"broker"}
+        tables = {f.name for f in dataclasses.fields(SimConfig) if "dict" in str(f.type)}  # codec_opts = {...}
+        stray = sorted(k for k, v in settings.items() if isinstance(v, dict) and k not in tables)
+        if stray:
+            example = next((f"{k} = {v!r}".replace("'", '"') for k, v in settings[stray[0]].items()
+                            if k in known and not isinstance(v, dict)), "rounds = 10")
+            raise ConfigError(f"{args.config}: simulate's TOML has no tables ({', '.join(f'[{k}]' for k in stray)}): "
+                              f"put the settings at the top level, e.g. {example}, not under a [section] "
+                              "(only codec_opts, strategy_params, dp and secagg take tables)")
         unknown = sorted(set(settings) - known)
         if unknown:
             raise ConfigError(f"{args.config}: unknown setting(s) {unknown}; known: {sorted(known)}")
