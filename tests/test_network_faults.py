@@ -1,8 +1,9 @@
 """Real network faults between devices and the broker, through tests/_faultproxy.py (this
 kernel has no netem): lossy and slow links, a site partition, a broker restart, a connection
 cut in the middle of a chunked OTA transfer, a cut in the middle of the retained chunked global
-model. Nothing is lost, nothing counted twice, and cut chunked transfers resume. benchmarks/network_faults.py runs the same scenarios at full size
-(30 s partition) and reports rounds completed and time to target accuracy against the clean run."""
+model. Nothing is lost, nothing counted twice, and cut chunked transfers resume.
+benchmarks/network_faults.py runs the same scenarios at full size (30 s partition) and reports
+rounds completed and time to target accuracy against the clean run."""
 
 from __future__ import annotations
 

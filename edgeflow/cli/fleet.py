@@ -35,12 +35,13 @@ def register(sub) -> None:
     s = fs.add_parser("status", help="table of devices, versions, health and why each trains or not",
                       description="Without --state: connect to the broker and listen to the devices' retained "
                       "births and their telemetry (returns as soon as every online device has reported, at most "
-                      "--wait seconds). With --state: read the running gateway's registry file, read-only, "
-                      "including what the federated rounds are doing.")
+                      "--wait seconds). With --state: read the running gateway's registry (its SQLite file or "
+                      "PostgreSQL URL), read-only, including what the federated rounds are doing.")
     _common(s, wait=12.0, what="births and one telemetry message per online device (devices report every "
             "telemetry_interval_s, 10 s by default)")
-    s.add_argument("--state", help="the gateway's SQLite state file ([gateway] state), opened read-only and never "
-                   "created; default: ask the broker")
+    s.add_argument("--state", help="the gateway's state: its SQLite file ([gateway] state) or its [store] url "
+                   "(postgresql://USER@HOST:PORT/DB?schema=NAME), opened read-only and never created; default: ask "
+                   "the broker")
     s.add_argument("--expect", type=int, metavar="N", help="wait (at most --wait s) until N devices are online and "
                    "have reported; exit code 1 when fewer are (for scripts: wait for the boards to come up)")
     s.set_defaults(func=cmd_status)
@@ -202,17 +203,28 @@ class _Session:
 
 
 class _StateReader:
-    """The gateway's state file, opened read-only (``--state``): never created, never written."""
+    """The gateway's state (``--state``), opened read-only: never created, never written. A
+    file (SQLite) or a ``postgresql://`` URL ([store] url): a read-only session on its schema."""
 
     def __init__(self, path: str) -> None:
         import sqlite3
         from pathlib import Path
         from urllib.parse import quote
 
-        from ..errors import StateError
+        from ..errors import ConfigError, StateError
+        from ..gateway.store import parse_store_url
 
-        p = Path(path)
-        hint = "--state is the gateway's state file ([gateway] state in gateway.toml); it is only read, never created"
+        hint = ("--state is the gateway's state: its file ([gateway] state) or its [store] url in gateway.toml; "
+                "it is only read, never created")
+        try:
+            target = parse_store_url(path)
+        except ConfigError as exc:
+            raise ConfigError(f"--state: {exc}") from None
+        self.path, self._pg = target.display or path, target.engine == "postgresql"
+        if self._pg:
+            self._db = self._open_postgres(target, hint)
+            return
+        p = Path(target.path)
         if not p.exists():
             raise StateError(f"--state {path}: no such file; {hint}")
         if not p.is_file():
@@ -233,13 +245,53 @@ class _StateReader:
             self._db.close()
             raise StateError(f"--state {path}: an SQLite file but not a gateway state (tables "
                              f"{sorted(tables)[:5]}); {hint}")
-        self.path = path
+
+    def _open_postgres(self, target: Any, hint: str) -> Any:
+        """A read-only session (every transaction READ ONLY) on the URL's schema; nothing is
+        created: a schema without the gateway's tables is refused."""
+        from ..errors import ConfigError, StateError
+        from ..gateway.store.postgres import DEFAULT_SCHEMA
+
+        try:
+            import psycopg
+        except ImportError:
+            raise ConfigError("--state postgresql://... needs the psycopg 3 driver: pip install "
+                              "'edgeflow[postgres]'") from None
+        schema = target.schema or DEFAULT_SCHEMA
+        try:
+            db = psycopg.connect(target.dsn, autocommit=True, connect_timeout=10,
+                                 application_name="edgeflow-fleet-status")
+        except psycopg.Error as exc:
+            raise StateError(f"--state {self.path}: cannot connect to PostgreSQL ({' '.join(str(exc).split())[:300]}); "
+                             "check that the server runs and the URL's host, port, user and database") from None
+        try:
+            db.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
+            tables = {r[0] for r in db.execute(
+                "SELECT table_name FROM information_schema.tables WHERE table_schema=%s", (schema,))}
+            if not {"devices", "telemetry", "meta"} <= tables:
+                raise StateError(f"--state {self.path}: schema {schema!r} holds no gateway state (tables "
+                                 f"{sorted(tables)[:5]}); use the gateway's [store] url, with its ?schema=; {hint}")
+            db.execute(f'SET search_path TO "{schema}"')
+        except psycopg.Error as exc:
+            db.close()
+            raise StateError(f"--state {self.path}: cannot be read ({' '.join(str(exc).split())[:300]})") from None
+        except BaseException:
+            db.close()
+            raise
+        return db
 
     def _q(self, sql: str, args: tuple = ()) -> list:
         import sqlite3
 
         from ..errors import StateError
 
+        if self._pg:
+            import psycopg
+
+            try:
+                return self._db.execute(sql.replace("?", "%s"), args).fetchall()
+            except psycopg.Error as exc:
+                raise StateError(f"--state {self.path}: cannot be read ({' '.join(str(exc).split())[:300]})") from None
         try:
             return self._db.execute(sql, args).fetchall()
         except sqlite3.Error as exc:
