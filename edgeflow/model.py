@@ -110,8 +110,9 @@ def load_model(source: ModelSource, *, check: bool = True, infer_shapes: bool = 
     """Read and check an ONNX model from a path, bytes, or a ModelProto.
 
     ``check`` runs ``onnx.checker`` and the opset range test; ``infer_shapes``
-    runs strict shape inference and returns the model with value_info filled
-    in (the numpy backend's memory planner uses it).
+    runs strict shape inference (:func:`infer_model_shapes`: declared shapes
+    that contradict it are dropped with a logged note) and returns the model
+    with value_info filled in (the numpy backend's memory planner uses it).
     """
     model = _read(source)
     if not model.graph.node and not model.graph.output:
@@ -136,14 +137,92 @@ def load_model(source: ModelSource, *, check: bool = True, infer_shapes: bool = 
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
             raise ModelError(f"the model fails onnx.checker: {first}") from exc
     if infer_shapes:
-        try:
-            model = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
-        except Exception as exc:
-            msg = str(exc).strip().splitlines()
-            raise ModelError(
-                f"shape inference failed, the graph is inconsistent: {msg[-1] if msg else exc}"
-            ) from exc
+        model = infer_model_shapes(model)
     return model
+
+
+def _graphs_of(g: onnx.GraphProto):
+    """``g`` and every graph nested in it (If/Loop/Scan bodies)."""
+    yield g
+    for n in g.node:
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                yield from _graphs_of(a.g)
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                for sub in a.graphs:
+                    yield from _graphs_of(sub)
+
+
+def _negative_dims(model: onnx.ModelProto) -> list[onnx.TensorShapeProto.Dimension]:
+    """Dims written as ``dim_value: -1`` (Paddle's way to say "dynamic") anywhere in the model."""
+    out = []
+    for g in _graphs_of(model.graph):
+        for vi in list(g.input) + list(g.output) + list(g.value_info):
+            t = vi.type.tensor_type
+            if t.HasField("shape"):
+                out += [d for d in t.shape.dim if d.HasField("dim_value") and d.dim_value < 0]
+    return out
+
+
+def without_negative_dims(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with every ``dim_value: -1`` made an unknown dim (a copy; the model itself when there is none).
+
+    Shape inference takes -1 for a size, so that a declared output ``[-1, 2]``
+    contradicts the inferred ``[1, 2]`` once an input dim is fixed."""
+    if not _negative_dims(model):
+        return model
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for d in _negative_dims(m):
+        d.Clear()
+    return m
+
+
+def _without_declared_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy with the shapes an exporter declared for intermediate values and outputs (graph and
+    subgraphs) dropped, element types kept: only the main graph's inputs still say what they are."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for g in _graphs_of(m.graph):
+        del g.value_info[:]
+        for vi in g.output:
+            vi.type.tensor_type.ClearField("shape")
+    return m
+
+
+def _strict(model: onnx.ModelProto) -> onnx.ModelProto:
+    return onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+
+
+def _last_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[-1].strip() if lines else repr(exc)
+
+
+def infer_model_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with value_info filled in by strict shape inference.
+
+    Exporters declare shapes that contradict inference without the graph
+    being wrong (Paddle writes ``-1`` for a dynamic dim and, in table-slanet's
+    Loop body, a rank-0 shape where the Cast makes rank 1); onnxruntime merges
+    such declarations leniently. So ``-1`` dims count as unknown, and where
+    strict inference still fails it runs again without the declared shapes of
+    intermediate values and outputs (a logged note says so). Only when the
+    graph fails inference on its own (a node whose input shapes contradict
+    it) is this a :class:`ModelError`.
+    """
+    model = without_negative_dims(model)
+    try:
+        return _strict(model)
+    except Exception as exc:  # onnx raises InferenceError and others
+        first = exc
+    try:
+        out = _strict(_without_declared_shapes(model))
+    except Exception as exc:  # onnx raises InferenceError and others
+        raise ModelError(f"shape inference failed, the graph is inconsistent: {_last_line(exc)}") from exc
+    log.info("the model's declared shapes disagree with shape inference (%s); using the inferred shapes instead",
+             _last_line(first))
+    return out
 
 
 _ELEM = {v: k for k, v in onnx.TensorProto.DataType.items()}
@@ -271,19 +350,21 @@ ANONYMOUS_DIMS = frozenset({"?", "", "-1", "None", "none", "unk"})
 the same symbol, unlike a named one such as "batch"."""
 
 
-def fix_input_shapes(model: onnx.ModelProto, shapes: ShapeSpec, *, source: str = "the shape given") -> onnx.ModelProto:
-    """A copy of ``model`` with these inputs' dims fixed and every value's shape re-inferred.
+def resolve_input_shapes(model: "onnx.ModelProto | Sequence[TensorInfo]", shapes: ShapeSpec, *,
+                         source: str = "the shape given") -> dict[str, list[int | None]]:
+    """The full dims each input gets from ``shapes``, checked against the model; no shape inference.
 
-    ``shapes`` maps an input name to its full shape (``None`` in a dim keeps
-    that dim as the model has it), or a symbolic dim name (``"batch"``) to
-    one number, which fixes that dim in every input that has it — like
-    onnxruntime's free-dimension overrides. Inputs not named keep their
-    symbolic dims. Everything is checked against the model first: an unknown
-    name lists the real inputs; a rank or a fixed dim that disagrees names
-    the input and the dim (``input 'x' dim 1 is 3 in the model, --shape
-    gives 4``, with ``source`` naming where the shape came from).
+    ``model`` is a model or its inputs (:func:`graph_inputs`). ``shapes``
+    maps an input name to its full shape (``None`` in a dim keeps that dim as
+    the model has it), or a symbolic dim name (``"batch"``) to one number,
+    which fixes that dim in every input that has it — like onnxruntime's
+    free-dimension overrides. Inputs not named keep their symbolic dims (and
+    are left out of the result). An unknown name lists the real inputs; a
+    rank or a fixed dim that disagrees names the input and the dim (``input
+    'x' dim 1 is 3 in the model, --shape gives 4``, with ``source`` naming
+    where the shape came from).
     """
-    inputs = graph_inputs(model)
+    inputs = graph_inputs(model) if isinstance(model, onnx.ModelProto) else list(model)
     by_name = {t.name: t for t in inputs}
     symbols = {d for t in inputs for d in t.shape if isinstance(d, str) and d not in ANONYMOUS_DIMS}
     wanted: dict[str, list[int | None]] = {}
@@ -331,6 +412,34 @@ def fix_input_shapes(model: onnx.ModelProto, shapes: ShapeSpec, *, source: str =
                 bound.setdefault(d, (g, f"{source} for input {t.name!r}"))
             out.append(g)
         fixed[t.name] = out
+    return fixed
+
+
+def with_input_dims(inputs: Sequence[TensorInfo], fixed: Mapping[str, Sequence["int | None"]]) -> list[TensorInfo]:
+    """``inputs`` with the dims :func:`resolve_input_shapes` fixed (a ``None`` keeps the model's dim)."""
+    out = []
+    for t in inputs:
+        dims = fixed.get(t.name)
+        if dims is None:
+            out.append(t)
+            continue
+        old = list(t.shape)
+        shape = tuple(d if d is not None else (old[i] if i < len(old) else None) for i, d in enumerate(dims))
+        out.append(TensorInfo(t.name, t.dtype, shape))
+    return out
+
+
+def fix_input_shapes(model: onnx.ModelProto, shapes: ShapeSpec, *, source: str = "the shape given") -> onnx.ModelProto:
+    """A copy of ``model`` with these inputs' dims fixed and every value's shape re-inferred.
+
+    ``shapes`` and the checks are those of :func:`resolve_input_shapes`. The
+    copy is for the numpy backend and memory planning: onnxruntime loads the
+    model as given (the runtime hands it the original), since onnx writes the
+    fixed shapes into subgraphs, untaken If branches included, where
+    onnxruntime may refuse them. A shape the graph cannot take is a
+    :class:`ShapeError` naming the shapes.
+    """
+    fixed = resolve_input_shapes(model, shapes, source=source)
     if not fixed:
         return model
     m = onnx.ModelProto()
@@ -349,18 +458,12 @@ def fix_input_shapes(model: onnx.ModelProto, shapes: ShapeSpec, *, source: str =
             elif i < len(old):
                 dim.CopyFrom(old[i])
     try:
-        return onnx.shape_inference.infer_shapes(m, strict_mode=True, data_prop=True)
-    except Exception as exc:  # onnx raises InferenceError and others
-        # an exporter may have declared the output shapes for one input shape only
-        log.debug("shape inference with the declared output shapes failed (%s); retrying without them", exc)
-    for vi in m.graph.output:
-        vi.type.tensor_type.ClearField("shape")
-    try:
-        return onnx.shape_inference.infer_shapes(m, strict_mode=True, data_prop=True)
-    except Exception as exc:  # onnx raises InferenceError and others
-        lines = str(exc).strip().splitlines()
+        # -1 dims (Paddle) count as unknown; declared shapes that contradict the fixed ones (an exporter
+        # may have declared the output shapes for one input shape only) are dropped
+        return infer_model_shapes(m)
+    except ModelError as exc:
         given = ", ".join(f"{k} {_dims_text(v)}" for k, v in fixed.items())
         raise ShapeError(
             f"the model cannot take inputs of shape {given} ({source}): shape inference fails: "
-            f"{lines[-1] if lines else exc}"
+            f"{_last_line(exc.__cause__ or exc)}"
         ) from exc

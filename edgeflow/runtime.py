@@ -22,7 +22,8 @@ from .backends.base import Session
 from .errors import BackendError, EdgeflowError, InputError, MemoryBudgetError, UnsupportedOpError
 from .graph import compile_graph
 from .memory import MemoryPlan, plan_memory
-from .model import ModelSource, TensorInfo, fix_input_shapes, load_model
+from .model import (ModelSource, TensorInfo, fix_input_shapes, infer_model_shapes, load_model,
+                    resolve_input_shapes, with_input_dims)
 from .profiles import DeviceProfile, detect, get_profile
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,22 @@ class BackendChoice:
     tried: list[tuple[str, str]] = field(default_factory=list)  # (backend, why not)
 
 
+def _why_not(b, model: onnx.ModelProto) -> tuple[str, list[str]] | None:
+    """Why backend ``b`` cannot run ``model`` (None when it can), and the ops it lacks.
+
+    Where the backend can say more (``describe_unsupported``), the reason names
+    each op with its opset and the first node using it, with its subgraph path
+    (``Bernoulli (opset 15) at If 'n12' / then_branch / node 'bern_in'``)."""
+    missing = b.unsupported_ops(model)
+    if not missing:
+        return None
+    describe = getattr(b, "describe_unsupported", None)
+    lines = describe(model) if describe is not None else []
+    if lines:
+        return f"no kernel for {'; '.join(lines)}", list(missing)
+    return f"cannot run op(s) {', '.join(missing)}", list(missing)
+
+
 def choose_backend(model: onnx.ModelProto, profile: DeviceProfile, backend: str | None = None) -> BackendChoice:
     """The first backend of the profile's list (or ``backend``) that can run ``model``."""
     order = [backend] if backend else list(profile.backends)
@@ -60,13 +77,23 @@ def choose_backend(model: onnx.ModelProto, profile: DeviceProfile, backend: str 
             tried.append((name, str(exc)))
             unavailable += 1
             continue
-        missing = b.unsupported_ops(model)
-        if missing:
-            tried.append((name, f"cannot run op(s) {', '.join(missing)}"))
-            missing_ops.update(missing)
+        why = _why_not(b, model)
+        if why is not None:
+            tried.append((name, why[0]))
+            missing_ops.update(why[1])
             continue
         return BackendChoice(name, tried)
     reasons = "; ".join(f"{n}: {why}" for n, why in tried)
+    if backend:
+        others = [n for n in profile.backends if n != backend]
+        hint = (f"; without --backend (backend=), profile {profile.name!r} tries {', '.join(profile.backends)}"
+                if others else "")
+        if unavailable == 0:
+            raise UnsupportedOpError(
+                f"backend {backend!r} (asked for explicitly) cannot run this model: {tried[0][1]}{hint}",
+                ops=sorted(missing_ops),
+            )
+        raise BackendError(f"backend {backend!r} (asked for explicitly) is not usable here: {tried[0][1]}{hint}")
     if unavailable == 0:
         raise UnsupportedOpError(
             f"no backend of profile {profile.name!r} can run this model ({reasons})", ops=sorted(missing_ops)
@@ -96,17 +123,21 @@ class Runtime:
         allow_over_budget: bool = False,
         exact_int8: bool = False,
     ) -> None:
-        self.model = load_model(model)
+        # checked, as given: what onnxruntime loads. Shape inference and fixed input dims are for the
+        # numpy backend and the memory plan only; onnx writes fixed shapes into subgraphs (untaken If
+        # branches too) where onnxruntime may refuse them, so they never reach it.
+        self.source_model = load_model(model, infer_shapes=False)
         self.exact_int8 = exact_int8
-        if input_shapes:
-            self.model = fix_input_shapes(self.model, input_shapes, source="input_shapes")
         self.profile = get_profile(profile) if profile is not None else detect()
-        choice = choose_backend(self.model, self.profile, backend)
+        fixed = resolve_input_shapes(self.source_model, input_shapes, source="input_shapes") if input_shapes else {}
+        self.input_shapes = fixed
+        choice = choose_backend(self.source_model, self.profile, backend)
         self.backend_name = choice.name
         self.fallbacks = choice.tried
         for name, why in choice.tried:
             log.info("backend %s skipped for profile %s: %s", name, self.profile.name, why)
         self.plan_note = ""
+        self.model = self._planning_model(fixed)
         graph = self._compile()
         self.plan = self._plan(graph, batch_size)
         if self.plan is not None and self.plan.peak_bytes > self.profile.memory_budget_bytes and not allow_over_budget:
@@ -126,8 +157,30 @@ class Runtime:
         load_compiled = getattr(chosen, "load_compiled", None)
         if self.backend_name == "numpy" and graph is not None and load_compiled is not None:
             self.session: Session = load_compiled(graph, options)
-        else:
+        elif self.backend_name == "numpy":
             self.session = chosen.load(self.model, options)
+        else:
+            self.session = chosen.load(self.source_model, options)
+            if fixed:  # feeds are checked against the dims given, as on the numpy backend
+                self.session.inputs = with_input_dims(self.session.inputs, fixed)
+
+    def _planning_model(self, fixed: dict) -> onnx.ModelProto:
+        """The model with shapes inferred (and ``fixed`` input dims): the numpy backend's, and the plan's.
+
+        On the numpy backend its errors are the user's (nothing else can run
+        the model); on another backend a failure leaves only a note: that
+        backend plans itself."""
+        try:
+            model = infer_model_shapes(self.source_model)
+            if fixed:
+                model = fix_input_shapes(model, fixed, source="input_shapes")
+            return model
+        except EdgeflowError as exc:
+            if self.backend_name == "numpy":
+                raise
+            self.plan_note = f"no numpy memory plan: {exc}"
+            log.info("%s", self.plan_note)
+            return self.source_model
 
     def _compile(self):
         """The numpy graph (for the numpy backend, and the memory plan of any backend)."""

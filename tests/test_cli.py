@@ -95,3 +95,47 @@ def test_installed_entry_point(cnn_path):
     out = subprocess.run([exe, "inspect", str(cnn_path), "--json"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["node_count"] == 10
+
+
+@pytest.fixture(scope="module")
+def random_draw_path(tmp_path_factory):
+    """A model with ops the numpy backend leaves out (random draws), one of them inside an If branch."""
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    flag = helper.make_tensor_value_info("flag", TensorProto.BOOL, [])
+    then = helper.make_graph([helper.make_node("Bernoulli", ["p"], ["b"], name="bern_in", seed=2.0)], "then", [],
+                             [helper.make_tensor_value_info("b", TensorProto.FLOAT, [2, 3])])
+    other = helper.make_graph([helper.make_node("Identity", ["p"], ["c"], name="keep")], "else", [],
+                              [helper.make_tensor_value_info("c", TensorProto.FLOAT, [2, 3])])
+    nodes = [helper.make_node("RandomUniformLike", ["x"], ["p"], name="draw", seed=1.0),
+             helper.make_node("If", ["flag"], ["y"], name="n12", then_branch=then, else_branch=other)]
+    g = helper.make_graph(nodes, "g", [x, flag], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    path = tmp_path_factory.mktemp("rand") / "rand.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    feeds = path.with_name("in.npz")
+    np.savez(feeds, x=np.ones((2, 3), np.float32), flag=np.array(True))
+    return path
+
+
+@pytest.mark.parametrize("command", ["run", "bench"])
+def test_an_op_without_a_kernel_names_op_opset_and_node(random_draw_path, capsys, command):
+    """Issue 13 item 6: the op, its opset and the node (with its subgraph path), in one line; the
+    backend asked for with --backend is named as such."""
+    extra = ["-i", str(random_draw_path.with_name("in.npz"))] if command == "run" else ["--runs", "1"]
+    assert main([command, str(random_draw_path), *extra, "--backend", "numpy", "--profile", "x86-gateway"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err
+    assert "backend 'numpy' (asked for explicitly) cannot run this model" in err
+    assert "Bernoulli (opset 17) at If 'n12' / then_branch / node 'bern_in'" in err
+    assert "RandomUniformLike (opset 17) at node 'draw'" in err
+    # a profile whose only backend is numpy: the reason is the same, per backend
+    assert main([command, str(random_draw_path), *extra, "--profile", "raspberry-pi-zero-2w"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert "no backend of profile 'raspberry-pi-zero-2w' can run this model (numpy: no kernel for" in err
+    assert "Bernoulli (opset 17) at If 'n12' / then_branch / node 'bern_in'" in err
+    # onnxruntime runs it
+    if command == "run":
+        assert main([command, str(random_draw_path), *extra, "--backend", "ort", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["outputs"]["y"]["shape"] == [2, 3]

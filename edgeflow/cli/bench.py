@@ -44,20 +44,21 @@ def cmd(args) -> int:
     from ..runtime import load
     from ..timing import measure, peak_rss_bytes
     from ..errors import InputError, ShapeError
-    from ..model import graph_inputs
-    from ._common import console, emit_json, human_bytes, model_with_shapes, require_static_shapes, spinner
+    from ..model import graph_inputs, with_input_dims
+    from ._common import console, emit_json, human_bytes, model_and_shapes, require_static_shapes, spinner
 
     if (args.batch is not None and args.batch < 1) or args.runs < 1:
         raise InputError("--batch and --runs must be >= 1")
-    model = model_with_shapes(args.model, args.shape)
+    model, shapes = model_and_shapes(args.model, args.shape, infer_shapes=False)  # onnxruntime gets the model as given
+    inputs = with_input_dims(graph_inputs(model), shapes)
     if args.batch is not None:
-        for t in graph_inputs(model):
+        for t in inputs:
             if t.shape and isinstance(t.shape[0], int) and t.shape[0] != args.batch:
                 raise ShapeError(f"input {t.name!r} dim 0 is {t.shape[0]} in the model"
                                  f"{' (with --shape)' if args.shape else ''}, --batch gives {args.batch}")
-    require_static_shapes(model, args.batch)
+    require_static_shapes(inputs, args.batch)
     batch = args.batch or 1
-    rt = load(model, args.profile, backend=args.backend, threads=args.threads,
+    rt = load(model, args.profile, backend=args.backend, threads=args.threads, input_shapes=shapes,
               batch_size=batch, allow_over_budget=args.allow_over_budget)
     feeds = random_feeds(rt.inputs, batch)
     first = next(iter(feeds.values()), None)

@@ -36,14 +36,14 @@ def cmd(args) -> int:
     import numpy as np
 
     from ..runtime import load
-    from ._common import check_output_path, console, emit_json, load_arrays, model_with_shapes
+    from ._common import check_output_path, console, emit_json, load_arrays, model_and_shapes
 
     if args.output:
         check_output_path(args.output)
     feeds = load_arrays(args.input)
-    model = model_with_shapes(args.model, args.shape, feeds)
+    model, shapes = model_and_shapes(args.model, args.shape, feeds, infer_shapes=False)  # onnxruntime gets the model as given
     batch = (feeds if isinstance(feeds, np.ndarray) else next(iter(feeds.values()), np.zeros(1))).shape[:1] or (1,)
-    rt = load(model, args.profile, backend=args.backend, threads=args.threads,
+    rt = load(model, args.profile, backend=args.backend, threads=args.threads, input_shapes=shapes,
               batch_size=int(batch[0]), allow_over_budget=args.allow_over_budget)
     outs = rt.run(feeds)
     if args.output:
