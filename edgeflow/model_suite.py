@@ -592,6 +592,120 @@ def max_relative_error(got: np.ndarray, ref: np.ndarray, tiny: float = 1e-12) ->
     return float(np.max(np.abs(g - r)) / max(float(np.max(np.abs(r))), tiny))
 
 
+def float64_truth(model, feeds: dict[str, np.ndarray], outputs: Iterable[str]) -> dict[str, np.ndarray]:
+    """The named outputs computed in float64: onnx's reference evaluator on the model with every
+    float32 weight, Cast and value made double (subgraphs included). Slow; for arbitration only."""
+    import copy
+
+    import onnx
+    from onnx import TensorProto, numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    def cast(g):
+        for t in g.initializer:
+            if t.data_type == TensorProto.FLOAT:
+                t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float64), t.name))
+        for n in g.node:
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.TENSOR and a.t.data_type == TensorProto.FLOAT:
+                    a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype(np.float64), a.t.name))
+                elif a.type == onnx.AttributeProto.GRAPH:
+                    cast(a.g)
+                elif a.type == onnx.AttributeProto.GRAPHS:
+                    for sub in a.graphs:
+                        cast(sub)
+                elif a.name == "to" and a.i == TensorProto.FLOAT:
+                    a.i = TensorProto.DOUBLE
+        for v in list(g.input) + list(g.output) + list(g.value_info):
+            if v.type.tensor_type.elem_type == TensorProto.FLOAT:
+                v.type.tensor_type.elem_type = TensorProto.DOUBLE
+
+    names = list(outputs)
+    m64 = copy.deepcopy(model)
+    cast(m64.graph)
+    feeds64 = {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in feeds.items()}
+    return dict(zip(names, ReferenceEvaluator(m64).run(names, feeds64)))
+
+
+@dataclass
+class Comparison:
+    """Outputs of the numpy backend against onnxruntime's, with float64 arbitration.
+
+    ``errors``: max relative error per output against onnxruntime. Where one
+    is above ``tol``, the float64 truth (:func:`float64_truth`) decides:
+    ``arbitrated`` holds (numpy vs float64, onnxruntime vs float64), and the
+    output passes when numpy is within ``tol`` of the truth *and* closer to it
+    than onnxruntime (whose fused kernels can lose more precision, e.g.
+    before a saturating Sigmoid). ``bad`` names the outputs that fail, why.
+    """
+
+    tol: float
+    errors: dict[str, float]
+    arbitrated: dict[str, tuple[float, float]] = field(default_factory=dict)
+    bad: dict[str, str] = field(default_factory=dict)
+    skipped: tuple[str, ...] = ()  # the manifest's unstable_outputs
+
+    @property
+    def match(self) -> bool:
+        return not self.bad
+
+    @property
+    def max_error(self) -> float:
+        return max(self.errors.values(), default=0.0)
+
+    def summary(self) -> str:
+        """``match (1.4e-06)``, ``match (float64 arbitration: ort 8.4e-04 off)`` or ``MISMATCH (...)``."""
+        if self.bad:
+            worst = max(self.bad, key=lambda k: self.errors.get(k, math.inf))
+            arb = self.arbitrated.get(worst)
+            vs = f"; float64: numpy {arb[0]:.1e}, ort {arb[1]:.1e}" if arb else ""
+            return f"MISMATCH ({self.errors.get(worst, math.inf):.1e} on {worst}{vs})"
+        if self.arbitrated:
+            theirs = max(t for _, t in self.arbitrated.values())
+            ours = max(o for o, _ in self.arbitrated.values())
+            return f"match (float64 arbitration: ort {theirs:.1e} off, numpy {ours:.1e})"
+        return f"match ({self.max_error:.1e})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tol": self.tol, "errors": self.errors, "match": self.match, "bad": self.bad,
+                "arbitrated": {k: {"numpy": o, "ort": t} for k, (o, t) in self.arbitrated.items()},
+                "skipped": list(self.skipped), "summary": self.summary()}
+
+
+def compare_outputs(model, feeds: dict[str, np.ndarray], got: dict[str, np.ndarray], ref: dict[str, np.ndarray],
+                    *, tol: float = 1e-4, unstable: Iterable[str] = ()) -> Comparison:
+    """numpy-backend outputs ``got`` against onnxruntime's ``ref`` on ``feeds`` (see :class:`Comparison`).
+
+    ``unstable`` outputs (the manifest's ``unstable_outputs``: no fp32 engine
+    reproduces them) are left out. The float64 truth is computed only where
+    the two fp32 results disagree beyond ``tol``."""
+    skipped = tuple(k for k in unstable if k in ref)
+    keys = [k for k in ref if k not in skipped]
+    errors = {k: (max_relative_error(got[k], ref[k]) if k in got else math.inf) for k in keys}
+    bad = {k: f"{e:.3g} (shape {np.shape(got.get(k))} vs {np.shape(ref[k])})" for k, e in errors.items() if not e <= tol}
+    missing = [k for k in bad if k not in got]
+    cmp = Comparison(tol, errors, skipped=skipped)
+    if bad and not missing:
+        truth = float64_truth(model, feeds, list(bad))
+        for k in list(bad):
+            ours, theirs = max_relative_error(got[k], truth[k]), max_relative_error(ref[k], truth[k])
+            cmp.arbitrated[k] = (ours, theirs)
+            if ours <= tol and ours < theirs:
+                del bad[k]
+            else:
+                bad[k] += f"; vs float64: numpy {ours:.3g}, onnxruntime {theirs:.3g}"
+    cmp.bad = bad
+    return cmp
+
+
+def compare_suite_outputs(name: str, feeds: dict[str, np.ndarray], got: dict[str, np.ndarray],
+                          ref: dict[str, np.ndarray], *, tol: float = 1e-4, model=None) -> Comparison:
+    """:func:`compare_outputs` for a suite model (its ``unstable_outputs`` left out; ``model`` defaults
+    to ``load(name, check=True)``, whose outputs include the manifest's ``check_outputs``)."""
+    return compare_outputs(model if model is not None else load(name, check=True), feeds, got, ref, tol=tol,
+                           unstable=get(name).unstable_outputs)
+
+
 # -- real inputs ---------------------------------------------------------------------
 
 _IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], np.float32)
@@ -1018,6 +1132,6 @@ def build_inputs(name: str, sample: int = 0) -> dict[str, np.ndarray]:
 
 __all__ = [
     "Asset", "BUILDERS", "Dist", "FetchReport", "Manifest", "ModelDownloadError", "ModelSuiteError", "SuiteModel", "asset_path",
-    "build_inputs", "cache_dir", "cached", "fetch", "get", "load", "load_manifest", "manifest",
-    "max_relative_error", "model_path", "models", "op_report", "parse_shapes",
+    "Comparison", "build_inputs", "cache_dir", "cached", "compare_outputs", "compare_suite_outputs", "fetch",
+    "float64_truth", "get", "load", "load_manifest", "manifest", "max_relative_error", "model_path", "models", "op_report", "parse_shapes",
 ]
