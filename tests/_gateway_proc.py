@@ -1,4 +1,4 @@
-"""A gateway process for crash tests: RoundManager + SQLite state + persistent MQTT session.
+"""A gateway process for crash tests: RoundManager + state (SQLite file or PostgreSQL URL) + persistent MQTT session.
 
     python _gateway_proc.py BROKER_URL STATE FLEET KEY KEYRING MODEL ROUNDS
 

@@ -1,6 +1,6 @@
 """A gateway killed in the middle of a round restarts and finishes that round
 with the updates it had stored plus those the broker kept for its persistent
-session, counting every update exactly once."""
+session, counting every update exactly once: on both state engines (SQLite, PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import onnx
 import pytest
 
 from _brokers import mosquitto_factory, wait_until  # noqa: F401
+from _stores import pg_schema_url, pg_url, store_target  # noqa: F401
 from edgeflow import zoo
 from edgeflow.data.datasets import dirichlet_partition, load_digits
 from edgeflow.federated import Client
@@ -34,7 +35,8 @@ def _gateway(args, faults: str = "", **kw):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, **kw)
 
 
-def test_gateway_killed_mid_round_finishes_it_without_double_counting(mosquitto_factory, tmp_path):  # noqa: F811
+def test_gateway_killed_mid_round_finishes_it_without_double_counting(mosquitto_factory, store_target,  # noqa: F811
+                                                                     tmp_path):
     broker = mosquitto_factory(persistence=True)
     fleet = "crash"
     fk = PrivateKey.generate()
@@ -57,7 +59,9 @@ def test_gateway_killed_mid_round_finishes_it_without_double_counting(mosquitto_
     for t, c in devices:
         c.start()
         t.connect(timeout=10)
-    state = tmp_path / "gw.sqlite"
+    # the gateway process's state argument: the SQLite file, or the PostgreSQL URL with this test's schema
+    state = store_target.path if store_target.engine == "sqlite" else pg_schema_url(store_target.schema,
+                                                                                     store_target.dsn)
     common = [broker.url, state, fleet, tmp_path / "fleet.key", tmp_path / "ring.json", tmp_path / "model.onnx", 2]
     try:
         first = _gateway(common, faults="rounds.update_stored@2:3")  # die right after storing round 2's 3rd update
