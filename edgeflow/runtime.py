@@ -137,8 +137,9 @@ class Runtime:
         for name, why in choice.tried:
             log.info("backend %s skipped for profile %s: %s", name, self.profile.name, why)
         self.plan_note = ""
-        self.model = self._planning_model(fixed)
-        graph = self._compile()
+        planning = self._planning_model(fixed)
+        self.model = planning if planning is not None else self.source_model
+        graph = self._compile() if planning is not None else None
         self.plan = self._plan(graph, batch_size)
         if self.plan is not None and self.plan.peak_bytes > self.profile.memory_budget_bytes and not allow_over_budget:
             raise MemoryBudgetError(
@@ -164,12 +165,12 @@ class Runtime:
             if fixed:  # feeds are checked against the dims given, as on the numpy backend
                 self.session.inputs = with_input_dims(self.session.inputs, fixed)
 
-    def _planning_model(self, fixed: dict) -> onnx.ModelProto:
+    def _planning_model(self, fixed: dict) -> onnx.ModelProto | None:
         """The model with shapes inferred (and ``fixed`` input dims): the numpy backend's, and the plan's.
 
         On the numpy backend its errors are the user's (nothing else can run
-        the model); on another backend a failure leaves only a note: that
-        backend plans itself."""
+        the model); on another backend a failure leaves only a note (and no
+        plan: that backend plans itself) and None."""
         try:
             model = infer_model_shapes(self.source_model)
             if fixed:
@@ -180,7 +181,7 @@ class Runtime:
                 raise
             self.plan_note = f"no numpy memory plan: {exc}"
             log.info("%s", self.plan_note)
-            return self.source_model
+            return None
 
     def _compile(self):
         """The numpy graph (for the numpy backend, and the memory plan of any backend)."""

@@ -9,6 +9,7 @@ from onnx import TensorProto, helper
 
 from _models import single_op, with_custom_ops
 from edgeflow import zoo
+from edgeflow.backends import available_backends
 from edgeflow.errors import ModelError, UnsupportedOpError
 from edgeflow.model import load_model, model_info
 from edgeflow.runtime import load
@@ -60,6 +61,41 @@ def test_shape_inference_failure_is_reported():
     m = single_op("MatMul", {"a": (2, 3), "b": (4, 5)}, out_shape=(2, 5))
     with pytest.raises(ModelError, match="shape inference failed"):
         load_model(m)
+
+
+def _declared_shape_contradicts_inference() -> onnx.ModelProto:
+    """As Paddle's table-slanet-plus: an If branch declares a Cast output of rank 0 that really has rank 1.
+    onnx.checker accepts it and onnxruntime merges the shapes leniently; strict shape inference refuses it."""
+    def body(name):
+        nodes = [helper.make_node("Cast", ["x"], [f"{name}_c"], to=TensorProto.FLOAT, name=f"{name}_cast"),
+                 helper.make_node("Relu", [f"{name}_c"], [f"{name}_y"])]
+        g = helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(f"{name}_y", TensorProto.FLOAT, [3])])
+        g.value_info.append(helper.make_tensor_value_info(f"{name}_c", TensorProto.FLOAT, []))
+        return g
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])
+    c = helper.make_tensor_value_info("c", TensorProto.BOOL, [])
+    node = helper.make_node("If", ["c"], ["y"], then_branch=body("a"), else_branch=body("b"), name="branch")
+    g = helper.make_graph([node], "g", [x, c], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(m)
+    return m
+
+
+def test_declared_shapes_that_contradict_inference_are_dropped_not_fatal(caplog):
+    m = _declared_shape_contradicts_inference()
+    with pytest.raises(Exception, match="differ in rank"):
+        onnx.shape_inference.infer_shapes(m, strict_mode=True)
+    with caplog.at_level("INFO", logger="edgeflow.model"):
+        loaded = load_model(m)
+    assert "declared shapes disagree with shape inference" in caplog.text
+    branch = next(a.g for a in loaded.graph.node[0].attribute if a.name == "then_branch")
+    dims = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in branch.value_info}
+    assert dims["a_c"] == [3]  # the inferred shape, not the declared one
+    feeds = {"x": np.array([-1.0, 2.0, 3.0], np.float32), "c": np.array(True)}
+    backends = ["numpy", "ort"] if "ort" in available_backends() else ["numpy"]
+    for backend in backends:
+        np.testing.assert_array_equal(load(m, "x86-gateway", backend=backend).run(feeds)["y"], [0.0, 2.0, 3.0])
 
 
 def test_all_unsupported_ops_listed_at_load():

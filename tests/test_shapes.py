@@ -170,7 +170,7 @@ def test_inspect_counts_constant_node_weights(tmp_path, capsys):
 
 
 def test_train_takes_shape(tmp_path, capsys):
-    """A conv net with dynamic H/W trains once --shape fixes them (? keeps the batch dynamic)."""
+    """A conv net with dynamic H/W trains: --data fixes them (the batch stays dynamic), or --shape does."""
     rng = np.random.default_rng(3)
     path = tmp_path / "dyn.onnx"
     onnx.save(dynamic_cnn(), path)
@@ -178,8 +178,8 @@ def test_train_takes_shape(tmp_path, capsys):
     y = rng.integers(0, 5, 32)
     np.savez(tmp_path / "d.npz", x=x, y=y)
     args = ["train", str(path), "-d", str(tmp_path / "d.npz"), "-o", str(tmp_path / "t.onnx"), "-b", "8"]
-    assert main(args) == 2
-    assert "give its shape with --shape x=8x3x<H>x<W>" in _err(capsys)
+    assert main(args + ["--json"]) == 0  # H and W from the training data
+    assert json.loads(capsys.readouterr().out)["epochs"][0]["samples"] == 32
     assert main(args + ["--shape", "x=?x3x6x6", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["epochs"][0]["samples"] == 32
 
@@ -216,3 +216,79 @@ def test_anonymous_free_dims_are_not_one_symbol():
         fixed = fix_input_shapes(m, {"x": [1, 3, 8, 192]})
         assert tuple(graph_inputs(fixed)[0].shape) == (1, 3, 8, 192)
         onnx.checker.check_model(fixed)
+
+
+# ------------------------------------------------------------------ onnxruntime gets the model as given
+
+def _two_branch_model() -> onnx.ModelProto:
+    """x [N, T] and a sample rate: If sr == 16000 reshapes x to rows of 64, else to rows of 7 (as silero-vad
+    picks its 8 or 16 kHz branch). With T = 512 fixed, strict shape inference fails in the untaken branch
+    (512 is no multiple of 7); onnxruntime, given the model as shipped, runs it."""
+    from onnx import TensorProto, numpy_helper
+
+    def branch(name, width):
+        shape = numpy_helper.from_array(np.array([1, -1, width], np.int64))
+        nodes = [helper.make_node("Constant", [], [f"{name}_s"], value=shape),
+                 helper.make_node("Reshape", ["x", f"{name}_s"], [f"{name}_r"]),
+                 helper.make_node("ReduceMax", [f"{name}_r"], [f"{name}_y"], axes=[1], keepdims=0)]
+        return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(f"{name}_y", TensorProto.FLOAT,
+                                                                                 ["a", "b"])])
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "T"])
+    sr = helper.make_tensor_value_info("sr", TensorProto.INT64, [])
+    nodes = [helper.make_node("Constant", [], ["k"], value=numpy_helper.from_array(np.array(16000, np.int64))),
+             helper.make_node("Equal", ["sr", "k"], ["c"]),
+             helper.make_node("If", ["c"], ["y"], name="pick", then_branch=branch("wide", 64),
+                              else_branch=branch("narrow", 7))]
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b"])
+    m = helper.make_model(helper.make_graph(nodes, "g", [x, sr], [y]), opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(m)
+    return m
+
+
+def test_onnxruntime_gets_the_model_as_given(monkeypatch):
+    from edgeflow.backends.ort import OrtBackend
+
+    seen = []
+    real = OrtBackend.load
+    monkeypatch.setattr(OrtBackend, "load", lambda self, model, options=None: seen.append(model) or real(self, model, options))
+    rt = load(dynamic_cnn(), "x86-gateway", backend="ort", input_shapes={"x": (1, 3, 16, 16)})
+    assert _dims(seen[0]) == ("N", 3, "H", "W") and not seen[0].graph.value_info  # no numpy-side rewrite
+    assert rt.inputs[0].shape == (1, 3, 16, 16) and _dims(rt.model) == (1, 3, 16, 16)  # the plan's model is fixed
+    assert rt.plan is not None
+    with pytest.raises(ShapeError, match="dim 2"):  # the dims given are checked on onnxruntime too
+        rt.run(np.zeros((1, 3, 8, 8), np.float32))
+
+
+def test_numpy_side_shape_inference_never_blocks_onnxruntime(tmp_path, capsys):
+    m = _two_branch_model()
+    feeds = {"x": rand(np.random.default_rng(5), 1, 512), "sr": np.array(16000, np.int64)}
+    want = feeds["x"].reshape(1, -1, 64).max(axis=1)
+    rt = load(m, "x86-gateway", backend="ort", input_shapes={"x": (1, 512)})
+    assert rt.plan is None and "shape inference fails" in rt.plan_note
+    np.testing.assert_array_equal(rt.run(feeds)["y"], want)
+    with pytest.raises(ShapeError, match=r"cannot take inputs of shape x \[1, 512\]"):  # numpy needs the shapes
+        load(m, "x86-gateway", backend="numpy", input_shapes={"x": (1, 512)})
+    np.testing.assert_array_equal(load(m, "x86-gateway", backend="numpy").run(feeds)["y"], want)  # unplanned
+    path = tmp_path / "branches.onnx"
+    onnx.save(m, path)
+    np.savez(tmp_path / "in.npz", **feeds)
+    assert main(["run", str(path), "-i", str(tmp_path / "in.npz"), "--backend", "ort", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["outputs"]["y"]["shape"] == [1, 64]
+
+
+def test_paddle_minus_one_dims_read_as_unknown():
+    """Paddle declares outputs (and values) with dim_value -1: once an input dim is fixed, strict inference
+    compared 1 with -1 and refused the model ('Softmax ... differ in dimension 0: (1) vs (-1)'), e.g. in
+    quantize after --shape."""
+    from edgeflow.model import load_model
+
+    m = make([helper.make_node("Softmax", ["x"], ["y"], axis=-1)], [("x", [1, 8])], [("y", [1, 8])])
+    m.graph.output[0].type.tensor_type.shape.dim[0].dim_value = -1
+    m.graph.value_info.append(helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 8]))
+    m.graph.value_info[0].type.tensor_type.shape.dim[0].dim_value = -1
+    out = load_model(m)
+    assert [d.dim_value for d in out.graph.output[0].type.tensor_type.shape.dim] == [1, 8]
+    dyn = make([helper.make_node("Softmax", ["x"], ["y"], axis=-1)], [("x", ["?", 8])], [("y", [1, 8])])
+    dyn.graph.output[0].type.tensor_type.shape.dim[0].dim_value = -1
+    assert _dims(fix_input_shapes(dyn, {"x": (4, 8)})) == (4, 8)
