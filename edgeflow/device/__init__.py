@@ -1,9 +1,11 @@
 """edgeflow.device: the agent that runs on each board of a fleet.
 
-- :class:`DeviceAgent` (:mod:`.agent`): birth/death, telemetry, inference,
-  signed commands and OTA deployment with A/B slots and rollback;
+- :class:`DeviceAgent` (:mod:`.agent`): identity, birth/death, the signed
+  command table; it wires its services: :mod:`.ota` (deploy, rollback,
+  reboot with A/B slots), :mod:`.training` (taking part in federated rounds),
+  :mod:`.inference` (the ``infer`` topic), :mod:`.telemetry` (the report);
 - :func:`predict` (:mod:`.api`): in-process inference on the deployed model;
-- :mod:`.slots`, :mod:`.health`, :mod:`.telemetry`, :mod:`.credentials`.
+- :mod:`.slots`, :mod:`.health`, :mod:`.replay`, :mod:`.credentials`.
 
 The wire protocol shared with the gateway is :mod:`edgeflow.protocol`
 (:mod:`~edgeflow.protocol.fleet`, :mod:`~edgeflow.protocol.ota`). Imports are

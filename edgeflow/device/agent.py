@@ -27,25 +27,29 @@ What it does, on the transport it is given (one :class:`MqttTransport`):
   command allows the downgrade, and a rollback or deploy issued before the
   running model was installed is refused as stale.
 
+The agent keeps identity, the connection (birth and death), the model it
+serves and the command dispatch (:attr:`DeviceAgent._COMMAND_TABLE`); the rest
+are services it wires, each in its own module:
+
+- ``agent.ota`` (:class:`~edgeflow.device.ota.OtaService`): deploy, rollback
+  and reboot, the OTA journal and its recovery after a power cut;
+- ``agent.training_service`` (:class:`~edgeflow.device.training.TrainingService`):
+  whether the board takes part in rounds, and its participant;
+- ``agent.inference`` (:class:`~edgeflow.device.inference.InferenceService`):
+  the ``infer`` topic;
+- ``agent.telemetry`` (:class:`~edgeflow.device.telemetry.TelemetryService`):
+  the periodic report.
+
 Threads: message handlers run on the transport's worker thread and only do
-quick work; deploy/rollback/reboot run one at a time on the agent's
-operations thread, MQTT inference requests on its inference thread (a
+quick work; deploy/rollback/reboot run one at a time on the OTA service's
+operations thread, MQTT inference requests on the inference thread (a
 bounded queue: "busy" replies instead of unbounded memory), telemetry on its
 own timer thread.
-
-OTA and power cuts: see :mod:`edgeflow.device.slots` for the argument. The
-journal ``pending.json`` is written before the first byte is staged and
-removed after the ack, so an agent restarted mid-deploy acknowledges the
-interrupted command with what it actually runs now (``restarted: true``).
-Each step is an ``ota.<step>`` fault point of :mod:`edgeflow.faults`: crash tests
-(``EDGEFLOW_FAULTS=ota.staged``) make the process die right after it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import os
 import queue
@@ -55,42 +59,31 @@ import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 
+from ..artifact import verify_artifact
 from ..errors import CodecError, EdgeflowError, FleetError, SignatureError
-from ..faults import fault_point
-from ..artifact import Artifact, verify_artifact
 from ..profiles import BACKENDS, DeviceProfile, get_profile
 from ..protocol.fleet import BIRTH_CONTEXT, COMMANDS, Ack, Birth, Command, Death
-from ..protocol.ota import OtaOffer
 from ..protocol.signed_json import loads, peek_signed, sign_body
 from ..signing import PublicKey, Signer
 from ..transport.base import Transport
 from ..transport.message import ConnectionEvent, Message
 from ..transport.topics import device_topic
-from .health import HealthReport, check_model, load_runtime
+from .commands import CommandFailed
+from .health import load_runtime
 from .inference import InferenceService
+from .ota import OtaService
 from .replay import SeenCommands
 from .slots import ActiveModel, SlotStore
-from .telemetry import TelemetryCollector
+from .telemetry import TelemetryCollector, TelemetryService
+from .training import TRAIN_STATES, Participant, TrainingService
 
-__all__ = ["AgentOptions", "DeviceAgent", "Participant", "ParticipantFactory"]
+__all__ = ["AgentOptions", "CommandFailed", "DeviceAgent", "Participant", "ParticipantFactory", "TRAIN_STATES"]
 
 log = logging.getLogger("edgeflow.device")
-
-
-
-@runtime_checkable
-class Participant(Protocol):
-    """What the agent needs from a federated-learning client (``edgeflow.federated.Client``)."""
-
-    def start(self) -> Any: ...
-
-    def stop(self) -> Any: ...
-
-    def status(self) -> dict[str, Any]: ...
 
 
 ParticipantFactory = Callable[["DeviceAgent"], Participant]
@@ -171,20 +164,6 @@ CONFIG_KEYS: dict[str, Callable[[Any], Any]] = {
     "health_runs": _runs,
     "train": _bool,
 }
-
-TRAIN_STATES = ("training", "off", "profile", "no_data", "no_model", "quantized", "untrainable", "model_mismatch")
-"""Why a device does (``training``) or does not take part in rounds; sent in telemetry as ``train`` with
-``train_detail`` (one line: what is wrong and what to do), shown by ``edgeflow fleet status``."""
-
-
-class CommandFailed(FleetError):
-    """Raised inside a command handler: becomes an ack with ``code`` and the message."""
-
-    def __init__(self, code: str, message: str, result: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.result = result or {}
-
 
 _AGENTS: "weakref.WeakValueDictionary[str, DeviceAgent]" = weakref.WeakValueDictionary()
 _LAST: list[DeviceAgent] = []
@@ -281,25 +260,21 @@ class DeviceAgent:
         """Started with ``train=False`` (``edgeflow device --no-train``): no command turns training on."""
         self._load_config()
         self.make_participant = make_participant
-        self.telemetry = TelemetryCollector(battery_file=self.options.battery_file, battery_fn=battery_fn)
         self._topic = {ch: device_topic(fleet, device_id, ch).value
                        for ch in ("birth", "death", "telemetry", "cmd", "cmd/ack", "ota", "infer", "infer/reply")}
         self._model: ActiveModel | None = None
         self._runtime: Any = None
         self._rt_lock = threading.Lock()
         self._run_lock = threading.Lock()
-        self._participant: Participant | None = None
-        self._train_lock = threading.RLock()
-        self._train_state: tuple[str, str] = ("", "")
         self.seen = SeenCommands(self.slots.root / "seen.json", clock_skew_s=self.options.clock_skew_s)
-        self._ops: queue.Queue[Any] = queue.Queue(maxsize=4)
-        self._ops_busy: set[str] = set()
+        # the services (each in its own module; each keeps a reference to this agent)
+        self.ota = OtaService(self)  # deploy/rollback/reboot on the operations thread (device/ota.py)
+        self.training_service = TrainingService(self)  # taking part in rounds (device/training.py)
         self.inference = InferenceService(self, self.options.infer_queue)  # the infer topic (device/inference.py)
+        self.telemetry = TelemetryService(  # the periodic report (device/telemetry.py)
+            self, TelemetryCollector(battery_file=self.options.battery_file, battery_fn=battery_fn))
         self._stop = threading.Event()
-        self._tele_wake = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._seq = 0
-        self._seq_lock = threading.Lock()
         self._bdseq_lock = threading.Lock()
         self._births = 0
         self.bdseq = -1
@@ -369,12 +344,12 @@ class DeviceAgent:
         self._started = True
         self.transport.will = _SessionWill(self)
         self._boot_model()
-        self._recovery = self._recover_pending()
+        self._recovery = self.ota.recover_pending()
         self.transport.subscribe(self._topic["cmd"], self._on_cmd)
-        self.transport.subscribe(self._topic["ota"], self._on_ota)
+        self.transport.subscribe(self._topic["ota"], self.ota.on_offer)
         self.transport.subscribe(self._topic["infer"], self.inference.on_request)
         self.transport.add_connection_listener(self._on_connection)
-        for name, target in (("ops", self._ops_loop), ("infer", self.inference.loop), ("telemetry", self._telemetry_loop)):
+        for name, target in (("ops", self.ota.loop), ("infer", self.inference.loop), ("telemetry", self.telemetry.loop)):
             t = threading.Thread(target=target, name=f"edgeflow-agent-{name}-{self.device_id}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -382,7 +357,7 @@ class DeviceAgent:
             delivery = self.transport.publish(self._topic["cmd/ack"], self._recovery, qos=1)
             rid = str((self.slots.pending() or {}).get("id", ""))
             delivery.add_progress_callback(lambda d: d.succeeded and self.slots.clear_pending(expect_id=rid))
-        self._sync_training()
+        self.training_service.sync()
         _AGENTS[self.device_id] = self
         _LAST[:] = [self]
         if connect:
@@ -390,17 +365,24 @@ class DeviceAgent:
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Clean shutdown: stop training, publish a death (retained), disconnect."""
+        """Clean shutdown: stop training, publish a death (retained), disconnect.
+
+        The transport stops reconnecting first: without a connection when the stop begins, or once
+        the connection is lost during it (:meth:`_on_connection`), it is closed at once, so a board
+        whose broker stops with it (``kill $(jobs -p)``) does not retry, and warn about, the
+        connection while its participant and threads stop."""
         if self._stop.is_set():
             return
         self._stop.set()
-        self._stop_participant()
+        if not self.transport.is_connected:
+            self.transport.close(timeout=timeout, flush=False)  # nothing to say goodbye to: no reconnects
+        self.training_service.stop_participant()
         try:
             if self.transport.is_connected:
                 death = Death(self.device_id, self.bdseq, "shutdown", time.time())
                 self.transport.publish(self._topic["death"], death.sign(self.signer.key), qos=1, retain=True)
-        except EdgeflowError:
-            pass
+        except EdgeflowError as exc:
+            log.debug("%s: death not published at stop: %s", self.device_id, exc)
         self._halt_threads(timeout)
         self.transport.close(timeout=timeout)
 
@@ -411,8 +393,8 @@ class DeviceAgent:
         self.transport.close(timeout=1.0, flush=False, abort=True)
 
     def _halt_threads(self, timeout: float) -> None:
-        self._tele_wake.set()
-        for q in (self._ops, self.inference.queue):
+        self.telemetry.wake()
+        for q in (self.ota.queue, self.inference.queue):
             try:
                 q.put_nowait(None)
             except queue.Full:
@@ -449,7 +431,7 @@ class DeviceAgent:
 
     @property
     def participant(self) -> Participant | None:
-        return self._participant
+        return self.training_service.participant
 
     @property
     def training(self) -> bool:
@@ -458,32 +440,12 @@ class DeviceAgent:
 
     @property
     def train_model_path(self) -> Path | None:
-        """The fp32 model the participant trains: the deployed model itself, or, when the deployed model is
-        quantized (manifest ``precision`` other than fp32), the fp32 master that came with it (None if none did)."""
-        m = self._model
-        if m is None:
-            return None
-        meta = m.artifact.manifest.meta or {}
-        if str(meta.get("precision", "fp32")) == "fp32":
-            return m.model_path
-        source = meta.get("source_sha256")
-        if not isinstance(source, str):
-            return None
-        return self.slots.master_model(source, self.fleet_key, self.profile.name)
+        """The fp32 model the participant trains (see :meth:`TrainingService.model_path`)."""
+        return self.training_service.model_path()
 
     def train_status(self) -> tuple[str, str]:
         """(state, detail): one of :data:`TRAIN_STATES` and, unless training, what is wrong and what to do."""
-        code, detail = self._train_state
-        p = self._participant
-        if code == "training" and p is not None:
-            try:
-                st = p.status()
-            except Exception:  # noqa: BLE001 - a participant's status must not break the agent
-                log.warning("participant status failed; the training state is reported without it", exc_info=True)
-                st = {}
-            if st.get("state") == "model_mismatch":
-                return "model_mismatch", str(st.get("detail", "the gateway's model does not fit the deployed one"))
-        return code or "off", detail
+        return self.training_service.status()
 
     def _load(self, m: ActiveModel) -> Any:
         o = self.options
@@ -547,11 +509,6 @@ class DeviceAgent:
             self._births = 0
             return Death(self.device_id, self.bdseq, "lost").sign(self.signer.key)
 
-    def _next_seq(self) -> int:
-        with self._seq_lock:
-            self._seq += 1
-            return self._seq
-
     def birth(self, seq: int | None = None) -> Birth:
         m = self._model
         with self._rt_lock:
@@ -566,8 +523,7 @@ class DeviceAgent:
 
     def publish_birth(self) -> None:
         """Announce (again): ``seq`` counts this session's births, so a replayed older one is recognisable."""
-        with self._seq_lock:
-            self._seq = 0
+        self.telemetry.reset_seq()
         with self._bdseq_lock:
             self._births += 1
             birth = self.birth(self._births)
@@ -578,45 +534,23 @@ class DeviceAgent:
                                retain=True)
 
     def _on_connection(self, event: ConnectionEvent) -> None:
-        if not event.connected or self._stop.is_set():
+        if self._stop.is_set():
+            if not event.connected:
+                # lost while stopping: no reconnect attempts (and warnings) while the stop finishes. Closed
+                # from a thread of its own: this listener runs on the transport's worker, which close() joins.
+                threading.Thread(target=self.transport.close, kwargs={"timeout": 1.0, "flush": False},
+                                 name=f"edgeflow-agent-close-{self.device_id}", daemon=True).start()
+            return
+        if not event.connected:
             return
         # Clear the retained death of an earlier session, then announce this one.
         self.transport.publish(self._topic["death"], b"", qos=1, retain=True)
         self.publish_birth()
-        self._tele_wake.set()  # the first telemetry (why this device trains or not) right away
+        self.telemetry.wake()  # the first telemetry (why this device trains or not) right away
 
     def telemetry_body(self) -> dict[str, Any]:
-        code, detail = self.train_status()
-        body = {"device": self.device_id, "ts": time.time(), "seq": self._next_seq(), "bdseq": self.bdseq,
-                "model_version": self.model_version, "training": code == "training", "train": code,
-                **({"train_detail": detail} if detail else {}),
-                **self.telemetry.snapshot(queue_depth=self.inference.queue.qsize() + self._ops.qsize())}
-        p = self._participant
-        if p is not None:
-            try:
-                st = p.status()
-                part = {k: st[k] for k in ("rounds_trained", "last_round", "last_loss") if k in st}
-                errors = st.get("errors") or []
-                if errors:
-                    part["last_error"] = str(errors[-1])
-                body["participant"] = part
-            except Exception:  # noqa: BLE001 - telemetry must not die with the participant
-                log.debug("participant status failed; telemetry goes out without it", exc_info=True)
-        return body
-
-    def _telemetry_loop(self) -> None:
-        while not self._stop.is_set():
-            self._tele_wake.wait(max(0.05, float(self.options.telemetry_interval_s)))
-            self._tele_wake.clear()
-            if self._stop.is_set():
-                return
-            if not self.transport.is_connected:
-                continue
-            try:
-                data = json.dumps(self.telemetry_body(), separators=(",", ":")).encode("utf-8")
-                self.transport.publish(self._topic["telemetry"], data, qos=int(self.options.telemetry_qos))
-            except EdgeflowError as exc:
-                log.debug("%s: telemetry not sent: %s", self.device_id, exc)
+        """What the next telemetry report says (see :meth:`TelemetryService.body`)."""
+        return self.telemetry.body()
 
     # ------------------------------------------------------------------- acks
 
@@ -650,7 +584,7 @@ class DeviceAgent:
         payload = self.seen.ack(cmd.id)
         if payload is not None:
             self.transport.publish(self._topic["cmd/ack"], payload, qos=1)  # the same answer, nothing runs again
-        elif cmd.id not in self._ops_busy:
+        elif cmd.id not in self.ota.busy:
             self._refuse(cmd.id, cmd.name, "replayed", f"command {cmd.id} was already received (its result is no "
                          "longer kept); it does not run twice")
 
@@ -712,13 +646,13 @@ class DeviceAgent:
         self.counters["commands"] += 1
         lane, _ = self._COMMAND_TABLE.get(cmd.name, ("quick", ""))
         if lane == "ops":
-            self._enqueue_op(cmd, None, None)
+            self.ota.enqueue(cmd, None, None)
             return
         self._run_command(cmd, self._handler(cmd.name))
 
     # name -> (lane, handler). "quick": runs on the transport's thread and acks at once; "ops": queued
-    # behind deployments on the ops thread (it swaps slots). deploy arrives as an OTA offer with its
-    # artifact (``_on_ota``); a bare deploy command is refused. The protocol's COMMANDS lists the same
+    # behind deployments on the OTA service's thread (it swaps slots). deploy arrives as an OTA offer with
+    # its artifact (``OtaService.on_offer``); a bare deploy command is refused. The protocol's COMMANDS lists the same
     # names (tests/unit/test_agent_commands.py checks both stay in step).
     _COMMAND_TABLE: dict[str, tuple[str, str]] = {
         "status": ("quick", "_cmd_status"),
@@ -726,8 +660,8 @@ class DeviceAgent:
         "train_start": ("quick", "_cmd_train_start"),
         "train_stop": ("quick", "_cmd_train_stop"),
         "deploy": ("quick", "_cmd_bare_deploy"),
-        "rollback": ("ops", "_rollback"),
-        "reboot": ("ops", "_reboot"),
+        "rollback": ("ops", "_cmd_rollback"),
+        "reboot": ("ops", "_cmd_reboot"),
     }
 
     def _handler(self, name: str) -> Callable[[Command], dict[str, Any] | None]:
@@ -743,10 +677,16 @@ class DeviceAgent:
         return self._set_config(cmd.args)
 
     def _cmd_train_start(self, cmd: Command) -> dict[str, Any]:
-        return self._start_training()
+        return self.training_service.start_training()
 
     def _cmd_train_stop(self, cmd: Command) -> dict[str, Any]:
-        return self._stop_training()
+        return self.training_service.stop_training()
+
+    def _cmd_rollback(self, cmd: Command) -> dict[str, Any] | None:
+        return self.ota.rollback(cmd)
+
+    def _cmd_reboot(self, cmd: Command) -> dict[str, Any] | None:
+        return self.ota.reboot(cmd)
 
     def _cmd_bare_deploy(self, cmd: Command) -> dict[str, Any]:
         raise CommandFailed("bad_message", "deploy travels with its artifact as an OTA offer on the device's ota "
@@ -790,7 +730,7 @@ class DeviceAgent:
                     out["previous_version"] = verify_artifact(data, self.fleet_key).version
                 except EdgeflowError:
                     out["previous_version"] = None
-        part = self._participant
+        part = self.participant
         if part is not None:
             try:
                 out["participant"] = part.status()
@@ -826,341 +766,10 @@ class DeviceAgent:
         persisted.update(parsed)
         self.slots.save_state(config=persisted)
         if "telemetry_interval_s" in parsed:
-            self._tele_wake.set()
+            self.telemetry.wake()
         if "train" in parsed:
-            self._sync_training(announce=False)
+            self.training_service.sync(announce=False)
         if self.transport.is_connected:
             self.publish_birth()
         return {"config": self.config(), "changed": sorted(parsed),
                 "note": "memory_budget_mb, backend and threads apply from the next model load (deploy, rollback, reboot)"}
-
-    # -- training --
-    def _train_blocker(self) -> tuple[str, str] | None:
-        """Why this device cannot take part in rounds now, or None."""
-        if self._owner_opted_out:
-            return "off", "this device was started with --no-train: its owner opted out of federated rounds"
-        if not self.options.train:
-            return "off", ("training is switched off on this device (train_stop or set_config train=false); "
-                           f"`edgeflow fleet cmd {self.device_id} train_start` switches it on")
-        if not self.profile.can_train:
-            return "profile", f"profile {self.profile.name} cannot train (can_train = false in its profile)"
-        if self.make_participant is None:
-            return "no_data", ("this agent has no training participant: no training data (start `edgeflow device` "
-                               "with --train-data x_y.npz holding arrays x and y)")
-        m = self._model
-        if m is None:
-            return "no_model", "no model is deployed yet; deploy one (`edgeflow fleet deploy MODEL --to ...`)"
-        if self.train_model_path is None:
-            precision = (m.artifact.manifest.meta or {}).get("precision", "?")
-            return "quantized", (f"v{m.version} is quantized ({precision}) and no fp32 master came with it, so it "
-                                 "cannot train; deploy with `edgeflow fleet deploy --quantize` (it sends the master) "
-                                 "or deploy the fp32 model")
-        return None
-
-    def _sync_training(self, *, restart: bool = False, announce: bool = True) -> tuple[str, str]:
-        """Run the participant exactly when this device can and should train; record why not otherwise.
-
-        ``restart`` makes a new participant (the model changed). When the state changes and
-        ``announce``, the birth (``training``) and a telemetry message (``train``, ``train_detail``) go out
-        at once, so the gateway knows before it selects the next round's devices."""
-        with self._train_lock:
-            if restart:
-                self._stop_participant()
-            blocker = self._train_blocker()
-            if blocker is not None:
-                self._stop_participant()
-                state = blocker
-            else:
-                state = ("training", "")
-                if self._participant is None:
-                    try:
-                        p = self.make_participant(self)  # type: ignore[misc]
-                        if hasattr(p, "on_state_change"):
-                            p.on_state_change = self._participant_changed
-                        p.start()
-                        self._participant = p
-                    except Exception as exc:  # noqa: BLE001 - any failure to build a trainer is "untrainable", said once
-                        log.debug("participant for v%s not built", self.model_version, exc_info=True)
-                        v = self.model_version
-                        state = ("untrainable", f"v{v} cannot be trained here: {type(exc).__name__}: {exc}")
-            changed = state != self._train_state
-            self._train_state = state
-        if changed:
-            if state[0] == "training":
-                log.info("%s: taking part in federated rounds on v%s", self.device_id, self.model_version)
-            else:  # a choice or a board's nature is info; a model that should train and does not is a warning
-                level = logging.WARNING if state[0] in ("quantized", "untrainable") else logging.INFO
-                log.log(level, "%s: not taking part in federated rounds: %s", self.device_id, state[1])
-            if announce and self._started and self.transport.is_connected:
-                try:
-                    self.publish_birth()
-                except EdgeflowError as exc:
-                    log.debug("%s: birth not re-announced: %s", self.device_id, exc)
-                self._tele_wake.set()
-        return state
-
-    def _participant_changed(self) -> None:
-        """The participant's own state changed (e.g. the gateway's model does not fit; it logged why): tell the
-        gateway now."""
-        if self._started and not self._stop.is_set() and self.transport.is_connected:
-            try:
-                self.publish_birth()
-            except EdgeflowError:
-                pass
-            self._tele_wake.set()
-
-    def _stop_participant(self) -> None:
-        p, self._participant = self._participant, None
-        if p is not None:
-            try:
-                p.stop()
-            except Exception:  # noqa: BLE001 - stopping is best effort
-                log.exception("%s: participant failed to stop", self.device_id)
-
-    _START_CODES = {"profile": "not_supported", "no_data": "not_supported", "no_model": "no_model",
-                    "quantized": "not_supported", "untrainable": "failed"}
-
-    def _start_training(self) -> dict[str, Any]:
-        if self._owner_opted_out:
-            raise CommandFailed("not_supported", self._train_blocker()[1])  # type: ignore[index]
-        was = self.options.train
-        self.options.train = True
-        code, detail = self._sync_training()
-        if code != "training":
-            self.options.train = was
-            self._sync_training()
-            raise CommandFailed(self._START_CODES.get(code, "failed"), detail)
-        self._persist_train(True)
-        return {"training": True, "model_version": self.model_version}
-
-    def _stop_training(self) -> dict[str, Any]:
-        was = self.training
-        self.options.train = False
-        self._persist_train(False)
-        self._sync_training()
-        return {"training": False, "was_training": was}
-
-    def _persist_train(self, on: bool) -> None:
-        persisted = dict(self.slots.state().get("config") or {})
-        persisted["train"] = on
-        self.slots.save_state(config=persisted, training=on)
-
-    def _restart_participant(self) -> None:
-        self._sync_training(restart=True)
-
-    # ------------------------------------------------------------ operations
-
-    def _enqueue_op(self, cmd: Command, data: bytes | None, art: Artifact | None) -> None:
-        if cmd.id in self._ops_busy:
-            return  # already queued (a redelivery); its ack will come
-        try:
-            self._ops.put_nowait((cmd, data, art))
-        except queue.Full:
-            self._ack(cmd.id, cmd.name, ok=False, code="busy", cache=False,
-                      error="the device is busy with other deployments; retry later")
-            return
-        self._ops_busy.add(cmd.id)
-
-    def _ops_loop(self) -> None:
-        while not self._stop.is_set():
-            item = self._ops.get()
-            if item is None or self._stop.is_set():
-                return
-            cmd, data, art = item
-            try:
-                if cmd.name == "deploy":  # an OTA offer, with its artifact
-                    self._run_command(cmd, lambda c: self._deploy(c, data, art))
-                else:
-                    self._run_command(cmd, self._handler(cmd.name))
-            finally:
-                self._ops_busy.discard(cmd.id)
-
-    def _hook(self, step: str) -> None:
-        fault_point(f"ota.{step}")
-
-    def _on_ota(self, msg: Message) -> None:
-        if self._stop.is_set():
-            return
-        try:
-            offer = OtaOffer.from_bytes(msg.payload)
-        except CodecError as exc:
-            self._refuse("", "deploy", "bad_message", str(exc))
-            return
-        cmd = self._authenticate(offer.command, expect="deploy")
-        if cmd is None:
-            return
-        self.counters["commands"] += 1
-        want = str(cmd.args.get("artifact_sha256", ""))
-        if hashlib.sha256(offer.artifact).hexdigest() != want:
-            self._refuse(cmd.id, cmd.name, "bad_artifact",
-                         "the artifact does not match the SHA-256 the signed deploy command names")
-            return
-        try:
-            art = verify_artifact(offer.artifact, self.fleet_key, profile=self.profile.name, fleet=self.fleet)
-        except (SignatureError, FleetError) as exc:
-            self._refuse(cmd.id, cmd.name, getattr(exc, "reason", "bad_artifact"), f"artifact refused: {exc}")
-            return
-        self._enqueue_op(cmd, offer.artifact, art)
-
-    def _needed_masters(self) -> set[str]:
-        """The fp32 masters the active and the rollback model train on."""
-        out: set[str] = set()
-        p = self.slots.pointer()
-        for slot in (p.active, p.previous):
-            data = None if slot is None else self.slots.read_artifact(slot)
-            if data is None:
-                continue
-            try:
-                meta = verify_artifact(data, self.fleet_key).manifest.meta or {}
-            except EdgeflowError:
-                continue
-            if str(meta.get("precision", "fp32")) != "fp32" and isinstance(meta.get("source_sha256"), str):
-                out.add(meta["source_sha256"])
-        return out
-
-    def _store_master(self, art: Artifact, data: bytes) -> dict[str, Any]:
-        """Keep the fp32 master of a quantized model (sent just before it): what the participant trains."""
-        meta = art.manifest.meta or {}
-        if meta.get("role") != "train_master" or str(meta.get("precision", "fp32")) != "fp32":
-            raise CommandFailed("bad_artifact", "a training master must be an fp32 artifact built as one "
-                                "(manifest meta role = train_master); build it with edgeflow.gateway.ota.build_artifacts")
-        try:
-            self.slots.store_master(data, art)
-        except OSError as exc:
-            raise CommandFailed("failed", f"the fp32 master of v{art.version} could not be written ({exc})") from None
-        self.slots.prune_masters(self._needed_masters() | {art.manifest.sha256})
-        self._sync_training()  # a quantized model that waited for its master trains now
-        return {"train_master": art.manifest.sha256, "version": art.version, "model_version": self.model_version}
-
-    def _deploy(self, cmd: Command, data: bytes, art: Artifact) -> dict[str, Any] | None:
-        if cmd.args.get("role") == "train_master":
-            return self._store_master(art, data)
-        self.counters["deploys"] += 1
-        cur = self._model
-        old_version = None if cur is None else cur.version
-        if cur is not None and cur.sha256 == art.manifest.sha256 and cur.version == art.version:
-            return {"model_version": cur.version, "unchanged": True}
-        self._check_fresh(cmd, old_version)
-        if cur is not None and art.version < cur.version and cmd.args.get("allow_downgrade") is not True:
-            raise CommandFailed("downgrade", f"v{art.version} is older than the running v{cur.version}: a downgrade "
-                                "needs a signed rollback or a deploy that allows it (`fleet deploy --allow-downgrade`)",
-                                {"model_version": cur.version, "version": art.version})
-        self.slots.set_pending({"id": cmd.id, "name": "deploy", "version": art.version,
-                                "sha256": art.manifest.sha256, "from_version": old_version, "ts": time.time(),
-                                "issued": cmd.issued, "expires": cmd.expires})
-        self._hook("received")
-        slot = self.slots.stage(data, art.model, hook=self._hook)
-        report: HealthReport = check_model(
-            self.slots.slot_dir(slot) / "model.onnx", self.profile, art.golden(),
-            memory_budget_mb=self.options.memory_budget_mb, backend=self.options.backend,
-            threads=self.options.threads, runs=self.options.health_runs,
-        )
-        self._hook("checked")
-        if not report.ok:
-            self.slots.clear_pending()
-            raise CommandFailed(
-                "health_check_failed", f"v{art.version} failed its health check ({report.stage}): {report.reason}; "
-                f"staying on v{old_version}",
-                {"model_version": old_version, "version": art.version, "rolled_back": True,
-                 "health": report.to_dict()},
-            )
-        self.slots.activate(slot)
-        self.slots.save_state(installed_issued=cmd.issued)
-        self._hook("swapped")
-        try:
-            m = self._switch_to_active()
-        except EdgeflowError as exc:
-            self.slots.rollback()
-            if cur is not None:
-                self._switch_to_active()
-            self.slots.clear_pending()
-            raise CommandFailed("failed", f"v{art.version} passed its health check but did not load for serving "
-                                f"({exc}); rolled back to v{old_version}",
-                                {"model_version": old_version, "rolled_back": True}) from exc
-        self._hook("loaded")
-        self.slots.prune_masters(self._needed_masters())
-        self._restart_participant()
-        return self._finish_op(cmd, {"model_version": m.version, "previous_version": old_version, "slot": slot,
-                                     "health": report.to_dict()})
-
-    def _finish_op(self, cmd: Command, result: dict[str, Any]) -> None:
-        """Ack, then forget the journal, then re-announce: a crash in between repeats the ack, never loses it."""
-        self._ack(cmd.id, cmd.name, ok=True, result=result)
-        self.slots.clear_pending()
-        if self.transport.is_connected:
-            self.publish_birth()
-
-    def _check_fresh(self, cmd: Command, running: int | None) -> None:
-        """Refuse a deploy or rollback issued before the running model was installed (both times are the
-        gateway's clock): it was meant for an earlier state, e.g. a captured rollback replayed later."""
-        installed = self.slots.state().get("installed_issued")
-        if isinstance(installed, (int, float)) and cmd.issued < float(installed):
-            raise CommandFailed("stale", f"{cmd.name} issued at {cmd.issued:.0f} predates the installation of the "
-                                f"running v{running} (issued at {float(installed):.0f}); send a new command",
-                                {"model_version": running})
-
-    def _rollback(self, cmd: Command) -> dict[str, Any] | None:
-        self.counters["rollbacks"] += 1
-        cur = self._model
-        cur_version = None if cur is None else cur.version
-        self._check_fresh(cmd, cur_version)
-        want_from = cmd.args.get("from_version")
-        if want_from is not None and cur_version != int(want_from):
-            return {"model_version": cur_version, "unchanged": True,
-                    "note": f"not running v{want_from}: nothing to roll back"}
-        p = self.slots.pointer()
-        if p.previous is None:
-            raise CommandFailed("no_model", "no previous model on this device to roll back to",
-                                {"model_version": cur_version})
-        try:
-            prev = self.slots.verify_slot(p.previous, self.fleet_key, self.profile.name)
-            self._load(prev)
-        except EdgeflowError as exc:
-            raise CommandFailed("failed", f"the previous model does not verify or load ({exc}); staying on "
-                                f"v{cur_version}", {"model_version": cur_version}) from exc
-        self.slots.set_pending({"id": cmd.id, "name": "rollback", "version": prev.version,
-                                "sha256": prev.sha256, "from_version": cur_version, "ts": time.time(),
-                                "issued": cmd.issued, "expires": cmd.expires})
-        self.slots.rollback()
-        self.slots.save_state(installed_issued=cmd.issued)
-        m = self._switch_to_active()
-        self._restart_participant()
-        return self._finish_op(cmd, {"model_version": m.version, "previous_version": cur_version})
-
-    def _reboot(self, cmd: Command) -> dict[str, Any] | None:
-        """Restart the runtime: re-read config, re-verify and reload the model, restart training, re-announce."""
-        self._load_config()
-        with self._train_lock:
-            self._stop_participant()
-        self._boot_model()
-        self._sync_training(restart=True)
-        return self._finish_op(cmd, {"model_version": self.model_version, "notes": list(self.boot_notes)})
-
-    def _recover_pending(self) -> bytes | None:
-        """The signed ack for an operation a crash interrupted (sent after connect), or None."""
-        pending = self.slots.pending()
-        if not pending or not pending.get("id"):
-            if pending:
-                self.slots.clear_pending()
-            return None
-        m = self._model
-        now = None if m is None else m.version
-        done = m is not None and m.version == pending.get("version") and m.sha256 == pending.get("sha256")
-        name = str(pending.get("name", "deploy"))
-        if done:
-            ack = Ack(str(pending["id"]), name, self.device_id, True, "ok", "",
-                      {"model_version": now, "previous_version": pending.get("from_version")}, time.time(), True)
-        else:
-            ack = Ack(str(pending["id"]), name, self.device_id, False, "interrupted",
-                      f"the agent restarted during {name} of v{pending.get('version')}; it runs v{now}",
-                      {"model_version": now, "version": pending.get("version"), "rolled_back": True},
-                      time.time(), True)
-        payload = ack.sign(self.signer.key)
-        try:
-            self.seen.set_ack(ack.id, payload, issued=float(pending.get("issued", 0.0) or 0.0),
-                              expires=float(pending.get("expires", time.time() + 86400.0) or 0.0))
-        except (OSError, TypeError, ValueError) as exc:
-            log.warning("%s: recovered ack for %s not kept on disk: %s", self.device_id, ack.id, exc)
-        return payload
-
-    # -------------------------------------------------------------- inference

@@ -9,10 +9,15 @@ file when one is configured — a sysfs ``power_supply`` directory
 (``capacity``, ``status``) or a plain file holding a percentage — or from a
 callback. Battery is reported as a fraction 0..1 (the round selection's
 unit).
+
+:class:`TelemetryService` is the agent's reporter: every ``telemetry_interval_s`` (or at once after a
+:meth:`~TelemetryService.wake`: a new connection, a changed training state or interval) it publishes
+:meth:`~TelemetryService.body` on the device's ``telemetry`` topic, from its own timer thread.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -24,11 +29,12 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import EdgeflowError
 from ..timing import peak_rss_bytes
 
 log = logging.getLogger("edgeflow.device")
 
-__all__ = ["TelemetryCollector", "read_battery", "rss_bytes"]
+__all__ = ["TelemetryCollector", "TelemetryService", "read_battery", "rss_bytes"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -121,3 +127,75 @@ class TelemetryCollector:
             if charging is not None:
                 out["charging"] = charging
         return out
+
+
+class TelemetryService:
+    """Telemetry for a :class:`~edgeflow.device.agent.DeviceAgent` (``agent.telemetry``): the collector the
+    agent's inferences feed (:meth:`record`), the body of a report and the thread that sends it."""
+
+    def __init__(self, agent: Any, collector: TelemetryCollector) -> None:  # the agent (which imports this module)
+        self.agent = agent
+        self.collector = collector
+        self._wake = threading.Event()
+        self._seq = 0
+        self._seq_lock = threading.Lock()
+
+    def record(self, latency_ms: float, *, ok: bool = True) -> None:
+        self.collector.record(latency_ms, ok=ok)
+
+    @property
+    def battery_file(self) -> str | None:
+        return self.collector.battery_file
+
+    @battery_file.setter
+    def battery_file(self, value: str | None) -> None:
+        self.collector.battery_file = value
+
+    def wake(self) -> None:
+        """Send the next report now (and stop waiting, when the agent stops)."""
+        self._wake.set()
+
+    def reset_seq(self) -> None:
+        """A new birth: the reports' ``seq`` counts from 1 again."""
+        with self._seq_lock:
+            self._seq = 0
+
+    def _next_seq(self) -> int:
+        with self._seq_lock:
+            self._seq += 1
+            return self._seq
+
+    def body(self) -> dict[str, Any]:
+        a = self.agent
+        code, detail = a.train_status()
+        body = {"device": a.device_id, "ts": time.time(), "seq": self._next_seq(), "bdseq": a.bdseq,
+                "model_version": a.model_version, "training": code == "training", "train": code,
+                **({"train_detail": detail} if detail else {}),
+                **self.collector.snapshot(queue_depth=a.inference.queue.qsize() + a.ota.queue.qsize())}
+        p = a.participant
+        if p is not None:
+            try:
+                st = p.status()
+                part = {k: st[k] for k in ("rounds_trained", "last_round", "last_loss") if k in st}
+                errors = st.get("errors") or []
+                if errors:
+                    part["last_error"] = str(errors[-1])
+                body["participant"] = part
+            except Exception:  # noqa: BLE001 - telemetry must not die with the participant
+                log.debug("participant status failed; telemetry goes out without it", exc_info=True)
+        return body
+
+    def loop(self) -> None:
+        a = self.agent
+        while not a._stop.is_set():
+            self._wake.wait(max(0.05, float(a.options.telemetry_interval_s)))
+            self._wake.clear()
+            if a._stop.is_set():
+                return
+            if not a.transport.is_connected:
+                continue
+            try:
+                data = json.dumps(self.body(), separators=(",", ":")).encode("utf-8")
+                a.transport.publish(a._topic["telemetry"], data, qos=int(a.options.telemetry_qos))
+            except EdgeflowError as exc:
+                log.debug("%s: telemetry not sent: %s", a.device_id, exc)
