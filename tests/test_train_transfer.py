@@ -310,3 +310,61 @@ def test_transformer_encoder_gradient_vs_finite_differences():
         w[j] = orig
         num = (fp - fm) / 2e-6
         assert abs(grads[n].reshape(-1)[j] - num) <= 1e-6 * max(1.0, abs(num)), (n, grads[n].reshape(-1)[j], num)
+
+
+def test_cli_takes_open_dims_from_the_data_and_resumes_batchnorm_statistics(tmp_path, capsys):
+    """The suite's model has x = (-1, 3, ?, ?): the data fixes 3x48x48 (the batch stays open, so a last
+    partial batch trains too); a fixed batch that the batches would not match is one line suggesting
+    ?x3x48x48; full mode's --resume continues the BatchNorm statistics instead of reloading the base's."""
+    import onnx
+
+    from edgeflow.cli.main import main
+    from edgeflow.model import graph_inputs
+
+    try:
+        ms.fetch([NAME])
+    except ms.ModelDownloadError as exc:
+        pytest.skip(f"{NAME} is not cached and cannot be downloaded: {exc}")
+    raw = ms.load(NAME)
+    assert [d for d in graph_inputs(raw)[0].shape][2:] != [48, 48]  # dynamic in the file
+    onnx.save(raw, tmp_path / "cls.onnx")
+    rng = np.random.default_rng(4)
+    x6, y6 = rng.standard_normal((6,) + SHAPE).astype(np.float32), rng.integers(0, 2, 6)
+    np.savez(tmp_path / "d6.npz", x=x6, y=y6)
+    common = ["--profile", "x86-gateway", "--batch-size", str(BATCH)]
+    assert main(["train", str(tmp_path / "cls.onnx"), "--data", str(tmp_path / "d6.npz"),
+                 "-o", str(tmp_path / "a.onnx"), *common]) == 0  # batches of 4 and 2
+    capsys.readouterr()
+    assert main(["train", str(tmp_path / "cls.onnx"), "--data", str(tmp_path / "d6.npz"), "-o", str(tmp_path / "b.onnx"),
+                 "--shape", "x=32x3x48x48", *common]) == 2
+    err = capsys.readouterr().err
+    assert "fixed batch of 32" in err and "--shape x=?x3x48x48" in err and "\n" not in err.strip()
+    assert main(["train", str(tmp_path / "cls.onnx"), "--data", str(tmp_path / "d6.npz"), "-o", str(tmp_path / "b.onnx"),
+                 "--shape", "x=?x3x48x48", *common]) == 0  # the suggestion works
+    capsys.readouterr()
+
+    # one batch of 4, one step per run: run + --resume == two steps of a Trainer
+    x, y = x6[:BATCH], y6[:BATCH]
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    args = ["train", str(tmp_path / "cls.onnx"), "--data", str(tmp_path / "d.npz"), "-o", str(tmp_path / "t.onnx"),
+            *common]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "resumed" not in text and "train state (step 1) saved to" in text and "t.train.npz" in text
+    assert main(args + ["--resume"]) == 0
+    text = capsys.readouterr().out
+    assert "resumed from step 1" in text and "train state (step 2) saved to" in text
+    fixed = fix_input_shapes(raw, {"x": (None,) + SHAPE})
+    ref = Trainer(fixed, batch_size=BATCH, optimizer="sgd", lr=0.01, momentum=0.9, seed=0)
+    ref.step(x, y)
+    one = ref.get_weights()
+    ref.step(x, y)
+    two = ref.get_weights()
+    from onnx import numpy_helper
+
+    got = {t.name: numpy_helper.to_array(t) for t in onnx.load(tmp_path / "t.onnx").graph.initializer}
+    stats = [n for n in two if n.endswith(("_bn_mean", "_bn_variance"))]
+    moved = [n for n in stats if not np.allclose(one[n], two[n], rtol=1e-4, atol=1e-6)]
+    assert len(moved) > len(stats) // 2  # the second step moves them: a reset would show
+    for n in stats:
+        np.testing.assert_allclose(got[n], two[n], rtol=1e-4, atol=1e-6, err_msg=n)

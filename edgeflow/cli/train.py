@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 ORDER = 47
 
 
@@ -10,14 +12,19 @@ def register(sub) -> None:
         "train",
         help="train or fine-tune a model on local data (numpy, no PyTorch)",
         description="Train MODEL's weights on the arrays in --data (.npz with x and y, or name them "
-        "with --x-key/--y-key) on the numpy kernels, checking the step's planned memory against the "
-        "profile's training budget, and write the trained model to -o. Freeze layers with --freeze "
-        "PREFIX to fine-tune only the head.",
+        "with --x-key/--y-key; for a model with several inputs, one array per input name plus y) on the "
+        "numpy kernels, checking the step's planned memory against the profile's training budget, and "
+        "write the trained model to -o (the optimizer state beside it, for --resume). Input dims the "
+        "model leaves open besides the batch are taken from --data. Freeze layers with --freeze PREFIX "
+        "to fine-tune only the head.",
     )
     p.add_argument("model", help="path to an .onnx file")
     p.add_argument("--data", "-d", required=True, help=".npz file with inputs and labels (x, y)")
     p.add_argument("--x-key", help="name of the inputs array in --data (default: auto)")
     p.add_argument("--y-key", help="name of the labels array in --data (default: auto)")
+    p.add_argument("--input", metavar="NAME",
+                   help="the model input that --data's x feeds (a model with several inputs: the other "
+                   "inputs take the arrays of --data named after them)")
     p.add_argument("--output", "-o", required=True, help="where to write the trained .onnx model")
     p.add_argument("--epochs", "-e", type=int, default=1)
     p.add_argument("--batch-size", "-b", type=int, default=32)
@@ -52,28 +59,109 @@ def register(sub) -> None:
     p.set_defaults(func=cmd)
 
 
+def _read(path: str, inputs, args):
+    """(x, y) of a .npz: x an array (one input, or --input with nothing else) or a dict by input name."""
+    from ..data import load_npz
+    from ..train.feeds import read_split
+
+    if len(inputs) == 1 and args.input in (None, inputs[0].name):
+        d = load_npz(path, x_key=args.x_key, y_key=args.y_key)
+        return d.x, d.y
+    return read_split(path, inputs, input_name=args.input, x_key=args.x_key, y_key=args.y_key)
+
+
+def _by_input(x, inputs, name: str | None) -> dict:
+    if isinstance(x, dict):
+        return x
+    return {name or inputs[0].name: x}
+
+
+def _fill_from_data(model, x, inputs, input_name: str | None):
+    """Fix the dims the model (and --shape) leave open besides the batch from the training data, as
+    ``run --input`` does; the batch stays open so that a last, smaller batch trains too."""
+    from ..data import check_inputs
+    from ..model import fix_input_shapes
+
+    fill = {}
+    feeds = _by_input(x, inputs, input_name)
+    for t in inputs:
+        arr = feeds.get(t.name)
+        open_ = [i for i, d in enumerate(t.shape) if i > 0 and not (isinstance(d, int) and d >= 0)]
+        if arr is None or not open_:
+            continue
+        check_inputs(np.asarray(arr), (None, *t.shape[1:]), t.name)  # the rank and the fixed dims
+        fill[t.name] = [None] + [int(np.shape(arr)[i]) if i in open_ else None for i in range(1, len(t.shape))]
+    return fix_input_shapes(model, fill, source="the --data array") if fill else model
+
+
+def _check_shapes(model, x, batch_size: int, input_name: str | None) -> None:
+    """Dims still open besides the batch, or a fixed batch the batches would not match: one line each."""
+    from ..data import check_inputs
+    from ..errors import InputError, ShapeError
+    from ..model import graph_inputs
+
+    inputs = graph_inputs(model)
+    feeds = _by_input(x, inputs, input_name)
+    missing = [t.name for t in inputs if t.name not in feeds]
+    if missing:
+        example = ", ".join(f"{t.name}=..." for t in inputs)
+        raise InputError(f"--data has no array for the model's input(s) {missing}: save one array per input "
+                         f"name plus the labels (np.savez(path, {example}, y=...))")
+    for t in inputs:
+        hint = "x".join(["?"] + [str(d) if isinstance(d, int) and d >= 0 else f"<{d or f'dim{i}'}>"
+                                 for i, d in enumerate(t.shape[1:], 1)])
+        dyn = [i for i, d in enumerate(t.shape) if i > 0 and not (isinstance(d, int) and d >= 0)]
+        if dyn:
+            names = ", ".join(f"{i} ({t.shape[i]!r})" if t.shape[i] else str(i) for i in dyn)
+            raise ShapeError(f"input {t.name!r} has dynamic dim(s) {names}; give its shape with --shape "
+                             f"{t.name}={hint} (? leaves the batch open)")
+        arr = feeds.get(t.name)
+        if arr is None:
+            continue
+        check_inputs(np.asarray(arr), (None, *t.shape[1:]), t.name)  # before the first step: dims --shape fixed
+        b = t.shape[0] if t.shape else None
+        if not (isinstance(b, int) and b > 0):
+            continue
+        n = len(arr)
+        sizes = {min(batch_size, n)} | ({n % batch_size} if n > batch_size and n % batch_size else set())
+        if sizes != {b}:
+            raise ShapeError(
+                f"input {t.name!r} has a fixed batch of {b} in the model, the data gives batches of "
+                f"{sorted(sizes)} ({n} samples, --batch-size {batch_size}): leave the batch open with "
+                f"--shape {t.name}={hint}, or train with --batch-size {b} on a multiple of {b} samples")
+
+
 def cmd(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
-    from ..data import DataLoader, load_npz
+    from ..data import DataLoader, Dataset, from_arrays
     from ..errors import InputError
+    from ..model import graph_inputs
     from ..profiles import detect
     from ..train import Trainer
-    from ._common import (check_output_path, console, emit_json, human_bytes, model_with_shapes,
-                          require_static_shapes, spinner)
+    from ..train.checkpoint import load_state, save_state, state_path
+    from ._common import check_output_path, console, emit_json, human_bytes, model_with_shapes, spinner
 
     check_output_path(args.output)
     if args.epochs < 1 or args.batch_size < 1:
         raise InputError("--epochs and --batch-size must be >= 1")
-    data = load_npz(args.data, x_key=args.x_key, y_key=args.y_key)
-    val = load_npz(args.val, x_key=args.x_key, y_key=args.y_key) if args.val else None
+    model = model_with_shapes(args.model, args.shape)
+    inputs = graph_inputs(model)
+    if args.input is not None and args.input not in {t.name for t in inputs}:
+        raise InputError(f"--input {args.input!r} is not an input of the model; its inputs: {[t.name for t in inputs]}")
+    x, y = _read(args.data, inputs, args)
+    val = _read(args.val, inputs, args) if args.val else None
+    n = len(y)
     if args.val_fraction:
         if val is not None:
             raise InputError("give --val or --val-fraction, not both")
-        data, val = data.split(args.val_fraction, seed=args.seed)
+        keep, held = (d.x for d in Dataset(np.arange(n), np.asarray(y)).split(args.val_fraction, seed=args.seed))
+        take = (lambda a, i: {k: v[i] for k, v in a.items()}) if isinstance(x, dict) else (lambda a, i: a[i])
+        x, y, val = take(x, keep), y[keep], (take(x, held), y[held])
+        n = len(y)
+    model = _fill_from_data(model, x, inputs, args.input)
+    _check_shapes(model, x, args.batch_size, args.input)
     profile = args.profile if args.profile is not None else detect()
-    model = model_with_shapes(args.model, args.shape)
-    require_static_shapes(model, args.batch_size)
     if args.new_head:
         from ..train.transfer import new_head
 
@@ -84,24 +172,30 @@ def cmd(args) -> int:
         momentum=args.momentum if args.optimizer == "sgd" else 0.0, weight_decay=args.weight_decay,
         trainable=args.trainable, freeze=args.freeze, batch_size=args.batch_size, seed=args.seed,
         clip_norm=args.clip_norm, qat=args.qat, profile=profile, grad_accumulation=args.grad_accumulation,
-        mode=args.mode, budget_bytes=budget,
+        mode=args.mode, budget_bytes=budget, input=args.input,
     )
+    state_file = state_path(args.output)
+    resumed = None
     if args.resume:
-        from ..train.checkpoint import load_state, state_path
-
-        load_state(trainer, state_path(args.output))
-    loader = DataLoader(data, args.batch_size, shuffle=True, seed=args.seed)
+        resumed = int(load_state(trainer, state_file)["global_step"])
+    if isinstance(x, dict):
+        data = (x, y)  # several inputs: the trainer batches every array by sample
+        steps = -(-n // args.batch_size)
+    else:
+        data = DataLoader(from_arrays(x, y), args.batch_size, shuffle=True, seed=args.seed)
+        steps = len(data)
     out = console()
     plan = trainer.memory.plan if trainer.memory else trainer.plan_memory()
     if not args.json:
-        out.print(f"{args.model}: {len(trainer.trainable_names)} trainable weight(s), {len(data)} samples, "
+        out.print(f"{args.model}: {len(trainer.trainable_names)} trainable weight(s), {n} samples, "
                   f"profile {trainer.profile.name if trainer.profile else '-'}")
+        if resumed is not None:
+            out.print(f"  resumed from step {resumed} ({state_file}.npz)")
         if args.mode:
             out.print(f"  mode {trainer.mode}: {trainer.describe_trainable()}", soft_wrap=True)
         micro = f", micro-batches of {trainer.micro_batch}" if trainer.micro_batch < args.batch_size else ""
         out.print(f"  planned step memory {human_bytes(plan.peak_bytes)} at batch {args.batch_size}{micro}")
 
-    steps = len(loader)
     with spinner(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                  TextColumn("loss {task.fields[loss]}"), disable=args.json) as prog:
         state = {"task": None, "epoch": 0}
@@ -123,17 +217,15 @@ def cmd(args) -> int:
                 out.print(f"epoch {e.epoch}/{args.epochs}  loss {e.loss:.4f}{acc}{vl}{va}  ({e.seconds:.1f} s)",
                           soft_wrap=True)
 
-        history = trainer.fit(loader, args.epochs, validation=None if val is None else (val.x, val.y),
-                              on_batch=on_batch, on_epoch=on_epoch)
+        history = trainer.fit(data, args.epochs, validation=val, on_batch=on_batch, on_epoch=on_epoch)
     trainer.export(args.output)
-    from ..train.checkpoint import save_state, state_path
-
-    save_state(trainer, state_path(args.output))
+    npz, meta = save_state(trainer, state_file)
     if args.json:
         emit_json({"model": args.model, "output": args.output, "profile": trainer.profile.name if trainer.profile else None,
                    "trainable": trainer.trainable_names, "micro_batch": trainer.micro_batch,
-                   "mode": str(trainer.mode), "step": trainer.global_step,
-                   "memory_plan": plan.to_dict(), **history.to_dict()})
+                   "mode": str(trainer.mode), "step": trainer.global_step, "resumed_from": resumed,
+                   "state": [str(npz), str(meta)], "memory_plan": plan.to_dict(), **history.to_dict()})
         return 0
     out.print(f"saved {args.output}")
+    out.print(f"train state (step {trainer.global_step}) saved to {npz} and {meta.name}; continue with --resume")
     return 0

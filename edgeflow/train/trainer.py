@@ -37,6 +37,7 @@ from ..model import ModelSource, load_model
 from ..profiles import DeviceProfile, get_profile
 from .autograd import NON_DIFFERENTIABLE_INPUTS, Tape, refuse_control_flow
 from .export import save as save_model
+from .feeds import batch_len, check_known, convert, labels, missing_message
 from .export import with_weights
 from .losses import Loss, get_loss
 from .memory import BudgetDecision, TrainingMemoryPlan, fit_budget, plan_training_step
@@ -129,7 +130,10 @@ class Trainer:
             uses its thread count, and plans the step against its training budget.
         grad_accumulation: when the batch does not fit the budget, run micro-batches
             and accumulate (else a MemoryBudgetError says what fits).
-        output / input: which model output is the loss input / which input is fed.
+        output / input: which model output is the loss input / which input a plain-array ``x``
+            feeds (needed for a plain ``x`` when the model has several inputs; or give ``x`` as a
+            dict of per-sample arrays keyed by input name).
+        feeds: fixed arrays by input name, fed unchanged to every step (inputs the data does not carry).
         dtype: compute dtype ("float32"; "float64" for gradient checks).
     """
 
@@ -162,6 +166,7 @@ class Trainer:
         blocks: int | None = None,
         budget_bytes: int | None = None,
         bn_training: bool | None = None,
+        feeds: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         if int(batch_size) < 1 or int(epochs) < 0:
             raise InputError(f"batch_size must be >= 1 and epochs >= 0; got {batch_size} and {epochs}")
@@ -186,7 +191,11 @@ class Trainer:
         self.optimizer = optimizer if isinstance(optimizer, Optimizer) else make_optimizer(
             optimizer, lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
 
+        self.inputs = {t.name: t for t in self.graph.inputs}
         self.input_name, self.input_shape = self._pick_input(input)
+        check_known(dict(feeds or {}), list(self.inputs), "feeds=")
+        self.feeds: dict[str, np.ndarray] = {k: convert(k, v, self.inputs[k], self.dtype)
+                                             for k, v in dict(feeds or {}).items()}
         self.output_name = output or self.graph.output_names[0]
         if output is None and mode is not None and self.loss.classifies:
             self.output_name = logits_of(self.graph, self.output_name)  # cross-entropy wants the logits
@@ -245,11 +254,11 @@ class Trainer:
 
     # ------------------------------------------------------------ construction helpers
 
-    def _pick_input(self, name: str | None) -> tuple[str, tuple]:
+    def _pick_input(self, name: str | None) -> tuple[str | None, tuple | None]:
         ins = self.graph.inputs
         if name is None:
             if len(ins) != 1:
-                raise TrainingError(f"the model has {len(ins)} inputs {[i.name for i in ins]}; name one with input=")
+                return None, None  # x must be a dict by input name (or input= names the one it feeds)
             return ins[0].name, tuple(ins[0].shape)
         for i in ins:
             if i.name == name:
@@ -395,14 +404,40 @@ class Trainer:
 
     # ------------------------------------------------------------ validation
 
-    def _check_batch(self, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        x = np.asarray(x)
+    def _plain_input(self) -> str:
+        if self.input_name is None:
+            names = list(self.inputs)
+            raise TrainingError(f"the model has {len(names)} inputs {names}; give x as a dict keyed by input "
+                                "name, or name the one x feeds with input= (--input) and the others with feeds=")
+        return self.input_name
+
+    def _batch_feeds(self, x: Any) -> tuple[dict[str, np.ndarray], int]:
+        """Per-sample arrays by input name (checked and cast) and their number of samples."""
+        if isinstance(x, Mapping):
+            check_known(x, list(self.inputs))
+            batched = {k: convert(k, v, self.inputs[k], self.dtype) for k, v in x.items()}
+            n = batch_len(batched)
+        else:
+            name = self._plain_input()
+            a = np.asarray(x)
+            batched = {name: convert(name, a, self.inputs[name], self.dtype)}
+            n = len(a)
+        self._require_fed(batched)
+        return batched, n
+
+    def _require_fed(self, batched: Mapping[str, Any]) -> None:
+        missing = [k for k in self.inputs if k not in batched and k not in self.feeds]
+        if missing:
+            raise TrainingError(missing_message(missing, list(self.inputs)))
+
+    def _feed(self, batched: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {**self.feeds, **batched}
+
+    def _check_batch(self, x: Any, y: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        x, n = self._batch_feeds(x)
         y = np.asarray(y)
-        check_inputs(x, self.input_shape, self.input_name)
-        if len(x) != len(y):
-            raise ShapeError(f"batch has {len(x)} inputs but {len(y)} labels")
-        if x.dtype != self.dtype:
-            x = x.astype(self.dtype)
+        if n != len(y):
+            raise ShapeError(f"batch has {n} inputs but {len(y)} labels")
         if self.loss.classifies and np.issubdtype(y.dtype, np.integer) and self.n_classes:
             check_labels(y, self.n_classes)
         elif np.issubdtype(y.dtype, np.floating) and y.dtype != self.dtype:
@@ -410,25 +445,30 @@ class Trainer:
         return x, y
 
     def _check_dataset(self, d: Dataset) -> None:
-        check_inputs(d.x, self.input_shape, self.input_name)
-        if self.loss.classifies and np.issubdtype(d.y.dtype, np.integer):
+        name = self._plain_input()
+        check_inputs(d.x, self.input_shape, name)
+        self._require_fed({name: d.x})  # every other input is fed by feeds=
+        self._check_targets(d.y)
+
+    def _check_targets(self, y: np.ndarray) -> None:
+        if self.loss.classifies and np.issubdtype(y.dtype, np.integer):
             if self.n_classes:
-                check_labels(d.y, self.n_classes)
-        elif self.loss.classifies and d.y.ndim != 2:
-            raise ShapeError(f"cross-entropy targets must be class indices (N,) or probabilities (N, C); got {d.y.shape}")
+                check_labels(y, self.n_classes)
+        elif self.loss.classifies and y.ndim != 2:
+            raise ShapeError(f"cross-entropy targets must be class indices (N,) or probabilities (N, C); got {y.shape}")
 
     # ------------------------------------------------------------ one step
 
-    def _grads(self, x: np.ndarray, y: np.ndarray, scale: float
+    def _grads(self, x: dict[str, np.ndarray], y: np.ndarray, scale: float
                ) -> tuple[float, int | None, dict[str, np.ndarray], dict[str, np.ndarray]]:
         # Overflow shows up as a non-finite loss or gradient, which is checked and
         # reported as a TrainingError; numpy's warnings would only add noise.
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             return self._grads_unchecked(x, y, scale)
 
-    def _grads_unchecked(self, x: np.ndarray, y: np.ndarray, scale: float
+    def _grads_unchecked(self, x: dict[str, np.ndarray], y: np.ndarray, scale: float
                          ) -> tuple[float, int | None, dict[str, np.ndarray], dict[str, np.ndarray]]:
-        fwd = self.tape.forward(self.params, {self.input_name: x}, seed=self.seed * 7919 + self.global_step)
+        fwd = self.tape.forward(self.params, self._feed(x), seed=self.seed * 7919 + self.global_step)
         out = fwd.output
         if self.n_classes is None and self.loss.classifies and np.issubdtype(y.dtype, np.integer):
             check_labels(y, out.shape[1])
@@ -442,10 +482,13 @@ class Trainer:
         grads = self.tape.backward(fwd, dout)
         return loss, self.loss.correct(out, y), grads, fwd.state
 
-    def compute_gradients(self, x: np.ndarray, y: np.ndarray) -> tuple[float, int | None, dict[str, np.ndarray]]:
-        """Loss, correct count and gradients of the mean loss over a batch (micro-batched if planned)."""
+    def compute_gradients(self, x: Any, y: np.ndarray) -> tuple[float, int | None, dict[str, np.ndarray]]:
+        """Loss, correct count and gradients of the mean loss over a batch (micro-batched if planned).
+
+        ``x``: an array for the trainer's input, or a dict of per-sample arrays by input name.
+        """
         x, y = self._check_batch(x, y)
-        n = len(x)
+        n = len(y)
         if n == 0:
             raise InputError("empty batch")
         total_loss, total_correct = 0.0, 0
@@ -453,8 +496,8 @@ class Trainer:
         states: dict[str, np.ndarray] = {}
         m = self.micro_batch
         for start in range(0, n, m):
-            xb, yb = x[start:start + m], y[start:start + m]
-            w = len(xb) / n
+            xb, yb = {k: v[start:start + m] for k, v in x.items()}, y[start:start + m]
+            w = len(yb) / n
             loss, correct, g, state = self._grads(xb, yb, w)
             total_loss += w * loss
             total_correct = None if correct is None or total_correct is None else total_correct + correct
@@ -498,7 +541,7 @@ class Trainer:
         self._apply_state(self._pending_state)
         self.last_gradients = grads
         self.global_step += 1
-        return StepResult(loss, correct, len(x), norm)
+        return StepResult(loss, correct, len(y), norm)
 
     # ------------------------------------------------------------ epochs
 
@@ -519,16 +562,27 @@ class Trainer:
         epochs = self.epochs if epochs is None else int(epochs)
         if epochs < 0:
             raise InputError(f"epochs must be >= 0, got {epochs}")
-        if isinstance(data, tuple) and len(data) == 2:
+        by_name = None  # x as a dict of per-sample arrays: batches of sample indices, gathered below
+        if isinstance(data, tuple) and len(data) == 2 and isinstance(data[0], Mapping):
+            by_name, n = self._batch_feeds(data[0])
+            y_all = labels(data[1], self.dtype)
+            if n != len(y_all):
+                raise ShapeError(f"x has {n} samples but y has {len(y_all)}; they must match")
+            self._check_targets(y_all)
+            data = Dataset(np.arange(n), y_all)
+        elif isinstance(data, tuple) and len(data) == 2:
             data = from_arrays(*data, dtype=self.dtype)
         loader = as_loader(data, batch_size or self.batch_size, shuffle=shuffle,
                            seed=int(self._rng.integers(2**31)))
-        if loader.dataset is not None:
+        if loader.dataset is not None and by_name is None:
             self._check_dataset(loader.dataset)
         val = None
         if validation is not None:
-            val = validation if isinstance(validation, Dataset) else from_arrays(*validation, dtype=self.dtype)
-            self._check_dataset(val)
+            if isinstance(validation, tuple) and len(validation) == 2 and isinstance(validation[0], Mapping):
+                val = validation  # checked by evaluate
+            else:
+                val = validation if isinstance(validation, Dataset) else from_arrays(*validation, dtype=self.dtype)
+                self._check_dataset(val)
         prox_anchor = None
         if self.proximal_mu:
             src = anchor if anchor is not None else self.params
@@ -539,6 +593,8 @@ class Trainer:
             loss_sum, correct_sum, seen, steps = 0.0, 0, 0, 0
             scored = True
             for xb, yb in loader:
+                if by_name is not None:
+                    xb = {k: v[xb] for k, v in by_name.items()}
                 r = self.step(xb, yb, anchor=prox_anchor)
                 loss_sum += r.loss * r.samples
                 if r.correct is None:
@@ -554,7 +610,7 @@ class Trainer:
             stats = EpochStats(epoch + 1, loss_sum / seen, correct_sum / seen if scored else None, seen, steps,
                                time.perf_counter() - t0)
             if val is not None:
-                vl, va = self.evaluate(val.x, val.y)
+                vl, va = self.evaluate(*val) if isinstance(val, tuple) else self.evaluate(val.x, val.y)
                 stats = EpochStats(**{**asdict(stats), "val_loss": vl, "val_accuracy": va})
             history.epochs.append(stats)
             if on_epoch:
@@ -563,31 +619,29 @@ class Trainer:
 
     # ------------------------------------------------------------ inference
 
-    def predict(self, x: np.ndarray, *, batch_size: int = 256) -> np.ndarray:
+    def predict(self, x: Any, *, batch_size: int = 256) -> np.ndarray:
         """The target output in inference mode (running BatchNorm stats, no Dropout)."""
-        x = np.asarray(x)
-        check_inputs(x, self.input_shape, self.input_name)
-        x = x.astype(self.dtype, copy=False)
-        outs = [self.tape.infer(self.params, {self.input_name: x[i:i + batch_size]})
-                for i in range(0, len(x), batch_size)]
+        feeds, n = self._batch_feeds(x)
+        outs = [self.tape.infer(self.params, self._feed({k: v[i:i + batch_size] for k, v in feeds.items()}))
+                for i in range(0, n, batch_size)]
         return np.concatenate(outs) if outs else np.zeros((0,), self.dtype)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray, *, batch_size: int = 256) -> tuple[float, float | None]:
         """(mean loss, accuracy) in inference mode; accuracy is None for regression losses."""
         x, y = self._check_batch(x, y)
-        if len(x) == 0:
+        if len(y) == 0:
             raise InputError("cannot evaluate on zero samples")
         loss_sum, correct, scored = 0.0, 0, True
-        for i in range(0, len(x), batch_size):
-            xb, yb = x[i:i + batch_size], y[i:i + batch_size]
-            out = self.tape.infer(self.params, {self.input_name: xb})
-            loss_sum += self.loss.value(out, yb) * len(xb)
+        for i in range(0, len(y), batch_size):
+            xb, yb = {k: v[i:i + batch_size] for k, v in x.items()}, y[i:i + batch_size]
+            out = self.tape.infer(self.params, self._feed(xb))
+            loss_sum += self.loss.value(out, yb) * len(yb)
             c = self.loss.correct(out, yb)
             if c is None:
                 scored = False
             else:
                 correct += c
-        return loss_sum / len(x), (correct / len(x) if scored else None)
+        return loss_sum / len(y), (correct / len(y) if scored else None)
 
     # ------------------------------------------------------------ weights (federated API)
 
