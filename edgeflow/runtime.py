@@ -122,6 +122,7 @@ class Runtime:
         threads: int | None = None,
         allow_over_budget: bool = False,
         exact_int8: bool = False,
+        shapes_source: str = "input_shapes",
     ) -> None:
         # checked, as given: what onnxruntime loads. Shape inference and fixed input dims are for the
         # numpy backend and the memory plan only; onnx writes fixed shapes into subgraphs (untaken If
@@ -129,7 +130,8 @@ class Runtime:
         self.source_model = load_model(model, infer_shapes=False)
         self.exact_int8 = exact_int8
         self.profile = get_profile(profile) if profile is not None else detect()
-        fixed = resolve_input_shapes(self.source_model, input_shapes, source="input_shapes") if input_shapes else {}
+        self._shapes_source = shapes_source  # where input_shapes came from, for the messages (--shape)
+        fixed = resolve_input_shapes(self.source_model, input_shapes, source=shapes_source) if input_shapes else {}
         self.input_shapes = fixed
         choice = choose_backend(self.source_model, self.profile, backend)
         self.backend_name = choice.name
@@ -174,7 +176,7 @@ class Runtime:
         try:
             model = infer_model_shapes(self.source_model)
             if fixed:
-                model = fix_input_shapes(model, fixed, source="input_shapes")
+                model = fix_input_shapes(model, fixed, source=self._shapes_source)
             return model
         except EdgeflowError as exc:
             if self.backend_name == "numpy":

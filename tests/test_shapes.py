@@ -275,6 +275,11 @@ def test_numpy_side_shape_inference_never_blocks_onnxruntime(tmp_path, capsys):
     np.savez(tmp_path / "in.npz", **feeds)
     assert main(["run", str(path), "-i", str(tmp_path / "in.npz"), "--backend", "ort", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["outputs"]["y"]["shape"] == [1, 64]
+    assert main(["run", str(path), "-i", str(tmp_path / "in.npz"), "--backend", "numpy"]) == 2
+    err = _err(capsys)
+    assert "cannot take inputs of shape x [1, 512], sr [] (the --input array): shape inference fails" in err
+    assert main(["bench", str(path), "--shape", "x=1x512", "--backend", "numpy", "--runs", "1"]) == 2
+    assert "cannot take inputs of shape x [1, 512] (--shape)" in _err(capsys)
 
 
 def test_paddle_minus_one_dims_read_as_unknown():

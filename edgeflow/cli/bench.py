@@ -59,6 +59,7 @@ def cmd(args) -> int:
     require_static_shapes(inputs, args.batch)
     batch = args.batch or 1
     rt = load(model, args.profile, backend=args.backend, threads=args.threads, input_shapes=shapes,
+              shapes_source="--shape",
               batch_size=batch, allow_over_budget=args.allow_over_budget)
     feeds = random_feeds(rt.inputs, batch)
     first = next(iter(feeds.values()), None)

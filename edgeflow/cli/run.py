@@ -44,6 +44,7 @@ def cmd(args) -> int:
     model, shapes = model_and_shapes(args.model, args.shape, feeds, infer_shapes=False)  # onnxruntime gets the model as given
     batch = (feeds if isinstance(feeds, np.ndarray) else next(iter(feeds.values()), np.zeros(1))).shape[:1] or (1,)
     rt = load(model, args.profile, backend=args.backend, threads=args.threads, input_shapes=shapes,
+              shapes_source="--shape" if args.shape else "the --input array",
               batch_size=int(batch[0]), allow_over_budget=args.allow_over_budget)
     outs = rt.run(feeds)
     if args.output:
