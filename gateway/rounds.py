@@ -46,6 +46,10 @@ captured updates.
 The asynchronous mode (FedBuff) keeps one long-running "round": every
 device trains from the newest version it has, and the gateway publishes a
 new version every ``async_buffer`` updates, weighting each by staleness.
+Secure and asynchronous rounds are collaborators of the manager
+(:class:`~edgeflow.gateway.secure_rounds.SecureRounds` as ``rm.secure``,
+:class:`~edgeflow.gateway.async_rounds.AsyncRounds` as ``rm.async_rounds``);
+the manager keeps selection, announcement, the update path and the commit.
 
 Beyond one gateway, three small seams keep this loop unchanged
 (docs/scaling.md):
@@ -87,6 +91,7 @@ from edgeflow.transport.base import Transport
 from edgeflow.transport.topics import device_filter, gateway_topic, parse_topic
 
 from .aggregation import AggregateResult
+from .async_rounds import AsyncRounds
 from .secure_rounds import SecureRounds
 from .store import MAX_SEQ, GatewayStore, StoreError
 from .strategies import make_aggregator
@@ -441,6 +446,7 @@ class RoundManager:
         self.history: list[RoundMetrics] = []
         self._recovered: RoundAnnouncement | None = None
         self.secure = SecureRounds(self)  # secure aggregation: its server and phases (gateway/secure_rounds.py)
+        self.async_rounds = AsyncRounds(self)  # FedBuff: the long-running session (gateway/async_rounds.py)
         self._staged: _Staged | None = None
         self.counters_total: dict[str, int] = {}
         # global model
@@ -865,7 +871,7 @@ class RoundManager:
             if meta.loss is not None:
                 self._losses.append(meta.loss)
             if result is not None:
-                self._async_result = result
+                self.async_rounds.ready(result)
             self._cv.notify_all()
 
     # -- rounds -----------------------------------------------------------------
@@ -881,7 +887,7 @@ class RoundManager:
         else:
             todo = rounds
         if self.config.mode == "async":
-            return self._run_async(todo)
+            return self.async_rounds.run(todo)
         done: list[RoundMetrics] = []
         if self._recovered is not None and not self._stop.is_set():
             ann, self._recovered = self._recovered, None
@@ -1136,16 +1142,6 @@ class RoundManager:
             self.publish_model()
             fault_point("rounds.published")
 
-    def _adopt_async(self, result: AggregateResult, round_id: int) -> None:
-        """FedBuff: each buffered aggregate becomes a version at once (the session stays open)."""
-        self._stage(result)
-        staged, self._staged = self._staged, None
-        assert staged is not None
-        self.version = self.store.add_model(staged.onnx_bytes, staged.sha256, round_id=round_id,
-                                            version=staged.version)
-        self.weights = staged.weights
-        self.publish_model()
-
     def current_model(self, weights: Mapping[str, np.ndarray] | None = None) -> onnx.ModelProto:
         return model_with_weights(self.base_model, self.weights if weights is None else weights)
 
@@ -1196,61 +1192,6 @@ class RoundManager:
                  m.bytes_in / 1024, "n/a" if m.accuracy is None else f"{m.accuracy:.3f}")
         if self.on_round:
             self.on_round(m)
-
-    # -- async (FedBuff) -------------------------------------------------------
-    def _run_async(self, versions: int) -> list[RoundMetrics]:
-        from .buffered import BufferedAggregator, make_staleness
-
-        cfg = self.config
-        buf = BufferedAggregator(self._strategy, buffer_size=cfg.async_buffer,
-                                 staleness_fn=make_staleness(cfg.staleness), max_staleness=cfg.max_staleness)
-        buf.start(self.weights, version=self.version)
-        pool = self._wait_for_pool()
-        selected = self.select(pool)
-        round_id = self.store.last_round_id() + 1
-        ann = RoundAnnouncement(round_id=round_id, model_version=self.version, deadline=time.time() + 1e9,
-                                selected=tuple(selected), config=cfg.train, mode="async", issued=time.time(),
-                                epoch=self.epoch, nonce=secrets.token_hex(8))
-        self.store.open_round(round_id, self.version, ann.deadline,
-                              {**asdict(cfg.train), "_nonce": ann.nonce, "_mode": "async"}, selected)
-        with self._cv:
-            self._ann = ann
-            self._agg = buf
-            self._reported, self._counters, self._losses = set(), {}, []
-            self._bytes_in = self._dense_bytes = 0
-            self._async_result = None
-        self._publish_round(ann)
-        out: list[RoundMetrics] = []
-        t_start = time.perf_counter()
-        while len(out) < versions and not self._stop.is_set():
-            with self._cv:
-                end = time.time() + cfg.deadline_s
-                while self._async_result is None and not self._stop.is_set() and time.time() < end:
-                    self._cv.wait(0.1)
-                result, self._async_result = self._async_result, None
-                if result is None:
-                    result = buf.flush()
-                if result is None:
-                    continue
-            try:
-                self._adopt_async(result, round_id)
-            except AggregationError as exc:
-                log.error("async session %d: buffered aggregate refused (%s); the model stays v%d",
-                          round_id, exc, self.version)
-                continue
-            m = self._metrics(ann, result, 0.0, t_start)
-            with self._lock:
-                self._reported, self._counters, self._losses = set(), {}, []
-                self._bytes_in = self._dense_bytes = 0
-            t_start = time.perf_counter()
-            out.append(m)
-            self._report(m)
-        closed = RoundAnnouncement(**{**ann.__dict__, "state": "closed"})
-        with self._cv:
-            self._ann = closed
-        self._publish_round(closed)
-        self.store.finish_round(round_id, {"versions": len(out)})
-        return out
 
 
 def _refusal(reason: str, message: str) -> CodecError:
