@@ -107,3 +107,14 @@ def test_cli_run_json_on_the_vad_with_shape(suite, tmp_path, capsys):
     assert rt.inputs[0].shape == (1, n)
     with pytest.raises(Exception, match="dim 1"):
         rt.run({**feeds, "input": np.zeros((1, n + 64), np.float32)})
+
+
+def test_quantize_a_paddle_model_with_shape(suite, tmp_path, capsys):
+    """Paddle declares its outputs with dim_value -1: after --shape, strict shape inference compared them with
+    the fixed dims and quantize stopped ('Softmax ... differ in dimension 0: (1) vs (-1)')."""
+    cal = np.concatenate([ms.build_inputs("ocr-cls-ppocr-mobile-v2", k)["x"] for k in range(4)])
+    np.savez(tmp_path / "cal.npz", x=cal)
+    rc = main(["quantize", str(ms.model_path("ocr-cls-ppocr-mobile-v2")), "--profile", "x86-gateway",
+               "-c", str(tmp_path / "cal.npz"), "--shape", "x=1x3x48x192", "-o", str(tmp_path / "q.onnx"), "--json"])
+    assert rc == 0, capsys.readouterr().err
+    assert (tmp_path / "q.onnx").stat().st_size > 0
