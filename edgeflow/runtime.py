@@ -105,10 +105,14 @@ class Runtime:
     """A model ready to run on one device profile.
 
     ``input_shapes`` fixes input dims (``{"x": (1, 3, 320, 320)}``, or a
-    symbolic dim name to one number) in the model every backend loads, checked
-    against the model first. The numpy backend's memory plan needs every dim;
-    where some stay dynamic there is no plan (``plan`` is None, ``plan_note``
-    says why) and the model still runs, on any backend.
+    symbolic dim name to one number), checked against the model first; the
+    feeds are checked against them on every backend. The dims are fixed (and
+    shapes inferred) in ``model``, the numpy backend's and the memory plan's;
+    onnxruntime loads ``source_model``, the model as given, so that
+    numpy-side planning never blocks it. The numpy backend's memory plan
+    needs every dim; where some stay dynamic there is no plan (``plan`` is
+    None, ``plan_note`` says why) and the model still runs, on any backend.
+    ``shapes_source`` names where the shapes came from in messages.
     """
 
     def __init__(
