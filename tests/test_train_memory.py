@@ -90,3 +90,32 @@ def test_recomputing_im2col_gives_the_same_gradients():
     ga, gb = a.gradients(x, y), b.gradients(x, y)
     for k in ga:
         np.testing.assert_allclose(ga[k], gb[k], rtol=1e-12)
+
+
+def test_relu_outputs_kept_as_packed_masks_give_the_same_gradients(monkeypatch):
+    """Bias mode keeps a Relu's output only for its own backward, which reads output > 0: it is kept as
+    packed bits (1/32 of float32) and the gradients are bit for bit those of the float values; a MaxPool
+    with its argmax saved keeps only its input's shape. Without saved workspace both keep values again."""
+    from edgeflow.train import autograd
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 1, 8, 8)).astype(np.float64)
+    y = rng.integers(0, 10, 16)
+    model = zoo.digits_cnn(seed=0)
+    packed = Trainer(model, mode="bias", dtype="float64")
+    assert packed.tape.packed_values == {"crelu0", "crelu1"}
+    pools = [st for st in packed.tape.steps if st.node.op_type == "MaxPool"]
+    assert all(st.save and st.shape_only == (0,) for st in pools)
+    monkeypatch.setattr(autograd, "OUTPUT_READ_AS_POSITIVE_MASK", frozenset())
+    plain = Trainer(model, mode="bias", dtype="float64")
+    assert not plain.tape.packed_values
+    g_packed, g_plain = packed.gradients(x, y), plain.gradients(x, y)
+    for n in g_plain:
+        np.testing.assert_array_equal(g_packed[n], g_plain[n], err_msg=n)
+    assert packed.plan_memory().kept_bytes < plain.plan_memory().kept_bytes
+    monkeypatch.undo()
+    packed.tape.set_save_workspace(False)  # MaxPool recomputes its argmax from the values: nothing packed
+    assert not packed.tape.packed_values and all(st.shape_only == () for st in pools)
+    g = packed.gradients(x, y)
+    for n in g_plain:
+        np.testing.assert_allclose(g[n], g_plain[n], rtol=1e-12, atol=1e-14, err_msg=n)

@@ -82,6 +82,13 @@ VALUES_NEEDED_FOR: dict[str, dict[int, tuple[int, ...]]] = {
 }
 #: Frozen-statistics BatchNormalization reads x only for its scale's gradient.
 _BN_EVAL_VALUES = {0: (1,)}
+#: Ops whose backward reads their kept output only as ``output > 0``: where no
+#: other backward needs that value it is kept as packed bits (1/32 of float32)
+#: from its last forward reader on, and the backward gets the boolean mask,
+#: which gives the same gradient bit for bit.
+OUTPUT_READ_AS_POSITIVE_MASK = frozenset({"Relu"})
+#: MaxPool with its argmax saved (``forward_train``) reads its input only for the shape.
+_SAVED_ARGMAX_NEEDS_NO_INPUT = frozenset({"MaxPool"})
 
 #: A hook: (value, training) -> (value to use, gradient mask or None).
 Hook = Callable[[np.ndarray, bool], "tuple[np.ndarray, np.ndarray | None]"]
@@ -109,6 +116,7 @@ class Step:
     free_train: list[str] = field(default_factory=list)
     free_eval: list[str] = field(default_factory=list)
     free_backward: list[str] = field(default_factory=list)
+    pack_train: list[str] = field(default_factory=list)  # values kept from here on as packed > 0 masks
     state_updates: list[tuple[str, str]] = field(default_factory=list)  # (output, buffer)
 
 
@@ -229,6 +237,7 @@ class Tape:
             st.keep_outputs = uses in ("all", "outputs")
             st.shape_only = self._shape_only(st) if st.keep_inputs else ()
             st.save = self._saves(st)
+            self._argmax_only(st)
         if missing:
             raise TrainingError(
                 f"{len(missing)} op(s) on the gradient path have no backward kernel: {', '.join(missing)}. "
@@ -251,6 +260,11 @@ class Tape:
                      if pos < len(st.inputs) and st.inputs[pos] and not any(
                          j < len(st.needs) and st.needs[j] for j in uses))
 
+    def _argmax_only(self, st: Step) -> None:
+        """MaxPool keeps only its input's shape when its argmax is saved (and the values when it is not)."""
+        if st.node.op_type in _SAVED_ARGMAX_NEEDS_NO_INPUT and not st.node.domain and st.keep_inputs:
+            st.shape_only = (0,) if st.save else ()
+
     def _saves(self, st: Step) -> bool:
         # Conv's saved columns serve only its weight's gradient.
         if not (self.save_workspace and st.differentiable and st.kernel.forward_train is not None):
@@ -264,14 +278,24 @@ class Tape:
         return True
 
     def _lifetimes(self) -> None:
+        for st in self.steps:
+            st.free_train, st.free_eval, st.free_backward, st.pack_train = [], [], [], []
         persistent = set(self.constants) | set(self.trainable) | {self.target}
         kept: set[str] = set()
+        as_values: set[str] = set()  # kept values some backward reads as numbers
+        as_masks: set[str] = set()  # kept outputs read only as output > 0
         for st in self.steps:
             if st.differentiable:
                 if st.keep_inputs:
-                    kept.update(x for p, x in enumerate(st.inputs) if x and p not in st.shape_only)
+                    ins = {x for p, x in enumerate(st.inputs) if x and p not in st.shape_only}
+                    kept.update(ins)
+                    as_values.update(ins)
                 if st.keep_outputs:
-                    kept.update(o for o in st.outputs if o)
+                    outs = {o for o in st.outputs if o}
+                    kept.update(outs)
+                    masks = st.node.op_type in OUTPUT_READ_AS_POSITIVE_MASK and not st.node.domain
+                    (as_masks if masks else as_values).update(outs)
+        packed = as_masks - as_values - persistent
         state_outputs = {o for st in self.steps for o, _ in st.state_updates}
         last_read: dict[str, int] = {}
         for i, st in enumerate(self.steps):
@@ -287,6 +311,8 @@ class Tape:
             self.steps[i].free_eval.append(name)
             if name not in kept:
                 self.steps[i].free_train.append(name)
+            elif name in packed:
+                self.steps[i].pack_train.append(name)
         # During the backward a kept value dies after its earliest-scheduled reader ran.
         first_bwd: dict[str, int] = {}
         for i, st in enumerate(self.steps):
@@ -301,12 +327,15 @@ class Tape:
             if name not in persistent:
                 self.steps[i].free_backward.append(name)
         self.kept_values = frozenset(kept - persistent)
+        self.packed_values = frozenset(packed)
 
     def set_save_workspace(self, flag: bool) -> None:
         """Keep training-forward savings (im2col columns...) or recompute them in the backward."""
         self.save_workspace = bool(flag)
         for st in self.steps:
             st.save = self._saves(st)
+            self._argmax_only(st)
+        self._lifetimes()
 
     # ------------------------------------------------------------ hooks
 
@@ -360,6 +389,8 @@ class Tape:
             _store(env, st.outputs, result)
             for name in st.free_train:
                 env.pop(name, None)
+            for name in st.pack_train:
+                env[name] = PositiveMask.of(env[name])
         state = {buf: env[o] for st in self.steps for o, buf in st.state_updates if o in env}
         return Forward(env, saved, args_kept, masks, env[self.target], state, shapes)
 
@@ -396,12 +427,13 @@ class Tape:
                 elif st.keep_inputs:
                     ins = [env.get(x) if x else None for x in st.inputs]
                     for pos in st.shape_only:
-                        if ins[pos] is None and (i, pos) in fwd.shapes:
+                        if (ins[pos] is None or isinstance(ins[pos], PositiveMask)) and (i, pos) in fwd.shapes:
                             shp, dt = fwd.shapes[(i, pos)]
                             ins[pos] = np.broadcast_to(np.zeros((), dt), shp)
                 else:
                     ins = [None] * len(st.inputs)
                 outs = [env.get(o) if o else None for o in st.outputs] if st.keep_outputs else [None] * len(st.outputs)
+                outs = [o.unpack() if isinstance(o, PositiveMask) else o for o in outs]
                 kw = st.bwd_attrs
                 if st.kernel.backward_wants_needs or st.save:
                     kw = dict(kw)
@@ -430,6 +462,22 @@ class Tape:
                 g = g.astype(ref.dtype)
             out[p] = g
         return out
+
+
+@dataclass(frozen=True)
+class PositiveMask:
+    """``value > 0`` of a kept value as packed bits: what a Relu backward reads of its output."""
+
+    bits: np.ndarray
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, value: np.ndarray) -> "PositiveMask":
+        return cls(np.packbits(value > 0, axis=None), tuple(value.shape))
+
+    def unpack(self) -> np.ndarray:
+        n = int(np.prod(self.shape, dtype=np.int64))
+        return np.unpackbits(self.bits, count=n).view(np.bool_).reshape(self.shape)
 
 
 def _store(env: dict[str, np.ndarray], names: list[str], result: Any) -> None:

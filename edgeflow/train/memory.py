@@ -141,6 +141,10 @@ def plan_training_step(tape: Tape, batch_size: int, *, trainable_bytes: int, opt
             peak, phase, where = total, "forward", st.node.name
         for name in st.free_train:
             live.pop(name, None)
+        for name in st.pack_train:  # kept as packed bits (a Relu output read as output > 0)
+            shp = info.get(name, (None, 4))[0]
+            if shp is not None:
+                live[name] = (int(np.prod(shp, dtype=np.int64)) + 7) // 8
     kept = sum(live.values()) + sum(saved.values())
     grads: dict[str, int] = {tape.target: nbytes(tape.target)}
     for i in range(len(tape.steps) - 1, -1, -1):
