@@ -25,6 +25,7 @@ estimator) without the tape knowing about quantization.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -87,6 +88,11 @@ _BN_EVAL_VALUES = {0: (1,)}
 #: from its last forward reader on, and the backward gets the boolean mask,
 #: which gives the same gradient bit for bit.
 OUTPUT_READ_AS_POSITIVE_MASK = frozenset({"Relu"})
+#: Ops whose samples are independent, run over groups of samples when their workspace is large.
+_BY_SAMPLES = frozenset({"Conv"})
+#: A Conv's forward workspace (im2col-style columns) allowed per byte of its input before the
+#: training forward runs it over groups of samples.
+WORKSPACE_PER_INPUT = 4
 #: MaxPool with its argmax saved (``forward_train``) reads its input only for the shape.
 _SAVED_ARGMAX_NEEDS_NO_INPUT = frozenset({"MaxPool"})
 
@@ -173,6 +179,7 @@ class Tape:
         self.bn_training = bool(bn_training)
         self.constants: dict[str, np.ndarray] = dict(constants if constants is not None else graph.initializers)
         self.hooks: dict[int, list[tuple[int, Hook]]] = {}
+        self._pieces_cache: dict[tuple[int, tuple[int, ...]], int] = {}
         self.steps = [self._step(n) for n in graph.nodes]
         self._analyse()
 
@@ -329,6 +336,18 @@ class Tape:
         self.kept_values = frozenset(kept - persistent)
         self.packed_values = frozenset(packed)
 
+    def _pieces(self, i: int, st: Step, args: list) -> int:
+        """In how many runs over groups of samples step ``i`` goes (1: the whole batch at once)."""
+        x = args[0] if args else None
+        if not isinstance(x, np.ndarray):
+            return 1
+        key = (i, x.shape)
+        k = self._pieces_cache.get(key)
+        if k is None:
+            k = self._pieces_cache[key] = pieces_for(st, [None if a is None else a.shape for a in args],
+                                                     x.itemsize)
+        return k
+
     def set_save_workspace(self, flag: bool) -> None:
         """Keep training-forward savings (im2col columns...) or recompute them in the backward."""
         self.save_workspace = bool(flag)
@@ -385,7 +404,9 @@ class Tape:
             if st.save:
                 result, saved[i] = st.kernel.forward_train(*args, **attrs)
             else:
-                result = st.kernel.forward(*args, **attrs)
+                k = self._pieces(i, st, args)
+                result = st.kernel.forward(*args, **attrs) if k == 1 else _by_samples(st.kernel.forward, args,
+                                                                                        attrs, k)
             _store(env, st.outputs, result)
             for name in st.free_train:
                 env.pop(name, None)
@@ -478,6 +499,39 @@ class PositiveMask:
     def unpack(self) -> np.ndarray:
         n = int(np.prod(self.shape, dtype=np.int64))
         return np.unpackbits(self.bits, count=n).view(np.bool_).reshape(self.shape)
+
+
+def pieces_for(st: Step, shapes: list, itemsize: int) -> int:
+    """How many groups of samples a non-saving forward of ``st`` runs in, at these input shapes.
+
+    A Conv whose im2col-style workspace is over :data:`WORKSPACE_PER_INPUT` times its input runs
+    over groups of samples (every sample is independent, so the output is the same): the frozen
+    forward's working set, which every transfer mode pays, is then a few inputs, not prod(kernel)
+    of them. The memory planner asks the same question."""
+    x = shapes[0] if shapes else None
+    if (st.save or st.node.op_type not in _BY_SAMPLES or st.node.domain or st.kernel.workspace_fn is None
+            or x is None or len(x) < 3 or not isinstance(x[0], (int, np.integer)) or x[0] < 2):
+        return 1
+    try:
+        ws = int(st.kernel.workspace_fn(shapes, st.bwd_attrs) or 0) / 4 * itemsize  # its estimate is at 4 bytes
+    except Exception:  # noqa: BLE001 - no estimate: run it whole
+        return 1
+    in_bytes = max(1, int(np.prod(x, dtype=np.int64)) * itemsize)
+    return int(min(x[0], max(1, math.ceil(ws / in_bytes / WORKSPACE_PER_INPUT))))
+
+
+def _by_samples(fn: Callable, args: list, attrs: dict, pieces: int) -> np.ndarray:
+    """``fn(*args)`` over ``pieces`` groups of samples of ``args[0]``, written into one output."""
+    x = args[0]
+    n = x.shape[0]
+    bounds = [round(j * n / pieces) for j in range(pieces + 1)]
+    out = None
+    for a, b in zip(bounds, bounds[1:]):
+        part = fn(x[a:b], *args[1:], **attrs)
+        if out is None:
+            out = np.empty((n,) + part.shape[1:], part.dtype)
+        out[a:b] = part
+    return out
 
 
 def _store(env: dict[str, np.ndarray], names: list[str], result: Any) -> None:

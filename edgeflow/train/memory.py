@@ -23,7 +23,7 @@ import onnx
 
 from ..errors import MemoryBudgetError
 from ..memory import concrete_shapes, fixed_shape_model
-from .autograd import Tape
+from .autograd import Tape, pieces_for
 
 log = logging.getLogger("edgeflow.train")
 
@@ -130,6 +130,10 @@ def plan_training_step(tape: Tape, batch_size: int, *, trainable_bytes: int, opt
                 if o.endswith(".mask"):
                     live[o] = nbytes(st.inputs[0]) // itemsize  # bool mask, one byte per element
         ws = _workspace(st, shape_of, consts, unknown) * itemsize // 4
+        in_shapes = [None if not x else (consts[x].shape if x in consts else shape_of.get(x)) for x in st.inputs]
+        k = pieces_for(st, in_shapes, itemsize) if ws else 1
+        if k > 1:  # run over groups of samples: one group's workspace and output at a time
+            ws = -(-ws // k) + -(-nbytes(st.outputs[0]) // k)
         if st.save and st.differentiable:
             if st.node.op_type == "Conv":
                 saved[i] = ws
