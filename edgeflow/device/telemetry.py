@@ -139,9 +139,8 @@ class TelemetryService:
         self._wake = threading.Event()
         self._seq = 0
         self._seq_lock = threading.Lock()
-
-    def record(self, latency_ms: float, *, ok: bool = True) -> None:
-        self.collector.record(latency_ms, ok=ok)
+        self.record = collector.record
+        """``record(latency_ms, ok=True)``: one inference for the next report (the collector's own method)."""
 
     @property
     def battery_file(self) -> str | None:
