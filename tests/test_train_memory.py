@@ -166,3 +166,39 @@ def test_frozen_convs_run_over_groups_of_samples_with_the_same_result(monkeypatc
     m_grouped = _measured_step_bytes(grouped, x, y)
     assert m_grouped < 0.6 * m_whole, (m_grouped, m_whole)
     assert grouped.plan_memory().peak_bytes < plan_whole.peak_bytes
+
+
+def test_hardswish_output_is_recomputed_from_its_kept_input(monkeypatch):
+    """Conv -> HardSwish -> Conv: the second Conv's weight gradient reads the HardSwish output, whose
+    input the HardSwish backward keeps anyway; the output is made again in the backward instead of
+    kept between the passes: gradients bit for bit, less kept, and the plan follows."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from edgeflow.train import autograd
+
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array(rng.standard_normal((8, 3, 3, 3)).astype(np.float32), "c1.w"),
+             numpy_helper.from_array(rng.standard_normal((8,)).astype(np.float32), "c1.b"),
+             numpy_helper.from_array(rng.standard_normal((8, 8, 1, 1)).astype(np.float32), "c2.w"),
+             numpy_helper.from_array(rng.standard_normal((4, 8)).astype(np.float32), "fc.w")]
+    nodes = [helper.make_node("Conv", ["x", "c1.w", "c1.b"], ["a"], pads=[1] * 4),
+             helper.make_node("HardSwish", ["a"], ["h"]),
+             helper.make_node("Conv", ["h", "c2.w"], ["b"]),
+             helper.make_node("GlobalAveragePool", ["b"], ["p"]), helper.make_node("Flatten", ["p"], ["f"]),
+             helper.make_node("Gemm", ["f", "fc.w"], ["logits"], transB=1)]
+    g = helper.make_graph(nodes, "hs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 10, 10])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 4])], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    x = rng.standard_normal((6, 3, 10, 10)) * 3
+    y = rng.integers(0, 4, 6)
+    again = Trainer(model, dtype="float64", batch_size=6)
+    assert again.tape.recomputed_values == {"h"} and "h" not in again.tape.kept_values
+    monkeypatch.setattr(autograd, "RECOMPUTE_FROM_INPUT", frozenset())
+    kept = Trainer(model, dtype="float64", batch_size=6)
+    assert not kept.tape.recomputed_values and "h" in kept.tape.kept_values
+    g_kept, plan_kept = kept.gradients(x, y), kept.plan_memory()
+    monkeypatch.undo()
+    g_again = again.gradients(x, y)
+    for n in g_kept:
+        np.testing.assert_array_equal(g_again[n], g_kept[n], err_msg=n)
+    assert again.plan_memory().kept_bytes < plan_kept.kept_bytes

@@ -93,6 +93,11 @@ _BY_SAMPLES = frozenset({"Conv"})
 #: A Conv's forward workspace (im2col-style columns) allowed per byte of its input before the
 #: training forward runs it over groups of samples.
 WORKSPACE_PER_INPUT = 4
+#: Element-wise ops of one input whose output, when a backward wants it, is recomputed in the
+#: backward from their input (kept anyway for their own backward) instead of being kept: a
+#: HardSwish output that an SE block's Mul reads costs nothing between the passes.
+RECOMPUTE_FROM_INPUT = frozenset({"HardSwish", "HardSigmoid", "LeakyRelu", "Gelu", "Swish", "Mish", "Softsign",
+                                  "Erf", "Elu", "Selu", "Softplus"})
 #: MaxPool with its argmax saved (``forward_train``) reads its input only for the shape.
 _SAVED_ARGMAX_NEEDS_NO_INPUT = frozenset({"MaxPool"})
 
@@ -123,6 +128,7 @@ class Step:
     free_eval: list[str] = field(default_factory=list)
     free_backward: list[str] = field(default_factory=list)
     pack_train: list[str] = field(default_factory=list)  # values kept from here on as packed > 0 masks
+    recompute: list[tuple[str, int]] = field(default_factory=list)  # (value, producing step) made again here
     state_updates: list[tuple[str, str]] = field(default_factory=list)  # (output, buffer)
 
 
@@ -286,7 +292,7 @@ class Tape:
 
     def _lifetimes(self) -> None:
         for st in self.steps:
-            st.free_train, st.free_eval, st.free_backward, st.pack_train = [], [], [], []
+            st.free_train, st.free_eval, st.free_backward, st.pack_train, st.recompute = [], [], [], [], []
         persistent = set(self.constants) | set(self.trainable) | {self.target}
         kept: set[str] = set()
         as_values: set[str] = set()  # kept values some backward reads as numbers
@@ -303,6 +309,7 @@ class Tape:
                     masks = st.node.op_type in OUTPUT_READ_AS_POSITIVE_MASK and not st.node.domain
                     (as_masks if masks else as_values).update(outs)
         packed = as_masks - as_values - persistent
+        recomputed = self._recomputable(kept - persistent - packed)
         state_outputs = {o for st in self.steps for o, _ in st.state_updates}
         last_read: dict[str, int] = {}
         for i, st in enumerate(self.steps):
@@ -316,7 +323,7 @@ class Tape:
             if name in persistent or name in state_outputs:
                 continue
             self.steps[i].free_eval.append(name)
-            if name not in kept:
+            if name not in kept or name in recomputed:
                 self.steps[i].free_train.append(name)
             elif name in packed:
                 self.steps[i].pack_train.append(name)
@@ -330,11 +337,33 @@ class Tape:
             for x in names:
                 if x and x not in first_bwd:
                     first_bwd[x] = i
+                if x in recomputed and (x, recomputed[x]) not in st.recompute:
+                    st.recompute.append((x, recomputed[x]))
         for name, i in first_bwd.items():
             if name not in persistent:
                 self.steps[i].free_backward.append(name)
-        self.kept_values = frozenset(kept - persistent)
+        self.kept_values = frozenset(kept - persistent - set(recomputed))
         self.packed_values = frozenset(packed)
+        self.recomputed_values = frozenset(recomputed)
+
+    def _recomputable(self, kept: set[str]) -> dict[str, int]:
+        """Kept outputs of :data:`RECOMPUTE_FROM_INPUT` steps whose input stays kept (as values) for
+        their own backward, which runs after every backward reading the output: value -> step."""
+        out: dict[str, int] = {}
+        for i, st in enumerate(self.steps):
+            if (st.node.op_type not in RECOMPUTE_FROM_INPUT or st.node.domain or not st.differentiable
+                    or not st.keep_inputs or st.keep_outputs or 0 in st.shape_only or st.save or st.reseed
+                    or i in self.hooks or len(st.outputs) != 1 or not st.inputs or not st.inputs[0]):
+                continue
+            if any(x and x not in self.constants for x in st.inputs[1:]):
+                continue
+            if st.outputs[0] in kept:
+                out[st.outputs[0]] = i
+        return out
+
+    def _recompute(self, env: dict[str, Any], name: str, i: int) -> None:
+        st = self.steps[i]
+        env[name] = st.kernel.forward(*[env[x] if x else None for x in st.inputs], **st.train_attrs)
 
     def _pieces(self, i: int, st: Step, args: list) -> int:
         """In how many runs over groups of samples step ``i`` goes (1: the whole batch at once)."""
@@ -361,6 +390,8 @@ class Tape:
     def add_hook(self, step_index: int, position: int, hook: Hook) -> None:
         """Transform input ``position`` of step ``step_index`` on every forward."""
         self.hooks.setdefault(step_index, []).append((position, hook))
+        if self.steps[step_index].node.op_type in RECOMPUTE_FROM_INPUT:
+            self._lifetimes()  # a hooked step's output is not recomputed from the unhooked input
 
     # ------------------------------------------------------------ running
 
@@ -443,6 +474,9 @@ class Tape:
                 continue
             gy = [grads.pop(o, None) if o else None for o in st.outputs]
             if any(g is not None for g in gy):
+                for name, j in st.recompute:
+                    if name not in env:
+                        self._recompute(env, name, j)
                 if i in fwd.args:
                     ins = fwd.args.pop(i)
                 elif st.keep_inputs:

@@ -155,6 +155,8 @@ def plan_training_step(tape: Tape, batch_size: int, *, trainable_bytes: int, opt
         st = tape.steps[i]
         if not st.differentiable:
             continue
+        for name, _ in st.recompute:  # made again from its kept input for this backward
+            live.setdefault(name, nbytes(name))
         new = {x: nbytes(x) for x, need in zip(st.inputs, st.needs) if need and x not in tape.trainable}
         # Kernel temporaries: about one array the size of the largest gradient made here
         # (masks, products), plus Conv's column gradient and per-sample weight gradients.
