@@ -215,6 +215,7 @@ def infer_model_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     try:
         return _strict(model)
     except Exception as exc:  # onnx raises InferenceError and others
+        log.debug("strict shape inference failed (%s); trying again without the declared shapes", _last_line(exc))
         first = exc
     try:
         out = _strict(_without_declared_shapes(model))
