@@ -64,6 +64,15 @@ def test_a_dict_of_inputs_trains_and_a_missing_input_is_named():
         t.step({"a": np.full((4, 4), np.nan, np.float32), "b": b[:4]}, y[:4])
 
 
+def test_fit_reads_a_npz_with_one_array_per_input(tmp_path):
+    a, b, y = _toy_data()
+    np.savez(tmp_path / "d.npz", a=a, b=b, y=y)
+    t = Trainer(_two_inputs(), lr=0.1, batch_size=8)
+    before = t.evaluate({"a": a, "b": b}, y)[0]
+    assert t.fit(str(tmp_path / "d.npz"), epochs=3).num_samples == len(y)
+    assert t.evaluate({"a": a, "b": b}, y)[0] < before
+
+
 def test_fixed_feeds_and_a_plain_x_for_the_named_input():
     a, b, y = _toy_data()
     zero = np.zeros((1, 4), np.float32)  # the same for every sample, broadcast by Add

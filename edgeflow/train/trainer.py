@@ -37,7 +37,7 @@ from ..model import ModelSource, load_model
 from ..profiles import DeviceProfile, get_profile
 from .autograd import NON_DIFFERENTIABLE_INPUTS, Tape, refuse_control_flow
 from .export import save as save_model
-from .feeds import batch_len, check_known, convert, labels, missing_message
+from .feeds import batch_len, check_known, convert, labels, missing_message, read_split
 from .export import with_weights
 from .losses import Loss, get_loss
 from .memory import BudgetDecision, TrainingMemoryPlan, fit_budget, plan_training_step
@@ -562,6 +562,8 @@ class Trainer:
         epochs = self.epochs if epochs is None else int(epochs)
         if epochs < 0:
             raise InputError(f"epochs must be >= 0, got {epochs}")
+        if isinstance(data, (str, os.PathLike)) and len(self.inputs) > 1:  # one array per input name + y
+            data = read_split(data, self.graph.inputs, input_name=self.input_name)
         by_name = None  # x as a dict of per-sample arrays: batches of sample indices, gathered below
         if isinstance(data, tuple) and len(data) == 2 and isinstance(data[0], Mapping):
             by_name, n = self._batch_feeds(data[0])
