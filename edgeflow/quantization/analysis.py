@@ -18,6 +18,8 @@ quantizer and per-layer sensitivity (which quantizes one target at a time).
 
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +28,8 @@ from onnx import numpy_helper
 
 from ..errors import QuantizationError
 from ..optimize.passes.fuse_qdq import PASS_THROUGH
+
+log = logging.getLogger(__name__)
 
 QUANTIZABLE = ("Conv", "Gemm", "MatMul")
 
@@ -304,8 +308,8 @@ def clamps_as_clip(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
             t = vi.type.tensor_type
             if t.HasField("shape"):
                 ranks[vi.name] = len(t.shape.dim)
-    except Exception:  # noqa: BLE001 - without shapes only scalar constants are rewritten
-        pass
+    except Exception as exc:  # noqa: BLE001 - without shapes only scalar constants are rewritten
+        log.debug("shape inference failed before the Max/Min rewrite (%s); only scalar constants are rewritten", exc)
     done = 0
     scalars: dict[tuple[str, str], str] = {}
     for n in g.node:

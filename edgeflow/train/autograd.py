@@ -25,6 +25,8 @@ estimator) without the tape knowing about quantization.
 
 from __future__ import annotations
 
+import logging
+
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -34,6 +36,8 @@ import numpy as np
 from ..errors import TrainingError
 from ..graph import CompiledGraph, Node
 from ..kernels import Kernel, get_kernel
+
+log = logging.getLogger(__name__)
 
 #: Input positions that never get a gradient (statistics, ratios, shapes...).
 NON_DIFFERENTIABLE_INPUTS: dict[str, frozenset[int]] = {
@@ -548,7 +552,8 @@ def pieces_for(st: Step, shapes: list, itemsize: int) -> int:
         return 1
     try:
         ws = int(st.kernel.workspace_fn(shapes, st.bwd_attrs) or 0) / 4 * itemsize  # its estimate is at 4 bytes
-    except Exception:  # noqa: BLE001 - no estimate: run it whole
+    except Exception as exc:  # noqa: BLE001 - no estimate: run it whole
+        log.debug("no workspace estimate for %s (%s); its forward runs over the whole batch", st.node.name, exc)
         return 1
     in_bytes = max(1, int(np.prod(x, dtype=np.int64)) * itemsize)
     return int(min(x[0], max(1, math.ceil(ws / in_bytes / WORKSPACE_PER_INPUT))))
