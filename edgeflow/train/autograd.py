@@ -26,7 +26,6 @@ estimator) without the tape knowing about quantization.
 from __future__ import annotations
 
 import logging
-
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
