@@ -19,7 +19,6 @@ quantizer and per-layer sensitivity (which quantizes one target at a time).
 from __future__ import annotations
 
 import logging
-
 from dataclasses import dataclass, field
 
 import numpy as np
