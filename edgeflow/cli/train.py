@@ -41,6 +41,9 @@ def register(sub) -> None:
     p.add_argument("--mode", help="transfer learning: full (default), head, bias (biases + head, TinyTL), "
                    "last:N (the last N layers), sparse (what fits --budget-mib or the profile's training budget)")
     p.add_argument("--budget-mib", type=float, help="training memory budget for --mode sparse (default: the profile's)")
+    p.add_argument("--exact-activations", action="store_true",
+                   help="keep every activation a backward reads exact (by default --mode head/bias/last:N/sparse "
+                   "keep HardSwish/HardSigmoid inputs in 8 bits: less memory, gradients within a stated bound)")
     p.add_argument("--new-head", type=int, metavar="CLASSES",
                    help="replace the last Gemm/MatMul/1x1-Conv layer by a fresh one with CLASSES outputs")
     p.add_argument("--resume", action="store_true",
@@ -173,6 +176,7 @@ def cmd(args) -> int:
         trainable=args.trainable, freeze=args.freeze, batch_size=args.batch_size, seed=args.seed,
         clip_norm=args.clip_norm, qat=args.qat, profile=profile, grad_accumulation=args.grad_accumulation,
         mode=args.mode, budget_bytes=budget, input=args.input,
+        compact_activations=False if args.exact_activations else None,
     )
     state_file = state_path(args.output)
     resumed = None
@@ -194,7 +198,9 @@ def cmd(args) -> int:
         if args.mode:
             out.print(f"  mode {trainer.mode}: {trainer.describe_trainable()}", soft_wrap=True)
         micro = f", micro-batches of {trainer.micro_batch}" if trainer.micro_batch < args.batch_size else ""
-        out.print(f"  planned step memory {human_bytes(plan.peak_bytes)} at batch {args.batch_size}{micro}")
+        compact = len(trainer.tape.compacted_values)
+        compact = (f", {compact} activation(s) kept in 8/16 bits (--exact-activations: exact)" if compact else "")
+        out.print(f"  planned step memory {human_bytes(plan.peak_bytes)} at batch {args.batch_size}{micro}{compact}")
 
     with spinner(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                  TextColumn("loss {task.fields[loss]}"), disable=args.json) as prog:

@@ -12,7 +12,11 @@ decides, before any data flows:
   last backward reader has run, so it is freed during the backward;
 - how training mode changes a node: BatchNormalization switches to batch
   statistics and returns running stats (written back as buffer updates),
-  Dropout draws a fresh seeded mask per step and returns the mask.
+  Dropout draws a fresh seeded mask per step and returns the mask;
+- with ``compact_activations`` (off by default here; the trainer turns it on
+  outside full mode), which kept inputs of piecewise ops (HardSwish,
+  HardSigmoid: :data:`COMPACT_INPUT`) are stored as 8-bit region codes or
+  float16 instead of float: approximate gradients within a stated bound.
 
 :meth:`Tape.forward` then runs the schedule and returns a :class:`Forward`
 record; :meth:`Tape.backward` walks it in reverse from the target's gradient
@@ -104,6 +108,41 @@ RECOMPUTE_FROM_INPUT = frozenset({"HardSwish", "HardSigmoid", "LeakyRelu", "Gelu
 #: MaxPool with its argmax saved (``forward_train``) reads its input only for the shape.
 _SAVED_ARGMAX_NEEDS_NO_INPUT = frozenset({"MaxPool"})
 
+
+def _hardswish_regions(attrs: dict[str, Any]) -> "Piecewise":
+    # the kernel's backward: 0 where x <= -3, 1 where x >= 3, x / 3 + 0.5 between (reads x only there)
+    return Piecewise(-3.0, 3.0, lambda x: (x <= x.dtype.type(-3), x >= x.dtype.type(3)))
+
+
+def _hardsigmoid_regions(attrs: dict[str, Any]) -> "Piecewise | None":
+    a, b = float(attrs.get("alpha", 0.2)), float(attrs.get("beta", 0.5))
+    if not a > 0:
+        return None
+
+    def regions(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        t = x * x.dtype.type(a) + x.dtype.type(b)  # as the kernel's backward computes it
+        return t <= 0, t >= 1
+
+    # The gradient is alpha where 0 < alpha x + beta < 1 and 0 elsewhere: the region alone gives it
+    # exactly. Its output, where a later backward reads it, is an SE block's gate: it scales the whole
+    # main path's gradient, so it is recomputed from the exact input (N x C values: nothing to save).
+    return Piecewise(-b / a, (1 - b) / a, regions, half_when_recomputed=False)
+
+
+#: Ops whose backward reads input 0 only through a piecewise function that is constant outside an
+#: interval (lo, hi): op -> attrs -> :class:`Piecewise` (None: not this node). With
+#: ``compact_activations`` such an input, when no other backward reads it, is kept from its last
+#: forward reader on as 8-bit codes (:class:`RegionCodes`: 1/4 of float32) or, where the tape
+#: recomputes the op's output from it (an SE block's Mul reads a HardSwish output: that needs the
+#: value itself, HardSwish's upper tail is x), as float16 (:class:`HalfValues`: 1/2; or exact, for
+#: ops that say so: HardSigmoid). Both approximate the input; the rest of the step is unchanged.
+COMPACT_INPUT: dict[str, Callable[[dict[str, Any]], "Piecewise | None"]] = {
+    "HardSwish": _hardswish_regions,
+    "HardSigmoid": _hardsigmoid_regions,
+}
+#: Elements per slice when a value is encoded (bounds the encoder's temporaries).
+_ENCODE_CHUNK = 1 << 14
+
 #: A hook: (value, training) -> (value to use, gradient mask or None).
 Hook = Callable[[np.ndarray, bool], "tuple[np.ndarray, np.ndarray | None]"]
 
@@ -131,6 +170,7 @@ class Step:
     free_eval: list[str] = field(default_factory=list)
     free_backward: list[str] = field(default_factory=list)
     pack_train: list[str] = field(default_factory=list)  # values kept from here on as packed > 0 masks
+    compact_train: list[tuple[str, "Piecewise", bool]] = field(default_factory=list)  # (value, regions, as float16)
     recompute: list[tuple[str, int]] = field(default_factory=list)  # (value, producing step) made again here
     state_updates: list[tuple[str, str]] = field(default_factory=list)  # (output, buffer)
 
@@ -175,6 +215,7 @@ class Tape:
         save_workspace: bool = True,
         constants: dict[str, np.ndarray] | None = None,
         bn_training: bool = True,
+        compact_activations: bool = False,
     ) -> None:
         refuse_control_flow(graph)
         if target not in {n for s in graph.nodes for n in s.outputs} | set(graph.input_names):
@@ -186,6 +227,9 @@ class Tape:
         # False: BatchNormalization keeps its running statistics (inference mode) while its
         # scale and bias may still train: the usual transfer-learning setting (TinyTL).
         self.bn_training = bool(bn_training)
+        # True: inputs read by a backward only through a piecewise function (COMPACT_INPUT) are kept in
+        # 8 (or 16) bits; the gradients are then close to, not equal to, the exact ones.
+        self.compact_activations = bool(compact_activations)
         self.constants: dict[str, np.ndarray] = dict(constants if constants is not None else graph.initializers)
         self.hooks: dict[int, list[tuple[int, Hook]]] = {}
         self._pieces_cache: dict[tuple[int, tuple[int, ...]], int] = {}
@@ -296,23 +340,39 @@ class Tape:
     def _lifetimes(self) -> None:
         for st in self.steps:
             st.free_train, st.free_eval, st.free_backward, st.pack_train, st.recompute = [], [], [], [], []
+            st.compact_train = []
         persistent = set(self.constants) | set(self.trainable) | {self.target}
         kept: set[str] = set()
         as_values: set[str] = set()  # kept values some backward reads as numbers
         as_masks: set[str] = set()  # kept outputs read only as output > 0
-        for st in self.steps:
+        piecewise: dict[str, list[tuple[int, Piecewise]]] = {}  # values read as a piecewise op's input 0
+        for i, st in enumerate(self.steps):
             if st.differentiable:
                 if st.keep_inputs:
                     ins = {x for p, x in enumerate(st.inputs) if x and p not in st.shape_only}
                     kept.update(ins)
+                    pw = self._piecewise(i, st)
+                    if pw is not None:
+                        piecewise.setdefault(st.inputs[0], []).append((i, pw))
+                        ins.discard(st.inputs[0])
                     as_values.update(ins)
                 if st.keep_outputs:
                     outs = {o for o in st.outputs if o}
                     kept.update(outs)
                     masks = st.node.op_type in OUTPUT_READ_AS_POSITIVE_MASK and not st.node.domain
                     (as_masks if masks else as_values).update(outs)
+        # a value read by one piecewise op and by no other backward: compact (when asked), else as before
+        compact = {x: r[0][1] for x, r in piecewise.items()
+                   if len(r) == 1 and x not in as_values and x not in as_masks and x not in persistent}
+        as_values.update(x for x in piecewise if x not in compact)
         packed = as_masks - as_values - persistent
         recomputed = self._recomputable(kept - persistent - packed)
+        for x in recomputed:
+            compact.pop(x, None)
+        # float16 where the op's output is recomputed from it: a later backward reads that output's values
+        half = {self.steps[j].inputs[0] for j in recomputed.values()}
+        for x in [x for x, pw in compact.items() if x in half and not pw.half_when_recomputed]:
+            del compact[x]
         state_outputs = {o for st in self.steps for o, _ in st.state_updates}
         last_read: dict[str, int] = {}
         for i, st in enumerate(self.steps):
@@ -330,6 +390,8 @@ class Tape:
                 self.steps[i].free_train.append(name)
             elif name in packed:
                 self.steps[i].pack_train.append(name)
+            elif name in compact:
+                self.steps[i].compact_train.append((name, compact[name], name in half))
         # During the backward a kept value dies after its earliest-scheduled reader ran.
         first_bwd: dict[str, int] = {}
         for i, st in enumerate(self.steps):
@@ -348,6 +410,24 @@ class Tape:
         self.kept_values = frozenset(kept - persistent - set(recomputed))
         self.packed_values = frozenset(packed)
         self.recomputed_values = frozenset(recomputed)
+        #: value -> "codes8" or "float16": kept values stored approximately (compact_activations)
+        self.compacted_values = {n: ("float16" if half16 else "codes8")
+                                 for st in self.steps for n, _, half16 in st.compact_train}
+
+    def _piecewise(self, i: int, st: Step) -> "Piecewise | None":
+        """How step ``i``'s backward reads its input 0, when it is compactable (else None)."""
+        if (not self.compact_activations or st.node.domain or i in self.hooks or st.save
+                or not st.inputs or not st.inputs[0] or 0 in st.shape_only):
+            return None
+        rule = COMPACT_INPUT.get(st.node.op_type)
+        if rule is None or any(x and x not in self.constants for x in st.inputs[1:]):
+            return None
+        return rule(st.train_attrs)
+
+    def set_compact_activations(self, flag: bool) -> None:
+        """Keep piecewise ops' inputs in 8/16 bits (approximate gradients) or as they are (exact)."""
+        self.compact_activations = bool(flag)
+        self._lifetimes()
 
     def _recomputable(self, kept: set[str]) -> dict[str, int]:
         """Kept outputs of :data:`RECOMPUTE_FROM_INPUT` steps whose input stays kept (as values) for
@@ -366,7 +446,17 @@ class Tape:
 
     def _recompute(self, env: dict[str, Any], name: str, i: int) -> None:
         st = self.steps[i]
-        env[name] = st.kernel.forward(*[env[x] if x else None for x in st.inputs], **st.train_attrs)
+        x = env[st.inputs[0]]
+        if isinstance(x, (RegionCodes, HalfValues)) and len(st.inputs) == 1:  # element-wise: a slice at a time
+            out = None
+            for a, b in _slices(x.shape):
+                part = st.kernel.forward(x.decode(a, b), **st.train_attrs)
+                if out is None:
+                    out = np.empty(x.shape, part.dtype)
+                out.reshape(-1)[a:b] = part
+            env[name] = out
+            return
+        env[name] = st.kernel.forward(*[_plain(env[x]) if x else None for x in st.inputs], **st.train_attrs)
 
     def _pieces(self, i: int, st: Step, args: list) -> int:
         """In how many runs over groups of samples step ``i`` goes (1: the whole batch at once)."""
@@ -393,7 +483,8 @@ class Tape:
     def add_hook(self, step_index: int, position: int, hook: Hook) -> None:
         """Transform input ``position`` of step ``step_index`` on every forward."""
         self.hooks.setdefault(step_index, []).append((position, hook))
-        if self.steps[step_index].node.op_type in RECOMPUTE_FROM_INPUT:
+        if self.steps[step_index].node.op_type in RECOMPUTE_FROM_INPUT or \
+                self.steps[step_index].node.op_type in COMPACT_INPUT:
             self._lifetimes()  # a hooked step's output is not recomputed from the unhooked input
 
     # ------------------------------------------------------------ running
@@ -446,6 +537,8 @@ class Tape:
                 env.pop(name, None)
             for name in st.pack_train:
                 env[name] = PositiveMask.of(env[name])
+            for name, pw, half16 in st.compact_train:
+                env[name] = HalfValues.of(env[name]) if half16 else RegionCodes.of(env[name], pw)
         state = {buf: env[o] for st in self.steps for o, buf in st.state_updates if o in env}
         return Forward(env, saved, args_kept, masks, env[self.target], state, shapes)
 
@@ -485,7 +578,7 @@ class Tape:
                 elif st.keep_inputs:
                     ins = [env.get(x) if x else None for x in st.inputs]
                     for pos in st.shape_only:
-                        if (ins[pos] is None or isinstance(ins[pos], PositiveMask)) and (i, pos) in fwd.shapes:
+                        if (ins[pos] is None or isinstance(ins[pos], _STORED)) and (i, pos) in fwd.shapes:
                             shp, dt = fwd.shapes[(i, pos)]
                             ins[pos] = np.broadcast_to(np.zeros((), dt), shp)
                 else:
@@ -499,7 +592,11 @@ class Tape:
                         kw["needs_grad"] = st.needs
                     if st.save:
                         kw["saved"] = fwd.saved.pop(i, None)
-                gx = st.kernel.backward_fn(gy, ins, outs, **kw)
+                if _elementwise_on_stored(ins, gy, outs):
+                    gx = (_backward_from_codes(st, gy[0], ins[0], kw) if isinstance(ins[0], RegionCodes)
+                          else _backward_by_slices(st, gy[0], ins[0], kw))
+                else:
+                    gx = st.kernel.backward_fn(gy, [_plain(a) for a in ins], outs, **kw)
                 for pos, (name, need, g) in enumerate(zip(st.inputs, st.needs, gx)):
                     if not need or g is None:
                         continue
@@ -536,6 +633,151 @@ class PositiveMask:
     def unpack(self) -> np.ndarray:
         n = int(np.prod(self.shape, dtype=np.int64))
         return np.unpackbits(self.bits, count=n).view(np.bool_).reshape(self.shape)
+
+
+@dataclass(frozen=True)
+class Piecewise:
+    """A backward that reads its input only through ``regions`` outside (lo, hi) (its gradient is
+    constant there) and through the input's value inside."""
+
+    lo: float
+    hi: float
+    regions: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]  # (x <= lo, x >= hi) as the kernel tests them
+    # False: where the output is recomputed from the input, the input stays exact
+    half_when_recomputed: bool = True
+
+
+@dataclass(frozen=True)
+class RegionCodes:
+    """An input a piecewise backward reads, as one byte per value: 0 = at or below ``lo``, 255 = at or
+    above ``hi`` (the regions as the kernel's own comparisons see them, so the gradient there is exact),
+    1..254 = 254 equal bins of (lo, hi), decoded to their centres: off by at most half a bin,
+    (hi - lo) / 508 (HardSwish: 6/508 = 0.0118, so its derivative x / 3 + 0.5 is off by at most 1/254)."""
+
+    codes: np.ndarray  # uint8, the value's shape
+    lo: float
+    hi: float
+    dtype: np.dtype
+
+    LEVELS = 254  # interior bins
+
+    @classmethod
+    def of(cls, value: np.ndarray, pw: Piecewise) -> "RegionCodes":
+        codes = np.empty(value.shape, np.uint8)
+        flat, out = value.reshape(-1), codes.reshape(-1)
+        scale = value.dtype.type(cls.LEVELS / (pw.hi - pw.lo))
+        lo = value.dtype.type(pw.lo)
+        buf = np.empty(min(flat.size, _ENCODE_CHUNK), value.dtype)
+        for a in range(0, flat.size, _ENCODE_CHUNK):
+            x = flat[a:a + _ENCODE_CHUNK]
+            t, o = buf[:x.size], out[a:a + _ENCODE_CHUNK]
+            np.subtract(x, lo, out=t)
+            np.multiply(t, scale, out=t)
+            np.clip(t, 0, cls.LEVELS - 1, out=t)
+            np.add(t, 1, out=o, casting="unsafe")  # truncated: 1 + the bin, 1..254
+            below, above = pw.regions(x)  # the tails as the kernel sees them, whatever the rounding above
+            np.copyto(o, 0, where=below)
+            np.copyto(o, 255, where=above)
+        return cls(codes, float(pw.lo), float(pw.hi), value.dtype)
+
+    def table(self) -> np.ndarray:
+        """The value each code decodes to (the tails well outside (lo, hi))."""
+        w = self.hi - self.lo
+        t = np.empty(256, np.float64)
+        t[0], t[255] = self.lo - w, self.hi + w
+        t[1:255] = self.lo + (np.arange(self.LEVELS) + 0.5) * (w / self.LEVELS)
+        return t.astype(self.dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.codes.shape
+
+    def decode(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """The values (flat elements ``start:stop`` when given, else the whole array)."""
+        codes = self.codes if stop is None else self.codes.reshape(-1)[start:stop]
+        return np.take(self.table(), codes)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.codes.nbytes)
+
+
+@dataclass(frozen=True)
+class HalfValues:
+    """An input kept as float16 (clipped to +-65504): where the tape recomputes the op's output from
+    it, the region codes would not do (HardSwish's output above 3 is x). Relative rounding 2**-11:
+    within (-4, 4) at most 2**-10 absolute (HardSwish's derivative: off by at most 1/3072)."""
+
+    half: np.ndarray
+    dtype: np.dtype
+
+    @classmethod
+    def of(cls, value: np.ndarray) -> "HalfValues":
+        half = np.empty(value.shape, np.float16)
+        flat, out = value.reshape(-1), half.reshape(-1)
+        big = value.dtype.type(np.finfo(np.float16).max)
+        for a in range(0, flat.size, _ENCODE_CHUNK):
+            out[a:a + _ENCODE_CHUNK] = np.clip(flat[a:a + _ENCODE_CHUNK], -big, big)
+        return cls(half, value.dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.half.shape
+
+    def decode(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """The values (flat elements ``start:stop`` when given, else the whole array)."""
+        half = self.half if stop is None else self.half.reshape(-1)[start:stop]
+        return half.astype(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.half.nbytes)
+
+
+def _backward_from_codes(st: Step, dy: np.ndarray | None, codes: RegionCodes, kw: dict) -> tuple:
+    """An element-wise backward of one input read as region codes: the kernel's own backward on the
+    256 values the codes stand for, with dy = 1, is the derivative per code; the gradient is that
+    table looked up and multiplied by dy (what the kernel would give on the decoded input, without
+    the decoded input and the kernel's temporaries: one array)."""
+    if dy is None:
+        return (None,)
+    table = codes.table()
+    g = st.kernel.backward_fn([np.ones_like(table)], [table], [None] * len(st.outputs), **kw)[0]
+    dx = np.take(np.asarray(g, dtype=dy.dtype), codes.codes)
+    np.multiply(dx, dy, out=dx)
+    return (dx,)
+
+
+def _slices(shape: tuple[int, ...]):
+    n = int(np.prod(shape, dtype=np.int64))
+    return ((a, min(n, a + _ENCODE_CHUNK)) for a in range(0, n, _ENCODE_CHUNK))
+
+
+def _elementwise_on_stored(ins: list, gy: list, outs: list) -> bool:
+    """A one-input, one-output backward that reads only its compacted input, with a gradient of its shape."""
+    return (len(ins) == 1 and isinstance(ins[0], (RegionCodes, HalfValues)) and len(gy) == 1
+            and (gy[0] is None or gy[0].shape == ins[0].shape) and all(o is None for o in outs))
+
+
+def _backward_by_slices(st: Step, dy: np.ndarray | None, stored: "HalfValues | RegionCodes", kw: dict) -> tuple:
+    """An element-wise backward on a compacted input, run a slice at a time (the same numbers as on
+    the whole decoded array; the decoded input and the kernel's temporaries are a slice, not the value)."""
+    if dy is None:
+        return (None,)
+    dx = np.empty(dy.shape, dy.dtype)
+    flat_dy, flat_dx = dy.reshape(-1), dx.reshape(-1)
+    for a, b in _slices(dy.shape):
+        flat_dx[a:b] = st.kernel.backward_fn([flat_dy[a:b]], [stored.decode(a, b)], [None], **kw)[0]
+    return (dx,)
+
+
+#: What the forward may leave in place of a kept value.
+_STORED = (PositiveMask, RegionCodes, HalfValues)
+
+
+def _plain(value: Any) -> Any:
+    """A compacted value decoded for the kernel that reads it; anything else as it is."""
+    return value.decode() if isinstance(value, (RegionCodes, HalfValues)) else value
 
 
 def pieces_for(st: Step, shapes: list, itemsize: int) -> int:

@@ -6,6 +6,9 @@ every value a backward reads (the tape's ``kept`` values), what training
 forwards save (Conv's im2col columns, MaxPool's argmax), the gradients in
 flight, one gradient per trainable weight, and the optimizer's state
 (momentum: 1 array per weight; Adam: 2).
+Values the tape keeps compactly count at their stored size (Relu masks: 1
+bit, region codes: 1 byte, float16: 2 bytes per element), plus the full-size
+decode while the kernel that reads them runs.
 
 The plan replays the tape's exact schedule — the same free lists the
 forward and backward use — over value sizes from ONNX shape inference at
@@ -23,7 +26,7 @@ import onnx
 
 from ..errors import MemoryBudgetError
 from ..memory import concrete_shapes, fixed_shape_model
-from .autograd import Tape, pieces_for
+from .autograd import _ENCODE_CHUNK, Tape, pieces_for
 
 log = logging.getLogger("edgeflow.train")
 
@@ -78,6 +81,11 @@ def infer_values(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]
         else:
             out[vi.name] = (tuple(int(d.dim_value) for d in t.shape.dim), item)
     return out
+
+
+def _elements(info: dict, name: str) -> int:
+    shp = info.get(name, (None, 4))[0]
+    return 0 if shp is None else int(np.prod(shp, dtype=np.int64))
 
 
 def _workspace(st, shape_of: dict[str, tuple[int, ...] | None], consts: dict[str, np.ndarray],
@@ -149,18 +157,35 @@ def plan_training_step(tape: Tape, batch_size: int, *, trainable_bytes: int, opt
             shp = info.get(name, (None, 4))[0]
             if shp is not None:
                 live[name] = (int(np.prod(shp, dtype=np.int64)) + 7) // 8
+        if st.compact_train:  # kept as 8-bit codes or float16 (compact_activations)
+            now = sum(live.values()) + sum(saved.values())
+            for name, _, half in st.compact_train:
+                small = _elements(info, name) * (2 if half else 1)
+                now += small  # made while the value is still there, a slice at a time (temporaries)
+                chunk = min(_elements(info, name), _ENCODE_CHUNK) * (itemsize + 2)
+                if now + chunk > peak:
+                    peak, phase, where = now + chunk, "forward", st.node.name
+                now -= live.get(name, 0)
+                if name in live:
+                    live[name] = small
     kept = sum(live.values()) + sum(saved.values())
+    compacted = tape.compacted_values
+    slice_bytes = _ENCODE_CHUNK * itemsize * 4  # a slice's decoded input and the kernel's temporaries
     grads: dict[str, int] = {tape.target: nbytes(tape.target)}
     for i in range(len(tape.steps) - 1, -1, -1):
         st = tape.steps[i]
         if not st.differentiable:
             continue
         for name, _ in st.recompute:  # made again from its kept input for this backward
-            live.setdefault(name, nbytes(name))
+            live.setdefault(name, nbytes(name))  # (from a compacted input: a slice at a time)
         new = {x: nbytes(x) for x, need in zip(st.inputs, st.needs) if need and x not in tape.trainable}
         # Kernel temporaries: about one array the size of the largest gradient made here
         # (masks, products), plus Conv's column gradient and per-sample weight gradients.
-        scratch = max(new.values(), default=0)
+        # An element-wise backward on a compacted input runs a slice at a time (or by table lookup).
+        on_codes = st.keep_inputs and len(st.inputs) == 1 and st.inputs[0] in compacted
+        scratch = slice_bytes if on_codes else max(new.values(), default=0)
+        if st.recompute and any(x in compacted for _, j in st.recompute for x in tape.steps[j].inputs):
+            scratch = max(scratch, slice_bytes)
         w_shape = shape_of.get(st.inputs[1]) if st.node.op_type == "Conv" and len(st.inputs) > 1 else None
         x_shape = shape_of.get(st.inputs[0]) if st.node.op_type == "Conv" else None
         depthwise = (w_shape is not None and x_shape is not None and len(w_shape) > 1 and w_shape[1] == 1

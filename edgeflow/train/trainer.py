@@ -134,6 +134,11 @@ class Trainer:
             feeds (needed for a plain ``x`` when the model has several inputs; or give ``x`` as a
             dict of per-sample arrays keyed by input name).
         feeds: fixed arrays by input name, fed unchanged to every step (inputs the data does not carry).
+        compact_activations: keep what a backward reads of a piecewise op's input (HardSwish,
+            HardSigmoid) in 8 bits (float16 where the op's output is recomputed from it) instead of
+            float: less memory, gradients within a stated bound of the exact ones (docs/training.md).
+            None (default): on in the modes whose point is memory (head, bias, last:N, sparse), off
+            in full mode and without a mode; False: exact, bit for bit.
         dtype: compute dtype ("float32"; "float64" for gradient checks).
     """
 
@@ -167,6 +172,7 @@ class Trainer:
         budget_bytes: int | None = None,
         bn_training: bool | None = None,
         feeds: Mapping[str, np.ndarray] | None = None,
+        compact_activations: bool | None = None,
     ) -> None:
         if int(batch_size) < 1 or int(epochs) < 0:
             raise InputError(f"batch_size must be >= 1 and epochs >= 0; got {batch_size} and {epochs}")
@@ -212,6 +218,11 @@ class Trainer:
         self.layers = find_layers(self.graph, self._candidates(), self.output_name)
         self.sparse_k: int | None = None
         self._bn_given = bn_training
+        if compact_activations not in (None, True, False):
+            raise InputError(f"compact_activations takes True, False or None (the mode's default), "
+                             f"got {compact_activations!r}")
+        self._compact_given = compact_activations
+        self.compact_activations = self._compact_for(self.mode)
         self.bn_training = (self.mode.name == "full") if bn_training is None else bool(bn_training)
         if self.mode.name == "sparse":
             self.sparse_k = self._fit_sparse(trainable, freeze)
@@ -226,7 +237,8 @@ class Trainer:
             for n, a in inits.items() if n not in self.params
         }
         self.tape = Tape(self.graph, set(self.trainable_names), self.output_name,
-                         save_workspace=save_workspace, constants=constants, bn_training=self.bn_training)
+                         save_workspace=save_workspace, constants=constants, bn_training=self.bn_training,
+                         compact_activations=self.compact_activations)
         if mode is not None:
             log.info("mode %s: %s", self.mode, self.describe_trainable())
         unused = sorted(set(self.trainable_names) - self.tape.reaches_target)
@@ -299,14 +311,20 @@ class Trainer:
         """Which tensors train: '3 of 146 weight tensors train (5,124 values): ...'."""
         return describe(self.trainable_names, self.graph.initializers, len(self._candidates()))
 
-    def _plan_for(self, names: Sequence[str], batch_size: int, bn_training: bool | None = None
-                  ) -> TrainingMemoryPlan:
+    def _compact_for(self, mode: Mode) -> bool:
+        """Whether ``mode`` keeps piecewise ops' inputs compactly: as given, else its default."""
+        return self._compact_given if self._compact_given is not None else mode.name != "full"
+
+    def _plan_for(self, names: Sequence[str], batch_size: int, bn_training: bool | None = None,
+                  compact: bool | None = None) -> TrainingMemoryPlan:
         """Planned step memory if ``names`` trained (a throw-away tape; nothing runs)."""
         bn_training = self.bn_training if bn_training is None else bn_training
+        compact = self.compact_activations if compact is None else compact
         inits = self.graph.initializers
         consts = {n: (np.asarray(a, dtype=self.dtype) if a.dtype.kind == "f" else a)
                   for n, a in inits.items() if n not in names}
-        tape = Tape(self.graph, set(names), self.output_name, constants=consts, bn_training=bn_training)
+        tape = Tape(self.graph, set(names), self.output_name, constants=consts, bn_training=bn_training,
+                    compact_activations=compact)
         nbytes = sum(int(inits[n].size) * self.dtype.itemsize for n in names)
         return plan_training_step(tape, batch_size, trainable_bytes=nbytes, optimizer_slots=self.optimizer.slots,
                                   itemsize=self.dtype.itemsize)
@@ -346,7 +364,7 @@ class Trainer:
                 continue
             # as that mode would run: frozen BatchNorm statistics unless bn_training= was given
             bn = self._bn_given if self._bn_given is not None else m.name == "full"
-            peak = self._plan_for(names, batch_size or self.batch_size, bn).peak_bytes
+            peak = self._plan_for(names, batch_size or self.batch_size, bn, self._compact_for(m)).peak_bytes
             if peak <= budget_bytes:
                 out.append((str(m), peak))
         return out
