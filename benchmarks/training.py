@@ -19,7 +19,8 @@ both sides run the same graph with the same weights; its step is timed for
 the full fine-tune and bias + head (target: 2x), and for every transfer
 mode the planned peak memory of a step and the bytes numpy really allocates
 during one (tracemalloc) are compared with the full fine-tune's (target:
-bias + head <= 0.25x).
+bias + head <= 0.25x). The modes other than full keep HardSwish inputs in 8 bits
+(``compact_activations``, docs/training.md); ``bias-exact`` is bias + head without that.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def _torch_step(model, kind, x, y):
 # ---------------------------------------------------------------- a real pretrained model
 
 REAL_MODEL = "ocr-cls-ppocr-mobile-v2"  # PP-OCR's MobileNetV3 (HardSwish, SE blocks), weights in Constant nodes
-MODES = ("full", "bias", "head", "last:4", "sparse")
+MODES = ("full", "bias", "bias-exact", "head", "last:4", "sparse")  # bias-exact: compact_activations=False
 
 
 def _real_model(size: int, name: str = REAL_MODEL):
@@ -201,6 +202,10 @@ def onnx_to_torch(model, trainable: set[str], bn_training: bool):
                 y = i[0][tuple(idx)]
             elif op == "Concat":
                 y = torch.cat([torch.as_tensor(v) for v in i], a.get("axis", 0))
+            elif op == "Cast":  # Paddle's shape arithmetic (Shape -> Cast -> Slice) for the head's Reshape
+                from onnx import helper as onnx_helper
+
+                y = torch.as_tensor(i[0]).to(getattr(torch, str(onnx_helper.tensor_dtype_to_np_dtype(a["to"]))))
             else:
                 raise NotImplementedError(f"onnx_to_torch: no mapping for {op}")
             env[n.output[0]] = y
@@ -256,11 +261,14 @@ def real_model_rows(args, torch) -> tuple[list[dict], list[dict]]:
     trainers = {}
     for mode in MODES:
         kw = {}
-        if mode == "sparse":
+        if mode == "bias-exact":  # bias + head without activation compaction: the exact gradients
+            kw["compact_activations"] = False
+        elif mode == "sparse":
             # a budget between head-only and bias + head: the sparse update picks what fits
             kw["budget_bytes"] = (trainers["head"].plan_memory().peak_bytes
                                   + trainers["bias"].plan_memory().peak_bytes) // 2
-        tr = Trainer(model, mode=mode, optimizer="sgd", lr=0.01, momentum=0.9, batch_size=len(x), **kw)
+        tr = Trainer(model, mode=mode.removesuffix("-exact"), optimizer="sgd", lr=0.01, momentum=0.9,
+                     batch_size=len(x), **kw)
         trainers[mode] = tr
         plan = tr.plan_memory()
         measured = _measured_step_peak(tr, x, y)
@@ -269,7 +277,8 @@ def real_model_rows(args, torch) -> tuple[list[dict], list[dict]]:
                        "values": int(sum(tr.params[n].size for n in tr.trainable_names)),
                        "planned_peak_bytes": plan.peak_bytes, "kept_bytes": plan.kept_bytes,
                        "measured_step_bytes": measured, "numpy_ms": round(np_ms, 1),
-                       **({"budget_bytes": kw["budget_bytes"], "sparse_k": tr.sparse_k} if kw else {})})
+                       "compacted_values": len(tr.tape.compacted_values),
+                       **({"budget_bytes": kw["budget_bytes"], "sparse_k": tr.sparse_k} if mode == "sparse" else {})})
         if mode in ("full", "bias") and torch is not None:
             step, _, _ = _torch_real_step(tr.model, tr.trainable_names, tr.output_name, tr.bn_training, x, y)
             t_ms = _median_ms(step, args.real_runs, warmup=1)
@@ -346,10 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     if memory:
         print(f"\n{args.real_model} 3x{args.real_size}x{args.real_size}, batch {args.real_batch}: memory per mode "
               "(planned peak of a step; measured: numpy bytes allocated during a step, tracemalloc)")
-        print(f"{'mode':<8} {'tensors':>7} {'values':>9} {'planned MiB':>11} {'vs full':>7} "
+        print(f"{'mode':<10} {'tensors':>7} {'values':>9} {'planned MiB':>11} {'vs full':>7} "
               f"{'measured MiB':>12} {'vs full':>7} {'step ms':>8}")
         for r in memory:
-            print(f"{r['mode']:<8} {r['tensors']:>7} {r['values']:>9,} {r['planned_peak_bytes'] / 2**20:>11.1f} "
+            print(f"{r['mode']:<10} {r['tensors']:>7} {r['values']:>9,} {r['planned_peak_bytes'] / 2**20:>11.1f} "
                   f"{r['planned_vs_full']:>7.3f} {r['measured_step_bytes'] / 2**20:>12.1f} "
                   f"{r['measured_vs_full']:>7.3f} {r['numpy_ms']:>8.1f}")
     return 0
