@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from edgeflow import zoo
-from edgeflow.runtime import load
+from edgeflow.runtime.session import load
 
 TARGETS = {"mlp": 2.0, "cnn": 4.0}
 

@@ -47,10 +47,10 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> float:
 def bench_model(name: str, profile: str, runs: int, rounds: int, calib_samples: int) -> dict:
     import edgeflow
     from edgeflow import model_suite as ms
-    from edgeflow.backends import SessionOptions, get_backend
+    from edgeflow.runtime.backends import SessionOptions, get_backend
     from edgeflow.errors import EdgeflowError
-    from edgeflow.model import fix_input_shapes
-    from edgeflow.optimize import optimize_model
+    from edgeflow.runtime.model import fix_input_shapes
+    from edgeflow.runtime.optimize import optimize_model
     from edgeflow.quantization.weight_only import weight_only_int8
 
     model = fix_input_shapes(ms.load(name), ms.get(name).input_shapes, source="the manifest")

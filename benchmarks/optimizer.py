@@ -26,8 +26,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from edgeflow import zoo
-from edgeflow.backends.numpy_backend import _set_blas_threads, execute
-from edgeflow.graph import compile_graph
+from edgeflow.runtime.backends.numpy_backend import _set_blas_threads, execute
+from edgeflow.runtime.graph import compile_graph
 
 TARGET = 1.0
 

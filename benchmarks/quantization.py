@@ -29,10 +29,10 @@ import onnx
 from onnx import numpy_helper
 
 import edgeflow
-import edgeflow.optimize
+import edgeflow.runtime.optimize
 from edgeflow import zoo
 from edgeflow.data.datasets import load_digits
-from edgeflow.runtime import load
+from edgeflow.runtime.session import load
 
 PROFILE = "x86-gateway"
 
@@ -195,7 +195,7 @@ def real_rows(models, profiles, n_cal: int, n_eval: int, runs: int, rounds: int)
             r = edgeflow.quantize(fp32, prof, calibration=cal, eval_data=ev, max_loss=1.0, backend="ort",
                                   batch_size=1, latency_runs=0, gate_rounds=rounds, sensitivity=False)
             g = r.report.gate
-            base = edgeflow.optimize.optimize_model(fp32)
+            base = edgeflow.runtime.optimize.optimize_model(fp32)
             a = load(base, prof, backend="ort", batch_size=1, allow_over_budget=True)
             b = load(r.model, prof, backend="ort", batch_size=1, allow_over_budget=True)
             one = {k: v[:1] for k, v in ev.items()}

@@ -5,7 +5,7 @@ ONNX models that PyPI wheels ship) at batch 1 on its real input, one thread
 on both sides, in one run of this script. Each backend runs in its own fresh
 process per model (so that its peak RSS is honest: nothing of the other
 backend or of another model is resident), loads the model through
-``edgeflow.backends`` (``SessionOptions(threads=1)``: onnxruntime's
+``edgeflow.runtime.backends`` (``SessionOptions(threads=1)``: onnxruntime's
 intra_op_num_threads=1, numpy's BLAS pool limited to one thread), warms up,
 and times ``--runs`` runs (the numpy backend loads the model with its input
 dims fixed to the manifest's shapes, as ``--shape`` does, so that shape
@@ -90,9 +90,9 @@ def _read(path: Path) -> dict[str, np.ndarray]:
 def worker(name: str, backend: str, feeds_path: Path, out_path: Path, runs: int, warmup: int,
            dynamic: bool = False) -> dict:
     from edgeflow import model_suite as ms
-    from edgeflow.backends import SessionOptions, get_backend
+    from edgeflow.runtime.backends import SessionOptions, get_backend
     from edgeflow.errors import EdgeflowError
-    from edgeflow.model import fix_input_shapes
+    from edgeflow.runtime.model import fix_input_shapes
 
     feeds = _read(feeds_path)
     model = ms.load(name, check=True)

@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     rows = []
     with threadpool_limits(limits=1):
-        from edgeflow.backends import numpy_backend
+        from edgeflow.runtime.backends import numpy_backend
 
         numpy_backend._BLAS_THREADS = None  # make the runtime's sticky setting re-apply after us
         for label, kind, model, shape, target in ([] if args.only_real else cases):

@@ -11,8 +11,8 @@ light: no onnx, onnxruntime, torch or gateway)::
     edgeflow.Gateway(transport, store, ...)                       # the aggregator and fleet manager
 
 Below it the runtime is split into independent modules behind small
-interfaces: ``edgeflow.profiles`` (boards as data), ``edgeflow.model``
-(loading and checking ONNX), ``edgeflow.backends`` (onnxruntime or pure
+interfaces: ``edgeflow.profiles`` (boards as data), ``edgeflow.runtime.model``
+(loading and checking ONNX), ``edgeflow.runtime.backends`` (onnxruntime or pure
 numpy), ``edgeflow.kernels`` (the numpy op library), ``edgeflow.protocol``
 (everything on the wire), ``edgeflow.transport`` (MQTT and a loopback), and
 quantization, training, codecs, the device agent and the gateway. The layering
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from .federated.numpy_client import NumPyClient
     from .gateway.service import Gateway
     from .quantization.api import quantize
-    from .runtime import Runtime, load
+    from .runtime.session import Runtime, load
     from .train.trainer import Trainer
 
 _LAZY = {

@@ -310,8 +310,8 @@ def make_golden(
     Run where the artifact is built (the gateway), so the device checks that
     *its* backend reproduces the gateway's numbers within ``atol``/``rtol``.
     """
-    from .memory import concrete_shapes
-    from .runtime import load
+    from .runtime.memory import concrete_shapes
+    from .runtime.session import load
 
     rt = load(model, profile, backend=backend, batch_size=batch, allow_over_budget=True)
     if inputs is None:

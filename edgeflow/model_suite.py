@@ -892,7 +892,7 @@ def _reference_run(name: str, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     """Outputs of an upstream suite model, for inputs that are another model's
     outputs (openWakeWord's pipeline): onnxruntime where it is installed, else
     the numpy backend."""
-    from .backends import SessionOptions, available_backends, get_backend
+    from .runtime.backends import SessionOptions, available_backends, get_backend
 
     backend = "ort" if "ort" in available_backends() else "numpy"
     sess = get_backend(backend).load(load(name), SessionOptions(threads=1))

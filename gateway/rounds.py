@@ -333,7 +333,7 @@ def classification_metrics(model: onnx.ModelProto, eval_data: Any, *, profile: s
     """The default evaluator: top-1 accuracy and mean cross-entropy of ``model``'s first output (logits)
     on ``eval_data = (x, y)``, run by the runtime for ``profile`` (onnxruntime where installed, else numpy).
     Another task brings its own ``RoundManager(evaluator=...)``: ``(model, eval_data) -> {metric: value}``."""
-    from edgeflow.runtime import load
+    from edgeflow.runtime.session import load
 
     x, y = eval_data
     rt = load(model, profile, batch_size=len(x), allow_over_budget=True)

@@ -172,7 +172,7 @@ def _initial_model(config: GatewayConfig) -> onnx.ModelProto:
     mp = config.path(config.model)
     if mp is None:
         raise ConfigError("[gateway] model: the initial global model is needed on first start")
-    from edgeflow.model import load_model
+    from edgeflow.runtime.model import load_model
 
     return load_model(mp)
 

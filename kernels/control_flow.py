@@ -3,7 +3,7 @@
 These kernels are pure functions like every other one, except that their
 graph attributes (``then_branch``, ``else_branch``, ``body``) arrive as
 *callables*: ``body(*inputs) -> list of outputs``. Whoever runs the graph
-(``edgeflow.control_flow``) compiles each subgraph once and hands the kernel
+(``edgeflow.runtime.control_flow``) compiles each subgraph once and hands the kernel
 a callable bound to the enclosing scope's values, so the kernels know
 nothing about graphs, environments or scopes.
 

@@ -7,8 +7,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from edgeflow.backends.numpy_backend import execute
-from edgeflow.graph import compile_graph
+from edgeflow.runtime.backends.numpy_backend import execute
+from edgeflow.runtime.graph import compile_graph
 
 F = TensorProto.FLOAT
 

@@ -10,8 +10,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from edgeflow.backends.numpy_backend import execute
-from edgeflow.graph import compile_graph
+from edgeflow.runtime.backends.numpy_backend import execute
+from edgeflow.runtime.graph import compile_graph
 
 
 def one_node_model(op: str, inputs: dict, consts: dict | None = None, *, opset: int, n_outputs: int = 1,

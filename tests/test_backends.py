@@ -7,10 +7,10 @@ import onnx
 import pytest
 
 from edgeflow import zoo
-from edgeflow.backends import available_backends, get_backend
-from edgeflow.backends.ort import OrtBackend, choose_providers
+from edgeflow.runtime.backends import available_backends, get_backend
+from edgeflow.runtime.backends.ort import OrtBackend, choose_providers
 from edgeflow.errors import BackendError, InputError, MemoryBudgetError, ShapeError
-from edgeflow.runtime import load
+from edgeflow.runtime.session import load
 
 RNG = np.random.default_rng(42)
 
@@ -107,7 +107,7 @@ def test_memory_plan_includes_conv_workspace():
 
 
 def test_executor_frees_intermediates():
-    from edgeflow.graph import compile_graph
+    from edgeflow.runtime.graph import compile_graph
 
     g = compile_graph(zoo.small_cnn())
     freed = [x for n in g.nodes for x in n.free_after]

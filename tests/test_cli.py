@@ -66,7 +66,7 @@ def test_run_matches_library(cnn_path, tmp_path, capsys):
     res = _json(capsys)
     assert res["backend"] == "numpy"
     got = np.asarray(res["outputs"]["logits"]["data"], dtype=np.float32)
-    from edgeflow.runtime import load
+    from edgeflow.runtime.session import load
 
     np.testing.assert_allclose(got, load(cnn_path, backend="ort")(x), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.load(out)["logits"], got, rtol=1e-6)

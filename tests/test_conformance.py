@@ -1,7 +1,7 @@
 """ONNX's own backend node tests, run on the numpy backend.
 
 Every node case whose ops all have numpy kernels is claimed and must pass
-(see edgeflow/conformance.py for the rule and docs/conformance.md for the list).
+(see edgeflow/runtime/conformance.py for the rule and docs/conformance.md for the list).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from edgeflow import conformance
+from edgeflow.runtime import conformance
 
 SELECTION = conformance.select()
 DOC = Path(__file__).resolve().parents[1] / "docs" / "conformance.md"
@@ -42,7 +42,7 @@ def test_docs_list_matches_the_selection():
     text = DOC.read_text()
     listed = {line[3:-1] for line in text.splitlines() if line.startswith("- `test_")}
     listed = {n.split("`")[0] for n in listed}
-    stale = "docs/conformance.md is stale: run python -m edgeflow.conformance --write docs/conformance.md"
+    stale = "docs/conformance.md is stale: run python -m edgeflow.runtime.conformance --write docs/conformance.md"
     assert listed >= {c.name for c in SELECTION.claimed}, stale
     counts = (f"claims {len(SELECTION.claimed)} of the {len(SELECTION.eligible)} eligible cases",
               f"| outside the standard domain | {len(SELECTION.nonstandard)} |")

@@ -14,11 +14,11 @@ from onnx import TensorProto as T
 from onnx import helper as h
 from onnx import numpy_helper
 
-from edgeflow.backends.numpy_backend import NumpyBackend, execute
+from edgeflow.runtime.backends.numpy_backend import NumpyBackend, execute
 from edgeflow.errors import BackendError, TrainingError, UnsupportedOpError
-from edgeflow.graph import compile_graph, outer_scope_names, unsupported_ops
-from edgeflow.memory import plan_memory
-from edgeflow.model import load_model
+from edgeflow.runtime.graph import compile_graph, outer_scope_names, unsupported_ops
+from edgeflow.runtime.memory import plan_memory
+from edgeflow.runtime.model import load_model
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -158,7 +158,7 @@ def test_if_branches_may_return_different_shapes():
 
 
 def test_conformance_claims_and_passes_the_control_flow_cases():
-    from edgeflow import conformance
+    from edgeflow.runtime import conformance
 
     ops = {"If", "Loop", "Scan", "SequenceMap", "SequenceInsert", "SequenceConstruct", "SplitToSequence",
            "Optional", "OptionalHasElement", "OptionalGetElement"}
@@ -455,7 +455,7 @@ def test_memory_plan_of_a_loop_with_unknown_sizes_does_not_crash():
 
 
 def test_runtime_runs_a_loop_model_end_to_end():
-    from edgeflow.runtime import load
+    from edgeflow.runtime.session import load
 
     rt = load(counting_loop(True, True), "x86-gateway", backend="numpy")
     out = rt.run({"acc0": np.zeros(3, np.float32), "x": np.ones(3, np.float32), "limit": np.array(7.0, np.float32),
@@ -481,7 +481,7 @@ def test_training_refuses_control_flow_in_one_line():
 
 
 def test_the_ort_backend_also_finds_custom_ops_inside_subgraphs():
-    from edgeflow.backends.ort import OrtBackend
+    from edgeflow.runtime.backends.ort import OrtBackend
 
     then_g = h.make_graph([h.make_node("Twiddle", ["x"], ["t"], domain="acme")], "t", [], [vi("t", F, [1])])
     else_g = h.make_graph([h.make_node("Neg", ["x"], ["e"])], "e", [], [vi("e", F, [1])])

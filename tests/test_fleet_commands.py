@@ -16,7 +16,7 @@ from _fleet import FLEET, PROFILE, artifact, fleet_env, mlp_bytes, wait_until  #
 from edgeflow.protocol.fleet import Ack, Command, decode_tensor, encode_tensor
 from edgeflow.protocol.ota import OtaOffer, deploy_command
 from edgeflow.protocol.signed_json import sign_body
-from edgeflow.runtime import load
+from edgeflow.runtime.session import load
 from edgeflow.signing import PrivateKey
 from edgeflow.transport.topics import device_topic
 

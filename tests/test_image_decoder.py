@@ -8,10 +8,10 @@ from onnx import TensorProto as T
 from onnx import helper as h
 
 from edgeflow.data import image_decoder
-from edgeflow.backends.numpy_backend import NumpyBackend
+from edgeflow.runtime.backends.numpy_backend import NumpyBackend
 from edgeflow.errors import BackendError
-from edgeflow.graph import unsupported_ops
-from edgeflow.model import load_model
+from edgeflow.runtime.graph import unsupported_ops
+from edgeflow.runtime.model import load_model
 
 pytest.importorskip("PIL")
 

@@ -1,7 +1,7 @@
 """The numpy backend against onnx's reference evaluator on one-node models
 with random inputs, shapes and attributes the ONNX node cases do not use
 (other ranks, negative axes, integer dtypes, broadcasting). The model goes
-through edgeflow.graph.compile_graph, so attribute decoding and the dtype
+through edgeflow.runtime.graph.compile_graph, so attribute decoding and the dtype
 dispatch are exercised too."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-from edgeflow.backends.numpy_backend import execute
-from edgeflow.graph import compile_graph
+from edgeflow.runtime.backends.numpy_backend import execute
+from edgeflow.runtime.graph import compile_graph
 
 RNG = np.random.default_rng(2024)
 

@@ -45,9 +45,9 @@ def test_only_the_transport_imports_paho():
 
 
 def test_runtime_and_training_never_import_the_transport():
-    runtime_parts = ["edgeflow/runtime.py", "edgeflow/graph.py", "edgeflow/memory.py", "edgeflow/model.py",
+    runtime_parts = ["edgeflow/runtime/session.py", "edgeflow/runtime/graph.py", "edgeflow/runtime/memory.py", "edgeflow/runtime/model.py",
                      "edgeflow/profiles.py"]
-    files = [ROOT / p for p in runtime_parts] + _files("edgeflow/backends") + _files("edgeflow/train") \
+    files = [ROOT / p for p in runtime_parts] + _files("edgeflow/runtime/backends") + _files("edgeflow/train") \
         + _files("edgeflow/quantization")
     for f in files:
         if not f.exists():

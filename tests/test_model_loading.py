@@ -9,10 +9,10 @@ from onnx import TensorProto, helper
 
 from _models import single_op, with_custom_ops
 from edgeflow import zoo
-from edgeflow.backends import available_backends
+from edgeflow.runtime.backends import available_backends
 from edgeflow.errors import ModelError, UnsupportedOpError
-from edgeflow.model import load_model, model_info
-from edgeflow.runtime import load
+from edgeflow.runtime.model import load_model, model_info
+from edgeflow.runtime.session import load
 
 
 def test_load_from_path_bytes_and_proto(tmp_path):
@@ -86,7 +86,7 @@ def test_declared_shapes_that_contradict_inference_are_dropped_not_fatal(caplog)
     m = _declared_shape_contradicts_inference()
     with pytest.raises(Exception, match="differ in rank"):
         onnx.shape_inference.infer_shapes(m, strict_mode=True)
-    with caplog.at_level("INFO", logger="edgeflow.model"):
+    with caplog.at_level("INFO", logger="edgeflow.runtime.model"):
         loaded = load_model(m)
     assert "declared shapes disagree with shape inference" in caplog.text
     branch = next(a.g for a in loaded.graph.node[0].attribute if a.name == "then_branch")
@@ -129,7 +129,7 @@ def test_unsupported_attribute_is_named():
     # onnx.checker rejects attributes outside the spec; the compiler also
     # names any spec attribute a kernel does not implement (checked here on a
     # graph that skips the checker).
-    from edgeflow.graph import compile_graph
+    from edgeflow.runtime.graph import compile_graph
 
     m = single_op("Relu", {"x": (1, 4)})
     m.graph.node[0].attribute.append(helper.make_attribute("flavour", 3))

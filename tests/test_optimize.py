@@ -1,4 +1,4 @@
-"""The graph optimizer (edgeflow.optimize): each pass on models built here and on
+"""The graph optimizer (edgeflow.runtime.optimize): each pass on models built here and on
 third-party and zoo models, checked by running the graph before and after —
 on onnxruntime (with its own optimizations off) and on the numpy backend."""
 
@@ -13,11 +13,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 from _graphs import assert_same_on_ort, const, dynamic_cnn, make, rand, run_numpy, run_ort
 from edgeflow import zoo
-from edgeflow.graph import compile_graph
-from edgeflow.model import load_model, model_info
-from edgeflow.optimize import from_model, optimize, optimize_model, to_model
-from edgeflow.optimize.ir import PassOptions
-from edgeflow.optimize.passes import (
+from edgeflow.runtime.graph import compile_graph
+from edgeflow.runtime.model import load_model, model_info
+from edgeflow.runtime.optimize import from_model, optimize, optimize_model, to_model
+from edgeflow.runtime.optimize.ir import PassOptions
+from edgeflow.runtime.optimize.passes import (
     constants_to_initializers,
     fold_constants,
     fuse_batchnorm,
@@ -416,7 +416,7 @@ def test_the_optimizer_sits_below_graph_quantization_and_training():
     import sys
 
     root = Path(__file__).resolve().parents[1]
-    allowed = {"numpy", "onnx", "edgeflow.kernels", "edgeflow.model", "edgeflow.errors", "edgeflow.optimize"}
+    allowed = {"numpy", "onnx", "edgeflow.kernels", "edgeflow.runtime.model", "edgeflow.errors", "edgeflow.runtime.optimize"}
 
     def imports(path: Path) -> set[str]:
         out = set()
@@ -431,13 +431,13 @@ def test_the_optimizer_sits_below_graph_quantization_and_training():
                     out.add(node.module)
         return out
 
-    for f in sorted((root / "edgeflow" / "optimize").rglob("*.py")):
+    for f in sorted((root / "edgeflow" / "runtime" / "optimize").rglob("*.py")):
         for mod in imports(f):
             top = mod.split(".")[0]
             ok = top in sys.stdlib_module_names or top == "__future__" or any(
                 mod == a or mod.startswith(a + ".") for a in allowed)
             assert ok, f"{f.relative_to(root)} imports {mod}"
-    assert not any("quantization" in m for m in imports(root / "edgeflow" / "graph.py"))
+    assert not any("quantization" in m for m in imports(root / "edgeflow" / "runtime" / "graph.py"))
 
 
 @pytest.mark.parametrize("name,bn", [("light_resnet50", 53), ("light_shufflenet", 49)])

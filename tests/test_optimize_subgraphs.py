@@ -1,4 +1,4 @@
-"""The optimizer inside subgraphs (edgeflow.optimize.passes.subgraphs): If
+"""The optimizer inside subgraphs (edgeflow.runtime.optimize.passes.subgraphs): If
 branches and Loop bodies get the main graph's passes, an If whose condition
 folds to a constant is inlined; outputs are checked before and after on
 onnxruntime (its own optimizations off) and on the numpy backend."""
@@ -11,9 +11,9 @@ import pytest
 from onnx import TensorProto, helper
 
 from _graphs import assert_same_on_ort, const, make, rand, run_numpy
-from edgeflow.optimize import from_model, optimize_model, to_model
-from edgeflow.optimize.ir import PassOptions
-from edgeflow.optimize.passes import inline_constant_if, optimize_subgraphs
+from edgeflow.runtime.optimize import from_model, optimize_model, to_model
+from edgeflow.runtime.optimize.ir import PassOptions
+from edgeflow.runtime.optimize.passes import inline_constant_if, optimize_subgraphs
 
 pytest.importorskip("onnxruntime")
 
@@ -150,7 +150,7 @@ def _ln_inits(rng, n=16):
 
 @pytest.mark.parametrize("pow_", [True, False])
 def test_decomposed_layernorm_is_one_node_with_the_same_results(pow_):
-    from edgeflow.graph import compile_graph
+    from edgeflow.runtime.graph import compile_graph
 
     rng = np.random.default_rng(4)
     m = make(_decomposed_layernorm(pow_=pow_), [("x", [3, 16])], [("y", [3, 16])], _ln_inits(rng))
@@ -164,7 +164,7 @@ def test_decomposed_layernorm_is_one_node_with_the_same_results(pow_):
 
 
 def test_layernorm_chain_read_elsewhere_is_not_fused():
-    from edgeflow.graph import compile_graph
+    from edgeflow.runtime.graph import compile_graph
 
     rng = np.random.default_rng(5)
     nodes = _decomposed_layernorm(relu=False) + [helper.make_node("Add", ["y", "d"], ["z"])]  # d read outside
@@ -175,7 +175,7 @@ def test_layernorm_chain_read_elsewhere_is_not_fused():
 def test_numpy_passes_run_inside_subgraphs_with_outer_weights():
     """An If branch: Gemm(transB) on an outer weight is prepacked, the layer norm and the
     activations fused; the enclosing graph keeps its weights; results unchanged."""
-    from edgeflow.graph import compile_graph
+    from edgeflow.runtime.graph import compile_graph
 
     rng = np.random.default_rng(6)
     body_nodes = [helper.make_node("Gemm", ["x", "W", "bias"], ["h"], transB=1)] + \

@@ -18,7 +18,7 @@ from edgeflow.faults import EXIT_CODE, OTA_STEPS
 from edgeflow.protocol.fleet import decode_tensor, encode_tensor
 from edgeflow.device.slots import SlotStore
 from edgeflow.artifact import verify_artifact
-from edgeflow.runtime import load
+from edgeflow.runtime.session import load
 from edgeflow.transport.topics import device_topic
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -20,7 +20,7 @@ from edgeflow import zoo
 from edgeflow.errors import QuantizationError
 from edgeflow.profiles import QuantizationScheme, get_profile
 from edgeflow.quantization.calibration import EntropyObserver, MinMaxObserver, PercentileObserver
-from edgeflow.runtime import load
+from edgeflow.runtime.session import load
 
 RNG = np.random.default_rng(0)
 X_CNN = RNG.random((64, 1, 8, 8), dtype=np.float32)
@@ -67,7 +67,7 @@ _NO_ORT_SCRIPT = textwrap.dedent("""
     import numpy as np, onnx
     import edgeflow
     from edgeflow import zoo
-    from edgeflow.backends import available_backends
+    from edgeflow.runtime.backends import available_backends
     assert available_backends() == ["numpy"], available_backends()
     x = np.random.default_rng(0).random((48, 1, 8, 8), dtype=np.float32)
     r = edgeflow.quantize(zoo.digits_cnn(seed=2), "x86-gateway", calibration=x, latency_runs=3)
@@ -297,8 +297,8 @@ def test_entropy_keeps_the_range_of_uniform_data():
 @needs_ort
 def test_exact_int8_reaches_onnxruntime():
     """exact_int8 turns on onnxruntime's exact u8 x u8 path; by default the session keeps its fast kernels."""
-    from edgeflow.backends import get_backend
-    from edgeflow.backends.base import SessionOptions
+    from edgeflow.runtime.backends import get_backend
+    from edgeflow.runtime.backends.base import SessionOptions
 
     model = zoo.digits_mlp(seed=0)
     for exact in (False, True):

@@ -18,7 +18,7 @@ from onnx import numpy_helper
 import edgeflow
 from edgeflow import zoo
 from edgeflow.data.datasets import load_digits
-from edgeflow.runtime import load
+from edgeflow.runtime.session import load
 
 SEED = 0
 N_CALIBRATION = 300

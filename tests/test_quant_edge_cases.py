@@ -9,7 +9,7 @@ from onnx import numpy_helper
 
 from edgeflow import zoo
 from edgeflow.errors import QuantizationError
-from edgeflow.model import model_opset
+from edgeflow.runtime.model import model_opset
 from edgeflow.quantization import quantize
 from edgeflow.quantization.data import CalibrationSet, full_batches
 
@@ -70,7 +70,7 @@ def test_a_failed_opset_upgrade_falls_back_to_per_tensor_weights(engine, monkeyp
                if n.op_type in ("DequantizeLinear", "QuantizeLinear") and n.input[1] in scales)
     assert "int8 per-tensor" in q.report.format()
     assert q.report.error.cosine > 0.99
-    from edgeflow.runtime import load
+    from edgeflow.runtime.session import load
 
     ref = load(m, "x86-gateway", backend="numpy")(x[:8])
     for backend in ("numpy", "ort"):

@@ -10,10 +10,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from edgeflow import zoo
-from edgeflow.backends.numpy_backend import execute
-from edgeflow.graph import compile_graph
-from edgeflow.memory import plan_memory
-from edgeflow.optimize.passes import fuse_qdq
+from edgeflow.runtime.backends.numpy_backend import execute
+from edgeflow.runtime.graph import compile_graph
+from edgeflow.runtime.memory import plan_memory
+from edgeflow.runtime.optimize.passes import fuse_qdq
 
 ort = pytest.importorskip("onnxruntime")
 

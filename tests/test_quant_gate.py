@@ -14,7 +14,7 @@ from edgeflow.cli.main import main
 from edgeflow.errors import QuantizationError
 from edgeflow.quantization.gate import MIN_SPEEDUP, Trial, choose, confirm, layer_groups, loss_percent
 from edgeflow.quantization.weight_only import weight_only_int8
-from edgeflow.runtime import load
+from edgeflow.runtime.session import load
 
 TARGETS = ["dw0", "dw1", "pw0", "pw1", "fc"]
 GROUPS = {"depthwise Conv": ["dw0", "dw1"], "1x1 Conv": ["pw0", "pw1"], "Gemm": ["fc"]}
@@ -206,7 +206,7 @@ def test_real_ocr_classifier_with_constant_weights_is_gated_on_onnxruntime():
 
 def test_onnxruntime_folds_weight_only_dequantization_at_load():
     pytest.importorskip("onnxruntime")
-    from edgeflow.backends.ort import weight_only_quantized
+    from edgeflow.runtime.backends.ort import weight_only_quantized
 
     m = zoo.digits_cnn(seed=3)
     w = weight_only_int8(m, [n.name for n in m.graph.node if n.op_type in ("Conv", "Gemm")])

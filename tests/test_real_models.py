@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 
 from edgeflow import model_suite as ms
-from edgeflow.backends import SessionOptions, available_backends, get_backend
+from edgeflow.runtime.backends import SessionOptions, available_backends, get_backend
 
 TOL = 1e-4
 NAMES = [m.name for m in ms.models()]

@@ -13,8 +13,8 @@ from onnx import helper
 from _graphs import const, dynamic_cnn, make, rand, run_ort
 from edgeflow.cli.main import main
 from edgeflow.errors import InputError, ShapeError
-from edgeflow.model import fix_input_shapes, graph_inputs, model_info
-from edgeflow.runtime import load
+from edgeflow.runtime.model import fix_input_shapes, graph_inputs, model_info
+from edgeflow.runtime.session import load
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -203,7 +203,7 @@ def test_anonymous_free_dims_are_not_one_symbol():
     import onnx
     from onnx import TensorProto, helper
 
-    from edgeflow.model import fix_input_shapes, graph_inputs
+    from edgeflow.runtime.model import fix_input_shapes, graph_inputs
 
     for free in ("?", -1):
         x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [free, 3, 8, free])
@@ -247,7 +247,7 @@ def _two_branch_model() -> onnx.ModelProto:
 
 
 def test_onnxruntime_gets_the_model_as_given(monkeypatch):
-    from edgeflow.backends.ort import OrtBackend
+    from edgeflow.runtime.backends.ort import OrtBackend
 
     seen = []
     real = OrtBackend.load
@@ -286,7 +286,7 @@ def test_paddle_minus_one_dims_read_as_unknown():
     """Paddle declares outputs (and values) with dim_value -1: once an input dim is fixed, strict inference
     compared 1 with -1 and refused the model ('Softmax ... differ in dimension 0: (1) vs (-1)'), e.g. in
     quantize after --shape."""
-    from edgeflow.model import load_model
+    from edgeflow.runtime.model import load_model
 
     m = make([helper.make_node("Softmax", ["x"], ["y"], axis=-1)], [("x", [1, 8])], [("y", [1, 8])])
     m.graph.output[0].type.tensor_type.shape.dim[0].dim_value = -1

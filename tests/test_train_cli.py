@@ -32,7 +32,7 @@ def test_train_writes_a_model_and_prints_epochs(files, capsys):
     assert "epoch 1/3" in text and "epoch 3/3" in text and "val_accuracy" in text and "saved" in text
     model = onnx.load(out)
     onnx.checker.check_model(model)
-    from edgeflow.runtime import load
+    from edgeflow.runtime.session import load
 
     d = load_digits()
     acc = (load(model, "raspberry-pi-4", backend="numpy")(d.x_test).argmax(1) == d.y_test).mean()

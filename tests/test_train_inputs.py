@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 from edgeflow import model_suite as ms
 from edgeflow.cli.main import main
 from edgeflow.errors import InputError, ShapeError, TrainingError
-from edgeflow.model import fix_input_shapes
+from edgeflow.runtime.model import fix_input_shapes
 from edgeflow.train import Trainer
 
 LM = "minilm-l3-paraphrase"

@@ -108,7 +108,7 @@ def test_export_is_checker_clean_and_served_by_onnxruntime(trained_cnn, digits, 
     ours = tr.predict(digits.x_test)
     theirs = sess.run(None, {"input": digits.x_test})[0]
     np.testing.assert_allclose(theirs, ours, rtol=1e-4, atol=1e-4)
-    from edgeflow.runtime import load
+    from edgeflow.runtime.session import load
 
     rt = load(model, "x86-gateway", backend="numpy")
     np.testing.assert_allclose(rt(digits.x_test), ours, rtol=1e-4, atol=1e-4)

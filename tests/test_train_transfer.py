@@ -21,7 +21,7 @@ import pytest
 
 from edgeflow import model_suite as ms
 from edgeflow.errors import InputError, MemoryBudgetError, TrainingError
-from edgeflow.model import fix_input_shapes
+from edgeflow.runtime.model import fix_input_shapes
 from edgeflow.profiles import get_profile
 from edgeflow.train import Trainer
 from edgeflow.train.transfer import find_layers, has_constant_weights, new_head, parse_mode
@@ -259,7 +259,7 @@ def test_cli_mode_new_head_and_resume(base, tmp_path, capsys):
 
 
 def test_fuse_hardswish_is_exact_and_pure(model):
-    from edgeflow.graph import compile_graph
+    from edgeflow.runtime.graph import compile_graph
     from edgeflow.train.autograd import Tape
     from edgeflow.train.transfer import fuse_hardswish, prepare_model
 
@@ -279,7 +279,7 @@ def test_fuse_hardswish_is_exact_and_pure(model):
 def test_transformer_encoder_gradient_vs_finite_differences():
     """MiniLM (the suite's transformer encoder) in float64: every bias and LayerNorm parameter through
     attention, GELU (Erf), the masks (Where/Cast/Expand) to the pooled sentence embedding."""
-    from edgeflow.graph import compile_graph
+    from edgeflow.runtime.graph import compile_graph
     from edgeflow.train.autograd import Tape
     from edgeflow.train.transfer import prepare_model
 
@@ -320,7 +320,7 @@ def test_cli_takes_open_dims_from_the_data_and_resumes_batchnorm_statistics(tmp_
     import onnx
 
     from edgeflow.cli.main import main
-    from edgeflow.model import graph_inputs
+    from edgeflow.runtime.model import graph_inputs
 
     try:
         ms.fetch([NAME])

@@ -9,8 +9,8 @@ import pytest
 from onnx import helper
 
 from _graphs import make, rand, run_ort
-from edgeflow.graph import compile_graph
-from edgeflow.backends.numpy_backend import execute
+from edgeflow.runtime.graph import compile_graph
+from edgeflow.runtime.backends.numpy_backend import execute
 from edgeflow.quantization.weight_only import quantize_weights, weight_only_int8
 
 pytest.importorskip("onnxruntime")

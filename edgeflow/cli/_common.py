@@ -165,7 +165,7 @@ def model_and_shapes(path: str, specs: list[str], arrays=None, *, infer_shapes: 
     it is: onnxruntime loads it so; the runtime fixes the dims for the numpy backend and the plan
     (``infer_shapes=False`` leaves shape inference to it too)."""
     from ..errors import InputError, ShapeError
-    from ..model import graph_inputs, load_model, resolve_input_shapes, with_input_dims
+    from ..runtime.model import graph_inputs, load_model, resolve_input_shapes, with_input_dims
 
     model = load_model(path, infer_shapes=infer_shapes)
     shapes = parse_shapes(specs)
@@ -193,7 +193,7 @@ def model_and_shapes(path: str, specs: list[str], arrays=None, *, infer_shapes: 
 def model_with_shapes(path: str, specs: list[str], arrays=None):
     """The model at ``path``, checked, with ``--shape`` and the shapes of ``arrays`` fixed
     (:func:`model_and_shapes`) and every value's shape re-inferred."""
-    from ..model import fix_input_shapes
+    from ..runtime.model import fix_input_shapes
 
     model, fixed = model_and_shapes(path, specs, arrays)
     if fixed:
@@ -205,8 +205,8 @@ def require_static_shapes(model, batch: int | None = None, *, batch_dim: bool = 
     """One line naming --shape when an input still has a dynamic dim besides the batch
     (``model``: a model, or its inputs as TensorInfo)."""
     from ..errors import ShapeError
-    from ..memory import shape_example
-    from ..model import graph_inputs
+    from ..runtime.memory import shape_example
+    from ..runtime.model import graph_inputs
 
     for t in (graph_inputs(model) if hasattr(model, "graph") else model):
         dyn = [i for i, d in enumerate(t.shape) if not (isinstance(d, int) and d >= 0) and (i > 0 or not batch_dim)]

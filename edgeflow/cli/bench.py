@@ -27,7 +27,7 @@ def register(sub) -> None:
 def random_feeds(inputs, batch: int, seed: int = 0):
     import numpy as np
 
-    from ..memory import concrete_shapes
+    from ..runtime.memory import concrete_shapes
 
     rng = np.random.default_rng(seed)
     feeds = {}
@@ -41,10 +41,10 @@ def random_feeds(inputs, batch: int, seed: int = 0):
 
 
 def cmd(args) -> int:
-    from ..runtime import load
+    from ..runtime.session import load
     from ..timing import measure, peak_rss_bytes
     from ..errors import InputError, ShapeError
-    from ..model import graph_inputs, with_input_dims
+    from ..runtime.model import graph_inputs, with_input_dims
     from ._common import console, emit_json, human_bytes, model_and_shapes, require_static_shapes, spinner
 
     if (args.batch is not None and args.batch < 1) or args.runs < 1:

@@ -469,7 +469,7 @@ def _check_deploy_args(args) -> tuple[bytes, Any, Any, Any]:
 
     from ..errors import ConfigError
     from ..gateway.ota import RolloutPolicy, parse_selector
-    from ..model import load_model
+    from ..runtime.model import load_model
 
     parse_selector(args.to)
     canary = _share(args.canary, "--canary", count=True)

@@ -36,12 +36,12 @@ def _numpy_counts(graph) -> dict[str, int]:
 
 
 def cmd(args) -> int:
-    from ..backends import backend_names, get_backend
+    from ..runtime.backends import backend_names, get_backend
     from ..errors import BackendError, EdgeflowError
-    from ..graph import compile_graph
-    from ..memory import plan_memory
-    from ..model import model_info
-    from ..optimize import optimize
+    from ..runtime.graph import compile_graph
+    from ..runtime.memory import plan_memory
+    from ..runtime.model import model_info
+    from ..runtime.optimize import optimize
     from ._common import console, emit_json, human_bytes, model_with_shapes
 
     if args.batch < 1:

@@ -98,7 +98,7 @@ def runtime_parts() -> list[dict]:
     import numpy
 
     from .. import onnx_compat, signing
-    from ..backends import available_backends
+    from ..runtime.backends import available_backends
 
     parts = [{"part": "numpy", "ok": True, "using": f"numpy {numpy.__version__} ({_origin(numpy)})", "instead": ""}]
     try:

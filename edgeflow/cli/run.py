@@ -35,7 +35,7 @@ def register(sub) -> None:
 def cmd(args) -> int:
     import numpy as np
 
-    from ..runtime import load
+    from ..runtime.session import load
     from ._common import check_output_path, console, emit_json, load_arrays, model_and_shapes
 
     if args.output:

@@ -83,7 +83,7 @@ def _fill_from_data(model, x, inputs, input_name: str | None):
     """Fix the dims the model (and --shape) leave open besides the batch from the training data, as
     ``run --input`` does; the batch stays open so that a last, smaller batch trains too."""
     from ..data import check_inputs
-    from ..model import fix_input_shapes
+    from ..runtime.model import fix_input_shapes
 
     fill = {}
     feeds = _by_input(x, inputs, input_name)
@@ -101,7 +101,7 @@ def _check_shapes(model, x, batch_size: int, input_name: str | None) -> None:
     """Dims still open besides the batch, or a fixed batch the batches would not match: one line each."""
     from ..data import check_inputs
     from ..errors import InputError, ShapeError
-    from ..model import graph_inputs
+    from ..runtime.model import graph_inputs
 
     inputs = graph_inputs(model)
     feeds = _by_input(x, inputs, input_name)
@@ -139,7 +139,7 @@ def cmd(args) -> int:
 
     from ..data import DataLoader, Dataset, from_arrays
     from ..errors import InputError
-    from ..model import graph_inputs
+    from ..runtime.model import graph_inputs
     from ..profiles import detect
     from ..train import Trainer
     from ..train.checkpoint import load_state, save_state, state_path

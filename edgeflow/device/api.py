@@ -45,7 +45,7 @@ def predict(x: np.ndarray | Mapping[str, np.ndarray], *, device: str | None = No
 
 
 def load_deployed(state_dir: str | os.PathLike[str], fleet_key: Any, profile: str) -> Any:
-    """A :class:`~edgeflow.runtime.Runtime` on the verified active model of an agent's state dir
+    """A :class:`~edgeflow.runtime.session.Runtime` on the verified active model of an agent's state dir
     (no agent needed: tools, a second process on the board)."""
     from ..profiles import get_profile
     from ..signing import PublicKey

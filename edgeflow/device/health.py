@@ -52,8 +52,8 @@ class HealthReport:
 
 def load_runtime(model: str | Path | bytes, profile: DeviceProfile, *, memory_budget_mb: int | None = None,
                  backend: str | None = None, threads: int | None = None):
-    """``edgeflow.runtime.load`` with the device's overrides (a smaller memory budget than the profile's)."""
-    from ..runtime import load
+    """``edgeflow.runtime.session.load`` with the device's overrides (a smaller memory budget than the profile's)."""
+    from ..runtime.session import load
 
     if memory_budget_mb is not None:
         profile = dataclasses.replace(profile, memory_budget_mb=int(memory_budget_mb))
@@ -61,7 +61,7 @@ def load_runtime(model: str | Path | bytes, profile: DeviceProfile, *, memory_bu
 
 
 def _random_feeds(rt: Any, seed: int = 0) -> dict[str, np.ndarray]:
-    from ..memory import concrete_shapes
+    from ..runtime.memory import concrete_shapes
 
     rng = np.random.default_rng(seed)
     feeds = {}

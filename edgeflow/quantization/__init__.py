@@ -3,7 +3,7 @@ for a board's profile, with a measured report.
 
 ``from edgeflow.quantization import quantize``. Submodules are imported on
 first use so that ``import edgeflow`` stays light. (The numpy backend's QDQ
-fusion lives in the graph optimizer, :mod:`edgeflow.optimize.passes.fuse_qdq`.)
+fusion lives in the graph optimizer, :mod:`edgeflow.runtime.optimize.passes.fuse_qdq`.)
 """
 
 from __future__ import annotations

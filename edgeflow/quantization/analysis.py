@@ -26,7 +26,7 @@ import onnx
 from onnx import numpy_helper
 
 from ..errors import QuantizationError
-from ..optimize.passes.fuse_qdq import PASS_THROUGH
+from ..runtime.optimize.passes.fuse_qdq import PASS_THROUGH
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +294,7 @@ def clamps_as_clip(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     1.89x to 2.49x faster than fp32 in int8 with it (onnxruntime 1.32, batch 1,
     one thread). Needs opset >= 11 (Clip's min/max as inputs); below, nothing changes.
     """
-    from ..model import model_opset
+    from ..runtime.model import model_opset
 
     if model_opset(model) < 11:
         return model, 0

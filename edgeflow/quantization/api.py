@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 
 from ..errors import EdgeflowError, QuantizationError
-from ..model import ModelSource, TensorInfo, graph_inputs, load_model
+from ..runtime.model import ModelSource, TensorInfo, graph_inputs, load_model
 from ..profiles import DeviceProfile, get_profile
 
 if TYPE_CHECKING:
@@ -88,8 +88,8 @@ class _Evaluator:
         self.fixed = fixed
 
     def session(self, model: onnx.ModelProto):
-        from ..backends import get_backend
-        from ..runtime import session_options
+        from ..runtime.backends import get_backend
+        from ..runtime.session import session_options
 
         return get_backend(self.backend).load(model, session_options(self.profile))
 
@@ -122,7 +122,7 @@ def _latency_feeds(inputs: list[TensorInfo], data: CalibrationSet | None, batch:
     if data is not None:
         idx = np.arange(batch) % data.n
         return {k: v[idx] for k, v in data.arrays.items()}
-    from ..memory import concrete_shapes
+    from ..runtime.memory import concrete_shapes
 
     rng = np.random.default_rng(seed)
     shapes = concrete_shapes(inputs, batch)
@@ -131,7 +131,7 @@ def _latency_feeds(inputs: list[TensorInfo], data: CalibrationSet | None, batch:
 
 def _measure_latency(fp32: onnx.ModelProto, qm: onnx.ModelProto, profile: DeviceProfile, backend: str,
                      feeds: dict[str, np.ndarray], runs: int) -> LatencyComparison:
-    from ..runtime import load
+    from ..runtime.session import load
     from ..timing import measure
 
     batch = len(next(iter(feeds.values())))
@@ -153,7 +153,7 @@ def _opset_for_int8(model: onnx.ModelProto, per_channel: bool) -> tuple[onnx.Mod
     onnx.checker. onnx's version converter upgrades most models; where it
     cannot, the weights are quantized per tensor and the note says so.
     """
-    from ..model import model_opset
+    from ..runtime.model import model_opset
 
     opset = model_opset(model)
     if opset >= QDQ_OPSET or not per_channel:
@@ -171,7 +171,7 @@ def _opset_for_int8(model: onnx.ModelProto, per_channel: bool) -> tuple[onnx.Mod
 
 
 def preprocess_graph(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
-    """The graph optimizer's portable passes before planning (``edgeflow.optimize``).
+    """The graph optimizer's portable passes before planning (``edgeflow.runtime.optimize``).
 
     Paddle and TF exports hold their weights in Constant nodes and wrap
     Conv in BatchNormalization; as initializers, folded into the Conv, the
@@ -179,7 +179,7 @@ def preprocess_graph(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | Non
     fold away too. Returns the model and a note of what changed (None when
     nothing did).
     """
-    from ..optimize import optimize
+    from ..runtime.optimize import optimize
 
     try:
         res = optimize(model)
@@ -205,14 +205,14 @@ def preprocess_graph(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | Non
 def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss, fallback, per_channel, cal, calib,
            percentile, activations, batch, rounds, seed, inputs, formats=(None,), retry_method=None):
     """The bench-gated choice (:mod:`.gate`): the model it picked and the decision."""
-    from ..runtime import load
+    from ..runtime.session import load
     from .gate import Trial, choose, confirm, layer_groups, loss_percent, time_pair, time_rounds
     from .weight_only import weight_only_int8
 
     feeds = _latency_feeds(inputs, ev, batch, seed)
     ref = evaluator.predict(fp32, ev)
     rt32 = load(fp32, prof, backend=backend, batch_size=batch, allow_over_budget=True)
-    from ..runtime import session_options
+    from ..runtime.session import session_options
 
     cpu = backend == "ort" and session_options(prof).threads == 1  # runs in our thread: CPU time ignores other load
     built: dict[frozenset, onnx.ModelProto] = {}
@@ -493,7 +493,7 @@ def quantize(
         if labels is not None:
             raise QuantizationError("labels given without data: pass eval_data= (or calibration=) with them")
 
-    from ..runtime import choose_backend
+    from ..runtime.session import choose_backend
 
     be = choose_backend(fp32, prof, backend).name
     fixed = fixed_batch(inputs)

@@ -19,7 +19,7 @@ from typing import Iterator, Mapping, Union
 import numpy as np
 
 from ..errors import QuantizationError
-from ..model import TensorInfo
+from ..runtime.model import TensorInfo
 
 DataSource = Union[np.ndarray, Mapping[str, np.ndarray], str, os.PathLike, "CalibrationSet"]
 

@@ -21,7 +21,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import QuantizationError
-from ..model import model_opset
+from ..runtime.model import model_opset
 from .analysis import QuantPlan, initializer_array
 from .calibration import Range
 from .params import TensorQParams, activation_qparams, bias_safe_scale, quantize_bias, quantize_weight

@@ -59,7 +59,7 @@ def weight_only_int8(model: onnx.ModelProto, nodes: Sequence[str] | None = None,
     import copy
 
     if optimize:
-        from ..optimize import optimize_model
+        from ..runtime.optimize import optimize_model
 
         m = optimize_model(model)
     else:

@@ -354,7 +354,7 @@ class Demo:
         return report, arts
 
     def run(self) -> DemoResult:
-        from ..runtime import load
+        from ..runtime.session import load
 
         t0 = time.perf_counter()
         self.accuracy: list[float] = []

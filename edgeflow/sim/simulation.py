@@ -208,7 +208,7 @@ def build_model(kind: str, seed: int, input_size: int = 48) -> onnx.ModelProto:
     if kind == "cnn":
         return zoo.digits_cnn(seed=seed)
     from .. import model_suite as ms
-    from ..model import fix_input_shapes
+    from ..runtime.model import fix_input_shapes
     from ..train.transfer import new_head
 
     m = ms.load(kind)

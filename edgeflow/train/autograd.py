@@ -37,7 +37,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import TrainingError
-from ..graph import CompiledGraph, Node
+from ..runtime.graph import CompiledGraph, Node
 from ..kernels import Kernel, get_kernel
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..data.loaders import NPZ_KEYS, check_inputs, read_arrays
 from ..errors import InputError, ShapeError, TrainingError
-from ..model import TensorInfo
+from ..runtime.model import TensorInfo
 
 
 def model_dtype(t: TensorInfo, compute: np.dtype) -> np.dtype:

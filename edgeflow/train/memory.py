@@ -1,6 +1,6 @@
 """Planned peak memory of one training step, checked against a profile.
 
-Inference memory (``edgeflow.memory``) only holds values until their last
+Inference memory (``edgeflow.runtime.memory``) only holds values until their last
 reader. A training step also holds, until the backward pass reaches them,
 every value a backward reads (the tape's ``kept`` values), what training
 forwards save (Conv's im2col columns, MaxPool's argmax), the gradients in
@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 
 from ..errors import MemoryBudgetError
-from ..memory import concrete_shapes, fixed_shape_model
+from ..runtime.memory import concrete_shapes, fixed_shape_model
 from .autograd import _ENCODE_CHUNK, Tape, pieces_for
 
 log = logging.getLogger("edgeflow.train")

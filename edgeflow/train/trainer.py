@@ -32,8 +32,8 @@ import onnx
 
 from ..data import Dataset, as_loader, check_inputs, check_labels, from_arrays
 from ..errors import InputError, MemoryBudgetError, ShapeError, TrainingError
-from ..graph import compile_graph
-from ..model import ModelSource, load_model
+from ..runtime.graph import compile_graph
+from ..runtime.model import ModelSource, load_model
 from ..profiles import DeviceProfile, get_profile
 from .autograd import NON_DIFFERENTIABLE_INPUTS, Tape, refuse_control_flow
 from .export import save as save_model
@@ -383,7 +383,7 @@ class Trainer:
                 f"profile {profile.name!r} does not train (can_train = false): train on another board "
                 "or only run inference here"
             )
-        from ..backends.numpy_backend import _set_blas_threads
+        from ..runtime.backends.numpy_backend import _set_blas_threads
 
         _set_blas_threads(profile.threads)
         budget = self.budget_bytes if self.budget_bytes is not None else profile.train_memory_budget_bytes

@@ -22,7 +22,7 @@ Float initializers outside layers (scalar constants of HardSwish, a Clip's
 bounds written as tensors) never train outside ``full``.
 
 Models whose weights are Constant nodes (Paddle and TF exports) go through
-:func:`edgeflow.optimize.optimize_model` with ``for_training=True`` first
+:func:`edgeflow.runtime.optimize.optimize_model` with ``for_training=True`` first
 (:func:`prepare_model`): Constant nodes become initializers, constant
 subgraphs fold, and every float initializer stays unfolded so it can train.
 """
@@ -113,7 +113,7 @@ def prepare_model(model: onnx.ModelProto) -> onnx.ModelProto:
     """Constant-node weights to initializers, kept unfolded (the optimizer in training mode)."""
     if not has_constant_weights(model):
         return model
-    from ..optimize import optimize_model
+    from ..runtime.optimize import optimize_model
 
     return optimize_model(model, for_training=True)
 

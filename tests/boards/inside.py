@@ -25,8 +25,8 @@ def conformance(cases_dir: Path, out: Path) -> int:
     import onnx
 
     from edgeflow import onnx_compat
-    from edgeflow.backends.numpy_backend import execute
-    from edgeflow.graph import compile_graph, unsupported_ops
+    from edgeflow.runtime.backends.numpy_backend import execute
+    from edgeflow.runtime.graph import compile_graph, unsupported_ops
 
     manifest = json.loads((cases_dir / "manifest.json").read_text())
     results = []

@@ -467,7 +467,7 @@ def export_cases(cache: Path, *, per_op: int = 3, max_bytes: int = 200_000) -> P
     import numpy as np
     import onnx
 
-    from edgeflow import conformance
+    from edgeflow.runtime import conformance
 
     kernels = sorted((ROOT / "kernels").rglob("*.py"))
     digest = hashlib.sha256(f"{onnx.__version__} {per_op} {max_bytes}".encode())

@@ -184,7 +184,7 @@ def test_structural_check_refuses_broken_models_in_one_line(tmp_path: Path) -> N
     out = py(f"""
         import edgeflow, json
         from edgeflow.errors import ModelError
-        from edgeflow.model import load_model
+        from edgeflow.runtime.model import load_model
         load_model({str(tmp_path / 'good.onnx')!r})
         msgs = []
         for i in range({len(bad)}):

@@ -37,7 +37,7 @@ def test_every_exported_name_resolves_to_its_module():
     from edgeflow.federated.numpy_client import NumPyClient
     from edgeflow.gateway.service import Gateway
     from edgeflow.quantization.api import quantize
-    from edgeflow.runtime import Runtime, load
+    from edgeflow.runtime.session import Runtime, load
     from edgeflow.train.trainer import Trainer
 
     want = {"load": load, "Runtime": Runtime, "quantize": quantize, "Trainer": Trainer, "Client": Client,

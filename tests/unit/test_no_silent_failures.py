@@ -69,14 +69,14 @@ def _failing_workspace(monkeypatch, kernel) -> None:
 
 def test_a_failed_workspace_estimate_is_a_logged_gap_in_the_inference_plan(monkeypatch, caplog):
     from edgeflow import zoo
-    from edgeflow.graph import compile_graph
-    from edgeflow.memory import plan_memory
+    from edgeflow.runtime.graph import compile_graph
+    from edgeflow.runtime.memory import plan_memory
 
     graph = compile_graph(zoo.small_cnn())
     conv = next(n for n in graph.nodes if n.kernel.workspace_fn is not None)
     assert plan_memory(graph, 8).workspace_bytes > 0 and plan_memory(graph, 8).unknown == ()
     _failing_workspace(monkeypatch, conv.kernel)
-    with caplog.at_level(logging.WARNING, logger="edgeflow.memory"):
+    with caplog.at_level(logging.WARNING, logger="edgeflow.runtime.memory"):
         plan = plan_memory(graph, 8)
     gaps = [u for u in plan.unknown if u.startswith("workspace of")]
     assert gaps and all(g.startswith(f"workspace of {conv.op_type} node ") for g in gaps)

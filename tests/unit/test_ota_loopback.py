@@ -9,7 +9,7 @@ import pytest
 from _lbdevices import PROFILE, artifact, lb_env, mlp_bytes, wait_until  # noqa: F401
 
 from edgeflow.gateway.ota import Rollout, RolloutPolicy, build_artifacts, select_devices
-from edgeflow.runtime import load
+from edgeflow.runtime.session import load
 from edgeflow.transport.topics import device_topic
 
 

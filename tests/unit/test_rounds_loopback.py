@@ -109,7 +109,7 @@ def test_redelivered_updates_count_once():
 
 def test_evaluation_is_a_hook_any_metric_any_backend():
     """The gateway's evaluation is the caller's: RoundManager(evaluator=...) gets each new global model."""
-    from edgeflow.runtime import load
+    from edgeflow.runtime.session import load
 
     split = __import__("_lbfleet").digits()
     seen = []

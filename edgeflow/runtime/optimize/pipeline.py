@@ -12,7 +12,7 @@ Two stages:
    ``for_training=True`` (trainable weights and Dropout stay).
 2. :func:`optimize_compiled` — numpy-backend passes on the graph bound to
    kernels (QDQ patterns to integer kernels, pre-transposed Gemm weights,
-   activation fusion); :func:`edgeflow.graph.compile_graph` runs both.
+   activation fusion); :func:`edgeflow.runtime.graph.compile_graph` runs both.
 
 :func:`optimize` returns the model with an :class:`OptimizeReport` (op
 counts before and after, what each pass removed) — ``edgeflow inspect
@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import onnx
 
-from ..errors import InputError
+from ...errors import InputError
 from ..model import fix_input_shapes
 from .ir import Graph, PassOptions, from_model, infer_shapes, to_model
 from .passes import (
@@ -137,7 +137,7 @@ def optimize(
 ) -> Optimized:
     """Run the portable passes; the model given is not changed.
 
-    ``shapes`` fixes input dims first (:func:`edgeflow.model.fix_input_shapes`,
+    ``shapes`` fixes input dims first (:func:`edgeflow.runtime.model.fix_input_shapes`,
     validated against the model); ``keep`` names values/initializers that
     must survive unchanged; ``for_training`` keeps every float initializer
     and Dropout; ``passes`` picks a subset of :data:`MODEL_PASSES` by name.
@@ -219,7 +219,7 @@ def _optimize_bodies(nodes, chosen, opset: int, types: dict, outer: dict) -> Non
 
 def assign_lifetimes(nodes, keep: set, outputs: set) -> None:
     """Each value of compiled ``nodes`` freed after its last reader (``node.free_after``), except
-    ``keep`` (weights, outer-scope values) and ``outputs``; edgeflow.graph uses this too."""
+    ``keep`` (weights, outer-scope values) and ``outputs``; edgeflow.runtime.graph uses this too."""
     last: dict[str, int] = {}
     for i, n in enumerate(nodes):
         for x in n.inputs:

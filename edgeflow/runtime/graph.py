@@ -8,9 +8,9 @@ all unsupported ops are listed in one error, unknown attributes are named —
 so that a run never fails half-way on something knowable at load.
 
 Control-flow nodes (If, Loop, Scan, SequenceMap) have their graph attributes
-compiled recursively into :class:`~edgeflow.control_flow.Subgraph` objects;
+compiled recursively into :class:`~edgeflow.runtime.control_flow.Subgraph` objects;
 the outer-scope values a subgraph reads become extra inputs of its node
-(``Node.outer_reads``), see :mod:`edgeflow.control_flow`.
+(``Node.outer_reads``), see :mod:`edgeflow.runtime.control_flow`.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .data import image_decoder as _image_decoder  # noqa: F401 - registers ImageDecoder where Pillow is installed
+from ..data import image_decoder as _image_decoder  # noqa: F401 - registers ImageDecoder where Pillow is installed
 from .control_flow import Subgraph, bind_subgraphs, check_arity
-from .errors import ModelError, UnsupportedOpError
-from .kernels import Kernel, UnknownOpError, get_kernel
+from ..errors import ModelError, UnsupportedOpError
+from ..kernels import Kernel, UnknownOpError, get_kernel
 from .model import TensorInfo, elem_dtype, graph_inputs, graph_outputs, model_opset
 from .optimize import optimize_compiled, optimize_model
 from .optimize.pipeline import assign_lifetimes
@@ -269,7 +269,7 @@ class CompiledGraph:
 def compile_graph(model: onnx.ModelProto, *, optimize: bool = True) -> CompiledGraph:
     """Bind every node to a kernel; raise one error listing all problems.
 
-    ``optimize`` runs the optimizer (:mod:`edgeflow.optimize`): its portable
+    ``optimize`` runs the optimizer (:mod:`edgeflow.runtime.optimize`): its portable
     passes on the model first (constants, folding, BatchNormalization
     folding, dead nodes...), then the numpy backend's passes on the bound
     graph (QDQ fusion, pre-transposed Gemm weights, activation fusion). The

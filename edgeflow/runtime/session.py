@@ -19,12 +19,12 @@ import onnx
 
 from .backends import SessionOptions, get_backend
 from .backends.base import Session
-from .errors import BackendError, EdgeflowError, InputError, MemoryBudgetError, UnsupportedOpError
+from ..errors import BackendError, EdgeflowError, InputError, MemoryBudgetError, UnsupportedOpError
 from .graph import compile_graph
 from .memory import MemoryPlan, plan_memory
 from .model import (ModelSource, TensorInfo, fix_input_shapes, infer_model_shapes, load_model,
                     resolve_input_shapes, with_input_dims)
-from .profiles import DeviceProfile, detect, get_profile
+from ..profiles import DeviceProfile, detect, get_profile
 
 log = logging.getLogger(__name__)
 

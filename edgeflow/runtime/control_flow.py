@@ -5,7 +5,7 @@ store outputs, drop values whose last reader ran — shared by the numpy
 backend (the top-level graph) and by every subgraph.
 
 Control flow (If, Loop, Scan, SequenceMap) is wired at compile time
-(:mod:`edgeflow.graph`):
+(:mod:`edgeflow.runtime.graph`):
 
 - each graph attribute is compiled once, recursively, into a
   :class:`Subgraph` (bound kernels, its own schedule and lifetimes);
@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import BackendError
-from .kernels import Kernel, KernelError
+from ..errors import BackendError
+from ..kernels import Kernel, KernelError
 
 # What a kernel raises on bad data; the executor names the node and shapes.
 KERNEL_ERRORS = (ValueError, IndexError, TypeError, FloatingPointError, ZeroDivisionError, KernelError)

@@ -1,4 +1,4 @@
-"""The pure-numpy backend: runs a :class:`~edgeflow.graph.CompiledGraph`.
+"""The pure-numpy backend: runs a :class:`~edgeflow.runtime.graph.CompiledGraph`.
 
 For boards where no onnxruntime wheel exists (armv7, riscv64). The loop is
 deliberately plain — look up inputs, call the kernel, store outputs, drop
@@ -37,7 +37,7 @@ def execute(graph: CompiledGraph, feeds: dict[str, np.ndarray]) -> dict[str, np.
     """Run every node in order; returns the environment holding the outputs.
 
     Control-flow nodes are ordinary kernel calls here: their kernels run
-    their compiled subgraphs (see :mod:`edgeflow.control_flow`).
+    their compiled subgraphs (see :mod:`edgeflow.runtime.control_flow`).
     """
     env: dict[str, np.ndarray] = dict(graph.initializers)
     env.update(feeds)

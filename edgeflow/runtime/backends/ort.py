@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import onnx
 
-from ..errors import BackendError
+from ...errors import BackendError
 from ..graph import find_unsupported
 from ..model import graph_inputs, graph_outputs
 from .base import Backend, Session, SessionOptions

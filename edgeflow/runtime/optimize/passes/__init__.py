@@ -1,6 +1,6 @@
 """The optimizer's passes, one per module.
 
-Portable passes (``Graph -> Graph`` on :mod:`edgeflow.optimize.ir`; the
+Portable passes (``Graph -> Graph`` on :mod:`edgeflow.runtime.optimize.ir`; the
 result is a valid ONNX model any backend runs): :mod:`.constants`,
 :mod:`.identity`, :mod:`.fold`, :mod:`.fuse_bn`, :mod:`.dce`, :mod:`.subgraphs`
 (all of them inside If/Loop/Scan bodies).

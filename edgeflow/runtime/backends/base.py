@@ -1,7 +1,7 @@
 """The backend interface: ``load`` a model into a session that can ``run``
 and describes its ``io``.
 
-Backends are found by name (see :mod:`edgeflow.backends`), like tinygrad's
+Backends are found by name (see :mod:`edgeflow.runtime.backends`), like tinygrad's
 devices: the rest of edgeflow never branches on which board it is on, it
 asks the profile for a backend name.
 """
@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import onnx
 
-from ..errors import InputError, ShapeError
+from ...errors import InputError, ShapeError
 from ..model import TensorInfo
 
 

@@ -1,11 +1,11 @@
 """edgeflow's graph optimizer: one pass pipeline used by the numpy backend,
 quantization and training.
 
-    from edgeflow.optimize import optimize_model
+    from edgeflow.runtime.optimize import optimize_model
     fast = optimize_model(model, shapes={"x": (1, 3, 320, 320)})
     trainable = optimize_model(model, for_training=True)
 
-See :mod:`edgeflow.optimize.pipeline` and ``docs/optimizer.md``.
+See :mod:`edgeflow.runtime.optimize.pipeline` and ``docs/optimizer.md``.
 """
 
 from .ir import Graph, Node, PassOptions, from_model, to_model

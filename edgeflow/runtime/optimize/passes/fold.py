@@ -25,7 +25,7 @@ import logging
 import numpy as np
 from onnx import helper
 
-from ...kernels import UnknownOpError, get_kernel
+from ....kernels import UnknownOpError, get_kernel
 from ..ir import Graph, Node, PassOptions, attr_value, toposorted
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 The plan fixes the input shapes (dynamic dims -> the given batch size),
 runs ONNX shape inference to size every intermediate, and walks the
-schedule of :mod:`edgeflow.graph` keeping the set of live values — the same
+schedule of :mod:`edgeflow.runtime.graph` keeping the set of live values — the same
 lifetimes the numpy executor uses to free intermediates — plus each kernel's
 workspace (e.g. Conv's im2col buffer). Weights count in full.
 
@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from .errors import ShapeError
+from ..errors import ShapeError
 from .graph import CompiledGraph
 from .model import TensorInfo, elem_dtype
 
-log = logging.getLogger("edgeflow.memory")
+log = logging.getLogger("edgeflow.runtime.memory")
 
 
 @dataclass(frozen=True)

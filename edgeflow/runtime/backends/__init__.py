@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import importlib
 
-from ..errors import BackendError
+from ...errors import BackendError
 from .base import Backend, Session, SessionOptions, check_feeds
 
 _BACKENDS: dict[str, str] = {
-    "ort": "edgeflow.backends.ort:OrtBackend",
-    "numpy": "edgeflow.backends.numpy_backend:NumpyBackend",
+    "ort": "edgeflow.runtime.backends.ort:OrtBackend",
+    "numpy": "edgeflow.runtime.backends.numpy_backend:NumpyBackend",
 }
 
 

@@ -5,7 +5,7 @@ A QDQ model (what onnxruntime's ``quantize_static`` and
 DequantizeLinear pairs around each quantized op. Executed literally, every
 layer costs a float GEMM plus dequantize/quantize passes, so it would be
 *slower* than the fp32 model. This pass (the numpy backend's part of
-:mod:`edgeflow.optimize`) rewrites:
+:mod:`edgeflow.runtime.optimize`) rewrites:
 
 1. ``DQ -> Conv/Gemm/MatMul (weights DQ(int8 initializer), bias DQ(int32))
    [-> Relu] [-> Q]`` into one fused integer kernel (``edgeflow.fused::QConv``
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...kernels import UnknownOpError, get_kernel
-from ...kernels.int_gemm import F32_EXACT, F64_EXACT, int_bound
-from ...kernels.qdq_fused import FUSED_DOMAIN, k_blocks
+from ....kernels import UnknownOpError, get_kernel
+from ....kernels.int_gemm import F32_EXACT, F64_EXACT, int_bound
+from ....kernels.qdq_fused import FUSED_DOMAIN, k_blocks
 
 #: Ops that only move or select values: on a per-tensor quantized input they
 #: give the same result on the integers as on the dequantized floats.

@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from .errors import InputError, ModelError, ShapeError
+from ..errors import InputError, ModelError, ShapeError
 
 log = logging.getLogger(__name__)
 
