@@ -10,6 +10,16 @@ real-model rows (bench-gated int8 for 7 suite models x 2 profiles) add about
 10-25 minutes more to the full run (the PP-OCR recognizer and detector take
 most of it); the quick run does two of them on x86-gateway only.
 
+The Flower peer (``flwr``) pins older typer, rich, protobuf and cryptography
+than edgeflow's own dependencies, so it lives in a venv that also sees the
+project's packages; run the whole suite with that venv's python:
+
+    python -m venv --system-site-packages /opt/flwr-bench
+    /opt/flwr-bench/bin/pip install flwr==1.42.0
+    /opt/flwr-bench/bin/python benchmarks/run_all.py
+
+Without flwr the aggregation rows say so and the rest runs as usual.
+
 Each benchmark script runs in its own process and writes JSON; this script
 turns the figures into one table where every figure is a *ratio against its
 peer measured in the same run* (onnxruntime for inference, real models and int8, PyTorch
