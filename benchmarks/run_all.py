@@ -18,7 +18,8 @@ project's packages; run the whole suite with that venv's python:
     /opt/flwr-bench/bin/pip install flwr==1.42.0
     /opt/flwr-bench/bin/python benchmarks/run_all.py
 
-Without flwr the aggregation rows say so and the rest runs as usual.
+Without flwr the aggregation benchmark fails (its row in RESULTS.md says it
+produced no results) and the rest runs as usual.
 
 Each benchmark script runs in its own process and writes JSON; this script
 turns the figures into one table where every figure is a *ratio against its
