@@ -292,7 +292,7 @@ class SimDevice:
             return
         await self.mqtt.subscribe([(f"edgeflow/{FLEET}/gateway/model", 1), (f"edgeflow/{FLEET}/gateway/round", 1)])
         birth = Birth(self.device_id, FLEET, "raspberry-pi-4", self.bdseq, self.key.public_key.hex, model_version=1,
-                      telemetry_interval_s=self.sim.interval, can_train=True, seq=1).sign(self.key)
+                      telemetry_interval_s=self.sim.interval, can_train=True, training=True, seq=1).sign(self.key)
         await self.mqtt.publish(self.topic("death"), b"", retain=True)
         await self.mqtt.publish(self.topic("birth"), birth, retain=True)
         self.sim.connected += 1
@@ -305,7 +305,7 @@ class SimDevice:
                 body = {"device": self.device_id, "ts": time.time(), "seq": self.tele_seq, "bdseq": self.bdseq,
                         "model_version": max(self.version, 1), "inferences": 10, "latency_p50_ms": 1.2,
                         "latency_p95_ms": 2.5, "rss_bytes": 50_000_000, "cpu_percent": 3.0, "queue_depth": 0,
-                        "battery": 0.9}
+                        "battery": 0.9, "train": "training"}
                 try:
                     await self.mqtt.publish(self.topic("telemetry"), json.dumps(body, separators=(",", ":")).encode())
                     self.sim.telemetry_sent += 1
