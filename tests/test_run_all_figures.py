@@ -1,0 +1,56 @@
+"""benchmarks/run_all.py turns each benchmark's JSON into RESULTS.md rows.
+
+The recorded input is real: every benchmark's --json output from a full run on
+the project machine (2026-12-04; the swarm row from a 100-device run), saved in
+tests/data/run_all_results.json. A reader that returns nothing or raises on its
+own benchmark's output would leave that benchmark out of RESULTS.md (as
+fig_real_models did: it returned None).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORDED = json.loads((ROOT / "tests" / "data" / "run_all_results.json").read_text())
+
+
+def _run_all():
+    spec = importlib.util.spec_from_file_location("run_all", ROOT / "benchmarks" / "run_all.py")
+    mod = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    sys.modules["run_all"] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+RUN_ALL = _run_all()
+BENCHES = RUN_ALL.benches(False)
+
+
+def test_every_benchmark_has_a_recorded_output() -> None:
+    assert {b.name for b in BENCHES} == set(RECORDED)
+
+
+@pytest.mark.parametrize("bench", BENCHES, ids=[b.name for b in BENCHES])
+def test_each_reader_turns_its_benchmark_output_into_rows(bench) -> None:
+    figures = bench.figures(RECORDED[bench.name])
+    assert isinstance(figures, list) and figures, f"{bench.name}: no rows"
+    for f in figures:
+        assert isinstance(f, RUN_ALL.Figure)
+        row = f.row()
+        assert row.startswith("| ") and row.count("|") == 8, row
+        assert "could not read" not in f.what
+
+
+def test_the_real_model_summary_rows_are_there() -> None:
+    figures = RUN_ALL.fig_real_models(RECORDED["real_models"])
+    whats = [f.what for f in figures]
+    assert any(w.startswith("median numpy/ort latency ratio") for w in whats)
+    assert any(w.startswith("worst numpy/ort latency ratio") for w in whats)
+    assert len(figures) == len(RECORDED["real_models"]["rows"]) + 2
