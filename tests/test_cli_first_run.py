@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 import pytest
 
+from _cli import one_clear_line
 from edgeflow import zoo
 
 
@@ -24,15 +25,6 @@ def ef(*args: str, timeout: float = 120, cwd: str | None = None) -> subprocess.C
     return subprocess.run([sys.executable, "-m", "edgeflow", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd)
 
-
-def one_clear_line(out: subprocess.CompletedProcess, *needles: str) -> str:
-    assert out.returncode != 0, out
-    assert "Traceback" not in out.stderr, out.stderr
-    lines = [line for line in out.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, out.stderr
-    for n in needles:
-        assert n in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

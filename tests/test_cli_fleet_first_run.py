@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 import pytest
 
+from _cli import one_clear_line
 from edgeflow import zoo
 
 NOBODY = "mqtt://127.0.0.1:9"  # the discard port: no broker
@@ -29,15 +30,6 @@ def ef(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.
     return subprocess.run([sys.executable, "-m", "edgeflow", *args], capture_output=True, text=True, timeout=timeout,
                           cwd=cwd)
 
-
-def one_clear_line(out: subprocess.CompletedProcess, *needles: str) -> str:
-    assert out.returncode != 0, (out.stdout, out.stderr)
-    assert "Traceback" not in out.stderr, out.stderr
-    lines = [line for line in out.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, out.stderr
-    for n in needles:
-        assert n in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 import pytest
 
+from _cli import one_clear_line as _one_clear_line
 from _stores import PG_URL, pg_url  # noqa: F401
 from edgeflow import zoo
 from edgeflow.data.datasets import dirichlet_partition, load_digits
@@ -32,15 +33,6 @@ def _ok(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     assert out.returncode == 0, f"edgeflow {' '.join(args)}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
     return out
 
-
-def _one_clear_line(out: subprocess.CompletedProcess, *needles: str) -> str:
-    assert out.returncode != 0, (out.stdout, out.stderr)
-    assert "Traceback" not in out.stderr, out.stderr
-    lines = [line for line in out.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, out.stderr
-    for n in needles:
-        assert n in lines[0], lines[0]
-    return lines[0]
 
 
 def _schemas() -> set[str]:
