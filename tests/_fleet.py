@@ -2,7 +2,7 @@
 ``edgeflow broker-config`` generates (TLS listener, no anonymous access, per-device passwords,
 ACL), a gateway FleetManager and device agents, each on its own real MqttTransport.
 
-    from _fleet import fleet_env  # noqa: F401  (a module-scoped fixture)
+    from _fleet import fleet_env  # noqa: F401  (a fixture: each test its own fleet and broker)
 
 Nothing is mocked: agents, gateway and broker talk TLS over loopback sockets.
 """
@@ -172,8 +172,11 @@ def make_fleet_env(root: Path, *, pool: int = POOL) -> FleetEnv:
     return FleetEnv(root, fd, broker, url, iter(ids))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def fleet_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetEnv]:
+    """Each test its own fleet directory and broker (0.2 s to make): a test then sees no retained
+    births, deaths or deploy versions of another, in any order and under `pytest --count N`
+    (a module-scoped fleet made repeats of test_fleet_registry and test_fleet_cli fail)."""
     env = make_fleet_env(tmp_path_factory.mktemp("fleet"))
     try:
         yield env

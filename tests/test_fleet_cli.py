@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _fleet import BROKER_USER, PROFILE, make_fleet_env, mlp_bytes, wait_until
+from _fleet import BROKER_USER, PROFILE, fleet_env, mlp_bytes, wait_until  # noqa: F401
 
 from edgeflow.cli.main import main
 from edgeflow.gateway.store import GatewayStore
@@ -39,17 +39,6 @@ def test_broker_config_and_provision_commands(tmp_path, capsys) -> None:
     assert "listener 18884" in Path(tmp_path / "fleet" / "broker" / "mosquitto.conf").read_text(), "settings kept"
     assert main(["fleet", "provision", "cam-1", "--dir", d]) == 2, "existing credentials are not overwritten"
     assert main(["broker-config", "--dir", str(tmp_path / "nope")]) == 2, "a new directory needs --fleet"
-
-
-@pytest.fixture
-def fleet_env(tmp_path_factory):
-    """A fleet of this test's own: its deploy versions start at 1 however often the test runs
-    (`pytest --count N` reuses a module-scoped fleet, whose versions go on counting)."""
-    env = make_fleet_env(tmp_path_factory.mktemp("fleet"))
-    try:
-        yield env
-    finally:
-        env.close()
 
 
 @pytest.mark.integration
