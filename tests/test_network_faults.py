@@ -148,9 +148,13 @@ def test_a_half_delivered_global_model_resumes_after_a_cut(tmp_path):
     assert n >= 60 and 0 < d["chunks_before_cut"] < n, d
     # every chunk arrived, each new one once: what came before the cut was kept
     assert d["chunks_before_cut"] + d["chunks_after_cut"] - d["duplicates"] == n, d
-    # resumed, not restarted: the broker had ~32 chunks out, so >= 12 were acknowledged and never re-sent
-    assert d["chunks_after_cut"] <= n - 12, d
-    assert d["duplicates"] <= 20 and d["duplicates_to_end"] <= 20, d
+    # resumed, not restarted: only chunks the broker had not seen acknowledged come twice (Mosquitto's
+    # in-flight window, 20, plus acks still queued at the cut: up to 22 seen under load), never all the
+    # chunks that had arrived, as a restart from the retained copies or a second subscription would
+    # (duplicates == chunks_before_cut, or more; checked by patching the transport). How many chunks the
+    # device had handled at the cut depends on the load (20-32 seen: the proxy counts bytes).
+    assert d["duplicates"] < d["chunks_before_cut"] and d["duplicates_to_end"] < d["chunks_before_cut"], d
+    assert d["chunks_after_cut"] < n, d
     assert d["counted_next_round"] == 1, d
 
 
