@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_backward_kernels import check_backward
+from test_backward_kernels import away, check_backward
 
 from edgeflow.kernels import get_kernel
 
@@ -20,15 +20,6 @@ RNG = np.random.default_rng(15)
 
 def r(*shape):
     return np.asarray(RNG.standard_normal(shape))
-
-
-def away(x, points=(0.0,), gap=0.05):
-    """Move values off the kinks of a piecewise op, so finite differences are clean."""
-    x = np.array(x)
-    for p in points:
-        near = np.abs(x - p) < gap
-        x[near] = p + np.where(x[near] >= p, gap, -gap)
-    return x
 
 
 # ---------------------------------------------------------------- torch comparisons

@@ -36,7 +36,7 @@ import math
 
 import numpy as np
 import pytest
-from test_backward_kernels import check_backward
+from test_backward_kernels import away, check_backward
 
 from edgeflow.kernels import get_kernel
 from edgeflow.train.autograd import _BN_EVAL_VALUES, OUTPUT_READ_AS_POSITIVE_MASK, VALUES_NEEDED_FOR
@@ -71,15 +71,6 @@ def r(*shape, lo=None, hi=None):
     if lo is not None:
         return RNG.uniform(lo, hi, shape)
     return np.asarray(RNG.standard_normal(shape))
-
-
-def away(x, points=(0.0,), gap=0.05):
-    """Move values off the kinks of a piecewise op (torch and we may pick different sides there)."""
-    x = np.array(x)
-    for p in points:
-        near = np.abs(x - p) < gap
-        x[near] = p + np.where(x[near] >= p, gap, -gap)
-    return x
 
 
 def _tuple(v):
