@@ -174,7 +174,7 @@ def dequantize_linear(
     scale = broadcast_param(x_scale, x.shape, axis, block_size)
     if x_zero_point is not None and np.any(x_zero_point):
         zp = broadcast_param(x_zero_point, x.shape, axis, block_size)
-        dx = np.subtract(x, zp, dtype=np.float32)
+        dx = np.asarray(np.subtract(x, zp, dtype=np.float32))  # a 0-d input gives a scalar
     else:
         dx = x.astype(np.float32)
     y = np.multiply(dx, scale, out=dx) if scale.dtype == np.float32 else dx * scale

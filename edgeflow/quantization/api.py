@@ -508,6 +508,7 @@ def quantize(
 
     ranges = qparams = None
     gate = None
+    int8_hsw: list[int] = []
     if kind == "static":
         assert plan is not None and cal is not None
         if engine == "numpy":
@@ -521,6 +522,18 @@ def quantize(
 
         def build(extra: frozenset = frozenset(), fmt: str | None = None, cmethod: str | None = None,
                   ops: tuple | None = None) -> onnx.ModelProto:
+            qm_ = _build(extra, fmt, cmethod, ops)
+            if be != "ort":
+                return qm_
+            # onnxruntime has no int8 HardSwish/HardSigmoid: as int8 Add (+ Mul) they skip three float passes.
+            from .hardswish import hardswish_as_qlinear
+
+            qm_, n = hardswish_as_qlinear(qm_)
+            if not extra and not int8_hsw:
+                int8_hsw.append(n)
+            return qm_
+
+        def _build(extra: frozenset, fmt: str | None, cmethod: str | None, ops: tuple | None) -> onnx.ModelProto:
             if engine == "ort":
                 return ort_backend.quantize_static_ort(
                     fp32, cal, method=cmethod or calib, op_types=list(ops) if ops else None, activations=activations, per_channel=per_channel,
@@ -561,6 +574,9 @@ def quantize(
 
         qm = convert_fp16(fp32)
     qm = load_model(qm)  # checker + shape inference: fail here, not on the board
+    if kind == "static" and int8_hsw and int8_hsw[0] and (gate is None or gate.choice == "int8"):
+        notes.append(f"{int8_hsw[0]} HardSwish/HardSigmoid run in int8 as QLinearAdd (+ QLinearMul) on onnxruntime, "
+                     "which has no int8 kernel for them (the clamp is the int8 range's saturation)")
 
     report = QuantizationReport(
         profile=prof.name, method=kind, engine=engine, calibration=calib,
