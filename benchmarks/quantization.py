@@ -120,6 +120,7 @@ REAL_MODELS = (
     ("orientation-pplcnet", "conv", "top1"),
     ("ocr-cls-ppocr-mobile-v2", "conv", "top1"),
     ("nudenet-yolov8n-320", "conv", "cosine"),
+    ("layout-picodet-cdla", "conv", "cosine"),
     ("ocr-det-ppocrv4", "conv", "cosine"),
     ("ocr-rec-ppocrv4", "conv", "ctc"),
     ("oww-embedding", "conv", "cosine"),

@@ -280,6 +280,23 @@ def host_facts() -> HostFacts:
     return HostFacts(arch, cores, mem, tuple(sorted(flags)), model)
 
 
+def host_differs(profile: DeviceProfile, facts: HostFacts | None = None) -> str | None:
+    """How this host differs from ``profile``'s board where it matters for speed (None: it does not).
+
+    Timings taken here (the quantizer's bench gate) describe this host: another
+    architecture, or missing CPU features the profile names (``avx512_vnni``,
+    ``asimddp``...), run other kernels than the board does.
+    """
+    facts = facts or host_facts()
+    flags = {f.lower() for f in facts.cpu_features}
+    if facts.arch != profile.arch:
+        return f"this host is {facts.arch}, the profile {profile.name!r} is {profile.arch}"
+    missing = [f for f in profile.cpu_features if flags and f.lower() not in flags]
+    if missing:
+        return f"this host lacks {', '.join(missing)}, which the profile {profile.name!r} names"
+    return None
+
+
 def detect(facts: HostFacts | None = None) -> DeviceProfile:
     """The built-in profile closest to this host (see :func:`detect_with_reason`)."""
     return detect_with_reason(facts)[0]

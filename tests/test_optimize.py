@@ -21,6 +21,7 @@ from edgeflow.runtime.optimize.passes import (
     constants_to_initializers,
     fold_constants,
     fuse_batchnorm,
+    fuse_hardswish,
     remove_dead_nodes,
     remove_identity,
 )
@@ -254,6 +255,48 @@ def test_batchnorm_folding_leaves_what_it_cannot_fold():
     assert_same_on_ort(two, out, {"x": rand(rng, 1, 2, 3, 3)}, rtol=1e-4, atol=1e-5)
     # training keeps BN (its parameters train)
     assert "BatchNormalization" in _ops(_apply(fuse_batchnorm, two, for_training=True))
+
+
+# ------------------------------------------------------------------ HardSwish in four ops
+
+def _paddle_hardswish(opset, *, by_mul=False, swap=False, extra_reader=False):
+    """Conv -> x * Clip(x + 3, 0, 6) / 6 -> Conv, the way Paddle exports hard_swish."""
+    rng = np.random.default_rng(11)
+    inits = {"w": rand(rng, 4, 3, 3, 3), "w2": rand(rng, 2, 4, 1, 1), "three": np.float32(3.0),
+             "six": np.float32(6.0), "sixth": np.float32(1 / 6), "zero": np.float32(0.0)}
+    clip = (helper.make_node("Clip", ["a"], ["r"], min=0.0, max=6.0) if opset < 11
+            else helper.make_node("Clip", ["a", "zero", "six"], ["r"]))
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Add", ["three", "c"] if swap else ["c", "three"], ["a"]), clip,
+             helper.make_node("Mul", ["r", "c"] if swap else ["c", "r"], ["m"]),
+             helper.make_node("Mul", ["m", "sixth"], ["h"]) if by_mul else helper.make_node("Div", ["m", "six"], ["h"]),
+             helper.make_node("Conv", ["h", "w2"], ["y"])]
+    outputs = [("y", [1, 2, 5, 5])] + ([("r", [1, 4, 5, 5])] if extra_reader else [])
+    return make(nodes, [("x", [1, 3, 5, 5])], outputs, inits, opset=opset)
+
+
+@pytest.mark.parametrize("opset,by_mul,swap", [(14, False, False), (14, True, True), (13, False, True),
+                                               (10, False, False)])
+def test_hardswish_in_four_ops_becomes_one(opset, by_mul, swap):
+    m = _paddle_hardswish(opset, by_mul=by_mul, swap=swap)
+    out = _apply(fuse_hardswish, m)
+    want = ["Conv", "HardSwish", "Conv"] if opset >= 14 else ["Conv", "HardSigmoid", "Mul", "Conv"]
+    assert _ops(out) == want
+    x = {"x": np.random.default_rng(1).standard_normal((1, 3, 5, 5)).astype(np.float32) * 3}
+    np.testing.assert_allclose(run_ort(out, x)[0], run_ort(m, x)[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(run_numpy(out, x, optimize=False)[0], run_ort(m, x)[0], rtol=1e-5, atol=1e-6)
+    assert "HardSwish" in _ops(optimize_model(m)) or opset < 14  # part of the optimizer's pipeline
+
+
+def test_hardswish_fusion_leaves_what_it_cannot_fuse():
+    # the Clip's output is also a graph output; training graphs keep their ops
+    assert "Clip" in _ops(_apply(fuse_hardswish, _paddle_hardswish(14, extra_reader=True)))
+    assert "Clip" in _ops(_apply(fuse_hardswish, _paddle_hardswish(14), for_training=True))
+    m = _paddle_hardswish(14)
+    for t in m.graph.initializer:
+        if t.name == "three":
+            t.CopyFrom(numpy_helper.from_array(np.float32(2.5), "three"))  # not HardSwish
+    assert "Clip" in _ops(_apply(fuse_hardswish, m))
 
 
 # ------------------------------------------------------------------ dead nodes, subgraphs, purity

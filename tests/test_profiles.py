@@ -131,3 +131,17 @@ def test_detect_unknown_arch_is_clear():
 
 def test_detect_this_host_returns_a_profile():
     assert detect().name in builtin_profiles()
+
+
+def test_host_differs_names_what_makes_this_hosts_timings_not_the_boards():
+    from edgeflow.profiles import host_differs
+
+    vnni = get_profile("x86-gateway")
+    assert host_differs(vnni, HostFacts("x86_64", 2, 8000, ("avx2", "avx512f", "avx512_vnni", "fma"), "")) is None
+    msg = host_differs(vnni, HostFacts("x86_64", 2, 8000, ("avx2", "fma"), ""))
+    assert msg == "this host lacks avx512f, avx512_vnni, which the profile 'x86-gateway' names"
+    pi = get_profile("raspberry-pi-4")
+    assert host_differs(pi, HostFacts("x86_64", 2, 8000, ("avx2",), "")) == (
+        "this host is x86_64, the profile 'raspberry-pi-4' is aarch64")
+    assert host_differs(pi, HostFacts("aarch64", 4, 3900, ("asimd", "neon"), "")) is None
+    assert host_differs(pi, HostFacts("aarch64", 4, 3900, (), "")) is None  # flags unknown: no claim

@@ -505,6 +505,13 @@ def quantize(
 
     if kind == "static" and max_loss is None and be == "numpy":
         max_loss = _numpy_backend_default(prof, method, backend, notes)
+    if kind == "static" and max_loss is not None:
+        from ..profiles import host_differs
+
+        differs = host_differs(prof)
+        if differs:
+            notes.append(f"the bench gate timed int8 on this host, and {differs}: its choice fits this host; "
+                         f"run the same quantize on a {prof.name} board for the board's own choice")
 
     ranges = qparams = None
     gate = None

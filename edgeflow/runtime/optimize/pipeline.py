@@ -4,7 +4,8 @@ Two stages:
 
 1. :func:`optimize_model` — portable passes on the ONNX model (Constant
    nodes to initializers, Identity/Dropout removal, constant and shape
-   folding, BatchNormalization folding, dead-node removal), repeated until
+   folding, BatchNormalization folding, HardSwish spelled in four ops as one,
+   dead-node removal), repeated until
    nothing changes, with ONNX shape inference between rounds so that shapes
    fixed by ``shapes=`` (``--shape``) fold the ``Shape -> ... -> Reshape``
    subgraphs. The result is a valid ONNX model that any backend runs.
@@ -35,6 +36,7 @@ from .passes import (
     fold_constants,
     fuse_activation,
     fuse_batchnorm,
+    fuse_hardswish,
     fuse_layernorm,
     fuse_qdq,
     inline_constant_if,
@@ -53,6 +55,7 @@ MODEL_PASSES: tuple[tuple[str, ModelPass], ...] = (
     ("fold", fold_constants),
     ("inline_if", inline_constant_if),
     ("fuse_bn", fuse_batchnorm),
+    ("fuse_hardswish", fuse_hardswish),
     ("dce", remove_dead_nodes),
     ("subgraphs", optimize_subgraphs),
 )

@@ -2,7 +2,7 @@
 
 Portable passes (``Graph -> Graph`` on :mod:`edgeflow.runtime.optimize.ir`; the
 result is a valid ONNX model any backend runs): :mod:`.constants`,
-:mod:`.identity`, :mod:`.fold`, :mod:`.fuse_bn`, :mod:`.dce`, :mod:`.subgraphs`
+:mod:`.identity`, :mod:`.fold`, :mod:`.fuse_bn`, :mod:`.fuse_hardswish`, :mod:`.dce`, :mod:`.subgraphs`
 (all of them inside If/Loop/Scan bodies).
 
 numpy-backend passes (``CompiledGraph -> CompiledGraph``, on the node list
@@ -15,6 +15,7 @@ from .dce import remove_dead_nodes
 from .fold import fold_constants
 from .fuse_activation import fuse_activation
 from .fuse_bn import fuse_batchnorm
+from .fuse_hardswish import fuse_hardswish
 from .fuse_layernorm import fuse_layernorm
 from .fuse_qdq import fuse_qdq
 from .identity import remove_identity
@@ -26,6 +27,7 @@ __all__ = [
     "fold_constants",
     "fuse_activation",
     "fuse_batchnorm",
+    "fuse_hardswish",
     "fuse_layernorm",
     "fuse_qdq",
     "inline_constant_if",
