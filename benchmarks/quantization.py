@@ -228,6 +228,60 @@ def real_rows(models, profiles, n_cal: int, n_eval: int, runs: int, rounds: int)
     return rows
 
 
+#: Suite models whose activations include HardSwish (native or as x * Clip(x + 3, 0, 6) / 6) or HardSigmoid.
+HARDSWISH_MODELS = ("orientation-pplcnet", "ocr-cls-ppocr-mobile-v2", "layout-picodet-cdla", "ocr-rec-ppocrv4")
+
+
+def hardswish_rows(models, n_cal: int, n_eval: int, runs: int, rounds: int, profile: str = PROFILE) -> list[dict]:
+    """The int8 HardSwish lever, per model: every layer static int8 (no gate), written by the same
+    edgeflow.quantize with edgeflow.quantization.hardswish switched off and on, timed against the
+    optimized fp32 model on onnxruntime (batch 1, 1 thread, CPU time, alternating rounds); cosine
+    to fp32 on real inputs; the float HardSwish/HardSigmoid nodes onnxruntime is left to run."""
+    from dataclasses import replace
+    from unittest import mock
+
+    from edgeflow import model_suite
+    from edgeflow.profiles import get_profile
+
+    prof = replace(get_profile(profile), threads=1)
+    rows = []
+    for name in models:
+        if not model_suite.cached(name):
+            print(f"(skipping {name}: not in the model cache; edgeflow models fetch)", file=sys.stderr)
+            continue
+        cal = _stack(name, range(n_cal))
+        ev = _stack(name, range(100, 100 + n_eval))
+        fp32 = model_suite.load(name)
+        kw = dict(calibration=cal, backend="ort", batch_size=1, latency_runs=0, sensitivity=False)
+        with mock.patch("edgeflow.quantization.hardswish.hardswish_as_qlinear", lambda m: (m, 0)):
+            off = edgeflow.quantize(fp32, prof, **kw).model
+        on = edgeflow.quantize(fp32, prof, **kw)
+        base = edgeflow.runtime.optimize.optimize_model(fp32)
+        sess = [load(m, prof, backend="ort", batch_size=1, allow_over_budget=True) for m in (base, off, on.model)]
+        one = {k: v[:1] for k, v in ev.items()}
+        t32, t_off, t_on = paired_p50([lambda s=s: s.run(one) for s in sess], runs, rounds, clock=time.thread_time)
+        outs = [np.concatenate([next(iter(s.run({k: v[i:i + 1] for k, v in ev.items()}).values()))
+                                for i in range(n_eval)]) for s in sess]
+        float_acts = [sum(n.op_type in ("HardSwish", "HardSigmoid") for n in m.graph.node) for m in (off, on.model)]
+        rows.append({"model": name, "profile": profile, "fp32_ms": t32, "int8_ms": t_off, "int8_hsw_ms": t_on,
+                     "speedup": t32 / t_off, "speedup_hsw": t32 / t_on, "cos": _cos(outs[0], outs[1]),
+                     "cos_hsw": _cos(outs[0], outs[2]), "float_acts": float_acts[0], "float_acts_hsw": float_acts[1],
+                     "note": next((x for x in on.report.notes if "HardSwish/HardSigmoid run in int8" in x), "")})
+        print(f"  {name}: int8 {t32 / t_off:.2f}x -> {t32 / t_on:.2f}x with int8 HardSwish", file=sys.stderr, flush=True)
+    return rows
+
+
+def print_hardswish(rows: list[dict]) -> None:
+    print("int8 HardSwish/HardSigmoid (edgeflow.quantization.hardswish), every layer int8, no gate; onnxruntime,")
+    print("batch 1, 1 thread, CPU ms of the calling thread; speedup against the optimized fp32 model")
+    print(f"{'model':24s} {'fp32 ms':>8s} {'int8 ms':>8s} {'speedup':>7s} {'+int8 hsw':>9s} {'speedup':>7s} "
+          f"{'cos':>7s} {'cos hsw':>7s} {'float acts':>10s}")
+    for r in rows:
+        print(f"{r['model']:24s} {r['fp32_ms']:8.2f} {r['int8_ms']:8.2f} {r['speedup']:6.2f}x {r['int8_hsw_ms']:9.2f} "
+              f"{r['speedup_hsw']:6.2f}x {r['cos']:7.4f} {r['cos_hsw']:7.4f} {r['float_acts']:>4d} -> {r['float_acts_hsw']}")
+    print()
+
+
 def print_real(rows: list[dict]) -> None:
     print("real models (bench-gated int8, --max-loss 1; onnxruntime, batch 1, 1 thread, CPU ms of the calling thread;")
     print("fidelity on real inputs:")
@@ -262,7 +316,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibration", type=int, default=16, help="real inputs to calibrate on (default 16)")
     ap.add_argument("--eval", type=int, default=32, help="other real inputs to measure fidelity on (default 32)")
     ap.add_argument("--only-real", action="store_true", help="skip the synthetic/digits rows")
+    ap.add_argument("--hardswish", action="store_true",
+                    help="only the int8 HardSwish lever: the HardSwish/HardSigmoid nets with it off and on")
     args = ap.parse_args(argv)
+    if args.hardswish:
+        picked = HARDSWISH_MODELS if args.real == "all" else tuple(args.real.split(","))
+        rows = hardswish_rows(picked, args.calibration, min(args.eval, 16), args.runs, args.rounds)
+        print_hardswish(rows)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"hardswish": rows}, f, indent=2, default=str)
+        return 0
     picked = () if args.real == "none" else REAL_MODELS if args.real == "all" else tuple(
         m for m in REAL_MODELS if m[0] in args.real.split(","))
     real = real_rows(picked, args.profiles.split(","), args.calibration, args.eval, args.runs, args.rounds) \
