@@ -297,6 +297,25 @@ def host_differs(profile: DeviceProfile, facts: HostFacts | None = None) -> str 
     return None
 
 
+VNNI_FEATURES = ("avx512_vnni", "avx_vnni", "amx_int8")
+"""x86 features with which onnxruntime's u8 x s8 kernels sum products exactly (no int16 pair sums)."""
+
+
+def saturates_where_board_does_not(profile: DeviceProfile, facts: HostFacts | None = None) -> bool:
+    """True when this x86 host lacks VNNI but the x86 ``profile`` names it.
+
+    onnxruntime's u8 x s8 kernels without VNNI (AVX2, AVX-512F) add pairs of
+    products in int16, which saturates; with VNNI they do not. Outputs of an
+    int8 model computed here then differ from the board's, unless onnxruntime's
+    exact path (``session.x64quantprecision``) computes them.
+    """
+    facts = facts or host_facts()
+    flags = {f.lower() for f in facts.cpu_features}
+    wants = {f.lower() for f in profile.cpu_features} & set(VNNI_FEATURES)
+    return (profile.arch == facts.arch == "x86_64" and bool(flags) and bool(wants)
+            and not flags & set(VNNI_FEATURES))
+
+
 def detect(facts: HostFacts | None = None) -> DeviceProfile:
     """The built-in profile closest to this host (see :func:`detect_with_reason`)."""
     return detect_with_reason(facts)[0]

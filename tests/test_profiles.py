@@ -145,3 +145,13 @@ def test_host_differs_names_what_makes_this_hosts_timings_not_the_boards():
         "this host is x86_64, the profile 'raspberry-pi-4' is aarch64")
     assert host_differs(pi, HostFacts("aarch64", 4, 3900, ("asimd", "neon"), "")) is None
     assert host_differs(pi, HostFacts("aarch64", 4, 3900, (), "")) is None  # flags unknown: no claim
+
+
+def test_a_host_without_vnni_saturates_where_a_vnni_board_does_not():
+    from edgeflow.profiles import saturates_where_board_does_not as saturates
+
+    vnni = get_profile("x86-gateway")
+    assert saturates(vnni, HostFacts("x86_64", 2, 8000, ("avx2", "fma"), ""))
+    assert not saturates(vnni, HostFacts("x86_64", 2, 8000, ("avx2", "avx_vnni"), ""))
+    assert not saturates(vnni, HostFacts("x86_64", 2, 8000, (), ""))  # flags unknown: no claim
+    assert not saturates(get_profile("raspberry-pi-4"), HostFacts("x86_64", 2, 8000, ("avx2",), ""))

@@ -139,3 +139,31 @@ def test_the_numpy_backend_gets_no_rewrite():
                           sensitivity=False, min_int8_channels=0)
     ops = [nd.op_type for nd in r.model.graph.node]
     assert ops.count("HardSwish") == 2 and not any("run in int8" in n for n in r.report.notes)
+
+
+def test_on_a_host_without_vnni_fidelity_is_the_vnni_boards(monkeypatch):
+    """The report's and the gate's outputs come from onnxruntime's exact int8 path where this host's
+    fast kernels saturate and the profile's board's do not."""
+    pytest.importorskip("onnxruntime")
+    import edgeflow
+    from edgeflow import profiles
+
+    seen = []
+    real = profiles.host_facts()
+    monkeypatch.setattr(profiles, "host_facts", lambda: profiles.HostFacts(
+        "x86_64", real.cores, real.memory_mb, ("avx2", "fma", "sse4_1"), ""))
+    from edgeflow.runtime.backends import ort as ort_backend
+
+    load = ort_backend.OrtBackend.load
+
+    def spy(self, model, options):
+        seen.append(options.exact_int8)
+        return load(self, model, options)
+
+    monkeypatch.setattr(ort_backend.OrtBackend, "load", spy)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((40, 8, 12, 12)).astype(np.float32)
+    r = edgeflow.quantize(_mobilenet_block(rng), "x86-gateway", calibration=x[:32], eval_data=x[32:], engine="ort",
+                          backend="ort", latency_runs=0, sensitivity=False, min_int8_channels=0)
+    assert any("exact int8 path" in n for n in r.report.notes), r.report.notes
+    assert seen and all(seen)

@@ -81,17 +81,19 @@ def resolve_method(method: str | None, profile: DeviceProfile) -> tuple[str, str
 class _Evaluator:
     """Runs models on the profile's backend, batch by batch."""
 
-    def __init__(self, profile: DeviceProfile, backend: str, batch_size: int, fixed: int | None) -> None:
+    def __init__(self, profile: DeviceProfile, backend: str, batch_size: int, fixed: int | None,
+                 exact_int8: bool = False) -> None:
         self.profile = profile
         self.backend = backend
         self.batch_size = fixed or batch_size
         self.fixed = fixed
+        self.exact_int8 = exact_int8  # the board's exact int8 sums where this host's kernels saturate
 
     def session(self, model: onnx.ModelProto):
         from ..runtime.backends import get_backend
         from ..runtime.session import session_options
 
-        return get_backend(self.backend).load(model, session_options(self.profile))
+        return get_backend(self.backend).load(model, session_options(self.profile, exact_int8=self.exact_int8))
 
     def runner(self, model: onnx.ModelProto):
         sess = self.session(model)
@@ -497,7 +499,14 @@ def quantize(
 
     be = choose_backend(fp32, prof, backend).name
     fixed = fixed_batch(inputs)
-    evaluator = _Evaluator(prof, be, batch_size, fixed)
+    from ..profiles import saturates_where_board_does_not
+
+    exact = be == "ort" and kind == "static" and saturates_where_board_does_not(prof)
+    evaluator = _Evaluator(prof, be, batch_size, fixed, exact_int8=exact)
+    if exact:
+        notes.append(f"outputs for the report and the gate's loss computed with onnxruntime's exact int8 path "
+                     f"(session.x64quantprecision): this host has no VNNI, so its fast u8 x s8 kernels saturate "
+                     f"int16 pair sums, which a {prof.name} board (VNNI) does not; speed is timed on the fast path")
     if fixed and cal is not None and kind == "static":
         cal, note = full_batches(cal, fixed)
         if note:
