@@ -180,7 +180,7 @@ def real_rows(models, profiles, n_cal: int, n_eval: int, runs: int, rounds: int)
     from dataclasses import replace
 
     from edgeflow import model_suite
-    from edgeflow.profiles import get_profile
+    from edgeflow.profiles import get_profile, host_differs
 
     rows = []
     for name, kind, fid in models:
@@ -213,7 +213,8 @@ def real_rows(models, profiles, n_cal: int, n_eval: int, runs: int, rounds: int)
                    "gate_search_speedup": g.search_speedup, "gate_confirmed_speedup": g.confirmed_speedup,
                    "quantized": len(r.report.quantized_nodes), "reason": g.reason,
                    "kept_why": sorted({w.split(":")[0] for w in r.report.kept_fp32.values()}),
-                   "fidelity_kind": fid, "n_eval": n_eval, "seconds": time.time() - t0}
+                   "fidelity_kind": fid, "n_eval": n_eval, "seconds": time.time() - t0,
+                   "host": host_differs(prof)}
             if fid == "top1":
                 row["fidelity"] = float(np.mean(np.argmax(ref.reshape(n_eval, -1), 1)
                                                 == np.argmax(got.reshape(n_eval, -1), 1)) * 100)
@@ -300,7 +301,9 @@ def print_real(rows: list[dict]) -> None:
     for p in sorted({r["profile"] for r in rows}):
         conv = [r["speedup"] for r in rows if r["profile"] == p and r["kind"] == "conv"]
         if conv:
-            print(f"{p}: median int8 speedup on the conv nets {np.median(conv):.2f}x (target >= 2.0); "
+            host = next((r.get("host") for r in rows if r["profile"] == p and r.get("host")), None)
+            print(f"{p}: median int8 speedup on the conv nets {np.median(conv):.2f}x (target >= 2.0"
+                  + (f" on the board; timed on this host, and {host}" if host else "") + "); "
                   f"fidelity met on {sum(r['fidelity_ok'] for r in rows if r['profile'] == p)} of "
                   f"{sum(r['profile'] == p for r in rows)}")
     print()

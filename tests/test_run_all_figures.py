@@ -54,3 +54,17 @@ def test_the_real_model_summary_rows_are_there() -> None:
     assert any(w.startswith("median numpy/ort latency ratio") for w in whats)
     assert any(w.startswith("worst numpy/ort latency ratio") for w in whats)
     assert len(figures) == len(RECORDED["real_models"]["rows"]) + 2
+
+
+def test_a_speedup_timed_off_the_board_is_not_judged_against_the_boards_target() -> None:
+    real = [dict(r) for r in RECORDED["quantization"]["real"]]
+    assert real and any(r["kind"] == "conv" for r in real)
+    for r in real:
+        r["host"] = "this host is x86_64, the profile 'raspberry-pi-4' is aarch64" \
+            if r["profile"] == "raspberry-pi-4" else None
+    figures = RUN_ALL.fig_quantization({**RECORDED["quantization"], "real": real})
+    medians = {f.what.split(":")[0]: f for f in figures if "median int8 speedup" in f.what}
+    pi = next(f for k, f in medians.items() if "raspberry-pi-4" in k)
+    assert pi.ok is None and "not on the board" in pi.what and pi.target == ">= 2.0 (on the board)"
+    x86 = next(f for k, f in medians.items() if "x86-gateway" in k)
+    assert x86.ok is not None and x86.target == ">= 2.0"
