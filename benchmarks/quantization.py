@@ -272,6 +272,70 @@ def hardswish_rows(models, n_cal: int, n_eval: int, runs: int, rounds: int, prof
     return rows
 
 
+def op_times(model: onnx.ModelProto, feeds: dict, runs: int = 60) -> tuple[dict, dict]:
+    """onnxruntime's profiler, 1 thread: (ms per op type, ms per node), each node's lowest time over ``runs``."""
+    import tempfile
+
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as d:
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = so.inter_op_num_threads = 1
+        so.enable_profiling = True
+        so.profile_file_prefix = os.path.join(d, "prof")
+        so.log_severity_level = 3
+        sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        for _ in range(runs):
+            sess.run(None, feeds)
+        with open(sess.end_profiling(), encoding="utf-8") as f:
+            events = json.load(f)
+    best: dict[str, tuple[str, float]] = {}
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+            node, op = e["name"][:-len("_kernel_time")], e["args"]["op_name"]
+            best[node] = (op, min(best.get(node, (op, float("inf")))[1], e["dur"] / 1000))
+    by_op: dict[str, float] = {}
+    for op, ms in best.values():
+        by_op[op] = by_op.get(op, 0.0) + ms
+    return dict(sorted(by_op.items(), key=lambda kv: -kv[1])), best
+
+
+def print_op_times(name: str, profile: str = PROFILE, n_cal: int = 16) -> None:
+    """Where an int8 model's time goes against fp32 (every layer int8, int8 HardSwish on), per op type,
+    and the convolutions split into depthwise and the rest (matched through their output names)."""
+    from dataclasses import replace
+
+    from edgeflow import model_suite
+    from edgeflow.profiles import get_profile
+
+    prof = replace(get_profile(profile), threads=1)
+    from edgeflow.quantization.analysis import name_nodes
+
+    fp32 = name_nodes(edgeflow.runtime.optimize.optimize_model(model_suite.load(name)))  # the names quantize gives
+    q = edgeflow.quantize(fp32, prof, calibration=_stack(name, range(n_cal)), backend="ort", batch_size=1,
+                          latency_runs=0, sensitivity=False).model
+    one = {k: v[:1] for k, v in _stack(name, [100]).items()}
+    groups = {}
+    for n in fp32.graph.node:
+        if n.op_type == "Conv":
+            g = next((onnx.helper.get_attribute_value(a) for a in n.attribute if a.name == "group"), 1)
+            groups[n.output[0]] = groups[n.name] = "depthwise" if g > 1 else "other"
+    print(f"{name}, {profile}: onnxruntime profiler, 1 thread, lowest ms per node over 60 runs, summed")
+    for label, m in (("fp32", fp32), ("int8", q)):
+        by_op, nodes = op_times(m, one)
+        conv = {"depthwise": 0.0, "other": 0.0}
+        for node, (op, ms) in nodes.items():
+            if op in ("Conv", "FusedConv", "QLinearConv"):
+                base = node.removesuffix("_nchwc").removesuffix("_quant").split("_token_")[0]
+                kind = groups.get(base)
+                if kind:
+                    conv[kind] += ms
+        print(f"  {label}: total {sum(by_op.values()):.2f}; " + ", ".join(f"{k} {v:.2f}" for k, v in by_op.items()
+                                                                      if v >= 0.01))
+        print(f"    convs: depthwise {conv['depthwise']:.2f}, other {conv['other']:.2f}")
+    print()
+
+
 def print_hardswish(rows: list[dict]) -> None:
     print("int8 HardSwish/HardSigmoid (edgeflow.quantization.hardswish), every layer int8, no gate; onnxruntime,")
     print("batch 1, 1 thread, CPU ms of the calling thread; speedup against the optimized fp32 model")
@@ -319,9 +383,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibration", type=int, default=16, help="real inputs to calibrate on (default 16)")
     ap.add_argument("--eval", type=int, default=32, help="other real inputs to measure fidelity on (default 32)")
     ap.add_argument("--only-real", action="store_true", help="skip the synthetic/digits rows")
+    ap.add_argument("--op-times", metavar="MODEL",
+                    help="only onnxruntime's profiler on MODEL (a suite name): fp32 vs every-layer int8, per op type")
     ap.add_argument("--hardswish", action="store_true",
                     help="only the int8 HardSwish lever: the HardSwish/HardSigmoid nets with it off and on")
     args = ap.parse_args(argv)
+    if args.op_times:
+        print_op_times(args.op_times)
+        return 0
     if args.hardswish:
         picked = HARDSWISH_MODELS if args.real == "all" else tuple(args.real.split(","))
         rows = hardswish_rows(picked, args.calibration, min(args.eval, 16), args.runs, args.rounds)
