@@ -180,7 +180,7 @@ def real_rows(models, profiles, n_cal: int, n_eval: int, runs: int, rounds: int)
     from dataclasses import replace
 
     from edgeflow import model_suite
-    from edgeflow.profiles import get_profile, host_differs
+    from edgeflow.profiles import get_profile, host_differs, saturates_where_board_does_not
 
     rows = []
     for name, kind, fid in models:
@@ -201,8 +201,13 @@ def real_rows(models, profiles, n_cal: int, n_eval: int, runs: int, rounds: int)
             b = load(r.model, prof, backend="ort", batch_size=1, allow_over_budget=True)
             one = {k: v[:1] for k, v in ev.items()}
             t32, t8 = paired_p50([lambda: a.run(one), lambda: b.run(one)], runs, rounds, clock=time.thread_time)
+            # fidelity as the board computes it: where this host's int8 kernels saturate and the board's do
+            # not (x86 without VNNI), onnxruntime's exact int8 path gives the board's sums
+            exact = saturates_where_board_does_not(prof)
+            b_fid = load(r.model, prof, backend="ort", batch_size=1, allow_over_budget=True, exact_int8=exact) \
+                if exact else b
             outs32 = [a.run({k: v[i:i + 1] for k, v in ev.items()}) for i in range(n_eval)]
-            outs8 = [b.run({k: v[i:i + 1] for k, v in ev.items()}) for i in range(n_eval)]
+            outs8 = [b_fid.run({k: v[i:i + 1] for k, v in ev.items()}) for i in range(n_eval)]
             first = a.outputs[0].name if hasattr(a, "outputs") else next(iter(outs32[0]))
             ref = np.concatenate([o[first] for o in outs32])
             got = np.concatenate([o[first] for o in outs8])
@@ -214,7 +219,7 @@ def real_rows(models, profiles, n_cal: int, n_eval: int, runs: int, rounds: int)
                    "quantized": len(r.report.quantized_nodes), "reason": g.reason,
                    "kept_why": sorted({w.split(":")[0] for w in r.report.kept_fp32.values()}),
                    "fidelity_kind": fid, "n_eval": n_eval, "seconds": time.time() - t0,
-                   "host": host_differs(prof)}
+                   "host": host_differs(prof), "fidelity_exact_int8": exact}
             if fid == "top1":
                 row["fidelity"] = float(np.mean(np.argmax(ref.reshape(n_eval, -1), 1)
                                                 == np.argmax(got.reshape(n_eval, -1), 1)) * 100)
