@@ -30,6 +30,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ..runtime.optimize.ir import outer_refs
 from .qdq import _Names, toposort_nodes
 
 OPS = ("HardSwish", "HardSigmoid")
@@ -51,6 +52,11 @@ def _scalar_qparams(inits: dict[str, onnx.TensorProto], node: onnx.NodeProto) ->
     if scale.size != 1 or zp.size != 1 or zp.dtype not in (np.uint8, np.int8):
         return None
     return float(scale.reshape(())), zp
+
+
+def _read_by_subgraphs(nodes: list[onnx.NodeProto], name: str) -> bool:
+    return any(name in outer_refs(sub) for n in nodes for a in n.attribute
+               for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)))
 
 
 def hardswish_as_qlinear(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
@@ -145,9 +151,10 @@ def hardswish_as_qlinear(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     order = toposort_nodes(kept + added, available)
     del g.node[:]
     g.node.extend(order)
-    used = {i for n in order for i in n.input}
-    unused = [t for t in g.initializer if t.name not in used]  # the dropped nodes' scales and zero points
-    for t in unused:
-        if t.name not in {i.name for i in g.input}:
-            g.initializer.remove(t)
+    # the scales and zero points only the dropped nodes read (nothing else: a subgraph may read the rest)
+    freed = {i for n in nodes if id(n) in drop for i in n.input} - {i for n in order for i in n.input}
+    for t in [t for t in g.initializer if t.name in freed and t.name in inits]:
+        if _read_by_subgraphs(order, t.name):
+            continue
+        g.initializer.remove(t)
     return m, count
