@@ -263,13 +263,19 @@ def hardswish_rows(models, n_cal: int, n_eval: int, runs: int, rounds: int, prof
             off = edgeflow.quantize(fp32, prof, **kw).model
         on = edgeflow.quantize(fp32, prof, **kw)
         base = edgeflow.runtime.optimize.optimize_model(fp32)
-        sess = [load(m, prof, backend="ort", batch_size=1, allow_over_budget=True) for m in (base, off, on.model)]
+        unfused = edgeflow.runtime.optimize.optimize_model(fp32, passes=[
+            n for n, _ in edgeflow.runtime.optimize.pipeline.MODEL_PASSES if n != "fuse_hardswish"])
+        sess = [load(m, prof, backend="ort", batch_size=1, allow_over_budget=True)
+                for m in (base, off, on.model, unfused)]
         one = {k: v[:1] for k, v in ev.items()}
-        t32, t_off, t_on = paired_p50([lambda s=s: s.run(one) for s in sess], runs, rounds, clock=time.thread_time)
+        t32, t_off, t_on, t_unfused = paired_p50([lambda s=s: s.run(one) for s in sess], runs, rounds,
+                                                 clock=time.thread_time)
+        sess = sess[:3]
         outs = [np.concatenate([next(iter(s.run({k: v[i:i + 1] for k, v in ev.items()}).values()))
                                 for i in range(n_eval)]) for s in sess]
         float_acts = [sum(n.op_type in ("HardSwish", "HardSigmoid") for n in m.graph.node) for m in (off, on.model)]
-        rows.append({"model": name, "profile": profile, "fp32_ms": t32, "int8_ms": t_off, "int8_hsw_ms": t_on,
+        rows.append({"model": name, "profile": profile, "fp32_ms": t32, "fp32_unfused_ms": t_unfused,
+                     "int8_ms": t_off, "int8_hsw_ms": t_on,
                      "speedup": t32 / t_off, "speedup_hsw": t32 / t_on, "cos": _cos(outs[0], outs[1]),
                      "cos_hsw": _cos(outs[0], outs[2]), "float_acts": float_acts[0], "float_acts_hsw": float_acts[1],
                      "note": next((x for x in on.report.notes if "HardSwish/HardSigmoid run in int8" in x), "")})
@@ -344,10 +350,12 @@ def print_op_times(name: str, profile: str = PROFILE, n_cal: int = 16) -> None:
 def print_hardswish(rows: list[dict]) -> None:
     print("int8 HardSwish/HardSigmoid (edgeflow.quantization.hardswish), every layer int8, no gate; onnxruntime,")
     print("batch 1, 1 thread, CPU ms of the calling thread; speedup against the optimized fp32 model")
-    print(f"{'model':24s} {'fp32 ms':>8s} {'int8 ms':>8s} {'speedup':>7s} {'+int8 hsw':>9s} {'speedup':>7s} "
-          f"{'cos':>7s} {'cos hsw':>7s} {'float acts':>10s}")
+    print("(fp32 unfused: the same fp32 model without the optimizer's fuse_hardswish pass)")
+    print(f"{'model':24s} {'fp32 unfused':>12s} {'fp32 ms':>8s} {'int8 ms':>8s} {'speedup':>7s} {'+int8 hsw':>9s} "
+          f"{'speedup':>7s} {'cos':>7s} {'cos hsw':>7s} {'float acts':>10s}")
     for r in rows:
-        print(f"{r['model']:24s} {r['fp32_ms']:8.2f} {r['int8_ms']:8.2f} {r['speedup']:6.2f}x {r['int8_hsw_ms']:9.2f} "
+        print(f"{r['model']:24s} {r['fp32_unfused_ms']:12.2f} {r['fp32_ms']:8.2f} {r['int8_ms']:8.2f} "
+              f"{r['speedup']:6.2f}x {r['int8_hsw_ms']:9.2f} "
               f"{r['speedup_hsw']:6.2f}x {r['cos']:7.4f} {r['cos_hsw']:7.4f} {r['float_acts']:>4d} -> {r['float_acts_hsw']}")
     print()
 
