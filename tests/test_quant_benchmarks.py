@@ -84,3 +84,18 @@ def test_the_benchmark_scripts_still_parse_their_flags():
         out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"], capture_output=True,
                              text=True, timeout=120)
         assert out.returncode == 0 and "usage" in out.stdout, out.stderr
+
+
+@pytest.mark.skipif(not _cached("ocr-cls-ppocr-mobile-v2"),
+                    reason="the real-model cache lacks ocr-cls-ppocr-mobile-v2 (edgeflow models fetch)")
+def test_the_hardswish_lever_rows_and_the_op_profile(capsys):
+    pytest.importorskip("onnxruntime")
+    q = _bench("quantization")
+    (row,) = q.hardswish_rows(["ocr-cls-ppocr-mobile-v2"], n_cal=4, n_eval=2, runs=1, rounds=1)
+    # Paddle's x * Clip(x + 3, 0, 6) / 6 is fused (27 HardSigmoid + Mul) and every one runs in int8 when on
+    assert row["float_acts"] == 27 and row["float_acts_hsw"] == 0, row
+    assert row["note"].startswith("27 HardSwish/HardSigmoid run in int8")
+    assert min(row["fp32_ms"], row["fp32_unfused_ms"], row["int8_ms"], row["int8_hsw_ms"]) > 0
+    q.print_op_times("ocr-cls-ppocr-mobile-v2", n_cal=2)
+    out = capsys.readouterr().out
+    assert "fp32: total" in out and "QLinearConv" in out and "convs: depthwise" in out
