@@ -109,6 +109,26 @@ def test_loss_percent_uses_labels_then_agreement_then_cosine():
     assert loss_percent(a, b) == pytest.approx(100 * (1 - 2 ** -0.5))
 
 
+def test_loss_measured_as_a_whole_argmax_sequence_for_per_step_scores():
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal((4, 20, 30))  # 4 text lines, 20 steps, 30 classes (CTC logits)
+    got = ref + 1e-3 * rng.standard_normal(ref.shape)
+    first, second = np.argsort(ref[1, 7])[::-1][:2]
+    got[1, 7, [first, second]] = ref[1, 7, [second, first]]  # one step of one line reads another character
+    assert loss_percent(ref, got, measure="cosine") < 1.0  # a cosine loss barely sees it
+    assert loss_percent(ref, got, measure="sequence") == pytest.approx(25.0)  # one line of four differs
+    assert loss_percent(ref, got) == loss_percent(ref, got, measure="cosine")  # auto on 3-D: cosine
+    with pytest.raises(QuantizationError, match="--loss sequence needs per-step class scores"):
+        loss_percent(ref[:, 0], got[:, 0], measure="sequence")
+    with pytest.raises(QuantizationError, match="--loss top1 needs class scores"):
+        loss_percent(ref[:, 0, 0], got[:, 0, 0], measure="top1")
+
+
+def test_an_unknown_loss_measure_is_one_clear_error():
+    with pytest.raises(QuantizationError, match="unknown loss measure 'bleu'; use one of auto, cosine, top1, sequence"):
+        edgeflow.quantize(zoo.digits_cnn(seed=1), "x86-gateway", np.zeros((4, 1, 8, 8), np.float32), loss="bleu")
+
+
 def test_layer_groups_tell_depthwise_from_pointwise():
     m = zoo.small_cnn()
     names = [n.name or f"n{i}" for i, n in enumerate(m.graph.node)]
@@ -175,6 +195,12 @@ def test_cli_max_loss_and_fallback(tmp_path, capsys):
               "--max-loss", "lots"])
     assert e.value.code == 2
     assert "'lots' is not a percentage" in capsys.readouterr().err
+    # a loss measure that does not fit the model's output: one line, no traceback
+    rc = main(["quantize", str(model), "--profile", "x86-gateway", "-c", str(cal), "-o", str(tmp_path / "s.onnx"),
+               "--engine", "numpy", "--backend", "numpy", "--max-loss", "1", "--loss", "sequence", "--no-sensitivity"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and len(err) == 1 and "--loss sequence needs per-step class scores" in err[0], err
+    assert not (tmp_path / "s.onnx").exists()
 
 
 def _cached(name: str) -> bool:

@@ -43,6 +43,10 @@ def register(sub) -> None:
                     help="largest loss allowed, in percent: top-1 accuracy points with labels, else 100 - top-1 "
                     "agreement with fp32 (classifiers) or 100 x (1 - cosine) of the output; 1 = 99%% agreement "
                     "or cosine 0.99")
+    gg.add_argument("--loss", choices=["auto", "cosine", "top1", "sequence"], default="auto",
+                    help="how --max-loss is measured: auto (as above), cosine, top1, or sequence: 100 - %% of "
+                    "samples whose per-step argmax over the last axis equals fp32's (CTC text recognizers: the "
+                    "same sequence decodes to the same text)")
     gg.add_argument("--fallback", choices=["weight-only", "fp32"], default="weight-only",
                     help="what to write when int8 does not pay: weight-only int8 (4x smaller weights, fp32 "
                     "arithmetic and speed) or the fp32 model (default: weight-only)")
@@ -155,7 +159,7 @@ def cmd(args) -> int:
             keep_fp32=args.keep_fp32, keep_first=args.keep_first, keep_last=args.keep_last,
             eval_data=ev, labels=labels, percentile=args.percentile,
             sensitivity=False if args.no_sensitivity else None, backend=args.backend,
-            output=args.output, preprocess=prep, max_loss=args.max_loss, fallback=args.fallback,
+            output=args.output, preprocess=prep, max_loss=args.max_loss, fallback=args.fallback, loss=args.loss,
         )
     rep = result.report.to_dict()
     rep["output"] = args.output

@@ -205,7 +205,8 @@ def preprocess_graph(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | Non
 
 
 def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss, fallback, per_channel, cal, calib,
-           percentile, activations, batch, rounds, seed, inputs, formats=(None,), retry_method=None):
+           percentile, activations, batch, rounds, seed, inputs, formats=(None,), retry_method=None,
+           loss_measure="auto"):
     """The bench-gated choice (:mod:`.gate`): the model it picked and the decision."""
     from ..runtime.session import load
     from .gate import Trial, choose, confirm, layer_groups, loss_percent, time_pair, time_rounds
@@ -229,7 +230,7 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
         rt = load(m, prof, backend=backend, batch_size=batch, allow_over_budget=True)
         t32, t8 = time_pair(lambda: rt32.run(feeds), lambda: rt.run(feeds), rounds=rounds, cpu=cpu)
         base.setdefault("fp32", t32)
-        return Trial(kept, t8 * base["fp32"] / t32, loss_percent(ref, evaluator.predict(m, ev), labels))
+        return Trial(kept, t8 * base["fp32"] / t32, loss_percent(ref, evaluator.predict(m, ev), labels, loss_measure))
 
     sens_box: list = []
 
@@ -306,7 +307,7 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
             wo = load_model(weight_only_int8(fp32, targets, per_channel=per_channel, optimize=False))
         rt = load(wo, prof, backend=backend, batch_size=batch, allow_over_budget=True)
         t32, t_wo = time_pair(lambda: rt32.run(feeds), lambda: rt.run(feeds), rounds=rounds, cpu=cpu)
-        wo_loss = loss_percent(ref, evaluator.predict(wo, ev), labels)
+        wo_loss = loss_percent(ref, evaluator.predict(wo, ev), labels, loss_measure)
         decision.reason += (f"; measured: weight-only {t_wo:.3f} ms vs fp32 {t32:.3f} ms, "
                             f"{wo.ByteSize() / max(1, fp32.ByteSize()):.3f} of the fp32 size, loss {wo_loss:.2f}%")
         if wo_loss <= max_loss:
@@ -379,6 +380,7 @@ def quantize(
     max_loss: float | None = None,
     fallback: str = "weight-only",
     gate_rounds: int = 5,
+    loss: str = "auto",
 ) -> QuantizedModel:
     """Quantize ``model`` for ``profile``; see the module docstring.
 
@@ -403,13 +405,19 @@ def quantize(
     backend, kinds of layers that are slower in int8 and the layers that
     cost the most accuracy stay fp32, and where no int8 model is faster the
     result is ``fallback`` (``"weight-only"`` int8 or ``"fp32"``);
-    ``report.gate`` says what was chosen and why. A profile whose backend is
+    ``report.gate`` says what was chosen and why; ``loss`` is how the loss is
+    measured (:data:`.gate.LOSS_MEASURES`: "auto", "cosine", "top1", or
+    "sequence" for per-step class scores such as a CTC recognizer's). A profile whose backend is
     numpy (boards without onnxruntime, where static int8 is slower than fp32)
     gets the gate by default (``max_loss`` 1) unless ``method`` names static
     int8 explicitly; static int8 on numpy without the gate carries a note.
     """
     if engine not in ENGINES:
         raise QuantizationError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
+    from .gate import LOSS_MEASURES
+
+    if loss not in LOSS_MEASURES:
+        raise QuantizationError(f"unknown loss measure {loss!r}; use one of {', '.join(LOSS_MEASURES)}")
     if batch_size < 1:
         raise QuantizationError(f"batch_size must be >= 1, got {batch_size}")
     src = copy.deepcopy(model) if isinstance(model, onnx.ModelProto) else model
@@ -573,7 +581,7 @@ def quantize(
                               retry_method="percentile" if engine == "ort" and calib == "minmax" else None,
                               max_loss=max_loss, fallback=fallback, per_channel=per_channel, cal=cal, calib=calib,
                               percentile=percentile, activations=activations, batch=fixed or 1,
-                              rounds=gate_rounds, seed=seed, inputs=inputs)
+                              rounds=gate_rounds, seed=seed, inputs=inputs, loss_measure=loss)
     elif kind == "dynamic":
         assert plan is not None
         if engine == "ort":

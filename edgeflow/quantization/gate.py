@@ -34,7 +34,10 @@ The logic (:func:`choose`) is a pure function of two callables: ``measure``
 Loss, in percent, from the evaluation outputs: with labels, top-1 accuracy
 points lost; for a classifier's 2-D output, 100 - top-1 agreement with
 fp32; otherwise 100 * (1 - mean cosine) of the first output. The default
-``max_loss`` of 1.0 is 99% agreement, or cosine 0.99.
+``max_loss`` of 1.0 is 99% agreement, or cosine 0.99. ``loss=`` (``--loss``)
+names the measure instead: "cosine", "top1", or "sequence" (100 - % of samples
+whose per-step argmax sequence equals fp32's: what a CTC text recognizer's
+greedy decoding reads; a cosine of 0.99 can still change a character).
 """
 
 from __future__ import annotations
@@ -129,12 +132,35 @@ class GateDecision:
         return lines
 
 
-def loss_percent(ref: np.ndarray, got: np.ndarray, labels: np.ndarray | None = None) -> float:
+LOSS_MEASURES = ("auto", "cosine", "top1", "sequence")
+"""How the gate measures loss against fp32 (``--loss``); "auto" is the module docstring's rule."""
+
+
+def sequence_agreement(ref: np.ndarray, got: np.ndarray) -> float:
+    """% of samples whose whole argmax sequence over the last axis equals fp32's.
+
+    For per-step class scores (N, T, C) — CTC text recognizers, taggers — this
+    is what greedy decoding reads: the same sequence decodes to the same text.
+    """
+    r = np.argmax(ref.reshape(len(ref), -1, ref.shape[-1]), axis=-1)
+    g = np.argmax(got.reshape(len(got), -1, got.shape[-1]), axis=-1)
+    return float(np.mean(np.all(r == g, axis=1)) * 100.0)
+
+
+def loss_percent(ref: np.ndarray, got: np.ndarray, labels: np.ndarray | None = None, measure: str = "auto") -> float:
     """The quantized model's loss against fp32, in percent (see the module docstring)."""
-    if labels is not None:
+    if labels is not None and measure in ("auto", "top1"):
         return accuracy(ref, labels) - accuracy(got, labels)
+    if measure == "sequence":
+        if ref.ndim < 3:
+            raise QuantizationError(f"--loss sequence needs per-step class scores (N, T, C); the output is {ref.shape}")
+        return 100.0 - sequence_agreement(ref, got)
     err = output_error(ref, got)
-    if err.top1_agreement is not None:
+    if measure == "top1":
+        if err.top1_agreement is None:
+            raise QuantizationError(f"--loss top1 needs class scores (N, C); the output is {ref.shape}")
+        return 100.0 - err.top1_agreement
+    if measure == "auto" and err.top1_agreement is not None:
         return 100.0 - err.top1_agreement
     return 100.0 * (1.0 - err.cosine)
 
