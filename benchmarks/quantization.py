@@ -195,7 +195,7 @@ def real_rows(models, profiles, n_cal: int, n_eval: int, runs: int, rounds: int)
             t0 = time.time()
             r = edgeflow.quantize(fp32, prof, calibration=cal, eval_data=ev, max_loss=1.0, backend="ort",
                                   batch_size=1, latency_runs=0, gate_rounds=rounds, sensitivity=False,
-                                  loss="sequence" if fid == "ctc" else "auto")  # CTC: the decoded text, not cosine
+                                  loss="ctc" if fid == "ctc" else "auto")  # the decoded text, not the cosine
             g = r.report.gate
             base = edgeflow.runtime.optimize.optimize_model(fp32)
             a = load(base, prof, backend="ort", batch_size=1, allow_over_budget=True)

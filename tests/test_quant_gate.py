@@ -118,6 +118,15 @@ def test_loss_measured_as_a_whole_argmax_sequence_for_per_step_scores():
     assert loss_percent(ref, got, measure="cosine") < 1.0  # a cosine loss barely sees it
     assert loss_percent(ref, got, measure="sequence") == pytest.approx(25.0)  # one line of four differs
     assert loss_percent(ref, got) == loss_percent(ref, got, measure="cosine")  # auto on 3-D: cosine
+    # CTC: a flip between a blank and a repeat decodes to the same text; a new character does not
+    a = np.zeros((2, 4, 3))
+    a[:, [0, 1, 2, 3], [1, 1, 0, 2]] = 1.0  # "1 1 - 2" decodes to (1, 2)
+    b = a.copy()
+    b[0, 1] = [1.0, 0.0, 0.0]  # "1 - - 2": same text
+    b[1, 2] = [0.0, 0.0, 1.0]  # "1 1 2 2": same text too
+    assert loss_percent(a, b, measure="sequence") == 100.0 and loss_percent(a, b, measure="ctc") == 0.0
+    b[1, 0] = [0.0, 0.0, 1.0]  # "2 1 2 2": another text
+    assert loss_percent(a, b, measure="ctc") == 50.0
     with pytest.raises(QuantizationError, match="--loss sequence needs per-step class scores"):
         loss_percent(ref[:, 0], got[:, 0], measure="sequence")
     with pytest.raises(QuantizationError, match="--loss top1 needs class scores"):
@@ -125,7 +134,7 @@ def test_loss_measured_as_a_whole_argmax_sequence_for_per_step_scores():
 
 
 def test_an_unknown_loss_measure_is_one_clear_error():
-    with pytest.raises(QuantizationError, match="unknown loss measure 'bleu'; use one of auto, cosine, top1, sequence"):
+    with pytest.raises(QuantizationError, match="unknown loss measure 'bleu'; use one of auto, cosine, top1, sequence, ctc"):
         edgeflow.quantize(zoo.digits_cnn(seed=1), "x86-gateway", np.zeros((4, 1, 8, 8), np.float32), loss="bleu")
 
 

@@ -43,10 +43,10 @@ def register(sub) -> None:
                     help="largest loss allowed, in percent: top-1 accuracy points with labels, else 100 - top-1 "
                     "agreement with fp32 (classifiers) or 100 x (1 - cosine) of the output; 1 = 99%% agreement "
                     "or cosine 0.99")
-    gg.add_argument("--loss", choices=["auto", "cosine", "top1", "sequence"], default="auto",
-                    help="how --max-loss is measured: auto (as above), cosine, top1, or sequence: 100 - %% of "
-                    "samples whose per-step argmax over the last axis equals fp32's (CTC text recognizers: the "
-                    "same sequence decodes to the same text)")
+    gg.add_argument("--loss", choices=["auto", "cosine", "top1", "sequence", "ctc"], default="auto",
+                    help="how --max-loss is measured: auto (as above), cosine, top1, sequence (100 - %% of samples "
+                    "whose per-step argmax over the last axis equals fp32's) or ctc (100 - %% of samples whose greedy "
+                    "CTC decoding, blank 0, gives fp32's text: for text recognizers)")
     gg.add_argument("--fallback", choices=["weight-only", "fp32"], default="weight-only",
                     help="what to write when int8 does not pay: weight-only int8 (4x smaller weights, fp32 "
                     "arithmetic and speed) or the fp32 model (default: weight-only)")

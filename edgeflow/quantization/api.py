@@ -274,7 +274,13 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
             # and it makes the per-layer steps below (Conv/MatMul/Gemm) cover everything that is int8.
             for fmt in formats:
                 variant(fmt, None, ("Conv", "MatMul", "Gemm"))
-        _, _, chosen, first, model = min(tried, key=lambda r: (r[0], r[1] if not r[0] else r[3].loss))
+        pool = tried
+        if all(r[0] for r in tried) and any(r[2][2] for r in tried):
+            # Every variant is over --max-loss: the per-layer steps below only return Conv/MatMul/Gemm to
+            # fp32, so only a variant with nothing else int8 can get within it (PicoDet: 51% loss left with
+            # all 101 convs fp32 and its Add/Mul/Concat int8).
+            pool = [r for r in tried if r[2][2]]
+        _, _, chosen, first, model = min(pool, key=lambda r: (r[0], r[1] if not r[0] else r[3].loss))
         fmt_box[:] = list(chosen)
         built.clear()
         built[frozenset()] = model
@@ -406,8 +412,8 @@ def quantize(
     cost the most accuracy stay fp32, and where no int8 model is faster the
     result is ``fallback`` (``"weight-only"`` int8 or ``"fp32"``);
     ``report.gate`` says what was chosen and why; ``loss`` is how the loss is
-    measured (:data:`.gate.LOSS_MEASURES`: "auto", "cosine", "top1", or
-    "sequence" for per-step class scores such as a CTC recognizer's). A profile whose backend is
+    measured (:data:`.gate.LOSS_MEASURES`: "auto", "cosine", "top1",
+    "sequence" or "ctc" for per-step class scores such as a CTC recognizer's). A profile whose backend is
     numpy (boards without onnxruntime, where static int8 is slower than fp32)
     gets the gate by default (``max_loss`` 1) unless ``method`` names static
     int8 explicitly; static int8 on numpy without the gate carries a note.

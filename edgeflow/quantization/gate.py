@@ -35,9 +35,10 @@ Loss, in percent, from the evaluation outputs: with labels, top-1 accuracy
 points lost; for a classifier's 2-D output, 100 - top-1 agreement with
 fp32; otherwise 100 * (1 - mean cosine) of the first output. The default
 ``max_loss`` of 1.0 is 99% agreement, or cosine 0.99. ``loss=`` (``--loss``)
-names the measure instead: "cosine", "top1", or "sequence" (100 - % of samples
-whose per-step argmax sequence equals fp32's: what a CTC text recognizer's
-greedy decoding reads; a cosine of 0.99 can still change a character).
+names the measure instead: "cosine", "top1", "sequence" (100 - % of samples
+whose per-step argmax sequence equals fp32's) or "ctc" (100 - % of samples whose
+greedy CTC decoding, blank 0, equals fp32's: the same text; a cosine of 0.99 can
+still change a character, and "sequence" also counts flips that decode alike).
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ class GateDecision:
         return lines
 
 
-LOSS_MEASURES = ("auto", "cosine", "top1", "sequence")
+LOSS_MEASURES = ("auto", "cosine", "top1", "sequence", "ctc")
 """How the gate measures loss against fp32 (``--loss``); "auto" is the module docstring's rule."""
 
 
@@ -147,13 +148,24 @@ def sequence_agreement(ref: np.ndarray, got: np.ndarray) -> float:
     return float(np.mean(np.all(r == g, axis=1)) * 100.0)
 
 
+def ctc_greedy(scores: np.ndarray, blank: int = 0) -> list[tuple[int, ...]]:
+    """Greedy CTC decoding of per-step class scores (N, T, C): argmax per step, repeats merged, blanks dropped."""
+    out = []
+    for seq in np.argmax(scores.reshape(len(scores), -1, scores.shape[-1]), axis=-1):
+        keep = [int(c) for i, c in enumerate(seq) if c != blank and (i == 0 or c != seq[i - 1])]
+        out.append(tuple(keep))
+    return out
+
+
 def loss_percent(ref: np.ndarray, got: np.ndarray, labels: np.ndarray | None = None, measure: str = "auto") -> float:
     """The quantized model's loss against fp32, in percent (see the module docstring)."""
     if labels is not None and measure in ("auto", "top1"):
         return accuracy(ref, labels) - accuracy(got, labels)
-    if measure == "sequence":
+    if measure in ("sequence", "ctc"):
         if ref.ndim < 3:
-            raise QuantizationError(f"--loss sequence needs per-step class scores (N, T, C); the output is {ref.shape}")
+            raise QuantizationError(f"--loss {measure} needs per-step class scores (N, T, C); the output is {ref.shape}")
+        if measure == "ctc":
+            return 100.0 - float(np.mean([a == b for a, b in zip(ctc_greedy(ref), ctc_greedy(got))]) * 100.0)
         return 100.0 - sequence_agreement(ref, got)
     err = output_error(ref, got)
     if measure == "top1":
