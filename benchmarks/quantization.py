@@ -2,6 +2,9 @@
 and top-1 accuracy on scikit-learn's digits — in one run.
 
     python benchmarks/quantization.py [--runs 30] [--rounds 5] [--json out.json]
+    python benchmarks/quantization.py --only-real [--real NAMES] [--profiles P,Q]   # the per-board table
+    python benchmarks/quantization.py --hardswish      # the int8 HardSwish lever, off and on
+    python benchmarks/quantization.py --op-times NAME  # onnxruntime's profiler: fp32 vs int8 per op
 
 Models: the benchmark CNN (edgeflow.zoo.small_cnn: 1x28x28 input, 3x3 convs
 with 32 and 64 channels, hidden 128 — random weights, latency and size only)
