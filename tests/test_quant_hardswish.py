@@ -147,10 +147,11 @@ def test_on_a_host_without_vnni_fidelity_is_the_vnni_boards(monkeypatch):
     pytest.importorskip("onnxruntime")
     import edgeflow
     from edgeflow import profiles
+    from edgeflow.quantization import api
 
     seen = []
     real = profiles.host_facts()
-    monkeypatch.setattr(profiles, "host_facts", lambda: profiles.HostFacts(
+    monkeypatch.setattr(api, "host_facts", lambda: profiles.HostFacts(  # where quantize reads it
         "x86_64", real.cores, real.memory_mb, ("avx2", "fma", "sse4_1"), ""))
     from edgeflow.runtime.backends import ort as ort_backend
 

@@ -30,7 +30,7 @@ import onnx
 
 from ..errors import EdgeflowError, QuantizationError
 from ..runtime.model import ModelSource, TensorInfo, graph_inputs, load_model
-from ..profiles import DeviceProfile, get_profile
+from ..profiles import DeviceProfile, get_profile, host_differs, host_facts, saturates_where_board_does_not
 
 if TYPE_CHECKING:
     from ..data.preprocess import AudioPrep, ImagePrep
@@ -38,6 +38,7 @@ from .analysis import QUANTIZABLE, QuantPlan, clamps_as_clip, name_nodes, plan_q
 from .calibration import METHODS as CALIBRATION_METHODS
 from .calibration import collect_ranges
 from .data import CalibrationSet, DataSource, as_calibration_set, fixed_batch, full_batches
+from .gate import LOSS_MEASURES
 from .report import LatencyComparison, QuantizationReport, accuracy, model_bytes, output_error
 
 log = logging.getLogger("edgeflow.quantization")
@@ -420,8 +421,6 @@ def quantize(
     """
     if engine not in ENGINES:
         raise QuantizationError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
-    from .gate import LOSS_MEASURES
-
     if loss not in LOSS_MEASURES:
         raise QuantizationError(f"unknown loss measure {loss!r}; use one of {', '.join(LOSS_MEASURES)}")
     if batch_size < 1:
@@ -513,9 +512,8 @@ def quantize(
 
     be = choose_backend(fp32, prof, backend).name
     fixed = fixed_batch(inputs)
-    from ..profiles import saturates_where_board_does_not
-
-    exact = be == "ort" and kind == "static" and saturates_where_board_does_not(prof)
+    host = host_facts()  # read once: /proc/cpuinfo decides both notes below
+    exact = be == "ort" and kind == "static" and saturates_where_board_does_not(prof, host)
     evaluator = _Evaluator(prof, be, batch_size, fixed, exact_int8=exact)
     if exact:
         notes.append(f"outputs for the report and the gate's loss computed with onnxruntime's exact int8 path "
@@ -529,16 +527,14 @@ def quantize(
     if kind == "static" and max_loss is None and be == "numpy":
         max_loss = _numpy_backend_default(prof, method, backend, notes)
     if kind == "static" and max_loss is not None:
-        from ..profiles import host_differs
-
-        differs = host_differs(prof)
+        differs = host_differs(prof, host)
         if differs:
             notes.append(f"the bench gate timed int8 on this host, and {differs}: its choice fits this host; "
                          f"run the same quantize on a {prof.name} board for the board's own choice")
 
     ranges = qparams = None
     gate = None
-    int8_hsw: list[int] = []
+    int8_hsw: dict[int, int] = {}  # id(model build() wrote) -> HardSwish/HardSigmoid it runs in int8
     if kind == "static":
         assert plan is not None and cal is not None
         if engine == "numpy":
@@ -558,9 +554,7 @@ def quantize(
             # onnxruntime has no int8 HardSwish/HardSigmoid: as int8 Add (+ Mul) they skip three float passes.
             from .hardswish import hardswish_as_qlinear
 
-            qm_, n = hardswish_as_qlinear(qm_)
-            if not extra and not int8_hsw:
-                int8_hsw.append(n)
+            qm_, int8_hsw[id(qm_)] = hardswish_as_qlinear(qm_)
             return qm_
 
         def _build(extra: frozenset, fmt: str | None, cmethod: str | None, ops: tuple | None) -> onnx.ModelProto:
@@ -603,9 +597,11 @@ def quantize(
         from .fp16 import convert_fp16
 
         qm = convert_fp16(fp32)
+    # only a model build() wrote has an entry (a freed model's id can be reused by a weight-only/fp32 copy)
+    n_hsw = int8_hsw.get(id(qm), 0) if kind == "static" and (gate is None or gate.choice == "int8") else 0
     qm = load_model(qm)  # checker + shape inference: fail here, not on the board
-    if kind == "static" and int8_hsw and int8_hsw[0] and (gate is None or gate.choice == "int8"):
-        notes.append(f"{int8_hsw[0]} HardSwish/HardSigmoid run in int8 as QLinearAdd (+ QLinearMul) on onnxruntime, "
+    if n_hsw:
+        notes.append(f"{n_hsw} HardSwish/HardSigmoid run in int8 as QLinearAdd (+ QLinearMul) on onnxruntime, "
                      "which has no int8 kernel for them (the clamp is the int8 range's saturation)")
 
     report = QuantizationReport(

@@ -31,16 +31,10 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..runtime.optimize.ir import outer_refs
+from .analysis import _attr
 from .qdq import _Names, toposort_nodes
 
 OPS = ("HardSwish", "HardSigmoid")
-
-
-def _attr(node: onnx.NodeProto, name: str, default: float) -> float:
-    for a in node.attribute:
-        if a.name == name:
-            return float(a.f)
-    return default
 
 
 def _scalar_qparams(inits: dict[str, onnx.TensorProto], node: onnx.NodeProto) -> tuple[float, np.ndarray] | None:
@@ -99,7 +93,7 @@ def hardswish_as_qlinear(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
         x_qp, y_qp = _scalar_qparams(inits, dq), _scalar_qparams(inits, q)
         if x_qp is None or y_qp is None or x_qp[1].dtype != y_qp[1].dtype:
             continue
-        alpha, beta = (1 / 6, 0.5) if n.op_type == "HardSwish" else (_attr(n, "alpha", 0.2), _attr(n, "beta", 0.5))
+        alpha, beta = (1 / 6, 0.5) if n.op_type == "HardSwish" else (float(_attr(n, "alpha", 0.2)), float(_attr(n, "beta", 0.5)))
         if alpha <= 0 or beta <= 0:
             continue
         dtype = y_qp[1].dtype
@@ -147,7 +141,7 @@ def hardswish_as_qlinear(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
             n.ClearField("input")
             n.input.extend(rewired[id(n)])
         kept.append(n)
-    available = {i.name for i in g.input} | set(inits) | {t.name for t in g.initializer} | {""}
+    available = {i.name for i in g.input} | {t.name for t in g.initializer} | {""}
     order = toposort_nodes(kept + added, available)
     del g.node[:]
     g.node.extend(order)

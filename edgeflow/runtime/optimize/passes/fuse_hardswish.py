@@ -98,7 +98,4 @@ def fuse_hardswish(graph: Graph, options: PassOptions = PassOptions()) -> Graph:
             nodes.extend(replace[i])
         elif i not in taken:
             nodes.append(n)
-    used = {x for n in nodes for x in n.reads}
-    inits = {k: v for k, v in graph.initializers.items()
-             if k in used or k in graph.overridable or k in outputs or k in keep}
-    return graph.replace(nodes=tuple(nodes), initializers=inits)
+    return graph.replace(nodes=tuple(nodes))  # the constants 3, 0, 6 no longer read: dce's job, as after fold
