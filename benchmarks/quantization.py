@@ -143,18 +143,10 @@ def _stack(name: str, samples) -> dict[str, np.ndarray]:
 
 def ctc_decode(logits: np.ndarray) -> list[tuple[int, ...]]:
     """Greedy CTC (rapidocr's): edgeflow's ctc_greedy (argmax per step, repeats merged, blank 0 dropped),
-    then the last class, the space PaddleOCR appends (use_space_char), stripped at both ends as text is."""
+    the last class, the space PaddleOCR appends (use_space_char), stripped at both ends as text is."""
     from edgeflow.quantization.gate import ctc_greedy
 
-    out = []
-    space = logits.shape[-1] - 1
-    for keep in map(list, ctc_greedy(logits)):
-        while keep and keep[0] == space:
-            keep.pop(0)
-        while keep and keep[-1] == space:
-            keep.pop()
-        out.append(tuple(keep))
-    return out
+    return ctc_greedy(logits, strip=(logits.shape[-1] - 1,))
 
 
 def orientation_pages(samples) -> dict[str, np.ndarray]:

@@ -800,12 +800,21 @@ def text_page(width: int = 640, height: int = 480, sample: int = 0, size: int = 
     return np.asarray(page)
 
 
+def line_text(sample: int = 0) -> str:
+    """The words of :func:`text_line`: the first four of a ``_TEXT`` line for samples 0-7; beyond, four
+    words drawn (seeded by the sample) from all of them, so that calibration lines (0-15) and evaluation
+    lines (100 on) are different text."""
+    if sample < len(_TEXT):
+        return " ".join(_TEXT[sample].rstrip(",.:").split()[:4])
+    vocab = sorted({w for t in _TEXT for w in t.rstrip(",.:").split()})
+    rng = np.random.default_rng(sample)
+    return " ".join(vocab[i] for i in rng.choice(len(vocab), 4, replace=False))
+
+
 def text_line(sample: int = 0, size: int = 32) -> np.ndarray:
-    """One line of text rendered with Pillow, cropped to its box plus a margin (RGB uint8)."""
+    """One line of text (:func:`line_text`) rendered with Pillow, cropped to its box plus a margin (RGB uint8)."""
     Image, ImageDraw, _ = _pil()
-    line = _TEXT[sample % len(_TEXT)].rstrip(",.:")
-    words = line.split()
-    line = " ".join(words[:4])
+    line = line_text(sample)
     font = _font(size)
     probe = ImageDraw.Draw(Image.new("RGB", (8, 8)))
     x0, y0, x1, y1 = probe.textbbox((0, 0), line, font=font)

@@ -12,7 +12,8 @@ import edgeflow
 from edgeflow import zoo
 from edgeflow.cli.main import main
 from edgeflow.errors import QuantizationError
-from edgeflow.quantization.gate import MIN_SPEEDUP, Trial, choose, confirm, layer_groups, loss_percent
+from edgeflow.quantization.gate import (MIN_SPEEDUP, Trial, choose, confirm, ctc_greedy, ctc_space_class, layer_groups,
+                                        loss_percent)
 from edgeflow.quantization.weight_only import weight_only_int8
 from edgeflow.runtime.session import load
 
@@ -131,6 +132,26 @@ def test_loss_measured_as_a_whole_argmax_sequence_for_per_step_scores():
         loss_percent(ref[:, 0], got[:, 0], measure="sequence")
     with pytest.raises(QuantizationError, match="--loss top1 needs class scores"):
         loss_percent(ref[:, 0, 0], got[:, 0, 0], measure="top1")
+
+
+def test_ctc_ignores_a_paddleocr_space_at_either_end_and_nowhere_else():
+    # PP-OCRv4 on rendered lines: weight-only int8 read "and publishes the next " where fp32 read
+    # "and publishes the next"; rapidocr strips the text, so it is the same result
+    space = 4
+    a = np.zeros((1, 6, 5))
+    a[0, range(6), [space, 1, 0, 2, 3, 0]] = 1.0  # " 1 2 3"
+    b = a.copy()
+    b[0, 5] = np.eye(5)[space]  # " 1 2 3 "
+    c = a.copy()
+    c[0, 2] = np.eye(5)[space]  # " 1 _ 2 3": a space inside is another text
+    assert ctc_greedy(a, strip=(space,)) == ctc_greedy(b, strip=(space,)) == [(1, 2, 3)]
+    assert loss_percent(a, b, measure="ctc", ctc_strip=(space,)) == 0.0
+    assert loss_percent(a, b, measure="ctc") == 100.0  # without the model's space class: it counts
+    assert loss_percent(a, c, measure="ctc", ctc_strip=(space,)) == 100.0
+    m = onnx.ModelProto()
+    assert ctc_space_class(m) is None
+    onnx.helper.set_model_props(m, {"character": "a\nb\nc"})
+    assert ctc_space_class(m) == 4  # blank, a, b, c, then the space
 
 
 def test_an_unknown_loss_measure_is_one_clear_error():

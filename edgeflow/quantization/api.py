@@ -210,11 +210,13 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
            loss_measure="auto"):
     """The bench-gated choice (:mod:`.gate`): the model it picked and the decision."""
     from ..runtime.session import load
-    from .gate import Trial, choose, confirm, layer_groups, loss_percent, time_pair, time_rounds
+    from .gate import Trial, choose, confirm, ctc_space_class, layer_groups, loss_percent, time_pair, time_rounds
     from .weight_only import weight_only_int8
 
     feeds = _latency_feeds(inputs, ev, batch, seed)
     ref = evaluator.predict(fp32, ev)
+    space = ctc_space_class(fp32) if loss_measure == "ctc" else None
+    strip = () if space is None else (space,)
     rt32 = load(fp32, prof, backend=backend, batch_size=batch, allow_over_budget=True)
     from ..runtime.session import session_options
 
@@ -231,7 +233,8 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
         rt = load(m, prof, backend=backend, batch_size=batch, allow_over_budget=True)
         t32, t8 = time_pair(lambda: rt32.run(feeds), lambda: rt.run(feeds), rounds=rounds, cpu=cpu)
         base.setdefault("fp32", t32)
-        return Trial(kept, t8 * base["fp32"] / t32, loss_percent(ref, evaluator.predict(m, ev), labels, loss_measure))
+        loss = loss_percent(ref, evaluator.predict(m, ev), labels, loss_measure, strip)
+        return Trial(kept, t8 * base["fp32"] / t32, loss)
 
     sens_box: list = []
 
@@ -314,7 +317,7 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
             wo = load_model(weight_only_int8(fp32, targets, per_channel=per_channel, optimize=False))
         rt = load(wo, prof, backend=backend, batch_size=batch, allow_over_budget=True)
         t32, t_wo = time_pair(lambda: rt32.run(feeds), lambda: rt.run(feeds), rounds=rounds, cpu=cpu)
-        wo_loss = loss_percent(ref, evaluator.predict(wo, ev), labels, loss_measure)
+        wo_loss = loss_percent(ref, evaluator.predict(wo, ev), labels, loss_measure, strip)
         decision.reason += (f"; measured: weight-only {t_wo:.3f} ms vs fp32 {t32:.3f} ms, "
                             f"{wo.ByteSize() / max(1, fp32.ByteSize()):.3f} of the fp32 size, loss {wo_loss:.2f}%")
         if wo_loss <= max_loss:

@@ -37,7 +37,8 @@ fp32; otherwise 100 * (1 - mean cosine) of the first output. The default
 ``max_loss`` of 1.0 is 99% agreement, or cosine 0.99. ``loss=`` (``--loss``)
 names the measure instead: "cosine", "top1", "sequence" (100 - % of samples
 whose per-step argmax sequence equals fp32's) or "ctc" (100 - % of samples whose
-greedy CTC decoding, blank 0, equals fp32's: the same text; a cosine of 0.99 can
+greedy CTC decoding, blank 0, equals fp32's: the same text, a PaddleOCR model's
+space ignored at either end as its text is stripped; a cosine of 0.99 can
 still change a character, and "sequence" also counts flips that decode alike).
 """
 
@@ -148,24 +149,46 @@ def sequence_agreement(ref: np.ndarray, got: np.ndarray) -> float:
     return float(np.mean(np.all(r == g, axis=1)) * 100.0)
 
 
-def ctc_greedy(scores: np.ndarray, blank: int = 0) -> list[tuple[int, ...]]:
-    """Greedy CTC decoding of per-step class scores (N, T, C): argmax per step, repeats merged, blanks dropped."""
+def ctc_greedy(scores: np.ndarray, blank: int = 0, strip: Iterable[int] = ()) -> list[tuple[int, ...]]:
+    """Greedy CTC decoding of per-step class scores (N, T, C): argmax per step, repeats merged, blanks
+    dropped; then classes in ``strip`` (a space) removed from both ends, as text is stripped."""
     out = []
+    strip = set(strip)
     for seq in np.argmax(scores.reshape(len(scores), -1, scores.shape[-1]), axis=-1):
         keep = [int(c) for i, c in enumerate(seq) if c != blank and (i == 0 or c != seq[i - 1])]
-        out.append(tuple(keep))
+        a, b = 0, len(keep)
+        while a < b and keep[a] in strip:
+            a += 1
+        while b > a and keep[b - 1] in strip:
+            b -= 1
+        out.append(tuple(keep[a:b]))
     return out
 
 
-def loss_percent(ref: np.ndarray, got: np.ndarray, labels: np.ndarray | None = None, measure: str = "auto") -> float:
-    """The quantized model's loss against fp32, in percent (see the module docstring)."""
+def ctc_space_class(model: onnx.ModelProto) -> int | None:
+    """The space class of a PaddleOCR-convention CTC recognizer, or None.
+
+    Such models (PaddleOCR, rapidocr) carry their dictionary in the metadata
+    entry ``character``, one symbol per line; the classes are blank (0), the
+    dictionary, then the space that ``use_space_char`` appends: class
+    ``len(dictionary) + 1``. Their text is stripped, so a space gained or lost
+    at either end is the same text."""
+    chars = next((p.value for p in model.metadata_props if p.key == "character"), None)
+    return len(chars.splitlines()) + 1 if chars else None
+
+
+def loss_percent(ref: np.ndarray, got: np.ndarray, labels: np.ndarray | None = None, measure: str = "auto",
+                 ctc_strip: Iterable[int] = ()) -> float:
+    """The quantized model's loss against fp32, in percent (see the module docstring); ``ctc_strip``:
+    classes that "ctc" ignores at either end of the text (:func:`ctc_space_class`)."""
     if labels is not None and measure in ("auto", "top1"):
         return accuracy(ref, labels) - accuracy(got, labels)
     if measure in ("sequence", "ctc"):
         if ref.ndim < 3:
             raise QuantizationError(f"--loss {measure} needs per-step class scores (N, T, C); the output is {ref.shape}")
         if measure == "ctc":
-            return 100.0 - float(np.mean([a == b for a, b in zip(ctc_greedy(ref), ctc_greedy(got))]) * 100.0)
+            return 100.0 - float(np.mean([a == b for a, b in zip(ctc_greedy(ref, strip=ctc_strip),
+                                                                   ctc_greedy(got, strip=ctc_strip))]) * 100.0)
         return 100.0 - sequence_agreement(ref, got)
     err = output_error(ref, got)
     if measure == "top1":
