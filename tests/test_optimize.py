@@ -21,6 +21,7 @@ from edgeflow.runtime.optimize.passes import (
     constants_to_initializers,
     fold_constants,
     fuse_batchnorm,
+    fuse_conv_affine,
     fuse_hardswish,
     remove_dead_nodes,
     remove_identity,
@@ -255,6 +256,43 @@ def test_batchnorm_folding_leaves_what_it_cannot_fold():
     assert_same_on_ort(two, out, {"x": rand(rng, 1, 2, 3, 3)}, rtol=1e-4, atol=1e-5)
     # training keeps BN (its parameters train)
     assert "BatchNormalization" in _ops(_apply(fuse_batchnorm, two, for_training=True))
+
+
+@pytest.mark.parametrize("shape", [(1,), (), (6, 1, 1), (1, 6, 1, 1)])
+def test_conv_mul_add_by_a_per_channel_constant_folds(shape):
+    # PP-OCRv4's "learnable affine block": Conv -> Mul(scale) -> Add(bias), then an activation
+    rng = np.random.default_rng(8)
+    inits = {"w": rand(rng, 6, 4, 3, 3), "b": rand(rng, 6), "s": rand(rng, *shape) + 1.5, "d": rand(rng, *shape)}
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Mul", ["s", "c"], ["m"]), helper.make_node("Add", ["m", "d"], ["a"]),
+             helper.make_node("HardSigmoid", ["a"], ["y"])]
+    m = make(nodes, [("x", [2, 4, 5, 5])], [("y", [2, 6, 5, 5])], inits)
+    out = _apply(fuse_conv_affine, m)
+    assert _ops(out) == ["Conv", "HardSigmoid"]
+    x = rand(rng, 2, 4, 5, 5)
+    assert_same_on_ort(m, out, {"x": x}, rtol=1e-4, atol=1e-5)
+    assert _ops(optimize_model(m)) == ["Conv", "HardSigmoid"]  # in the pipeline
+
+
+def test_conv_affine_folding_leaves_what_it_cannot_fold():
+    rng = np.random.default_rng(9)
+    inits = {"w": rand(rng, 2, 2, 1, 1), "s": rand(rng, 1, 2, 3, 1), "t": rand(rng, 2)}
+    x = [("x", [1, 2, 3, 3])]
+    # a constant that varies over the spatial axes, or over the last axis (not the channels), stays a Mul
+    for c in ("s", "t"):
+        m = make([helper.make_node("Conv", ["x", "w"], ["c"]), helper.make_node("Mul", ["c", c], ["y"])],
+                 x, [("y", [1, 2, 3, 3])], inits)
+        assert _ops(_apply(fuse_conv_affine, m)) == ["Conv", "Mul"]
+    # a Conv output read twice, or a Mul of two activations
+    two = make([helper.make_node("Conv", ["x", "w"], ["c"]), helper.make_node("Mul", ["c", "t3"], ["m"]),
+                helper.make_node("Add", ["m", "c"], ["y"])], x, [("y", [1, 2, 3, 3])],
+               {"w": inits["w"], "t3": rand(rng, 2, 1, 1)})
+    assert _ops(_apply(fuse_conv_affine, two)) == ["Conv", "Mul", "Add"]
+    # training keeps them (the conv weights train)
+    one = make([helper.make_node("Conv", ["x", "w"], ["c"]), helper.make_node("Mul", ["c", "t3"], ["y"])],
+               x, [("y", [1, 2, 3, 3])], {"w": inits["w"], "t3": rand(rng, 2, 1, 1)})
+    assert _ops(_apply(fuse_conv_affine, one)) == ["Conv"]
+    assert _ops(_apply(fuse_conv_affine, one, for_training=True)) == ["Conv", "Mul"]
 
 
 # ------------------------------------------------------------------ HardSwish in four ops

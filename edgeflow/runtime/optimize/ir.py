@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
@@ -132,8 +133,8 @@ class Graph:
     value_info: dict[str, onnx.ValueInfoProto]
     opsets: dict[str, int]
     template: onnx.ModelProto  # metadata source for to_model; never modified
-    protos: dict[str, tuple[int, onnx.TensorProto]] = field(default_factory=dict)
-    # initializer name -> (id of the array read from it, the original tensor): unchanged
+    protos: dict[str, tuple[weakref.ref, onnx.TensorProto]] = field(default_factory=dict)
+    # initializer name -> (weak reference to the array read from it, the original tensor): unchanged
     # initializers are written back as they were, without a round trip through numpy
 
     def replace(self, **changes: Any) -> "Graph":
@@ -243,11 +244,13 @@ def from_model(model: onnx.ModelProto) -> Graph:
             implicit=tuple(sorted(implicit)),
         ))
     inits: dict[str, np.ndarray] = {}
-    protos: dict[str, tuple[int, onnx.TensorProto]] = {}
+    protos: dict[str, tuple[weakref.ref, onnx.TensorProto]] = {}
     for t in g.initializer:
         a = numpy_helper.to_array(t)
         inits[t.name] = a
-        protos[t.name] = (id(a), t)
+        # a weak reference, not id(a): a pass that writes a new array under the same name after the
+        # old one was freed can get the old id, and the stale proto would be written back
+        protos[t.name] = (weakref.ref(a), t)
     vinfo = {vi.name: vi for vi in list(g.input) + list(g.value_info) + list(g.output)}
     return Graph(
         nodes=tuple(nodes), initializers=inits, inputs=tuple(g.input), outputs=tuple(g.output),
@@ -269,7 +272,7 @@ def _copy_fields(dst, src, skip: set[str]) -> None:
             setattr(dst, fd.name, value)
 
 
-def _tensor(name: str, a: np.ndarray, protos: dict[str, tuple[int, onnx.TensorProto]],
+def _tensor(name: str, a: np.ndarray, protos: dict[str, tuple[weakref.ref, onnx.TensorProto]],
             skeleton: bool = False) -> onnx.TensorProto:
     if skeleton and a.dtype.kind not in "iub" and a.nbytes > 256:
         # type and dims only: enough for shape inference, which never reads float data
@@ -279,7 +282,7 @@ def _tensor(name: str, a: np.ndarray, protos: dict[str, tuple[int, onnx.TensorPr
         t.dims.extend(a.shape)
         return t
     known = protos.get(name)
-    if known is not None and known[0] == id(a):
+    if known is not None and known[0]() is a:
         return known[1]
     return numpy_helper.from_array(np.asarray(a), name)
 

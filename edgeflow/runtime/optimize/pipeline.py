@@ -4,8 +4,8 @@ Two stages:
 
 1. :func:`optimize_model` — portable passes on the ONNX model (Constant
    nodes to initializers, Identity/Dropout removal, constant and shape
-   folding, BatchNormalization folding, HardSwish spelled in four ops as one,
-   dead-node removal), repeated until
+   folding, BatchNormalization and per-channel Mul/Add folded into convs,
+   HardSwish spelled in four ops as one, dead-node removal), repeated until
    nothing changes, with ONNX shape inference between rounds so that shapes
    fixed by ``shapes=`` (``--shape``) fold the ``Shape -> ... -> Reshape``
    subgraphs. The result is a valid ONNX model that any backend runs.
@@ -36,6 +36,7 @@ from .passes import (
     fold_constants,
     fuse_activation,
     fuse_batchnorm,
+    fuse_conv_affine,
     fuse_hardswish,
     fuse_layernorm,
     fuse_qdq,
@@ -55,6 +56,7 @@ MODEL_PASSES: tuple[tuple[str, ModelPass], ...] = (
     ("fold", fold_constants),
     ("inline_if", inline_constant_if),
     ("fuse_bn", fuse_batchnorm),
+    ("fuse_affine", fuse_conv_affine),
     ("fuse_hardswish", fuse_hardswish),
     ("dce", remove_dead_nodes),
     ("subgraphs", optimize_subgraphs),

@@ -14,7 +14,7 @@ from .constants import constants_to_initializers
 from .dce import remove_dead_nodes
 from .fold import fold_constants
 from .fuse_activation import fuse_activation
-from .fuse_bn import fuse_batchnorm
+from .fuse_bn import fuse_batchnorm, fuse_conv_affine
 from .fuse_hardswish import fuse_hardswish
 from .fuse_layernorm import fuse_layernorm
 from .fuse_qdq import fuse_qdq
@@ -27,6 +27,7 @@ __all__ = [
     "fold_constants",
     "fuse_activation",
     "fuse_batchnorm",
+    "fuse_conv_affine",
     "fuse_hardswish",
     "fuse_layernorm",
     "fuse_qdq",

@@ -15,6 +15,14 @@ Folded only when every parameter is a constant initializer outside
 ``keep`` (training keeps BN: its parameters train), BN is in inference mode
 and only its first output is read. A weight read by another node too is
 written under a new name; otherwise it keeps its name.
+
+:func:`fuse_conv_affine` folds the same way a ``Mul`` or ``Add`` by a
+constant that is one value or one per output channel (shape ``(C, 1, 1)``,
+``(1, C, 1, 1)``, ...) after a Conv: ``W' = W * c``, ``b' = b * c`` for
+``Mul(c)``; ``b' = b + d`` for ``Add(d)``. PP-OCRv4's recognizer writes its
+"learnable affine blocks" so (28 Conv -> Mul -> Add): onnxruntime folds them
+in fp32 itself, but once quantized each is a QLinearMul and a QLinearAdd
+over the whole activation.
 """
 
 from __future__ import annotations
@@ -95,6 +103,29 @@ class _Rewriter:
             return self._gemm(p, bn, *params)
         if p.is_op("MatMul", "Add"):
             return self._matmul(p, bn, *params)
+        return False
+
+    def fold_affine(self, op: Node) -> bool:
+        """``Conv -> Mul(c)`` or ``Conv -> Add(d)``, c / d constant per output channel, into the Conv."""
+        if len(op.inputs) != 2 or any(o in self.readers for o in op.outputs[1:]):
+            return False
+        for k in (0, 1):
+            x, c = op.inputs[k], op.inputs[1 - k]
+            p = self.producer(x, "Conv")
+            if p is None or c not in self.const or self.sole_reader(x) is not op:
+                continue
+            w = self.weight(p.inputs[1]) if len(p.inputs) > 1 else None
+            v = self.inits[c]
+            if w is None or v.dtype != w.dtype or v.ndim > w.ndim:
+                continue
+            m = w.shape[0]
+            full = (1,) * (w.ndim - v.ndim) + tuple(v.shape)
+            if full[0] != 1 or full[1] not in (1, m) or any(d != 1 for d in full[2:]):
+                continue
+            vec = np.broadcast_to(np.asarray(v, np.float64).reshape(-1), (m,))
+            if op.is_op("Mul"):
+                return self._conv(p, op, vec, np.zeros(m), np.zeros(m))
+            return self._conv(p, op, np.ones(m), np.zeros(m), vec)
         return False
 
     def _commit(self, bn: Node, old: list[Node], new: list[Node]) -> bool:
@@ -194,3 +225,16 @@ def fuse_batchnorm(graph: Graph, options: PassOptions = PassOptions()) -> Graph:
         if n.is_op("BatchNormalization") and rw.free(n):
             changed |= rw.fold(n)
     return rw.result() if changed else graph
+
+
+def fuse_conv_affine(graph: Graph, options: PassOptions = PassOptions()) -> Graph:
+    """Mul / Add by a per-channel constant folded into the Conv before it (chains too: Conv -> Mul -> Add)."""
+    while True:
+        rw = _Rewriter(graph, options)
+        changed = False
+        for n in graph.nodes:
+            if n.is_op("Mul", "Add") and rw.free(n):
+                changed |= rw.fold_affine(n)
+        if not changed:
+            return graph
+        graph = rw.result()
