@@ -801,14 +801,23 @@ def text_page(width: int = 640, height: int = 480, sample: int = 0, size: int = 
 
 
 def line_text(sample: int = 0) -> str:
-    """The words of :func:`text_line`: the first four of a ``_TEXT`` line for samples 0-7; beyond, four
-    words drawn (seeded by the sample) from all of them, so that calibration lines (0-15) and evaluation
-    lines (100 on) are different text."""
+    """The words of :func:`text_line`: the first four of a ``_TEXT`` line for samples 0-7; beyond, up to
+    four words drawn (seeded by the sample) from all of them, as many as fit a 48 x 320 recognizer input,
+    so that calibration lines (0-15) and evaluation lines (100 on) are different text."""
     if sample < len(_TEXT):
         return " ".join(_TEXT[sample].rstrip(",.:").split()[:4])
     vocab = sorted({w for t in _TEXT for w in t.rstrip(",.:").split()})
     rng = np.random.default_rng(sample)
-    return " ".join(vocab[i] for i in rng.choice(len(vocab), 4, replace=False))
+    words = [vocab[i] for i in rng.choice(len(vocab), 4, replace=False)]
+    # as many as fit a 48 x 320 recognizer input unsqueezed (rapidocr widens its input instead)
+    Image, ImageDraw, _ = _pil()
+    probe, font = ImageDraw.Draw(Image.new("RGB", (8, 8))), _font(32)
+    while len(words) > 2:
+        x0, y0, x1, y1 = probe.textbbox((0, 0), " ".join(words), font=font)
+        if 48 * (x1 - x0 + 16) / (y1 - y0 + 16) <= 320:
+            break
+        words.pop()
+    return " ".join(words)
 
 
 def text_line(sample: int = 0, size: int = 32) -> np.ndarray:

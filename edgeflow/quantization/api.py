@@ -537,7 +537,8 @@ def quantize(
 
     ranges = qparams = None
     gate = None
-    int8_hsw: dict[int, int] = {}  # id(model build() wrote) -> HardSwish/HardSigmoid it runs in int8
+    int8_hsw: dict[int, tuple[int, int]] = {}  # id(model build() wrote) -> (HardSwish/HardSigmoid it runs
+    # in int8, scalar Mul/Add chains folded into zero points)
     if kind == "static":
         assert plan is not None and cal is not None
         if engine == "numpy":
@@ -549,22 +550,35 @@ def quantize(
             if prof.quantization.format == "qoperator":
                 notes.append("the profile asks for QOperator format; the numpy engine writes QDQ (same arithmetic)")
 
+        from .readout import float_readouts
+
+        readouts = float_readouts(fp32) if be == "ort" else []
+        if readouts:
+            notes.append(f"{len(readouts)} Softmax writing a model output kept float ({', '.join(readouts)}): "
+                         "read in float anyway, and onnxruntime's int8 Softmax is slower")
+
         def build(extra: frozenset = frozenset(), fmt: str | None = None, cmethod: str | None = None,
                   ops: tuple | None = None) -> onnx.ModelProto:
             qm_ = _build(extra, fmt, cmethod, ops)
             if be != "ort":
                 return qm_
             # onnxruntime has no int8 HardSwish/HardSigmoid: as int8 Add (+ Mul) they skip three float passes.
+            # A scalar a * x + b after an activation: read through the integers' scale and zero point.
+            from .affine import fold_scalar_affine
             from .hardswish import hardswish_as_qlinear
+            from .readout import dequantize_readouts
 
-            qm_, int8_hsw[id(qm_)] = hardswish_as_qlinear(qm_)
+            qm_, n_hsw = hardswish_as_qlinear(qm_)
+            qm_, n_aff = fold_scalar_affine(qm_)
+            qm_, _ = dequantize_readouts(qm_, readouts)
+            int8_hsw[id(qm_)] = (n_hsw, n_aff)
             return qm_
 
         def _build(extra: frozenset, fmt: str | None, cmethod: str | None, ops: tuple | None) -> onnx.ModelProto:
             if engine == "ort":
                 return ort_backend.quantize_static_ort(
                     fp32, cal, method=cmethod or calib, op_types=list(ops) if ops else None, activations=activations, per_channel=per_channel,
-                    exclude=list(plan.kept_fp32) + sorted(extra), percentile=percentile,
+                    exclude=list(plan.kept_fp32) + sorted(extra) + readouts, percentile=percentile,
                     batch_size=fixed or batch_size, fixed=fixed is not None,
                     qoperator=(fmt or prof.quantization.format) == "qoperator",
                 )
@@ -601,11 +615,15 @@ def quantize(
 
         qm = convert_fp16(fp32)
     # only a model build() wrote has an entry (a freed model's id can be reused by a weight-only/fp32 copy)
-    n_hsw = int8_hsw.get(id(qm), 0) if kind == "static" and (gate is None or gate.choice == "int8") else 0
+    n_hsw, n_aff = int8_hsw.get(id(qm), (0, 0)) if kind == "static" and (gate is None or gate.choice == "int8") \
+        else (0, 0)
     qm = load_model(qm)  # checker + shape inference: fail here, not on the board
     if n_hsw:
         notes.append(f"{n_hsw} HardSwish/HardSigmoid run in int8 as QLinearAdd (+ QLinearMul) on onnxruntime, "
                      "which has no int8 kernel for them (the clamp is the int8 range's saturation)")
+    if n_aff:
+        notes.append(f"{n_aff} Mul/Add by a scalar after a quantized tensor read as its integers with another "
+                     "scale and zero point (no QLinearMul/QLinearAdd pass)")
 
     report = QuantizationReport(
         profile=prof.name, method=kind, engine=engine, calibration=calib,

@@ -22,6 +22,7 @@ from ..errors import QuantizationError
 from .data import CalibrationSet
 
 _ORT_METHODS = {"minmax": "MinMax", "percentile": "Percentile", "entropy": "Entropy"}
+HARD_ACTIVATIONS = ("HardSigmoid", "HardSwish")
 
 
 def available() -> bool:
@@ -91,8 +92,16 @@ def quantize_static_ort(
     qoperator: bool = False,
     op_types: list[str] | None = None,
 ) -> onnx.ModelProto:
-    """``quantize_static`` on ``data``; ``fixed`` when the model's batch size is fixed."""
+    """``quantize_static`` on ``data``; ``fixed`` when the model's batch size is fixed.
+
+    In QDQ format, HardSigmoid and HardSwish are quantized too (QDQ around them, which onnxruntime's
+    default op list leaves out): :mod:`.hardswish` turns them into int8 ops, and without it a Conv
+    whose only reader is one of them keeps a float output and so never becomes a QLinearConv."""
     oq = _oq()
+    if op_types is None and not qoperator:
+        from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
+
+        op_types = sorted(set(QLinearOpsRegistry) | set(QDQRegistry) | set(HARD_ACTIVATIONS))
     if method not in _ORT_METHODS:
         raise QuantizationError(f"unknown calibration method {method!r}")
     act = oq.QuantType.QUInt8 if activations == "uint8" else oq.QuantType.QInt8
