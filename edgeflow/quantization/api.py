@@ -580,7 +580,7 @@ def quantize(
                     fp32, cal, method=cmethod or calib, op_types=list(ops) if ops else None, activations=activations, per_channel=per_channel,
                     exclude=list(plan.kept_fp32) + sorted(extra) + readouts, percentile=percentile,
                     batch_size=fixed or batch_size, fixed=fixed is not None,
-                    qoperator=(fmt or prof.quantization.format) == "qoperator",
+                    qoperator=(fmt or prof.quantization.format) == "qoperator", hard_activations=be == "ort",
                 )
             from .qdq import insert_qdq
 

@@ -91,14 +91,16 @@ def quantize_static_ort(
     fixed: bool = False,
     qoperator: bool = False,
     op_types: list[str] | None = None,
+    hard_activations: bool = False,
 ) -> onnx.ModelProto:
     """``quantize_static`` on ``data``; ``fixed`` when the model's batch size is fixed.
 
-    In QDQ format, HardSigmoid and HardSwish are quantized too (QDQ around them, which onnxruntime's
-    default op list leaves out): :mod:`.hardswish` turns them into int8 ops, and without it a Conv
-    whose only reader is one of them keeps a float output and so never becomes a QLinearConv."""
+    ``hard_activations``: in QDQ format, HardSigmoid and HardSwish are quantized too (QDQ around
+    them, which onnxruntime's default op list leaves out), for :mod:`.hardswish` to turn into int8
+    ops on onnxruntime; without it a Conv whose only reader is one of them keeps a float output and
+    so never becomes a QLinearConv."""
     oq = _oq()
-    if op_types is None and not qoperator:
+    if op_types is None and not qoperator and hard_activations:
         from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
 
         op_types = sorted(set(QLinearOpsRegistry) | set(QDQRegistry) | set(HARD_ACTIVATIONS))
