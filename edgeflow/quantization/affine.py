@@ -31,6 +31,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from .analysis import links
 from .hardswish import _read_by_subgraphs, _scalar_qparams
 from .qdq import _Names
 
@@ -60,12 +61,8 @@ def fold_scalar_affine(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     DequantizeLinear parameters instead; (model, how many chains)."""
     g = model.graph
     inits = {t.name: t for t in g.initializer}
-    nodes = list(g.node)
-    producer = {o: n for n in nodes for o in n.output}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for n in nodes:
-        for i in n.input:
-            readers.setdefault(i, []).append(n)
+    nodes = list(g.node)  # held here, so id() of each stays valid
+    producer, readers = links(nodes)
     outputs = {o.name for o in g.output}
 
     def only_reader(name: str, op: str) -> onnx.NodeProto | None:

@@ -97,6 +97,17 @@ def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+def links(nodes: list[onnx.NodeProto]) -> tuple[dict[str, onnx.NodeProto], dict[str, list[onnx.NodeProto]]]:
+    """(tensor -> the node that writes it, tensor -> the nodes that read it) over ``nodes``; the graph
+    rewrites hold ``nodes`` as a list so that id() of each stays valid while they work."""
+    producer = {o: n for n in nodes for o in n.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in nodes:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    return producer, readers
+
+
 def _readers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
     out: dict[str, list[onnx.NodeProto]] = {}
     for n in model.graph.node:

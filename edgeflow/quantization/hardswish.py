@@ -31,7 +31,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..runtime.optimize.ir import outer_refs
-from .analysis import _attr
+from .analysis import _attr, links
 from .qdq import _Names, toposort_nodes
 
 OPS = ("HardSwish", "HardSigmoid")
@@ -65,11 +65,7 @@ def hardswish_as_qlinear(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     g = m.graph
     inits = {t.name: t for t in g.initializer}
     nodes = list(g.node)  # held here, so id() of each stays valid
-    producer = {o: n for n in nodes for o in n.output}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for n in nodes:
-        for i in n.input:
-            readers.setdefault(i, []).append(n)
+    producer, readers = links(nodes)
     graph_outputs = {o.name for o in g.output}
     names = _Names(m)
     drop: set[int] = set()

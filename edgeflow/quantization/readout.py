@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import onnx
 
+from .analysis import links
+
 READOUT_OPS = ("Softmax", "LogSoftmax")
 _MOVES = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Identity")
 """Ops that only move values: a readout's output may reach the graph output through them."""
@@ -23,10 +25,7 @@ def float_readouts(model: onnx.ModelProto) -> list[str]:
     """Names of the Softmax / LogSoftmax nodes whose output only reaches graph outputs, directly or
     through ops that only move values (the opset 12 -> 13 upgrade puts a Reshape after a Softmax)."""
     outputs = {o.name for o in model.graph.output}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for n in model.graph.node:
-        for i in n.input:
-            readers.setdefault(i, []).append(n)
+    _, readers = links(list(model.graph.node))
 
     def only_out(t: str) -> bool:
         rs = readers.get(t, [])
@@ -44,10 +43,7 @@ def dequantize_readouts(model: onnx.ModelProto, names: list[str]) -> tuple[onnx.
     g = model.graph
     nodes = list(g.node)
     index = {id(n): i for i, n in enumerate(nodes)}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for n in nodes:
-        for i in n.input:
-            readers.setdefault(i, []).append(n)
+    _, readers = links(nodes)
     outputs = {o.name for o in g.output}
     drop: set[int] = set()
     bypass: dict[str, str] = {}  # a removed DQ's output -> the value before its Q
