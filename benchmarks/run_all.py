@@ -381,7 +381,7 @@ def benches(quick: bool) -> list[Bench]:
               "stdout", fig_fleet),
         Bench("real_models", ["real_models.py", "--runs", "5" if q else "20", "--rounds", "1" if q else "2"],
               "path", fig_real_models),
-        Bench("numpy_int8", ["numpy_int8.py", "--runs", "4" if q else "8", "--rounds", "2"], "path", fig_numpy_int8),
+        Bench("numpy_int8", ["numpy_int8.py", "--runs", "4" if q else "30", "--rounds", "2" if q else "4"], "path", fig_numpy_int8),
         Bench("chaos", ["chaos.py"], "path", fig_chaos),
         Bench("round_scaling", ["round_scaling.py", "--rounds", "2" if q else "3", "--ingest", "300" if q else "1000"],
               "path", fig_rounds),
