@@ -537,8 +537,9 @@ def quantize(
 
     ranges = qparams = None
     gate = None
-    int8_hsw: dict[int, tuple[int, int]] = {}  # id(model build() wrote) -> (HardSwish/HardSigmoid it runs
-    # in int8, scalar Mul/Add chains folded into zero points)
+    int8_rewrites: dict[int, tuple[int, int]] = {}  # id(model build() wrote) -> (HardSwish/HardSigmoid it
+    # runs in int8, scalar Mul/Add chains folded into zero points)
+    readouts: list[str] = []
     if kind == "static":
         assert plan is not None and cal is not None
         if engine == "numpy":
@@ -553,9 +554,6 @@ def quantize(
         from .readout import float_readouts
 
         readouts = float_readouts(fp32) if be == "ort" else []
-        if readouts:
-            notes.append(f"{len(readouts)} Softmax writing a model output kept float ({', '.join(readouts)}): "
-                         "read in float anyway, and onnxruntime's int8 Softmax is slower")
 
         def build(extra: frozenset = frozenset(), fmt: str | None = None, cmethod: str | None = None,
                   ops: tuple | None = None) -> onnx.ModelProto:
@@ -571,7 +569,7 @@ def quantize(
             qm_, n_hsw = hardswish_as_qlinear(qm_)
             qm_, n_aff = fold_scalar_affine(qm_)
             qm_, _ = dequantize_readouts(qm_, readouts)
-            int8_hsw[id(qm_)] = (n_hsw, n_aff)
+            int8_rewrites[id(qm_)] = (n_hsw, n_aff)
             return qm_
 
         def _build(extra: frozenset, fmt: str | None, cmethod: str | None, ops: tuple | None) -> onnx.ModelProto:
@@ -615,8 +613,8 @@ def quantize(
 
         qm = convert_fp16(fp32)
     # only a model build() wrote has an entry (a freed model's id can be reused by a weight-only/fp32 copy)
-    n_hsw, n_aff = int8_hsw.get(id(qm), (0, 0)) if kind == "static" and (gate is None or gate.choice == "int8") \
-        else (0, 0)
+    int8_written = kind == "static" and (gate is None or gate.choice == "int8")
+    n_hsw, n_aff = int8_rewrites.get(id(qm), (0, 0)) if int8_written else (0, 0)
     qm = load_model(qm)  # checker + shape inference: fail here, not on the board
     if n_hsw:
         notes.append(f"{n_hsw} HardSwish/HardSigmoid run in int8 as QLinearAdd (+ QLinearMul) on onnxruntime, "
@@ -624,6 +622,9 @@ def quantize(
     if n_aff:
         notes.append(f"{n_aff} Mul/Add by a scalar after a quantized tensor read as its integers with another "
                      "scale and zero point (no QLinearMul/QLinearAdd pass)")
+    if readouts and int8_written:
+        notes.append(f"{len(readouts)} Softmax writing a model output kept float ({', '.join(readouts)}): "
+                     "read in float anyway, and onnxruntime's int8 Softmax is slower")
 
     report = QuantizationReport(
         profile=prof.name, method=kind, engine=engine, calibration=calib,
