@@ -110,6 +110,18 @@ def _ort(name, sample=0):
     return _reference(model, ms.build_inputs(name, sample)), model
 
 
+def test_evaluation_text_lines_are_other_text_than_calibration_and_fit_the_recognizer():
+    pytest.importorskip("PIL")
+    cal = {ms.line_text(s) for s in range(16)}
+    ev = [ms.line_text(s) for s in range(100, 132)]
+    assert not cal & set(ev) and len(set(ev)) >= 30  # the benchmark's fidelity lines are not its calibration lines
+    for s in (0, 100, 117, 131):
+        x = ms.build_inputs("ocr-rec-ppocrv4", s)["x"]
+        assert x.shape == (1, 3, 48, 320)
+        if s >= 8:  # no ink at the right edge (white margin 1.0 or padding 0; ink is near -1): the line was
+            assert x[0, :, :, -4:].min() > -0.5  # not cut or squeezed to fit (rapidocr widens its input instead)
+
+
 def test_ocr_recognizer_reads_the_rendered_line(suite):
     for sample in (0, 1, 2, 100):  # a _TEXT line, and drawn words
         out, model = _ort("ocr-rec-ppocrv4", sample)
