@@ -151,3 +151,15 @@ def test_free_port_is_bindable() -> None:
     port = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_free_port_is_below_the_ephemeral_range() -> None:
+    # a broker restarted on an ephemeral port can lose it to a reconnecting client's source port (a client
+    # connecting to itself by TCP simultaneous open): the restart then fails with "Address already in use"
+    from edgeflow.transport.broker import _ephemeral_low
+
+    low = _ephemeral_low()
+    if low is None or low <= 10_000:
+        pytest.skip("no readable /proc/sys/net/ipv4/ip_local_port_range above 10000 here")
+    ports = {free_port() for _ in range(20)}
+    assert all(10_000 <= p < low for p in ports) and len(ports) > 1

@@ -24,6 +24,7 @@ import base64
 import hashlib
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -57,9 +58,36 @@ log = logging.getLogger("edgeflow.transport.broker")
 _MOSQUITTO_PATHS = ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto", "/opt/homebrew/sbin/mosquitto")
 
 
+_LOCAL_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _ephemeral_low() -> int | None:
+    """The first port Linux hands out as a connection's source port, or None where it cannot be read."""
+    try:
+        return int(_LOCAL_PORT_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port that was free a moment ago, for a broker this process starts.
+
+    Below the kernel's ephemeral range where it can be read: a port the OS picks for ``bind(0)`` is an
+    ephemeral one, and a broker restarted on it can find it taken by a connection's source port. Seen
+    here: while a test's Mosquitto restarted, a client reconnecting to 127.0.0.1:34155 got 34155 as its
+    own source port and connected to itself (TCP simultaneous open; paho read its own CONNECT back,
+    "Unrecognised command 16"), and the broker's restart failed with "Address already in use"."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    low = _ephemeral_low()
+    if low is not None and low > 10_000:
+        for port in random.sample(range(10_000, low), min(200, low - 10_000)):
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
