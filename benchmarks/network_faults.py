@@ -225,6 +225,7 @@ def run_scenario(scenario: str, *, devices: int = 10, rounds: int = 10, target: 
         rm.publish_reliably = publish_reliably
 
     fault_log: list[str] = []
+    fault_error: list[BaseException] = []  # the fault itself failed (a broker that did not come back)
     t_start = [time.time()]
     stop = threading.Event()
 
@@ -245,7 +246,12 @@ def run_scenario(scenario: str, *, devices: int = 10, rounds: int = 10, target: 
             fault_log.append(f"{time.time() - t_start[0]:.2f} s: site-a healed")
         elif scenario == "broker_restart":
             fault_log.append(f"{time.time() - t_start[0]:.2f} s: broker stopped")
-            broker.restart(down_s=down_s)
+            try:
+                broker.restart(down_s=down_s)
+            except Exception as exc:  # re-raised by run_scenario: the rounds cannot go on without a broker
+                fault_error.append(exc)
+                rm.stop()
+                return
             fault_log.append(f"{time.time() - t_start[0]:.2f} s: broker back")
 
     out: dict[str, Any] = {"scenario": scenario, "devices": devices, "rounds": rounds, "store": gstore.engine,
@@ -264,6 +270,8 @@ def run_scenario(scenario: str, *, devices: int = 10, rounds: int = 10, target: 
         total = time.time() - t0
         stop.set()
         ft.join(partition_s + 10)
+        if fault_error:
+            raise fault_error[0]
         if scenario == "model_cut":
             time.sleep(1.0)  # whatever the broker still re-sends after the model (duplicates) is counted
         # -- accounting ----------------------------------------------------------------------

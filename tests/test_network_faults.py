@@ -206,3 +206,20 @@ def test_a_chunked_ota_transfer_cut_midway_resumes(mosquitto_factory, tmp_path):
             agent.crash()
             fm.stop(timeout=2)
             gt.close(timeout=1, flush=False)
+
+
+def test_a_broker_that_does_not_come_back_fails_the_scenario_at_once(tmp_path, monkeypatch):
+    # before: the fault thread's TransportError was lost and the rounds waited for the broker until
+    # pytest-timeout (600 s) cut the test
+    from edgeflow.errors import TransportError
+    from edgeflow.transport.broker import MosquittoBroker
+
+    def restart(self, down_s=0.0):
+        raise TransportError("mosquitto did not start (exit code 1): Address already in use")
+
+    monkeypatch.setattr(MosquittoBroker, "restart", restart)
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="Address already in use"):
+        _bench().run_scenario("broker_restart", devices=2, rounds=2, deadline_s=5.0, down_s=1.0,
+                              workdir=tmp_path, epochs=1)
+    assert time.monotonic() - t0 < 120
