@@ -138,7 +138,7 @@ def fold_scalar_affine(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
             b_q = np.round((b_float - delta * w) / b_scale.reshape(b_float.shape if b_scale.size > 1 else ()))
             if np.any(np.abs(b_q) > 2**31 - 1):
                 return None
-            out.append((c, bb[0], b_q.astype(np.int32), b_scale.astype(np.float32)))
+            out.append((bb[0], b_q.astype(np.int32), b_scale.astype(np.float32)))
         return out
 
     plans = []  # (first DQ, chain nodes to drop, DQ readers to rewire, scale, zero point, bias fixes)
@@ -200,7 +200,7 @@ def fold_scalar_affine(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
         drop_i.update(index[id(n)] for n in drop)
         for r in rs:
             rewire[index[id(r)]] = [dq.input[0], s_name, z_name]
-        for _conv, bias_dq, b_q, b_scale in fixes:
+        for bias_dq, b_q, b_scale in fixes:
             q_name, bs_name = names.new(f"{bias_dq.input[0]}_affine"), names.new(f"{bias_dq.input[1]}_affine")
             g.initializer.extend([numpy_helper.from_array(b_q, q_name), numpy_helper.from_array(b_scale, bs_name)])
             rewire[index[id(bias_dq)]] = [q_name, bs_name] + list(bias_dq.input[2:])

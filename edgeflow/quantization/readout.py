@@ -15,6 +15,7 @@ from __future__ import annotations
 import onnx
 
 from .analysis import links
+from .hardswish import _read_by_subgraphs
 
 READOUT_OPS = ("Softmax", "LogSoftmax")
 _MOVES = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Identity")
@@ -79,4 +80,9 @@ def dequantize_readouts(model: onnx.ModelProto, names: list[str]) -> tuple[onnx.
             n.output[i] = rename.get(x, x)
     del m.graph.node[:]
     m.graph.node.extend(kept)
+    # the removed pairs' scales and zero points, where nothing else reads them
+    used = {x for n in kept for x in n.input}
+    freed = {x for i in drop for x in nodes[i].input[1:]} - used
+    for t in [t for t in m.graph.initializer if t.name in freed and not _read_by_subgraphs(kept, t.name)]:
+        m.graph.initializer.remove(t)
     return m, len(drop) // 2
