@@ -207,7 +207,7 @@ def preprocess_graph(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | Non
 
 def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss, fallback, per_channel, cal, calib,
            percentile, activations, batch, rounds, seed, inputs, formats=(None,), retry_method=None,
-           loss_measure="auto"):
+           loss_measure="auto", corrected: bool = False):
     """The bench-gated choice (:mod:`.gate`): the model it picked and the decision."""
     from ..runtime.session import load
     from .gate import Trial, choose, confirm, ctc_space_class, layer_groups, loss_percent, time_pair, time_rounds
@@ -224,12 +224,13 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
     built: dict[frozenset, onnx.ModelProto] = {}
     base: dict[str, float] = {}
 
-    fmt_box: list = [formats[0], None, None]  # format, calibration method (None: the profile's), op types
+    # format, calibration method (None: the profile's), op types, bias correction
+    fmt_box: list = [formats[0], None, None, None]
 
     def measure(kept: frozenset) -> Trial:
         m = built.get(kept)
         if m is None:
-            m = built[kept] = build(kept, fmt_box[0], fmt_box[1], fmt_box[2])
+            m = built[kept] = build(kept, *fmt_box)
         rt = load(m, prof, backend=backend, batch_size=batch, allow_over_budget=True)
         t32, t8 = time_pair(lambda: rt32.run(feeds), lambda: rt.run(feeds), rounds=rounds, cpu=cpu)
         base.setdefault("fp32", t32)
@@ -259,17 +260,21 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
         # MinMax ranges lose too much (one outlier coarsens a whole tensor), percentile ranges are tried.
         tried = []
 
-        def variant(fmt, cmethod, ops=None):
-            fmt_box[:] = [fmt, cmethod, ops]
+        def variant(fmt, cmethod, ops=None, bc=None):
+            fmt_box[:] = [fmt, cmethod, ops, bc]
             built.pop(frozenset(), None)
             t = measure(frozenset())
-            tried.append((t.loss > max_loss, t.latency_ms, (fmt, cmethod, ops), t, built[frozenset()]))
-            fmt_steps.append(f"{fmt} format, {cmethod or calib} calibration, "
+            tried.append((t.loss > max_loss, t.latency_ms, (fmt, cmethod, ops, bc), t, built[frozenset()]))
+            fmt_steps.append(f"{fmt} format, {cmethod or calib} calibration{', bias-corrected' if bc else ''}, "
                              f"{'only ' + '/'.join(ops) if ops else 'every op onnxruntime quantizes'} int8, "
                              f"all layers int8: {t.latency_ms:.3f} ms, loss {t.loss:.2f}%")
 
         for fmt in formats:
             variant(fmt, None)
+        if corrected:
+            # bias correction helps some models a great deal (PP-OCRv4's detector) and hurts others
+            # (PicoDet): a variant of its own, judged by its measured loss like the others
+            variant("qdq", None, None, True)
         if retry_method and all(r[0] for r in tried):
             for fmt in formats:
                 variant(fmt, retry_method)
@@ -289,6 +294,7 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
         built.clear()
         built[frozenset()] = model
         fmt_steps.append(f"{chosen[0]} format, {chosen[1] or calib} calibration"
+                         f"{', bias-corrected' if chosen[3] else ''}"
                          f"{', only ' + '/'.join(chosen[2]) if chosen[2] else ''} chosen")
     if first is None:
         first = measure(frozenset())
@@ -326,6 +332,9 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
         decision.reason += f" > --max-loss {max_loss:g}%: fp32 chosen"
     return copy.deepcopy(fp32), decision
 
+
+BIAS_CORRECTION_SAMPLES = 32
+"""Calibration samples that bias correction runs (one pass per int8 conv)."""
 
 NUMPY_MAX_LOSS = 1.0
 """--max-loss of the bench-gated choice that numpy-backend boards get by default (percent)."""
@@ -391,6 +400,7 @@ def quantize(
     fallback: str = "weight-only",
     gate_rounds: int = 5,
     loss: str = "auto",
+    bias_correction: bool | None = None,
 ) -> QuantizedModel:
     """Quantize ``model`` for ``profile``; see the module docstring.
 
@@ -421,6 +431,13 @@ def quantize(
     numpy (boards without onnxruntime, where static int8 is slower than fp32)
     gets the gate by default (``max_loss`` 1) unless ``method`` names static
     int8 explicitly; static int8 on numpy without the gate carries a note.
+
+    ``bias_correction`` (static int8 in QDQ format, evaluated on onnxruntime):
+    each int8 conv's mean output error on the calibration data (at most
+    :data:`BIAS_CORRECTION_SAMPLES` of them) is taken out of its bias, conv by
+    conv (:mod:`.bias_correction`). ``None`` (default): off, except that the
+    bench gate also tries a bias-corrected variant and keeps it only if its
+    measured loss makes it the better choice; ``True``: always; ``False``: never.
     """
     if engine not in ENGINES:
         raise QuantizationError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
@@ -537,8 +554,9 @@ def quantize(
 
     ranges = qparams = None
     gate = None
-    int8_rewrites: dict[int, tuple[int, int]] = {}  # id(model build() wrote) -> (HardSwish/HardSigmoid it
-    # runs in int8, scalar Mul/Add chains folded into zero points)
+    int8_rewrites: dict[int, tuple[int, int, int]] = {}  # id(model build() wrote) -> (HardSwish/HardSigmoid
+    # it runs in int8, scalar Mul/Add chains folded into zero points, convs whose bias was corrected)
+    shifts: dict[tuple, dict[str, np.ndarray]] = {}  # (calibration method, op types) -> conv -> bias shift
     readouts: list[str] = []
     if kind == "static":
         assert plan is not None and cal is not None
@@ -556,10 +574,11 @@ def quantize(
         readouts = float_readouts(fp32) if be == "ort" else []
 
         def build(extra: frozenset = frozenset(), fmt: str | None = None, cmethod: str | None = None,
-                  ops: tuple | None = None) -> onnx.ModelProto:
+                  ops: tuple | None = None, bc: bool | None = None) -> onnx.ModelProto:
             qm_ = _build(extra, fmt, cmethod, ops)
             if be != "ort":
                 return qm_
+            qdq = (fmt or prof.quantization.format) != "qoperator"
             # onnxruntime has no int8 HardSwish/HardSigmoid: as int8 Add (+ Mul) they skip three float passes.
             # A scalar a * x + b after an activation: read through the integers' scale and zero point.
             from .affine import fold_scalar_affine
@@ -569,7 +588,19 @@ def quantize(
             qm_, n_hsw = hardswish_as_qlinear(qm_)
             qm_, n_aff = fold_scalar_affine(qm_)
             qm_, _ = dequantize_readouts(qm_, readouts)
-            int8_rewrites[id(qm_)] = (n_hsw, n_aff)
+            n_bias = 0
+            if (bias_correction if bc is None else bc) and qdq:
+                # measured once per calibration method and op set, on the first model built with them (every
+                # layer int8); a model with layers kept fp32 reuses the shifts of the convs it keeps int8
+                from .bias_correction import apply_corrections, measure_corrections
+
+                key = (cmethod or calib, ops)
+                if key not in shifts:
+                    sub = cal.take(slice(0, BIAS_CORRECTION_SAMPLES))
+                    shifts[key] = measure_corrections(qm_, fp32, lambda: sub.batches(evaluator.batch_size),
+                                                      evaluator.runner)
+                qm_, n_bias = apply_corrections(qm_, shifts[key])
+            int8_rewrites[id(qm_)] = (n_hsw, n_aff, n_bias)
             return qm_
 
         def _build(extra: frozenset, fmt: str | None, cmethod: str | None, ops: tuple | None) -> onnx.ModelProto:
@@ -596,7 +627,8 @@ def quantize(
                               retry_method="percentile" if engine == "ort" and calib == "minmax" else None,
                               max_loss=max_loss, fallback=fallback, per_channel=per_channel, cal=cal, calib=calib,
                               percentile=percentile, activations=activations, batch=fixed or 1,
-                              rounds=gate_rounds, seed=seed, inputs=inputs, loss_measure=loss)
+                              rounds=gate_rounds, seed=seed, inputs=inputs, loss_measure=loss,
+                              corrected=bias_correction is None and be == "ort")
     elif kind == "dynamic":
         assert plan is not None
         if engine == "ort":
@@ -614,7 +646,7 @@ def quantize(
         qm = convert_fp16(fp32)
     # only a model build() wrote has an entry (a freed model's id can be reused by a weight-only/fp32 copy)
     int8_written = kind == "static" and (gate is None or gate.choice == "int8")
-    n_hsw, n_aff = int8_rewrites.get(id(qm), (0, 0)) if int8_written else (0, 0)
+    n_hsw, n_aff, n_bias = int8_rewrites.get(id(qm), (0, 0, 0)) if int8_written else (0, 0, 0)
     qm = load_model(qm)  # checker + shape inference: fail here, not on the board
     if n_hsw:
         notes.append(f"{n_hsw} HardSwish/HardSigmoid run in int8 as QLinearAdd (+ QLinearMul) on onnxruntime, "
@@ -622,6 +654,9 @@ def quantize(
     if n_aff:
         notes.append(f"{n_aff} Mul/Add by a scalar after a quantized tensor read as its integers with another "
                      "scale and zero point (no QLinearMul/QLinearAdd pass)")
+    if n_bias:
+        notes.append(f"bias correction: {n_bias} int8 conv(s) had their mean output error on the calibration data "
+                     "taken out of their bias")
     if readouts and int8_written:
         notes.append(f"{len(readouts)} Softmax writing a model output kept float ({', '.join(readouts)}): "
                      "read in float anyway, and onnxruntime's int8 Softmax is slower")

@@ -1,0 +1,138 @@
+"""Empirical bias correction (edgeflow.quantization.bias_correction): the mean error an int8 conv's
+output carries on the calibration data is taken out of its int32 bias, conv by conv; the gate
+tries it as a variant of its own and keeps it only where its measured loss is lower."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+import edgeflow
+from _graphs import make, rand
+from edgeflow.quantization.bias_correction import apply_corrections, bias_sites, measure_corrections
+from edgeflow.quantization.data import CalibrationSet
+
+ort = pytest.importorskip("onnxruntime")
+
+
+def _offset_net(seed: int = 0) -> onnx.ModelProto:
+    """Conv -> Relu -> Conv -> Relu -> 1x1 Conv. The first conv writes one wide channel and three that sit near
+    a constant, so its per-tensor uint8 output rounds those three the same way at every position: the
+    second conv sees a shifted input everywhere."""
+    rng = np.random.default_rng(seed)
+    w1 = np.zeros((4, 2, 3, 3), np.float32)
+    w1[0, 0, 1, 1] = 4.0  # the wide channel
+    w1[1:, 1] = rand(rng, 3, 3, 3, scale=0.05)
+    b1 = np.array([0.0, 0.37, 0.61, 0.23], np.float32)  # near-constant channels, off the uint8 grid
+    inits = {"w1": w1, "b1": b1, "w2": rand(rng, 8, 4, 3, 3, scale=2.0), "b2": rand(rng, 8),
+             "w3": rand(rng, 3, 8, 1, 1, scale=0.5), "b3": rand(rng, 3)}
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], name="conv2"),
+             helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+             helper.make_node("Conv", ["r2", "w3", "b3"], ["y"], name="conv3")]
+    return make(nodes, [("x", ["N", 2, 10, 10])], [("y", ["N", 3, 10, 10])], inits, opset=13)
+
+
+def _data(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = np.empty((n, 2, 10, 10), np.float32)
+    x[:, 0] = np.abs(rng.standard_normal((n, 10, 10))) * 3.0
+    x[:, 1] = rng.standard_normal((n, 10, 10)) * 0.2
+    return x
+
+
+def _quantize(m, bc, **kw):
+    return edgeflow.quantize(m, "x86-gateway", calibration=_data(24, 1), eval_data=_data(8, 2), backend="ort",
+                             batch_size=8, latency_runs=0, sensitivity=False, min_int8_channels=0,
+                             bias_correction=bc, **kw)
+
+
+def _runner(model):
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.add_session_config_entry("session.x64quantprecision", "1")  # exact sums on any x86 host
+    s = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return lambda feeds, names: dict(zip(names, s.run(names, feeds)))
+
+
+def _mean_error(q: onnx.ModelProto, ref: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    got = _runner(q)({"x": x}, ["y"])["y"]
+    want = _runner(ref)({"x": x}, ["y"])["y"]
+    return (got - want).mean(axis=(0, 2, 3))
+
+
+def test_the_sites_are_the_int8_convs_and_a_dropped_relu_maps_to_its_input():
+    m = _offset_net()
+    q = _quantize(m, False).model
+    sites = {s.conv: s for s in bias_sites(q, m)}
+    assert set(sites) == {"conv1", "conv2", "conv3"}
+    # onnxruntime's quantizer drops the Relu after conv1 (the output's QuantizeLinear clamps at 0), so the
+    # quantized conv1 writes "r1": the fp32 values to compare with are the Relu's input, "c1"
+    assert (sites["conv1"].output, sites["conv1"].reference) == ("r1", "c1")
+    # the conv that writes the graph output writes it before the output's QuantizeLinear/DequantizeLinear pair
+    assert (sites["conv3"].output, sites["conv3"].reference) == ("y_QuantizeLinear_Input", "y")
+    for s in sites.values():
+        assert numpy_helper.to_array(next(t for t in q.graph.initializer if t.name == s.bias)).dtype == np.int32
+
+
+def test_bias_correction_takes_the_mean_error_out_on_held_out_data():
+    m = _offset_net()
+    plain = _quantize(m, False)
+    fixed = _quantize(m, True)
+    x = _data(16, 3)  # neither the calibration nor the evaluation samples
+    before = np.abs(_mean_error(plain.model, m, x))
+    after = np.abs(_mean_error(fixed.model, m, x))
+    assert before.max() > 0.05, before  # the offset channels do shift the output
+    assert after.max() < before.max() / 4, (before, after)
+    assert any("bias correction: 3 int8 conv(s)" in n for n in fixed.report.notes), fixed.report.notes
+    assert not any("bias correction" in n for n in plain.report.notes)
+    # only int32 biases changed: same nodes, same weights
+    assert [n.op_type for n in fixed.model.graph.node] == [n.op_type for n in plain.model.graph.node]
+    changed = [t.name for t, u in zip(plain.model.graph.initializer, fixed.model.graph.initializer)
+               if not np.array_equal(numpy_helper.to_array(t), numpy_helper.to_array(u))]
+    assert changed and all(numpy_helper.to_array(next(t for t in fixed.model.graph.initializer if t.name == c)).dtype
+                           == np.int32 for c in changed), changed
+
+
+def test_each_conv_is_measured_after_the_ones_before_it_are_corrected():
+    """On the calibration data itself, every conv's output mean matches fp32 within one bias unit:
+    a correction measured before the convs upstream were corrected would be off by what they passed on."""
+    m = _offset_net()
+    q = _quantize(m, False).model
+    cal = CalibrationSet({"x": _data(24, 1)})
+    shifts = measure_corrections(q, m, lambda: cal.batches(8), _runner)
+    assert set(shifts) == {"conv1", "conv2", "conv3"}
+    fixed, n = apply_corrections(q, shifts)
+    assert n == 3
+    from edgeflow.quantization.calibration import augment
+
+    sites = bias_sites(fixed, m)  # conv2's Relu is dropped too: the quantized conv2 writes "r2"
+    assert [(s.output, s.reference) for s in sites] == [("r1", "c1"), ("r2", "c2"), ("y_QuantizeLinear_Input", "y")]
+    got = _runner(augment(fixed, [s.output for s in sites]))({"x": cal.arrays["x"]}, [s.output for s in sites])
+    want = _runner(augment(m, [s.reference for s in sites]))({"x": cal.arrays["x"]}, [s.reference for s in sites])
+    for s in sites:
+        g, w = s.output, s.reference
+        err = (got[g] - want[w]).mean(axis=(0, 2, 3))
+        scale = numpy_helper.to_array(next(t for t in fixed.graph.initializer if t.name == s.scale))
+        assert np.all(np.abs(err) <= scale * 0.5 + 1e-6), (g, err, scale)
+
+
+def test_apply_corrections_leaves_what_it_cannot_correct():
+    m = _offset_net()
+    q = _quantize(m, False).model
+    same, n = apply_corrections(q, {"no-such-conv": np.zeros(3), "conv3": np.zeros(5)})  # unknown; wrong length
+    assert n == 0
+    assert same.SerializeToString() == q.SerializeToString()
+
+
+def test_the_gate_tries_a_bias_corrected_variant_and_reports_it():
+    m = _offset_net()
+    r = _quantize(m, None, max_loss=1.0, gate_rounds=1)
+    steps = "\n".join(r.report.gate.steps)
+    assert "qdq format, minmax calibration, bias-corrected, every op onnxruntime quantizes int8, all layers int8" \
+        in steps, steps
+    r_off = _quantize(m, False, max_loss=1.0, gate_rounds=1)
+    assert "bias-corrected" not in "\n".join(r_off.report.gate.steps)
