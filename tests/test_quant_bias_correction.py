@@ -136,3 +136,79 @@ def test_the_gate_tries_a_bias_corrected_variant_and_reports_it():
         in steps, steps
     r_off = _quantize(m, False, max_loss=1.0, gate_rounds=1)
     assert "bias-corrected" not in "\n".join(r_off.report.gate.steps)
+
+
+def _hswish_net() -> onnx.ModelProto:
+    """Conv -> HardSigmoid/Mul (HardSwish in two ops) -> Mul(scalar) -> Conv -> Relu -> Conv, and a tensor
+    that a second reader takes out of the middle of the third conv's chain."""
+    rng = np.random.default_rng(4)
+    inits = {"w1": rand(rng, 8, 4, 3, 3, scale=0.4), "b1": rand(rng, 8), "k": np.array([0.8], np.float32),
+             "w2": rand(rng, 8, 8, 1, 1, scale=0.4), "b2": rand(rng, 8), "w3": rand(rng, 4, 8, 1, 1), "b3": rand(rng, 4)}
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+             helper.make_node("HardSigmoid", ["c1"], ["g1"], alpha=1 / 6, beta=0.5, name="hsig1"),
+             helper.make_node("Mul", ["c1", "g1"], ["h1"], name="hswish1"),
+             helper.make_node("Mul", ["h1", "k"], ["a1"], name="scale1"),
+             helper.make_node("Conv", ["a1", "w2", "b2"], ["c2"], name="conv2"),
+             helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+             helper.make_node("Conv", ["r2", "w3", "b3"], ["c3"], name="conv3"),
+             helper.make_node("Sigmoid", ["c3"], ["s3"], name="sig3"),
+             helper.make_node("Add", ["s3", "c3"], ["y"], name="mix3")]
+    return make(nodes, [("x", ["N", 4, 12, 12])], [("y", ["N", 4, 12, 12]), ("s3", ["N", 4, 12, 12])], inits,
+                opset=13)
+
+
+def test_a_layers_activation_is_the_elementwise_chain_only_it_feeds():
+    from edgeflow.quantization.analysis import activations_after
+
+    acts = activations_after(_hswish_net(), ["conv1", "conv2", "conv3", "nothing"])
+    assert acts["conv1"] == ["hsig1", "hswish1", "scale1"]  # HardSwish in two ops, then a scalar Mul
+    assert acts["conv2"] == ["relu2"]
+    # conv3's Sigmoid output is a graph output as well as read by the Add: no single tensor leaves the chain
+    assert "conv3" not in acts and "nothing" not in acts
+
+
+def test_a_layer_the_gate_keeps_fp32_keeps_its_activation_float(monkeypatch):
+    """A layer the gate returns to fp32 takes its HardSwish with it (onnxruntime fuses it into the fp32 conv):
+    conv1's output is then not quantized just for an int8 activation to read it."""
+    from edgeflow.quantization import ort_backend
+
+    m = _hswish_net()
+    x = np.random.default_rng(5).standard_normal((16, 4, 12, 12)).astype(np.float32)
+    # keep_fp32 from the user keeps the layer only
+    q = edgeflow.quantize(m, "x86-gateway", calibration=x, backend="ort", batch_size=4, latency_runs=0,
+                          sensitivity=False, keep_fp32=["conv1"]).model
+    assert "c1" in {n.input[0] for n in q.graph.node if n.op_type == "QuantizeLinear"}
+
+    seen: list[tuple[list[str], onnx.ModelProto]] = []
+    real = ort_backend.quantize_static_ort
+
+    def spy(model, cal, **kw):
+        out = real(model, cal, **kw)
+        seen.append((list(kw["exclude"]), out))
+        return out
+
+    monkeypatch.setattr(ort_backend, "quantize_static_ort", spy)
+    r = edgeflow.quantize(m, "x86-gateway", calibration=x, backend="ort", batch_size=4, latency_runs=0,
+                          sensitivity=False, max_loss=0.0, gate_rounds=1, bias_correction=False)
+    assert r.report.gate is not None
+    # max_loss 0: the per-layer steps return layers to fp32, each with its activation
+    with_conv1 = [(e, qm) for e, qm in seen if "conv1" in e]
+    assert with_conv1, [e for e, _ in seen]
+    for e, qm in with_conv1:
+        assert {"hsig1", "hswish1", "scale1"} <= set(e), e
+        assert "c1" not in {n.input[0] for n in qm.graph.node if n.op_type == "QuantizeLinear"}
+
+
+def test_when_every_variant_is_over_the_loss_the_best_every_op_variant_is_checked_before_it_is_a_start():
+    """The per-layer steps only return Conv/MatMul/Gemm (and their activations) to fp32: a variant with other
+    ops int8 is a start only if, with all of those fp32, it is within --max-loss. The check is measured and
+    said; max_loss 0 puts every variant over."""
+    r = _quantize(_offset_net(), None, max_loss=0.0, gate_rounds=1)
+    steps = r.report.gate.steps
+    check = [s for s in steps if "with every Conv/MatMul/Gemm fp32 and the other ops int8, loss" in s]
+    assert len(check) == 1, steps
+    chosen = next(s for s in steps if s.endswith(" chosen"))
+    if "a start the per-layer steps can finish from" in check[0]:
+        assert "only Conv/MatMul/Gemm" not in chosen or "bias-corrected" not in check[0], steps
+    else:
+        assert "only Conv/MatMul/Gemm" in chosen, steps

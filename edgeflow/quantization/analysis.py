@@ -108,6 +108,56 @@ def links(nodes: list[onnx.NodeProto]) -> tuple[dict[str, onnx.NodeProto], dict[
     return producer, readers
 
 
+ACTIVATIONS = ("Relu", "Clip", "HardSwish", "HardSigmoid", "Sigmoid", "LeakyRelu", "Tanh")
+"""Elementwise ops that follow a layer as its activation (with Mul/Add/Sub/Div by one constant, and
+x * HardSigmoid(x), HardSwish in two ops)."""
+
+
+def activations_after(model: onnx.ModelProto, layers: list[str]) -> dict[str, list[str]]:
+    """Layer name -> the nodes of its activation: the elementwise nodes (:data:`ACTIVATIONS`, Mul/Add/Sub/Div
+    whose other input is a one-value initializer or another tensor of the activation) that read only the
+    layer's output and each other's, up to the first node that reads anything else. Keeping a layer fp32
+    with its activation lets the activation stay float too (onnxruntime fuses it into the fp32 conv), where
+    keeping only the layer leaves its output quantized for the int8 activation to read."""
+    nodes = list(model.graph.node)
+    inits = {t.name: t for t in model.graph.initializer}
+    producer, readers = links(nodes)
+    outputs = {o.name for o in model.graph.output}
+    by_name = {n.name: n for n in nodes}
+    out: dict[str, list[str]] = {}
+    for name in layers:
+        layer = by_name.get(name)
+        if layer is None or len(layer.output) != 1:
+            continue
+        inside = {layer.output[0]}
+        chain: list[onnx.NodeProto] = []
+        grew = True
+        while grew:
+            grew = False
+            for t in list(inside):
+                for n in readers.get(t, []):
+                    if n in chain or len(n.output) != 1 or n.domain not in ("", "ai.onnx"):
+                        continue
+                    if n.op_type in ACTIVATIONS:
+                        ok = n.input[0] == t and all(x in inits for x in n.input[1:] if x)
+                    elif n.op_type in ("Mul", "Add", "Sub", "Div") and len(n.input) == 2:
+                        ok = all(x in inside or (x in inits and int(np.prod(inits[x].dims)) == 1) for x in n.input)
+                    else:
+                        ok = False
+                    if ok:
+                        chain.append(n)
+                        inside.add(n.output[0])
+                        grew = True
+        # a chain whose tensors are read only inside it, but for the one it ends with
+        members = {id(n) for n in chain}
+        leaving = [t for t in [layer.output[0]] + [n.output[0] for n in chain]
+                   if t in outputs or any(id(r) not in members for r in readers.get(t, []))]
+        if chain and len(leaving) == 1 and leaving[0] != layer.output[0]:
+            order = {id(n): i for i, n in enumerate(nodes)}
+            out[name] = [n.name for n in sorted(chain, key=lambda n: order[id(n)])]
+    return out
+
+
 def _readers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
     out: dict[str, list[onnx.NodeProto]] = {}
     for n in model.graph.node:
