@@ -4,6 +4,8 @@ tries it as a variant of its own and keeps it only where its measured loss is lo
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 import pytest
@@ -212,3 +214,22 @@ def test_when_every_variant_is_over_the_loss_the_best_every_op_variant_is_checke
         assert "only Conv/MatMul/Gemm" not in chosen or "bias-corrected" not in check[0], steps
     else:
         assert "only Conv/MatMul/Gemm" in chosen, steps
+
+
+def test_cli_bias_correction_on_and_off(tmp_path, capsys):
+    from edgeflow.cli.main import main
+
+    model = tmp_path / "net.onnx"
+    onnx.save(_offset_net(), str(model))
+    np.save(tmp_path / "cal.npy", _data(24, 1))
+    for flag, said in (("on", True), ("off", False)):
+        rc = main(["quantize", str(model), "--profile", "x86-gateway", "-c", str(tmp_path / "cal.npy"), "-o",
+                   str(tmp_path / f"q-{flag}.onnx"), "--backend", "ort", "--no-sensitivity", "--json",
+                   "--bias-correction", flag])
+        assert rc == 0
+        notes = json.loads(capsys.readouterr().out)["notes"]
+        assert any("bias correction" in n for n in notes) is said, notes
+    with pytest.raises(SystemExit) as e:
+        main(["quantize", str(model), "--profile", "x86-gateway", "-c", str(tmp_path / "cal.npy"),
+              "--bias-correction", "maybe"])
+    assert e.value.code == 2

@@ -31,6 +31,10 @@ def register(sub) -> None:
     p.add_argument("--keep-last", action="store_true", help="keep the last quantizable layer in fp32")
     p.add_argument("--percentile", type=float, default=99.999, help="percentile calibration's cut (default 99.999)")
     p.add_argument("--no-sensitivity", action="store_true", help="skip per-layer sensitivity (one model per layer)")
+    p.add_argument("--bias-correction", choices=["auto", "on", "off"], default="auto",
+                   help="take each int8 conv's mean output error on the calibration data out of its bias, conv by "
+                   "conv (onnxruntime, QDQ): auto = only as one more variant the bench gate measures (--max-loss); "
+                   "on = always; off = never (default: auto)")
     p.add_argument("--backend", choices=["ort", "numpy"], help="backend for the report (default: the profile's)")
     gg = p.add_argument_group(
         "bench-gated choice (int8 only where it pays)",
@@ -160,6 +164,7 @@ def cmd(args) -> int:
             eval_data=ev, labels=labels, percentile=args.percentile,
             sensitivity=False if args.no_sensitivity else None, backend=args.backend,
             output=args.output, preprocess=prep, max_loss=args.max_loss, fallback=args.fallback, loss=args.loss,
+            bias_correction={"auto": None, "on": True, "off": False}[args.bias_correction],
         )
     rep = result.report.to_dict()
     rep["output"] = args.output
