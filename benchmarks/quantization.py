@@ -280,6 +280,74 @@ def hardswish_rows(models, n_cal: int, n_eval: int, runs: int, rounds: int, prof
     return rows
 
 
+def _fidelity(fid: str, ref: np.ndarray, got: np.ndarray) -> float:
+    """top-1 agreement %, same CTC-decoded text %, or mean cosine: the real-model table's measures."""
+    n = len(ref)
+    if fid == "top1":
+        return float(np.mean(np.argmax(ref.reshape(n, -1), 1) == np.argmax(got.reshape(n, -1), 1)) * 100)
+    if fid == "ctc":
+        return float(np.mean([x == y for x, y in zip(ctc_decode(ref), ctc_decode(got))]) * 100)
+    return _cos(ref, got)
+
+
+def bias_rows(models, n_cal: int, n_eval: int, profile: str = PROFILE,
+              methods: tuple[str, ...] = ("minmax", "percentile")) -> list[dict]:
+    """Bias correction, per model and calibration method: every layer static int8 (no gate) written by
+    edgeflow.quantize with bias_correction off and on; fidelity to fp32 on real inputs other than the
+    calibration ones (onnxruntime's exact int8 path where this host's kernels saturate), and the
+    seconds quantize took."""
+    from dataclasses import replace
+
+    from edgeflow import model_suite
+    from edgeflow.profiles import get_profile, saturates_where_board_does_not
+
+    prof = replace(get_profile(profile), threads=1)
+    exact = saturates_where_board_does_not(prof)
+    rows = []
+    for name, _, fid in models:
+        if not model_suite.cached(name):
+            print(f"(skipping {name}: not in the model cache; edgeflow models fetch)", file=sys.stderr)
+            continue
+        cal = _stack(name, range(n_cal))
+        ev = _stack(name, range(100, 100 + n_eval))
+        fp32 = model_suite.load(name)
+        base = load(edgeflow.runtime.optimize.optimize_model(fp32), prof, backend="ort", batch_size=1,
+                    allow_over_budget=True)
+
+        def outputs(sess) -> np.ndarray:
+            return np.concatenate([next(iter(sess.run({k: v[i:i + 1] for k, v in ev.items()}).values()))
+                                   for i in range(n_eval)])
+
+        ref = outputs(base)
+        for method in methods:
+            row = {"model": name, "profile": profile, "method": method, "fidelity_kind": fid, "n_eval": n_eval}
+            for bc in (False, True):
+                t0 = time.time()
+                r = edgeflow.quantize(fp32, prof, calibration=cal, method=method, backend="ort", batch_size=1,
+                                      latency_runs=0, sensitivity=False, bias_correction=bc)
+                row["seconds_bc" if bc else "seconds"] = time.time() - t0
+                sess = load(r.model, prof, backend="ort", batch_size=1, allow_over_budget=True, exact_int8=exact)
+                row["fidelity_bc" if bc else "fidelity"] = _fidelity(fid, ref, outputs(sess))
+                if bc:
+                    row["corrected"] = next((x.split(": ")[1].split(" ")[0] for x in r.report.notes
+                                             if x.startswith("bias correction")), "0")
+            rows.append(row)
+            print(f"  {name} {method}: {row['fidelity']:.4g} -> {row['fidelity_bc']:.4g} with bias correction",
+                  file=sys.stderr, flush=True)
+    return rows
+
+
+def print_bias(rows: list[dict]) -> None:
+    print("bias correction (edgeflow.quantization.bias_correction), every layer static int8, no gate; fidelity to fp32")
+    print("on real inputs other than the calibration ones: top-1 agreement % for classifiers, same CTC-decoded")
+    print("text % for OCR recognition, cosine otherwise; seconds: the whole quantize")
+    print(f"{'model':24s} {'method':10s} {'convs':>5s} {'without':>8s} {'with':>8s} {'s without':>9s} {'s with':>7s}")
+    for r in rows:
+        print(f"{r['model']:24s} {r['method']:10s} {r['corrected']:>5s} {r['fidelity']:8.4f} {r['fidelity_bc']:8.4f} "
+              f"{r['seconds']:9.1f} {r['seconds_bc']:7.1f}")
+    print()
+
+
 def op_times(model: onnx.ModelProto, feeds: dict, runs: int = 60) -> tuple[dict, dict]:
     """onnxruntime's profiler, 1 thread: (ms per op type, ms per node), each node's lowest time over ``runs``."""
     import tempfile
@@ -397,9 +465,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="only onnxruntime's profiler on MODEL (a suite name): fp32 vs every-layer int8, per op type")
     ap.add_argument("--hardswish", action="store_true",
                     help="only the int8 HardSwish lever: the HardSwish/HardSigmoid nets with it off and on")
+    ap.add_argument("--bias-correction", action="store_true",
+                    help="only bias correction: the real conv nets, every layer int8, with it off and on")
     args = ap.parse_args(argv)
     if args.op_times:
         print_op_times(args.op_times)
+        return 0
+    if args.bias_correction:
+        picked = tuple(m for m in REAL_MODELS if m[1] == "conv" and (args.real == "all" or m[0] in args.real.split(",")))
+        rows = bias_rows(picked, args.calibration, min(args.eval, 16))
+        print_bias(rows)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"bias_correction": rows}, f, indent=2, default=str)
         return 0
     if args.hardswish:
         picked = HARDSWISH_MODELS if args.real == "all" else tuple(args.real.split(","))

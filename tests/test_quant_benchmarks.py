@@ -99,3 +99,16 @@ def test_the_hardswish_lever_rows_and_the_op_profile(capsys):
     q.print_op_times("ocr-cls-ppocr-mobile-v2", n_cal=2)
     out = capsys.readouterr().out
     assert "fp32: total" in out and "QLinearConv" in out and "convs: depthwise" in out
+
+
+@pytest.mark.skipif(not _cached("ocr-cls-ppocr-mobile-v2"),
+                    reason="the real-model cache lacks ocr-cls-ppocr-mobile-v2 (edgeflow models fetch)")
+def test_the_bias_correction_rows(capsys):
+    pytest.importorskip("onnxruntime")
+    q = _bench("quantization")
+    rows = q.bias_rows([("ocr-cls-ppocr-mobile-v2", "conv", "top1")], n_cal=4, n_eval=2, methods=("minmax",))
+    (row,) = rows
+    assert int(row["corrected"]) > 0, row  # its int8 convs had their biases corrected
+    assert 0 <= row["fidelity"] <= 100 and 0 <= row["fidelity_bc"] <= 100
+    q.print_bias(rows)
+    assert "ocr-cls-ppocr-mobile-v2" in capsys.readouterr().out

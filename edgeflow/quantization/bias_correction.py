@@ -6,7 +6,7 @@ wide ones) is rounded the same way at every position, and the conv that reads
 it sees a shifted input everywhere: a bias. Downstream layers add their own,
 and a detector's probability map drifts (PP-OCRv4's detector, every layer int8:
 cosine 0.69 to fp32). The fix is the one in Nagel et al., "Data-Free
-Quantization" (2019, section 4.2) and OpenVINO's FastBiasCorrection, measured
+Quantization" (2019) and OpenVINO's FastBiasCorrection, measured
 on data: for each int8 Conv in graph order, run the calibration samples through
 the quantized model (with the corrections so far) and through fp32, take the
 per-channel mean of the difference of the conv's output, and subtract it from
@@ -19,7 +19,11 @@ float conv on the dequantized inputs: the value a QLinearConv requantizes, with
 exact sums (this measures what a VNNI board computes even on a host whose
 int8 kernels saturate).
 
-Costs one pass over the calibration data per int8 conv in a chain (convs on parallel\nbranches share a pass), each through only the part of the model that conv needs.
+Costs one pass over the calibration data per int8 conv in a chain (convs on parallel
+branches share a pass), each through only the part of the model that conv needs.
+
+Not a default: on PicoDet the corrected model is further from fp32 (docs/quantization.md);
+the bench gate measures a corrected variant beside the others.
 """
 
 from __future__ import annotations
@@ -136,6 +140,7 @@ def _cut(model: onnx.ModelProto, outputs: list[str]) -> onnx.ModelProto:
                                [o for o in m.graph.output if o.name in outputs],
                                [t for t in m.graph.initializer if t.name in read])
     cut = onnx.helper.make_model(g, opset_imports=m.opset_import, ir_version=m.ir_version)
+    cut.functions.extend(m.functions)
     return cut
 
 
