@@ -170,22 +170,31 @@ def _cos(ref: np.ndarray, got: np.ndarray) -> float:
     return float(np.mean(np.sum(r * g, 1) / (np.linalg.norm(r, axis=1) * np.linalg.norm(g, axis=1) + 1e-30)))
 
 
+def _suite_inputs(name: str, n_cal: int, n_eval: int):
+    """(calibration inputs, other real inputs for fidelity, the fp32 model) of a suite model; None, said on
+    stderr, where the model is not in the cache."""
+    from edgeflow import model_suite
+
+    if not model_suite.cached(name):
+        print(f"(skipping {name}: not in the model cache; edgeflow models fetch)", file=sys.stderr)
+        return None
+    # other crops / lines / speech / pages than calibration
+    return _stack(name, range(n_cal)), _stack(name, range(100, 100 + n_eval)), model_suite.load(name)
+
+
 def real_rows(models, profiles, n_cal: int, n_eval: int, runs: int, rounds: int) -> list[dict]:
     """Per model and profile: the bench-gated int8 model (max_loss 1%) on onnxruntime, batch 1,
     1 thread; size, speedup re-timed against fp32 in alternating rounds, fidelity on real inputs."""
     from dataclasses import replace
 
-    from edgeflow import model_suite
     from edgeflow.profiles import get_profile, host_differs, saturates_where_board_does_not
 
     rows = []
     for name, kind, fid in models:
-        if not model_suite.cached(name):
-            print(f"(skipping {name}: not in the model cache; edgeflow models fetch)", file=sys.stderr)
+        data = _suite_inputs(name, n_cal, n_eval)
+        if data is None:
             continue
-        cal = _stack(name, range(n_cal))
-        ev = _stack(name, range(100, 100 + n_eval))  # other crops / lines / speech than calibration
-        fp32 = model_suite.load(name)
+        cal, ev, fp32 = data
         for pname in profiles:
             prof = replace(get_profile(pname), threads=1)
             t0 = time.time()
@@ -217,13 +226,7 @@ def real_rows(models, profiles, n_cal: int, n_eval: int, runs: int, rounds: int)
                    "kept_why": sorted({w.split(":")[0] for w in r.report.kept_fp32.values()}),
                    "fidelity_kind": fid, "n_eval": n_eval, "seconds": time.time() - t0,
                    "host": host_differs(prof), "fidelity_exact_int8": exact}
-            if fid == "top1":
-                row["fidelity"] = float(np.mean(np.argmax(ref.reshape(n_eval, -1), 1)
-                                                == np.argmax(got.reshape(n_eval, -1), 1)) * 100)
-            elif fid == "ctc":
-                row["fidelity"] = float(np.mean([x == y for x, y in zip(ctc_decode(ref), ctc_decode(got))]) * 100)
-            else:
-                row["fidelity"] = _cos(ref, got)
+            row["fidelity"] = _fidelity(fid, ref, got)
             row["fidelity_ok"] = row["fidelity"] >= (0.99 if fid == "cosine" else 99.0)
             rows.append(row)
             print(f"  {name} {pname}: {g.choice} {row['speedup']:.2f}x size {row['size_ratio']:.3f} "
@@ -243,18 +246,15 @@ def hardswish_rows(models, n_cal: int, n_eval: int, runs: int, rounds: int, prof
     from dataclasses import replace
     from unittest import mock
 
-    from edgeflow import model_suite
     from edgeflow.profiles import get_profile
 
     prof = replace(get_profile(profile), threads=1)
     rows = []
     for name in models:
-        if not model_suite.cached(name):
-            print(f"(skipping {name}: not in the model cache; edgeflow models fetch)", file=sys.stderr)
+        data = _suite_inputs(name, n_cal, n_eval)
+        if data is None:
             continue
-        cal = _stack(name, range(n_cal))
-        ev = _stack(name, range(100, 100 + n_eval))
-        fp32 = model_suite.load(name)
+        cal, ev, fp32 = data
         kw = dict(calibration=cal, backend="ort", batch_size=1, latency_runs=0, sensitivity=False)
         with mock.patch("edgeflow.quantization.hardswish.hardswish_as_qlinear", lambda m: (m, 0)):
             off = edgeflow.quantize(fp32, prof, **kw).model
@@ -298,19 +298,16 @@ def bias_rows(models, n_cal: int, n_eval: int, profile: str = PROFILE,
     seconds quantize took."""
     from dataclasses import replace
 
-    from edgeflow import model_suite
     from edgeflow.profiles import get_profile, saturates_where_board_does_not
 
     prof = replace(get_profile(profile), threads=1)
     exact = saturates_where_board_does_not(prof)
     rows = []
     for name, _, fid in models:
-        if not model_suite.cached(name):
-            print(f"(skipping {name}: not in the model cache; edgeflow models fetch)", file=sys.stderr)
+        data = _suite_inputs(name, n_cal, n_eval)
+        if data is None:
             continue
-        cal = _stack(name, range(n_cal))
-        ev = _stack(name, range(100, 100 + n_eval))
-        fp32 = model_suite.load(name)
+        cal, ev, fp32 = data
         base = load(edgeflow.runtime.optimize.optimize_model(fp32), prof, backend="ort", batch_size=1,
                     allow_over_budget=True)
 
