@@ -220,7 +220,7 @@ def real_rows(models, profiles, n_cal: int, n_eval: int, runs: int, rounds: int)
             row = {"model": name, "kind": kind, "profile": pname, "choice": g.choice, "format": g.int8_format,
                    "fp32_kib": r.report.fp32_bytes / 1024, "int8_kib": r.report.quantized_bytes / 1024,
                    "size_ratio": r.report.size_ratio, "fp32_ms": t32, "int8_ms": t8, "speedup": t32 / t8,
-                   "all_int8": g.steps[:3], "kept_fp32": len(r.report.kept_fp32),
+                   "all_int8": g.steps[:3], "steps": list(g.steps), "kept_fp32": len(r.report.kept_fp32),
                    "gate_search_speedup": g.search_speedup, "gate_confirmed_speedup": g.confirmed_speedup,
                    "quantized": len(r.report.quantized_nodes), "reason": g.reason,
                    "kept_why": sorted({w.split(":")[0] for w in r.report.kept_fp32.values()}),
