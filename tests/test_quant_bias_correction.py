@@ -233,3 +233,14 @@ def test_cli_bias_correction_on_and_off(tmp_path, capsys):
         main(["quantize", str(model), "--profile", "x86-gateway", "-c", str(tmp_path / "cal.npy"),
               "--bias-correction", "maybe"])
     assert e.value.code == 2
+
+
+def test_a_fixed_batch_model_is_corrected_in_whole_batches():
+    """A model whose batch is fixed at 3: the corrections run on whole batches of 3 (30 of the 32 samples
+    bias correction reads), not a last batch of 2 that onnxruntime would refuse."""
+    m = _offset_net()
+    for t in list(m.graph.input) + list(m.graph.output):
+        t.type.tensor_type.shape.dim[0].dim_value = 3
+    r = edgeflow.quantize(m, "x86-gateway", calibration=_data(40, 1), eval_data=_data(6, 2), backend="ort",
+                          batch_size=8, latency_runs=0, sensitivity=False, min_int8_channels=0, bias_correction=True)
+    assert any("bias correction: 3 int8 conv(s)" in n for n in r.report.notes), r.report.notes

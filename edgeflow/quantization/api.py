@@ -614,7 +614,8 @@ def quantize(
 
                 key = (cmethod or calib, ops, extra)
                 if key not in shifts:
-                    sub = cal.take(slice(0, BIAS_CORRECTION_SAMPLES))
+                    k = min(cal.n, BIAS_CORRECTION_SAMPLES)
+                    sub = cal.take(slice(0, max(fixed, k - k % fixed) if fixed else k))  # whole fixed batches
                     shifts[key] = measure_corrections(qm_, fp32, lambda: sub.batches(evaluator.batch_size),
                                                       evaluator.runner)
                 qm_, n_bias = apply_corrections(qm_, shifts[key])
