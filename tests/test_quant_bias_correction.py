@@ -244,3 +244,18 @@ def test_a_fixed_batch_model_is_corrected_in_whole_batches():
     r = edgeflow.quantize(m, "x86-gateway", calibration=_data(40, 1), eval_data=_data(6, 2), backend="ort",
                           batch_size=8, latency_runs=0, sensitivity=False, min_int8_channels=0, bias_correction=True)
     assert any("bias correction: 3 int8 conv(s)" in n for n in r.report.notes), r.report.notes
+
+
+def test_a_second_input_that_the_first_convs_do_not_read_is_still_fed():
+    """Each pass runs only the nodes its convs need, but keeps every model input: the caller feeds them all."""
+    rng = np.random.default_rng(6)
+    inits = {"w1": rand(rng, 4, 2, 3, 3), "b1": rand(rng, 4), "w2": rand(rng, 4, 4, 1, 1), "b2": rand(rng, 4)}
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], name="conv2"),
+             helper.make_node("Add", ["c2", "bias_map"], ["y"], name="add")]
+    m = make(nodes, [("x", ["N", 2, 10, 10]), ("bias_map", ["N", 4, 10, 10])], [("y", ["N", 4, 10, 10])], inits)
+    cal = {"x": _data(16, 1), "bias_map": np.random.default_rng(2).standard_normal((16, 4, 10, 10)).astype(np.float32)}
+    r = edgeflow.quantize(m, "x86-gateway", calibration=cal, backend="ort", batch_size=8, latency_runs=0,
+                          sensitivity=False, min_int8_channels=0, bias_correction=True)
+    assert any("bias correction: 2 int8 conv(s)" in n for n in r.report.notes), r.report.notes

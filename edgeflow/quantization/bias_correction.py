@@ -136,7 +136,9 @@ def _cut(model: onnx.ModelProto, outputs: list[str]) -> onnx.ModelProto:
     m = augment(model, outputs)
     nodes = _needed(list(m.graph.node), outputs)
     read = {x for n in nodes for x in n.input}
-    g = onnx.helper.make_graph(nodes, m.graph.name, [i for i in m.graph.input if i.name in read],
+    inits = {t.name for t in m.graph.initializer}
+    # every true input stays (the caller feeds them all), an initializer listed as an input only if read
+    g = onnx.helper.make_graph(nodes, m.graph.name, [i for i in m.graph.input if i.name not in inits or i.name in read],
                                [o for o in m.graph.output if o.name in outputs],
                                [t for t in m.graph.initializer if t.name in read])
     cut = onnx.helper.make_model(g, opset_imports=m.opset_import, ir_version=m.ir_version)
