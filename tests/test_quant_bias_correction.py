@@ -259,3 +259,30 @@ def test_a_second_input_that_the_first_convs_do_not_read_is_still_fed():
     r = edgeflow.quantize(m, "x86-gateway", calibration=cal, backend="ort", batch_size=8, latency_runs=0,
                           sensitivity=False, min_int8_channels=0, bias_correction=True)
     assert any("bias correction: 2 int8 conv(s)" in n for n in r.report.notes), r.report.notes
+
+
+def test_a_run_that_fails_leaves_the_model_uncorrected_and_says_why(monkeypatch):
+    from edgeflow.errors import BackendError
+    from edgeflow.quantization import bias_correction
+
+    def boom(*a, **k):
+        raise BackendError("onnxruntime failed to run the model: out of memory")
+
+    monkeypatch.setattr(bias_correction, "measure_corrections", boom)
+    plain = _quantize(_offset_net(), False)
+    r = _quantize(_offset_net(), True)
+    assert any(n.startswith("bias correction skipped: onnxruntime failed to run the model") for n in r.report.notes)
+    assert r.model.SerializeToString() == plain.model.SerializeToString()
+
+
+def test_an_if_body_that_reads_an_outer_tensor_keeps_its_producer_in_the_cut():
+    from edgeflow.quantization.bias_correction import _needed
+
+    then = helper.make_graph([helper.make_node("Identity", ["outer"], ["t"])], "then", [],
+                             [helper.make_tensor_value_info("t", onnx.TensorProto.FLOAT, None)])
+    other = helper.make_graph([helper.make_node("Identity", ["x"], ["e"])], "else", [],
+                              [helper.make_tensor_value_info("e", onnx.TensorProto.FLOAT, None)])
+    nodes = [helper.make_node("Relu", ["x"], ["outer"], name="producer"),
+             helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=other, name="if"),
+             helper.make_node("Relu", ["x"], ["unrelated"], name="unrelated")]
+    assert [n.name for n in _needed(nodes, ["y"])] == ["producer", "if"]

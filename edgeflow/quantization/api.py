@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import onnx
 
-from ..errors import EdgeflowError, QuantizationError
+from ..errors import BackendError, EdgeflowError, QuantizationError
 from ..runtime.model import ModelSource, TensorInfo, graph_inputs, load_model
 from ..profiles import DeviceProfile, get_profile, host_differs, host_facts, saturates_where_board_does_not
 
@@ -616,8 +616,13 @@ def quantize(
                 if key not in shifts:
                     k = min(cal.n, BIAS_CORRECTION_SAMPLES)
                     sub = cal.take(slice(0, max(fixed, k - k % fixed) if fixed else k))  # whole fixed batches
-                    shifts[key] = measure_corrections(qm_, fp32, lambda: sub.batches(evaluator.batch_size),
-                                                      evaluator.runner)
+                    try:
+                        shifts[key] = measure_corrections(qm_, fp32, lambda: sub.batches(evaluator.batch_size),
+                                                          evaluator.runner)
+                    except BackendError as exc:  # the model is still a valid int8 model: go on uncorrected
+                        shifts[key] = {}
+                        log.warning("bias correction skipped: %s", exc)
+                        notes.append(f"bias correction skipped: {_one_line(exc)}")
                 qm_, n_bias = apply_corrections(qm_, shifts[key])
             int8_rewrites[id(qm_)] = (n_hsw, n_aff, n_bias)
             return qm_

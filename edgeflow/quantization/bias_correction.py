@@ -35,6 +35,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from ..runtime.optimize.ir import outer_refs
 from .analysis import links
 
 #: Activations that a quantizer drops after a conv (the output's QuantizeLinear clamps instead); the conv
@@ -126,6 +127,9 @@ def _needed(nodes: list[onnx.NodeProto], targets: Iterable[str]) -> list[onnx.No
             continue
         keep.add(id(n))
         todo.extend(x for x in n.input if x)
+        for a in n.attribute:  # an If/Loop body reads outer values by name
+            for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                todo.extend(outer_refs(sub))
     return [n for n in nodes if id(n) in keep]
 
 
