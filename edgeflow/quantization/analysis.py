@@ -121,9 +121,10 @@ def activations_after(model: onnx.ModelProto, layers: list[str]) -> dict[str, li
     keeping only the layer leaves its output quantized for the int8 activation to read."""
     nodes = list(model.graph.node)
     inits = {t.name: t for t in model.graph.initializer}
-    producer, readers = links(nodes)
+    _, readers = links(nodes)
     outputs = {o.name for o in model.graph.output}
     by_name = {n.name: n for n in nodes}
+    order = {id(n): i for i, n in enumerate(nodes)}
     out: dict[str, list[str]] = {}
     for name in layers:
         layer = by_name.get(name)
@@ -131,12 +132,13 @@ def activations_after(model: onnx.ModelProto, layers: list[str]) -> dict[str, li
             continue
         inside = {layer.output[0]}
         chain: list[onnx.NodeProto] = []
+        members: set[int] = set()
         grew = True
         while grew:
             grew = False
             for t in list(inside):
                 for n in readers.get(t, []):
-                    if n in chain or len(n.output) != 1 or n.domain not in ("", "ai.onnx"):
+                    if id(n) in members or len(n.output) != 1 or n.domain not in ("", "ai.onnx"):
                         continue
                     if n.op_type in ACTIVATIONS:
                         ok = n.input[0] == t and all(x in inits for x in n.input[1:] if x)
@@ -146,14 +148,13 @@ def activations_after(model: onnx.ModelProto, layers: list[str]) -> dict[str, li
                         ok = False
                     if ok:
                         chain.append(n)
+                        members.add(id(n))
                         inside.add(n.output[0])
                         grew = True
         # a chain whose tensors are read only inside it, but for the one it ends with
-        members = {id(n) for n in chain}
         leaving = [t for t in [layer.output[0]] + [n.output[0] for n in chain]
                    if t in outputs or any(id(r) not in members for r in readers.get(t, []))]
         if chain and len(leaving) == 1 and leaving[0] != layer.output[0]:
-            order = {id(n): i for i, n in enumerate(nodes)}
             out[name] = [n.name for n in sorted(chain, key=lambda n: order[id(n)])]
     return out
 

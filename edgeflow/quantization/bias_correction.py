@@ -35,7 +35,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ..runtime.optimize.ir import outer_refs
+from ..runtime.optimize.ir import outer_refs, subgraphs
 from .analysis import links
 
 #: Activations that a quantizer drops after a conv (the output's QuantizeLinear clamps instead); the conv
@@ -66,6 +66,31 @@ def _reference(tensor: str, fp_producer: dict) -> str | None:
     return None
 
 
+def _int32_bias(conv: onnx.NodeProto, producer: dict, inits: dict) -> tuple[onnx.TensorProto, str] | None:
+    """(the int32 initializer, its scale's name) behind ``conv``'s bias DequantizeLinear (zero point 0),
+    or None where the conv has no such bias."""
+    if conv.op_type != "Conv" or len(conv.input) < 3 or not conv.input[2]:
+        return None
+    dq = producer.get(conv.input[2])
+    if dq is None or dq.op_type != "DequantizeLinear" or dq.input[1] not in inits:
+        return None
+    b = inits.get(dq.input[0])
+    if b is None or b.data_type != onnx.TensorProto.INT32:
+        return None
+    if len(dq.input) > 2 and dq.input[2]:
+        zp = inits.get(dq.input[2])
+        if zp is None or np.any(numpy_helper.to_array(zp) != 0):
+            return None
+    return b, dq.input[1]
+
+
+def _lower_bias(bias: onnx.TensorProto, scale: onnx.TensorProto, shift: np.ndarray) -> None:
+    """``bias`` (int32, in units of ``scale``) lowered in place by ``shift`` (float, output units)."""
+    q = numpy_helper.to_array(bias).astype(np.int64) - np.rint(
+        shift / numpy_helper.to_array(scale).astype(np.float64)).astype(np.int64)
+    bias.CopyFrom(numpy_helper.from_array(np.clip(q, -2**31, 2**31 - 1).astype(np.int32), bias.name))
+
+
 def bias_sites(qm: onnx.ModelProto, fp32: onnx.ModelProto) -> list[BiasSite]:
     """The int8 Convs of the QDQ model ``qm`` whose bias is an int32 initializer behind a
     DequantizeLinear and whose output has a counterpart in ``fp32``; in graph order."""
@@ -74,18 +99,11 @@ def bias_sites(qm: onnx.ModelProto, fp32: onnx.ModelProto) -> list[BiasSite]:
     fp_producer, _ = links(list(fp32.graph.node))
     sites = []
     for n in qm.graph.node:
-        if n.op_type != "Conv" or len(n.input) < 3 or not n.input[2] or len(n.output) != 1:
+        bias = _int32_bias(n, producer, inits)
+        dq_w = producer.get(n.input[1]) if len(n.input) > 1 else None
+        if bias is None or len(n.output) != 1 or dq_w is None or dq_w.op_type != "DequantizeLinear":
             continue
-        dq_b, dq_w = producer.get(n.input[2]), producer.get(n.input[1])
-        if dq_b is None or dq_b.op_type != "DequantizeLinear" or dq_w is None or dq_w.op_type != "DequantizeLinear":
-            continue
-        b = inits.get(dq_b.input[0])
-        if b is None or b.data_type != onnx.TensorProto.INT32 or dq_b.input[1] not in inits:
-            continue
-        if len(dq_b.input) > 2 and dq_b.input[2]:
-            zp = inits.get(dq_b.input[2])
-            if zp is None or np.any(numpy_helper.to_array(zp) != 0):
-                continue
+        b, scale = bias
         out = n.output[0]
         ref = _reference(out, fp_producer)
         if ref is None:
@@ -97,7 +115,7 @@ def bias_sites(qm: onnx.ModelProto, fp32: onnx.ModelProto) -> list[BiasSite]:
                 if len(dqs) == 1 and dqs[0].op_type == "DequantizeLinear":
                     ref = _reference(dqs[0].output[0], fp_producer)
         if ref is not None:
-            sites.append(BiasSite(n.name, out, ref, b.name, dq_b.input[1]))
+            sites.append(BiasSite(n.name, out, ref, b.name, scale))
     return sites
 
 
@@ -128,7 +146,7 @@ def _needed(nodes: list[onnx.NodeProto], targets: Iterable[str]) -> list[onnx.No
         keep.add(id(n))
         todo.extend(x for x in n.input if x)
         for a in n.attribute:  # an If/Loop body reads outer values by name
-            for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+            for sub in subgraphs(a):
                 todo.extend(outer_refs(sub))
     return [n for n in nodes if id(n) in keep]
 
@@ -180,12 +198,8 @@ def measure_corrections(qm: onnx.ModelProto, fp32: onnx.ModelProto, batches: Cal
         got = _channel_means(runner_factory(_cut(work, names)), names, batches())
         for i in ready:
             s = sites[i]
-            shift = got[s.output] - ref[s.reference]
-            bias = inits[s.bias]
-            scale = numpy_helper.to_array(inits[s.scale]).astype(np.float64)
-            q = numpy_helper.to_array(bias).astype(np.int64) - np.rint(shift / scale).astype(np.int64)
-            bias.CopyFrom(numpy_helper.from_array(np.clip(q, -2**31, 2**31 - 1).astype(np.int32), s.bias))
-            out[s.conv] = shift
+            out[s.conv] = got[s.output] - ref[s.reference]
+            _lower_bias(inits[s.bias], inits[s.scale], out[s.conv])
         done.update(ready)
     return out
 
@@ -200,19 +214,12 @@ def apply_corrections(qm: onnx.ModelProto, shifts: dict[str, np.ndarray]) -> tup
     by_name = {n.name: n for n in m.graph.node}
     done = 0
     for name, shift in shifts.items():
-        n = by_name.get(name)
-        if n is None or n.op_type != "Conv" or len(n.input) < 3 or not n.input[2]:
+        found = _int32_bias(by_name[name], producer, inits) if name in by_name else None
+        if found is None:
             continue
-        dq = producer.get(n.input[2])
-        if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] not in inits or dq.input[1] not in inits:
+        bias, scale = found
+        if len(readers.get(bias.name, [])) != 1 or np.shape(shift) != tuple(bias.dims):
             continue
-        bias = inits[dq.input[0]]
-        if bias.data_type != onnx.TensorProto.INT32 or len(readers.get(bias.name, [])) != 1:
-            continue
-        scale = numpy_helper.to_array(inits[dq.input[1]]).astype(np.float64)
-        if np.shape(shift) != numpy_helper.to_array(bias).shape:
-            continue
-        q = numpy_helper.to_array(bias).astype(np.int64) - np.rint(shift / scale).astype(np.int64)
-        bias.CopyFrom(numpy_helper.from_array(np.clip(q, -2**31, 2**31 - 1).astype(np.int32), bias.name))
+        _lower_bias(bias, inits[scale], shift)
         done += 1
     return m, done

@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..runtime.optimize.ir import outer_refs
+from ..runtime.optimize.ir import outer_refs, subgraphs
 from .analysis import _attr, links
 from .qdq import _Names, toposort_nodes
 
@@ -49,8 +49,7 @@ def _scalar_qparams(inits: dict[str, onnx.TensorProto], node: onnx.NodeProto) ->
 
 
 def _read_by_subgraphs(nodes: list[onnx.NodeProto], name: str) -> bool:
-    return any(name in outer_refs(sub) for n in nodes for a in n.attribute
-               for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)))
+    return any(name in outer_refs(sub) for n in nodes for a in n.attribute for sub in subgraphs(a))
 
 
 def hardswish_as_qlinear(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:

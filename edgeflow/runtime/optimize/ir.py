@@ -30,7 +30,8 @@ DEFAULT_DOMAINS = ("", "ai.onnx")
 log = logging.getLogger(__name__)
 
 
-def _subgraphs(attr: onnx.AttributeProto) -> Iterator[onnx.GraphProto]:
+def subgraphs(attr: onnx.AttributeProto) -> Iterator[onnx.GraphProto]:
+    """The graphs an attribute holds (an If's branches, a Loop's or Scan's body); none for other attributes."""
     if attr.type == onnx.AttributeProto.GRAPH:
         yield attr.g
     elif attr.type == onnx.AttributeProto.GRAPHS:
@@ -46,7 +47,7 @@ def outer_refs(g: onnx.GraphProto) -> set[str]:
         defined.update(o for o in n.output if o)
         used.update(x for x in n.input if x)
         for a in n.attribute:
-            for sub in _subgraphs(a):
+            for sub in subgraphs(a):
                 used |= outer_refs(sub)
     return used - defined
 
@@ -236,7 +237,7 @@ def from_model(model: onnx.ModelProto) -> Graph:
     for n in g.node:
         implicit: set[str] = set()
         for a in n.attribute:
-            for sub in _subgraphs(a):
+            for sub in subgraphs(a):
                 implicit |= outer_refs(sub)
         nodes.append(Node(
             op_type=n.op_type, inputs=tuple(n.input), outputs=tuple(n.output),
