@@ -590,9 +590,17 @@ def quantize(
         # its output is not quantized just for an int8 activation to read it
         acts = activations_after(fp32, [t.node for t in plan.targets])
 
+        raw: dict[tuple, onnx.ModelProto] = {}  # _build's every-layer models (the gate's variants, a few), and
+        # the latest one: the bias-corrected variant starts from the plain QDQ variant's quantization
+
         def build(extra: frozenset = frozenset(), fmt: str | None = None, cmethod: str | None = None,
                   ops: tuple | None = None, bc: bool | None = None) -> onnx.ModelProto:
-            qm_ = _build(extra, fmt, cmethod, ops)
+            args = (extra, fmt, cmethod, ops)
+            if args not in raw:
+                for k in [k for k in raw if k[0]]:  # keep no more than one model with layers kept fp32
+                    del raw[k]
+                raw[args] = _build(*args)
+            qm_ = raw[args]  # not changed below: each rewrite returns a new model
             if be != "ort":
                 return qm_
             qdq = (fmt or prof.quantization.format) != "qoperator"
