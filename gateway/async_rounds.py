@@ -37,20 +37,20 @@ class AsyncRounds:
     def __init__(self, rm: Any) -> None:  # the RoundManager (which imports this module)
         self.rm = rm
         self.result: AggregateResult | None = None
-        """A full buffer's aggregate, not yet adopted (set under ``rm._cv`` by the update path)."""
+        """A full buffer's aggregate, not yet adopted (set under the open round's lock by the update path)."""
 
     def ready(self, result: AggregateResult) -> None:
-        """The update path filled a buffer (called with ``rm._cv`` held; the caller notifies)."""
+        """The update path filled a buffer (called with the open round's lock held; it notifies)."""
         self.result = result
 
     def run(self, versions: int) -> list[Any]:  # list[RoundMetrics]
         """One FedBuff session: ``versions`` new model versions (fewer if the manager stops)."""
         rm = self.rm
         cfg = rm.config
-        buf = BufferedAggregator(rm._strategy, buffer_size=cfg.async_buffer,
+        buf = BufferedAggregator(rm.strategy, buffer_size=cfg.async_buffer,
                                  staleness_fn=make_staleness(cfg.staleness), max_staleness=cfg.max_staleness)
         buf.start(rm.weights, version=rm.version)
-        pool = rm._wait_for_pool()
+        pool = rm.wait_for_pool()
         selected = rm.select(pool)
         round_id = rm.store.last_round_id() + 1
         ann = RoundAnnouncement(round_id=round_id, model_version=rm.version, deadline=time.time() + 1e9,
@@ -58,20 +58,18 @@ class AsyncRounds:
                                 epoch=rm.epoch, nonce=secrets.token_hex(8))
         rm.store.open_round(round_id, rm.version, ann.deadline,
                             {**asdict(cfg.train), "_nonce": ann.nonce, "_mode": "async"}, selected)
-        with rm._cv:
-            rm._ann = ann
-            rm._agg = buf
-            rm._reported, rm._counters, rm._losses = set(), {}, []
-            rm._bytes_in = rm._dense_bytes = 0
+        rnd = rm.open
+        with rnd.cv:
+            rnd.begin(ann, buf)
             self.result = None
-        rm._publish_round(ann)
+        rm.publish_round(ann)
         out: list[Any] = []
         t_start = time.perf_counter()
-        while len(out) < versions and not rm._stop.is_set():
-            with rm._cv:
+        while len(out) < versions and not rm.stopping.is_set():
+            with rnd.cv:
                 end = time.time() + cfg.deadline_s
-                while self.result is None and not rm._stop.is_set() and time.time() < end:
-                    rm._cv.wait(0.1)
+                while self.result is None and not rm.stopping.is_set() and time.time() < end:
+                    rnd.wait(0.1)
                 result, self.result = self.result, None
                 if result is None:
                     result = buf.flush()
@@ -83,26 +81,19 @@ class AsyncRounds:
                 log.error("async session %d: buffered aggregate refused (%s); the model stays v%d",
                           round_id, exc, rm.version)
                 continue
-            m = rm._metrics(ann, result, 0.0, t_start)
-            with rm._lock:
-                rm._reported, rm._counters, rm._losses = set(), {}, []
-                rm._bytes_in = rm._dense_bytes = 0
+            m = rm.round_metrics(ann, result, 0.0, t_start)
+            rnd.restart_intake()
             t_start = time.perf_counter()
             out.append(m)
-            rm._report(m)
-        closed = RoundAnnouncement(**{**ann.__dict__, "state": "closed"})
-        with rm._cv:
-            rm._ann = closed
-        rm._publish_round(closed)
+            rm.report(m)
+        rm.publish_round(rnd.close())
         rm.store.finish_round(round_id, {"versions": len(out)})
         return out
 
     def adopt(self, result: AggregateResult, round_id: int) -> None:
         """Each buffered aggregate becomes a version at once (the session stays open)."""
         rm = self.rm
-        rm._stage(result)
-        staged, rm._staged = rm._staged, None
-        assert staged is not None
+        staged = rm.stage(result, hold=False)
         rm.version = rm.store.add_model(staged.onnx_bytes, staged.sha256, round_id=round_id, version=staged.version)
         rm.weights = staged.weights
         rm.publish_model()

@@ -148,7 +148,7 @@ class ForwardPartial:
 
     def deliver(self, rounds: RoundManager, result: AggregateResult, ann: RoundAnnouncement) -> None:
         self._seq += 1
-        losses = list(rounds._losses)
+        losses = list(rounds.open.snapshot().losses)
         meta: dict[str, Any] = {"partial": True, "num_clients": int(result.num_clients),
                                 "base_version": int(ann.model_version)}
         if ann.nonce:  # the site's round carries the root round's nonce (SiteGateway.run)

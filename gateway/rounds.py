@@ -74,17 +74,17 @@ import math
 import secrets
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping, Protocol
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from edgeflow.codecs import decode_update, encode_update, peek_update
+from edgeflow.codecs import encode_update, peek_update
 from edgeflow.errors import AggregationError, CodecError, ConfigError, SignatureError, StateError, TransportError
 from edgeflow.faults import fault_point
-from edgeflow.protocol.rounds import RoundAnnouncement, TrainConfig, UpdateMeta, parse_update_meta
+from edgeflow.protocol.rounds import RoundAnnouncement, TrainConfig
 from edgeflow.signing import KeyRing, PrivateKey, ReplayGuard, Signer
 from edgeflow.transport.backoff import Backoff
 from edgeflow.transport.base import Transport
@@ -92,8 +92,10 @@ from edgeflow.transport.topics import device_filter, gateway_topic, parse_topic
 
 from .aggregation import AggregateResult
 from .async_rounds import AsyncRounds
+from .intake import CheckedUpdate, RoundView, check_update, partial_clients, screen
+from .open_round import OpenRound
 from .secure_rounds import SecureRounds
-from .store import MAX_SEQ, GatewayStore, StoreError
+from .store import GatewayStore, StoreError
 from .strategies import make_aggregator
 
 log = logging.getLogger("edgeflow.gateway.rounds")
@@ -297,7 +299,7 @@ class AdoptAndPublish:
     with the round's closing (one transaction) and then publishes them."""
 
     def deliver(self, rounds: "RoundManager", result: AggregateResult, ann: RoundAnnouncement) -> None:
-        rounds._stage(result)
+        rounds.stage(result)
 
 
 @dataclass
@@ -315,10 +317,12 @@ class UpdateSource(Protocol):
     subscribe to them itself (ingestion workers sharing the subscription).
 
     ``attach`` replaces the manager's own update subscription (called from
-    :meth:`RoundManager.start`); ``poll`` refreshes ``rounds._reported``
-    while the round collects (called every 0.1 s with the manager's lock
-    held); ``merge`` runs once the round closed, before ``finish``: it must
-    leave ``rounds._agg`` holding every accepted update exactly once.
+    :meth:`RoundManager.start`); ``poll`` refreshes who reported
+    (``rounds.open.set_reported``) while the round collects (called every
+    0.1 s with the open round's lock held); ``merge`` runs once the round
+    closed, before ``finish``: it must leave the open round's aggregator
+    (``rounds.open.agg``) holding every accepted update exactly once, and its
+    intake (``rounds.open.replace_intake``) saying what was taken in.
     """
 
     def attach(self, rounds: "RoundManager") -> None: ...
@@ -342,14 +346,6 @@ def classification_metrics(model: onnx.ModelProto, eval_data: Any, *, profile: s
     z = logits - logits.max(1, keepdims=True)
     logp = z - np.log(np.exp(z).sum(1, keepdims=True))
     return {"accuracy": acc, "loss": float(-logp[np.arange(len(y)), y].mean())}
-
-
-def partial_clients(metadata: Mapping[str, Any], sender: str) -> int:
-    """The device count a partial aggregate claims (``metadata["num_clients"]``)."""
-    n = metadata.get("num_clients")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise AggregationError(f"{sender}: not a partial aggregate (metadata num_clients={n!r}, need an int >= 1)")
-    return n
 
 
 def model_weights(model: onnx.ModelProto) -> dict[str, np.ndarray]:
@@ -430,25 +426,16 @@ class RoundManager:
         self.selector = selector
         self.on_round = on_round
         self.replay = ReplayGuard()
-        self._lock = threading.RLock()
-        self._cv = threading.Condition(self._lock)
+        self.open = OpenRound()
+        """The round being collected: announcement, aggregator, intake (gateway/open_round.py)."""
         self._stop = threading.Event()
         self._sub = None
         self._rng = np.random.default_rng(config.seed)
-        # state of the open round
-        self._ann: RoundAnnouncement | None = None
-        self._agg = None
-        self._reported: set[str] = set()
-        self._counters: dict[str, int] = {}
-        self._losses: list[float] = []
-        self._bytes_in = 0
-        self._dense_bytes = 0
         self.history: list[RoundMetrics] = []
         self._recovered: RoundAnnouncement | None = None
         self.secure = SecureRounds(self)  # secure aggregation: its server and phases (gateway/secure_rounds.py)
         self.async_rounds = AsyncRounds(self)  # FedBuff: the long-running session (gateway/async_rounds.py)
         self._staged: _Staged | None = None
-        self.counters_total: dict[str, int] = {}
         # global model
         latest = store.latest_model()
         if latest is None:
@@ -571,8 +558,8 @@ class RoundManager:
 
     def stop(self) -> None:
         self._stop.set()
-        with self._cv:
-            self._cv.notify_all()
+        with self.open.cv:
+            self.open.cv.notify_all()
 
     def publish_model(self) -> bool:
         """Publish the global model (retained, signed, with this gateway's epoch); False only
@@ -582,7 +569,7 @@ class RoundManager:
                                 metadata={"model_version": self.version, "epoch": self.epoch})
         return self.publish_reliably(str(gateway_topic(self.fleet, "model")), payload, f"model v{self.version}")
 
-    def _publish_round(self, ann: RoundAnnouncement) -> bool:
+    def publish_round(self, ann: RoundAnnouncement) -> bool:
         return self.publish_reliably(str(gateway_topic(self.fleet, "round")), ann.sign(self.fleet_key),
                                      f"round {ann.round_id} announcement ({ann.state})")
 
@@ -639,9 +626,74 @@ class RoundManager:
                                 "acked; the gateway keeps running", what, time.monotonic() - t0, delivery.acked,
                                 delivery.total)
 
+    # -- the open round's fields under their old names (gateway/secure_rounds.py still uses them) --------
+    @property
+    def _lock(self) -> threading.RLock:
+        return self.open.lock
+
+    @property
+    def _cv(self) -> threading.Condition:
+        return self.open.cv
+
+    @property
+    def _ann(self) -> RoundAnnouncement | None:
+        return self.open.ann
+
+    @_ann.setter
+    def _ann(self, ann: RoundAnnouncement) -> None:
+        self.open.announce(ann)
+
+    @property
+    def _agg(self) -> Any:
+        return self.open.agg
+
+    @property
+    def _reported(self) -> set[str]:
+        return self.open.reported
+
+    @property
+    def _bytes_in(self) -> int:
+        return self.open.bytes_in
+
+    @_bytes_in.setter
+    def _bytes_in(self, value: int) -> None:
+        self.open.bytes_in = value
+
     def _count(self, key: str, n: int = 1) -> None:
-        self._counters[key] = self._counters.get(key, 0) + n
-        self.counters_total[key] = self.counters_total.get(key, 0) + n
+        self.open.count(key, n)
+
+    _publish_round = property(lambda self: self.publish_round)
+    _fail_round = property(lambda self: self.fail_round)
+    _metrics = property(lambda self: self.round_metrics)
+    _report = property(lambda self: self.report)
+    _commit = property(lambda self: self.commit)
+
+    @property
+    def stopping(self) -> threading.Event:
+        """Set once :meth:`stop` was called: round protocols end their waits."""
+        return self._stop
+
+    @property
+    def strategy(self) -> Any:
+        """The configured aggregation strategy (its cross-round state lives across rounds)."""
+        return self._strategy
+
+    @property
+    def counters_total(self) -> dict[str, int]:
+        """Every refusal/late/duplicate counter since this process started."""
+        return self.open.totals
+
+    @property
+    def round_view(self) -> RoundView | None:
+        return self.open.view()
+
+    def check(self, payload: bytes, rnd: RoundView, *, live: bool, source: str = "") -> CheckedUpdate:
+        """The rulebook (gateway/intake.py) with this gateway's keys, model and replay state: ``live``
+        for an update arriving now (in-memory replay guard and the persisted floor), not for a stored
+        one being re-read."""
+        floor = self.store.seq_floor(peek_update(payload).device_id) if live else None
+        return check_update(payload, rnd, keyring=self.keyring, like=self.weights, seq_floor=floor, replay_guard=self.replay if live else None,
+                            partials=self.contributions == "partials", source=source)
 
     # -- selection ------------------------------------------------------------
     def select(self, pool: Iterable[Candidate]) -> list[str]:
@@ -709,9 +761,9 @@ class RoundManager:
 
     def _explain_missing(self, ann: RoundAnnouncement) -> str:
         """Why the selected devices that sent nothing did not: offline, stopped training, their last error."""
-        with self._lock:
-            missing = sorted(set(ann.selected) - self._reported)
-            c = dict(self._counters)
+        got = self.open.snapshot()
+        missing = sorted(set(ann.selected) - got.reported)
+        c = got.counters
         try:
             pool = {cand.device_id: cand for cand in self.candidates()}
         except Exception:  # noqa: BLE001 - an explanation must never fail the round's end
@@ -749,7 +801,7 @@ class RoundManager:
         except Exception as exc:  # noqa: BLE001 - a status line must never stop the rounds
             log.debug("rounds status not stored: %s", exc)
 
-    def _wait_for_pool(self) -> list[Candidate]:
+    def wait_for_pool(self) -> list[Candidate]:
         end = time.time() + self.config.wait_for_devices_s
         while True:
             pool = self.candidates()
@@ -763,116 +815,74 @@ class RoundManager:
         try:
             self._handle_update(msg)
         except Exception:  # noqa: BLE001 - one message must never take the transport's worker thread down
-            with self._lock:
-                self._count("rejected_internal")
+            self.open.count("rejected_internal")
             log.exception("update on %s dropped after an unexpected failure (a bug: please report it)", msg.topic)
 
     def _handle_update(self, msg: Any) -> None:
+        """An update arriving on the transport: screened, checked, stored, counted (gateway/intake.py)."""
         info = parse_topic(msg.topic)
         sender = info.device if info else None
         try:
             head = peek_update(msg.payload)
         except CodecError as exc:
-            with self._lock:
-                self._count("rejected_malformed")
+            self.open.count("rejected_malformed")
             log.warning("update on %s refused: %s", msg.topic, exc)
             return
-        with self._cv:
-            ann = self._ann
-            if ann is None or ann.state != "open" or head.round_id != ann.round_id:
-                self._count("late")
+        rnd = self.open.view()
+        why = screen(head, sender, rnd, self.open.has_reported)
+        if why is not None:
+            self.open.count(why)
+            if why == "late":
                 log.info("update from %s for round %d dropped: round not open", sender, head.round_id)
-                return
-            if head.device_id != sender:
-                self._count("rejected_spoofed")
-                return
-            if ann.mode == "sync" and ann.selected and sender not in ann.selected:
-                self._count("not_selected")
-                return
-            if ann.mode == "sync" and sender in self._reported:
-                self._count("duplicates")
-                return
+            return
+        assert rnd is not None
         try:
-            upd = decode_update(
-                msg.payload, verifier=self.keyring, replay_guard=self.replay, require_signature=True,
-                expected_shapes={k: v.shape for k, v in self.weights.items()}, source=f"gateway<-{sender}",
-            )
-            tensors, meta = self._check_update(upd, ann, persisted_floor=True)
+            upd = self.check(msg.payload, rnd, live=True, source=f"gateway<-{sender}")
         except (CodecError, SignatureError) as exc:
-            with self._lock:
-                self._count("rejected_" + getattr(exc, "reason", "invalid"))
+            self.open.count("rejected_" + getattr(exc, "reason", "invalid"))
             log.warning("update from %s refused: %s", sender, exc)
             return
-        self._accept(upd, tensors, meta, msg.payload, store=True)
+        self._accept(upd, store=True)
 
-    def _check_update(self, upd: Any, ann: RoundAnnouncement, *, persisted_floor: bool
-                      ) -> tuple[dict[str, np.ndarray], UpdateMeta]:
-        """Everything about a decoded update that must hold before it is stored; CodecError
-        (with a reason) otherwise. Returns the tensors in the model's dtypes and the metadata."""
-        meta = parse_update_meta(upd.metadata, upd.device_id)
-        if upd.seq > MAX_SEQ:
-            raise _refusal("bad_seq", f"update from {upd.device_id!r} has seq {upd.seq}, above {MAX_SEQ}")
-        if self.contributions == "partials":
-            try:
-                partial_clients(upd.metadata, upd.device_id)
-            except AggregationError as exc:
-                raise _refusal("bad_metadata", str(exc)) from None
-        if ann.nonce and meta.nonce is not None and meta.nonce != ann.nonce:
-            raise _refusal("wrong_round", f"update from {upd.device_id!r} answers another round {upd.round_id} "
-                                          f"(nonce {meta.nonce[:16]}, this round's is {ann.nonce[:16]}): "
-                                          "a replay of a round that reused the id")
-        if persisted_floor:
-            floor = self.store.seq_floor(upd.device_id)
-            if floor is not None and upd.seq <= floor:
-                raise _refusal("replay", f"update from {upd.device_id!r} has seq {upd.seq}, not above the {floor} "
-                                         "accepted from it before (kept in the state across restarts): a replay")
-        tensors = {}
-        for k, v in upd.tensors.items():
-            want = self.weights[k].dtype
-            tensors[k] = v if v.dtype == want else v.astype(want)
-        return tensors, meta
-
-    def _accept(self, upd: Any, tensors: dict[str, np.ndarray], meta: UpdateMeta, payload: bytes, *,
-                store: bool) -> None:
-        with self._cv:
-            ann = self._ann
-            if ann is None or upd.round_id != ann.round_id or self._agg is None:
-                self._count("late")
+    def _accept(self, upd: CheckedUpdate, *, store: bool) -> None:
+        """Count a checked update in the open round: a synchronous round stores it (folded at the close),
+        FedBuff folds it at once. ``store`` False: it is already in the state (a resumed round)."""
+        with self.open.cv:
+            if not self.open.is_open(upd.round_id):
+                self.open.count("late")
                 return
-            base = meta.base_version if meta.base_version is not None else ann.model_version
-            if ann.mode == "sync" and base != ann.model_version:
-                self._count("rejected_wrong_version")
-                log.warning("update from %s for round %d refused (rejected_wrong_version): trained from v%d, "
-                            "the round trains v%d", upd.device_id, ann.round_id, base, ann.model_version)
-                return
+            ann = self.open.ann
+            assert ann is not None
             if store and ann.mode == "sync":
                 try:
-                    if not self.store.add_update(ann.round_id, upd.device_id, upd.seq, meta.num_samples, payload):
-                        self._count("duplicates")
+                    if not self.store.add_update(ann.round_id, upd.device_id, upd.seq, upd.meta.num_samples,
+                                                 upd.payload):
+                        self.open.count("duplicates")
                         return
                 except StoreError as exc:
-                    self._count("rejected_store")
+                    self.open.count("rejected_store")
                     log.error("update from %s could not be stored (%s); not counted", upd.device_id, exc)
                     return
                 fault_point("rounds.update_stored", ann.round_id)
+            if ann.mode == "sync":
+                self.open.keep(upd)
             result = None
             if ann.mode == "async":  # FedBuff folds as updates come (a sync round folds its stored ones at close)
+                base = upd.base_version if upd.base_version is not None else ann.model_version
                 try:
-                    result = self._agg.add(tensors, meta.num_samples, upd.device_id, base_version=base)
+                    result = self.open.agg.add(upd.tensors, upd.meta.num_samples, upd.device_id, base_version=base)
                 except AggregationError as exc:
-                    self._count("rejected_schema")
+                    self.open.count("rejected_schema")
                     log.warning("update from %s does not fit the model: %s", upd.device_id, exc)
                     return
-            if ann.mode == "async" and store:
-                self.store.record_seq(upd.device_id, upd.seq)
-            self._reported.add(upd.device_id)
-            self._bytes_in += len(payload)
-            self._dense_bytes += 4 * sum(int(v.size) for v in tensors.values())
-            if meta.loss is not None:
-                self._losses.append(meta.loss)
+                if store:
+                    self.store.record_seq(upd.device_id, upd.seq)
+            self.open.record(upd.device_id, nbytes=len(upd.payload),
+                             dense_elements=sum(int(v.size) for v in upd.tensors.values()),
+                             num_samples=upd.meta.num_samples, loss=upd.meta.loss,
+                             metrics=getattr(upd.meta, "metrics", None))
             if result is not None:
                 self.async_rounds.ready(result)
-            self._cv.notify_all()
 
     # -- rounds -----------------------------------------------------------------
     def run(self, rounds: int | None = None) -> list[RoundMetrics]:
@@ -892,7 +902,7 @@ class RoundManager:
         if self._recovered is not None and not self._stop.is_set():
             ann, self._recovered = self._recovered, None
             self.secure.prepare(ann)
-            self._publish_round(ann)
+            self.publish_round(ann)
             done.append(self._collect_and_close(ann, time.perf_counter()))
             if rounds is not None:
                 todo -= 1
@@ -904,17 +914,12 @@ class RoundManager:
         return done
 
     def _begin(self, ann: RoundAnnouncement, bounds: list | tuple | None = None) -> None:
-        with self._cv:
-            self._ann = ann
-            self._agg = self._strategy
-            self._agg.begin_round(self.weights, round_id=ann.round_id)
-            if bounds is not None and hasattr(self._agg, "set_round_bounds"):
-                self._agg.set_round_bounds(*bounds)
-            self._reported = set()
-            self._counters = {}
-            self._losses = []
-            self._bytes_in = 0
-            self._dense_bytes = 0
+        agg = self._strategy
+        with self.open.cv:
+            agg.begin_round(self.weights, round_id=ann.round_id)
+            if bounds is not None and hasattr(agg, "set_round_bounds"):
+                agg.set_round_bounds(*bounds)
+            self.open.begin(ann, agg)
 
     def run_round(self, *, round_id: int | None = None, deadline: float | None = None,
                   train: TrainConfig | None = None, nonce: str | None = None) -> RoundMetrics | None:
@@ -927,7 +932,7 @@ class RoundManager:
         round's (a site's devices and partial then answer the root's round).
         """
         cfg = self.config
-        pool = self._wait_for_pool()
+        pool = self.wait_for_pool()
         selected = self.select(pool)
         if round_id is None:
             round_id = self.store.last_round_id() + 1
@@ -945,12 +950,12 @@ class RoundManager:
             nonce=nonce or secrets.token_hex(8),
         )
         self._begin(ann)
-        bounds = getattr(self._agg, "round_bounds", None)
+        bounds = getattr(self.open.agg, "round_bounds", None)
         stored = {**asdict(train), "_nonce": ann.nonce, "_bounds": list(bounds) if bounds is not None else None}
         self.store.open_round(round_id, self.version, ann.deadline, stored, selected)
         fault_point("rounds.opened")
         self.secure.prepare(ann)  # before the announcement: devices advertise keys as soon as they see it
-        self._publish_round(ann)
+        self.publish_round(ann)
         fault_point("rounds.announced")
         self._status("open", f"round {round_id}: {len(selected)} device(s) selected", round_id=round_id)
         return self._collect_and_close(ann, time.perf_counter())
@@ -970,11 +975,11 @@ class RoundManager:
             nonce=str(rec.config.get("_nonce") or ""),
         )
         self._begin(ann, bounds=rec.config.get("_bounds"))
+        rnd = self.open.view()
+        assert rnd is not None
         for su in self.store.updates(rec.round_id):
             try:
-                upd = decode_update(su.envelope, verifier=self.keyring, require_signature=True,
-                                    expected_shapes={k: v.shape for k, v in self.weights.items()})
-                tensors, meta = self._check_update(upd, ann, persisted_floor=False)
+                upd = self.check(su.envelope, rnd, live=False, source=f"gateway<-{su.device_id} (stored)")
                 self.replay.check_and_record(upd.device_id, upd.round_id, upd.seq)
             except (CodecError, SignatureError) as exc:
                 # written by an older edgeflow that stored before validating: drop it, or every
@@ -983,12 +988,12 @@ class RoundManager:
                             rec.round_id, su.device_id, exc)
                 self.store.remove_update(rec.round_id, su.device_id)
                 continue
-            self._accept(upd, tensors, meta, su.envelope, store=False)
+            self._accept(upd, store=False)
         return ann
 
     def _anyone_left(self, ann: RoundAnnouncement) -> bool:
-        """Is a selected device that has not reported still online and training? (Called with the lock held.)"""
-        missing = set(ann.selected) - self._reported
+        """Is a selected device that has not reported still online and training?"""
+        missing = set(ann.selected) - self.open.snapshot().reported
         if not missing or self.contributions != "updates":
             return True
         try:
@@ -998,7 +1003,7 @@ class RoundManager:
             return True
 
     def _closing(self, ann: RoundAnnouncement, extensions: int) -> bool:
-        n = len(self._reported)
+        n = len(self.open.snapshot().reported)
         if ann.selected and n >= len(ann.selected):
             return True
         if time.time() >= ann.deadline:
@@ -1011,7 +1016,7 @@ class RoundManager:
         if ann.config.secagg:
             return self.secure.run(ann, t_start)
         extensions = 0
-        with self._cv:
+        with self.open.cv:
             while not self._stop.is_set():
                 if self.ingest is not None:
                     self.ingest.poll(self, ann)
@@ -1023,37 +1028,34 @@ class RoundManager:
                                     "still missing can train: %s", ann.round_id, self._explain_missing(ann))
                         break
                     extensions += 1
-                    ann = RoundAnnouncement(**{**ann.__dict__, "deadline": time.time() + self.config.deadline_s})
-                    self._ann = ann
+                    ann = replace(ann, deadline=time.time() + self.config.deadline_s)
+                    self.open.announce(ann)
                     log.warning("round %d: quorum not reached at the deadline; extended (%d/%d)",
                                 ann.round_id, extensions, self.config.max_extensions)
-                self._cv.wait(0.1)
-            closed = RoundAnnouncement(**{**ann.__dict__, "state": "closed"})
-            self._ann = closed
-            n_reported = len(self._reported)
-        self._publish_round(closed)
+                self.open.wait(0.1)
+            closed = self.open.close()
+        self.publish_round(closed)
         if self.ingest is not None:
             self.ingest.merge(self, closed)
         else:
             self._fold_stored(closed)
-        with self._lock:
-            n_reported = len(self._reported)
+        n_reported = len(self.open.snapshot().reported)
         if n_reported == 0:
-            return self._fail_round(ann, t_start, f"no update arrived from the {len(ann.selected)} selected "
+            return self.fail_round(ann, t_start, f"no update arrived from the {len(ann.selected)} selected "
                                                   f"device(s): {self._explain_missing(ann)}", 0)
         if n_reported < self.config.min_clients:
-            return self._fail_round(ann, t_start, f"{n_reported} update(s) after {extensions} extension(s), "
+            return self.fail_round(ann, t_start, f"{n_reported} update(s) after {extensions} extension(s), "
                                                   f"below min_clients {self.config.min_clients}: "
                                                   f"{self._explain_missing(ann)}", n_reported)
         t0 = time.perf_counter()
         try:
-            with self._lock:
-                result = self._agg.finish()
+            with self.open.lock:
+                result = self.open.agg.finish()
         except AggregationError as exc:
-            return self._fail_round(ann, t_start, f"aggregation refused: {exc}", n_reported)
+            return self.fail_round(ann, t_start, f"aggregation refused: {exc}", n_reported)
         agg_s = time.perf_counter() - t0
         fault_point("rounds.aggregated")
-        return self._deliver(ann, result, agg_s, t_start)
+        return self.finish_round(ann, result, agg_s, t_start)
 
     def _fold_stored(self, ann: RoundAnnouncement) -> None:
         """Fold the closed round's stored updates into the aggregator, in device-id order.
@@ -1062,36 +1064,34 @@ class RoundManager:
         which updates happened to arrive (floating-point sums in another order differ in the last
         bits, and FedAvg's first round takes its bounds from the first updates it holds). Folded
         in device-id order, the same updates give the same model bit for bit: under one seed
-        (`edgeflow demo`), and after a restart that re-reads them from the state. Memory stays
-        O(model): one update at a time is read from the state and decoded (each was fully
-        validated before it was stored; it is checked again, as a resumed round does).
+        (`edgeflow demo`), and after a restart that re-reads them from the state. Each update is
+        decoded once: the open round kept what it checked on arrival (up to its byte budget,
+        :attr:`OpenRound.keep_bytes`); the rest is read from the state and checked again here.
         """
-        expected = {k: v.shape for k, v in self.weights.items()}
+        rnd = RoundView(ann.round_id, ann.model_version, frozenset(ann.selected), ann.nonce, ann.mode, False)
         for su in self.store.updates(ann.round_id, order="device"):
             try:
-                upd = decode_update(su.envelope, verifier=self.keyring, require_signature=True,
-                                    expected_shapes=expected, source=f"gateway<-{su.device_id} (stored)")
-                tensors, meta = self._check_update(upd, ann, persisted_floor=False)
-                with self._lock:
+                upd = self.open.take(su.device_id) or self.check(
+                    su.envelope, rnd, live=False, source=f"gateway<-{su.device_id} (stored)")
+                with self.open.lock:
                     if self.contributions == "partials":
-                        self._agg.add_partial(tensors, total_samples=meta.num_samples,
-                                              num_clients=partial_clients(upd.metadata, upd.device_id),
-                                              client_id=upd.device_id)
+                        self.open.agg.add_partial(upd.tensors, total_samples=upd.meta.num_samples,
+                                                  num_clients=upd.num_clients, client_id=upd.device_id)
                     else:
-                        self._agg.add(tensors, meta.num_samples, client_id=upd.device_id)
+                        self.open.agg.add(upd.tensors, upd.meta.num_samples, client_id=upd.device_id)
             except (CodecError, SignatureError, AggregationError) as exc:
                 reason = getattr(exc, "reason", None) or ("schema" if isinstance(exc, AggregationError) else "invalid")
-                with self._lock:
-                    self._count("rejected_" + reason)
-                    self._reported.discard(su.device_id)
+                self.open.count("rejected_" + reason)
+                self.open.forget(su.device_id)
                 log.warning("round %d: stored update of %s not aggregated (%s); removed from the state",
                             ann.round_id, su.device_id, exc)
                 self.store.remove_update(ann.round_id, su.device_id)
+        self.open.release()
 
-    def _fail_round(self, ann: RoundAnnouncement, t_start: float, reason: str, reported: int) -> RoundMetrics:
+    def fail_round(self, ann: RoundAnnouncement, t_start: float, reason: str, reported: int) -> RoundMetrics:
         """Close a round without a model: say why in the log and in the state. The aggregator's
         open round is simply abandoned (the next begin_round drops it), its cross-round state kept."""
-        metrics = self._metrics(ann, None, 0.0, t_start)
+        metrics = self.round_metrics(ann, None, 0.0, t_start)
         metrics.extra["failed"] = 1.0
         metrics.extra["reported"] = float(reported)
         self.store.finish_round(ann.round_id, {**metrics.to_dict(), "reason": reason}, state="failed")
@@ -1100,7 +1100,7 @@ class RoundManager:
         self._status("failed", f"round {ann.round_id} failed: {reason}", round_id=ann.round_id)
         return metrics
 
-    def _deliver(self, ann: RoundAnnouncement, result: AggregateResult, agg_s: float, t_start: float
+    def finish_round(self, ann: RoundAnnouncement, result: AggregateResult, agg_s: float, t_start: float
                  ) -> RoundMetrics:
         """Hand the aggregate to the sink, then store the round's end (and the model it staged)
         in one transaction, then publish the model."""
@@ -1108,14 +1108,15 @@ class RoundManager:
             self.sink.deliver(self, result, ann)
         except AggregationError as exc:
             self._staged = None
-            return self._fail_round(ann, t_start, str(exc), result.num_clients)
-        metrics = self._metrics(ann, result, agg_s, t_start)
-        self._commit(ann, metrics.to_dict())
-        self._report(metrics)
+            return self.fail_round(ann, t_start, str(exc), result.num_clients)
+        metrics = self.round_metrics(ann, result, agg_s, t_start)
+        self.commit(ann, metrics.to_dict())
+        self.report(metrics)
         return metrics
 
-    def _stage(self, result: AggregateResult) -> None:
-        """Prepare the aggregate as the next model version (stored by :meth:`_commit`)."""
+    def stage(self, result: AggregateResult, *, hold: bool = True) -> _Staged:
+        """Prepare the aggregate as the next model version: held for :meth:`commit` (a synchronous
+        round stores it with the round's end), or only returned (``hold=False``: FedBuff adopts it)."""
         if result.weights is None:
             raise AggregationError(f"round {result.round_id}: the aggregate has no weights to adopt")
         weights = {k: np.asarray(v, dtype=np.float32) for k, v in result.weights.items()}
@@ -1124,10 +1125,12 @@ class RoundManager:
                 raise AggregationError(f"round {result.round_id}: tensor {k!r} of the new model is not finite; "
                                        "it is not stored")
         onnx_bytes = model_with_weights(self.base_model, weights).SerializeToString()
-        self._staged = _Staged(weights, onnx_bytes, hashlib.sha256(onnx_bytes).hexdigest(),
-                               self.store.latest_version() + 1)
+        staged = _Staged(weights, onnx_bytes, hashlib.sha256(onnx_bytes).hexdigest(), self.store.latest_version() + 1)
+        if hold:
+            self._staged = staged
+        return staged
 
-    def _commit(self, ann: RoundAnnouncement, metrics: dict[str, Any], *, state: str = "closed") -> None:
+    def commit(self, ann: RoundAnnouncement, metrics: dict[str, Any], *, state: str = "closed") -> None:
         staged, self._staged = self._staged, None
         try:
             self.store.finish_round(ann.round_id, metrics, state=state,
@@ -1157,32 +1160,30 @@ class RoundManager:
         out = self.evaluator(self.current_model(weights), self.eval_data)
         return {str(k): float(v) for k, v in dict(out).items()}
 
-    def _metrics(self, ann, result: AggregateResult | None, agg_s: float, t_start: float) -> RoundMetrics:
+    def round_metrics(self, ann, result: AggregateResult | None, agg_s: float, t_start: float) -> RoundMetrics:
         staged = self._staged
         evaluated = {} if result is None else self.evaluate_metrics(staged.weights if staged is not None else None)
         acc, eval_loss = evaluated.pop("accuracy", None), evaluated.pop("loss", None)
-        with self._lock:
-            c = dict(self._counters)
-            rejected = sum(v for k, v in c.items() if k.startswith("rejected"))
-            if result is not None:
-                rejected += len(result.rejected)
-            m = RoundMetrics(
-                round_id=ann.round_id, model_version=staged.version if staged is not None else self.version,
-                selected=len(ann.selected),
-                participants=result.num_clients if result else 0,
-                dropped=max(0, len(ann.selected) - len(self._reported)) if ann.mode == "sync" else 0,
-                late=c.get("late", 0), rejected=rejected, duplicates=c.get("duplicates", 0),
-                bytes_in=self._bytes_in, dense_bytes=self._dense_bytes, aggregation_s=agg_s,
-                round_s=time.perf_counter() - t_start,
-                mean_client_loss=float(np.mean(sorted(self._losses))) if self._losses else None,
-                accuracy=acc, eval_loss=eval_loss,
-                extra={**{k: float(v) for k, v in (result.metrics.items() if result else ())
-                          if k.startswith("dp_") or k in _ROBUST_METRICS},
-                       **{f"eval_{k}": v for k, v in evaluated.items()}},
-            )
+        got = self.open.snapshot()
+        c = got.counters
+        rejected = got.rejected + (len(result.rejected) if result is not None else 0)
+        m = RoundMetrics(
+            round_id=ann.round_id, model_version=staged.version if staged is not None else self.version,
+            selected=len(ann.selected),
+            participants=result.num_clients if result else 0,
+            dropped=max(0, len(ann.selected) - len(got.reported)) if ann.mode == "sync" else 0,
+            late=c.get("late", 0), rejected=rejected, duplicates=c.get("duplicates", 0),
+            bytes_in=got.bytes_in, dense_bytes=got.dense_bytes, aggregation_s=agg_s,
+            round_s=time.perf_counter() - t_start,
+            mean_client_loss=float(np.mean(got.losses)) if got.losses else None,
+            accuracy=acc, eval_loss=eval_loss,
+            extra={**{k: float(v) for k, v in (result.metrics.items() if result else ())
+                      if k.startswith("dp_") or k in _ROBUST_METRICS},
+                   **{f"eval_{k}": v for k, v in evaluated.items()}},
+        )
         return m
 
-    def _report(self, m: RoundMetrics) -> None:
+    def report(self, m: RoundMetrics) -> None:
         self.history.append(m)
         acc = "" if m.accuracy is None else f", accuracy {m.accuracy:.3f}"
         self._status("closed", f"round {m.round_id}: model v{m.model_version} from {m.participants} of "
@@ -1192,12 +1193,6 @@ class RoundManager:
                  m.bytes_in / 1024, "n/a" if m.accuracy is None else f"{m.accuracy:.3f}")
         if self.on_round:
             self.on_round(m)
-
-
-def _refusal(reason: str, message: str) -> CodecError:
-    err = CodecError(message)
-    err.reason = reason  # type: ignore[attr-defined]
-    return err
 
 
 def metrics_jsonl(metrics: Iterable[RoundMetrics]) -> str:
