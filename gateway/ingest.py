@@ -83,16 +83,17 @@ from typing import Any
 import numpy as np
 import onnx
 
-from edgeflow.codecs import decode_update, peek_update
+from edgeflow.codecs import peek_update
 from edgeflow.errors import AggregationError, CodecError, ConfigError, SignatureError, StateError
-from edgeflow.protocol.rounds import RoundAnnouncement, parse_update_meta
+from edgeflow.protocol.rounds import RoundAnnouncement
 from edgeflow.signing import KeyRing
 from edgeflow.transport.base import Transport
 from edgeflow.transport.topics import device_filter, parse_topic, validate_id
 
+from .intake import CheckedUpdate, RoundView, check_update, screen
 from .privacy import global_norm
-from .rounds import RoundManager, model_weights, partial_clients
-from .store import MAX_SEQ, GatewayStore, StoreError, StoreTarget, parse_store_url
+from .rounds import RoundManager, model_weights
+from .store import GatewayStore, StoreError, StoreTarget, parse_store_url
 
 log = logging.getLogger("edgeflow.gateway.ingest")
 
@@ -112,7 +113,9 @@ def shared_filter(fleet: str, group: str = "ingest") -> str:
 
 
 @dataclass(frozen=True)
-class OpenRound:
+class StoredRound:
+    """A round as the store records it (what a worker needs to check updates against it)."""
+
     round_id: int
     model_version: int
     selected: frozenset[str]
@@ -120,11 +123,14 @@ class OpenRound:
     bounds: tuple[float | None, float | None] | None = None
     """(norm bound, sample cap) the round was opened with; None: it warms up at the coordinator."""
 
+    def view(self) -> RoundView:
+        return RoundView(self.round_id, self.model_version, self.selected, self.nonce)
 
-def _open_round(row: Any) -> OpenRound:
+
+def _open_round(row: Any) -> StoredRound:
     cfg = json.loads(row[3]) if row[3] else {}
     b = cfg.get("_bounds")
-    return OpenRound(int(row[0]), int(row[1]), frozenset(json.loads(row[2])), str(cfg.get("_nonce") or ""),
+    return StoredRound(int(row[0]), int(row[1]), frozenset(json.loads(row[2])), str(cfg.get("_nonce") or ""),
                      None if b is None else (b[0], b[1]))
 
 
@@ -150,12 +156,12 @@ class IngestStore:
         self.store.close()
 
     # -- what the workers read ------------------------------------------------
-    def open_round(self, round_id: int) -> OpenRound | None:
+    def open_round(self, round_id: int) -> StoredRound | None:
         """Round ``round_id`` if it is open and its intake is not shut."""
         r = self.store.intake_round(round_id)
         return _open_round(r) if r else None
 
-    def round_info(self, round_id: int) -> OpenRound | None:
+    def round_info(self, round_id: int) -> StoredRound | None:
         """Round ``round_id`` whatever its state (a restarted worker rebuilding its claims)."""
         r = self.store.round_row(round_id)
         return _open_round(r) if r else None
@@ -249,6 +255,10 @@ class Partial:
     def num_clients(self) -> int:
         return len(self.devices)
 
+    def add_update(self, upd: CheckedUpdate, bounds: tuple[float | None, float | None] | None = None) -> None:
+        """Fold one checked update (gateway/intake.py)."""
+        self.add(upd.device_id, upd.tensors, upd.meta.num_samples, upd.meta.loss, bounds)
+
     def add(self, device_id: str, tensors: dict[str, np.ndarray], num_samples: int, loss: float | None,
             bounds: tuple[float | None, float | None] | None = None) -> None:
         """Fold one update; with ``bounds`` (norm bound, sample cap) it is clipped and capped."""
@@ -319,7 +329,7 @@ class SharedIngest:
 
     def poll(self, rounds: RoundManager, ann: RoundAnnouncement) -> None:
         assert self.db is not None
-        rounds._reported = self.db.reported(ann.round_id)
+        rounds.open.set_reported(self.db.reported(ann.round_id))
 
     def _await_partials(self, round_id: int) -> dict[str, Partial]:
         assert self.db is not None
@@ -350,19 +360,19 @@ class SharedIngest:
         covered: set[str] = set()
         folded: list[str] = []
         losses: list[float] = []
-        dense = 0
-        shapes = {k: v.shape for k, v in rounds.weights.items()}
         dtypes = {k: v.dtype for k, v in rounds.weights.items()}
         info = self.db.round_info(r)
-        robust = bool(getattr(rounds._agg, "robust", False)) and rounds.contributions == "updates"
+        view = info.view() if info is not None else RoundView(r, ann.model_version, frozenset(ann.selected), ann.nonce)
+        open_round = rounds.open
+        robust = bool(getattr(open_round.agg, "robust", False)) and rounds.contributions == "updates"
         bounds = info.bounds if info is not None else None
         if robust and bounds is None:  # opened while warming up: the coordinator folds every update itself
             if parts:
                 log.info("round %d: opened without norm bounds (first round); folding all %d stored update(s) "
                          "here instead of %d partial(s)", r, len(stored), len(parts))
             parts = {}
-        with rounds._lock:
-            agg = rounds._agg
+        with open_round.lock:
+            agg = open_round.agg
             agg.begin_round(rounds.weights, round_id=r)
             if robust and bounds is not None:
                 agg.set_round_bounds(*bounds)
@@ -370,7 +380,7 @@ class SharedIngest:
                 if not p.devices or not p.devices <= claims.get(worker, set()) or p.devices & covered:
                     log.warning("round %d: partial of %s does not match its claims; using the store", r, worker)
                     continue
-                summed = {k: np.asarray(p.sums[k], dtype=dtypes[k]) for k in shapes}
+                summed = {k: np.asarray(p.sums[k], dtype=dtypes[k]) for k in dtypes}
                 stats = ({"norms": p.norms, "claims": p.claims, "clipped": p.clipped, "capped": p.capped}
                          if robust else {})
                 agg.add_partial(summed, total_samples=p.total_samples, num_clients=p.num_clients,
@@ -378,28 +388,24 @@ class SharedIngest:
                 covered |= p.devices
                 losses += p.losses
             for device in sorted(stored - covered):
-                env = self.db.envelope(r, device)
-                try:
-                    upd = decode_update(env, verifier=rounds.keyring, require_signature=True, expected_shapes=shapes)
-                    meta = parse_update_meta(upd.metadata, device)
-                except (CodecError, SignatureError) as exc:  # pragma: no cover - workers validated them
-                    log.warning("round %d: stored update of %s unreadable: %s", r, device, exc)
+                try:  # the workers checked it before claiming; the coordinator checks again what it folds
+                    upd = check_update(self.db.envelope(r, device), view, keyring=rounds.keyring, like=rounds.weights,
+                                       seq_floor=None, partials=rounds.contributions == "partials")
+                except (CodecError, SignatureError) as exc:
+                    log.warning("round %d: stored update of %s refused at the merge: %s", r, device, exc)
                     continue
-                tensors = {k: np.asarray(v, dtype=dtypes[k]) for k, v in upd.tensors.items()}
                 if rounds.contributions == "partials":
-                    agg.add_partial(tensors, total_samples=meta.num_samples,
-                                    num_clients=partial_clients(upd.metadata, device), client_id=device)
+                    agg.add_partial(upd.tensors, total_samples=upd.meta.num_samples, num_clients=upd.num_clients,
+                                    client_id=device)
                 else:
-                    agg.add(tensors, meta.num_samples, client_id=device)
+                    agg.add(upd.tensors, upd.meta.num_samples, client_id=device)
                 folded.append(device)
-                if meta.loss is not None:
-                    losses.append(meta.loss)
-            for k in shapes:
-                dense += 4 * int(np.prod(shapes[k]))
-            rounds._reported = covered | set(folded)
-            rounds._losses = losses
-            rounds._bytes_in = self.db.nbytes(r)
-            rounds._dense_bytes = dense * len(rounds._reported)
+                if upd.meta.loss is not None:
+                    losses.append(upd.meta.loss)
+            dense = sum(4 * int(v.size) for v in rounds.weights.values())
+            reported = covered | set(folded)
+            open_round.replace_intake(reported=reported, losses=losses, bytes_in=self.db.nbytes(r),
+                                      dense_bytes=dense * len(reported))
         self.last_merge = {"round_id": r, "partials": {w: sorted(p.devices) for w, p in parts.items()},
                            "from_store": folded, "claims": {w: sorted(d) for w, d in claims.items()},
                            "claim_pids": {w: sorted(p) for w, p in self.db.claim_pids(r).items()}}
@@ -485,7 +491,7 @@ class IngestWorker:
         self._lock = threading.Lock()
         self._partials: dict[int, Partial] = {}
         self._written: set[int] = set()
-        self._shapes: dict[int, dict[str, tuple[int, ...]]] = {}
+        self._models: dict[int, dict[str, np.ndarray]] = {}
         self._stop = threading.Event()
         self.started = time.time()
         self.stats: dict[str, int] = {k: 0 for k in ("received", "claimed", "duplicate", "late", "rejected",
@@ -499,27 +505,32 @@ class IngestWorker:
                 continue
             info = self.db.round_info(r)
             p = self._partials.setdefault(r, Partial())
+            if info is None:
+                continue
+            view = info.view()
             for d in devices:
                 try:
-                    upd = decode_update(self.db.envelope(r, d), verifier=self.keyring, require_signature=True)
-                    meta = parse_update_meta(upd.metadata, d)
+                    upd = check_update(self.db.envelope(r, d), view, keyring=self.keyring, like=None, seq_floor=None)
                 except (CodecError, SignatureError) as exc:  # claimed ones were valid
                     log.warning("worker %s: stored claim of %s unreadable (%s); the coordinator folds it",
                                 self.cfg.name, d, exc)
                     continue
-                p.add(d, upd.tensors, meta.num_samples, meta.loss, info.bounds if info is not None else None)
+                p.add_update(upd, info.bounds)
                 self.stats["rebuilt"] += 1
             log.info("worker %s: rebuilt round %d partial from %d stored claim(s)", self.cfg.name, r, len(devices))
 
-    def _expected_shapes(self, version: int) -> dict[str, tuple[int, ...]] | None:
-        shapes = self._shapes.get(version)
-        if shapes is None:
+    def _like(self, version: int) -> dict[str, np.ndarray] | None:
+        """Stand-ins with the names, shapes and dtypes of model ``version``'s federated tensors (no data
+        held), or None when the store does not have that version."""
+        like = self._models.get(version)
+        if like is None:
             blob = self.db.model(version)
             if blob is None:
                 return None
-            shapes = {k: v.shape for k, v in model_weights(onnx.load_model_from_string(blob)).items()}
-            self._shapes[version] = shapes
-        return shapes
+            like = {k: np.broadcast_to(np.zeros((), v.dtype), v.shape)
+                    for k, v in model_weights(onnx.load_model_from_string(blob)).items()}
+            self._models[version] = like
+        return like
 
     # -- the handler (transport worker thread; PUBACK goes out when it returns) --------
     def on_update(self, msg: Any) -> None:
@@ -548,7 +559,11 @@ class IngestWorker:
                               "it)", self.cfg.name, msg.topic)
                 return
 
+    _SCREEN_STATS = {"late": "late", "rejected_spoofed": "rejected", "not_selected": "not_selected",
+                     "duplicates": "duplicate"}
+
     def _on_update(self, msg: Any) -> None:
+        """The coordinator's rulebook (gateway/intake.py) against the round as the store has it, then the claim."""
         info = parse_topic(msg.topic)
         sender = info.device if info else None
         try:
@@ -556,49 +571,30 @@ class IngestWorker:
         except CodecError:
             self.stats["rejected"] += 1
             return
-        if head.device_id != sender:
-            self.stats["rejected"] += 1
-            return
         rnd = self.db.open_round(head.round_id)
-        if rnd is None:
-            self.stats["late"] += 1
+        view = None if rnd is None else rnd.view()
+        # a redelivery, or a chunked update another worker took, has a stored claim
+        why = screen(head, sender, view, lambda d: self.db.has_update(head.round_id, d))
+        if why is not None:
+            self.stats[self._SCREEN_STATS[why]] += 1
             return
-        if rnd.selected and sender not in rnd.selected:
-            self.stats["not_selected"] += 1
-            return
-        if self.db.has_update(rnd.round_id, sender):  # a redelivery, or a chunked update another worker took
-            self.stats["duplicate"] += 1
-            return
-        shapes = self._expected_shapes(rnd.model_version)
+        assert rnd is not None and view is not None
         try:
-            upd = decode_update(msg.payload, verifier=self.keyring, require_signature=True, expected_shapes=shapes,
-                                source=f"ingest {self.cfg.name}<-{sender}")
-            meta = parse_update_meta(upd.metadata, sender or "")
-            problem = None
-            if upd.seq > MAX_SEQ:
-                problem = f"seq {upd.seq} above {MAX_SEQ}"
-            elif rnd.nonce and meta.nonce is not None and meta.nonce != rnd.nonce:
-                problem = "it answers another round with the same id (round nonce differs): a replay"
-            elif (floor := self.db.seq_floor(sender)) is not None and upd.seq <= floor:
-                problem = f"seq {upd.seq} is not above the {floor} accepted before: a replay"
-            elif (meta.base_version if meta.base_version is not None else rnd.model_version) != rnd.model_version:
-                problem = (f"rejected_wrong_version: trained from v{meta.base_version}, "
-                           f"the round trains v{rnd.model_version}")
-            if problem is not None:
-                raise CodecError(f"update from {sender!r} refused: {problem}")
+            upd = check_update(bytes(msg.payload), view, keyring=self.keyring, like=self._like(rnd.model_version),
+                               seq_floor=self.db.seq_floor(head.device_id), source=f"ingest {self.cfg.name}<-{sender}")
         except (CodecError, SignatureError) as exc:
             self.stats["rejected"] += 1
-            log.warning("worker %s: update from %s refused: %s", self.cfg.name, sender, exc)
+            log.warning("worker %s: update from %s refused (rejected_%s): %s", self.cfg.name, sender,
+                        getattr(exc, "reason", "invalid"), exc)
             return
         if self.cfg.delay_s:
             time.sleep(self.cfg.delay_s)
         with self._lock:
-            outcome = self.db.claim(rnd.round_id, sender, upd.seq, meta.num_samples, bytes(msg.payload),
+            outcome = self.db.claim(rnd.round_id, upd.device_id, upd.seq, upd.meta.num_samples, upd.payload,
                                     self.cfg.name)
             self.stats["claimed" if outcome == "ok" else outcome] += 1
             if outcome == "ok":
-                self._partials.setdefault(rnd.round_id, Partial()).add(
-                    sender, upd.tensors, meta.num_samples, meta.loss, rnd.bounds)
+                self._partials.setdefault(rnd.round_id, Partial()).add_update(upd, rnd.bounds)
 
     # -- housekeeping thread: heartbeat, write partials of shut rounds -------------
     @property
