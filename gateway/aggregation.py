@@ -38,7 +38,10 @@ leaves the round exactly as it was and the orchestrator can go on:
 
 from __future__ import annotations
 
+import io
+import json
 import math
+import zipfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -46,10 +49,12 @@ from typing import ClassVar, Protocol
 
 import numpy as np
 
-from edgeflow.errors import AggregationError, ConfigError
+from edgeflow.errors import AggregationError, ConfigError, StateError
 
 __all__ = [
     "AggregateResult",
+    "decode_state",
+    "encode_state",
     "Aggregator",
     "Rejection",
     "Schema",
@@ -515,3 +520,80 @@ def iter_chunks(size: int, chunk: int) -> Iterator[tuple[int, int]]:
         raise ConfigError(f"chunk size must be >= 1, got {chunk}")
     for a in range(0, size, chunk):
         yield a, min(size, a + chunk)
+
+
+# ---------------------------------------------------------------------------
+# Cross-round state, serialized for the gateway's store
+# ---------------------------------------------------------------------------
+
+_STATE_MAGIC = "edgeflow-strategy-state/1"
+_MAX_STATE_ARRAYS = 4096
+
+
+def encode_state(state: Mapping[str, object]) -> bytes:
+    """A strategy's :meth:`state_dict` as bytes without pickle: the structure as JSON (floats, ints,
+    strings, bools, None, lists, dicts with string keys) with every numpy array replaced by a
+    reference into an ``.npz`` archive written with ``allow_pickle=False``."""
+    arrays: dict[str, np.ndarray] = {}
+
+    def walk(v: object) -> object:
+        if isinstance(v, np.ndarray):
+            if v.dtype.kind not in "fiub":
+                raise StateError(f"state array of dtype {v.dtype} cannot be stored (numbers only)")
+            key = f"a{len(arrays)}"
+            arrays[key] = np.ascontiguousarray(v)
+            return {"__array__": key}
+        if isinstance(v, np.generic):
+            return v.item()
+        if isinstance(v, Mapping):
+            out = {}
+            for k, x in v.items():
+                if not isinstance(k, str):
+                    raise StateError(f"state keys must be strings, got {k!r}")
+                out[k] = walk(x)
+            return out
+        if isinstance(v, (list, tuple)):
+            return [walk(x) for x in v]
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        raise StateError(f"a {type(v).__name__} cannot be stored in a strategy state")
+
+    doc = json.dumps({"format": _STATE_MAGIC, "state": walk(state)}, allow_nan=False)
+    buf = io.BytesIO()
+    np.savez(buf, __json__=np.frombuffer(doc.encode("utf-8"), dtype=np.uint8), **arrays)
+    return buf.getvalue()
+
+
+def decode_state(blob: bytes) -> dict[str, object]:
+    """The inverse of :func:`encode_state`; a damaged or hostile blob raises StateError naming what is wrong
+    (the strategy's ``load_state_dict`` then validates the values themselves)."""
+    try:
+        with np.load(io.BytesIO(bytes(blob)), allow_pickle=False) as z:
+            if "__json__" not in z.files or len(z.files) > _MAX_STATE_ARRAYS + 1:
+                raise StateError("strategy state is not an edgeflow strategy state")
+            doc = json.loads(bytes(z["__json__"]).decode("utf-8"))
+            arrays = {k: z[k] for k in z.files if k != "__json__"}
+    except StateError:
+        raise
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, UnicodeDecodeError) as exc:
+        raise StateError(f"strategy state is damaged ({type(exc).__name__}: {exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != _STATE_MAGIC:
+        raise StateError(f"strategy state has format {doc.get('format') if isinstance(doc, dict) else None!r}, "
+                         f"expected {_STATE_MAGIC!r}")
+
+    def walk(v: object) -> object:
+        if isinstance(v, dict):
+            if set(v) == {"__array__"}:
+                key = v["__array__"]
+                if key not in arrays:
+                    raise StateError(f"strategy state refers to a missing array {key!r}")
+                return arrays[key]
+            return {k: walk(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        return v
+
+    state = walk(doc.get("state"))
+    if not isinstance(state, dict):
+        raise StateError("strategy state is not a mapping")
+    return state

@@ -90,7 +90,7 @@ from edgeflow.transport.backoff import Backoff
 from edgeflow.transport.base import Transport
 from edgeflow.transport.topics import device_filter, gateway_topic, parse_topic
 
-from .aggregation import AggregateResult
+from .aggregation import AggregateResult, decode_state, encode_state
 from .async_rounds import AsyncRounds
 from .intake import CheckedUpdate, RoundView, check_update, partial_clients, screen
 from .open_round import OpenRound
@@ -459,7 +459,7 @@ class RoundManager:
         self._strategy = aggregator if aggregator is not None else self._make_strategy()
         if contributions == "partials" and not hasattr(self._strategy, "add_partial"):
             raise ConfigError(f"strategy {config.strategy!r} cannot fold partial aggregates (it needs each update)")
-        self._restore_reference()
+        self._restore_run()
 
     # -- plumbing -----------------------------------------------------------
     def _new_epoch(self) -> int:
@@ -497,13 +497,37 @@ class RoundManager:
                     params.pop(k, None)
             return make_aggregator(self.config.strategy, **params)
 
-    def _restore_reference(self) -> None:
-        """The default norm bound's reference (median norm and sample count) of the last
-        closed round, so a restarted gateway clips as the running one would have."""
+    def _restore_run(self) -> None:
+        """Go on where the previous gateway process stopped: the strategy's cross-round state as the
+        last finished round left it (stored in that round's closing transaction: norm-bound reference,
+        server-optimizer moments, DP accountant and noise generator), and the selection generator as
+        the newest round left it. A state written before strategy states were stored restores only
+        the norm bound's reference from the last closed round's metrics."""
+        records = self.store.rounds()
+        for rec in reversed(records):
+            rng = rec.config.get("_rng") if isinstance(rec.config, dict) else None
+            if rng is not None:
+                try:
+                    self._rng.bit_generator.state = rng
+                except (TypeError, ValueError, KeyError) as exc:
+                    raise StateError(f"gateway state {self.store.path}: round {rec.round_id}'s selection state is "
+                                     f"damaged ({exc}); restore a backup (docs/security.md)") from None
+                break
+        saved = self.store.strategy_state()
         agg = self._strategy
+        if saved is not None and hasattr(agg, "load_state_dict"):
+            round_id, blob = saved
+            try:
+                agg.load_state_dict(decode_state(blob))
+            except (ConfigError, StateError, AggregationError) as exc:
+                raise StateError(f"gateway state {self.store.path}: the strategy state stored with round {round_id} "
+                                 f"cannot be restored ({exc}); a restart must not silently change the run: "
+                                 "restore a backup, or start a new run with a fresh state") from None
+            log.info("strategy state restored from round %d", round_id)
+            return
         if not hasattr(agg, "set_reference"):
             return
-        for rec in reversed(self.store.rounds()):
+        for rec in reversed(records):
             if rec.state == "closed" and "median_norm" in rec.metrics and "median_samples" in rec.metrics:
                 try:
                     agg.set_reference({"median_norm": rec.metrics["median_norm"],
@@ -512,6 +536,11 @@ class RoundManager:
                     log.warning("round %d's clipping reference is unusable (%s); the next round warms up",
                                 rec.round_id, exc)
                 return
+
+    def _strategy_state(self) -> bytes | None:
+        """The strategy's cross-round state, serialized for the round's closing transaction."""
+        agg = self._strategy
+        return encode_state(agg.state_dict()) if hasattr(agg, "state_dict") else None
 
     def start(self) -> None:
         """Subscribe to every device's update topic and recover an open round.
@@ -951,7 +980,8 @@ class RoundManager:
         )
         self._begin(ann)
         bounds = getattr(self.open.agg, "round_bounds", None)
-        stored = {**asdict(train), "_nonce": ann.nonce, "_bounds": list(bounds) if bounds is not None else None}
+        stored = {**asdict(train), "_nonce": ann.nonce, "_bounds": list(bounds) if bounds is not None else None,
+                  "_rng": self._rng.bit_generator.state}
         self.store.open_round(round_id, self.version, ann.deadline, stored, selected)
         fault_point("rounds.opened")
         self.secure.prepare(ann)  # before the announcement: devices advertise keys as soon as they see it
@@ -1094,7 +1124,8 @@ class RoundManager:
         metrics = self.round_metrics(ann, None, 0.0, t_start)
         metrics.extra["failed"] = 1.0
         metrics.extra["reported"] = float(reported)
-        self.store.finish_round(ann.round_id, {**metrics.to_dict(), "reason": reason}, state="failed")
+        self.store.finish_round(ann.round_id, {**metrics.to_dict(), "reason": reason}, state="failed",
+                                strategy_state=self._strategy_state())
         log.error("round %d failed: %s; no model published, the global model stays v%d",
                   ann.round_id, reason, self.version)
         self._status("failed", f"round {ann.round_id} failed: {reason}", round_id=ann.round_id)
@@ -1135,7 +1166,8 @@ class RoundManager:
         try:
             self.store.finish_round(ann.round_id, metrics, state=state,
                                     model=None if staged is None else (staged.onnx_bytes, staged.sha256),
-                                    model_version=None if staged is None else staged.version)
+                                    model_version=None if staged is None else staged.version,
+                                    strategy_state=self._strategy_state())
         except StoreError as exc:
             raise StateError(f"round {ann.round_id}: its result could not be stored ({exc}); the round stays open "
                              "in the state and a restarted gateway resumes it") from None

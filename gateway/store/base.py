@@ -443,10 +443,11 @@ class GatewayStore:
 
     def finish_round(self, round_id: int, metrics: dict, *, state: str = "closed",
                      model: tuple[bytes, str] | None = None, model_version: int | None = None,
-                     model_metrics: dict | None = None) -> int | None:
+                     model_metrics: dict | None = None, strategy_state: bytes | None = None) -> int | None:
         """End a round in one transaction: store ``model`` (ONNX bytes, sha256) as a new
-        version (or as ``model_version``), set the round's state and metrics, and drop its
-        update envelopes. Returns the new model version (None without a model)."""
+        version (or as ``model_version``), set the round's state and metrics, store the
+        aggregation strategy's cross-round ``strategy_state`` as it stands after this round,
+        and drop its update envelopes. Returns the new model version (None without a model)."""
         if state not in ("closed", "failed"):
             raise ValueError(f"a round finishes 'closed' or 'failed', not {state!r}")
         version = None
@@ -467,9 +468,17 @@ class GatewayStore:
                      json.dumps(model_metrics or {})),
                 )
             db.execute("UPDATE rounds SET state=?, metrics=? WHERE round_id=?", (state, json.dumps(metrics), round_id))
+            if strategy_state is not None:
+                db.execute("INSERT INTO strategy_state (round_id, created, state) VALUES (?,?,?)",
+                           (round_id, time.time(), bytes(strategy_state)))
             db.execute("DELETE FROM round_updates WHERE round_id=?", (round_id,))
             fault_point("store.finish_round")
         return None if version is None else int(version)
+
+    def strategy_state(self) -> tuple[int, bytes] | None:
+        """The newest stored strategy state and the round that ended with it (None: none stored)."""
+        row = self._one("SELECT round_id, state FROM strategy_state ORDER BY round_id DESC LIMIT 1")
+        return None if row is None else (int(row[0]), bytes(row[1]))
 
     def model_for_round(self, round_id: int) -> int | None:
         """The model version a round produced, if it produced one."""

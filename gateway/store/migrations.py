@@ -19,6 +19,10 @@ edgeflow is refused with one line (:class:`~edgeflow.errors.StateError`).
   leases), which ``gateway/ingest.py`` used to create in the same SQLite file
   on its own, plus the lease's ``host`` (workers on several machines) and an
   index for the claims a worker rebuilds its partial from.
+- **3**: ``strategy_state``: the aggregation strategy's cross-round state
+  (norm-bound reference, server-optimizer moments, the DP accountant and its
+  noise generator) as it stood when a round ended, written in the round's own
+  closing transaction, so a restarted gateway goes on exactly where it stopped.
 """
 
 from __future__ import annotations
@@ -103,6 +107,13 @@ MIGRATIONS: dict[int, list[str]] = {
         )""",
         "ALTER TABLE ingest_workers ADD COLUMN host TEXT NOT NULL DEFAULT ''",
         "CREATE INDEX IF NOT EXISTS ingest_claims_by_worker ON ingest_claims (round_id, worker)",
+    ],
+    3: [
+        """CREATE TABLE IF NOT EXISTS strategy_state (
+            round_id {int} PRIMARY KEY,
+            created {real} NOT NULL,
+            state {blob} NOT NULL
+        )""",
     ],
 }
 
