@@ -868,8 +868,9 @@ class RoundManager:
         try:
             upd = self.check(msg.payload, rnd, live=True, source=f"gateway<-{sender}")
         except (CodecError, SignatureError) as exc:
-            self.open.count("rejected_" + getattr(exc, "reason", "invalid"))
-            log.warning("update from %s refused: %s", sender, exc)
+            reason = "rejected_" + getattr(exc, "reason", "invalid")
+            self.open.count(reason)
+            log.warning("update from %s refused (%s): %s", sender, reason, exc)
             return
         self._accept(upd, store=True)
 
