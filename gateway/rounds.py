@@ -79,10 +79,16 @@ from typing import Any, Callable, Iterable, Mapping, Protocol
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from edgeflow.codecs import encode_update, peek_update
-from edgeflow.errors import AggregationError, CodecError, ConfigError, SignatureError, StateError, TransportError
+from edgeflow.errors import (
+    AggregationError,
+    CodecError,
+    ConfigError,
+    SignatureError,
+    StateError,
+    TransportError,
+)
 from edgeflow.faults import fault_point
 from edgeflow.protocol.rounds import RoundAnnouncement, TrainConfig
 from edgeflow.signing import KeyRing, PrivateKey, ReplayGuard, Signer
@@ -92,8 +98,10 @@ from edgeflow.transport.topics import device_filter, gateway_topic, parse_topic
 
 from .aggregation import AggregateResult, decode_state, encode_state
 from .async_rounds import AsyncRounds
-from .intake import CheckedUpdate, RoundView, check_update, partial_clients, screen
+from .global_model import classification_metrics, model_weights, model_with_weights
+from .intake import CheckedUpdate, RoundView, check_update, screen
 from .open_round import OpenRound
+from .round_config import Candidate, RoundConfig
 from .secure_rounds import SecureRounds
 from .store import GatewayStore, StoreError
 from .strategies import make_aggregator
@@ -102,162 +110,6 @@ log = logging.getLogger("edgeflow.gateway.rounds")
 
 GATEWAY_ID = "gateway"
 _ROBUST_METRICS = ("clipped", "capped", "norm_bound", "sample_cap", "median_norm", "median_samples")
-
-
-def _checked_train(d: Mapping[str, Any]) -> dict[str, Any]:
-    """``[rounds.train]`` checked before devices get it: names, types, ranges, the codec."""
-    from edgeflow.codecs import available_codecs
-
-    known = set(TrainConfig.__dataclass_fields__)
-    problems = []
-    unknown = sorted(set(d) - known)
-    if unknown:
-        problems.append(f"unknown setting(s) {unknown}; known: {sorted(known)}")
-
-    def num(v: Any) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-    for name, low in (("epochs", 1), ("batch_size", 1)):
-        if name in d and not (isinstance(d[name], int) and not isinstance(d[name], bool) and d[name] >= low):
-            problems.append(f"{name} must be an integer >= {low}, got {d[name]!r}")
-    if "max_samples" in d and d["max_samples"] is not None and not (
-            isinstance(d["max_samples"], int) and not isinstance(d["max_samples"], bool) and d["max_samples"] >= 1):
-        problems.append(f"max_samples must be an integer >= 1, got {d['max_samples']!r}")
-    if "lr" in d and not (num(d["lr"]) and d["lr"] > 0):
-        problems.append(f"lr must be a number > 0, got {d['lr']!r}")
-    for name in ("momentum", "weight_decay", "proximal_mu"):
-        if name in d and not (num(d[name]) and d[name] >= 0):
-            problems.append(f"{name} must be a number >= 0, got {d[name]!r}")
-    if "clip_norm" in d and d["clip_norm"] is not None and not (num(d["clip_norm"]) and d["clip_norm"] > 0):
-        problems.append(f"clip_norm must be a number > 0, got {d['clip_norm']!r}")
-    if "codec" in d and d["codec"] not in available_codecs():
-        problems.append(f"codec {d['codec']!r} is unknown; choose one of {', '.join(available_codecs())}")
-    if "codec_opts" in d and not isinstance(d["codec_opts"], dict):
-        problems.append(f"codec_opts must be a table, e.g. {{ ratio = 0.05 }}, got {d['codec_opts']!r}")
-    if problems:
-        raise ConfigError("[rounds.train]: " + "; ".join(problems))
-    return dict(d)
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A device that could be selected: what selection needs to know."""
-
-    device_id: str
-    profile: str = ""
-    can_train: bool = True
-    battery: float | None = None  # 0..1, None = mains powered / unknown
-    why: str = ""
-    """Why it cannot train (when ``can_train`` is false), as the device reported it."""
-    note: str = ""
-    """The device's latest training error, if any (e.g. a round it could not train)."""
-
-
-@dataclass
-class RoundConfig:
-    """Every knob of the round loop (``gateway.toml`` ``[rounds]``)."""
-
-    rounds: int = 10
-    mode: str = "sync"  # "sync" | "async"
-    fraction: float = 1.0
-    min_clients: int = 2
-    max_clients: int | None = None
-    overselect: float = 1.0
-    quorum: float = 0.6  # fraction of the selected that must report by the deadline
-    deadline_s: float = 60.0
-    max_extensions: int = 2
-    strategy: str = "fedavg"
-    strategy_params: dict[str, Any] = field(default_factory=dict)
-    profiles: list[str] | None = None
-    min_battery: float | None = None
-    wait_for_devices_s: float = 30.0
-    train: TrainConfig = field(default_factory=TrainConfig)
-    dp: dict[str, Any] | None = None  # {clip_norm, noise_multiplier, delta}
-    secagg: dict[str, Any] | None = None  # {max_dropout_fraction, clip, phase_timeout_s}
-    async_buffer: int = 10
-    staleness: str = "polynomial"
-    max_staleness: int | None = 10
-    seed: int = 0
-    publish_timeout_s: float = 30.0  # wait this long for the broker's ack before logging and waiting on
-
-    def __post_init__(self) -> None:
-        if isinstance(self.train, dict):
-            self.train = TrainConfig.from_dict(_checked_train(self.train))
-        self._check_types()
-        problems = []
-        if self.mode not in ("sync", "async"):
-            problems.append(f"mode must be 'sync' or 'async', got {self.mode!r}")
-        if not 0 < self.fraction <= 1:
-            problems.append(f"fraction must be in (0, 1], got {self.fraction}")
-        if not 0 < self.quorum <= 1:
-            problems.append(f"quorum must be in (0, 1], got {self.quorum}")
-        if self.min_clients < 1:
-            problems.append(f"min_clients must be >= 1, got {self.min_clients}")
-        if self.overselect < 1:
-            problems.append(f"overselect must be >= 1, got {self.overselect}")
-        if self.deadline_s <= 0:
-            problems.append(f"deadline_s must be > 0, got {self.deadline_s}")
-        if self.rounds < 0:
-            problems.append(f"rounds must be >= 0, got {self.rounds}")
-        if not self.publish_timeout_s > 0:
-            problems.append(f"publish_timeout_s must be > 0, got {self.publish_timeout_s}")
-        if self.secagg is not None:
-            if self.dp:
-                problems.append("secagg and central dp cannot be combined (dp clips each update in the clear)")
-            if self.mode != "sync":
-                problems.append("secagg needs mode 'sync'")
-            if self.strategy not in ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad"):
-                problems.append(f"secagg reveals only the sum: strategy {self.strategy!r} needs each update")
-            unknown = set(self.secagg) - {"max_dropout_fraction", "clip", "phase_timeout_s", "ring_bits", "frac_bits"}
-            if unknown:
-                problems.append(f"unknown secagg setting(s) {sorted(unknown)}")
-            self.train = TrainConfig(**{**asdict(self.train), "secagg": True})
-        if problems:
-            raise ConfigError("round configuration: " + "; ".join(problems))
-
-    _INTS = ("rounds", "min_clients", "max_extensions", "async_buffer", "seed")
-    _OPT_INTS = ("max_clients", "max_staleness")
-    _NUMBERS = ("fraction", "overselect", "quorum", "deadline_s", "wait_for_devices_s", "publish_timeout_s")
-    _OPT_NUMBERS = ("min_battery",)
-    _STRINGS = ("mode", "strategy", "staleness")
-
-    def _check_types(self) -> None:
-        """Every setting of the right type before any range check (``rounds = "three"`` in TOML is one clear
-        line, not "'<' not supported between instances of 'str' and 'int'")."""
-        problems = []
-
-        def is_int(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def is_number(v: Any) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-        for name in self._INTS + self._OPT_INTS:
-            v = getattr(self, name)
-            if not (is_int(v) or (v is None and name in self._OPT_INTS)):
-                problems.append(f"{name} must be an integer, got {v!r}")
-        for name in self._NUMBERS + self._OPT_NUMBERS:
-            v = getattr(self, name)
-            if not (is_number(v) or (v is None and name in self._OPT_NUMBERS)):
-                problems.append(f"{name} must be a number, got {v!r}")
-        for name in self._STRINGS:
-            if not isinstance(getattr(self, name), str):
-                problems.append(f"{name} must be a string, got {getattr(self, name)!r}")
-        if not isinstance(self.strategy_params, dict):
-            problems.append(f"strategy_params must be a table, got {self.strategy_params!r}")
-        if self.profiles is not None and not (isinstance(self.profiles, list)
-                                              and all(isinstance(p, str) for p in self.profiles)):
-            problems.append(f"profiles must be a list of profile names, got {self.profiles!r}")
-        if problems:
-            raise ConfigError("round configuration: " + "; ".join(problems))
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "RoundConfig":
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ConfigError(f"round configuration: unknown setting(s) {unknown}; known: {sorted(known)}")
-        return cls(**dict(d))
 
 
 @dataclass
@@ -330,42 +182,6 @@ class UpdateSource(Protocol):
     def poll(self, rounds: "RoundManager", ann: RoundAnnouncement) -> None: ...
 
     def merge(self, rounds: "RoundManager", ann: RoundAnnouncement) -> None: ...
-
-
-def classification_metrics(model: onnx.ModelProto, eval_data: Any, *, profile: str = "x86-gateway"
-                           ) -> dict[str, float]:
-    """The default evaluator: top-1 accuracy and mean cross-entropy of ``model``'s first output (logits)
-    on ``eval_data = (x, y)``, run by the runtime for ``profile`` (onnxruntime where installed, else numpy).
-    Another task brings its own ``RoundManager(evaluator=...)``: ``(model, eval_data) -> {metric: value}``."""
-    from edgeflow.runtime.session import load
-
-    x, y = eval_data
-    rt = load(model, profile, batch_size=len(x), allow_over_budget=True)
-    logits = rt(np.asarray(x, np.float32))
-    acc = float((logits.argmax(1) == y).mean())
-    z = logits - logits.max(1, keepdims=True)
-    logp = z - np.log(np.exp(z).sum(1, keepdims=True))
-    return {"accuracy": acc, "loss": float(-logp[np.arange(len(y)), y].mean())}
-
-
-def model_weights(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    """The float initializers of a model: what federated rounds train."""
-    out = {}
-    for t in model.graph.initializer:
-        a = numpy_helper.to_array(t)
-        if a.dtype.kind == "f":
-            out[t.name] = np.array(a, dtype=np.float32)
-    return out
-
-
-def model_with_weights(model: onnx.ModelProto, weights: Mapping[str, np.ndarray]) -> onnx.ModelProto:
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    for t in m.graph.initializer:
-        if t.name in weights:
-            old = numpy_helper.to_array(t)
-            t.CopyFrom(numpy_helper.from_array(np.asarray(weights[t.name], dtype=old.dtype), t.name))
-    return m
 
 
 class RoundManager:
