@@ -320,15 +320,13 @@ class RoundManager:
         the newest round left it. A state written before strategy states were stored restores only
         the norm bound's reference from the last closed round's metrics."""
         records = self.store.rounds()
-        for rec in reversed(records):
-            rng = rec.config.get("_rng") if isinstance(rec.config, dict) else None
-            if rng is not None:
-                try:
-                    self._rng.bit_generator.state = rng
-                except (TypeError, ValueError, KeyError) as exc:
-                    raise StateError(f"gateway state {self.store.path}: round {rec.round_id}'s selection state is "
-                                     f"damaged ({exc}); restore a backup (docs/security.md)") from None
-                break
+        rng = self.store.get_meta("selection_rng")
+        if rng is not None:
+            try:
+                self._rng.bit_generator.state = json.loads(rng)
+            except (TypeError, ValueError, KeyError) as exc:
+                raise StateError(f"gateway state {self.store.path}: the stored selection state is damaged ({exc}); "
+                                 "restore a backup (docs/security.md)") from None
         saved = self.store.strategy_state()
         agg = self._strategy
         if saved is not None and hasattr(agg, "load_state_dict"):
@@ -558,13 +556,19 @@ class RoundManager:
         if self.selector is not None:
             known = {c.device_id for c in eligible}
             chosen = sorted(set(self.selector(list(eligible), n, self._rng)))
+            self._save_rng()
             bad = [d for d in chosen if d not in known]
             if bad or len(chosen) > n:
                 raise ConfigError(f"the round's selector chose {chosen[:5]}: it must pick at most {n} of the "
                                   f"eligible devices ({sorted(known)[:5]}...); {bad[:3]} are not eligible")
             return chosen
         idx = self._rng.choice(len(eligible), n, replace=False) if n else []
+        self._save_rng()
         return sorted(eligible[i].device_id for i in idx)
+
+    def _save_rng(self) -> None:
+        """The selection generator's state after a draw, so a restarted gateway draws what this one would."""
+        self.store.set_meta("selection_rng", json.dumps(self._rng.bit_generator.state))
 
     @staticmethod
     def explain_pool(pool: Iterable[Candidate]) -> str:
@@ -797,8 +801,7 @@ class RoundManager:
         )
         self._begin(ann)
         bounds = getattr(self.open.agg, "round_bounds", None)
-        stored = {**asdict(train), "_nonce": ann.nonce, "_bounds": list(bounds) if bounds is not None else None,
-                  "_rng": self._rng.bit_generator.state}
+        stored = {**asdict(train), "_nonce": ann.nonce, "_bounds": list(bounds) if bounds is not None else None}
         self.store.open_round(round_id, self.version, ann.deadline, stored, selected)
         fault_point("rounds.opened")
         self.secure.prepare(ann)  # before the announcement: devices advertise keys as soon as they see it
