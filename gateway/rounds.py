@@ -109,7 +109,7 @@ from .strategies import make_aggregator
 log = logging.getLogger("edgeflow.gateway.rounds")
 
 GATEWAY_ID = "gateway"
-_ROBUST_METRICS = ("clipped", "capped", "norm_bound", "sample_cap", "median_norm", "median_samples")
+_ROBUST_METRICS = ("clipped", "capped", "norm_bound", "sample_cap", "median_norm", "median_samples", "delta_norm")
 
 
 @dataclass
