@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -49,6 +49,7 @@ __all__ = [
     "compute_rdp",
     "global_norm",
     "rdp_to_epsilon",
+    "refine_integer_order",
 ]
 
 OPACUS_ORDERS: tuple[float, ...] = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))
@@ -212,6 +213,7 @@ def _log_a_frac(q: float, sigma: float, alpha: float) -> float:
     return _log_add(log_a0, log_a1)
 
 
+@functools.lru_cache(maxsize=4096)
 def _rdp_one(q: float, sigma: float, alpha: float) -> float:
     if q == 0:
         return 0.0
@@ -285,6 +287,13 @@ def rdp_to_epsilon(orders: Sequence[float], rdp: Sequence[float], delta: float,
     if not (orders_v >= 1).all():
         bad = orders_v[~(orders_v >= 1)][0]
         raise ConfigError(f"Renyi orders must be >= 1, got {bad}")
+    eps = _epsilons(orders_v, rdp_v, delta, method)
+    k = int(np.argmin(eps))
+    return max(0.0, float(eps[k])), float(orders_v[k])
+
+
+def _epsilons(orders_v: np.ndarray, rdp_v: np.ndarray, delta: float, method: str) -> np.ndarray:
+    """The conversion of :func:`rdp_to_epsilon` at each order (inf where it gives nothing)."""
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         if method == "classic":
             eps = np.where(orders_v > 1, rdp_v - math.log(delta) / (orders_v - 1), np.inf)
@@ -298,9 +307,46 @@ def rdp_to_epsilon(orders: Sequence[float], rdp: Sequence[float], delta: float,
             eps[zero] = 0.0
         else:
             raise ConfigError(f"unknown conversion method {method!r}; use 'improved' or 'classic'")
-    eps = np.where(np.isnan(eps), np.inf, eps)
-    k = int(np.argmin(eps))
-    return max(0.0, float(eps[k])), float(orders_v[k])
+    return np.where(np.isnan(eps), np.inf, eps)
+
+
+def refine_integer_order(rdp_at: Callable[[int], float], lo: int, hi: int, delta: float,
+                         method: str = "improved") -> tuple[float, float]:
+    """Smallest (epsilon, order) over the integer orders ``lo`` ... ``hi``, ``rdp_at(order)`` giving the RDP.
+
+    A binary search on eps(a) <= eps(a + 1): about 2 log2(hi - lo) RDP evaluations. It assumes
+    eps is unimodal in the order, which it is in practice (RDP grows with the order, the delta
+    term shrinks); where it is not, the answer is still the epsilon of an order it evaluated,
+    a valid bound, and never above eps(lo) and eps(hi).
+
+    Why: for q < 1 the RDP of the sampled Gaussian jumps by orders of magnitude past an order
+    near z^2 log(1/q) (from ~q^2 a / z^2 to ~a / (2 z^2)), and the best order sits right below
+    that wall; a grid point 10% short of it gives an epsilon ~10% too large."""
+    if not 0 < delta < 1:
+        raise ConfigError(f"delta must be in (0, 1), got {delta}")
+    lo, hi = int(lo), int(hi)
+    if not 2 <= lo <= hi:
+        raise ConfigError(f"refine_integer_order needs 2 <= lo <= hi, got {lo}, {hi}")
+    seen: dict[int, float] = {}
+
+    def eps_at(a: int) -> float:
+        if a not in seen:
+            r = float(rdp_at(a))
+            if not r >= 0:
+                raise ConfigError(f"RDP values must be >= 0, got {r} at order {a}")
+            seen[a] = float(_epsilons(np.array([float(a)]), np.array([r]), delta, method)[0])
+        return seen[a]
+
+    a, b = lo, hi
+    while a < b:
+        m = (a + b) // 2
+        if eps_at(m) <= eps_at(m + 1):
+            b = m
+        else:
+            a = m + 1
+    eps_at(a), eps_at(lo), eps_at(hi)
+    best = min(seen, key=lambda k: (seen[k], k))
+    return max(0.0, seen[best]), float(best)
 
 
 def _finite_orders(orders: Sequence[float]) -> tuple[float, ...]:
@@ -315,6 +361,9 @@ def _finite_orders(orders: Sequence[float]) -> tuple[float, ...]:
         raise ConfigError("the accountant needs at least one Renyi order")
     return tuple(out)
 
+
+_REFINE_FROM = 64.0
+"""From this grid order on, the accountant searches the integers between grid neighbours."""
 
 _MAX_STATE_CALLS = 10_000_000
 """The most accountant calls (rounds) a stored state may hold: a larger count is damage, not a run."""
@@ -345,21 +394,37 @@ class RDPAccountant:
         self.rdp = np.zeros_like(self.orders)
         self.history: list[tuple[float, float, int]] = []
         """(noise_multiplier, sampling_rate, steps) per call, for audit logs."""
+        self._steps: dict[tuple[float, float], int] = {}  # (noise_multiplier, sampling_rate) -> steps in all
 
     def step(self, noise_multiplier: float, sampling_rate: float, steps: int = 1) -> None:
         self.rdp = self.rdp + compute_rdp(sampling_rate, noise_multiplier, steps, self._orders_t)
-        self.history.append((float(noise_multiplier), float(sampling_rate), int(steps)))
+        z, q = float(noise_multiplier), float(sampling_rate)
+        self.history.append((z, q, int(steps)))
+        self._steps[(z, q)] = self._steps.get((z, q), 0) + int(steps)
+
+    def rdp_at(self, order: float) -> float:
+        """The composed RDP at any ``order`` (not only the grid's), from the history."""
+        return sum(steps * _rdp_one(q, z, _check_order(order)) for (z, q), steps in self._steps.items())
 
     def get_epsilon(self, delta: float, method: str = "improved") -> float:
-        if not self.history:
-            return 0.0
-        return rdp_to_epsilon(self.orders, self.rdp, delta, method)[0]
+        return self.get_privacy_spent(delta, method)[0]
 
     def get_privacy_spent(self, delta: float, method: str = "improved") -> tuple[float, float]:
-        """(epsilon, best order)."""
+        """(epsilon, best order): the best of the grid, and where that is an order >= 64 (the
+        geometric part of the default grid) the best integer order between its grid neighbours
+        (:func:`refine_integer_order`)."""
         if not self.history:
             return 0.0, float("nan")
-        return rdp_to_epsilon(self.orders, self.rdp, delta, method)
+        eps, order = rdp_to_epsilon(self.orders, self.rdp, delta, method)
+        if order >= _REFINE_FROM and 0 < eps < math.inf:
+            below, above = self.orders[self.orders < order], self.orders[self.orders > order]
+            lo = max(2, math.ceil(below.max())) if below.size else math.ceil(order)
+            hi = math.floor(above.min()) if above.size else math.floor(order)
+            if lo < hi:
+                eps2, order2 = refine_integer_order(self.rdp_at, lo, hi, delta, method)
+                if eps2 < eps:
+                    eps, order = eps2, order2
+        return eps, order
 
     # -- durable state -------------------------------------------------------------------------
 
@@ -380,7 +445,13 @@ class RDPAccountant:
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Restore :meth:`state_dict`'s output; a damaged or foreign state raises StateError naming the
         field, and leaves this accountant unchanged."""
-        self.rdp, self.history = self._parse_state(state, "accountant")
+        self._restore(*self._parse_state(state, "accountant"))
+
+    def _restore(self, rdp: np.ndarray, history: list[tuple[float, float, int]]) -> None:
+        steps: dict[tuple[float, float], int] = {}
+        for z, q, s in history:
+            steps[(z, q)] = steps.get((z, q), 0) + s
+        self.rdp, self.history, self._steps = rdp, history, steps
 
     def _parse_state(self, state: object, where: str) -> tuple[np.ndarray, list[tuple[float, float, int]]]:
         def bad(field: str, what: str) -> StateError:
@@ -550,7 +621,7 @@ class CentralDP:
                              "backup of the gateway state, or start a new run with a fresh one")
         rdp, history = self.accountant._parse_state(state["accountant"], "accountant")
         rng = _parse_rng_state(state["rng"], self._rng)
-        self.accountant.rdp, self.accountant.history = rdp, history
+        self.accountant._restore(rdp, history)
         self._rng.bit_generator.state = rng
 
 
