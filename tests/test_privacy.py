@@ -1,19 +1,23 @@
-"""Central DP: clipping, noise, and the RDP accountant against published values.
+"""Central DP: clipping, noise, the RDP accountant against published values, and its durable state.
 
 Reference values come from TF-Privacy's rdp_accountant_test and Google's
 dp_accounting tests (same functions, same arguments), and from direct
-numerical integration of A_alpha with mpmath.
+numerical integration of A_alpha with mpmath (more oracles in
+tests/test_privacy_oracle.py).
 """
 
 from __future__ import annotations
 
+import copy
+import itertools
+import json
 import math
 
 import numpy as np
 import pytest
-
-from edgeflow.errors import AggregationError, ConfigError
+from edgeflow.gateway.aggregation import decode_state, encode_state
 from edgeflow.gateway.privacy import (
+    OPACUS_ORDERS,
     CentralDP,
     RDPAccountant,
     _log_a_frac,
@@ -24,6 +28,8 @@ from edgeflow.gateway.privacy import (
     rdp_to_epsilon,
 )
 from edgeflow.gateway.strategies import FedAdam, FedAvg
+
+from edgeflow.errors import AggregationError, ConfigError, StateError
 
 
 def test_compute_rdp_known_values():
@@ -128,7 +134,7 @@ def test_dp_epsilon_is_reported_and_grows_per_round_with_subsampling():
         res = agg.finish()
         assert res.metrics["dp_noise_std"] == pytest.approx(1.1 / 5)
         eps.append(res.metrics["dp_epsilon"])
-    assert all(a < b for a, b in zip(eps, eps[1:]))
+    assert all(a < b for a, b in itertools.pairwise(eps))
     ref = RDPAccountant()
     ref.step(1.1, 0.1, steps=4)
     assert eps[-1] == pytest.approx(ref.get_epsilon(1e-5)) and dp.epsilon() == pytest.approx(eps[-1])
@@ -144,3 +150,143 @@ def test_dp_config_errors_and_no_partial_sums():
     agg.begin_round({"w": np.zeros(2, np.float32)}, 0)
     with pytest.raises(AggregationError, match="central DP"):
         agg.add_partial({"w": np.zeros(2, np.float32)}, 10, 2)
+
+
+# ---------------------------------------------------------------------------
+# Durable state: a restarted gateway goes on exactly where it stopped
+# ---------------------------------------------------------------------------
+
+def _rounds(dp: CentralDP, n: int) -> list[tuple[dict[str, np.ndarray], dict[str, float]]]:
+    out = []
+    for _ in range(n):
+        mean = {"w": np.zeros(5000, np.float32), "b": np.zeros(7, np.float64)}
+        metrics = dp.privatize(mean, 4.0, 4, 1)
+        out.append((mean, metrics))
+    return out
+
+
+@pytest.mark.parametrize("z, q", [(1.1, 0.05), (50.0, 0.01), (0.0, 1.0)])
+def test_central_dp_restored_from_json_adds_the_same_noise_and_epsilon(z, q):
+    kw = {"clip_norm": 1.0, "noise_multiplier": z, "sampling_rate": q, "expected_clients": 4}
+    straight = CentralDP(**kw, seed=11)
+    reference = _rounds(straight, 5)
+    first = CentralDP(**kw, seed=11)
+    before = _rounds(first, 2)
+    text = json.dumps(first.state_dict(), allow_nan=False)  # JSON only: no arrays, no NaN/inf literals
+    restarted = CentralDP(**kw)  # a fresh process: not seeded, everything comes from the state
+    restarted.load_state_dict(json.loads(text))
+    after = _rounds(restarted, 3)
+    for (m_ref, met_ref), (m, met) in zip(reference, before + after, strict=True):
+        for k in m_ref:
+            np.testing.assert_array_equal(m[k], m_ref[k])
+        assert met == met_ref or (z == 0 and met["dp_epsilon"] == met_ref["dp_epsilon"] == math.inf)
+    assert restarted.epsilon() == straight.epsilon()
+    assert restarted.accountant.history == straight.accountant.history
+    np.testing.assert_array_equal(restarted.accountant.rdp, straight.accountant.rdp)
+    if z > 0:  # what a restart without the state reported: the epsilon of the last 3 rounds only
+        lost = CentralDP(**kw)
+        _rounds(lost, 3)
+        assert lost.epsilon() < straight.epsilon()
+
+
+def test_central_dp_state_goes_through_the_gateway_encoding():
+    dp = CentralDP(1.0, 1.3, sampling_rate=0.1, seed=5)
+    _rounds(dp, 3)
+    other = CentralDP(1.0, 1.3, sampling_rate=0.1)
+    other.load_state_dict(decode_state(encode_state(dp.state_dict())))
+    assert other.state_dict() == dp.state_dict()
+    np.testing.assert_array_equal(_rounds(other, 1)[0][0]["w"], _rounds(dp, 1)[0][0]["w"])
+
+
+def test_accountant_state_stores_runs_not_one_entry_per_round():
+    acc = RDPAccountant()
+    for _ in range(1000):
+        acc.step(1.1, 0.01)
+    acc.step(2.0, 0.01, steps=3)
+    acc.step(1.1, 0.01)
+    state = acc.state_dict()
+    assert state["history"] == [[1.1, 0.01, 1, 1000], [2.0, 0.01, 3, 1], [1.1, 0.01, 1, 1]]
+    back = RDPAccountant()
+    back.load_state_dict(json.loads(json.dumps(state)))
+    assert back.history == acc.history and back.get_privacy_spent(1e-5) == acc.get_privacy_spent(1e-5)
+    np.testing.assert_array_equal(back.rdp, acc.rdp)
+
+
+def _valid_state() -> dict:
+    dp = CentralDP(1.0, 1.1, sampling_rate=0.05, seed=3)
+    _rounds(dp, 3)
+    return json.loads(json.dumps(dp.state_dict()))
+
+
+def _set(path: tuple, value):
+    def mutate(state: dict) -> None:
+        node = state
+        for key in path[:-1]:
+            node = node[key]
+        if value is _DELETE:
+            del node[path[-1]]
+        else:
+            node[path[-1]] = value(node[path[-1]]) if callable(value) else value
+    return mutate
+
+
+_DELETE = object()
+_HOSTILE = {
+    "not an object": (lambda s: s.clear() or s.update({"x": 1}), "keys accountant, rng"),
+    "extra key": (_set(("extra",), 1), "keys accountant, rng"),
+    "no rng": (_set(("rng",), _DELETE), "keys accountant, rng"),
+    "orders shorter": (_set(("accountant", "orders"), lambda v: v[:-1]), "accountant.orders"),
+    "orders shifted": (_set(("accountant", "orders", 3), 1.45), r"accountant.orders\[3\]"),
+    "orders as string": (_set(("accountant", "orders"), "1.1,1.2"), "accountant.orders"),
+    "order huge int": (_set(("accountant", "orders", 0), 10 ** 400), r"accountant.orders\[0\]"),
+    "rdp shorter": (_set(("accountant", "rdp"), lambda v: v[1:]), "accountant.rdp"),
+    "rdp NaN": (_set(("accountant", "rdp", 0), float("nan")), r"accountant.rdp\[0\]"),
+    "rdp negative": (_set(("accountant", "rdp", 5), -0.1), r"accountant.rdp\[5\]"),
+    "rdp string": (_set(("accountant", "rdp", 2), "0.1"), r"accountant.rdp\[2\]"),
+    "rdp bool": (_set(("accountant", "rdp", 2), True), r"accountant.rdp\[2\]"),
+    "rdp null": (_set(("accountant", "rdp", 2), None), r"accountant.rdp\[2\]"),
+    "rdp halved": (_set(("accountant", "rdp"), lambda v: [x / 2 for x in v]), "not what the stored history gives"),
+    "rdp inf": (_set(("accountant", "rdp", 7), "inf"), "not what the stored history gives"),
+    "history dropped": (_set(("accountant", "history"), []), "not what the stored history gives"),
+    "history fewer calls": (_set(("accountant", "history", 0, 3), 2), "not what the stored history gives"),
+    "history not a list": (_set(("accountant", "history"), {"a": 1}), "accountant.history"),
+    "run too short": (_set(("accountant", "history", 0), [1.1, 0.05, 1]), r"accountant.history\[0\]"),
+    "noise negative": (_set(("accountant", "history", 0, 0), -1.1), r"history\[0\]\[0\]"),
+    "noise NaN": (_set(("accountant", "history", 0, 0), float("nan")), r"history\[0\]\[0\]"),
+    "rate above 1": (_set(("accountant", "history", 0, 1), 1.5), r"history\[0\]\[1\]"),
+    "steps float": (_set(("accountant", "history", 0, 2), 1.0), r"history\[0\]\[2\]"),
+    "steps negative": (_set(("accountant", "history", 0, 2), -1), r"history\[0\]\[2\]"),
+    "calls zero": (_set(("accountant", "history", 0, 3), 0), r"history\[0\]\[3\]"),
+    "calls bool": (_set(("accountant", "history", 0, 3), True), r"history\[0\]\[3\]"),
+    "calls huge": (_set(("accountant", "history", 0, 3), 10 ** 12), r"history\[0\]\[3\]"),
+    "other generator": (_set(("rng", "bit_generator"), "MT19937"), "rng.bit_generator"),
+    "rng state negative": (_set(("rng", "state", "state"), -1), "rng.state.state"),
+    "rng state too wide": (_set(("rng", "state", "state"), 1 << 128), "rng.state.state"),
+    "rng state string": (_set(("rng", "state", "state"), "12"), "rng.state.state"),
+    "rng inc even": (_set(("rng", "state", "inc"), lambda v: v - 1), "rng.state.inc"),
+    "rng missing inc": (_set(("rng", "state", "inc"), _DELETE), "rng.state"),
+    "rng has_uint32 2": (_set(("rng", "has_uint32"), 2), "rng.has_uint32"),
+    "rng extra key": (_set(("rng", "seed"), 1), "rng"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_HOSTILE))
+def test_hostile_dp_states_are_refused_and_change_nothing(case):
+    mutate, match = _HOSTILE[case]
+    state = _valid_state()
+    mutate(state)
+    dp = CentralDP(1.0, 1.1, sampling_rate=0.05, seed=3)
+    _rounds(dp, 1)
+    before = copy.deepcopy(dp.state_dict())
+    with pytest.raises(StateError, match=match):
+        dp.load_state_dict(state)
+    assert dp.state_dict() == before  # nothing half-loaded
+
+
+def test_dp_state_with_other_orders_is_refused():
+    state = _valid_state()
+    dp = CentralDP(1.0, 1.1, sampling_rate=0.05, orders=OPACUS_ORDERS)
+    with pytest.raises(StateError, match="accountant.orders"):
+        dp.load_state_dict(state)
+    with pytest.raises(StateError, match="accountant"):
+        RDPAccountant().load_state_dict(state)  # a CentralDP state is not an accountant state
