@@ -15,7 +15,6 @@ import math
 
 import numpy as np
 import pytest
-
 from edgeflow.gateway.privacy import (
     DEFAULT_ORDERS,
     OPACUS_ORDERS,
