@@ -43,13 +43,14 @@ import json
 import math
 import zipfile
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 import numpy as np
 
-from edgeflow.errors import AggregationError, ConfigError, StateError
+from edgeflow.errors import AggregationError, StateError
+from edgeflow.gateway.aggregate import Weights, iter_chunks  # noqa: F401 - iter_chunks re-exported
 
 __all__ = [
     "AggregateResult",
@@ -63,8 +64,6 @@ __all__ = [
     "Weights",
 ]
 
-Weights = Mapping[str, np.ndarray]
-"""Named tensors: a model's weights or one client's update (a delta)."""
 
 
 @dataclass(frozen=True)
@@ -451,6 +450,32 @@ class Aggregator(ABC):
     def schema(self) -> Schema | None:
         return self._schema
 
+    # ---- cross-round state (a restarted gateway goes on where it stopped) -----
+
+    def state_dict(self) -> dict[str, object]:
+        """The cross-round state as plain values and numpy arrays (serialize with :func:`encode_state`):
+        the strategy's name and, with a server optimizer, its state. An open round is not part of it
+        (a round ends before its state is stored)."""
+        out: dict[str, object] = {"strategy": type(self).__name__}
+        if self.server_optimizer is not None and hasattr(self.server_optimizer, "state_dict"):
+            out["server_optimizer"] = self.server_optimizer.state_dict()
+        return out
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Restore :meth:`state_dict`'s output (from an untrusted store): checked first; a state of another
+        strategy, or a damaged one, raises StateError naming the field and changes nothing."""
+        if not isinstance(state, Mapping) or state.get("strategy") != type(self).__name__:
+            got = state.get("strategy") if isinstance(state, Mapping) else type(state).__name__
+            raise StateError(f"strategy state is of {got!r}, this gateway runs {type(self).__name__}: the "
+                             "configured strategy changed since the state was written; restore the old "
+                             "configuration, or start a new run with a fresh state")
+        opt = state.get("server_optimizer")
+        if (opt is None) != (self.server_optimizer is None or not hasattr(self.server_optimizer, "load_state_dict")):
+            raise StateError("strategy state field server_optimizer: present in only one of the stored state and "
+                             "the configured strategy")
+        if opt is not None:
+            self.server_optimizer.load_state_dict(opt)  # type: ignore[union-attr]
+
     def client_config(self) -> dict[str, float | int | str]:
         """Settings the orchestrator must send to clients for this strategy
         (e.g. FedProx's ``proximal_mu``); empty for most strategies."""
@@ -512,14 +537,6 @@ class Aggregator(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(round_open={self._open}, round_id={self._round_id})"
-
-
-def iter_chunks(size: int, chunk: int) -> Iterator[tuple[int, int]]:
-    """[a, b) ranges that cover 0..size in steps of ``chunk``."""
-    if chunk < 1:
-        raise ConfigError(f"chunk size must be >= 1, got {chunk}")
-    for a in range(0, size, chunk):
-        yield a, min(size, a + chunk)
 
 
 # ---------------------------------------------------------------------------

@@ -91,7 +91,7 @@ from edgeflow.transport.base import Transport
 from edgeflow.transport.topics import device_filter, parse_topic, validate_id
 
 from .intake import CheckedUpdate, RoundView, check_update, screen
-from .privacy import global_norm
+from .aggregate import bound_update, global_norm
 from .rounds import RoundManager, model_weights
 from .store import GatewayStore, StoreError, StoreTarget, parse_store_url
 
@@ -261,20 +261,17 @@ class Partial:
 
     def add(self, device_id: str, tensors: dict[str, np.ndarray], num_samples: int, loss: float | None,
             bounds: tuple[float | None, float | None] | None = None) -> None:
-        """Fold one update; with ``bounds`` (norm bound, sample cap) it is clipped and capped."""
+        """Fold one update; with ``bounds`` (norm bound, sample cap) it is clipped and capped by the
+        one rule (:func:`edgeflow.gateway.aggregate.bound_update`)."""
         weight = float(num_samples)
         if bounds is not None:
             norm = global_norm(tensors)
             self.norms.append(norm)
             self.claims.append(int(num_samples))
-            bound, cap = bounds
-            if cap is not None and num_samples > cap:
-                num_samples = int(cap)
-                self.capped += 1
-            weight = float(num_samples)
-            if bound is not None and norm > bound:
-                weight *= bound / norm if norm > 0 else 0.0
-                self.clipped += 1
+            b = bound_update(norm, num_samples, *bounds)
+            self.capped += b.capped
+            self.clipped += b.clipped
+            num_samples, weight = int(b.counted), b.weight
         for name, arr in tensors.items():
             acc = self.sums.get(name)
             if acc is None:

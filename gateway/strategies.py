@@ -35,10 +35,14 @@ from typing import Any
 
 import numpy as np
 
-from edgeflow.errors import AggregationError, ConfigError
+from edgeflow.errors import AggregationError, ConfigError, StateError
+from edgeflow.gateway.aggregate import (bound_update, bounded_mean, bounded_weights, coordinate_median,
+                                        global_norm, krum_scores, krum_select, next_reference,
+                                        pairwise_sq_distances, proximal_gradient, proximal_term, robust_median,
+                                        trimmed_mean, weighted_average)
 from edgeflow.gateway.aggregation import (Aggregator, Schema, Weights, all_finite, check_num_samples,
                                           iter_chunks)
-from edgeflow.gateway.privacy import CentralDP, global_norm
+from edgeflow.gateway.privacy import CentralDP
 
 __all__ = [
     "CLIP_MULTIPLIER",
@@ -78,126 +82,7 @@ __all__ = [
 # ---------------------------------------------------------------------------
 
 
-def weighted_average(updates: Sequence[Weights], weights: Sequence[float]) -> dict[str, np.ndarray]:
-    """sum_i w_i u_i / sum_i w_i per tensor, in float64 (reference; holds all)."""
-    if not updates or len(updates) != len(weights):
-        raise AggregationError("weighted_average needs as many weights as updates, and at least one")
-    total = float(sum(weights))
-    if not total > 0:
-        raise AggregationError(f"weights must sum to > 0, got {total}")
-    return {name: sum(np.asarray(u[name], dtype=np.float64) * w for u, w in zip(updates, weights)) / total
-            for name in updates[0]}
-
-
-def bounded_weights(norms: Sequence[float], samples: Sequence[int], norm_bound: float | None,
-                    sample_cap: float | None) -> tuple[np.ndarray, np.ndarray]:
-    """FedAvg's default rule as arrays: (weight_i, counted_i) with counted_i = min(n_i, cap)
-    and weight_i = counted_i * min(1, bound / norm_i); None turns a bound off."""
-    n = np.asarray(samples, dtype=np.float64)
-    if sample_cap is not None:
-        n = np.minimum(n, float(sample_cap))
-    norms_ = np.asarray(norms, dtype=np.float64)
-    factor = np.ones_like(norms_)
-    if norm_bound is not None:
-        over = norms_ > norm_bound
-        factor[over] = np.where(norms_[over] > 0, norm_bound / np.where(norms_[over] > 0, norms_[over], 1.0), 0.0)
-    return n * factor, n
-
-
-def bounded_mean(updates: Sequence[Weights], samples: Sequence[int], norm_bound: float | None,
-                 sample_cap: float | None) -> dict[str, np.ndarray]:
-    """The default FedAvg step for given bounds: sum_i w_i d_i / sum_i counted_i (reference; holds all)."""
-    norms = [global_norm(u) for u in updates]
-    w, counted = bounded_weights(norms, samples, norm_bound, sample_cap)
-    total = float(counted.sum())
-    return {name: sum(np.asarray(u[name], dtype=np.float64) * wi for u, wi in zip(updates, w)) / total
-            for name in updates[0]}
-
-
-def coordinate_median(stack: np.ndarray) -> np.ndarray:
-    """Median over axis 0 (clients) of an (n, ...) array; mean of the two
-    middle values when n is even (numpy's convention)."""
-    return np.median(stack, axis=0)
-
-
-def trimmed_mean(stack: np.ndarray, proportion: float) -> np.ndarray:
-    """Mean over axis 0 after cutting ``int(proportion * n)`` values from each
-    end of every coordinate: exactly ``scipy.stats.trim_mean(stack, proportion)``."""
-    if not 0.0 <= proportion < 0.5:
-        raise ConfigError(f"trimmed mean proportion must be in [0, 0.5), got {proportion}")
-    n = stack.shape[0]
-    lo = int(proportion * n)
-    hi = n - lo
-    if lo == 0:
-        return stack.mean(axis=0, dtype=np.float64)
-    part = np.partition(stack, (lo, hi - 1), axis=0)
-    return part[lo:hi].mean(axis=0, dtype=np.float64)
-
-
-def pairwise_sq_distances(vectors: Sequence[np.ndarray], chunk: int = 1 << 18) -> np.ndarray:
-    """(n, n) squared Euclidean distances between flat vectors, in float64.
-
-    Uses the Gram matrix accumulated over coordinate chunks, so the temporary
-    memory is n x chunk x 8 bytes rather than n x n x P. In float64 the
-    cancellation in |a|^2 + |b|^2 - 2ab costs about 1e-16 |a|^2, far below
-    the gaps Krum cares about.
-    """
-    n = len(vectors)
-    size = vectors[0].shape[0]
-    gram = np.zeros((n, n), dtype=np.float64)
-    block = np.empty((n, min(chunk, size)), dtype=np.float64)
-    for a, b in iter_chunks(size, chunk):
-        x = block[:, : b - a]
-        for i, v in enumerate(vectors):
-            x[i] = v[a:b]
-        gram += x @ x.T
-    sq = np.diag(gram).copy()
-    dist = sq[:, None] + sq[None, :] - 2.0 * gram
-    np.maximum(dist, 0.0, out=dist)
-    np.fill_diagonal(dist, 0.0)
-    return dist
-
-
-def krum_scores(dist: np.ndarray, num_byzantine: int) -> np.ndarray:
-    """Krum score of each client: the sum of squared distances to its
-    n - f - 2 nearest other clients (Blanchard et al., NeurIPS 2017)."""
-    n = dist.shape[0]
-    k = n - num_byzantine - 2
-    if k < 1:
-        raise AggregationError(
-            f"Krum needs n - f - 2 >= 1 neighbours: n={n} clients, f={num_byzantine} Byzantine"
-        )
-    scores = np.empty(n, dtype=np.float64)
-    for i in range(n):
-        others = np.delete(dist[i], i)
-        scores[i] = np.partition(others, k - 1)[:k].sum()
-    return scores
-
-
-def krum_select(dist: np.ndarray, num_byzantine: int, num_selected: int = 1) -> np.ndarray:
-    """Indices of the ``num_selected`` lowest Krum scores (ties: lowest index first)."""
-    scores = krum_scores(dist, num_byzantine)
-    if not 1 <= num_selected <= len(scores):
-        raise AggregationError(f"cannot select {num_selected} of {len(scores)} updates")
-    return np.argsort(scores, kind="stable")[:num_selected]
-
-
-def proximal_term(weights: Weights, global_weights: Weights, mu: float) -> float:
-    """FedProx's client-side penalty (mu / 2) * ||w - w_global||^2.
-
-    FedProx (Li et al., MLSys 2020) changes only the *client* objective: each
-    device minimises loss(w) + this term, which keeps heterogeneous clients
-    from drifting far from the global model in long local epochs. The server
-    side is plain FedAvg. The trainer adds this to its loss.
-    """
-    return 0.5 * mu * sum(float(np.sum((np.asarray(weights[n], np.float64) - global_weights[n]) ** 2))
-                          for n in global_weights)
-
-
-def proximal_gradient(weights: Weights, global_weights: Weights, mu: float) -> dict[str, np.ndarray]:
-    """Gradient of :func:`proximal_term`: mu * (w - w_global), added to each local gradient."""
-    return {n: (mu * (np.asarray(weights[n]) - global_weights[n])).astype(np.asarray(weights[n]).dtype)
-            for n in global_weights}
+# The math lives in edgeflow.gateway.aggregate (one home for every rule); re-exported here.
 
 
 # ---------------------------------------------------------------------------
@@ -233,9 +118,40 @@ class _ServerOpt:
         """Copy of the state, for checkpointing the gateway."""
         return {"t": self.t, "state": {s: {n: a.copy() for n, a in d.items()} for s, d in self.state.items()}}
 
+    _SLOTS: tuple[str, ...] = ("v",)
+
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        self.t = int(sd["t"])
-        self.state = {s: {n: np.array(a, dtype=np.float64) for n, a in d.items()} for s, d in sd["state"].items()}
+        """Restore :meth:`state_dict`'s output (from an untrusted store): every field checked first (StateError
+        naming it), nothing changed unless all of it is sound. Shapes are checked against the model at the
+        next step (a model that changed raises AggregationError there)."""
+        def bad(field: str, what: str) -> StateError:
+            return StateError(f"server optimizer state field {field}: {what}; restore a backup of the gateway "
+                              "state, or start a new run with a fresh one")
+
+        if not isinstance(sd, Mapping) or set(sd) != {"t", "state"}:
+            raise bad("", "expected an object with the keys state, t")
+        t = sd["t"]
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise bad("t", f"expected an int >= 0, got {t!r}")
+        slots = sd["state"]
+        if not isinstance(slots, Mapping) or not set(slots) <= set(self._SLOTS):
+            raise bad("state", f"expected slots among {list(self._SLOTS)}, got "
+                               f"{sorted(slots) if isinstance(slots, Mapping) else type(slots).__name__}")
+        out: dict[str, dict[str, np.ndarray]] = {}
+        for slot, tensors in slots.items():
+            if not isinstance(tensors, Mapping):
+                raise bad(f"state.{slot}", "expected tensors by name")
+            out[slot] = {}
+            for name, a in tensors.items():
+                if not isinstance(name, str) or not isinstance(a, np.ndarray) or a.dtype.kind != "f":
+                    raise bad(f"state.{slot}.{name}", "expected a floating-point array")
+                if not np.isfinite(a).all():
+                    raise bad(f"state.{slot}.{name}", "holds NaN or Inf")
+                if slot == "v" and not isinstance(self, ServerMomentum) and (a < 0).any() \
+                        and not isinstance(self, ServerYogi):
+                    raise bad(f"state.{slot}.{name}", "second moments must be >= 0")
+                out[slot][name] = np.array(a, dtype=np.float64)
+        self.t, self.state = t, out
 
 
 def _positive(name: str, value: float, *, allow_zero: bool = False) -> float:
@@ -277,6 +193,8 @@ class ServerMomentum(_ServerOpt):
 
 
 class _Adaptive(_ServerOpt):
+    _SLOTS = ("m", "v")
+
     def __init__(self, eta: float, beta_1: float, beta_2: float, tau: float, v_init: float) -> None:
         super().__init__()
         self.eta = _positive("eta", eta)
@@ -362,15 +280,15 @@ CLIP_MULTIPLIER = 1.5
 """Default adaptive norm bound: updates are clipped to this many times the reference median norm."""
 SAMPLE_MULTIPLIER = 3.0
 """Default sample-count cap: a claim counts for at most this many times the reference median claim."""
+REFERENCE_MAX_CHANGE = 2.0
+"""The bounds' reference (median norm, median claim) moves by at most this factor per round."""
+REFERENCE_MIN_UPDATES = 5
+"""A round with fewer updates than this does not move the bounds' reference."""
 
 
 def _off(value: object) -> bool:
     """None, False, "off" or "none" (0 is not off: it is a bad bound)."""
     return value is None or value is False or (isinstance(value, str) and value.lower() in ("off", "none"))
-
-
-def _median(values: Sequence[float]) -> float | None:
-    return float(np.median(np.asarray(values, dtype=np.float64))) if len(values) else None
 
 
 class FedAvg(Aggregator):
@@ -445,9 +363,18 @@ class FedAvg(Aggregator):
                  privacy: CentralDP | None = None, stage: int = 32,
                  clip: str | float | None = "adaptive", clip_multiplier: float = CLIP_MULTIPLIER,
                  sample_multiplier: float | str | None = SAMPLE_MULTIPLIER, sample_cap: int | None = None,
-                 clip_warmup: int = 3, server_optimizer=None,
+                 clip_warmup: int = 3, reference_max_change: float = REFERENCE_MAX_CHANGE,
+                 reference_min_updates: int = REFERENCE_MIN_UPDATES, server_optimizer=None,
                  staleness_fn: Callable[[int], float] | None = None, check_finite: bool = True) -> None:
         super().__init__(server_optimizer=server_optimizer, staleness_fn=staleness_fn, check_finite=check_finite)
+        if isinstance(reference_max_change, bool) or not isinstance(reference_max_change, (int, float)) \
+                or not math.isfinite(reference_max_change) or reference_max_change < 1:
+            raise ConfigError(f"reference_max_change must be a number >= 1, got {reference_max_change!r}")
+        if isinstance(reference_min_updates, bool) or not isinstance(reference_min_updates, int) \
+                or reference_min_updates < 1:
+            raise ConfigError(f"reference_min_updates must be an int >= 1, got {reference_min_updates!r}")
+        self.reference_max_change = float(reference_max_change)
+        self.reference_min_updates = reference_min_updates
         if privacy is not None and not isinstance(privacy, CentralDP):
             raise ConfigError(f"privacy must be a CentralDP, got {type(privacy).__name__}")
         if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
@@ -537,6 +464,31 @@ class FedAvg(Aggregator):
             raise ConfigError(f"clipping reference must be finite and >= 0, got {m}, {n}")
         self._reference = {"median_norm": m, "median_samples": n}
 
+    def state_dict(self) -> dict[str, object]:
+        """Aggregator state plus the bounds' reference and, with central DP, the accountant and its noise."""
+        out = super().state_dict()
+        out["reference"] = None if self._reference is None else dict(self._reference)
+        if self.privacy is not None:
+            out["privacy"] = self.privacy.state_dict()
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if not isinstance(state, Mapping):
+            raise StateError(f"strategy state: expected an object, got {type(state).__name__}")
+        if ("privacy" in state) != (self.privacy is not None):
+            raise StateError("strategy state field privacy: central DP is configured in only one of the stored "
+                             "state and this gateway; restore the old configuration, or start a new run")
+        try:
+            reference = state.get("reference")
+            probe = FedAvg(clip=self.clip if self.clip is not None else "off")
+            probe.set_reference(reference)  # checked on a scratch object: nothing changes on failure
+        except ConfigError as exc:
+            raise StateError(f"strategy state field reference: {exc}") from None
+        super().load_state_dict({k: v for k, v in state.items() if k not in ("reference", "privacy")})
+        if self.privacy is not None:
+            self.privacy.load_state_dict(state["privacy"])
+        self.set_reference(reference)
+
     @property
     def round_bounds(self) -> tuple[float | None, float | None] | None:
         """(norm bound, sample cap) in force in the open round; None while it warms up."""
@@ -587,26 +539,22 @@ class FedAvg(Aggregator):
 
     def _settle_warmup(self) -> None:
         """Bounds from the held updates' medians, then fold them."""
-        self._bounds_from(_median([h[4] for h in self._held]), _median([h[1] for h in self._held]))
+        self._bounds_from(robust_median([h[4] for h in self._held]), robust_median([h[1] for h in self._held]))
         held, self._held = self._held, []
         for update, n, sw, _cid, norm in held:
             self._fold_bounded(update, n, sw, norm)
 
     def _fold_bounded(self, update: Weights, num_samples: int, staleness_weight: float, norm: float) -> None:
-        n = float(num_samples)
-        if self._count_cap is not None and n > self._count_cap:
-            n = self._count_cap
-            self._capped += 1
-        factor = 1.0
-        if self._norm_bound is not None and norm > self._norm_bound:
-            factor = self._norm_bound / norm if norm > 0 else 0.0
-            self._clipped += 1
-        base = n if self.weighted else 1.0
+        b = bound_update(norm, num_samples, self._norm_bound, self._count_cap)
+        self._capped += b.capped
+        self._clipped += b.clipped
+        base = b.counted if self.weighted else 1.0
+        factor = b.weight / b.counted if b.counted > 0 else 0.0
         weight = base * staleness_weight * factor
         self._accumulate(update, weight)
         self._denom += base * staleness_weight if self.normalize_staleness else base
         self._weight_sum += weight
-        self._counted += n
+        self._counted += b.counted
 
     def _start(self, schema: Schema) -> None:
         self._reset_robust()
@@ -744,10 +692,14 @@ class FedAvg(Aggregator):
             metrics["norm_bound"] = self._norm_bound
         if self._count_cap is not None:
             metrics["sample_cap"] = self._count_cap
-        m, n = _median(self._norms), _median(self._claims)
+        m, n = robust_median(self._norms), robust_median(self._claims)
         if m is not None and n is not None:
             metrics["median_norm"], metrics["median_samples"] = m, n
-            self._reference = {"median_norm": m, "median_samples": n}
+        ref = next_reference(self._reference, self._norms, self._claims, max_change=self.reference_max_change,
+                             min_updates=self.reference_min_updates)
+        if ref is not None:
+            self._reference = ref
+            metrics["reference_norm"], metrics["reference_samples"] = ref["median_norm"], ref["median_samples"]
         self._total_samples = int(round(self._counted))
         return metrics
 

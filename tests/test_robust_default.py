@@ -54,9 +54,8 @@ def test_a_reference_bounds_norms_and_claims():
     _check(res, ups, ns, 1.5, 30)
     assert res.metrics["clipped"] >= 1 and res.metrics["capped"] == 1
     assert res.total_samples == 10 + 12 + 9 + 30  # what the mean was divided by
-    # the next reference: the medians of this round's raw norms and claims
-    norms = [global_norm(u) for u in ups]
-    assert agg.reference == {"median_norm": float(np.median(norms)), "median_samples": float(np.median(ns))}
+    # 4 updates are below reference_min_updates (5): this round does not move the bounds' reference
+    assert agg.reference == {"median_norm": 1.0, "median_samples": 10.0}
 
 
 def test_the_first_round_warms_up_on_its_first_three_updates():
@@ -82,7 +81,8 @@ def test_a_round_with_fewer_updates_than_the_warm_up_still_bounds_them():
     for i, (u, n) in enumerate(zip(ups, ns)):
         agg.add(u, n, client_id=f"c{i}")
     norms = [global_norm(u) for u in ups]
-    _check(agg.finish(), ups, ns, 1.5 * float(np.median(norms)), 30)
+    # two updates: the lower middle value, not their mean (the larger of two may be hostile)
+    _check(agg.finish(), ups, ns, 1.5 * min(norms), 30)
 
 
 def test_the_reference_carries_over_and_can_be_restored_or_fixed():
@@ -158,3 +158,40 @@ def test_the_gateway_caps_claims_at_max_samples_and_restores_the_reference(tmp_p
     rm = RoundManager(t, store, config=RoundConfig(), **kw)
     assert rm._strategy.reference == {"median_norm": 0.25, "median_samples": 12.0}
     store.close()
+
+
+def test_a_two_update_round_cannot_take_the_bound_over():
+    """Issue 29: rounds closing with 2 updates let one device set the next bound (it rose 732x). Now a
+    round below reference_min_updates leaves the reference as it was, and a full round moves it by at
+    most reference_max_change (2x) per round."""
+    rng = np.random.default_rng(5)
+    agg = FedAvg()
+    agg.set_reference({"median_norm": 1.0, "median_samples": 10})
+    for r in range(20):  # an honest update and a huge one, every round
+        agg.begin_round(_g(), r + 1)
+        agg.add(_u(rng, 0.1), 10, client_id="honest")
+        agg.add(_u(rng, 1e4), 10, client_id="attacker")
+        agg.finish()
+        assert agg.reference == {"median_norm": 1.0, "median_samples": 10.0}
+    for r in range(3):  # 5 updates, 3 of them huge: the reference may move, at most 2x per round
+        before = agg.reference["median_norm"]
+        agg.begin_round(_g(), 100 + r)
+        for i in range(5):
+            agg.add(_u(rng, 1e4 if i < 3 else 0.1), 10, client_id=f"c{i}")
+        agg.finish()
+        assert agg.reference["median_norm"] == pytest.approx(2.0 * before)
+
+
+def test_the_reference_follows_a_converging_fleet():
+    """Honest norms that shrink 10x as training converges: the reference follows (within 2x a round)."""
+    agg = FedAvg()
+    agg.set_reference({"median_norm": 1.0, "median_samples": 10})
+    rng = np.random.default_rng(6)
+    for r in range(6):
+        agg.begin_round(_g(), r + 1)
+        for i in range(6):
+            u = _u(rng)
+            norm = global_norm(u)
+            agg.add({k: v * np.float32(0.1 / norm) for k, v in u.items()}, 10, client_id=f"c{i}")
+        agg.finish()
+    assert agg.reference["median_norm"] == pytest.approx(0.1, rel=1e-3)
