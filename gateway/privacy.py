@@ -18,7 +18,18 @@ mechanism, whose Renyi DP is computed here exactly as Opacus / TF-Privacy's
 Privacy of the Sampled Gaussian Mechanism"), composed over rounds by adding
 RDP, and converted to (epsilon, delta) with the bound of Balle et al. 2020
 (Opacus' default; the older ``rdp - log(delta)/(alpha-1)`` is available as
-``method="classic"``).
+``method="classic"``). Same formulas as Opacus, three differences: log erfc
+stays exact where erfc is denormal (Opacus uses scipy's log_ndtr, same
+values); integer orders are summed in log space, so orders up to 98,496 work
+(Opacus' binomials overflow past ~1,000); and the accountant searches the
+integers between grid orders past 64 (:func:`refine_integer_order`), where
+much noise puts the best order (tests/test_privacy_oracle.py checks all three
+against mpmath, a brute-force order search, and Opacus when installed).
+
+A gateway restart must not reset the privacy spent: :meth:`CentralDP.state_dict`
+(the accountant and the noise generator, plain JSON) goes into the gateway's
+store with each round, and :meth:`CentralDP.load_state_dict` checks it field by
+field before anything is restored.
 
 Limits, honestly: the RDP bound for q < 1 assumes Poisson sampling of
 clients; an orchestrator that picks a fixed-size cohort gets a (slightly)
