@@ -45,7 +45,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -243,10 +243,17 @@ def _rdp_one(q: float, sigma: float, alpha: float) -> float:
     return log_a / (alpha - 1)
 
 
+_MAX_ORDER = float(1 << 20)
+"""The largest finite Renyi order computed: the work (and, for integer orders, the memory) grows with the order."""
+
+
 def _check_order(a: float) -> float:
     a = float(a)
     if not a >= 1:  # also NaN
         raise ConfigError(f"Renyi orders must be >= 1, got {a}")
+    if _MAX_ORDER < a < math.inf:
+        raise ConfigError(f"Renyi order {a:g} is above the largest supported, {_MAX_ORDER:g} (its RDP costs "
+                          "O(order) work); the default grid ends at 98,496")
     return a
 
 
@@ -272,9 +279,12 @@ def compute_rdp(q: float, noise_multiplier: float, steps: int, orders: Sequence[
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
         raise ConfigError(f"steps must be an integer >= 0, got {steps!r}")
     if np.isscalar(orders):
-        return _rdp_one(float(q), float(noise_multiplier), _check_order(orders)) * int(steps)
-    vec = _rdp_vector(float(q), float(noise_multiplier), tuple(_check_order(a) for a in orders))
-    return vec * int(steps)
+        order = _check_order(orders)
+        return _rdp_one(float(q), float(noise_multiplier), order) * int(steps) if steps else 0.0
+    orders_t = tuple(_check_order(a) for a in orders)
+    if not steps:  # zero steps spend nothing, also where one step's RDP is infinite (0 * inf is NaN)
+        return np.zeros(len(orders_t), dtype=np.float64)
+    return _rdp_vector(float(q), float(noise_multiplier), orders_t) * int(steps)
 
 
 def rdp_to_epsilon(orders: Sequence[float], rdp: Sequence[float], delta: float,
@@ -360,13 +370,14 @@ def refine_integer_order(rdp_at: Callable[[int], float], lo: int, hi: int, delta
     return max(0.0, seen[best]), float(best)
 
 
-def _finite_orders(orders: Sequence[float]) -> tuple[float, ...]:
-    if isinstance(orders, (str, bytes)) or not isinstance(orders, Sequence | np.ndarray):
+def _finite_orders(orders: Iterable[float]) -> tuple[float, ...]:
+    if isinstance(orders, (str, bytes, Mapping)) or not isinstance(orders, Iterable):
         raise ConfigError(f"orders must be a sequence of numbers > 1, got {type(orders).__name__}")
     out = []
     for a in orders:
-        if isinstance(a, bool) or not isinstance(a, numbers.Real) or not (1 < float(a) < math.inf):
-            raise ConfigError(f"the accountant's Renyi orders must be finite numbers > 1, got {a!r}")
+        if isinstance(a, bool) or not isinstance(a, numbers.Real) or not (1 < float(a) <= _MAX_ORDER):
+            raise ConfigError(f"the accountant's Renyi orders must be finite numbers > 1 and <= {_MAX_ORDER:g}, "
+                              f"got {a!r}")
         out.append(float(a))
     if not out:
         raise ConfigError("the accountant needs at least one Renyi order")

@@ -26,6 +26,7 @@ from edgeflow.gateway.privacy import (
     compute_rdp,
     global_norm,
     rdp_to_epsilon,
+    refine_integer_order,
 )
 from edgeflow.gateway.strategies import FedAdam, FedAvg
 
@@ -290,3 +291,42 @@ def test_dp_state_with_other_orders_is_refused():
         dp.load_state_dict(state)
     with pytest.raises(StateError, match="accountant"):
         RDPAccountant().load_state_dict(state)  # a CentralDP state is not an accountant state
+
+
+def test_bad_accounting_inputs_are_refused_not_turned_into_nan():
+    for orders in ([float("nan")], [0.5], [2.0 ** 21]):
+        with pytest.raises(ConfigError, match="order"):
+            compute_rdp(0.1, 1.0, 1, orders)
+    for z in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ConfigError, match="noise_multiplier"):
+            compute_rdp(0.1, z, 1, [2.0])
+    for steps in (1.5, True, -1):
+        with pytest.raises(ConfigError, match="steps"):
+            compute_rdp(0.1, 1.0, steps, [2.0])
+    # zero steps spend nothing, even where one step's RDP is infinite
+    np.testing.assert_array_equal(compute_rdp(0.1, 0.0, 0, [2.0, 3.0]), [0.0, 0.0])
+    assert compute_rdp(0.1, 0.0, 0, 2.0) == 0.0
+    with pytest.raises(ConfigError, match="RDP values"):
+        rdp_to_epsilon([2.0, 3.0], [0.1, float("nan")], 1e-5)
+    for orders in ([1.0, 2.0], [2.0, float("inf")], [2.0, True], "123", [], [2.0 ** 21]):
+        with pytest.raises(ConfigError, match="order"):
+            RDPAccountant(orders)
+
+
+def test_refine_integer_order_finds_the_best_integer():
+    # eps of the Gaussian mechanism (q = 1): smooth, one minimum; compare with every integer
+    rdp_at = lambda a: 3 * a / (2 * 40.0 ** 2)
+    lo, hi = 64, 400
+    every = [float(a) for a in range(lo, hi + 1)]
+    best = rdp_to_epsilon(every, [rdp_at(a) for a in every], 1e-5)
+    assert refine_integer_order(rdp_at, lo, hi, 1e-5) == best
+    # a curve with two dips: the answer is still an evaluated order's epsilon, never above the ends
+    wavy = lambda a: 0.01 * a / 64 + (0.5 if 100 < a < 300 else 0.0)
+    eps, order = refine_integer_order(wavy, lo, hi, 1e-5)
+    assert eps == pytest.approx(rdp_to_epsilon([order], [wavy(order)], 1e-5)[0])
+    ends = rdp_to_epsilon([lo, hi], [wavy(lo), wavy(hi)], 1e-5)[0]
+    assert eps <= ends
+    with pytest.raises(ConfigError):
+        refine_integer_order(rdp_at, 10, 5, 1e-5)
+    with pytest.raises(ConfigError, match="RDP values"):
+        refine_integer_order(lambda a: float("nan"), 64, 70, 1e-5)
