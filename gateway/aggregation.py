@@ -592,7 +592,7 @@ def decode_state(blob: bytes) -> dict[str, object]:
             arrays = {k: z[k] for k in z.files if k != "__json__"}
     except StateError:
         raise
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile, UnicodeDecodeError) as exc:
+    except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile, UnicodeDecodeError) as exc:
         raise StateError(f"strategy state is damaged ({type(exc).__name__}: {exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != _STATE_MAGIC:
         raise StateError(f"strategy state has format {doc.get('format') if isinstance(doc, dict) else None!r}, "

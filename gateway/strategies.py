@@ -18,6 +18,7 @@ name               rule                                           server memory
 ``trimmed-mean``   coordinate-wise beta-trimmed mean              holds n x P updates
 ``krum``           the update with the lowest Krum score          holds n x P + n x n
 ``multi-krum``     mean of the m lowest-score updates             holds n x P + n x n
+``bulyan``         Krum-chosen n - 2f, then a trimmed mean         holds n x P + n x n
 =================  =============================================  ==========================
 
 (P parameters, n clients, d_i client i's delta, n_i its sample count.)
@@ -36,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from edgeflow.errors import AggregationError, ConfigError, StateError
-from edgeflow.gateway.aggregate import (bound_update, bounded_mean, bounded_weights, coordinate_median,
+from edgeflow.gateway.aggregate import (bound_update, bounded_mean, bounded_weights, bulyan, coordinate_median,
                                         global_norm, krum_scores, krum_select, next_reference,
                                         pairwise_sq_distances, proximal_gradient, proximal_term, robust_median,
                                         trimmed_mean, weighted_average)
@@ -47,6 +48,7 @@ from edgeflow.gateway.privacy import CentralDP
 __all__ = [
     "CLIP_MULTIPLIER",
     "SAMPLE_MULTIPLIER",
+    "Bulyan",
     "FedAdagrad",
     "FedAdam",
     "FedAvg",
@@ -226,20 +228,27 @@ class _Adaptive(_ServerOpt):
 class ServerAdam(_Adaptive):
     """FedAdam: m <- b1 m + (1-b1) D; v <- b2 v + (1-b2) D^2; step = eta_t m / (sqrt(v) + tau).
 
-    With ``bias_correction`` (default, as Flower and Kingma & Ba) eta_t =
-    eta * sqrt(1 - b2^t) / (1 - b1^t), t = server steps taken (1-based);
-    without it, Reddi et al.'s Algorithm 2 as printed.
+    ``bias_correction``: ``True`` (the default: Kingma & Ba's) eta_t =
+    eta * sqrt(1 - b2^t) / (1 - b1^t) with t = server steps taken, counted
+    from 1; ``"flower"``: Flower's FedAdam, which counts from the round + 1
+    (its ``eta_norm`` uses ``server_round + 1`` with rounds from 1: t + 1
+    here, one server step per round; the two differ most in the first rounds,
+    4e-2 in the step size with the defaults); ``False``: Reddi et al.'s
+    Algorithm 2 as printed (no correction).
     """
 
     def __init__(self, eta: float = 0.1, beta_1: float = 0.9, beta_2: float = 0.99, tau: float = 1e-3,
-                 v_init: float = 0.0, bias_correction: bool = True) -> None:
+                 v_init: float = 0.0, bias_correction: bool | str = True) -> None:
         super().__init__(eta, beta_1, beta_2, tau, v_init)
-        self.bias_correction = bool(bias_correction)
+        if bias_correction not in (True, False, "flower"):
+            raise ConfigError(f"bias_correction must be true, false or \"flower\", got {bias_correction!r}")
+        self.bias_correction = bias_correction
 
     def _lr(self) -> float:
-        if not self.bias_correction:
+        if self.bias_correction is False:
             return self.eta
-        return self.eta * math.sqrt(1.0 - self.beta_2 ** self.t) / (1.0 - self.beta_1 ** self.t)
+        t = self.t + 1 if self.bias_correction == "flower" else self.t
+        return self.eta * math.sqrt(1.0 - self.beta_2 ** t) / (1.0 - self.beta_1 ** t)
 
     def _update_v(self, v: np.ndarray, d2: np.ndarray) -> None:
         v *= self.beta_2
@@ -753,12 +762,12 @@ class FedAvgM(FedAvg):
 
 
 class FedAdam(FedAvg):
-    """FedAvg + server Adam (Reddi et al. 2021)."""
+    """FedAvg + server Adam (Reddi et al. 2021); ``bias_correction="flower"`` steps exactly as Flower's FedAdam."""
 
     name = "fedadam"
 
     def __init__(self, eta: float = 0.1, beta_1: float = 0.9, beta_2: float = 0.99, tau: float = 1e-3,
-                 bias_correction: bool = True, v_init: float = 0.0, **kwargs: Any) -> None:
+                 bias_correction: bool | str = True, v_init: float = 0.0, **kwargs: Any) -> None:
         super().__init__(server_optimizer=ServerAdam(eta, beta_1, beta_2, tau, v_init, bias_correction), **kwargs)
 
 
@@ -926,6 +935,38 @@ class Krum(MultiKrum):
         super().__init__(num_byzantine=num_byzantine, num_selected=1, **kwargs)
 
 
+class Bulyan(_Holding):
+    """Bulyan (El Mhamdi et al., ICML 2018): theta = n - 2f updates chosen by repeated Krum, then per
+    coordinate the mean of the beta = theta - 2f chosen values closest to their median
+    (:func:`edgeflow.gateway.aggregate.bulyan`). Unweighted; tolerates f Byzantine clients with
+    n >= 4f + 3 (fewer raise AggregationError at finish rather than silently giving up robustness)."""
+
+    name = "bulyan"
+
+    def __init__(self, num_byzantine: int = 1, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if isinstance(num_byzantine, bool) or not isinstance(num_byzantine, int) or num_byzantine < 0:
+            raise ConfigError(f"num_byzantine must be an int >= 0, got {num_byzantine!r}")
+        self.num_byzantine = num_byzantine
+        self.selected_clients: tuple[str, ...] = ()
+
+    def _reduce(self) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        n, f = len(self._held), self.num_byzantine
+        if n < 4 * f + 3:
+            raise AggregationError(f"round {self._round_id}: Bulyan with f={f} Byzantine needs at least "
+                                   f"{4 * f + 3} updates, got {n}")
+        dist = pairwise_sq_distances(self._held, chunk=max(1, self.chunk_elems // n))
+        out = np.empty(self._held[0].shape, dtype=np.float64)
+        chosen = None
+        step = max(1, self.chunk_elems // n)
+        for a, b in iter_chunks(out.size, step):  # same selection for every chunk (dist is global)
+            part, chosen = bulyan(np.stack([h[a:b] for h in self._held]), f, dist=dist)
+            out[a:b] = part
+        assert chosen is not None
+        self.selected_clients = tuple(self._client_ids[i] for i in chosen)
+        return self._as_tensors(out), {"num_selected": float(len(chosen))}
+
+
 # ---------------------------------------------------------------------------
 # Registry
 # ---------------------------------------------------------------------------
@@ -940,7 +981,8 @@ def register_aggregator(name: str, cls: type[Aggregator]) -> None:
     _REGISTRY[name] = cls
 
 
-for _cls in (FedAvg, FedProx, FedAvgM, FedAdam, FedYogi, FedAdagrad, Median, TrimmedMean, Krum, MultiKrum):
+for _cls in (FedAvg, FedProx, FedAvgM, FedAdam, FedYogi, FedAdagrad, Median, TrimmedMean, Krum, MultiKrum,
+             Bulyan):
     register_aggregator(_cls.name, _cls)
 
 

@@ -333,7 +333,7 @@ def test_registry_names_and_config_errors():
     assert set(available_aggregators()) >= {"fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad",
                                             "median", "trimmed-mean", "krum", "multi-krum"}
     assert make_aggregator("Trimmed_Mean", proportion=0.1).proportion == 0.1
-    with pytest.raises(ConfigError, match="unknown aggregator 'fedsgd'; available: fedadagrad"):
+    with pytest.raises(ConfigError, match="unknown aggregator 'fedsgd'; available: bulyan, fedadagrad"):
         make_aggregator("fedsgd")
     with pytest.raises(ConfigError, match="no parameter 'momentum'; accepted: .*server_momentum"):
         make_aggregator("fedavgm", momentum=0.9)
