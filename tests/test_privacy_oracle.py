@@ -59,6 +59,7 @@ def _rdp_integral(q: float, sigma: float, alpha: float) -> float:
     (0.5, 1.0, 1.5), (0.5, 5.0, 1.1), (0.01, 0.5, 1.1), (0.01, 0.5, 1.4), (0.1, 1.0, 1.2),
     (0.001, 1.0, 2.5), (0.9, 0.8, 3.3),
     (0.99, 5.0, 10.5),    # most of the first terms are below e^-30: the sum must not stop there
+    (0.2, 50.0, 168.5),   # stopping at the first small term gave -0.224 (a negative RDP), exact 0.00136
     (0.1, 2.0, 63.5), (0.01, 10.0, 100.5),
     (0.5, 1.0, 1000.5), (0.01, 100.0, 5000.5),  # binom(alpha, i) overflows a float here
 ])
