@@ -27,6 +27,9 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _loopback_fleet import loopback_fleet  # noqa: E402
+
 STRATEGIES: dict[str, dict[str, Any]] = {
     "fedavg": {"strategy": "fedavg"},
     "fedadam": {"strategy": "fedadam", "strategy_params": {"eta": 0.05}},
@@ -36,54 +39,9 @@ STRATEGIES: dict[str, dict[str, Any]] = {
 }
 
 
-def _fleet(state: str, config: dict[str, Any], rounds: int, seed: int) -> dict[str, Any]:
-    from edgeflow import zoo
-    from edgeflow.data.datasets import dirichlet_partition, load_digits
-    from edgeflow.federated import Client
-    from edgeflow.gateway.rounds import Candidate, RoundConfig, RoundManager
-    from edgeflow.gateway.store import GatewayStore
-    from edgeflow.protocol.rounds import TrainConfig
-    from edgeflow.signing import KeyRing, PrivateKey, Signer
-    from edgeflow.transport.loopback import LoopbackBroker
-
-    hub = LoopbackBroker(name="restart")
-    key = PrivateKey.generate()
-    ring = KeyRing()
-    model = zoo.digits_mlp(seed=seed)
-    split = load_digits(seed=0).flat()
-    parts = dirichlet_partition(split.y_train, 5, alpha=1.0, seed=seed)
-    clients, transports = [], []
-    for i, idx in enumerate(parts):
-        s = Signer.generate(f"d{i}")
-        ring.register(s.device_id, s.public_key)
-        t = hub.transport(f"restart-d{i}")
-        transports.append(t)
-        clients.append(Client(t, fleet="restart", device_id=s.device_id, signer=s, fleet_key=key.public_key,
-                              model=model, data=(split.x_train[idx][:120], split.y_train[idx][:120]), seed=i))
-    cfg = RoundConfig(**{"rounds": rounds, "min_clients": 2, "deadline_s": 20, "max_extensions": 0, "seed": 3,
-                         "wait_for_devices_s": 5.0, "train": TrainConfig(epochs=1, batch_size=16, lr=0.1,
-                                                                         codec="dense"), **config})
-
-    def candidates() -> list[Candidate]:
-        return [Candidate(c.device_id) for c, t in zip(clients, transports) if t.is_connected]
-
-    def manager() -> Any:
-        gt = hub.transport("restart-gateway")
-        rm = RoundManager(gt, GatewayStore(state), fleet="restart", fleet_key=key, keyring=ring, model=model,
-                          config=cfg, candidates=candidates, eval_data=(split.x_test, split.y_test))
-        rm.start()
-        gt.connect()
-        return rm, gt
-
-    for c in clients:
-        c.start()
-        c.transport.connect()
-    return {"clients": clients, "transports": transports, "manager": manager}
-
-
 def one_run(config: dict[str, Any], rounds: int, restart_after: int | None, seed: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        fl = _fleet(str(Path(tmp) / "gw.sqlite"), config, rounds, seed)
+        fl = loopback_fleet(str(Path(tmp) / "gw.sqlite"), config, rounds, seed)
         rm, gt = fl["manager"]()
         try:
             if restart_after is None:
