@@ -291,8 +291,9 @@ SAMPLE_MULTIPLIER = 3.0
 """Default sample-count cap: a claim counts for at most this many times the reference median claim."""
 REFERENCE_MAX_CHANGE = 2.0
 """The bounds' reference (median norm, median claim) moves by at most this factor per round."""
-REFERENCE_MIN_UPDATES = 5
-"""A round with fewer updates than this does not move the bounds' reference."""
+REFERENCE_MIN_UPDATES = 3
+"""A round with fewer updates than this does not move the bounds' reference: from 3 on, the (lower) median of
+a round lies within the honest updates' range whatever one device sends; of 2 it is the hostile one's if smaller."""
 
 
 def _off(value: object) -> bool:

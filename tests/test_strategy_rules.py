@@ -250,8 +250,8 @@ def test_robust_median_and_next_reference():
     assert robust_median([1.0, 100.0]) == 1.0  # two values: the lower one
     assert robust_median([3.0, 1.0, 2.0]) == 2.0
     prev = {"median_norm": 1.0, "median_samples": 10.0}
-    assert next_reference(prev, [50.0] * 4, [10] * 4, max_change=2.0, min_updates=5) == prev
-    assert next_reference(prev, [50.0] * 5, [1] * 5, max_change=2.0, min_updates=5) == \
+    assert next_reference(prev, [50.0] * 2, [10] * 2, max_change=2.0, min_updates=3) == prev
+    assert next_reference(prev, [50.0] * 3, [1] * 3, max_change=2.0, min_updates=3) == \
         {"median_norm": 2.0, "median_samples": 5.0}
     assert next_reference(None, [1.0, 9.0], [4, 8], max_change=2.0, min_updates=5) == \
         {"median_norm": 1.0, "median_samples": 4.0}
