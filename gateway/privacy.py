@@ -50,6 +50,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from edgeflow.errors import ConfigError, StateError
+from edgeflow.gateway.aggregate import global_norm  # noqa: F401 - its home is aggregate.py; re-exported
 
 __all__ = [
     "DEFAULT_ORDERS",
@@ -77,23 +78,6 @@ so there its epsilon is the optimum over integer orders (tests/test_privacy_orac
 # ---------------------------------------------------------------------------
 # Clipping
 # ---------------------------------------------------------------------------
-
-
-def global_norm(update: Mapping[str, np.ndarray]) -> float:
-    """L2 norm of all tensors of ``update`` taken together.
-
-    ``einsum`` rather than ``vdot``: no BLAS thread pool in the per-update
-    path (OpenBLAS threads on a busy gateway were measured 25x slower).
-    Sums of squares accumulate per tensor in the tensor's dtype (float32:
-    relative error ~1e-7, ample for clipping), float16 in float32.
-    """
-    total = 0.0
-    for arr in update.values():
-        flat = np.asarray(arr).reshape(-1)
-        if flat.dtype.itemsize < 4:
-            flat = flat.astype(np.float32)
-        total += float(np.einsum("i,i->", flat, flat))
-    return math.sqrt(total)
 
 
 def clip_by_global_norm(update: Mapping[str, np.ndarray], max_norm: float) -> tuple[dict[str, np.ndarray], float]:
