@@ -118,7 +118,8 @@ class RoundConfig:
                 problems.append("secagg needs mode 'sync'")
             if self.strategy not in ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad"):
                 problems.append(f"secagg reveals only the sum: strategy {self.strategy!r} needs each update")
-            unknown = set(self.secagg) - {"max_dropout_fraction", "clip", "phase_timeout_s", "ring_bits", "frac_bits"}
+            unknown = set(self.secagg) - {"max_dropout_fraction", "clip", "phase_timeout_s", "ring_bits", "frac_bits",
+                                          "weight_cap", "norm_bound"}
             if unknown:
                 problems.append(f"unknown secagg setting(s) {sorted(unknown)}")
             self.train = TrainConfig(**{**asdict(self.train), "secagg": True})

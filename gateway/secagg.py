@@ -5,6 +5,7 @@ model: :mod:`edgeflow.protocol.secagg`; a device's side:
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from edgeflow.protocol.secagg import (
     pairwise_seed,
     prg_mask,
     pub_bytes,
+    weight_fraction,
 )
 from edgeflow.protocol.shamir import Share, combine_shares
 
@@ -89,6 +91,7 @@ class SecAggServer:
         self._shares: dict[str, ShareKeys] = {}
         self._holders: tuple[str, ...] = ()
         self._masked: dict[str, np.ndarray] = {}
+        self._weights: dict[str, float] = {}
         self._survivors: tuple[str, ...] = ()
         self._dropped: tuple[str, ...] = ()
         self._responses: dict[str, UnmaskResponse] = {}
@@ -159,6 +162,13 @@ class SecAggServer:
         if y.dtype != fp.udtype or y.shape != (self._schema.size + 1,):
             raise SecAggError(f"masked input from {msg.client_id!r} is {y.dtype}{y.shape}, "
                               f"expected {fp.udtype}({self._schema.size + 1},)")
+        cap = self.config.weight_cap
+        if cap is not None:
+            w = msg.weight
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or not 0 <= w <= cap:
+                raise SecAggError(f"masked input from {msg.client_id!r} declares weight {w!r}; it must be a number "
+                                  f"in [0, {cap:g}] (the session's weight cap): the client is left out of the round")
+            self._weights[msg.client_id] = float(w)
         self._masked[msg.client_id] = y
 
     def unmask_request(self) -> UnmaskRequest:
@@ -222,9 +232,40 @@ class SecAggServer:
                     total += mask
         values = fp.decode(total)
         self.phase = "done"
-        sums = {n: values[a:b].reshape(self._schema.shapes[n]).copy()
+        total_weight, scale = self._check_sum(total, values)
+        sums = {n: values[a:b].reshape(self._schema.shapes[n]) * scale
                 for n, (a, b) in self._schema.offsets.items()}
-        return SecAggResult(sums, float(values[-1]), self._survivors, self._dropped)
+        return SecAggResult(sums, total_weight, self._survivors, self._dropped)
+
+    def _check_sum(self, ring_total: np.ndarray, values: np.ndarray) -> tuple[float, float]:
+        """What the unmasked sum may be, checked before anyone uses it: with a weight cap, its weight
+        coordinate must equal, exactly in the ring, the survivors' declared weights as the honest encoder
+        writes them (a client that masked another weight than it declared, e.g. a negative one, fails the
+        round here); with a norm bound, the weighted sum cannot be longer than the bound times the weight
+        total (plus the fixed point's rounding). Returns (the weight total, the factor the sums take)."""
+        cfg = self.config
+        if cfg.weight_cap is None:
+            return float(values[-1]), 1.0
+        fp = cfg.fixed_point
+        expected = fp.encode(np.array([weight_fraction(cfg, self._weights[u]) for u in self._survivors]))
+        want = expected.sum(dtype=fp.udtype)
+        if ring_total[-1] != want:
+            raise SecAggError(
+                f"round {self.round_id}: the unmasked weight total {fp.decode(ring_total[-1:])[0] * cfg.weight_cap:g} "
+                f"differs from the {len(self._survivors)} survivors' declared weights "
+                f"({sum(self._weights[u] for u in self._survivors):g}): a client masked another weight than it "
+                "declared; the sum is refused and no model is published")
+        fractions = fp.decode(want.reshape(1))[0]
+        if cfg.norm_bound is not None:
+            norm = float(np.linalg.norm(values[:-1]))
+            slack = len(self._survivors) * math.sqrt(values.size) * 2.0 ** -fp.frac
+            limit = cfg.norm_bound * fractions * (1 + 1e-9) + slack
+            if norm > limit:
+                raise SecAggError(
+                    f"round {self.round_id}: the unmasked sum has norm {norm:.6g}, above the {limit:.6g} that "
+                    f"{len(self._survivors)} clients clipped to the session's norm bound {cfg.norm_bound:g} can "
+                    "reach: a client sent a larger update than it may; the sum is refused and no model is published")
+        return float(sum(self._weights[u] for u in self._survivors)), float(cfg.weight_cap)
 
     # helpers
     @property

@@ -23,6 +23,10 @@ from .aggregation import AggregateResult
 
 log = logging.getLogger("edgeflow.gateway.rounds")
 
+DEFAULT_WEIGHT_CAP = 10_000
+"""A client's weight (claimed samples) in a secure round is at most ``[rounds.secagg] weight_cap``, else the
+round's ``max_samples``, else this."""
+
 
 class SecureRounds:
     """The secure half of a RoundManager (``rm.secure``)."""
@@ -112,6 +116,12 @@ class SecureRounds:
         opts = dict(self.rm.config.secagg or {})
         opts.pop("phase_timeout_s", None)
         frac = float(opts.pop("max_dropout_fraction", 0.3))
+        # what the gateway can check: each client's weight at most the round's sample cap, and (when
+        # configured) each delta within a norm bound; the server checks the unmasked sum against both
+        opts.setdefault("weight_cap", float(ann.config.max_samples or DEFAULT_WEIGHT_CAP))
+        clip = self.rm.config.strategy_params.get("clip")
+        if "norm_bound" not in opts and isinstance(clip, (int, float)) and not isinstance(clip, bool):
+            opts["norm_bound"] = float(clip)
         server = SecAggServer(SecAggConfig.for_clients(len(ann.selected), frac, **opts), self.rm.weights,
                               round_id=ann.round_id)
         with self.rm._cv:
@@ -132,6 +142,7 @@ class SecureRounds:
             server = self.server
         selected = set(ann.selected)
         result = None
+        reason = "stopped"
         try:
             adv = self._phase("AdvertiseKeys", selected, min(ann.deadline, time.time() + phase_s))
             with self.rm._lock:
@@ -152,12 +163,17 @@ class SecureRounds:
             t0 = time.perf_counter()
             with self.rm._lock:
                 summed = {k: np.asarray(v, dtype=self.rm.weights[k].dtype) for k, v in sa_result.sum.items()}
-                self.rm._agg.add_partial(summed, total_samples=max(1, int(round(sa_result.total_weight))),
-                                      num_clients=sa_result.num_clients, client_id="secagg")
+                total = int(round(sa_result.total_weight))
+                if total < 1:
+                    raise AggregationError(f"the survivors' weights sum to {sa_result.total_weight:g}; nothing to "
+                                           "average")
+                self.rm._agg.add_partial(summed, total_samples=total, num_clients=sa_result.num_clients,
+                                         client_id="secagg")
                 result = self.rm._agg.finish()
             agg_s = time.perf_counter() - t0
         except AggregationError as exc:  # SecAggError, or a non-finite sum
             log.error("round %d: secure aggregation failed: %s", ann.round_id, exc)
+            reason = str(exc)
             agg_s = 0.0
         finally:
             with self.rm._cv:
@@ -166,7 +182,7 @@ class SecureRounds:
                 self.rm._ann = closed
         self.rm._publish_round(closed)
         if result is None:
-            return self.rm._fail_round(ann, t_start, "secure aggregation failed", 0)
+            return self.rm._fail_round(ann, t_start, f"secure aggregation failed: {reason}", 0)
         if sa_result.num_clients < self.rm.config.min_clients:
             return self.rm._fail_round(ann, t_start, f"{sa_result.num_clients} masked input(s) unmasked, below "
                                                   f"min_clients {self.rm.config.min_clients}", sa_result.num_clients)

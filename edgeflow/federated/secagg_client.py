@@ -34,6 +34,7 @@ from ..protocol.secagg import (
     priv_bytes,
     pub_bytes,
     share_ad,
+    weight_fraction,
 )
 from ..protocol.shamir import SHARE_BYTES, split_secret
 
@@ -101,11 +102,14 @@ class SecAggClient:
         return ShareKeys(self.client_id, directory.session_id, tuple(out))
 
     def masked_input(self, bundle: ShareBundle, update: Weights, weight: float = 1.0) -> MaskedInput:
-        """Decrypt the shares received, then mask ``weight * update`` (plus ``weight`` itself).
+        """Decrypt the shares received, then mask the weighted update and its weight.
 
         ``update`` is a delta with the directory's layout (float arrays). Use
-        weight = num_samples for FedAvg, 1.0 for an unweighted sum; values
-        beyond the configured clip range are clipped.
+        weight = num_samples for FedAvg, 1.0 for an unweighted sum; it must be finite and >= 0.
+        With the session's ``weight_cap`` the weight is capped at it, the client masks
+        ``(w / cap) * x`` and ``w / cap`` and declares ``w`` (the server checks the total); with
+        ``norm_bound`` the delta is first clipped to that norm. A weighted value beyond the
+        fixed-point range is refused (SecAggError), never clipped silently.
         """
         d = self._require_directory()
         if self._masked_sent:
@@ -139,8 +143,11 @@ class SecAggClient:
         self._holders = holders
 
         schema = Layout.of(d.layout)
-        if not math.isfinite(weight):
-            raise SecAggError(f"weight must be finite, got {weight}")
+        cfg = d.config
+        if not math.isfinite(weight) or weight < 0:
+            raise SecAggError(f"client {self.client_id!r}: weight must be a finite number >= 0, got {weight}")
+        if cfg.weight_cap is not None and weight > cfg.weight_cap:
+            weight = float(cfg.weight_cap)  # the session's cap on a client's weight (the gateway's sample cap)
         flat = np.empty(schema.size + 1, dtype=np.float64)
         for name in schema.names:
             if name not in update:
@@ -155,8 +162,18 @@ class SecAggClient:
             raise SecAggError(f"client {self.client_id!r}: update has tensors outside the layout")
         if not np.isfinite(flat[:-1]).all():
             raise SecAggError(f"client {self.client_id!r}: update has NaN or Inf")
-        flat[:-1] *= weight
-        flat[-1] = weight
+        if cfg.norm_bound is not None:  # the session's norm bound: the server checks the sum against it
+            norm = float(np.linalg.norm(flat[:-1]))
+            if norm > cfg.norm_bound:
+                flat[:-1] *= cfg.norm_bound / norm
+        scale = weight_fraction(cfg, weight) if cfg.weight_cap is not None else weight
+        flat[:-1] *= scale
+        flat[-1] = scale
+        over = float(np.max(np.abs(flat))) if flat.size else 0.0
+        if over > cfg.clip:  # the fixed point would clip it: refuse rather than send another update
+            raise SecAggError(f"client {self.client_id!r}: weighted update reaches {over:g}, beyond the session's "
+                              f"fixed-point range +-{cfg.clip:g}; the gateway must set secagg weight_cap (or a larger "
+                              "clip)")
         fp = d.config.fixed_point
         y = fp.encode(flat)
         y += prg_mask(self._self_seed, y.size, fp.bits, d.session_id, b"self-mask")
@@ -172,7 +189,7 @@ class SecAggClient:
             else:
                 y -= mask
         self._masked_sent = True
-        return MaskedInput(self.client_id, d.session_id, y)
+        return MaskedInput(self.client_id, d.session_id, y, weight=weight if cfg.weight_cap is not None else None)
 
     def unmask(self, request: UnmaskRequest) -> UnmaskResponse:
         """Reveal b-shares of survivors and key-shares of dropped clients - once,

@@ -78,6 +78,7 @@ __all__ = [
     "UnmaskRequest",
     "UnmaskResponse",
     "prg_mask",
+    "weight_fraction",
 ]
 
 PROTO = b"edgeflow-secagg/v1"
@@ -107,6 +108,14 @@ class SecAggConfig:
     frac_bits: int = 32
     clip: float = 1024.0
     max_clients: int = 1 << 16
+    weight_cap: float | None = None
+    """Each client's weight is at most this (the gateway's cap on claimed samples). With it, a client masks
+    ``(w / weight_cap) * x`` and ``w / weight_cap`` (so any honest weight up to the cap fits the fixed point
+    exactly) and declares ``w`` in the clear; the server checks the unmasked weight total against the
+    declared ones. None: the legacy encoding (``w * x`` and ``w``, refused where they would be clipped)."""
+    norm_bound: float | None = None
+    """Honest clients clip their delta to this L2 norm; the server refuses an unmasked sum longer than
+    ``norm_bound`` times the survivors' (normalized) weight total. None: no such check."""
 
     def __post_init__(self) -> None:
         if self.ring_bits not in (32, 64):
@@ -117,6 +126,11 @@ class SecAggConfig:
             raise ConfigError(f"frac_bits must be in [0, {self.ring_bits - 1}), got {self.frac_bits}")
         if not (math.isfinite(self.clip) and self.clip > 0):
             raise ConfigError(f"clip must be > 0, got {self.clip}")
+        for name in ("weight_cap", "norm_bound"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                  or v <= 0):
+                raise ConfigError(f"{name} must be a number > 0 or None, got {v!r}")
         if self.max_clients < self.threshold:
             raise ConfigError(f"max_clients ({self.max_clients}) < threshold ({self.threshold})")
         bound = self.max_clients * self.clip * 2.0 ** self.frac_bits
@@ -276,11 +290,19 @@ class ShareBundle:
 
 @dataclass(frozen=True)
 class MaskedInput:
-    """Round 2, client -> server: the masked, fixed-point update (uniform in the ring)."""
+    """Round 2, client -> server: the masked, fixed-point update (uniform in the ring), and, when the
+    session has a ``weight_cap``, the client's weight declared in the clear (at most the cap)."""
 
     client_id: str
     session_id: bytes
     masked: np.ndarray
+    weight: float | None = None
+
+
+def weight_fraction(config: SecAggConfig, weight: float) -> float:
+    """The value a client masks as its weight coordinate: ``weight / weight_cap`` (in [0, 1])."""
+    assert config.weight_cap is not None
+    return float(weight) / float(config.weight_cap)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from typing import Any, Union
 import numpy as np
 
 from edgeflow.codecs.untrusted import loads_untrusted
-from edgeflow.errors import CodecError, SignatureError
+from edgeflow.errors import CodecError, ConfigError, SignatureError
 from edgeflow.signing import KeyRing, PrivateKey, PublicKey, Signer, signing_message
 from edgeflow.protocol.secagg import (
     AdvertiseKeys,
@@ -87,7 +87,8 @@ def encode_message(msg: Message) -> bytes:
         c = msg.config
         head = {"session_id": _hex(msg.session_id), "round_id": msg.round_id,
                 "config": {"threshold": c.threshold, "ring_bits": c.ring_bits, "frac_bits": c.frac_bits,
-                           "clip": c.clip, "max_clients": c.max_clients},
+                           "clip": c.clip, "max_clients": c.max_clients,
+                           **{k: getattr(c, k) for k in ("weight_cap", "norm_bound") if getattr(c, k) is not None}},
                 "participants": [{"client_id": p.client_id, "index": p.index,
                                   "enc_public_key": _hex(p.enc_public_key),
                                   "mask_public_key": _hex(p.mask_public_key)} for p in msg.participants],
@@ -104,6 +105,8 @@ def encode_message(msg: Message) -> bytes:
             raise SecAggError(f"masked input must be a 1-D uint32/uint64 array, got {arr.dtype}{arr.shape}")
         head = {"client_id": msg.client_id, "session_id": _hex(msg.session_id),
                 "bits": arr.dtype.itemsize * 8, "length": int(arr.size)}
+        if msg.weight is not None:
+            head["weight"] = float(msg.weight)
         payload = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
     elif isinstance(msg, UnmaskRequest):
         head = {"session_id": _hex(msg.session_id), "survivors": list(msg.survivors), "dropped": list(msg.dropped)}
@@ -223,8 +226,19 @@ def _decode(kind: int, head: dict, payload: bytes) -> Message:
         clip = c.get("clip")
         if isinstance(clip, bool) or not isinstance(clip, (int, float)):
             raise _bad("field 'clip' must be a number")
-        config = SecAggConfig(threshold=_int(c, "threshold"), ring_bits=_int(c, "ring_bits"),
-                              frac_bits=_int(c, "frac_bits"), clip=float(clip), max_clients=_int(c, "max_clients"))
+        optional = {}
+        for k in ("weight_cap", "norm_bound"):
+            if k in c:
+                v = c[k]
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise _bad(f"field {k!r} must be a number")
+                optional[k] = float(v)
+        try:
+            config = SecAggConfig(threshold=_int(c, "threshold"), ring_bits=_int(c, "ring_bits"),
+                                  frac_bits=_int(c, "frac_bits"), clip=float(clip), max_clients=_int(c, "max_clients"),
+                                  **optional)
+        except ConfigError as exc:
+            raise _bad(f"config: {exc}") from None
         parts = []
         for p in _list(head, "participants"):
             p = _dict(p, "a participant")
@@ -250,7 +264,11 @@ def _decode(kind: int, head: dict, payload: bytes) -> Message:
         if len(payload) != length * bits // 8:
             raise _bad(f"masked input payload is {len(payload)} bytes, header says {length} x {bits // 8}")
         arr = np.frombuffer(payload, dtype=np.dtype(f"<u{bits // 8}")).astype(np.dtype(f"u{bits // 8}"))
-        return MaskedInput(_str(head, "client_id"), _bytes(head, "session_id"), arr)
+        weight = head.get("weight")
+        if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))):
+            raise _bad("field 'weight' must be a number")
+        return MaskedInput(_str(head, "client_id"), _bytes(head, "session_id"), arr,
+                           None if weight is None else float(weight))
     if kind == 6:
         return UnmaskRequest(_bytes(head, "session_id"), _strs(head, "survivors"), _strs(head, "dropped"))
     if kind == 7:
