@@ -190,7 +190,7 @@ def run_scenario(scenario: str, *, devices: int = 10, rounds: int = 10, target: 
 
     def on_round(m: Any) -> None:
         closed_at[m.round_id] = time.time()
-        who = sorted(rm._reported)
+        who = sorted(rm.open.snapshot().reported)
         counted[m.round_id] = who
         history.append(m)
         rec = gstore.round(m.round_id)

@@ -373,7 +373,7 @@ class SiteGateway:
         done: list[RoundMetrics] = []
         rm.start()
         rm.publish_model()
-        if rm._recovered is not None:  # a round this site left open: finish and forward it first
+        if rm.resuming:  # a round this site left open: finish and forward it first
             done += rm.run(0)
             self._last_round = max(self._last_round, rm.store.last_round_id())
         while (rounds is None or len(done) < rounds) and not self._stop.is_set():

@@ -469,47 +469,13 @@ class RoundManager:
                                 "acked; the gateway keeps running", what, time.monotonic() - t0, delivery.acked,
                                 delivery.total)
 
-    # -- the open round's fields under their old names (gateway/secure_rounds.py still uses them) --------
-    @property
-    def _lock(self) -> threading.RLock:
-        return self.open.lock
-
-    @property
-    def _cv(self) -> threading.Condition:
-        return self.open.cv
-
-    @property
-    def _ann(self) -> RoundAnnouncement | None:
-        return self.open.ann
-
-    @_ann.setter
-    def _ann(self, ann: RoundAnnouncement) -> None:
-        self.open.announce(ann)
-
-    @property
-    def _agg(self) -> Any:
-        return self.open.agg
-
-    @property
-    def _reported(self) -> set[str]:
-        return self.open.reported
-
-    @property
-    def _bytes_in(self) -> int:
-        return self.open.bytes_in
-
-    @_bytes_in.setter
-    def _bytes_in(self, value: int) -> None:
-        self.open.bytes_in = value
-
     def _count(self, key: str, n: int = 1) -> None:
         self.open.count(key, n)
 
-    _publish_round = property(lambda self: self.publish_round)
-    _fail_round = property(lambda self: self.fail_round)
-    _metrics = property(lambda self: self.round_metrics)
-    _report = property(lambda self: self.report)
-    _commit = property(lambda self: self.commit)
+    @property
+    def resuming(self) -> bool:
+        """True while a round a previous process left open waits to be finished (by the next :meth:`run`)."""
+        return self._recovered is not None
 
     @property
     def stopping(self) -> threading.Event:
@@ -951,16 +917,17 @@ class RoundManager:
         self._status("failed", f"round {ann.round_id} failed: {reason}", round_id=ann.round_id)
         return metrics
 
-    def finish_round(self, ann: RoundAnnouncement, result: AggregateResult, agg_s: float, t_start: float
-                 ) -> RoundMetrics:
+    def finish_round(self, ann: RoundAnnouncement, result: AggregateResult, agg_s: float, t_start: float,
+                     *, extra: Mapping[str, float] | None = None) -> RoundMetrics:
         """Hand the aggregate to the sink, then store the round's end (and the model it staged)
-        in one transaction, then publish the model."""
+        in one transaction, then publish the model. ``extra``: the protocol's own metrics."""
         try:
             self.sink.deliver(self, result, ann)
         except AggregationError as exc:
             self._staged = None
             return self.fail_round(ann, t_start, str(exc), result.num_clients)
         metrics = self.round_metrics(ann, result, agg_s, t_start)
+        metrics.extra.update(extra or {})
         self.commit(ann, metrics.to_dict())
         self.report(metrics)
         return metrics

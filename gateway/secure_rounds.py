@@ -31,7 +31,9 @@ round's ``max_samples``, else this."""
 class SecureRounds:
     """The secure half of a RoundManager (``rm.secure``)."""
 
-    def __init__(self, rm: Any) -> None:  # the RoundManager (which imports this module)
+    def __init__(self, rm: Any) -> None:  # the RoundManager (which imports this module): its open round and
+        # public methods (open, weights, keyring, fleet, fleet_key, config, stopping, publish_reliably,
+        # publish_round, fail_round, finish_round)
         self.rm = rm
         self.server: Any = None  # SecAggServer of the open round, if any
         self.seen: dict[str, set[str]] = {}  # message kind -> devices it came from, this round
@@ -40,8 +42,7 @@ class SecureRounds:
         try:
             self._handle(msg)
         except Exception:  # noqa: BLE001 - one message must never take the transport's worker thread down
-            with self.rm._lock:
-                self.rm._count("rejected_internal")
+            self.rm.open.count("rejected_internal")
             log.exception("secagg frame on %s dropped after an unexpected failure (a bug: please report it)",
                           msg.topic)
 
@@ -58,39 +59,39 @@ class SecureRounds:
             m = secure.decode(secure.unseal_from(msg.payload, self.rm.keyring, sender))
             if getattr(m, "client_id", None) != sender:
                 raise SignatureError(f"secagg frame names {getattr(m, 'client_id', None)!r} but came from {sender!r}")
-            with self.rm._cv:
+            rnd = self.rm.open
+            with rnd.cv:
                 server = self.server
                 if server is None:
-                    self.rm._count("late")
+                    rnd.count("late")
                     return
                 if isinstance(m, AdvertiseKeys):
-                    if self.rm._ann is None or sender not in self.rm._ann.selected:
-                        self.rm._count("not_selected")
+                    if rnd.ann is None or sender not in rnd.ann.selected:
+                        rnd.count("not_selected")
                         return
                     server.receive_advertise(m)
                 elif isinstance(m, ShareKeys):
                     server.receive_share_keys(m)
                 elif isinstance(m, MaskedInput):
                     server.receive_masked_input(m)
-                    self.rm._reported.add(sender)
-                    self.rm._bytes_in += len(msg.payload)
+                    rnd.record(sender, nbytes=len(msg.payload))
                 elif isinstance(m, UnmaskResponse):
                     server.receive_unmask(m)
                 else:
                     raise SecAggError(f"unexpected secagg message {type(m).__name__}")
                 self.seen.setdefault(type(m).__name__, set()).add(sender)
-                self.rm._cv.notify_all()
+                rnd.cv.notify_all()
         except (CodecError, SignatureError, SecAggError) as exc:
-            with self.rm._lock:
-                self.rm._count("rejected_secagg")
+            self.rm.open.count("rejected_secagg")
             log.warning("secagg frame from %s refused: %s", sender, exc)
 
     def _phase(self, kind: str, expected: set[str], until: float) -> set[str]:
-        with self.rm._cv:
-            while not self.rm._stop.is_set() and time.time() < until:
+        rnd = self.rm.open
+        with rnd.cv:
+            while not self.rm.stopping.is_set() and time.time() < until:
                 if expected <= self.seen.get(kind, set()):
                     break
-                self.rm._cv.wait(0.05)
+                rnd.wait(0.05)
             return set(self.seen.get(kind, set()))
 
     def _broadcast(self, frame: bytes) -> None:
@@ -124,7 +125,7 @@ class SecureRounds:
             opts["norm_bound"] = float(clip)
         server = SecAggServer(SecAggConfig.for_clients(len(ann.selected), frac, **opts), self.rm.weights,
                               round_id=ann.round_id)
-        with self.rm._cv:
+        with self.rm.open.cv:
             self.server = server
             self.seen = {}
 
@@ -132,10 +133,10 @@ class SecureRounds:
         """Bonawitz et al. over MQTT; the aggregator only ever receives the unmasked sum."""
         from edgeflow.protocol import secagg_wire as secure
 
-        from edgeflow.protocol.secagg import SecAggError
 
         phase_s = float(dict(self.rm.config.secagg or {}).get("phase_timeout_s", 10.0))
-        with self.rm._cv:
+        rnd = self.rm.open
+        with rnd.cv:
             server = self.server if self.server is not None and self.server.round_id == ann.round_id else None
         if server is None:  # not prepared before the announcement (e.g. a caller of _collect_and_close)
             self.prepare(ann)
@@ -145,56 +146,46 @@ class SecureRounds:
         reason = "stopped"
         try:
             adv = self._phase("AdvertiseKeys", selected, min(ann.deadline, time.time() + phase_s))
-            with self.rm._lock:
+            with rnd.lock:
                 directory = server.key_directory()
             self._broadcast(secure.encode(directory))
             self._phase("ShareKeys", adv, min(ann.deadline, time.time() + phase_s))
-            with self.rm._lock:
+            with rnd.lock:
                 bundles = server.share_bundles()
             self._broadcast(secure.pack_bundles([secure.encode(b) for b in bundles.values()]))
             holders = set(bundles)
             self._phase("MaskedInput", holders, ann.deadline)
-            with self.rm._lock:
+            with rnd.lock:
                 request = server.unmask_request()
             self._broadcast(secure.encode(request))
             self._phase("UnmaskResponse", set(request.survivors), time.time() + phase_s)
-            with self.rm._lock:
+            with rnd.lock:
                 sa_result = server.finish()
             t0 = time.perf_counter()
-            with self.rm._lock:
+            with rnd.lock:
                 summed = {k: np.asarray(v, dtype=self.rm.weights[k].dtype) for k, v in sa_result.sum.items()}
                 total = int(round(sa_result.total_weight))
                 if total < 1:
                     raise AggregationError(f"the survivors' weights sum to {sa_result.total_weight:g}; nothing to "
                                            "average")
-                self.rm._agg.add_partial(summed, total_samples=total, num_clients=sa_result.num_clients,
-                                         client_id="secagg")
-                result = self.rm._agg.finish()
+                rnd.agg.add_partial(summed, total_samples=total, num_clients=sa_result.num_clients,
+                                    client_id="secagg")
+                result = rnd.agg.finish()
             agg_s = time.perf_counter() - t0
         except AggregationError as exc:  # SecAggError, or a non-finite sum
             log.error("round %d: secure aggregation failed: %s", ann.round_id, exc)
             reason = str(exc)
             agg_s = 0.0
         finally:
-            with self.rm._cv:
+            with rnd.cv:
                 self.server = None
-                closed = RoundAnnouncement(**{**ann.__dict__, "state": "closed"})
-                self.rm._ann = closed
-        self.rm._publish_round(closed)
+                closed = rnd.close()
+        self.rm.publish_round(closed)
         if result is None:
-            return self.rm._fail_round(ann, t_start, f"secure aggregation failed: {reason}", 0)
+            return self.rm.fail_round(ann, t_start, f"secure aggregation failed: {reason}", 0)
         if sa_result.num_clients < self.rm.config.min_clients:
-            return self.rm._fail_round(ann, t_start, f"{sa_result.num_clients} masked input(s) unmasked, below "
-                                                  f"min_clients {self.rm.config.min_clients}", sa_result.num_clients)
+            return self.rm.fail_round(ann, t_start, f"{sa_result.num_clients} masked input(s) unmasked, below "
+                                                    f"min_clients {self.rm.config.min_clients}", sa_result.num_clients)
         result = AggregateResult(**{**result.__dict__, "num_clients": sa_result.num_clients})
-        try:
-            self.rm.sink.deliver(self.rm, result, ann)
-        except AggregationError as exc:
-            self.rm._staged = None
-            return self.rm._fail_round(ann, t_start, str(exc), sa_result.num_clients)
-        metrics = self.rm._metrics(ann, result, agg_s, t_start)
-        metrics.extra["secagg_dropped"] = float(len(sa_result.dropped))
-        self.rm._commit(ann, metrics.to_dict())
-        self.rm._report(metrics)
-        return metrics
-
+        return self.rm.finish_round(ann, result, agg_s, t_start,
+                                    extra={"secagg_dropped": float(len(sa_result.dropped))})

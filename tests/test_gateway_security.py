@@ -179,7 +179,7 @@ def test_a_stored_bad_update_from_an_older_version_does_not_crash_loop_the_resta
                       candidates=list)
     rm.start()  # used to raise ValueError on float("x") at every restart
     assert rm._recovered is not None and rm._recovered.round_id == 1
-    assert store.update_count(1) == 0 and "evil" not in rm._reported
+    assert store.update_count(1) == 0 and "evil" not in rm.open.snapshot().reported
     store.close()
 
 

@@ -82,7 +82,7 @@ def test_two_bridged_sites_and_a_root_reproduce_flat_fedavg(mosquitto_factory): 
                 candidates=lambda ring=ring: [Candidate(d) for d in ring.devices()],
                 uplink=Uplink(gt, FLEET), signer=site_signers[s],
             )
-            assert isinstance(rm._strategy, PartialSum)
+            assert isinstance(rm.strategy, PartialSum)
             sites[s] = SiteGateway(rm, Uplink(gt, FLEET), site_id=s, root_key=fleet_key.public_key,
                                    forward_margin_s=3.0)
         rt = transport(central.url, "root")
@@ -198,7 +198,7 @@ def test_gateway_toml_role_and_hierarchy_settings():
     gw = Gateway(t, GatewayStore(), fleet=FLEET, fleet_key=key, keyring=KeyRing(), model=model,
                  rounds=RoundConfig(), role="site", hierarchy=cfg.hierarchy, site_signer=site,
                  root_key=key.public_key)
-    assert gw.site is not None and isinstance(gw.rounds._strategy, PartialSum)
+    assert gw.site is not None and isinstance(gw.rounds.strategy, PartialSum)
     assert gw.site.uplink.round_topic == f"edgeflow/{FLEET}/_uplink/gateway/round"
     ring = KeyRing({"site-a": site.public_key, "site-b": Signer.generate("site-b").public_key})
     gr = Gateway(t, GatewayStore(), fleet=FLEET, fleet_key=key, keyring=ring, model=model, rounds=RoundConfig(),

@@ -154,11 +154,11 @@ def test_the_gateway_caps_claims_at_max_samples_and_restores_the_reference(tmp_p
     kw = dict(fleet="f", fleet_key=PrivateKey.generate(), keyring=KeyRing(), model=zoo.digits_mlp(seed=1),
               candidates=list)
     rm = RoundManager(t, store, config=RoundConfig(train=TrainConfig(max_samples=40)), **kw)
-    assert rm._strategy.sample_cap == 40  # a device told to train on at most 40 cannot claim more
+    assert rm.strategy.sample_cap == 40  # a device told to train on at most 40 cannot claim more
     store.open_round(1, 1, time.time() + 60, {}, ["a"])
     store.finish_round(1, {"median_norm": 0.25, "median_samples": 12.0})
     rm = RoundManager(t, store, config=RoundConfig(), **kw)
-    assert rm._strategy.reference == {"median_norm": 0.25, "median_samples": 12.0}
+    assert rm.strategy.reference == {"median_norm": 0.25, "median_samples": 12.0}
     store.close()
 
 

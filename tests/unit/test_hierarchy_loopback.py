@@ -51,7 +51,7 @@ def test_two_bridged_sites_and_a_root_reproduce_flat_fedavg():
                                  shards=shards[k * PER_SITE:(k + 1) * PER_SITE],
                                  prefix=f"{s}-d", config={"min_clients": PER_SITE, "deadline_s": 20},
                                  rounds_factory=_site_factory(lambda t: Uplink(t, FLEET), signers[s]))
-        assert isinstance(sites[s].rounds._strategy, PartialSum)
+        assert isinstance(sites[s].rounds.strategy, PartialSum)
         gateways[s] = SiteGateway(sites[s].rounds, Uplink(sites[s].gateway_transport, FLEET), site_id=s,
                                   root_key=fleet_key.public_key, forward_margin_s=1.0)
     rt = central.transport("root")
