@@ -51,6 +51,7 @@ __all__ = [
     "robust_median",
     "trimmed_mean",
     "weighted_average",
+    "weighted_metrics",
 ]
 
 Weights = Mapping[str, np.ndarray]
@@ -296,3 +297,15 @@ def bulyan(stack: np.ndarray, num_byzantine: int, dist: np.ndarray | None = None
     order = np.argsort(np.abs(sel - med), axis=0, kind="stable")[:beta]
     closest = np.take_along_axis(sel, order, axis=0)
     return closest.mean(axis=0), np.array(sorted(chosen))
+
+
+def weighted_metrics(results: Sequence[tuple[int, Mapping[str, float]]]) -> dict[str, float]:
+    """Flower's ``weighted_average`` for metrics: each metric's mean over the clients that reported it,
+    weighted by their example counts (``results`` = [(num_examples, {name: value})])."""
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for n, metrics in results:
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + float(n) * float(v)
+            counts[k] = counts.get(k, 0.0) + float(n)
+    return {k: sums[k] / counts[k] for k in sorted(sums) if counts[k] > 0}

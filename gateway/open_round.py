@@ -35,6 +35,7 @@ class Intake:
     counters: Mapping[str, int]
     losses: tuple[float, ...]
     fit_metrics: tuple[tuple[int, Mapping[str, Any]], ...]
+    evaluations: tuple[tuple[float, int, Mapping[str, Any]], ...]
     bytes_in: int
     dense_bytes: int
 
@@ -63,6 +64,7 @@ class OpenRound:
         self.counters: dict[str, int] = {}
         self.losses: list[float] = []
         self.fit_metrics: list[tuple[int, Mapping[str, Any]]] = []
+        self.evaluations: list[tuple[float, int, Mapping[str, Any]]] = []
         self.bytes_in = 0
         self.dense_bytes = 0
         self._kept: dict[str, CheckedUpdate] = {}
@@ -120,8 +122,10 @@ class OpenRound:
             return device_id in self.reported
 
     def record(self, device_id: str, *, nbytes: int, dense_elements: int = 0, num_samples: int = 1,
-               loss: float | None = None, metrics: Mapping[str, Any] | None = None) -> None:
-        """Count one accepted contribution and wake the round's thread."""
+               loss: float | None = None, metrics: Mapping[str, Any] | None = None,
+               evaluation: tuple[float, int, Mapping[str, Any]] | None = None) -> None:
+        """Count one accepted contribution (its fit metrics, and its evaluation of the model it trained
+        from) and wake the round's thread."""
         with self.cv:
             self.reported.add(device_id)
             self.bytes_in += int(nbytes)
@@ -130,6 +134,8 @@ class OpenRound:
                 self.losses.append(float(loss))
             if metrics:
                 self.fit_metrics.append((int(num_samples), dict(metrics)))
+            if evaluation is not None:
+                self.evaluations.append(evaluation)
             self.cv.notify_all()
 
     def forget(self, device_id: str) -> None:
@@ -178,7 +184,7 @@ class OpenRound:
     def snapshot(self) -> Intake:
         with self.lock:
             return Intake(frozenset(self.reported), dict(self.counters), tuple(sorted(self.losses)),
-                          tuple(self.fit_metrics), self.bytes_in, self.dense_bytes)
+                          tuple(self.fit_metrics), tuple(self.evaluations), self.bytes_in, self.dense_bytes)
 
     def wait(self, timeout: float) -> None:
         """Wait (lock held by the caller, as with a Condition) until something is recorded or timeout."""

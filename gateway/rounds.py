@@ -96,6 +96,7 @@ from edgeflow.transport.backoff import Backoff
 from edgeflow.transport.base import Transport
 from edgeflow.transport.topics import device_filter, gateway_topic, parse_topic
 
+from .aggregate import weighted_metrics
 from .aggregation import AggregateResult, decode_state, encode_state
 from .async_rounds import AsyncRounds
 from .global_model import classification_metrics, model_weights, model_with_weights
@@ -207,6 +208,8 @@ class RoundManager:
         weight_names: Iterable[str] | None = None,
         evaluator: Callable[[onnx.ModelProto, Any], Mapping[str, float]] | None = None,
         selector: Callable[[list[Candidate], int, Any], Iterable[str]] | None = None,
+        fit_metrics_fn: Callable[[list[tuple[int, Mapping[str, float]]]], Mapping[str, float]] | None = None,
+        evaluate_metrics_fn: Callable[[list[tuple[int, Mapping[str, float]]]], Mapping[str, float]] | None = None,
     ) -> None:
         """``sink`` (default :class:`AdoptAndPublish`), ``aggregator`` (default: the
         configured strategy), ``contributions`` ("updates" from devices, or
@@ -222,7 +225,10 @@ class RoundManager:
         any other key goes to its ``extra`` as ``eval_<key>``. ``selector``:
         ``(eligible, n, rng) -> device ids``, which ``n`` of the eligible
         candidates (those that can train and pass the profile/battery filters)
-        a round takes; default: ``n`` uniformly at random (seeded)."""
+        a round takes; default: ``n`` uniformly at random (seeded). ``fit_metrics_fn`` /
+        ``evaluate_metrics_fn``: Flower's ``fit_metrics_aggregation_fn`` / ``evaluate_metrics_aggregation_fn``,
+        ``[(num_examples, metrics)] -> metrics``, for the metrics clients send with their updates (default:
+        the example-weighted mean of each, :func:`~edgeflow.gateway.aggregate.weighted_metrics`)."""
         if contributions not in ("updates", "partials"):
             raise ConfigError(f"contributions must be 'updates' or 'partials', got {contributions!r}")
         self.sink: AggregateSink = sink or AdoptAndPublish()
@@ -240,6 +246,8 @@ class RoundManager:
         self.eval_data = eval_data
         self.evaluator = evaluator or classification_metrics
         self.selector = selector
+        self.fit_metrics_fn = fit_metrics_fn
+        self.evaluate_metrics_fn = evaluate_metrics_fn
         self.on_round = on_round
         self.replay = ReplayGuard()
         self.open = OpenRound()
@@ -695,8 +703,8 @@ class RoundManager:
                     self.store.record_seq(upd.device_id, upd.seq)
             self.open.record(upd.device_id, nbytes=len(upd.payload),
                              dense_elements=sum(int(v.size) for v in upd.tensors.values()),
-                             num_samples=upd.meta.num_samples, loss=upd.meta.loss,
-                             metrics=getattr(upd.meta, "metrics", None))
+                             num_samples=upd.meta.num_samples, loss=upd.meta.loss, metrics=upd.meta.metrics,
+                             evaluation=upd.meta.evaluation)
             if result is not None:
                 self.async_rounds.ready(result)
 
@@ -998,9 +1006,27 @@ class RoundManager:
             accuracy=acc, eval_loss=eval_loss,
             extra={**{k: float(v) for k, v in (result.metrics.items() if result else ())
                       if k.startswith("dp_") or k in _ROBUST_METRICS},
-                   **{f"eval_{k}": v for k, v in evaluated.items()}},
+                   **{f"eval_{k}": v for k, v in evaluated.items()},
+                   **self._client_metrics(got)},
         )
         return m
+
+    def _client_metrics(self, got: Any) -> dict[str, float]:
+        """What the clients reported beside their updates: fit metrics (``fit_<name>``) and their evaluation
+        of the model they trained from (``fed_eval_loss``, ``fed_eval_<name>``, ``fed_eval_clients``, the
+        ``fed_eval_examples`` they evaluated on), each aggregated by example count or by the user's function."""
+        out: dict[str, float] = {}
+        if got.fit_metrics:
+            fit = (self.fit_metrics_fn or weighted_metrics)(list(got.fit_metrics))
+            out.update({f"fit_{k}": float(v) for k, v in dict(fit).items()})
+        if got.evaluations:
+            ev = list(got.evaluations)
+            out["fed_eval_clients"] = float(len(ev))
+            out["fed_eval_examples"] = float(sum(n for _, n, _ in ev))
+            out["fed_eval_loss"] = weighted_metrics([(n, {"loss": loss}) for loss, n, _ in ev])["loss"]
+            agg = (self.evaluate_metrics_fn or weighted_metrics)([(n, m) for _, n, m in ev if m])
+            out.update({f"fed_eval_{k}": float(v) for k, v in dict(agg).items()})
+        return out
 
     def report(self, m: RoundMetrics) -> None:
         self.history.append(m)

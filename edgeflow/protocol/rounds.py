@@ -136,6 +136,27 @@ class UpdateMeta:
     loss: float | None = None
     train_s: float | None = None
     nonce: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The client's fit metrics (name -> finite number), as a Flower ``fit`` returns them."""
+    evaluation: tuple[float, int, dict[str, float]] | None = None
+    """(loss, num_examples, metrics) of the client's evaluation of the model it trained from, if it sent one."""
+
+
+MAX_METRICS = 64
+"""At most this many metrics per update (fit or evaluate); names up to 64 characters."""
+
+
+def _metrics(value: Any, field_name: str) -> dict[str, float]:
+    if not isinstance(value, dict):
+        raise CodecError(f"{field_name} must be an object of name -> number")
+    if len(value) > MAX_METRICS:
+        raise CodecError(f"{field_name} has {len(value)} entries, at most {MAX_METRICS}")
+    out = {}
+    for k, v in value.items():
+        if not isinstance(k, str) or not 0 < len(k) <= 64 or not k.isprintable():
+            raise CodecError(f"{field_name} has a bad name {str(k)[:40]!r} (1-64 printable characters)")
+        out[k] = as_number(v, f"{field_name}[{k!r}]")
+    return out
 
 
 def parse_update_meta(metadata: Any, device: str = "") -> UpdateMeta:
@@ -155,8 +176,17 @@ def parse_update_meta(metadata: Any, device: str = "") -> UpdateMeta:
         if nonce is not None and (not isinstance(nonce, str) or not nonce or len(nonce) > 64):
             raise CodecError(f"round_nonce must be a non-empty string of at most 64 characters, "
                              f"got {str(nonce)[:40]!r}")
+        metrics = _metrics(metadata.get("metrics", {}), "metrics")
+        evaluation = None
+        ev = metadata.get("eval")
+        if ev is not None:
+            if not isinstance(ev, dict):
+                raise CodecError("eval must be an object {loss, num_examples, metrics}")
+            evaluation = (as_number(ev.get("loss"), "eval.loss"),
+                          as_int(ev.get("num_examples"), "eval.num_examples", lo=1, hi=MAX_NUM_SAMPLES),
+                          _metrics(ev.get("metrics", {}), "eval.metrics"))
     except CodecError as exc:
         err = CodecError(f"{who} has bad metadata: {exc}; refused before anything was stored")
         err.reason = "bad_metadata"  # type: ignore[attr-defined]
         raise err from None
-    return UpdateMeta(num_samples, base_version, loss, train_s, nonce)
+    return UpdateMeta(num_samples, base_version, loss, train_s, nonce, metrics, evaluation)

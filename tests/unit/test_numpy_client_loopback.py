@@ -139,3 +139,49 @@ def test_check_fit_and_the_client_refuse_bad_input_with_one_line():
     with pytest.raises(EdgeflowError, match="must be an edgeflow.NumPyClient"):
         edgeflow.Client(t, fleet="f", device_id="d0", signer=s, fleet_key=PrivateKey.generate().public_key,
                         app=object())
+
+
+class Reporting(Shift):
+    """Fit and evaluate metrics that differ per client, to check how the gateway aggregates them."""
+
+    def __init__(self, step: float, n: int, acc: float, loss: float) -> None:
+        super().__init__(step, n)
+        self.acc, self.eval_loss = acc, loss
+
+    def fit(self, parameters, config):
+        params, n, _ = super().fit(parameters, config)
+        return params, n, {"loss": self.step, "lr_used": 0.1 * n}
+
+    def evaluate(self, parameters, config):
+        super().evaluate(parameters, config)
+        return self.eval_loss, 2 * self.n, {"accuracy": self.acc}
+
+
+def test_the_clients_fit_and_evaluate_metrics_are_kept_with_the_round():
+    """Issue 29: the gateway read only `loss`; every numeric fit metric and each client's evaluation of the
+    model it trained from are now aggregated by example count and stored with the round."""
+    apps = [Reporting(0.01, 10, 0.5, 1.0), Reporting(0.012, 30, 0.9, 0.2)]
+    fleet = LoopbackFleet(2, apps=apps, config={"rounds": 1, "min_clients": 2})
+    with fleet:
+        (m,) = fleet.rounds.run()
+        stored = fleet.rounds.store.round(1).metrics
+    assert m.extra["fit_lr_used"] == pytest.approx((10 * 1.0 + 30 * 3.0) / 40)
+    assert m.extra["fit_loss"] == pytest.approx((10 * 0.01 + 30 * 0.012) / 40)
+    assert m.extra["fed_eval_clients"] == 2 and m.extra["fed_eval_examples"] == 80
+    assert m.extra["fed_eval_loss"] == pytest.approx((20 * 1.0 + 60 * 0.2) / 80)
+    assert m.extra["fed_eval_accuracy"] == pytest.approx((20 * 0.5 + 60 * 0.9) / 80)
+    assert stored["fed_eval_accuracy"] == pytest.approx(m.extra["fed_eval_accuracy"])  # in the state too
+
+
+def test_a_users_metrics_aggregation_function_is_used():
+    apps = [Reporting(0.01, 10, 0.5, 1.0), Reporting(0.012, 30, 0.9, 0.2)]
+    seen = []
+
+    def worst(results):
+        seen.append(results)
+        return {"accuracy_min": min(m["accuracy"] for _, m in results)}
+
+    fleet = LoopbackFleet(2, apps=apps, config={"rounds": 1, "min_clients": 2}, evaluate_metrics_fn=worst)
+    with fleet:
+        (m,) = fleet.rounds.run()
+    assert m.extra["fed_eval_accuracy_min"] == 0.5 and sorted(n for n, _ in seen[0]) == [20, 60]

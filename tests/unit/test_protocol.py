@@ -75,3 +75,35 @@ def test_hostile_json_is_a_codec_error_with_a_reason() -> None:
 def test_the_round_announcement_round_trips() -> None:
     ann = _announcement()
     assert RoundAnnouncement.verify(ann.sign(FLEET), FLEET.public_key) == ann
+
+
+@pytest.mark.parametrize("metadata, field", [
+    ({"metrics": [1, 2]}, "metrics must be an object"),
+    ({"metrics": {"acc": "high"}}, "metrics['acc'] must be a number"),
+    ({"metrics": {"acc": True}}, "metrics['acc'] must be a number"),
+    ({"metrics": {"acc": 1e400}}, "metrics['acc'] must be finite"),
+    ({"metrics": {"": 1.0}}, "bad name"),
+    ({"metrics": {"x" * 65: 1.0}}, "bad name"),
+    ({"metrics": {"a\x1b[31m": 1.0}}, "bad name"),
+    ({"metrics": {f"m{i}": 1.0 for i in range(65)}}, "at most 64"),
+    ({"eval": 0.3}, "eval must be an object"),
+    ({"eval": {"loss": 0.1, "num_examples": 0}}, "eval.num_examples"),
+    ({"eval": {"loss": 0.1, "num_examples": 2.5}}, "eval.num_examples"),
+    ({"eval": {"loss": float("nan"), "num_examples": 3}}, "eval.loss"),
+    ({"eval": {"loss": 0.1, "num_examples": 3, "metrics": {"acc": None}}}, "eval.metrics['acc']"),
+])
+def test_hostile_client_metrics_refuse_the_update_naming_the_field(metadata, field):
+    from edgeflow.errors import CodecError
+    from edgeflow.protocol.rounds import parse_update_meta
+
+    with pytest.raises(CodecError, match="bad metadata") as e:
+        parse_update_meta({"num_samples": 5, **metadata}, "evil")
+    assert field in str(e.value) and getattr(e.value, "reason", "") == "bad_metadata"
+
+
+def test_client_metrics_are_kept():
+    from edgeflow.protocol.rounds import parse_update_meta
+
+    meta = parse_update_meta({"num_samples": 5, "metrics": {"acc": 0.5, "n_steps": 3},
+                              "eval": {"loss": 0.25, "num_examples": 7, "metrics": {"acc": 0.75}}})
+    assert meta.metrics == {"acc": 0.5, "n_steps": 3.0} and meta.evaluation == (0.25, 7, {"acc": 0.75})
