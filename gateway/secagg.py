@@ -11,11 +11,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
+from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from edgeflow.protocol.secagg import (
     KEY_BYTES,
     AdvertiseKeys,
+    FinalHolders,
     KeyDirectory,
     Layout,
     MaskedInput,
@@ -23,16 +26,19 @@ from edgeflow.protocol.secagg import (
     SecAggConfig,
     SecAggError,
     ShareBundle,
+    ShareCheck,
     ShareKeys,
     UnmaskRequest,
     UnmaskResponse,
+    agree,
     load_pub,
     pairwise_seed,
     prg_mask,
     pub_bytes,
+    share_ad,
     weight_fraction,
 )
-from edgeflow.protocol.shamir import Share, combine_shares
+from edgeflow.protocol.shamir import SHARE_BYTES, Share, combine_shares
 
 __all__ = ["SecAggResult", "SecAggServer"]
 
@@ -92,6 +98,8 @@ class SecAggServer:
         self._holders: tuple[str, ...] = ()
         self._masked: dict[str, np.ndarray] = {}
         self._weights: dict[str, float] = {}
+        self._checks: dict[str, ShareCheck] = {}
+        self._guilty: dict[str, str] = {}
         self._survivors: tuple[str, ...] = ()
         self._dropped: tuple[str, ...] = ()
         self._responses: dict[str, UnmaskResponse] = {}
@@ -148,6 +156,68 @@ class SecAggServer:
             bundles[h] = ShareBundle(h, self.session_id, mine, holders)
         self.phase = "masked"
         return bundles
+
+    # round 1b (optional): complaints about shares, checked; the guilty are left out
+    def receive_share_check(self, msg: ShareCheck) -> None:
+        """A holder's check of the shares it got. Each accusation is verified with the evidence: the
+        accuser's revealed session encryption key must be the one it advertised, and the accused sender's
+        ciphertext to it (as the server received it, signed by the sender) must fail to decrypt under the
+        recomputed pairwise key. A verified accusation marks the sender guilty; a false one, the accuser."""
+        self._phase("masked")
+        self._session(msg.session_id)
+        d = self._dir()
+        if msg.client_id not in self._holders:
+            raise SecAggError(f"share check from {msg.client_id!r}, who did not share keys")
+        if msg.client_id in self._checks:
+            raise SecAggError(f"client {msg.client_id!r} sent its share check twice")
+        if self._masked:
+            raise SecAggError("share checks come before any masked input")
+        self._checks[msg.client_id] = msg
+        if not msg.accused:
+            return
+        me = d.participant(msg.client_id)
+        try:
+            sk = X25519PrivateKey.from_private_bytes(bytes(msg.enc_private_key))
+        except ValueError:
+            sk = None
+        if sk is None or pub_bytes(sk.public_key()) != me.enc_public_key:
+            self._guilty[msg.client_id] = "its evidence is not the encryption key it advertised"
+            return
+        for sender in msg.accused:
+            if sender not in self._holders or sender == msg.client_id:
+                self._guilty[msg.client_id] = f"it accused {sender!r}, who sent it no share"
+                return
+            ct = next((es.ciphertext for es in self._shares[sender].shares if es.recipient == msg.client_id), None)
+            peer = d.participant(sender)
+            key = agree(sk, load_pub(peer.enc_public_key, sender), self.session_id, b"share-key")
+            ok = False
+            if ct is not None and len(ct) > 12:
+                try:
+                    pt = AESGCM(key).decrypt(ct[:12], ct[12:], share_ad(self.session_id, sender, msg.client_id))
+                    ok = len(pt) == 2 * SHARE_BYTES
+                except InvalidTag:
+                    ok = False
+            if ok:
+                self._guilty[msg.client_id] = f"it accused {sender!r}, whose share to it is sound"
+                return
+            self._guilty.setdefault(sender, f"its share to {msg.client_id!r} fails authentication")
+
+    def final_holders(self) -> FinalHolders:
+        """Close round 1b: the holders less the guilty and less those that sent no check; every remaining
+        client masks against exactly these. Call before any masked input."""
+        self._phase("masked")
+        if self._masked:
+            raise SecAggError("final_holders() must come before the masked inputs")
+        excluded = tuple(sorted(set(self._holders) - (set(self._checks) - set(self._guilty))))
+        holders = tuple(h for h in self._holders if h not in excluded)
+        self._need(len(holders), "remain after the share checks")
+        self._holders = holders
+        return FinalHolders(self.session_id, holders, excluded)
+
+    @property
+    def guilty(self) -> dict[str, str]:
+        """Clients a checked complaint found guilty, and why (for the gateway's log and counters)."""
+        return dict(self._guilty)
 
     # round 2
     def receive_masked_input(self, msg: MaskedInput) -> None:

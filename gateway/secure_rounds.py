@@ -49,7 +49,7 @@ class SecureRounds:
     def _handle(self, msg: Any) -> None:
         from edgeflow.protocol import secagg_wire as secure
 
-        from edgeflow.protocol.secagg import AdvertiseKeys, MaskedInput, SecAggError, ShareKeys, UnmaskResponse
+        from edgeflow.protocol.secagg import AdvertiseKeys, MaskedInput, SecAggError, ShareCheck, ShareKeys, UnmaskResponse
 
         info = parse_topic(msg.topic)
         sender = info.device if info else None
@@ -75,6 +75,8 @@ class SecureRounds:
                 elif isinstance(m, MaskedInput):
                     server.receive_masked_input(m)
                     rnd.record(sender, nbytes=len(msg.payload))
+                elif isinstance(m, ShareCheck):
+                    server.receive_share_check(m)
                 elif isinstance(m, UnmaskResponse):
                     server.receive_unmask(m)
                 else:
@@ -144,6 +146,7 @@ class SecureRounds:
         selected = set(ann.selected)
         result = None
         reason = "stopped"
+        final, guilty = None, {}
         try:
             adv = self._phase("AdvertiseKeys", selected, min(ann.deadline, time.time() + phase_s))
             with rnd.lock:
@@ -153,8 +156,18 @@ class SecureRounds:
             with rnd.lock:
                 bundles = server.share_bundles()
             self._broadcast(secure.pack_bundles([secure.encode(b) for b in bundles.values()]))
-            holders = set(bundles)
-            self._phase("MaskedInput", holders, ann.deadline)
+            # round 1b: every holder checks its shares; a sender whose share fails (verified with the
+            # accuser's evidence) is left out, and so is a false accuser; the rest mask against the final list
+            self._phase("ShareCheck", set(bundles), min(ann.deadline, time.time() + phase_s))
+            with rnd.lock:
+                final = server.final_holders()
+                guilty = server.guilty
+            for who, why in sorted(guilty.items()):
+                rnd.count("rejected_secagg_shares")
+                log.warning("round %d: secure aggregation: %s is left out of the round: %s", ann.round_id, who, why)
+            self._broadcast(secure.encode(final))
+            # the check may have waited for silent holders until the deadline: the masked inputs still get a phase
+            self._phase("MaskedInput", set(final.holders), max(ann.deadline, time.time() + phase_s))
             with rnd.lock:
                 request = server.unmask_request()
             self._broadcast(secure.encode(request))
@@ -187,5 +200,7 @@ class SecureRounds:
             return self.rm.fail_round(ann, t_start, f"{sa_result.num_clients} masked input(s) unmasked, below "
                                                     f"min_clients {self.rm.config.min_clients}", sa_result.num_clients)
         result = AggregateResult(**{**result.__dict__, "num_clients": sa_result.num_clients})
+        excluded = [c for c in final.excluded if c not in guilty]
         return self.rm.finish_round(ann, result, agg_s, t_start,
-                                    extra={"secagg_dropped": float(len(sa_result.dropped))})
+                                    extra={"secagg_dropped": float(len(sa_result.dropped) + len(excluded)),
+                                           "secagg_excluded": float(len(guilty))})

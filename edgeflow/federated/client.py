@@ -392,7 +392,7 @@ class Client:
 
     def _run_secure_round(self, ann: RoundAnnouncement, weights: dict[str, np.ndarray], version: int) -> None:
         """One round under secure aggregation: the gateway only ever sees the masked sum."""
-        from ..protocol.secagg import KeyDirectory, ShareBundle, UnmaskRequest
+        from ..protocol.secagg import FinalHolders, KeyDirectory, ShareBundle, UnmaskRequest
         from .secagg_client import SecAggClient
         from ..protocol import secagg_wire as secure
 
@@ -418,8 +418,10 @@ class Client:
         self._done.add((ann.round_id, ann.nonce))
         bundle = self._sa_wait(ShareBundle, directory.session_id, ann.deadline)
         if delta is None:
-            return  # this device drops out after sharing its keys (recoverable by the others)
-        send(sa.masked_input(bundle, delta, weight=float(n)))
+            return  # this device drops out after sharing its keys (the gateway leaves it out; the others go on)
+        send(sa.check_bundle(bundle))  # a peer whose share to this device fails is named (and checked by the gateway)
+        final = self._sa_wait(FinalHolders, directory.session_id, ann.deadline + 30.0)
+        send(sa.masked_input(final, delta, weight=float(n)))
         self.stats.updates_sent += 1
         self.stats.dense_bytes += 4 * sum(int(v.size) for v in delta.values())
         request = self._sa_wait(UnmaskRequest, directory.session_id, ann.deadline + 30.0)

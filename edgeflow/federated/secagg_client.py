@@ -19,11 +19,13 @@ from ..protocol.secagg import (
     KEY_BYTES,
     AdvertiseKeys,
     EncryptedShare,
+    FinalHolders,
     KeyDirectory,
     Layout,
     MaskedInput,
     SecAggError,
     ShareBundle,
+    ShareCheck,
     ShareKeys,
     UnmaskRequest,
     UnmaskResponse,
@@ -60,6 +62,7 @@ class SecAggClient:
         self._own_shares: tuple[bytes, bytes] | None = None
         self._masked_sent = False
         self._unmasked = False
+        self._checked: tuple[tuple[str, ...], dict[str, tuple[bytes, bytes]], tuple[str, ...]] | None = None
 
     def advertise(self) -> AdvertiseKeys:
         return AdvertiseKeys(self.client_id, pub_bytes(self._enc_key.public_key()),
@@ -101,9 +104,60 @@ class SecAggClient:
         self._directory = directory
         return ShareKeys(self.client_id, directory.session_id, tuple(out))
 
-    def masked_input(self, bundle: ShareBundle, update: Weights, weight: float = 1.0) -> MaskedInput:
-        """Decrypt the shares received, then mask the weighted update and its weight.
+    def _open_bundle(self, bundle: ShareBundle) -> tuple[tuple[str, ...], dict[str, tuple[bytes, bytes]], list[str]]:
+        """Check a bundle's frame and decrypt every share in it: (holders, good shares by sender, senders whose
+        share failed authentication or had the wrong length)."""
+        d = self._require_directory()
+        if bundle.recipient != self.client_id or bundle.session_id != d.session_id:
+            raise SecAggError(f"client {self.client_id!r}: share bundle is for {bundle.recipient!r} / another session")
+        holders = tuple(bundle.share_holders)
+        known = {p.client_id for p in d.participants}
+        if self.client_id not in holders or not set(holders) <= known or len(set(holders)) != len(holders):
+            raise SecAggError(f"client {self.client_id!r}: share holder list is inconsistent with the directory")
+        if len(holders) < d.config.threshold:
+            raise SecAggError(f"only {len(holders)} clients shared keys; at least {d.config.threshold} are needed")
+        received: dict[str, tuple[bytes, bytes]] = {}
+        bad: list[str] = []
+        for es in bundle.shares:
+            if es.recipient != self.client_id or es.sender not in holders or es.sender in received \
+                    or es.sender in bad:
+                raise SecAggError(f"client {self.client_id!r}: unexpected share from {es.sender!r}")
+            peer = d.participant(es.sender)
+            key = agree(self._enc_key, load_pub(peer.enc_public_key, peer.client_id), d.session_id, b"share-key")
+            try:
+                pt = AESGCM(key).decrypt(es.ciphertext[:12], es.ciphertext[12:],
+                                         share_ad(d.session_id, es.sender, self.client_id))
+            except InvalidTag:
+                bad.append(es.sender)
+                continue
+            if len(pt) != 2 * SHARE_BYTES:
+                bad.append(es.sender)
+                continue
+            received[es.sender] = (pt[:SHARE_BYTES], pt[SHARE_BYTES:])
+        missing = [h for h in holders if h != self.client_id and h not in received and h not in bad]
+        if missing:
+            raise SecAggError(f"client {self.client_id!r}: no share from {missing[0]!r}, who is listed as a holder")
+        return holders, received, bad
 
+    def check_bundle(self, bundle: ShareBundle) -> ShareCheck:
+        """Round 1b: check every share addressed to this client and name the senders whose share fails
+        authentication. To accuse, the client reveals its session-only encryption key, so the server can
+        verify the accusation (and finds the accuser guilty instead if the share was sound). What that
+        reveals: one share of each peer's two secrets, below the threshold t > n/2 (and this key is never
+        used again: a new client per session)."""
+        d = self._require_directory()
+        if self._checked is not None or self._masked_sent:
+            raise SecAggError(f"client {self.client_id!r}: shares already checked in this session")
+        holders, received, bad = self._open_bundle(bundle)
+        self._checked = (holders, received, tuple(bad))
+        return ShareCheck(self.client_id, d.session_id, tuple(bad), priv_bytes(self._enc_key) if bad else b"")
+
+    def masked_input(self, bundle: ShareBundle | FinalHolders, update: Weights, weight: float = 1.0) -> MaskedInput:
+        """Mask the weighted update and its weight against the session's holders.
+
+        ``bundle``: the server's :class:`FinalHolders` after :meth:`check_bundle` (a client whose shares
+        failed is then left out by the server, and the others go on), or the :class:`ShareBundle` itself
+        (no check round: any bad share is an error here, as before).
         ``update`` is a delta with the directory's layout (float arrays). Use
         weight = num_samples for FedAvg, 1.0 for an unweighted sum; it must be finite and >= 0.
         With the session's ``weight_cap`` the weight is capped at it, the client masks
@@ -114,31 +168,25 @@ class SecAggClient:
         d = self._require_directory()
         if self._masked_sent:
             raise SecAggError(f"client {self.client_id!r}: masked input already sent in this session")
-        if bundle.recipient != self.client_id or bundle.session_id != d.session_id:
-            raise SecAggError(f"client {self.client_id!r}: share bundle is for {bundle.recipient!r} / another session")
-        holders = tuple(bundle.share_holders)
-        known = {p.client_id for p in d.participants}
-        if self.client_id not in holders or not set(holders) <= known or len(set(holders)) != len(holders):
-            raise SecAggError(f"client {self.client_id!r}: share holder list is inconsistent with the directory")
-        if len(holders) < d.config.threshold:
-            raise SecAggError(f"only {len(holders)} clients shared keys; at least {d.config.threshold} are needed")
-        received: dict[str, tuple[bytes, bytes]] = {}
-        for es in bundle.shares:
-            if es.recipient != self.client_id or es.sender not in holders or es.sender in received:
-                raise SecAggError(f"client {self.client_id!r}: unexpected share from {es.sender!r}")
-            peer = d.participant(es.sender)
-            key = agree(self._enc_key, load_pub(peer.enc_public_key, peer.client_id), d.session_id, b"share-key")
-            try:
-                pt = AESGCM(key).decrypt(es.ciphertext[:12], es.ciphertext[12:],
-                                         share_ad(d.session_id, es.sender, self.client_id))
-            except InvalidTag as exc:
-                raise SecAggError(f"client {self.client_id!r}: share from {es.sender!r} fails authentication") from exc
-            if len(pt) != 2 * SHARE_BYTES:
-                raise SecAggError(f"share from {es.sender!r} has the wrong length")
-            received[es.sender] = (pt[:SHARE_BYTES], pt[SHARE_BYTES:])
-        missing = [h for h in holders if h != self.client_id and h not in received]
-        if missing:
-            raise SecAggError(f"client {self.client_id!r}: no share from {missing[0]!r}, who is listed as a holder")
+        if isinstance(bundle, FinalHolders):
+            if self._checked is None:
+                raise SecAggError(f"client {self.client_id!r}: final holders before check_bundle()")
+            checked, received, bad = self._checked
+            holders = tuple(bundle.holders)
+            if bundle.session_id != d.session_id or self.client_id not in holders \
+                    or not set(holders) <= set(checked) or len(set(holders)) != len(holders):
+                raise SecAggError(f"client {self.client_id!r}: final holders are inconsistent with the shares")
+            kept_bad = sorted(set(bad) & set(holders))
+            if kept_bad:
+                raise SecAggError(f"client {self.client_id!r}: the server keeps {kept_bad[0]!r}, whose share to "
+                                  "this client failed authentication; refusing to mask")
+            if len(holders) < d.config.threshold:
+                raise SecAggError(f"only {len(holders)} holders remain; at least {d.config.threshold} are needed")
+            received = {k: v for k, v in received.items() if k in holders}
+        else:
+            holders, received, bad = self._open_bundle(bundle)
+            if bad:
+                raise SecAggError(f"client {self.client_id!r}: share from {bad[0]!r} fails authentication")
         self._received = received
         self._holders = holders
 

@@ -17,6 +17,9 @@ MQTT; nothing here does I/O)::
     round 1  client -> server  ShareKeys           t-of-n shares of (mask key, b_u),
                                                    one AES-GCM ciphertext per peer
              server -> each    ShareBundle         the ciphertexts addressed to it
+    round 1b client -> server  ShareCheck          the shares it could not authenticate (and, to
+                                                   accuse, its session encryption key as evidence)
+             server -> all     FinalHolders        the holders less the guilty: whom to mask against
     round 2  client -> server  MaskedInput         y_u = x_u + masks (mod 2^k)
              server -> all     UnmaskRequest       who survived, who dropped
     round 3  client -> server  UnmaskResponse      b-shares of survivors,
@@ -66,6 +69,7 @@ from edgeflow.errors import AggregationError, ConfigError
 __all__ = [
     "AdvertiseKeys",
     "EncryptedShare",
+    "FinalHolders",
     "FixedPoint",
     "KeyDirectory",
     "Layout",
@@ -74,6 +78,7 @@ __all__ = [
     "SecAggConfig",
     "SecAggError",
     "ShareBundle",
+    "ShareCheck",
     "ShareKeys",
     "UnmaskRequest",
     "UnmaskResponse",
@@ -286,6 +291,29 @@ class ShareBundle:
     session_id: bytes
     shares: tuple[EncryptedShare, ...]
     share_holders: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ShareCheck:
+    """Round 1b, client -> server: the client checked every share addressed to it. ``accused``: the senders
+    whose share failed authentication (or had the wrong length); when it accuses anyone it reveals its
+    session-only encryption private key ``enc_private_key`` as evidence: the server recomputes each
+    pairwise AES key and tries the accused sender's ciphertext, which it saw signed by that sender."""
+
+    client_id: str
+    session_id: bytes
+    accused: tuple[str, ...] = ()
+    enc_private_key: bytes = b""
+
+
+@dataclass(frozen=True)
+class FinalHolders:
+    """Round 1b, server -> all: the clients every remaining client masks against (the share holders less
+    those a checked complaint found guilty, and less those that sent no check), and who was left out."""
+
+    session_id: bytes
+    holders: tuple[str, ...]
+    excluded: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -42,12 +42,14 @@ from edgeflow.signing import KeyRing, PrivateKey, PublicKey, Signer, signing_mes
 from edgeflow.protocol.secagg import (
     AdvertiseKeys,
     EncryptedShare,
+    FinalHolders,
     KeyDirectory,
     MaskedInput,
     ParticipantKeys,
     SecAggConfig,
     SecAggError,
     ShareBundle,
+    ShareCheck,
     ShareKeys,
     UnmaskRequest,
     UnmaskResponse,
@@ -56,14 +58,15 @@ from edgeflow.protocol.secagg import (
 __all__ = ["CONTEXT", "Message", "decode", "decode_message", "encode", "encode_message", "pack_bundles", "seal",
            "unpack_bundles", "unseal", "unseal_from"]
 
-Message = Union[AdvertiseKeys, KeyDirectory, ShareKeys, ShareBundle, MaskedInput, UnmaskRequest, UnmaskResponse]
+Message = Union[AdvertiseKeys, KeyDirectory, ShareKeys, ShareBundle, MaskedInput, UnmaskRequest, UnmaskResponse,
+                ShareCheck, FinalHolders]
 
 _MAGIC = b"EFSA"
 _VERSION = 1
 _HEAD = struct.Struct(">4sBBI")
 _MAX_HEADER = 64 << 20
 _KINDS: dict[type, int] = {AdvertiseKeys: 1, KeyDirectory: 2, ShareKeys: 3, ShareBundle: 4, MaskedInput: 5,
-                           UnmaskRequest: 6, UnmaskResponse: 7}
+                           UnmaskRequest: 6, UnmaskResponse: 7, ShareCheck: 8, FinalHolders: 9}
 
 
 def _hex(b: bytes) -> str:
@@ -110,6 +113,11 @@ def encode_message(msg: Message) -> bytes:
         payload = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
     elif isinstance(msg, UnmaskRequest):
         head = {"session_id": _hex(msg.session_id), "survivors": list(msg.survivors), "dropped": list(msg.dropped)}
+    elif isinstance(msg, ShareCheck):
+        head = {"client_id": msg.client_id, "session_id": _hex(msg.session_id), "accused": list(msg.accused),
+                "enc_private_key": _hex(msg.enc_private_key)}
+    elif isinstance(msg, FinalHolders):
+        head = {"session_id": _hex(msg.session_id), "holders": list(msg.holders), "excluded": list(msg.excluded)}
     else:
         assert isinstance(msg, UnmaskResponse)
         head = {"client_id": msg.client_id, "session_id": _hex(msg.session_id),
@@ -274,6 +282,14 @@ def _decode(kind: int, head: dict, payload: bytes) -> Message:
     if kind == 7:
         return UnmaskResponse(_str(head, "client_id"), _bytes(head, "session_id"),
                               _share_map(head, "seed_shares"), _share_map(head, "key_shares"))
+    if kind == 8:
+        key = _bytes(head, "enc_private_key")
+        accused = _strs(head, "accused")
+        if (len(key) not in (0, 32)) or (accused and len(key) != 32) or len(set(accused)) != len(accused):
+            raise _bad("a share check accuses distinct senders with a 32-byte key as evidence")
+        return ShareCheck(_str(head, "client_id"), _bytes(head, "session_id"), accused, key)
+    if kind == 9:
+        return FinalHolders(_bytes(head, "session_id"), _strs(head, "holders"), _strs(head, "excluded"))
     raise _bad(f"unknown message kind {kind}")
 
 

@@ -164,3 +164,114 @@ def test_a_hostile_weight_through_the_gateway_fails_the_round_and_keeps_the_mode
         assert fleet.rounds.version == 1
         for k, v in fleet.rounds.weights.items():
             np.testing.assert_array_equal(v, before[k])
+
+
+# -- one client corrupting its key shares -----------------------------------------------------------
+
+
+def _checked_session(n, *, corrupt=None, false_accuser=None, silent=()):
+    """All phases with the share-check round. ``corrupt``: a client whose shares to the others are garbage;
+    ``false_accuser``: a client that accuses an honest sender; ``silent``: clients that send no check."""
+    from edgeflow.protocol.secagg import EncryptedShare, ShareCheck, ShareKeys
+
+    ids = [f"c{i}" for i in range(n)]
+    weights = {c: 10.0 for c in ids}
+    ups = _ups(ids)
+    cfg = SecAggConfig.for_clients(n, 0.4, weight_cap=100.0)
+    server = SecAggServer(cfg, LAYOUT, round_id=4)
+    clients = {c: SecAggClient(c) for c in ids}
+    for c in clients.values():
+        server.receive_advertise(c.advertise())
+    d = server.key_directory()
+    for cid, c in clients.items():
+        sk = c.share_keys(d)
+        if cid == corrupt:  # flip one byte of every ciphertext it sends: authentication fails at each recipient
+            sk = ShareKeys(sk.client_id, sk.session_id, tuple(
+                EncryptedShare(e.sender, e.recipient, e.ciphertext[:-1] + bytes([e.ciphertext[-1] ^ 1]))
+                for e in sk.shares))
+        server.receive_share_keys(sk)
+    bundles = server.share_bundles()
+    for cid, c in clients.items():
+        if cid in silent:
+            continue
+        chk = c.check_bundle(bundles[cid])
+        if cid == false_accuser:
+            from edgeflow.protocol.secagg import priv_bytes
+
+            chk = ShareCheck(cid, chk.session_id, ("c0",), priv_bytes(c._enc_key))
+        server.receive_share_check(chk)
+    final = server.final_holders()
+    masked_by = [c for c in ids if c in final.holders]
+    for cid in masked_by:
+        server.receive_masked_input(clients[cid].masked_input(final, ups[cid], weight=weights[cid]))
+    req = server.unmask_request()
+    for cid in req.survivors:
+        server.receive_unmask(clients[cid].unmask(req))
+    return server.finish(), ups, final, server
+
+
+def test_a_client_with_corrupted_shares_is_found_out_and_the_others_finish():
+    res, ups, final, server = _checked_session(6, corrupt="c3")
+    assert final.excluded == ("c3",) and "c3" not in final.holders
+    assert "fails authentication" in server.guilty["c3"] and set(server.guilty) == {"c3"}
+    want = _mean(ups, {c: 10.0 for c in ups}, [c for c in ups if c != "c3"])
+    for k in LAYOUT:
+        np.testing.assert_allclose(res.sum[k] / res.total_weight, want[k], atol=1e-7)
+
+
+def test_a_false_accusation_excludes_the_accuser_not_the_accused():
+    res, ups, final, server = _checked_session(6, false_accuser="c2")
+    assert final.excluded == ("c2",) and "sound" in server.guilty["c2"] and "c0" in final.holders
+    assert res.survivors == tuple(c for c in sorted(ups) if c != "c2")
+
+
+def test_a_client_that_sends_no_check_is_left_out():
+    _, _, final, _ = _checked_session(6, silent=("c5",))
+    assert final.excluded == ("c5",)
+
+
+def test_without_the_check_round_a_bad_share_still_stops_the_client():
+    ids = ["a", "b", "c"]
+    cfg = SecAggConfig.for_clients(3, 0.0)
+    server = SecAggServer(cfg, LAYOUT, round_id=1)
+    clients = {c: SecAggClient(c) for c in ids}
+    for c in clients.values():
+        server.receive_advertise(c.advertise())
+    d = server.key_directory()
+    from edgeflow.protocol.secagg import EncryptedShare, ShareKeys
+
+    for cid, c in clients.items():
+        sk = c.share_keys(d)
+        if cid == "a":
+            sk = ShareKeys(sk.client_id, sk.session_id, tuple(
+                EncryptedShare(e.sender, e.recipient, bytes(len(e.ciphertext))) for e in sk.shares))
+        server.receive_share_keys(sk)
+    bundles = server.share_bundles()
+    with pytest.raises(SecAggError, match="share from 'a' fails authentication"):
+        clients["b"].masked_input(bundles["b"], _ups(["b"])["b"])
+
+
+def test_corrupted_shares_through_the_gateway_leave_only_that_device_out(monkeypatch, caplog):
+    """End to end: one of 5 devices sends garbage key shares. Before, every honest client aborted and the
+    gateway's log blamed them; now the 4 honest ones finish the round and the log names the sender."""
+    from edgeflow.protocol.secagg import EncryptedShare, ShareKeys
+
+    real = SecAggClient.share_keys
+
+    def share_keys(self, directory):
+        sk = real(self, directory)
+        if self.client_id != "d1":
+            return sk
+        return ShareKeys(sk.client_id, sk.session_id,
+                         tuple(EncryptedShare(e.sender, e.recipient, bytes(len(e.ciphertext))) for e in sk.shares))
+
+    monkeypatch.setattr(SecAggClient, "share_keys", share_keys)
+    fleet = LoopbackFleet(5, config={"secagg": {"max_dropout_fraction": 0.2, "phase_timeout_s": 3.0},
+                                     "deadline_s": 10.0})
+    with fleet, caplog.at_level("WARNING", logger="edgeflow.gateway.rounds"):
+        (m,) = fleet.rounds.run(1)
+        assert fleet.rounds.store.round(1).state == "closed" and fleet.rounds.version == 2
+    assert m.participants == 4 and m.extra["secagg_excluded"] == 1
+    assert fleet.rounds.counters_total["rejected_secagg_shares"] == 1
+    blamed = [r.getMessage() for r in caplog.records if "left out of the round" in r.getMessage()]
+    assert len(blamed) == 1 and "d1 is left out" in blamed[0] and "fails authentication" in blamed[0]
