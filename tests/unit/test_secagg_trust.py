@@ -275,3 +275,36 @@ def test_corrupted_shares_through_the_gateway_leave_only_that_device_out(monkeyp
     assert fleet.rounds.counters_total["rejected_secagg_shares"] == 1
     blamed = [r.getMessage() for r in caplog.records if "left out of the round" in r.getMessage()]
     assert len(blamed) == 1 and "d1 is left out" in blamed[0] and "fails authentication" in blamed[0]
+
+
+def test_the_new_messages_round_trip_and_hostile_frames_are_refused():
+    import json
+    import struct
+
+    from edgeflow.protocol.secagg import FinalHolders, ShareCheck
+    from edgeflow.protocol.secagg_wire import decode_message, encode_message
+
+    for msg in (ShareCheck("a", b"\x01" * 16), ShareCheck("a", b"\x01" * 16, ("b", "c"), b"\x07" * 32),
+                FinalHolders(b"\x02" * 16, ("a", "b"), ("c",)), MaskedInput("a", b"s", np.arange(3, dtype=np.uint64),
+                                                                           12.5)):
+        back = decode_message(encode_message(msg))
+        assert type(back) is type(msg) and back.__dict__.keys() == msg.__dict__.keys()
+
+    def frame(kind, head):
+        body = json.dumps(head).encode()
+        return struct.pack(">4sBBI", b"EFSA", 1, kind, len(body)) + body
+
+    bad = [
+        frame(8, {"client_id": "a", "session_id": "00", "accused": ["b"], "enc_private_key": ""}),  # no evidence
+        frame(8, {"client_id": "a", "session_id": "00", "accused": ["b"], "enc_private_key": "00" * 31}),
+        frame(8, {"client_id": "a", "session_id": "00", "accused": ["b", "b"], "enc_private_key": "00" * 32}),
+        frame(8, {"client_id": "a", "session_id": "00", "accused": [1], "enc_private_key": "00" * 32}),
+        frame(9, {"session_id": "00", "holders": "ab", "excluded": []}),
+        frame(5, {"client_id": "a", "session_id": "00", "bits": 64, "length": 0, "weight": "heavy"}),
+        frame(2, {"session_id": "00", "round_id": 1, "config": {"threshold": 2, "ring_bits": 64, "frac_bits": 32,
+                                                               "clip": 1.0, "max_clients": 4, "weight_cap": -5},
+                  "participants": [], "layout": []}),
+    ]
+    for b in bad:
+        with pytest.raises(SecAggError, match="malformed"):
+            decode_message(b)
