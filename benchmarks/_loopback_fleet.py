@@ -9,9 +9,11 @@ from typing import Any
 
 
 def loopback_fleet(state: str, config: dict[str, Any], rounds: int, seed: int, *, devices: int = 5,
-                   transform: dict[int, Callable[..., Any]] | None = None) -> dict[str, Any]:
+                   transform: dict[int, Callable[..., Any]] | None = None, samples: int = 120, alpha: float = 1.0,
+                   poison: dict[int, Callable[[Any, Any], tuple[Any, Any]]] | None = None) -> dict[str, Any]:
     """Started clients and a ``manager()`` factory that starts a RoundManager on ``state`` (call it again
-    to restart the gateway); ``transform``: per-device ``transform_update`` hooks (attacks)."""
+    to restart the gateway); ``transform``: per-device ``transform_update`` hooks (attacks on the update);
+    ``poison``: per-device ``(x, y) -> (x, y)`` on its training shard (attacks on the data)."""
     from edgeflow import zoo
     from edgeflow.data.datasets import dirichlet_partition, load_digits
     from edgeflow.federated import Client
@@ -26,16 +28,18 @@ def loopback_fleet(state: str, config: dict[str, Any], rounds: int, seed: int, *
     ring = KeyRing()
     model = zoo.digits_mlp(seed=seed)
     split = load_digits(seed=0).flat()
-    parts = dirichlet_partition(split.y_train, devices, alpha=1.0, seed=seed)
+    parts = dirichlet_partition(split.y_train, devices, alpha=alpha, seed=seed)
     clients, transports = [], []
     for i, idx in enumerate(parts):
         s = Signer.generate(f"d{i}")
         ring.register(s.device_id, s.public_key)
         t = hub.transport(f"restart-d{i}")
         transports.append(t)
+        data = (split.x_train[idx][:samples], split.y_train[idx][:samples])
+        if poison and i in poison:
+            data = poison[i](*data)
         clients.append(Client(t, fleet="restart", device_id=s.device_id, signer=s, fleet_key=key.public_key,
-                              model=model, data=(split.x_train[idx][:120], split.y_train[idx][:120]), seed=i,
-                              transform_update=(transform or {}).get(i)))
+                              model=model, data=data, seed=i, transform_update=(transform or {}).get(i)))
     cfg = RoundConfig(**{"rounds": rounds, "min_clients": 2, "deadline_s": 20, "max_extensions": 0, "seed": 3,
                          "wait_for_devices_s": 5.0, "train": TrainConfig(epochs=1, batch_size=16, lr=0.1,
                                                                          codec="dense"), **config})
@@ -54,6 +58,6 @@ def loopback_fleet(state: str, config: dict[str, Any], rounds: int, seed: int, *
     for c in clients:
         c.start()
         c.transport.connect()
-    return {"clients": clients, "transports": transports, "manager": manager}
+    return {"clients": clients, "transports": transports, "manager": manager, "split": split}
 
 
