@@ -38,6 +38,7 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "krum": {"strategy": "krum", "strategy_params": {"num_byzantine": 1}},
     "multi-krum": {"strategy": "multi-krum", "strategy_params": {"num_byzantine": 1}},
     "bulyan": {"strategy": "bulyan", "strategy_params": {"num_byzantine": 1}},
+    "multi-krum-weighted": {"strategy": "multi-krum", "strategy_params": {"num_byzantine": 1, "weighted": True}},
 }
 TRIGGER = [54, 55, 62, 63]  # the 2x2 bottom-right corner of the 8x8 digit
 
