@@ -43,9 +43,13 @@ b_u and u's mask key, so it cannot unmask a single client by lying about who
 dropped. Not covered: a server that invents clients (AdvertiseKeys must be
 authenticated, e.g. signed with the devices' Ed25519 keys from
 :mod:`edgeflow.signing` - the orchestrator's job), Bonawitz's consistency
-check round, malicious clients sending garbage (the sum is then garbage:
-secure aggregation hides inputs, it cannot validate them - robust
-aggregation and per-update checks are impossible on masked data), and
+check round, malicious clients sending garbage within the session's bounds
+(secure aggregation hides inputs; what is checked: a declared weight within the
+``weight_cap``, the unmasked weight total equal to the declared ones, the sum
+within ``norm_bound`` times the weight total, and each key share's
+authenticity, with the sender of a bad one identified by the ``ShareCheck``
+round -- robust aggregation and per-update range checks are impossible on
+masked data without zero-knowledge proofs), and
 collusion of the server with >= threshold clients. A masked vector is
 uniform in the ring, so it does not compress: 8 bytes/parameter (k = 64) or
 4 (k = 32) on the wire.
