@@ -61,3 +61,13 @@ def loopback_fleet(state: str, config: dict[str, Any], rounds: int, seed: int, *
     return {"clients": clients, "transports": transports, "manager": manager, "split": split}
 
 
+
+
+def shut_down(fleet: dict[str, Any], rm: Any, gateway_transport: Any) -> None:
+    """Stop the gateway and every client, close the transports and the gateway's state."""
+    rm.stop()
+    for c in fleet["clients"]:
+        c.stop(timeout=2)
+    for t in [*fleet["transports"], gateway_transport]:
+        t.close(timeout=1, flush=False)
+    rm.store.close()

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _loopback_fleet import loopback_fleet  # noqa: E402
+from _loopback_fleet import loopback_fleet, shut_down  # noqa: E402
 
 STRATEGIES: dict[str, dict[str, Any]] = {
     "fedavg": {"strategy": "fedavg"},
@@ -71,12 +71,7 @@ def one_run(name: str, seed: int, rounds: int, attack: bool) -> dict[str, Any]:
             history = rm.run()
             model = rm.current_model()
         finally:
-            rm.stop()
-            for c in fl["clients"]:
-                c.stop(timeout=2)
-            for t in [*fl["transports"], gt]:
-                t.close(timeout=1, flush=False)
-            rm.store.close()
+            shut_down(fl, rm, gt)
     split = fl["split"]
     rt = load(model, "x86-gateway", batch_size=len(split.x_test), allow_over_budget=True)
     clean = float((rt(split.x_test.astype(np.float32)).argmax(1) == split.y_test).mean())

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _loopback_fleet import loopback_fleet  # noqa: E402
+from _loopback_fleet import loopback_fleet, shut_down  # noqa: E402
 
 
 def one_run(seed: int, rounds: int, scale: float | None) -> dict[str, Any]:
@@ -40,12 +40,7 @@ def one_run(seed: int, rounds: int, scale: float | None) -> dict[str, Any]:
         try:
             history = rm.run()
         finally:
-            rm.stop()
-            for c in fl["clients"]:
-                c.stop(timeout=2)
-            for t in [*fl["transports"], gt]:
-                t.close(timeout=1, flush=False)
-            rm.store.close()
+            shut_down(fl, rm, gt)
     bounds = [m.extra["norm_bound"] for m in history if "norm_bound" in m.extra]
     last = [m.accuracy for m in history[-5:]]
     return {"final_accuracy": sum(last) / len(last), "rounds": len(history),

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _loopback_fleet import loopback_fleet  # noqa: E402
+from _loopback_fleet import loopback_fleet, shut_down  # noqa: E402
 
 STRATEGIES: dict[str, dict[str, Any]] = {
     "fedavg": {"strategy": "fedavg"},
@@ -55,12 +55,7 @@ def one_run(config: dict[str, Any], rounds: int, restart_after: int | None, seed
                 history += rm.run()
             weights = {k: v.copy() for k, v in rm.weights.items()}
         finally:
-            rm.stop()
-            for c in fl["clients"]:
-                c.stop(timeout=2)
-            for t in [*fl["transports"], gt]:
-                t.close(timeout=1, flush=False)
-            rm.store.close()
+            shut_down(fl, rm, gt)
     return {"weights": weights, "history": [m.to_dict() for m in history]}
 
 
