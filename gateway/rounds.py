@@ -504,12 +504,12 @@ class RoundManager:
     def round_view(self) -> RoundView | None:
         return self.open.view()
 
-    def check(self, payload: bytes, rnd: RoundView, *, live: bool, source: str = "") -> CheckedUpdate:
-        """The rulebook (gateway/intake.py) with this gateway's keys, model and replay state: ``live``
-        for an update arriving now (in-memory replay guard and the persisted floor), not for a stored
-        one being re-read."""
-        floor = self.store.seq_floor(peek_update(payload).device_id) if live else None
-        return check_update(payload, rnd, keyring=self.keyring, like=self.weights, seq_floor=floor, replay_guard=self.replay if live else None,
+    def check(self, payload: bytes, rnd: RoundView, *, live: str | None = None, source: str = "") -> CheckedUpdate:
+        """The rulebook (gateway/intake.py) with this gateway's keys, model and replay state. ``live``: the
+        sending device of an update arriving now (the in-memory replay guard and its persisted floor apply);
+        None for a stored update being re-read."""
+        floor = self.store.seq_floor(live) if live is not None else None
+        return check_update(payload, rnd, keyring=self.keyring, like=self.weights, seq_floor=floor, replay_guard=self.replay if live is not None else None,
                             partials=self.contributions == "partials", source=source)
 
     # -- selection ------------------------------------------------------------
@@ -660,7 +660,7 @@ class RoundManager:
             return
         assert rnd is not None
         try:
-            upd = self.check(msg.payload, rnd, live=True, source=f"gateway<-{sender}")
+            upd = self.check(msg.payload, rnd, live=head.device_id, source=f"gateway<-{sender}")
         except (CodecError, SignatureError) as exc:
             reason = "rejected_" + getattr(exc, "reason", "invalid")
             self.open.count(reason)
@@ -803,7 +803,7 @@ class RoundManager:
         assert rnd is not None
         for su in self.store.updates(rec.round_id):
             try:
-                upd = self.check(su.envelope, rnd, live=False, source=f"gateway<-{su.device_id} (stored)")
+                upd = self.check(su.envelope, rnd, source=f"gateway<-{su.device_id} (stored)")
                 self.replay.check_and_record(upd.device_id, upd.round_id, upd.seq)
             except (CodecError, SignatureError) as exc:
                 # written by an older edgeflow that stored before validating: drop it, or every
@@ -896,7 +896,7 @@ class RoundManager:
         for su in self.store.updates(ann.round_id, order="device"):
             try:
                 upd = self.open.take(su.device_id) or self.check(
-                    su.envelope, rnd, live=False, source=f"gateway<-{su.device_id} (stored)")
+                    su.envelope, rnd, source=f"gateway<-{su.device_id} (stored)")
                 with self.open.lock:
                     if self.contributions == "partials":
                         self.open.agg.add_partial(upd.tensors, total_samples=upd.meta.num_samples,
