@@ -92,3 +92,12 @@ class ConfigError(EdgeflowError, ValueError):
 
 class StateError(EdgeflowError, RuntimeError):
     """Durable state (the gateway's SQLite file) is damaged or inconsistent; the message says how to recover."""
+
+
+class ResourceLimitError(EdgeflowError, RuntimeError):
+    """An untrusted model or file goes past a limit: loop iterations or wall time of a run, node count or
+    file size of a model, declared size of an array file. The message names the limit and how to raise it."""
+
+    def __init__(self, message: str, limit: str = "") -> None:
+        super().__init__(message)
+        self.limit = limit

@@ -81,6 +81,11 @@ class DeviceProfile:
     match: tuple[str, ...] = ()
     quantization: QuantizationScheme = field(default_factory=QuantizationScheme)
     source: str = ""
+    # limits on untrusted models (docs/security.md, issue 31): per run, and per model at load
+    max_loop_iterations: int = 1_000_000
+    max_run_seconds: int = 60
+    max_model_nodes: int = 100_000
+    max_model_file_mb: int = 0  # 0: the board's memory_mb
 
     @property
     def memory_budget_bytes(self) -> int:
@@ -116,6 +121,10 @@ _FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
     "memory_arena": ((bool,), False),
     "match": ((list,), False),
     "quantization": ((dict,), False),
+    "max_loop_iterations": ((int,), False),
+    "max_run_seconds": ((int,), False),
+    "max_model_nodes": ((int,), False),
+    "max_model_file_mb": ((int,), False),
 }
 _Q_FIELDS = {f.name for f in fields(QuantizationScheme)}
 
@@ -150,6 +159,11 @@ def profile_from_dict(data: dict[str, Any], source: str = "<dict>") -> DevicePro
         raise _fail(source, "threads", f"{data['threads']} threads on a {data['cores']}-core board")
     if data["memory_budget_mb"] > data["memory_mb"]:
         raise _fail(source, "memory_budget_mb", f"{data['memory_budget_mb']} MiB exceeds the board's {data['memory_mb']} MiB")
+    for k in ("max_loop_iterations", "max_run_seconds", "max_model_nodes"):
+        if data.get(k, 1) < 1:
+            raise _fail(source, k, f"must be >= 1, got {data[k]}")
+    if data.get("max_model_file_mb", 0) < 0:
+        raise _fail(source, "max_model_file_mb", "must be >= 0 (0: the board's memory_mb)")
     if data.get("train_memory_budget_mb", 0) < 0:
         raise _fail(source, "train_memory_budget_mb", "must be >= 0")
     if not data["backends"]:
@@ -190,6 +204,8 @@ def profile_from_dict(data: dict[str, Any], source: str = "<dict>") -> DevicePro
         match=tuple(data.get("match", ())),
         quantization=QuantizationScheme(**q),
         source=source,
+        **{k: data[k] for k in ("max_loop_iterations", "max_run_seconds", "max_model_nodes", "max_model_file_mb")
+           if k in data},
     )
 
 
