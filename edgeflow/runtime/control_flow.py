@@ -28,6 +28,7 @@ level with the level's name, e.g.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,7 @@ import numpy as np
 
 from ..errors import BackendError
 from ..kernels import Kernel, KernelError
+from .limits import current_budget
 
 # What a kernel raises on bad data; the executor names the node and shapes.
 KERNEL_ERRORS = (ValueError, IndexError, TypeError, FloatingPointError, ZeroDivisionError, KernelError)
@@ -52,8 +54,15 @@ def node_failure(node: Any, args: list, exc: BaseException) -> str:
 
 
 def run_nodes(nodes: list, env: dict[str, Any]) -> dict[str, Any]:
-    """Run ``nodes`` in order on ``env`` (updated in place; returned)."""
+    """Run ``nodes`` in order on ``env`` (updated in place; returned).
+
+    Inside a limited run (:func:`edgeflow.runtime.limits.run_budget`, opened by
+    ``Session.run``) the wall-time deadline is checked before each node."""
+    budget = current_budget()
+    deadline = budget.deadline if budget is not None else None
     for node in nodes:
+        if deadline is not None and time.monotonic() > deadline:
+            raise budget.time_error(f"node '{node.name}' ({node.op_type})")
         args = [env[x] if x else None for x in node.inputs]
         try:
             result = node.kernel.forward(*args, **node.attrs)
@@ -101,16 +110,28 @@ class Subgraph:
         return [env[name] for name in self.output_names]
 
 
+ITERATING_OPS = frozenset({"Loop", "Scan", "SequenceMap"})
+"""Control-flow ops that run their body once per iteration (counted against ``max_loop_iterations``)."""
+
+
 class BoundSubgraph:
-    """A subgraph bound to the outer-scope values of one control-flow call."""
+    """A subgraph bound to the outer-scope values of one control-flow call.
 
-    __slots__ = ("sub", "outer")
+    ``iterates``: the body of a Loop, Scan or SequenceMap, whose every call
+    counts against the run's ``max_loop_iterations`` (an If branch does not)."""
 
-    def __init__(self, sub: Subgraph, outer: dict[str, Any]) -> None:
+    __slots__ = ("sub", "outer", "iterates")
+
+    def __init__(self, sub: Subgraph, outer: dict[str, Any], iterates: bool = False) -> None:
         self.sub = sub
         self.outer = outer
+        self.iterates = iterates
 
     def __call__(self, *inputs: Any) -> list[Any]:
+        if self.iterates:
+            budget = current_budget()
+            if budget is not None:
+                budget.iteration(self.sub.label)
         return self.sub.run(self.outer, *inputs)
 
     @property
@@ -125,11 +146,12 @@ def bind_subgraphs(kernel: Kernel, n_explicit: int, subgraphs: dict[str, Subgrap
     callable per graph attribute."""
     forward = kernel.forward
     items = tuple(subgraphs.items())
+    iterates = kernel.op_type in ITERATING_OPS
 
     def run_control_flow(*args: Any, **attrs: Any) -> Any:
         outer = dict(zip(outer_reads, args[n_explicit:]))
         for name, sub in items:
-            attrs[name] = BoundSubgraph(sub, outer)
+            attrs[name] = BoundSubgraph(sub, outer, iterates)
         return forward(*args[:n_explicit], **attrs)
 
     return dataclasses.replace(kernel, forward=run_control_flow)

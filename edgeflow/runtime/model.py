@@ -20,6 +20,7 @@ import onnx
 from onnx import numpy_helper
 
 from ..errors import InputError, ModelError, ShapeError
+from .limits import ModelLimits
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +80,11 @@ class ModelInfo:
         }
 
 
-def _read(source: ModelSource) -> onnx.ModelProto:
+def _read(source: ModelSource, limits: ModelLimits) -> onnx.ModelProto:
     if isinstance(source, onnx.ModelProto):
         return source
     if isinstance(source, (bytes, bytearray, memoryview)):
+        limits.check_file_size(len(source), "the model given as bytes")
         try:
             return onnx.load_model_from_string(bytes(source))
         except Exception as exc:  # protobuf raises DecodeError and others
@@ -92,6 +94,11 @@ def _read(source: ModelSource) -> onnx.ModelProto:
         raise ModelError(f"model file not found: {path} (check the path)")
     if path.is_dir():
         raise ModelError(f"model path {path} is a directory; give the .onnx file")
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise ModelError(f"cannot read the model file {path} ({exc})") from exc
+    limits.check_file_size(size, f"model file {path}")  # before parsing: protobuf holds it all in memory
     try:
         return onnx.load(str(path))
     except Exception as exc:
@@ -106,15 +113,41 @@ def model_opset(model: onnx.ModelProto, domain: str = "") -> int:
     return 0
 
 
-def load_model(source: ModelSource, *, check: bool = True, infer_shapes: bool = True) -> onnx.ModelProto:
+def count_nodes(model: onnx.ModelProto, stop_above: int | None = None) -> int:
+    """Nodes of the model, subgraphs included (counting stops early once past ``stop_above``)."""
+    total = 0
+    pending = [model.graph]
+    while pending:
+        g = pending.pop()
+        total += len(g.node)
+        if stop_above is not None and total > stop_above:
+            return total
+        for n in g.node:
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    pending.append(a.g)
+                elif a.type == onnx.AttributeProto.GRAPHS:
+                    pending.extend(a.graphs)
+    return total
+
+
+def load_model(source: ModelSource, *, check: bool = True, infer_shapes: bool = True,
+               limits: ModelLimits | None = None) -> onnx.ModelProto:
     """Read and check an ONNX model from a path, bytes, or a ModelProto.
 
     ``check`` runs ``onnx.checker`` and the opset range test; ``infer_shapes``
     runs strict shape inference (:func:`infer_model_shapes`: declared shapes
     that contradict it are dropped with a logged note) and returns the model
     with value_info filled in (the numpy backend's memory planner uses it).
+
+    ``limits`` (the profile's, or the defaults: :class:`~edgeflow.runtime.limits.ModelLimits`)
+    bound the file size, checked before parsing, and the node count, checked
+    right after parsing and before any per-node work (checker, shape
+    inference); past either is a :class:`~edgeflow.errors.ResourceLimitError`.
     """
-    model = _read(source)
+    limits = limits or ModelLimits()
+    model = _read(source, limits)
+    limits.check_node_count(count_nodes(model, stop_above=limits.max_nodes))
     if not model.graph.node and not model.graph.output:
         raise ModelError("the model has an empty graph (no nodes and no outputs)")
     if check:

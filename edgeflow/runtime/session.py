@@ -21,6 +21,7 @@ from .backends import SessionOptions, get_backend
 from .backends.base import Session
 from ..errors import BackendError, EdgeflowError, InputError, MemoryBudgetError, UnsupportedOpError
 from .graph import compile_graph
+from .limits import ModelLimits, RunLimits
 from .memory import MemoryPlan, plan_memory
 from .model import (ModelSource, TensorInfo, fix_input_shapes, infer_model_shapes, load_model,
                     resolve_input_shapes, with_input_dims)
@@ -131,9 +132,11 @@ class Runtime:
         # checked, as given: what onnxruntime loads. Shape inference and fixed input dims are for the
         # numpy backend and the memory plan only; onnx writes fixed shapes into subgraphs (untaken If
         # branches too) where onnxruntime may refuse them, so they never reach it.
-        self.source_model = load_model(model, infer_shapes=False)
-        self.exact_int8 = exact_int8
         self.profile = get_profile(profile) if profile is not None else detect()
+        # limits on an untrusted model: its size and node count here, loop iterations and wall time per run
+        self.source_model = load_model(model, infer_shapes=False, limits=ModelLimits.from_profile(self.profile))
+        self.run_limits = RunLimits.from_profile(self.profile)
+        self.exact_int8 = exact_int8
         self._shapes_source = shapes_source  # where input_shapes came from, for the messages (--shape)
         fixed = resolve_input_shapes(self.source_model, input_shapes, source=shapes_source) if input_shapes else {}
         self.input_shapes = fixed
@@ -170,6 +173,7 @@ class Runtime:
             self.session = chosen.load(self.source_model, options)
             if fixed:  # feeds are checked against the dims given, as on the numpy backend
                 self.session.inputs = with_input_dims(self.session.inputs, fixed)
+        self.session.limits = self.run_limits
 
     def _planning_model(self, fixed: dict) -> onnx.ModelProto | None:
         """The model with shapes inferred (and ``fixed`` input dims): the numpy backend's, and the plan's.

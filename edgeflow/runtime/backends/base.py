@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 
 from ...errors import InputError, ShapeError
+from ..limits import RunLimits, run_budget
 from ..model import TensorInfo
 
 
@@ -33,13 +34,17 @@ class SessionOptions:
 
 
 class Session:
-    """A loaded model. Subclasses implement ``_run``."""
+    """A loaded model. Subclasses implement ``_run``.
+
+    ``limits`` bound each run (loop iterations, wall time: :mod:`edgeflow.runtime.limits`);
+    the runtime sets them from the device profile, None runs unlimited."""
 
     backend_name = "base"
 
     def __init__(self, inputs: list[TensorInfo], outputs: list[TensorInfo]) -> None:
         self.inputs = inputs
         self.outputs = outputs
+        self.limits: RunLimits | None = RunLimits()
 
     def io(self) -> dict[str, list[TensorInfo]]:
         return {"inputs": list(self.inputs), "outputs": list(self.outputs)}
@@ -52,7 +57,8 @@ class Session:
         bad = [n for n in names if n not in known]
         if bad:
             raise InputError(f"unknown output name(s) {bad}; the model's outputs are {sorted(known)}")
-        return self._run(checked, names)
+        with run_budget(self.limits):
+            return self._run(checked, names)
 
     def _run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
         raise NotImplementedError("need _run")

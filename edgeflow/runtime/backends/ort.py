@@ -12,6 +12,7 @@ import onnx
 
 from ...errors import BackendError
 from ..graph import find_unsupported
+from ..limits import WATCHDOG, current_budget
 from ..model import graph_inputs, graph_outputs
 from .base import Backend, Session, SessionOptions
 
@@ -80,10 +81,30 @@ class OrtSession(Session):
             raise BackendError(f"onnxruntime could not load the model: {exc}") from exc
 
     def _run(self, feeds, output_names):
+        budget = current_budget()
+        if budget is None:
+            try:
+                values = self._sess.run(output_names, feeds)
+            except Exception as exc:
+                raise BackendError(f"onnxruntime failed to run the model: {exc}") from exc
+            return dict(zip(output_names, values))
+        # the wall-time limit: onnxruntime checks RunOptions.terminate between nodes and Loop iterations
+        ro = _ort().RunOptions()
+        ro.log_severity_level = 4  # a stopped run is reported once, below, not also in onnxruntime's log
+
+        def stop() -> None:
+            budget.expired = True
+            ro.terminate = True
+
+        token = WATCHDOG.arm(budget.deadline, stop)
         try:
-            values = self._sess.run(output_names, feeds)
+            values = self._sess.run(output_names, feeds, ro)
         except Exception as exc:
+            if budget.expired:
+                raise budget.time_error("onnxruntime") from None
             raise BackendError(f"onnxruntime failed to run the model: {exc}") from exc
+        finally:
+            WATCHDOG.disarm(token)
         return dict(zip(output_names, values))
 
 
