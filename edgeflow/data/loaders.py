@@ -13,7 +13,11 @@ its own, and the trainer only ever sees ``(x_batch, y_batch)`` pairs.
   sample is wrong and what was expected.
 
 ``.npz`` files are read with ``allow_pickle=False``: data from a device
-never executes code on load.
+never executes code on load. Before anything is read, :func:`check_array_file`
+checks what each ``.npy`` header and zip entry *declares* (no object dtypes,
+sizes within :func:`max_array_bytes` and within what the file holds, no
+extreme compression ratio), so that a zip bomb or a header claiming 4 TB is a
+one-line refusal, not a full inflation or an allocation failure.
 """
 
 from __future__ import annotations
@@ -102,6 +106,7 @@ def open_arrays(path: str | os.PathLike, *, what: str = "data", error: type[Exce
     p = Path(path)
     if not p.is_file():
         raise error(f"{what} file not found: {p}")
+    check_array_file(p, error=error)
     try:
         return np.load(p, allow_pickle=False)
     except _CORRUPT as exc:
@@ -112,6 +117,126 @@ def open_arrays(path: str | os.PathLike, *, what: str = "data", error: type[Exce
 
 _CORRUPT = (ValueError, EOFError, zipfile.BadZipFile, zlib.error)
 """What np.load and NpzFile raise on a damaged or foreign file (a truncated zip, a bad header)."""
+
+MAX_ARRAY_MB_ENV = "EDGEFLOW_MAX_ARRAY_MB"
+"""Overrides :func:`max_array_bytes`: the most a .npy/.npz file may declare, in MiB."""
+
+MAX_COMPRESSION_RATIO = 100
+"""A compressed .npz entry that inflates more than this many times (and past :data:`RATIO_FREE_BYTES`) is
+refused as a zip bomb; real arrays compress far less, and np.savez (uncompressed) is never refused for it."""
+
+RATIO_FREE_BYTES = 16 * 2**20
+"""Entries that inflate to at most this are never refused for their ratio (small all-zero arrays are fine)."""
+
+
+def max_array_bytes() -> int:
+    """The most one .npy/.npz file may declare: ``EDGEFLOW_MAX_ARRAY_MB``, else half of this host's memory."""
+    env = os.environ.get(MAX_ARRAY_MB_ENV, "").strip()
+    if env:
+        try:
+            return max(1, int(env)) * 2**20
+        except ValueError:
+            pass
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024 // 2
+    except (OSError, ValueError, IndexError):
+        pass
+    return 4 * 2**30
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n < 2**40 else f"{n / 2**40:,.1f} TiB"
+
+
+def _npy_header(fp, name: str, error: type[Exception]) -> tuple[tuple[int, ...], np.dtype]:
+    """(shape, dtype) a .npy stream declares, read without reading the data."""
+    fmt = np.lib.format
+    try:
+        version = fmt.read_magic(fp)
+        if version == (1, 0):
+            shape, _, dtype = fmt.read_array_header_1_0(fp)
+        elif version == (2, 0):
+            shape, _, dtype = fmt.read_array_header_2_0(fp)
+        else:
+            shape, _, dtype = fmt._read_array_header(fp, version)  # 3.0: utf-8 field names
+    except _CORRUPT as exc:
+        raise error(f"{name}: not a readable .npy array ({exc}); save it with np.save/np.savez") from exc
+    return tuple(int(d) for d in shape), np.dtype(dtype)
+
+
+def _check_declared(name: str, shape: tuple[int, ...], dtype: np.dtype, holds: int, total: int, limit: int,
+                    error: type[Exception]) -> int:
+    """The bytes an array declares, refused (``error``) when it holds objects, exceeds ``limit`` (with ``total``
+    declared before it) or more than the ``holds`` bytes of data actually there."""
+    if dtype.hasobject:
+        raise error(f"{name}: holds Python objects (dtype {dtype}), which are never unpickled; save numeric arrays")
+    count = 1
+    for d in shape:
+        count *= d  # Python ints: no overflow on a forged shape
+    nbytes = count * dtype.itemsize
+    if total + nbytes > limit:
+        raise error(f"{name}: declares an array of shape {shape} {dtype} ({_mib(nbytes)}), past the limit of "
+                    f"{_mib(limit)} for one array file; split the data, or set {MAX_ARRAY_MB_ENV} if the host has "
+                    "the memory")
+    if nbytes > holds:
+        raise error(f"{name}: its header declares {_mib(nbytes)} of data (shape {shape} {dtype}) but the file "
+                    f"holds {_mib(holds)}; the file is truncated or forged, save it again with np.save/np.savez")
+    return nbytes
+
+
+def check_array_file(path: str | os.PathLike, *, limit: int | None = None,
+                     error: type[Exception] = InputError) -> None:
+    """Refuse a .npy/.npz file whose declared contents are hostile, before any of it is read.
+
+    Decided by the file's magic, as ``np.load`` does. A .npy: the header's
+    shape and dtype (no objects; size within ``limit`` and within the file).
+    A .npz: the zip directory's declared sizes in total within ``limit``, each
+    compressed entry inflating at most :data:`MAX_COMPRESSION_RATIO` times
+    (a zip bomb), and each .npy entry's header as for a .npy file (within the
+    entry's declared size, which also caps what inflating it can produce).
+    """
+    p = Path(path)
+    limit = max_array_bytes() if limit is None else int(limit)
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(6)
+            f.seek(0)
+            if magic == np.lib.format.MAGIC_PREFIX:
+                shape, dtype = _npy_header(f, str(p), error)
+                _check_declared(str(p), shape, dtype, os.fstat(f.fileno()).st_size - f.tell(), 0, limit, error)
+                return
+        if not magic.startswith(b"PK"):
+            return  # neither: np.load refuses it (no pickles) with its own message
+        with zipfile.ZipFile(p) as z:
+            infos = z.infolist()
+            declared = sum(i.file_size for i in infos)
+            if declared > limit:
+                raise error(f"{p}: its entries declare {_mib(declared)} in all, past the limit of {_mib(limit)} for "
+                            f"one array file; split the data, or set {MAX_ARRAY_MB_ENV} if the host has the memory")
+            total = 0
+            for info in infos:
+                where = f"{p} entry {info.filename!r}"
+                if (info.compress_type != zipfile.ZIP_STORED and info.file_size > RATIO_FREE_BYTES
+                        and info.file_size > MAX_COMPRESSION_RATIO * max(1, info.compress_size)):
+                    raise error(f"{where}: inflates {info.compress_size:,} bytes to {_mib(info.file_size)} "
+                                f"({info.file_size // max(1, info.compress_size):,}:1, a zip bomb?); refusing to "
+                                "inflate it; save real data with np.savez (uncompressed) if it is this repetitive")
+                if not info.filename.endswith(".npy"):
+                    continue
+                with z.open(info) as m:
+                    shape, dtype = _npy_header(m, where, error)
+                    holds = info.file_size - m.tell()
+                total += _check_declared(where, shape, dtype, holds, total, limit, error)
+    except error:
+        raise
+    except _CORRUPT as exc:
+        raise error(f"{p}: not a readable .npy/.npz file of plain arrays ({exc}); save it with np.save/np.savez") \
+            from exc
+    except OSError as exc:
+        raise error(f"{p}: cannot read ({exc})") from exc
 
 
 def read_arrays(path: str | os.PathLike, *, what: str = "data",
