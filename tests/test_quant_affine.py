@@ -33,7 +33,7 @@ def _lab(a: float, b: float, act: str = "Relu", seed: int = 0) -> onnx.ModelProt
 def _quantize(m: onnx.ModelProto, seed: int = 1):
     x = np.random.default_rng(seed).standard_normal((24, 8, 12, 12)).astype(np.float32)
     return edgeflow.quantize(m, "x86-gateway", calibration=x, backend="ort", batch_size=1, latency_runs=0,
-                             sensitivity=False)
+                             sensitivity=False, max_loss=None)
 
 
 def _ort(m: onnx.ModelProto, x: np.ndarray, optimized: bool = True) -> np.ndarray:

@@ -53,7 +53,7 @@ def _float_output_step(model: onnx.ModelProto) -> np.ndarray:
 @pytest.mark.parametrize("profile", ["x86-gateway", "raspberry-pi-4"])
 def test_numpy_engine_model_loads_in_onnxruntime_and_matches_the_numpy_backend(profile):
     model = zoo.digits_cnn(seed=1)
-    q = edgeflow.quantize(model, profile, calibration=X_CNN, engine="numpy", latency_runs=0).model
+    q = edgeflow.quantize(model, profile, calibration=X_CNN, engine="numpy", latency_runs=0, max_loss=None).model
     x = RNG.random((40, 1, 8, 8), dtype=np.float32)
     y_np = load(q, profile, backend="numpy")(x)
     # exact_int8: onnxruntime's u8 x s8 kernels saturate int16 pair sums on x86 without VNNI
@@ -70,7 +70,8 @@ _NO_ORT_SCRIPT = textwrap.dedent("""
     from edgeflow.runtime.backends import available_backends
     assert available_backends() == ["numpy"], available_backends()
     x = np.random.default_rng(0).random((48, 1, 8, 8), dtype=np.float32)
-    r = edgeflow.quantize(zoo.digits_cnn(seed=2), "x86-gateway", calibration=x, latency_runs=3)
+    r = edgeflow.quantize(zoo.digits_cnn(seed=2), "x86-gateway", calibration=x, latency_runs=3, max_loss=None,
+                          time_on_host=True)
     assert r.report.engine == "numpy" and r.report.latency.backend == "numpy", r.report
     r.save(sys.argv[1])
     np.save(sys.argv[2], x)
@@ -101,7 +102,7 @@ def _weight_is_float(model: onnx.ModelProto, node_name: str) -> bool:
 @pytest.mark.parametrize("engine", ["numpy", pytest.param("ort", marks=needs_ort)])
 def test_layers_kept_in_fp32(engine):
     r = edgeflow.quantize(zoo.digits_cnn(), "x86-gateway", calibration=X_CNN, engine=engine,
-                          keep_first=True, keep_last=True, keep_fp32=["fc0"], latency_runs=0)
+                          keep_first=True, keep_last=True, keep_fp32=["fc0"], latency_runs=0, max_loss=None)
     assert set(r.report.kept_fp32) == {"conv0", "fc1", "fc0"} and r.report.quantized_nodes == ["conv1"]
     for name in ("conv0", "fc0", "fc1"):
         assert _weight_is_float(r.model, name), name
@@ -110,7 +111,7 @@ def test_layers_kept_in_fp32(engine):
 
 def test_image_input_conv_stays_fp32_and_its_relu_moves_after_the_pool():
     model = zoo.digits_cnn(seed=6)
-    r = edgeflow.quantize(model, "x86-gateway", calibration=X_CNN, engine="numpy", latency_runs=0)
+    r = edgeflow.quantize(model, "x86-gateway", calibration=X_CNN, engine="numpy", latency_runs=0, max_loss=None)
     assert "1 input channel" in r.report.kept_fp32["conv0"] and _weight_is_float(r.model, "conv0")
     ops = [n.op_type for n in r.model.graph.node]
     assert ops[:4] == ["Conv", "MaxPool", "Relu", "QuantizeLinear"]  # pool first, then relu, then Q
@@ -118,7 +119,7 @@ def test_image_input_conv_stays_fp32_and_its_relu_moves_after_the_pool():
     y32 = load(model, "x86-gateway", backend="numpy")(x)
     np.testing.assert_allclose(load(r.model, "x86-gateway", backend="numpy")(x), y32, atol=0.1)
     every = edgeflow.quantize(model, "x86-gateway", calibration=X_CNN, engine="numpy", latency_runs=0,
-                              min_int8_channels=0)
+                              min_int8_channels=0, max_loss=None)
     assert every.report.quantized_nodes == ["conv0", "conv1", "fc0", "fc1"] and not every.report.kept_fp32
 
 
@@ -136,7 +137,7 @@ def test_pool_before_relu_is_exact():
 
 def test_unknown_layer_name_is_a_clear_error():
     with pytest.raises(QuantizationError, match=r"'conv9'.*conv0"):
-        edgeflow.quantize(zoo.digits_cnn(), "x86-gateway", calibration=X_CNN, keep_fp32=["conv9"])
+        edgeflow.quantize(zoo.digits_cnn(), "x86-gateway", calibration=X_CNN, keep_fp32=["conv9"], max_loss=None)
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -150,14 +151,14 @@ def test_unknown_layer_name_is_a_clear_error():
 ])
 def test_bad_calibration_data_is_a_clear_error(bad, match):
     with pytest.raises(QuantizationError, match=match):
-        edgeflow.quantize(zoo.digits_cnn(), "x86-gateway", calibration=bad, engine="numpy")
+        edgeflow.quantize(zoo.digits_cnn(), "x86-gateway", calibration=bad, engine="numpy", max_loss=None)
 
 
 def test_inf_in_calibration_names_the_sample():
     x = X_CNN.copy()
     x[5, 0, 1, 1] = np.inf
     with pytest.raises(QuantizationError, match=r"1 NaN/Inf value\(s\) in 1 sample\(s\) \(first: sample 5\)"):
-        edgeflow.quantize(zoo.digits_cnn(), "x86-gateway", calibration=x)
+        edgeflow.quantize(zoo.digits_cnn(), "x86-gateway", calibration=x, max_loss=None)
 
 
 def _no_quantizable_op_model() -> onnx.ModelProto:
@@ -173,7 +174,7 @@ def _no_quantizable_op_model() -> onnx.ModelProto:
 
 def test_model_without_quantizable_op_is_a_clear_error():
     with pytest.raises(QuantizationError, match=r"no quantizable op.*Conv, Gemm, MatMul.*Relu, Softmax"):
-        edgeflow.quantize(_no_quantizable_op_model(), "x86-gateway", calibration=X_MLP[:, :10])
+        edgeflow.quantize(_no_quantizable_op_model(), "x86-gateway", calibration=X_MLP[:, :10], max_loss=None)
     conv_only = _conv_only_model()
     with pytest.raises(QuantizationError, match="no quantizable op.*Gemm, MatMul.*Conv"):  # dynamic: Gemm/MatMul
         edgeflow.quantize(conv_only, "x86-gateway", method="dynamic")
@@ -193,20 +194,20 @@ def _conv_only_model() -> onnx.ModelProto:
 
 def test_other_usage_errors():
     with pytest.raises(QuantizationError, match="needs calibration data"):
-        edgeflow.quantize(zoo.digits_cnn(), "x86-gateway")
+        edgeflow.quantize(zoo.digits_cnn(), "x86-gateway", max_loss=None)
     with pytest.raises(QuantizationError, match="unknown quantization method 'int4'"):
-        edgeflow.quantize(zoo.digits_cnn(), "x86-gateway", calibration=X_CNN, method="int4")
+        edgeflow.quantize(zoo.digits_cnn(), "x86-gateway", calibration=X_CNN, method="int4", max_loss=None)
     with pytest.raises(QuantizationError, match="labels has 3 entries"):
-        edgeflow.quantize(zoo.digits_cnn(), "x86-gateway", calibration=X_CNN, eval_data=X_CNN, labels=[1, 2, 3])
+        edgeflow.quantize(zoo.digits_cnn(), "x86-gateway", calibration=X_CNN, eval_data=X_CNN, labels=[1, 2, 3], max_loss=None)
     plain = dataclasses.replace(get_profile("x86-gateway"), quantization=QuantizationScheme(scheme="none"))
     with pytest.raises(QuantizationError, match="unquantized"):
-        edgeflow.quantize(zoo.digits_cnn(), plain, calibration=X_CNN)
+        edgeflow.quantize(zoo.digits_cnn(), plain, calibration=X_CNN, max_loss=None)
 
 
 def test_holdout_split_and_report_contents():
     y = RNG.integers(0, 10, 64)
     r = edgeflow.quantize(zoo.digits_cnn(), "x86-gateway", calibration=X_CNN, labels=y, engine="numpy",
-                          latency_runs=3)
+                          latency_runs=3, max_loss=None)
     rep = r.report
     assert (rep.n_calibration, rep.n_eval) == (51, 13) and "held out" in rep.eval_source
     assert 0.2 < rep.size_ratio < 0.6
@@ -216,7 +217,7 @@ def test_holdout_split_and_report_contents():
     text = rep.format()
     assert "accuracy" in text and "sensitivity" in text and "ratio" in text
     json.dumps(rep.to_dict())
-    few = edgeflow.quantize(zoo.digits_cnn(), "x86-gateway", calibration=X_CNN[:5], engine="numpy", latency_runs=0)
+    few = edgeflow.quantize(zoo.digits_cnn(), "x86-gateway", calibration=X_CNN[:5], engine="numpy", latency_runs=0, max_loss=None)
     assert few.report.n_eval == 5 and "too few" in few.report.eval_source
 
 
@@ -235,7 +236,7 @@ def test_dynamic_int8_for_gemm_models(engine):
 
 def test_fp16_for_gpu_profiles():
     model = zoo.digits_cnn(seed=5)
-    r = edgeflow.quantize(model, "jetson-orin-nano", calibration=X_CNN, backend="numpy", latency_runs=0)
+    r = edgeflow.quantize(model, "jetson-orin-nano", calibration=X_CNN, backend="numpy", latency_runs=0, max_loss=None)
     assert r.report.method == "fp16"
     assert all(t.data_type == TensorProto.FLOAT16 for t in r.model.graph.initializer)
     assert r.model.graph.input[0].type.tensor_type.elem_type == TensorProto.FLOAT
@@ -248,7 +249,7 @@ def test_fp16_for_gpu_profiles():
 @pytest.mark.parametrize("method", ["minmax", "percentile", "entropy"])
 def test_each_calibration_method_quantizes(method):
     r = edgeflow.quantize(zoo.digits_cnn(), "x86-gateway", calibration=X_CNN, method=method, engine="numpy",
-                          latency_runs=0)
+                          latency_runs=0, max_loss=None)
     assert r.report.calibration == method and r.report.error.cosine > 0.99
 
 
@@ -256,7 +257,7 @@ def test_old_opset_and_fixed_batch_models():
     m = zoo.mlp((64, 16, 10), opset=11)
     m.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 1  # batch fixed to 1
     m.graph.output[0].type.tensor_type.shape.dim[0].dim_value = 1
-    r = edgeflow.quantize(m, "x86-gateway", calibration=X_MLP[:12], engine="numpy", latency_runs=0)
+    r = edgeflow.quantize(m, "x86-gateway", calibration=X_MLP[:12], engine="numpy", latency_runs=0, max_loss=None)
     assert next(i.version for i in r.model.opset_import if i.domain in ("", "ai.onnx")) >= 13
     assert (r.report.n_calibration, r.report.n_eval) == (10, 2)  # calibrated one sample at a time
     y = load(r.model, "x86-gateway", backend="numpy")(X_MLP[:1])
@@ -265,7 +266,7 @@ def test_old_opset_and_fixed_batch_models():
 
 def test_saves_to_output(tmp_path):
     out = tmp_path / "m.int8.onnx"
-    edgeflow.quantize(zoo.digits_cnn(), "x86-gateway", calibration=X_CNN, engine="numpy", output=out, latency_runs=0)
+    edgeflow.quantize(zoo.digits_cnn(), "x86-gateway", calibration=X_CNN, engine="numpy", output=out, latency_runs=0, max_loss=None)
     onnx.checker.check_model(onnx.load(str(out)))
 
 

@@ -49,7 +49,7 @@ def _data(n: int, seed: int) -> np.ndarray:
 def _quantize(m, bc, **kw):
     return edgeflow.quantize(m, "x86-gateway", calibration=_data(24, 1), eval_data=_data(8, 2), backend="ort",
                              batch_size=8, latency_runs=0, sensitivity=False, min_int8_channels=0,
-                             bias_correction=bc, **kw)
+                             bias_correction=bc, **{"max_loss": None, **kw})
 
 
 def _runner(model):
@@ -178,7 +178,7 @@ def test_a_layer_the_gate_keeps_fp32_keeps_its_activation_float(monkeypatch):
     x = np.random.default_rng(5).standard_normal((16, 4, 12, 12)).astype(np.float32)
     # keep_fp32 from the user keeps the layer only
     q = edgeflow.quantize(m, "x86-gateway", calibration=x, backend="ort", batch_size=4, latency_runs=0,
-                          sensitivity=False, keep_fp32=["conv1"]).model
+                          sensitivity=False, keep_fp32=["conv1"], max_loss=None).model
     assert "c1" in {n.input[0] for n in q.graph.node if n.op_type == "QuantizeLinear"}
 
     seen: list[tuple[list[str], onnx.ModelProto]] = []
@@ -225,13 +225,13 @@ def test_cli_bias_correction_on_and_off(tmp_path, capsys):
     for flag, said in (("on", True), ("off", False)):
         rc = main(["quantize", str(model), "--profile", "x86-gateway", "-c", str(tmp_path / "cal.npy"), "-o",
                    str(tmp_path / f"q-{flag}.onnx"), "--backend", "ort", "--no-sensitivity", "--json",
-                   "--bias-correction", flag])
+                   "--bias-correction", flag, "--no-gate"])
         assert rc == 0
         notes = json.loads(capsys.readouterr().out)["notes"]
         assert any("bias correction" in n for n in notes) is said, notes
     with pytest.raises(SystemExit) as e:
         main(["quantize", str(model), "--profile", "x86-gateway", "-c", str(tmp_path / "cal.npy"),
-              "--bias-correction", "maybe"])
+              "--bias-correction", "maybe", "--no-gate"])
     assert e.value.code == 2
 
 
@@ -242,7 +242,7 @@ def test_a_fixed_batch_model_is_corrected_in_whole_batches():
     for t in list(m.graph.input) + list(m.graph.output):
         t.type.tensor_type.shape.dim[0].dim_value = 3
     r = edgeflow.quantize(m, "x86-gateway", calibration=_data(40, 1), eval_data=_data(6, 2), backend="ort",
-                          batch_size=8, latency_runs=0, sensitivity=False, min_int8_channels=0, bias_correction=True)
+                          batch_size=8, latency_runs=0, sensitivity=False, min_int8_channels=0, bias_correction=True, max_loss=None)
     assert any("bias correction: 3 int8 conv(s)" in n for n in r.report.notes), r.report.notes
 
 
@@ -257,7 +257,7 @@ def test_a_second_input_that_the_first_convs_do_not_read_is_still_fed():
     m = make(nodes, [("x", ["N", 2, 10, 10]), ("bias_map", ["N", 4, 10, 10])], [("y", ["N", 4, 10, 10])], inits)
     cal = {"x": _data(16, 1), "bias_map": np.random.default_rng(2).standard_normal((16, 4, 10, 10)).astype(np.float32)}
     r = edgeflow.quantize(m, "x86-gateway", calibration=cal, backend="ort", batch_size=8, latency_runs=0,
-                          sensitivity=False, min_int8_channels=0, bias_correction=True)
+                          sensitivity=False, min_int8_channels=0, bias_correction=True, max_loss=None)
     assert any("bias correction: 2 int8 conv(s)" in n for n in r.report.notes), r.report.notes
 
 

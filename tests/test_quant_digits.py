@@ -112,7 +112,7 @@ def test_int8_loses_at_most_one_point(name, min_channels, engine, models, digits
     model = _model(name, models, request)
     x_cal, x_test, y_test = _data(name, digits)
     result = edgeflow.quantize(model, "x86-gateway", calibration=x_cal, engine=engine, min_int8_channels=min_channels,
-                               eval_data=x_test, labels=y_test, latency_runs=0, sensitivity=False)
+                               eval_data=x_test, labels=y_test, latency_runs=0, sensitivity=False, max_loss=None)
     rep = result.report
     # Measured here, independently of the report, on both backends.
     fp32 = _accuracy(model, "x86-gateway", "numpy", x_test, y_test)
@@ -131,7 +131,8 @@ def test_arm_profile_int8_activations_on_the_numpy_backend(models, digits):
     calibration, numpy backend (without method= such a board gets the bench-gated choice)."""
     x_cal, x_test, y_test = _data("mlp", digits)
     result = edgeflow.quantize(models["mlp"], "raspberry-pi-zero-2w", calibration=x_cal, engine="numpy",
-                               method="static", eval_data=x_test, labels=y_test, latency_runs=3)
+                               method="static", eval_data=x_test, labels=y_test, latency_runs=3, max_loss=None,
+                               time_on_host=True)
     rep = result.report
     assert rep.gate is None and any("expected to be slower than fp32 on the numpy backend" in n for n in rep.notes)
     assert rep.activations == "int8" and rep.latency.backend == "numpy"
@@ -146,7 +147,7 @@ def test_arm_profile_int8_activations_on_the_numpy_backend(models, digits):
 def test_sensitivity_ranks_every_layer(models, digits):
     x_cal, x_test, y_test = _data("mlp", digits)
     rep = edgeflow.quantize(models["mlp"], "x86-gateway", calibration=x_cal, engine="numpy",
-                            eval_data=x_test, labels=y_test, latency_runs=0).report
+                            eval_data=x_test, labels=y_test, latency_runs=0, max_loss=None).report
     assert [s.node for s in rep.sensitivity] and {s.node for s in rep.sensitivity} == {"fc0", "fc1", "fc2"}
     drops = [s.accuracy_drop for s in rep.sensitivity]
     assert drops == sorted(drops, reverse=True)
@@ -160,5 +161,5 @@ def test_histogram_calibrations_lose_at_most_one_point(name, method, models, dig
     x_cal, x_test, y_test = _data(name, digits)
     rep = edgeflow.quantize(model, "raspberry-pi-5", calibration=x_cal, method=method, engine="numpy",
                             eval_data=x_test, labels=y_test, backend="numpy", latency_runs=0,
-                            sensitivity=False).report
+                            sensitivity=False, max_loss=None).report
     assert rep.calibration == method and rep.accuracy_drop <= MAX_DROP

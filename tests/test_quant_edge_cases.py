@@ -31,7 +31,7 @@ def _dq_axes(model: onnx.ModelProto) -> list[int | None]:
 @pytest.mark.parametrize("engine", ["ort", "numpy"])
 def test_opset_11_model_is_upgraded_for_per_channel_weights(engine):
     m = zoo.mlp((64, 32, 10), opset=11)
-    q = quantize(m, "x86-gateway", _x(64), engine=engine, latency_runs=0)
+    q = quantize(m, "x86-gateway", _x(64), engine=engine, latency_runs=0, max_loss=None)
     onnx.checker.check_model(q.model)  # before: "Unrecognized attribute: axis for operator DequantizeLinear"
     assert model_opset(q.model) >= 13
     assert any("upgraded from opset 11 to 13" in n for n in q.report.notes), q.report.notes
@@ -59,7 +59,7 @@ def test_a_failed_opset_upgrade_falls_back_to_per_tensor_weights(engine, monkeyp
     monkeypatch.setattr(version_converter, "convert_version", fail)
     m = zoo.small_cnn((2, 8, 8), channels=(8, 16), hidden=16, opset=11)
     x = np.random.default_rng(0).random((40, 2, 8, 8), dtype=np.float32)
-    q = quantize(m, "x86-gateway", x, engine=engine, latency_runs=0, min_int8_channels=0)
+    q = quantize(m, "x86-gateway", x, engine=engine, latency_runs=0, min_int8_channels=0, max_loss=None)
     onnx.checker.check_model(q.model)
     assert model_opset(q.model) == 11
     assert q.report.weights == "int8 per-tensor"
@@ -85,9 +85,9 @@ def test_a_fixed_batch_model_calibrates_in_whole_batches(engine, n):
     for vi in (m.graph.input[0], m.graph.output[0]):
         vi.type.tensor_type.shape.dim[0].dim_value = 4
     # before: onnxruntime's raw "Got invalid dimensions for input: ... Got: 3 Expected: 4"
-    q = quantize(m, "x86-gateway", _x(n), engine=engine, latency_runs=0, holdout=0)
+    q = quantize(m, "x86-gateway", _x(n), engine=engine, latency_runs=0, holdout=0, max_loss=None)
     if n == 66:  # the default hold-out (20%) leaves 53 for calibration: also not whole batches
-        q2 = quantize(m, "x86-gateway", _x(n), engine=engine, latency_runs=0)
+        q2 = quantize(m, "x86-gateway", _x(n), engine=engine, latency_runs=0, max_loss=None)
         assert any("batch is fixed at 4" in note for note in q2.report.notes)
     onnx.checker.check_model(q.model)
     assert any("batch is fixed at 4" in note for note in q.report.notes), q.report.notes

@@ -103,7 +103,7 @@ def test_quantize_runs_them_in_int8_on_onnxruntime(profile, tmp_path):
     m = _mobilenet_block(rng)
     x = rng.standard_normal((64, 8, 12, 12)).astype(np.float32)
     r = edgeflow.quantize(m, profile, calibration=x[:48], eval_data=x[48:], engine="ort", backend="ort",
-                          latency_runs=0, sensitivity=False, min_int8_channels=0)
+                          latency_runs=0, sensitivity=False, min_int8_channels=0, max_loss=None)
     assert any(n.startswith("3 HardSwish/HardSigmoid run in int8") for n in r.report.notes), r.report.notes
     assert r.report.error.cosine > 0.995, r.report.error
     so = ort.SessionOptions()
@@ -136,7 +136,7 @@ def test_the_numpy_backend_gets_no_rewrite():
     m = _mobilenet_block(rng)
     x = rng.standard_normal((24, 8, 12, 12)).astype(np.float32)
     r = edgeflow.quantize(m, "x86-gateway", calibration=x, engine="numpy", backend="numpy", latency_runs=0,
-                          sensitivity=False, min_int8_channels=0)
+                          sensitivity=False, min_int8_channels=0, max_loss=None)
     ops = [nd.op_type for nd in r.model.graph.node]
     assert ops.count("HardSwish") == 2 and not any("run in int8" in n for n in r.report.notes)
 
@@ -165,6 +165,6 @@ def test_on_a_host_without_vnni_fidelity_is_the_vnni_boards(monkeypatch):
     rng = np.random.default_rng(5)
     x = rng.standard_normal((40, 8, 12, 12)).astype(np.float32)
     r = edgeflow.quantize(_mobilenet_block(rng), "x86-gateway", calibration=x[:32], eval_data=x[32:], engine="ort",
-                          backend="ort", latency_runs=0, sensitivity=False, min_int8_channels=0)
+                          backend="ort", latency_runs=0, sensitivity=False, min_int8_channels=0, max_loss=None)
     assert any("exact int8 path" in n for n in r.report.notes), r.report.notes
     assert seen and all(seen)

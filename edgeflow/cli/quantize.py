@@ -37,16 +37,24 @@ def register(sub) -> None:
                    "on = always; off = never (default: auto)")
     p.add_argument("--backend", choices=["ort", "numpy"], help="backend for the report (default: the profile's)")
     gg = p.add_argument_group(
-        "bench-gated choice (int8 only where it pays)",
-        "With --max-loss, int8 is timed against fp32 on the profile's backend (batch 1) on this host: kinds of "
-        "layers (depthwise/1x1/kxk Conv, MatMul, Gemm) that make the model slower in int8 stay fp32, then the layers "
-        "that cost the most accuracy stay fp32 until the loss is within --max-loss. Where no int8 model is 1.1x faster "
-        "than fp32 (the numpy backend today) the result is --fallback, and the report says so. Profiles whose backend "
-        "is numpy get this by default (--max-loss 1); --method static writes static int8 there anyway.")
+        "bench-gated choice (int8 only where it pays; on by default for static int8 on every profile)",
+        "The layers that cost the most accuracy stay fp32 until the loss on the evaluation samples is within "
+        "--max-loss (default 1); no int8 model within it: the result is --fallback, and the report says why. Where "
+        "the profile's board is this host (same architecture and CPU features, its first backend), int8 is also "
+        "timed against fp32 (batch 1): kinds of layers (depthwise/1x1/kxk Conv, MatMul, Gemm) that make the model "
+        "slower in int8 stay fp32, and where no int8 model is 1.1x faster than fp32 the result is --fallback. "
+        "Another board's model is chosen on accuracy alone and not timed (this host's timings are not the board's; "
+        "a numpy board gets --fallback: numpy has no integer GEMM) unless --time-on-host. The report also says "
+        "whether the evaluation samples are enough to show a loss within --max-loss (95%% confidence).")
     gg.add_argument("--max-loss", type=_percent, metavar="PCT",
-                    help="largest loss allowed, in percent: top-1 accuracy points with labels, else 100 - top-1 "
-                    "agreement with fp32 (classifiers) or 100 x (1 - cosine) of the output; 1 = 99%% agreement "
+                    help="largest loss allowed, in percent (default 1): top-1 accuracy points with labels, else 100 - "
+                    "top-1 agreement with fp32 (classifiers) or 100 x (1 - cosine) of the output; 1 = 99%% agreement "
                     "or cosine 0.99")
+    gg.add_argument("--time-on-host", action="store_true",
+                    help="time the candidates and the latency on this host even when the profile's board is another "
+                    "machine (the figures are then this host's, and the report says so)")
+    gg.add_argument("--no-gate", action="store_true",
+                    help="write static int8 without checking its loss or speed against fp32 (the report says so)")
     gg.add_argument("--loss", choices=["auto", "cosine", "top1", "sequence", "ctc"], default="auto",
                     help="how --max-loss is measured: auto (as above), cosine, top1, sequence (100 - %% of samples "
                     "whose per-step argmax over the last axis equals fp32's) or ctc (100 - %% of samples whose greedy "
@@ -148,6 +156,11 @@ def cmd(args) -> int:
     from ..quantization import quantize
     from ._common import check_output_path, console, emit_json, model_with_shapes, spinner
 
+    if args.no_gate and args.max_loss is not None:
+        from ..errors import InputError
+
+        raise InputError("--no-gate and --max-loss contradict each other: --max-loss sets the gate's limit, "
+                         "--no-gate turns the gate off; give one")
     check_output_path(args.output)
     if args.report:
         check_output_path(args.report, "--report")
@@ -163,7 +176,9 @@ def cmd(args) -> int:
             keep_fp32=args.keep_fp32, keep_first=args.keep_first, keep_last=args.keep_last,
             eval_data=ev, labels=labels, percentile=args.percentile,
             sensitivity=False if args.no_sensitivity else None, backend=args.backend,
-            output=args.output, preprocess=prep, max_loss=args.max_loss, fallback=args.fallback, loss=args.loss,
+            output=args.output, preprocess=prep, fallback=args.fallback, loss=args.loss,
+            max_loss=None if args.no_gate else ("auto" if args.max_loss is None else args.max_loss),
+            time_on_host=args.time_on_host or None,
             bias_correction={"auto": None, "on": True, "off": False}[args.bias_correction],
         )
     rep = result.report.to_dict()

@@ -30,7 +30,8 @@ import onnx
 
 from ..errors import BackendError, EdgeflowError, QuantizationError
 from ..runtime.model import ModelSource, TensorInfo, graph_inputs, load_model
-from ..profiles import DeviceProfile, get_profile, host_differs, host_facts, saturates_where_board_does_not
+from ..profiles import (DeviceProfile, HostFacts, get_profile, host_differs, host_facts,
+                        saturates_where_board_does_not)
 
 if TYPE_CHECKING:
     from ..data.preprocess import AudioPrep, ImagePrep
@@ -39,7 +40,7 @@ from .analysis import (QUANTIZABLE, QuantPlan, activations_after, clamps_as_clip
 from .calibration import METHODS as CALIBRATION_METHODS
 from .calibration import collect_ranges
 from .data import CalibrationSet, DataSource, as_calibration_set, fixed_batch, full_batches
-from .gate import LOSS_MEASURES
+from .gate import LOSS_MEASURES, Evidence
 from .report import LatencyComparison, QuantizationReport, accuracy, model_bytes, output_error
 
 log = logging.getLogger("edgeflow.quantization")
@@ -208,11 +209,25 @@ def preprocess_graph(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | Non
 
 def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss, fallback, per_channel, cal, calib,
            percentile, activations, batch, rounds, seed, inputs, formats=(None,), retry_method=None,
-           loss_measure="auto", corrected: bool = False):
-    """The bench-gated choice (:mod:`.gate`): the model it picked and the decision."""
+           loss_measure="auto", corrected: bool = False, untimed: str | None = None):
+    """The bench-gated choice (:mod:`.gate`): the model it picked and the decision (``untimed``: why
+    nothing is timed here; accuracy alone then decides)."""
     from ..runtime.session import load
-    from .gate import Trial, choose, confirm, ctc_space_class, layer_groups, loss_percent, time_pair, time_rounds
+    from .gate import GateDecision, Trial, choose, confirm, ctc_space_class, layer_groups, loss_percent, time_pair, \
+        time_rounds
     from .weight_only import weight_only_int8
+
+    if untimed and backend == "numpy":
+        # numpy has no integer GEMM: static int8 runs slower than fp32 on every host measured
+        # (docs/quantization.md); without timings here, that is what decides
+        targets = [t.node for t in plan.targets]
+        decision = GateDecision(
+            fallback, backend, float("nan"), None, None, max_loss, {}, [],
+            f"static int8 is slower than fp32 on the numpy backend (no integer GEMM), and it is not timed here "
+            f"({untimed}; --time-on-host times it on this host): {fallback} chosen", timed=False)
+        return _fallback(fp32, decision, targets, prof, backend, evaluator, ev, labels, max_loss=max_loss,
+                         fallback=fallback, per_channel=per_channel, batch=batch, rounds=rounds, seed=seed,
+                         inputs=inputs, loss_measure=loss_measure)
 
     feeds = _latency_feeds(inputs, ev, batch, seed)
     ref = evaluator.predict(fp32, ev)
@@ -232,10 +247,13 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
         m = built.get(kept)
         if m is None:
             m = built[kept] = build(kept, *fmt_box)
+        loss = loss_percent(ref, evaluator.predict(m, ev), labels, loss_measure, strip)
+        if untimed:
+            base.setdefault("fp32", float("nan"))
+            return Trial(kept, float("nan"), loss)
         rt = load(m, prof, backend=backend, batch_size=batch, allow_over_budget=True)
         t32, t8 = time_pair(lambda: rt32.run(feeds), lambda: rt.run(feeds), rounds=rounds, cpu=cpu)
         base.setdefault("fp32", t32)
-        loss = loss_percent(ref, evaluator.predict(m, ev), labels, loss_measure, strip)
         return Trial(kept, t8 * base["fp32"] / t32, loss)
 
     sens_box: list = []
@@ -265,10 +283,12 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
             fmt_box[:] = [fmt, cmethod, ops, bc]
             built.pop(frozenset(), None)
             t = measure(frozenset())
-            tried.append((t.loss > max_loss, t.latency_ms, (fmt, cmethod, ops, bc), t, built[frozenset()]))
+            tried.append((t.loss > max_loss, t.loss if untimed else t.latency_ms, (fmt, cmethod, ops, bc), t,
+                          built[frozenset()]))
             fmt_steps.append(f"{fmt} format, {cmethod or calib} calibration{', bias-corrected' if bc else ''}, "
                              f"{'only ' + '/'.join(ops) if ops else 'every op onnxruntime quantizes'} int8, "
-                             f"all layers int8: {t.latency_ms:.3f} ms, loss {t.loss:.2f}%")
+                             f"all layers int8: {'not timed' if untimed else f'{t.latency_ms:.3f} ms'}, "
+                             f"loss {t.loss:.2f}%")
 
         for fmt in formats:
             variant(fmt, None)
@@ -313,12 +333,17 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
     if first is None:
         first = measure(frozenset())
     decision = choose(targets, layer_groups(fp32, targets), lambda k: first if not k else measure(k),
-                      base["fp32"], sensitivity, max_loss=max_loss, fallback=fallback, backend=backend)
+                      base["fp32"], sensitivity, max_loss=max_loss, fallback=fallback, backend=backend,
+                      untimed=untimed)
     decision.steps[:0] = fmt_steps
     decision.int8_format = fmt_box[0] or prof.quantization.format
     decision.calibration = fmt_box[1] or calib
     decision.sensitivity = list(sens_box)
     wo = None
+    if decision.choice == "int8" and not decision.timed:
+        q = built[frozenset(decision.kept_fp32)]
+        decision.evidence = _evidence(ref, evaluator.predict(q, ev), max_loss, loss_measure, strip)
+        return q, decision
     if decision.choice == "int8":
         # The search's figure is the best of many noisy timings: re-time the one int8 model against
         # the model that would be written without it, in more rounds, before writing it.
@@ -331,16 +356,49 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
         confirm(decision, lambda: time_rounds(lambda: rt_alt.run(feeds), lambda: rt8.run(feeds),
                                               rounds=max(7, 3 * rounds), cpu=cpu), fallback=fallback)
         if decision.choice == "int8":
+            decision.evidence = _evidence(ref, evaluator.predict(q, ev), max_loss, loss_measure, strip)
             return q, decision
+    return _fallback(fp32, decision, targets, prof, backend, evaluator, ev, labels, max_loss=max_loss,
+                     fallback=fallback, per_channel=per_channel, batch=batch, rounds=rounds, seed=seed, inputs=inputs,
+                     loss_measure=loss_measure, wo=wo, ref=ref, rt32=rt32, cpu=cpu)
+
+
+def _evidence(ref, got, max_loss: float, loss_measure: str, strip) -> "Evidence | None":
+    """What the evaluation set shows about the written model's loss (None: a cosine loss, no count)."""
+    from .gate import agreement_evidence, changed_samples
+
+    changed = changed_samples(ref, got, loss_measure, strip)
+    return None if changed is None else agreement_evidence(len(ref), changed, max_loss)
+
+
+def _fallback(fp32, decision, targets, prof, backend, evaluator, ev, labels, *, max_loss, fallback, per_channel,
+              batch, rounds, seed, inputs, loss_measure, wo=None, ref=None, rt32=None, cpu=False):
+    """The model written when int8 is not chosen: weight-only int8 if its loss is within ``max_loss``
+    (timed against fp32 where the gate times), else fp32."""
+    from ..runtime.session import load
+    from .gate import ctc_space_class, loss_percent, time_pair
+    from .weight_only import weight_only_int8
+
+    space = ctc_space_class(fp32) if loss_measure == "ctc" else None
+    strip = () if space is None else (space,)
+    if ref is None:
+        ref = evaluator.predict(fp32, ev)
     if decision.choice == "weight-only":
         if wo is None:
             wo = load_model(weight_only_int8(fp32, targets, per_channel=per_channel, optimize=False))
-        rt = load(wo, prof, backend=backend, batch_size=batch, allow_over_budget=True)
-        t32, t_wo = time_pair(lambda: rt32.run(feeds), lambda: rt.run(feeds), rounds=rounds, cpu=cpu)
-        wo_loss = loss_percent(ref, evaluator.predict(wo, ev), labels, loss_measure, strip)
-        decision.reason += (f"; measured: weight-only {t_wo:.3f} ms vs fp32 {t32:.3f} ms, "
-                            f"{wo.ByteSize() / max(1, fp32.ByteSize()):.3f} of the fp32 size, loss {wo_loss:.2f}%")
+        got = evaluator.predict(wo, ev)
+        wo_loss = loss_percent(ref, got, labels, loss_measure, strip)
+        measured = ""
+        if decision.timed:
+            feeds = _latency_feeds(inputs, ev, batch, seed)
+            rt32 = rt32 or load(fp32, prof, backend=backend, batch_size=batch, allow_over_budget=True)
+            rt = load(wo, prof, backend=backend, batch_size=batch, allow_over_budget=True)
+            t32, t_wo = time_pair(lambda: rt32.run(feeds), lambda: rt.run(feeds), rounds=rounds, cpu=cpu)
+            measured = f"weight-only {t_wo:.3f} ms vs fp32 {t32:.3f} ms, "
+        decision.reason += (f"; measured: {measured}{wo.ByteSize() / max(1, fp32.ByteSize()):.3f} of the fp32 size, "
+                            f"loss {wo_loss:.2f}%")
         if wo_loss <= max_loss:
+            decision.evidence = _evidence(ref, got, max_loss, loss_measure, strip)
             return wo, decision
         decision.choice = "fp32"
         decision.reason += f" > --max-loss {max_loss:g}%: fp32 chosen"
@@ -350,37 +408,31 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
 BIAS_CORRECTION_SAMPLES = 32
 """Calibration samples that bias correction runs (one pass per int8 conv)."""
 
-NUMPY_MAX_LOSS = 1.0
-"""--max-loss of the bench-gated choice that numpy-backend boards get by default (percent)."""
+DEFAULT_MAX_LOSS = 1.0
+"""--max-loss of the bench gate that static int8 gets by default, on every profile (percent)."""
+
+NUMPY_MAX_LOSS = DEFAULT_MAX_LOSS  # the earlier name (numpy boards had the gate by default first)
 
 
-def _numpy_backend_default(prof: DeviceProfile, method: str | None, backend: str | None,
-                           notes: list[str]) -> float | None:
-    """Static int8 for a numpy backend, without --max-loss: never silently slower than fp32.
+def _timing(prof: DeviceProfile, backend: str, host: HostFacts, time_on_host: bool | None,
+            notes: list[str]) -> str | None:
+    """Why the gate does not time candidates here (None: it does).
 
-    numpy has no integer GEMM, so static int8 runs slower than fp32 there
-    (docs/quantization.md, "int8 vs fp32 on the numpy backend"). A board whose
-    profile runs numpy (its first backend) gets the bench-gated choice with
-    ``--max-loss 1`` unless static int8 was asked for by name (``method=``);
-    otherwise the report and the log say what to expect and what to do.
-    Returns the ``max_loss`` to use (None: no gate).
-    """
-    why = "numpy has no integer GEMM: int8 runs on the same float sgemm plus requantization passes"
-    board_numpy = list(prof.backends)[:1] == ["numpy"]
-    if backend is None and not board_numpy:
-        return None  # the board runs onnxruntime; numpy only stands in for it on this host
-    if method is None and backend is None:
-        notes.append(f"profile {prof.name!r} runs the numpy backend, where static int8 is expected to be slower "
-                     f"than fp32 ({why}): the bench-gated choice ran with --max-loss {NUMPY_MAX_LOSS:g} (the default "
-                     "for numpy boards): int8 only if measured faster, else weight-only int8 (4x smaller weights) or "
-                     "fp32; --max-loss PCT sets the loss allowed, --method static writes static int8 regardless")
-        return NUMPY_MAX_LOSS
-    note = (f"static int8 is expected to be slower than fp32 on the numpy backend ({why}); pass --max-loss PCT "
-            "(max_loss=) for the bench-gated choice, which writes weight-only int8 (4x smaller weights, fp32 speed) "
-            "or fp32 where int8 does not pay")
-    log.warning(note)
-    notes.append(note)
-    return None
+    Timings describe the machine and backend they ran on. A profile for another board (another
+    architecture, or CPU features this host lacks) or a report backend other than the board's
+    first is not timed unless ``time_on_host`` asks for it, and then the note says whose figures
+    they are."""
+    board = list(prof.backends)[:1]
+    differs = host_differs(prof, host)
+    if backend not in board:
+        differs = f"the report runs on {backend}, the {prof.name} board on {board[0] if board else '?'}"
+    if differs is None:
+        return None
+    if time_on_host:
+        notes.append(f"timed on this host although {differs} (--time-on-host): the gate's choice and the latency "
+                     f"figures are this host's, not the {prof.name} board's")
+        return None
+    return differs
 
 
 def _one_line(exc: BaseException) -> str:
@@ -410,8 +462,9 @@ def quantize(
     output: str | os.PathLike | None = None,
     preprocess: "ImagePrep | AudioPrep | str | os.PathLike | None" = None,
     optimize_graph: bool = True,
-    max_loss: float | None = None,
+    max_loss: "float | None | str" = "auto",
     fallback: str = "weight-only",
+    time_on_host: bool | None = None,
     gate_rounds: int = 5,
     loss: str = "auto",
     bias_correction: bool | None = None,
@@ -434,17 +487,22 @@ def quantize(
     default: from the model's input shape). ``optimize_graph`` runs the graph
     optimizer first (Constant-node weights, folding, BatchNormalization).
 
-    ``max_loss`` (percent; see :mod:`.gate`) turns on the bench-gated
-    choice for static int8: int8 is timed against fp32 on the profile's
-    backend, kinds of layers that are slower in int8 and the layers that
-    cost the most accuracy stay fp32, and where no int8 model is faster the
-    result is ``fallback`` (``"weight-only"`` int8 or ``"fp32"``);
-    ``report.gate`` says what was chosen and why; ``loss`` is how the loss is
-    measured (:data:`.gate.LOSS_MEASURES`: "auto", "cosine", "top1",
-    "sequence" or "ctc" for per-step class scores such as a CTC recognizer's). A profile whose backend is
-    numpy (boards without onnxruntime, where static int8 is slower than fp32)
-    gets the gate by default (``max_loss`` 1) unless ``method`` names static
-    int8 explicitly; static int8 on numpy without the gate carries a note.
+    ``max_loss`` (percent; see :mod:`.gate`; "auto" = :data:`DEFAULT_MAX_LOSS`)
+    is the bench-gated choice, on by default for static int8 on every profile:
+    the layers that cost the most accuracy stay fp32 until the loss is within
+    ``max_loss``, and where the profile's board is this host (same
+    architecture and CPU features, the report on the board's backend) int8 is
+    also timed against fp32: kinds of layers that are slower in int8 stay
+    fp32, and where no int8 model is faster the result is ``fallback``
+    (``"weight-only"`` int8 or ``"fp32"``). Another board's choice is made on
+    accuracy alone and says that its speed was not measured, unless
+    ``time_on_host`` asks for this host's timings (a numpy board then gets
+    ``fallback``: numpy has no integer GEMM, so static int8 is slower there).
+    ``report.gate`` says what was chosen and why, and how much the evaluation
+    set can show (:class:`.gate.Evidence`). ``max_loss=None`` writes static
+    int8 unchecked (a note says so). ``loss`` is how the loss is measured
+    (:data:`.gate.LOSS_MEASURES`: "auto", "cosine", "top1", "sequence" or
+    "ctc" for per-step class scores such as a CTC recognizer's).
 
     ``bias_correction`` (static int8 in QDQ format, evaluated on onnxruntime):
     each int8 conv's mean output error on the calibration data (at most
@@ -459,6 +517,8 @@ def quantize(
         raise QuantizationError(f"unknown loss measure {loss!r}; use one of {', '.join(LOSS_MEASURES)}")
     if batch_size < 1:
         raise QuantizationError(f"batch_size must be >= 1, got {batch_size}")
+    if isinstance(max_loss, str) and max_loss != "auto":
+        raise QuantizationError(f"max_loss must be a percentage, 'auto' or None, got {max_loss!r}")
     src = copy.deepcopy(model) if isinstance(model, onnx.ModelProto) else model
     fp32 = load_model(src)
     prof = get_profile(profile)
@@ -558,13 +618,17 @@ def quantize(
         if note:
             notes.append(note)
 
-    if kind == "static" and max_loss is None and be == "numpy":
-        max_loss = _numpy_backend_default(prof, method, backend, notes)
-    if kind == "static" and max_loss is not None:
-        differs = host_differs(prof, host)
-        if differs:
-            notes.append(f"the bench gate timed int8 on this host, and {differs}: its choice fits this host; "
-                         f"run the same quantize on a {prof.name} board for the board's own choice")
+    untimed = _timing(prof, be, host, time_on_host, notes)
+    if max_loss == "auto":
+        max_loss = DEFAULT_MAX_LOSS if kind == "static" else None
+    elif max_loss is None and kind == "static":
+        notes.append("the bench gate is off (max_loss=None): static int8 written without checking its loss or "
+                     "speed against fp32")
+        if be == "numpy":
+            log.warning("static int8 on the numpy backend without the bench gate: expected to be slower than fp32 "
+                        "(numpy has no integer GEMM)")
+            notes.append("static int8 is expected to be slower than fp32 on the numpy backend (numpy has no "
+                         "integer GEMM: int8 runs on the same float sgemm plus requantization passes)")
 
     ranges = qparams = None
     gate = None
@@ -661,7 +725,9 @@ def quantize(
                               max_loss=max_loss, fallback=fallback, per_channel=per_channel, cal=cal, calib=calib,
                               percentile=percentile, activations=activations, batch=fixed or 1,
                               rounds=gate_rounds, seed=seed, inputs=inputs, loss_measure=loss,
-                              corrected=bias_correction is None and be == "ort")
+                              corrected=bias_correction is None and be == "ort", untimed=untimed)
+            if gate.evidence is not None and not gate.evidence.enough:
+                notes.append(gate.evidence.format())
     elif kind == "dynamic":
         assert plan is not None
         if engine == "ort":
@@ -738,7 +804,10 @@ def quantize(
             report.sensitivity = layer_sensitivity(
                 fp32, plan, qparams, ev, ref, evaluator.predict, labels=ev_labels, per_channel=per_channel
             )
-    if latency_runs > 0:
+    if latency_runs > 0 and untimed:
+        report.notes.append(f"latency not measured: {untimed}; pass --time-on-host (time_on_host=True) for "
+                            "this host's figures")
+    elif latency_runs > 0:
         feeds = _latency_feeds(inputs, ev, fixed or batch_size, seed)
         try:
             report.latency = _measure_latency(fp32, qm, prof, be, feeds, latency_runs)

@@ -105,6 +105,8 @@ class GateDecision:
     int8_format: str | None = None  # "qdq" | "qoperator": the int8 model's format
     search_speedup: float | None = None  # fp32 / int8 of the best int8 model of the search
     confirmation: "Confirmation | None" = None  # the re-timing of that model against the fallback
+    timed: bool = True  # False: chosen on accuracy alone (this host is not the board; see ``reason``)
+    evidence: "Evidence | None" = None  # what the evaluation set can show about the loss
 
     @property
     def speedup(self) -> float | None:
@@ -118,6 +120,8 @@ class GateDecision:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        if self.evidence is not None:
+            d["evidence"]["enough"] = self.evidence.enough
         d["speedup"] = self.speedup
         d["confirmed_speedup"] = self.confirmed_speedup
         return d
@@ -129,9 +133,71 @@ class GateDecision:
             lines.append(f"  speedup    {self.search_speedup:.2f}x vs fp32 in the search"
                          + (f"; {self.confirmation.speedup:.2f}x vs {self.confirmation.against} re-timed "
                             f"({self.confirmation.rounds} rounds)" if self.confirmation else ""))
+        if self.evidence is not None:
+            lines.append(f"  evidence   {self.evidence.format()}")
         for s in self.steps:
             lines.append(f"    tried: {s}")
         return lines
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What an evaluation set of ``samples`` can show about a loss measured as a share of samples
+    (top-1 / sequence / CTC agreement): with ``failed`` of them changed, the true share is below
+    ``upper_pct`` with 95% confidence (one-sided Clopper-Pearson bound; 0 changed: about 300 / n,
+    the rule of three). ``enough``: that bound is within ``max_loss``; ``needed``: the samples that
+    would make it so if none changed."""
+
+    samples: int
+    failed: int
+    upper_pct: float
+    max_loss: float
+    needed: int
+
+    @property
+    def enough(self) -> bool:
+        return self.upper_pct <= self.max_loss
+
+    def format(self) -> str:
+        if self.enough:
+            return (f"{self.samples} evaluation samples, {self.failed} changed: the true loss is below "
+                    f"{self.upper_pct:.2f}% with 95% confidence")
+        return (f"{self.samples} evaluation samples are too few for --max-loss {self.max_loss:g}%: with "
+                f"{self.failed} changed, the true loss can be up to {self.upper_pct:.1f}% (95% confidence); "
+                f"at least {self.needed} samples with none changed would show it (--eval, or more --calibration)")
+
+
+def agreement_evidence(samples: int, failed: int, max_loss: float, confidence: float = 0.95) -> Evidence:
+    """The one-sided Clopper-Pearson upper bound on a failure rate, from ``failed`` of ``samples``."""
+    if samples < 1:
+        raise QuantizationError("no evaluation samples: nothing can be said about the loss")
+    failed = min(max(int(failed), 0), samples)
+    alpha = 1.0 - confidence
+    if failed == samples:
+        upper = 1.0
+    else:  # solve P(X <= failed | n, p) = alpha for p by bisection (the beta quantile, without scipy)
+        lo, hi = failed / samples, 1.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            if _binom_cdf(failed, samples, mid) > alpha:
+                lo = mid
+            else:
+                hi = mid
+        upper = hi
+    needed = int(np.ceil(np.log(alpha) / np.log1p(-max_loss / 100.0))) if 0 < max_loss < 100 else 1
+    return Evidence(samples, failed, 100.0 * upper, max_loss, max(needed, 1))
+
+
+def _binom_cdf(k: int, n: int, p: float) -> float:
+    if p <= 0.0:
+        return 1.0
+    if p >= 1.0:
+        return 1.0 if k >= n else 0.0
+    i = np.arange(k + 1)
+    from math import lgamma
+
+    logc = np.array([lgamma(n + 1) - lgamma(j + 1) - lgamma(n - j + 1) for j in i])
+    return float(np.exp(logc + i * np.log(p) + (n - i) * np.log1p(-p)).sum())
 
 
 LOSS_MEASURES = ("auto", "cosine", "top1", "sequence", "ctc")
@@ -200,6 +266,21 @@ def loss_percent(ref: np.ndarray, got: np.ndarray, labels: np.ndarray | None = N
     return 100.0 * (1.0 - err.cosine)
 
 
+def changed_samples(ref: np.ndarray, got: np.ndarray, measure: str = "auto",
+                    ctc_strip: Iterable[int] = ()) -> int | None:
+    """How many samples the quantized model decides differently from fp32 (the count behind an
+    agreement loss: top-1 class, argmax sequence or CTC text), or None where the loss is a cosine."""
+    if measure in ("sequence", "ctc") and ref.ndim >= 3:
+        if measure == "ctc":
+            return sum(a != b for a, b in zip(ctc_greedy(ref, strip=ctc_strip), ctc_greedy(got, strip=ctc_strip)))
+        r = np.argmax(ref.reshape(len(ref), -1, ref.shape[-1]), axis=-1)
+        g = np.argmax(got.reshape(len(got), -1, got.shape[-1]), axis=-1)
+        return int(np.sum(~np.all(r == g, axis=1)))
+    if measure in ("auto", "top1") and output_error(ref, got).top1_agreement is not None:
+        return int(np.sum(np.argmax(ref.reshape(len(ref), -1), 1) != np.argmax(got.reshape(len(got), -1), 1)))
+    return None
+
+
 def layer_kind(node: onnx.NodeProto, weight_shape: Sequence[int] | None) -> str:
     """The kind of a quantizable layer, for timing kinds of layers separately."""
     if node.op_type != "Conv":
@@ -237,6 +318,7 @@ def choose(
     margin: float = 0.03,
     max_steps: int = 6,
     min_speedup: float = MIN_SPEEDUP,
+    untimed: str | None = None,
 ) -> GateDecision:
     """Decide which layers stay int8; see the module docstring.
 
@@ -250,6 +332,12 @@ def choose(
     than weight-only int8). The search's figures are optimistic (the lowest of
     noisy timings over many candidates), so an ``"int8"`` decision is only a
     candidate until :func:`confirm` re-times it.
+
+    ``untimed``: why nothing is timed here (this host is not the board, or the
+    report's backend is not the board's); the trials' latencies are then
+    meaningless and only accuracy decides: the fewest layers go back to fp32
+    that bring the loss within ``max_loss``, and the decision says that the
+    speed was not measured and why.
     """
     if fallback not in FALLBACKS:
         raise QuantizationError(f"fallback must be one of {', '.join(FALLBACKS)}, got {fallback!r}")
@@ -258,11 +346,17 @@ def choose(
     steps: list[str] = []
     kept: dict[str, str] = {}
     best = measure(frozenset())
-    steps.append(f"all {len(targets)} layers int8: {best.latency_ms:.3f} ms vs fp32 {fp32_ms:.3f} ms "
-                 f"({fp32_ms / best.latency_ms:.2f}x), loss {best.loss:.2f}%")
+
+    def timing(trial: Trial) -> str:
+        return "not timed" if untimed else f"{trial.latency_ms:.3f} ms"
+
+    steps.append(f"all {len(targets)} layers int8: " + (
+        f"not timed ({untimed})" if untimed else
+        f"{best.latency_ms:.3f} ms vs fp32 {fp32_ms:.3f} ms ({fp32_ms / best.latency_ms:.2f}x)")
+        + f", loss {best.loss:.2f}%")
 
     # Speed: a kind of layer whose int8 makes the model slower stays fp32.
-    if len(groups) > 1:
+    if len(groups) > 1 and not untimed:
         for kind, nodes in groups.items():
             trial = measure(best.kept | frozenset(nodes))
             faster = trial.latency_ms * (1 + margin) < best.latency_ms
@@ -282,7 +376,7 @@ def choose(
             take, order = order[:k], order[k:]
             trial = measure(best.kept | frozenset(take))
             steps.append(f"{len(take)} most sensitive layer(s) fp32 ({', '.join(take[:3])}"
-                         f"{', ...' if len(take) > 3 else ''}): {trial.latency_ms:.3f} ms, loss {trial.loss:.2f}%")
+                         f"{', ...' if len(take) > 3 else ''}): {timing(trial)}, loss {trial.loss:.2f}%")
             why = f"over --max-loss {max_loss:g}%: among the most sensitive layers (loss {best.loss:.2f}% with them int8)"
             kept.update({n: why for n in take})
             best = trial
@@ -293,7 +387,15 @@ def choose(
     if best.loss > max_loss or (int8_left == 0 and loss_kept):
         reason = (f"no int8 model within --max-loss {max_loss:g}% (loss {best.loss:.2f}% with "
                   f"{int8_left} of {len(targets)} layers int8); {fallback} chosen")
-        return GateDecision(fallback, backend, fp32_ms, None, None, max_loss, kept, steps, reason)
+        return GateDecision(fallback, backend, fp32_ms, None, None, max_loss, kept, steps, reason,
+                            timed=not untimed)
+    if untimed:
+        if int8_left == 0:
+            reason = f"no layer left int8; {fallback} chosen"
+            return GateDecision(fallback, backend, fp32_ms, None, None, max_loss, kept, steps, reason, timed=False)
+        reason = (f"{int8_left} of {len(targets)} layers int8, loss {best.loss:.2f}% <= {max_loss:g}%; speed not "
+                  f"measured ({untimed}): time it on the board, or pass --time-on-host for this host's figures")
+        return GateDecision("int8", backend, fp32_ms, None, best.loss, max_loss, kept, steps, reason, timed=False)
     if int8_left == 0 or best.latency_ms * min_speedup > fp32_ms:
         reason = (f"int8 is not {min_speedup:g}x faster than fp32 on {backend} ({best.latency_ms:.3f} ms vs "
                   f"{fp32_ms:.3f} ms at best); "
@@ -325,7 +427,7 @@ def confirm(
     """
     if fallback not in FALLBACKS:
         raise QuantizationError(f"fallback must be one of {', '.join(FALLBACKS)}, got {fallback!r}")
-    if decision.choice != "int8":
+    if decision.choice != "int8" or not decision.timed:
         return decision
     ref, q = (np.asarray(v, np.float64) for v in retime())
     if not (len(ref) and len(ref) == len(q) and np.all(q > 0)):
