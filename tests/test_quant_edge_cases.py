@@ -7,7 +7,9 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
+import edgeflow
 from edgeflow import zoo
+from edgeflow.runtime.session import load
 from edgeflow.errors import QuantizationError
 from edgeflow.runtime.model import model_opset
 from edgeflow.quantization import quantize
@@ -117,3 +119,43 @@ def test_onnxruntime_errors_become_one_line_with_the_cause():
     assert isinstance(err, QuantizationError)
     assert "\n" not in str(err)
     assert str(err).startswith("the calibration samples do not match the model's input shape")
+
+
+def _batch_one_inside(features: int = 16, batch: int = 1):
+    """An export whose input batch is free but whose graph reshapes to a constant batch of 1
+    (issue 30: a transformer failed because calibration fed batches of 8)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((features, features)).astype(np.float32), "W1"),
+             numpy_helper.from_array(rng.standard_normal((features, 10)).astype(np.float32), "W2"),
+             numpy_helper.from_array(np.array([batch, features], np.int64), "shape")]
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["r"]), helper.make_node("MatMul", ["r", "W1"], ["m"]),
+             helper.make_node("Relu", ["m"], ["a"]), helper.make_node("MatMul", ["a", "W2"], ["y"])]
+    g = helper.make_graph(nodes, "batch1", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", features])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 10])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+@pytest.mark.parametrize("engine", ["ort", "numpy"])
+def test_a_graph_that_fixes_batch_1_inside_is_calibrated_one_sample_at_a_time(engine):
+    if engine == "ort":
+        pytest.importorskip("onnxruntime")
+    x = np.random.default_rng(1).standard_normal((40, 16)).astype(np.float32)
+    r = edgeflow.quantize(_batch_one_inside(), "x86-gateway", calibration=x, engine=engine, latency_runs=2,
+                          sensitivity=False, gate_rounds=1)
+    assert any("runs only one sample at a time" in n and "reshape" in n.lower() and "batches of 1" in n
+               for n in r.report.notes), r.report.notes
+    assert r.report.n_eval == 8 and r.report.error.cosine > 0.99
+    got = load(r.model, "x86-gateway")(x[:1])
+    assert got.shape == (1, 10)
+
+
+def test_calibration_data_the_model_cannot_run_is_one_line_naming_it():
+    x = np.random.default_rng(1).standard_normal((40, 16)).astype(np.float32)
+    with pytest.raises(QuantizationError, match="does not run on the calibration data") as e:
+        edgeflow.quantize(_batch_one_inside(batch=3), "x86-gateway", calibration=x, latency_runs=0,
+                          sensitivity=False)
+    assert "\n" not in str(e.value)

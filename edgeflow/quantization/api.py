@@ -114,6 +114,32 @@ class _Evaluator:
         return np.concatenate(outs)
 
 
+def runnable_batch(evaluator: _Evaluator, model: onnx.ModelProto, data: CalibrationSet) -> tuple[int | None, str | None]:
+    """The batch a model with a free batch dimension really runs, probed on two samples.
+
+    Some exports leave the input's batch dimension free but fix it inside the graph (a Reshape to a
+    constant shape with batch 1): batches of 2 or more then fail deep in the backend. Returns
+    (1, a note) when only single samples run, (None, None) when batches do; raises
+    QuantizationError naming the cause when even one sample does not run."""
+    if data.n < 2:
+        return None, None
+    sess = evaluator.session(model)
+    first = sess.outputs[0].name
+    try:
+        sess.run(data.take(slice(0, 2)).arrays, [first])
+        return None, None
+    except EdgeflowError as exc:
+        batched = " ".join(str(exc).split())
+    try:
+        sess.run(data.take(slice(0, 1)).arrays, [first])
+    except EdgeflowError as exc:
+        raise QuantizationError(f"the model does not run on the calibration data ({_one_line(exc)}); check that "
+                                "the samples have the input's shape and dtype (edgeflow inspect MODEL)") from None
+    cause = batched if len(batched) <= 200 else f"{batched[:80]} ... {batched[-110:]}"
+    return 1, (f"the model runs only one sample at a time although its input's batch dimension is free (a batch "
+               f"of 2 failed: {cause}): calibrated and evaluated in batches of 1")
+
+
 def _labels(labels, n: int) -> np.ndarray:
     y = np.asarray(labels)
     if y.ndim != 1 or y.dtype.kind not in "iu":
@@ -609,6 +635,11 @@ def quantize(
     host = host_facts()  # read once: /proc/cpuinfo decides both notes below
     exact = be == "ort" and kind == "static" and saturates_where_board_does_not(prof, host)
     evaluator = _Evaluator(prof, be, batch_size, fixed, exact_int8=exact)
+    if fixed is None and (cal if cal is not None else ev) is not None:
+        fixed, note = runnable_batch(evaluator, fp32, cal if cal is not None else ev)
+        if fixed:
+            notes.append(note)
+            evaluator = _Evaluator(prof, be, batch_size, fixed, exact_int8=exact)
     if exact:
         notes.append(f"outputs for the report and the gate's loss computed with onnxruntime's exact int8 path "
                      f"(session.x64quantprecision): this host has no VNNI, so its fast u8 x s8 kernels saturate "
