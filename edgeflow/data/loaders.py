@@ -172,7 +172,8 @@ def _check_declared(name: str, shape: tuple[int, ...], dtype: np.dtype, holds: i
     """The bytes an array declares, refused (``error``) when it holds objects, exceeds ``limit`` (with ``total``
     declared before it) or more than the ``holds`` bytes of data actually there."""
     if dtype.hasobject:
-        raise error(f"{name}: holds Python objects (dtype {dtype}), which are never unpickled; save numeric arrays")
+        raise error(f"{name}: holds Python objects (dtype {dtype}), not plain arrays; objects are never unpickled, "
+                    "save numeric arrays")
     count = 1
     for d in shape:
         count *= d  # Python ints: no overflow on a forged shape

@@ -129,8 +129,11 @@ def _check_in_child(kwargs: dict[str, Any]) -> HealthReport:
     runs = max(1, int(kwargs["runs"]))
     timeout = CHILD_START_S + (runs + 1) * float(profile.max_run_seconds)
     cmd = [sys.executable, "-c", "from edgeflow.device.health import _child_main; _child_main()"]
+    # the child imports this same edgeflow, whatever sys.path the agent was started with
+    here = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p))
     try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     except OSError as exc:
         return HealthReport(False, "load", f"could not start the health-check process ({exc}); free memory or "
                             "processes on the device and deploy again")

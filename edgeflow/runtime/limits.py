@@ -146,7 +146,14 @@ def run_budget(limits: RunLimits | None) -> Iterator[RunBudget | None]:
 
 
 class Watchdog:
-    """One daemon thread that calls a function at a deadline unless disarmed first (cheap to arm per run)."""
+    """One daemon thread that calls a function at a deadline unless disarmed first.
+
+    Cheap per run: arming pushes onto a heap and wakes the thread only when
+    the new deadline is earlier than the one it sleeps towards; disarming
+    drops finished entries from the top at once (runs end in the order they
+    started, so the heap stays as small as the number of runs in progress)."""
+
+    IDLE_S = 30.0
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -154,37 +161,46 @@ class Watchdog:
         self._live: set[int] = set()
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
+        self._sleeping_until = 0.0
 
     def arm(self, deadline: float, fn: Callable[[], None]) -> int:
         with self._cond:
             token = next(self._ids)
             heapq.heappush(self._heap, (deadline, token, fn))
             self._live.add(token)
-            if self._thread is None or not self._thread.is_alive():
+            if self._thread is None:
+                self._sleeping_until = deadline
                 self._thread = threading.Thread(target=self._loop, name="edgeflow-run-watchdog", daemon=True)
                 self._thread.start()
-            elif self._heap[0][1] == token:
+            elif deadline < self._sleeping_until:
                 self._cond.notify()
         return token
 
     def disarm(self, token: int) -> None:
         with self._cond:
             self._live.discard(token)
+            self._drop_disarmed()
+
+    def _drop_disarmed(self) -> None:
+        while self._heap and self._heap[0][1] not in self._live:
+            heapq.heappop(self._heap)
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while self._heap and self._heap[0][1] not in self._live:
-                    heapq.heappop(self._heap)  # disarmed
+                self._drop_disarmed()
+                now = time.monotonic()
                 if not self._heap:
-                    self._cond.wait(30.0)
+                    self._sleeping_until = now + self.IDLE_S
+                    self._cond.wait(self.IDLE_S)
+                    self._drop_disarmed()
                     if not self._heap:
-                        self._thread = None
+                        self._thread = None  # idle: the next arm starts a new thread
                         return
                     continue
                 deadline, token, fn = self._heap[0]
-                now = time.monotonic()
                 if now < deadline:
+                    self._sleeping_until = deadline
                     self._cond.wait(deadline - now)
                     continue
                 heapq.heappop(self._heap)
