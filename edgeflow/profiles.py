@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from importlib import resources
@@ -41,6 +42,24 @@ BOARD_MODEL_ENV = "EDGEFLOW_BOARD_MODEL"
 """``EDGEFLOW_BOARD_MODEL="Raspberry Pi 4 Model B Rev 1.4"``: stands in for the
 device-tree model string (/proc/device-tree/model) that emulation does not have;
 detection then matches it like the real one."""
+
+PROFILE_NAME_RULE = "1-64 lowercase letters, digits, '_', '.' or '-', starting with a letter or digit (no '/', no '..')"
+_PROFILE_NAME = re.compile(r"[a-z0-9][a-z0-9_.\-]{0,63}")
+
+
+def check_profile_name(name: object, what: str = "profile") -> str:
+    """``name`` if it is a valid profile name (:data:`PROFILE_NAME_RULE`), else one clear :class:`ProfileError`.
+
+    The one check for every profile name that is not the operator's own path: the names devices claim in
+    their births, the names an artifact is built for, and :func:`get_profile`'s names. A valid name is never
+    a path, so looking it up can only find a built-in profile, never open a file.
+    """
+    if not isinstance(name, str) or not _PROFILE_NAME.fullmatch(name) or ".." in name:
+        shown = repr(name[:80]) + ("..." if len(name) > 80 else "") if isinstance(name, str) else type(name).__name__
+        raise ProfileError(f"{what} {shown} is not a valid profile name: use {PROFILE_NAME_RULE}, "
+                           "e.g. 'raspberry-pi-4'")
+    return name
+
 
 _ARCH_ALIASES = {"amd64": "x86_64", "arm64": "aarch64", "armv7": "armv7l", "armv8l": "armv7l", "armhf": "armv7l"}
 
@@ -150,6 +169,8 @@ def profile_from_dict(data: dict[str, Any], source: str = "<dict>") -> DevicePro
         if types == (list,) and not all(isinstance(x, str) for x in v):
             raise _fail(source, name, "expected a list of strings")
     arch = _ARCH_ALIASES.get(data["arch"], data["arch"])
+    if not _PROFILE_NAME.fullmatch(data["name"]) or ".." in data["name"]:
+        raise _fail(source, "name", f"{data['name'][:80]!r} is not a valid profile name: use {PROFILE_NAME_RULE}")
     if arch not in ARCHES:
         raise _fail(source, "arch", f"{data['arch']!r} is not one of {', '.join(ARCHES)}")
     for k in ("cores", "memory_mb", "memory_budget_mb", "threads"):
@@ -242,17 +263,34 @@ def list_profiles() -> list[str]:
     return sorted(builtin_profiles())
 
 
+def builtin_profile(name: object, what: str = "device profile") -> DeviceProfile:
+    """The built-in profile ``name``: checked with :func:`check_profile_name` first, never a path.
+
+    For names that come from elsewhere (a device's birth, an artifact's manifest): an invalid or
+    unknown name is a :class:`ProfileError` naming it, and no file is opened for it.
+    """
+    check_profile_name(name, what)
+    profiles = builtin_profiles()
+    if name not in profiles:
+        raise ProfileError(f"unknown {what} {name!r}; built-in profiles: {', '.join(sorted(profiles))}")
+    return profiles[name]  # type: ignore[index]
+
+
 def get_profile(name_or_path: "str | os.PathLike | DeviceProfile") -> DeviceProfile:
-    """A built-in profile by name, or a profile TOML file by path."""
+    """A built-in profile by name, or a profile TOML file by path (the operator's own argument).
+
+    A path is a :class:`os.PathLike`, or a string ending in ``.toml`` or holding a path separator;
+    anything else must be a valid profile name (:func:`check_profile_name`). Names another party
+    supplied go through :func:`builtin_profile`, which never takes a path.
+    """
     if isinstance(name_or_path, DeviceProfile):
         return name_or_path
+    if isinstance(name_or_path, os.PathLike):
+        return load_profile_file(name_or_path)
     s = str(name_or_path)
-    if s.endswith(".toml") or os.sep in s:
+    if s.endswith(".toml") or "/" in s or os.sep in s:
         return load_profile_file(s)
-    profiles = builtin_profiles()
-    if s not in profiles:
-        raise ProfileError(f"unknown device profile {s!r}; built-in profiles: {', '.join(sorted(profiles))}")
-    return profiles[s]
+    return builtin_profile(s)
 
 
 @dataclass(frozen=True)
