@@ -41,11 +41,15 @@ class TensorInfo:
     """Name, element dtype and (possibly symbolic) shape of a graph input/output."""
 
     name: str
-    dtype: str  # numpy dtype name, e.g. "float32"
+    dtype: str  # numpy dtype name, e.g. "float32" (of the elements, for a sequence or an optional)
     shape: tuple[int | str | None, ...]
+    kind: str = "tensor"  # "tensor", "sequence" (a list of tensors), "optional-tensor", "optional-sequence"
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        d = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        if self.kind != "tensor":
+            d["kind"] = self.kind
+        return d
 
 
 @dataclass(frozen=True)
@@ -273,7 +277,14 @@ def elem_dtype(elem_type: int) -> str:
 
 
 def _value_info(vi: onnx.ValueInfoProto) -> TensorInfo:
-    t = vi.type.tensor_type
+    kind, tp = "tensor", vi.type
+    if tp.WhichOneof("value") == "optional_type":
+        kind, tp = "optional-", tp.optional_type.elem_type
+    if tp.WhichOneof("value") == "sequence_type":
+        kind, tp = ("optional-" if kind == "optional-" else "") + "sequence", tp.sequence_type.elem_type
+    elif kind == "optional-":
+        kind = "optional-tensor"
+    t = tp.tensor_type
     dims: list[int | str | None] = []
     if t.HasField("shape"):
         for d in t.shape.dim:
@@ -285,7 +296,7 @@ def _value_info(vi: onnx.ValueInfoProto) -> TensorInfo:
                 dims.append(d.dim_param)
             else:
                 dims.append(None)
-    return TensorInfo(vi.name, elem_dtype(t.elem_type), tuple(dims))
+    return TensorInfo(vi.name, elem_dtype(t.elem_type), tuple(dims), kind)
 
 
 def graph_inputs(model: onnx.ModelProto) -> list[TensorInfo]:

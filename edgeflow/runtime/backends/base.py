@@ -101,25 +101,56 @@ def check_feeds(inputs: list[TensorInfo], feeds: Mapping[str, np.ndarray]) -> di
     for name, t in expected.items():
         if name not in feeds:
             continue
-        a = np.asarray(feeds[name])
-        want = np.dtype(t.dtype) if t.dtype else a.dtype
-        if a.dtype != want:
-            if np.can_cast(a.dtype, want, casting="same_kind") and not (
-                np.issubdtype(a.dtype, np.floating) and np.issubdtype(want, np.integer)
-            ):
-                a = a.astype(want)
-            else:
-                problems.append(f"input {name!r} has dtype {a.dtype}, expected {want}")
+        value = feeds[name]
+        kind = t.kind
+        if kind.startswith("optional-"):
+            if value is None:  # the empty optional
+                out[name] = None
                 continue
-        if t.shape and len(t.shape) != a.ndim:
-            problems.append(f"input {name!r} has shape {a.shape}, expected rank {len(t.shape)} {list(t.shape)}")
+            kind = kind[len("optional-"):]
+        if kind == "sequence":
+            if not isinstance(value, (list, tuple)):
+                problems.append(f"input {name!r} is a sequence of tensors: pass a list of arrays, got "
+                                f"{type(value).__name__}")
+                continue
+            items = [_tensor(f"{name}[{i}]", v, t.dtype, (), problems) for i, v in enumerate(value)]
+            if all(a is not None for a in items):
+                out[name] = items
             continue
-        for i, (d, s) in enumerate(zip(t.shape, a.shape)):
-            if isinstance(d, int) and d > 0 and d != s:
-                problems.append(f"input {name!r} has shape {a.shape}, expected {list(t.shape)} (dim {i})")
-                break
-        out[name] = a
+        if value is None:
+            problems.append(f"input {name!r} is a tensor: None is only an empty optional input")
+            continue
+        a = _tensor(name, value, t.dtype, t.shape, problems)
+        if a is not None:
+            out[name] = a
     if problems:
         cls = ShapeError if not missing and not extra else InputError
         raise cls("; ".join(problems))
     return out
+
+
+def _tensor(name: str, value, dtype: str, shape: tuple, problems: list[str]) -> np.ndarray | None:
+    """One fed tensor, cast losslessly to ``dtype`` and checked against ``shape``; None (and a line in
+    ``problems``) when it does not fit."""
+    try:
+        a = np.asarray(value)
+    except ValueError as exc:  # a ragged nested list
+        problems.append(f"input {name!r} is not an array ({' '.join(str(exc).split())[:120]})")
+        return None
+    want = np.dtype(dtype) if dtype else a.dtype
+    if a.dtype != want:
+        if np.can_cast(a.dtype, want, casting="same_kind") and not (
+            np.issubdtype(a.dtype, np.floating) and np.issubdtype(want, np.integer)
+        ):
+            a = a.astype(want)
+        else:
+            problems.append(f"input {name!r} has dtype {a.dtype}, expected {want}")
+            return None
+    if shape and len(shape) != a.ndim:
+        problems.append(f"input {name!r} has shape {a.shape}, expected rank {len(shape)} {list(shape)}")
+        return None
+    for i, (d, s) in enumerate(zip(shape, a.shape)):
+        if isinstance(d, int) and d > 0 and d != s:
+            problems.append(f"input {name!r} has shape {a.shape}, expected {list(shape)} (dim {i})")
+            return None
+    return a
