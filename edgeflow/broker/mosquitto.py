@@ -18,7 +18,10 @@ What the generated broker enforces:
   See :func:`fleet_acl`.
 - **limits**: ``max_packet_size`` (one message, default 1 MiB: the
   transport chunks anything larger), ``max_queued_messages`` and
-  ``max_queued_bytes`` per client. Mosquitto 2.0 cannot forbid retain per
+  ``max_queued_bytes`` per client; ``max_connections`` on every listener,
+  sized to the fleet (:func:`fleet_max_connections`), so idle sockets opened
+  without a credential are refused at that count instead of using up the
+  broker's open files (its ``LimitNOFILE``, see docs/fleet.md). Mosquitto 2.0 cannot forbid retain per
   topic (its ACL has no retain flag) nor bound the retained store; receivers
   refuse retained chunks the topic scheme does not expect
   (:func:`edgeflow.transport.topics.retained_chunks_allowed`).
@@ -29,6 +32,18 @@ What the generated broker enforces:
   :func:`broker_user`): run as root, the broker runs as ``mosquitto``
   (``--broker-user`` to choose another; ``root`` only when asked for); run as
   another user, the config names that user.
+- **files**: every file is written to a fresh temporary file (``O_EXCL``,
+  ``O_NOFOLLOW``) renamed over its name, its mode set explicitly whatever
+  the umask (secrets 0600, public certificates and keys 0644); a link at
+  one of those names is replaced, never followed. Run as root, broker-config
+  hands the broker user only a log file and a persistence directory it
+  created itself; a link, a hard link or a file of someone else's at those
+  paths is refused (ConfigError) and left as it is.
+- **names**: operators (``gateway``, ``admin`` and every fleet.json operator,
+  with their session users ``NAME-2``, ``NAME-3`` ...) and devices are
+  disjoint name spaces: a device id in the operators' one is refused when
+  provisioned and when the password file and ACL are written
+  (:func:`operator_namespace`).
 
 The broker is one layer. Commands and models are also signed by the fleet
 key and the agent refuses anything else, so a misconfigured broker (or a
@@ -49,8 +64,10 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import ipaddress
+import errno
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -74,7 +91,9 @@ __all__ = [
     "ListenerSettings",
     "broker_user",
     "fleet_acl",
+    "fleet_max_connections",
     "make_fleet_ca",
+    "operator_namespace",
     "read_password_file",
     "render_config",
     "write_password_file",
@@ -93,6 +112,52 @@ DEFAULT_MAX_PACKET = 1 << 20
 learn it from the CONNACK and chunk below it; the transport's default chunk is 256 KiB."""
 DEFAULT_MAX_QUEUED_BYTES = 1 << 30
 DEFAULT_MAX_QUEUED_MESSAGES = 10000
+
+MIN_MAX_CONNECTIONS = 256
+"""The smallest ``max_connections`` sized automatically: a small fleet still has room for reconnects,
+tools and the boards provisioned before the broker's next restart (Mosquitto does not reload it on HUP)."""
+OPEN_FILES_MARGIN = 64
+"""Open files the broker needs besides its client sockets (listening sockets, log, persistence, the files
+it reloads): LimitNOFILE >= max_connections x listeners + this (:meth:`BrokerFiles.open_files`)."""
+
+
+def fleet_max_connections(clients: int) -> int:
+    """``max_connections`` per listener for a fleet of ``clients`` MQTT users (devices + operator users):
+    those plus a quarter (at least 64) for reconnects and boards provisioned before the next restart,
+    rounded up to a multiple of :data:`MIN_MAX_CONNECTIONS` (so provisioning one more board rarely
+    changes it: Mosquitto applies a new value only on restart)."""
+    clients = max(0, int(clients))
+    want = clients + max(64, clients // 4)
+    return max(1, -(-want // MIN_MAX_CONNECTIONS)) * MIN_MAX_CONNECTIONS
+
+
+_SESSION_SUFFIX = re.compile(r"(.+)-[0-9]+")
+
+
+def operator_namespace(operators: Iterable[str] = OPERATORS):
+    """A test ``name -> bool``: is ``name`` an operator's, now or later?
+
+    The operators' name space holds ``gateway``, ``admin`` and every name in ``operators``, each with
+    its session users (``NAME-2``, ``NAME-3`` ...: :meth:`FleetDir.claim_operator` uses them and a
+    later broker-config may add more). A device is never given one of those names: as ``admin-5`` it
+    would become, with its own password, the operator session user a later run adds, with the
+    operators' rights over the whole fleet.
+    """
+    bases = {GATEWAY, "admin"}
+    for op in operators:
+        m = _SESSION_SUFFIX.fullmatch(op)
+        bases.add(m.group(1) if m else op)
+
+    def owned(name: str) -> bool:
+        m = _SESSION_SUFFIX.fullmatch(name)
+        return name in bases or bool(m and m.group(1) in bases)
+
+    return owned
+
+
+def _namespace_error(device: str, what: str) -> ConfigError:
+    return ConfigError(f"device id {device!r} is in the operators' name space (gateway, admin, each operator "
+                       f"user and its session users NAME-2, NAME-3 ...): {what}")
 
 
 def _device_rules(root: str) -> list[str]:
@@ -117,12 +182,18 @@ def fleet_acl(fleet: str, operators: Iterable[str] = OPERATORS, devices: Iterabl
     validate_id(fleet, "fleet id")
     root = f"edgeflow/{fleet}"
     ops = list(operators)
+    owned = operator_namespace(ops)
+    devices = set(devices)
+    for dev in sorted(devices):
+        if owned(dev):
+            raise _namespace_error(dev, "its ACL entry would give a device operator rights; revoke it "
+                                        "(`edgeflow fleet revoke ID`) and provision the board under another id")
     lines = [f"# edgeflow fleet {fleet}: generated by `edgeflow broker-config`; do not edit by hand",
              "# devices (user name = device id): own channels only"]
     lines += _device_rules(root)
     gateway_reads = [f"topic read {root}/{GATEWAY}/{level}" for spec in GATEWAY_CHANNEL_SPECS for level in spec.levels()]
     lines.append("")
-    for dev in sorted(set(devices) - set(ops)):
+    for dev in sorted(devices):
         lines += [f"user {validate_id(dev, 'device id')}", *gateway_reads, ""]
     for user in ops:
         lines += [f"user {user}", f"topic readwrite {root}/#", ""]
@@ -144,18 +215,16 @@ def read_password_file(path: Path) -> dict[str, str]:
 
 
 def write_password_file(path: Path, users: Mapping[str, str], *, hashed: Mapping[str, str] | None = None) -> Path:
-    """Write ``users`` ({name: password}, hashed here) plus already ``hashed`` entries, mode 0600."""
+    """Write ``users`` ({name: password}, hashed here) plus already ``hashed`` entries, mode 0600
+    (whatever the umask; a link at ``path`` is replaced, not followed: :func:`_write_file`)."""
     entries = dict(hashed or {})
     for user, pw in users.items():
-        if ":" in user or not user:
-            raise ConfigError(f"MQTT user name {user!r} must be non-empty and contain no ':'")
+        if ":" in user or not user or any(c.isspace() for c in user):
+            raise ConfigError(f"MQTT user name {user!r} must be non-empty and contain no ':' or white space")
         entries[user] = mosquitto_password_hash(pw)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.writelines(f"{u}:{h}\n" for u, h in sorted(entries.items()))
-    os.replace(tmp, path)
+    if not path.parent.exists():
+        _make_dirs(path.parent)
+    _write_file(path, "".join(f"{u}:{h}\n" for u, h in sorted(entries.items())).encode(), 0o600)
     return path
 
 
@@ -179,6 +248,9 @@ class ListenerSettings:
     """Bytes; None: :data:`DEFAULT_MAX_PACKET`."""
     max_queued_messages: int | None = None
     max_queued_bytes: int | None = None
+    max_connections: int | None = None
+    """Connections each listener accepts (``max_connections``); None: sized to the fleet by
+    :meth:`FleetDir.write_broker_config` (:func:`fleet_max_connections`)."""
     persistence_dir: str | None = None
     log_file: str | None = None
     user: str | None = None
@@ -204,7 +276,8 @@ class ListenerSettings:
             seen[port] = flag
         for name, value, low in (("max_packet_size", self.max_packet_size, 64 * 1024),
                                  ("max_queued_messages", self.max_queued_messages, 1),
-                                 ("max_queued_bytes", self.max_queued_bytes, 1 << 20)):
+                                 ("max_queued_bytes", self.max_queued_bytes, 1 << 20),
+                                 ("max_connections", self.max_connections, 1)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ConfigError(f"{name} {value!r} is too small or not a whole number: use at least {low}")
         if bool(self.certfile) != bool(self.keyfile):
@@ -317,9 +390,148 @@ def _reachable(path: Path, uid: int, gids: set[int]) -> tuple[bool, Path | None]
     return True, None
 
 
+# ------------------------------------------------------- files: never through a link
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def _lstat(path: Path) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
+def _link_error(path: Path | str, flag: str = "") -> ConfigError:
+    what = f"{flag} {path}" if flag else str(path)
+    return ConfigError(f"{what} is a symbolic link: broker-config never writes, chowns or chmods through a link "
+                       f"(it could hand another file to the broker); remove the link (rm {path}) and run again")
+
+
+def _refuse_links(paths: Iterable[Path]) -> None:
+    for path in paths:
+        st = _lstat(path)
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            raise _link_error(path)
+
+
+def _write_file(path: Path, data: bytes, mode: int) -> None:
+    """Write ``data`` to ``path`` with exactly ``mode``, whatever the umask.
+
+    A fresh temporary file next to it (``O_CREAT|O_EXCL|O_NOFOLLOW``, never an existing file or a
+    link), its mode set on the descriptor, renamed over ``path``: a link at ``path`` is replaced by the
+    file, never followed, and a reader sees the old or the new contents, never half of them.
+    """
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            os.fchmod(fh.fileno(), mode)
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _make_dirs(path: Path, mode: int = 0o700) -> None:
+    """``mkdir -p`` whatever the umask: ``path`` gets ``mode``, missing directories above it 0755 (so
+    the broker's user can pass through them); existing ones are left as they are."""
+    missing = []
+    for d in (path, *path.parents):
+        if _lstat(d) is not None:
+            break
+        missing.append(d)
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            continue
+        _chmod_own(d, mode if d == path else 0o755)
+
+
+def _chmod_own(path: Path, mode: int) -> None:
+    """chmod of a file or directory in the fleet directory, through a descriptor opened without following
+    a link (a link there is a ConfigError)."""
+    fd = _open_nofollow(path)
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def _open_nofollow(path: Path, flag: str = "") -> int:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW | _CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _link_error(path, flag) from None
+        raise
+
+
 def _grant(path: Path, gid: int, mode: int) -> None:
-    os.chown(path, 0, gid)
-    os.chmod(path, mode)
+    """Give root:``gid`` and ``mode`` to one of the fleet directory's own entries: through a descriptor
+    opened without following a link; a link or a hard-linked file is refused, unchanged."""
+    fd = _open_nofollow(path)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+            raise ConfigError(f"{path} has {st.st_nlink} hard links: broker-config does not chown a file linked "
+                              "elsewhere; remove it and run again (it is regenerated)")
+        os.fchown(fd, 0, gid)
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def _foreign(path: Path, st: os.stat_result, flag: str, uid: int, user: str, kind: str) -> ConfigError | None:
+    """Why the existing ``path`` (lstat ``st``) cannot be left to the broker user, or None when it is
+    already that user's own plain file/directory (then nothing is changed)."""
+    if stat.S_ISLNK(st.st_mode):
+        return _link_error(path, flag)
+    if not (stat.S_ISDIR(st.st_mode) if kind == "directory" else stat.S_ISREG(st.st_mode)):
+        return ConfigError(f"{flag} {path} exists and is not a {kind}; remove it or choose another path")
+    if st.st_uid != uid:
+        return ConfigError(f"{flag} {path} exists and belongs to uid {st.st_uid}, not to the broker user {user!r}: "
+                           f"broker-config only hands over a {kind} it creates; remove it (it is created for "
+                           f"{user}) or chown it to {user} yourself")
+    return None
+
+
+def _hand_over(path: Path, flag: str, uid: int, gid: int, user: str, *, directory: bool) -> None:
+    """Create ``path`` (file 0640 or directory 0700) for the broker user, or leave an existing one that is
+    already that user's. Never follows a link, never chowns or chmods what it did not create."""
+    kind = "directory" if directory else "file"
+    st = _lstat(path)
+    if st is not None:
+        problem = _foreign(path, st, flag, uid, user, kind)
+        if problem is not None:
+            raise problem
+        return
+    try:
+        if directory:
+            os.mkdir(path, 0o700)
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC)
+        else:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o600)
+    except FileExistsError:
+        raise ConfigError(f"{flag} {path} appeared while broker-config ran; check who else writes there "
+                          "and run again") from None
+    except NotADirectoryError:  # replaced by a link between mkdir and open
+        raise _link_error(path, flag) from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():  # not the one just made (swapped in between): leave it alone
+            raise ConfigError(f"{flag} {path} was replaced while broker-config ran; check who else writes there "
+                              "and run again")
+        os.fchown(fd, uid, gid)
+        os.fchmod(fd, 0o700 if directory else 0o640)
+    finally:
+        os.close(fd)
 
 
 def render_config(fleet: str, settings: ListenerSettings, *, password_file: str, acl_file: str) -> str:
@@ -350,8 +562,12 @@ def render_config(fleet: str, settings: ListenerSettings, *, password_file: str,
         lines.append(f"user {s.user}")
     lines += s.extra
 
+    # Per listener: connections past it are closed at once (before TLS), so idle sockets cannot use up
+    # the broker's open files and stop every listener; LimitNOFILE must exceed the sum (docs/fleet.md).
+    max_conn = f"max_connections {int(s.max_connections or MIN_MAX_CONNECTIONS)}"
+
     def tls(port: int, host: str) -> list[str]:
-        out = [f"listener {port} {host}", "use_username_as_clientid true",
+        out = [f"listener {port} {host}", max_conn, "use_username_as_clientid true",
                f"certfile {s.certfile}", f"keyfile {s.keyfile}", "tls_version tlsv1.2"]
         if s.cafile:
             out.append(f"cafile {s.cafile}")
@@ -365,7 +581,7 @@ def render_config(fleet: str, settings: ListenerSettings, *, password_file: str,
     if s.websockets_port:
         lines += [""] + tls(s.websockets_port, s.host) + ["protocol websockets"]
     if s.plain_port:
-        lines += ["", f"listener {s.plain_port} 127.0.0.1", "use_username_as_clientid true"]
+        lines += ["", f"listener {s.plain_port} 127.0.0.1", max_conn, "use_username_as_clientid true"]
     return "\n".join(lines) + "\n"
 
 
@@ -373,11 +589,9 @@ def render_config(fleet: str, settings: ListenerSettings, *, password_file: str,
 
 
 def _write_secret(path: Path, data: bytes, mode: int = 0o600) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-    os.chmod(path, mode)
+    if not path.parent.exists():
+        _make_dirs(path.parent)
+    _write_file(path, data, mode)
 
 
 def _new_ca(now: _dt.datetime, days: int):
@@ -459,6 +673,14 @@ class BrokerFiles:
     password_file: Path
     acl_file: Path
     ca_file: Path | None
+    max_connections: int = MIN_MAX_CONNECTIONS
+    """``max_connections`` of each listener in the config."""
+    listeners: int = 1
+
+    @property
+    def open_files(self) -> int:
+        """The smallest ``LimitNOFILE`` (``ulimit -n``) the broker should run with for this config."""
+        return self.max_connections * self.listeners + OPEN_FILES_MARGIN
 
 
 class FleetDir:
@@ -534,6 +756,16 @@ class FleetDir:
     def fleet_key(self) -> PrivateKey:
         return PrivateKey.load(self.path / "fleet.key")
 
+    def _save_meta(self, meta: Mapping[str, Any]) -> None:
+        """fleet.json, 0600 whatever the umask (the operator's settings; the broker never reads it)."""
+        _write_file(self.meta_path, (json.dumps(meta, indent=2) + "\n").encode(), 0o600)
+
+    def _save_keyring(self, ring: KeyRing) -> None:
+        """keyring.json, 0644 whatever the umask: public keys only, read by the gateway service's user,
+        writable by the fleet directory's owner alone (a writable key ring would let anyone add a device)."""
+        data = {d: ring.get(d).hex for d in sorted(ring.devices())}
+        _write_file(self.keyring_path, (json.dumps(data, indent=2) + "\n").encode(), 0o644)
+
     def fleet_public_key(self) -> PublicKey:
         return PublicKey.load(self.path / "fleet.pub")
 
@@ -571,7 +803,8 @@ class FleetDir:
         said = False
         while True:
             for name in pool:
-                lock = open(self.path / "operators" / f".{name}.lock", "a+b")  # noqa: SIM115 (held)
+                lock = os.fdopen(os.open(self.path / "operators" / f".{name}.lock",  # held until released
+                                         os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o600), "r+b")
                 try:
                     fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except OSError:
@@ -601,9 +834,6 @@ class FleetDir:
     def init(self, fleet: str, *, broker: str | None = None, operators: Iterable[str] = OPERATORS) -> FleetDir:
         """Create the directory, fleet key and operator credentials (keeps what exists)."""
         validate_id(fleet, "fleet id")
-        if not self.path.exists():
-            self.path.mkdir(parents=True)
-            os.chmod(self.path, 0o700)
         meta = self.meta() if self.exists else {}
         if meta and meta.get("fleet") != fleet:
             raise ConfigError(f"{self.path} belongs to fleet {meta.get('fleet')!r}, not {fleet!r}")
@@ -611,10 +841,23 @@ class FleetDir:
         for user in ops:
             if user != GATEWAY:
                 validate_id(user, "operator user name")
+        if self.exists:  # a new operator name must not take a provisioned device's (or its sessions')
+            owned = operator_namespace(ops)
+            for dev in sorted(set(self.devices()) | set(self.keyring().devices())):
+                if owned(dev):
+                    new = sorted(set(ops) - set(meta.get("operators", [])))
+                    raise ConfigError(f"operator user name(s) {', '.join(new) or ', '.join(ops)} would share a name "
+                                      f"space with provisioned device {dev!r} (operators own NAME and NAME-2, "
+                                      "NAME-3 ...): pick another operator name")
+        if not self.path.exists():
+            _make_dirs(self.path, 0o700)
+        _refuse_links(self._own_entries())
         meta.update({"fleet": fleet, "operators": ops})
         if broker:
             meta["broker"] = broker
-        self.meta_path.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        self._save_meta(meta)
+        if not (self.path / "operators").exists():
+            _make_dirs(self.path / "operators", 0o700)
         if not (self.path / "fleet.key").exists():
             key = PrivateKey.generate()
             key.save(self.path / "fleet.key")
@@ -624,8 +867,23 @@ class FleetDir:
             if not p.exists():
                 _write_secret(p, (json.dumps({"username": user, "password": secrets.token_urlsafe(24)}) + "\n").encode())
         if not self.keyring_path.exists():
-            KeyRing().save(self.keyring_path)
+            self._save_keyring(KeyRing())
         return self
+
+    def _own_entries(self) -> list[Path]:
+        """The fleet directory's entries broker-config writes, reads as its own or chowns: none may be a link."""
+        b = self.broker_dir
+        return [self.meta_path, self.keyring_path, self.path / "fleet.key", self.path / "fleet.pub",
+                self.path / "operators", self.path / "devices", b,
+                *(b / n for n in ("passwd", "acl", "mosquitto.conf", "ca.crt", "ca.key", "server.crt", "server.key"))]
+
+    def _check_names(self, ops: list[str], devices: Iterable[str]) -> None:
+        """Devices and operators in disjoint name spaces; each device's MQTT user name is its id."""
+        owned = operator_namespace(ops)
+        for dev in sorted(devices):
+            if owned(dev):
+                raise _namespace_error(dev, "as a broker user it would take an operator's name and rights; revoke "
+                                            "it (`edgeflow fleet revoke ID`) and provision the board under another id")
 
     def write_broker_config(self, settings: ListenerSettings | None = None, *,
                             tls_hosts: Iterable[str] | None = None) -> BrokerFiles:
@@ -643,8 +901,11 @@ class FleetDir:
         meta = self.meta()
         fleet, ops = meta["fleet"], list(meta.get("operators", OPERATORS))
         s, user, grant = self._checked(settings)  # raises before anything is written
+        provisioned = set(self.keyring().devices())
+        self._check_names(ops, set(self.devices()) | provisioned)
         b = self.broker_dir
-        b.mkdir(parents=True, exist_ok=True)
+        if not b.exists():
+            _make_dirs(b, 0o700)
         hosts = list(tls_hosts) if tls_hosts is not None else None
         if not s.certfile:
             if not (b / "server.crt").exists() or hosts is not None:
@@ -661,33 +922,39 @@ class FleetDir:
             users[op] = self.operator(op)["password"]
         for dev in self.devices():
             creds = json.loads((self.device_dir(dev) / "device.json").read_text(encoding="utf-8"))
-            users[creds["username"]] = creds["password"]
+            if creds.get("username") != dev:  # would set another user's password (an operator's, say)
+                raise ConfigError(f"{self.device_dir(dev) / 'device.json'}: user name {creds.get('username')!r} is "
+                                  f"not the device id {dev!r}; re-provision it (`edgeflow fleet provision {dev} --force`)")
+            users[dev] = creds["password"]
         # A provisioned device whose credentials directory was moved off this machine keeps its hash.
-        provisioned = set(self.keyring().devices())
         keep = {u: h for u, h in hashed.items() if u not in users and u in provisioned}
         write_password_file(b / "passwd", users, hashed=keep)
         ca = b / "ca.crt"
         if ca.exists():  # devices provisioned before the CA existed (or before it changed) get the current one
+            ca_pem = ca.read_bytes()
             for dev in self.devices():
                 dst = self.device_dir(dev) / "ca.crt"
-                if not dst.exists() or dst.read_bytes() != ca.read_bytes():
-                    shutil.copyfile(ca, dst)
+                st = _lstat(dst)
+                if st is None or stat.S_ISLNK(st.st_mode) or dst.read_bytes() != ca_pem:
+                    _write_file(dst, ca_pem, 0o644)
         acl = b / "acl"
-        acl.write_text(fleet_acl(fleet, ops, set(self.devices()) | provisioned), encoding="utf-8")
-        os.chmod(acl, 0o600)
+        devices = set(self.devices()) | provisioned
+        _write_file(acl, fleet_acl(fleet, ops, devices).encode(), 0o600)
         meta["listener"] = dataclasses.asdict(s)
         if hosts is not None:
             meta["tls_hosts"] = hosts
-        self.meta_path.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        self._save_meta(meta)
+        max_conn = s.max_connections or fleet_max_connections(len(devices) + len(ops))
         rendered = dataclasses.replace(s, certfile=str(b / "server.crt"), keyfile=str(b / "server.key"),
-                                       cafile=str(ca) if ca.exists() else None, user=user)
+                                       cafile=str(ca) if ca.exists() else None, user=user, max_connections=max_conn)
         conf = b / "mosquitto.conf"
-        conf.write_text(render_config(fleet, rendered, password_file=str(b / "passwd"), acl_file=str(acl)),
-                        encoding="utf-8")
+        _write_file(conf, render_config(fleet, rendered, password_file=str(b / "passwd"), acl_file=str(acl)).encode(),
+                    0o600)
         if grant is not None:
             grant()
         self._fill_broker_urls()
-        return BrokerFiles(conf, b / "passwd", acl, ca if ca.exists() else None)
+        listeners = 1 + bool(s.websockets_port) + bool(s.plain_port)
+        return BrokerFiles(conf, b / "passwd", acl, ca if ca.exists() else None, max_conn, listeners)
 
     def check_broker_config(self, settings: ListenerSettings) -> None:
         """Every check :meth:`write_broker_config` makes (ports, certificate files, the broker user and
@@ -704,6 +971,7 @@ class FleetDir:
             if v:
                 setattr(s, attr, str(Path(v).expanduser().absolute()))
         user = broker_user(s)
+        _refuse_links(self._own_entries())
         return s, user, self._broker_access(user, s)
 
     def _broker_access(self, user: str, s: ListenerSettings) -> Any:
@@ -727,15 +995,20 @@ class FleetDir:
                 f"Mosquitto started as root drops to user {user!r}, which cannot enter {blocker} ({mode}): put the "
                 f"fleet directory where {user} can reach it (e.g. under /srv or /var/lib), or pass --broker-user "
                 "root to run the broker as root (not recommended)")
-        for flag, value in (("--log-file", s.log_file), ("--persistence", s.persistence_dir)):
+        for flag, value, kind in (("--log-file", s.log_file, "file"), ("--persistence", s.persistence_dir, "directory")):
             if value:
-                ok, blocker = _reachable(Path(value).expanduser().absolute(), pw.pw_uid, gids)
+                path = Path(value).expanduser().absolute()
+                ok, blocker = _reachable(path, pw.pw_uid, gids)
                 if not ok:
                     raise ConfigError(f"{flag} {value}: user {user!r} cannot enter {blocker}; choose a path it can reach")
+                st = _lstat(path)
+                problem = None if st is None else _foreign(path, st, flag, pw.pw_uid, user, kind)
+                if problem is not None:
+                    raise problem
 
         def grant() -> None:
             gid = pw.pw_gid
-            _grant(self.path, gid, 0o710)
+            _grant(Path(os.path.realpath(self.path)), gid, 0o710)  # the operator may have named it by a link
             b = self.broker_dir
             _grant(b, gid, 0o750)
             for name in ("passwd", "acl", "server.crt", "server.key", "ca.crt", "mosquitto.conf"):
@@ -743,16 +1016,13 @@ class FleetDir:
                     _grant(b / name, gid, 0o640)
             if (b / "ca.key").exists():
                 _grant(b / "ca.key", 0, 0o600)
+            # Outside the fleet directory, in places the broker user may write itself (/var/log/mosquitto):
+            # created here for it, or left as they are when already its own; never through a link.
             if s.log_file:
-                log = Path(s.log_file)
-                log.touch(exist_ok=True)
-                os.chown(log, pw.pw_uid, gid)
-                os.chmod(log, 0o640)
+                _hand_over(Path(s.log_file), "--log-file", pw.pw_uid, gid, user, directory=False)
             if s.persistence_dir:
-                d = Path(s.persistence_dir)
-                d.mkdir(parents=True, exist_ok=True)
-                os.chown(d, pw.pw_uid, gid)
-                os.chmod(d, 0o700)
+                _hand_over(Path(s.persistence_dir.rstrip("/") or "/"), "--persistence", pw.pw_uid, gid, user,
+                           directory=True)
 
         return grant
 
@@ -765,8 +1035,7 @@ class FleetDir:
             creds = json.loads(path.read_text(encoding="utf-8"))
             if not creds.get("broker"):
                 creds["broker"] = url
-                _write_secret(path.with_name("device.json.tmp"), (json.dumps(creds, indent=2) + "\n").encode())
-                os.replace(path.with_name("device.json.tmp"), path)
+                _write_secret(path, (json.dumps(creds, indent=2) + "\n").encode())
 
     def revoked(self) -> dict[str, Any]:
         """Revoked devices: ``{device_id: {"ts", "key", "moved_to"}}`` (fleet.json)."""
@@ -788,17 +1057,17 @@ class FleetDir:
         moved = None
         if d.exists():
             dst = self.path / "revoked" / f"{device_id}-{int(time.time())}"
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            os.chmod(dst.parent, 0o700)
+            if not dst.parent.exists():
+                _make_dirs(dst.parent, 0o700)
             shutil.move(str(d), str(dst))
             moved = str(dst)
         if key is not None:
             ring.unregister(device_id)
-            ring.save(self.keyring_path)
+            self._save_keyring(ring)
         meta = self.meta()
         rec = {"ts": time.time(), "key": key.hex if key is not None else None, "moved_to": moved}
         meta.setdefault("revoked", {})[device_id] = rec
-        self.meta_path.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        self._save_meta(meta)
         return rec
 
     def provision(self, device_id: str, *, profile: str | None = None, broker: str | None = None,
@@ -815,15 +1084,21 @@ class FleetDir:
 
         validate_id(device_id, "device id")
         meta = self.meta()
-        if device_id == GATEWAY or device_id in meta.get("operators", OPERATORS):
-            raise ConfigError(f"device id {device_id!r} is taken by an operator user; pick another")
+        if operator_namespace(meta.get("operators", OPERATORS))(device_id):
+            raise _namespace_error(device_id, "a device with it would take an operator's name and rights, now or "
+                                              "when a later broker-config adds that session user; pick another device id")
+        if not (self.path / "devices").exists():
+            _make_dirs(self.path / "devices", 0o700)
         d = self.device_dir(device_id)
+        _refuse_links([d, d / "ca.crt"])
         creds = provision_device(d, device_id, meta["fleet"], self.fleet_public_key(), broker=broker or self.broker_url,
                                  profile=profile, ca_file=self.ca_file(), overwrite=overwrite)
+        if (d / "ca.crt").exists():  # copied with the umask's mode: public, never writable by others
+            _chmod_own(d / "ca.crt", 0o644)
         ring = self.keyring()
         ring.register(device_id, creds.key.public_key, replace=True)
-        ring.save(self.keyring_path)
+        self._save_keyring(ring)
         if device_id in (meta.get("revoked") or {}):  # provisioned again: a new key, no longer revoked
             meta["revoked"].pop(device_id)
-            self.meta_path.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+            self._save_meta(meta)
         return d

@@ -37,6 +37,10 @@ def register(sub) -> None:
                    help="largest MQTT packet the broker accepts (default 1 MiB; larger payloads travel in chunks)")
     p.add_argument("--max-queued-bytes", type=int, metavar="BYTES",
                    help="bytes queued per client while it is away or slow (default 1 GiB)")
+    p.add_argument("--max-connections", type=int, metavar="N",
+                   help="connections each listener accepts; more are closed at once (default: sized to the fleet, "
+                   "devices + operator users + a quarter, at least 256). The broker's open-file limit "
+                   "(systemd LimitNOFILE) must exceed N x listeners + 64: docs/fleet.md")
     p.add_argument("--persistence", metavar="DIR", help="keep sessions and queued messages in DIR")
     p.add_argument("--log-file", help="Mosquitto log file")
     p.add_argument("--broker-user", metavar="USER",
@@ -75,7 +79,7 @@ def fleet_dir_arg(value: str | None) -> str:
 
 _FLAGS = {"host": "host", "port": "port", "cert": "certfile", "key": "keyfile", "ca": "cafile",
           "require_certificate": "require_certificate", "websockets": "websockets_port", "local_port": "plain_port",
-          "max_packet_size": "max_packet_size", "max_queued_bytes": "max_queued_bytes",
+          "max_packet_size": "max_packet_size", "max_queued_bytes": "max_queued_bytes", "max_connections": "max_connections",
           "persistence": "persistence_dir", "log_file": "log_file", "broker_user": "user"}
 
 
@@ -112,11 +116,13 @@ def cmd(args) -> int:
     validate_id(args.fleet or fd.fleet, "fleet id")
     settings = settings_from_args(args, fd)
     fd.check_broker_config(settings)
+    before = _max_connections_in(fd.broker_dir / "mosquitto.conf")
     fd.init(args.fleet or fd.fleet, broker=url)
     files = fd.write_broker_config(settings, tls_hosts=hosts)
     out = {"fleet": fd.fleet, "dir": str(fd.path), "config": str(files.config), "password_file": str(files.password_file),
            "acl_file": str(files.acl_file), "ca_file": str(files.ca_file) if files.ca_file else None,
-           "devices": fd.devices(), "broker": fd.broker_url}
+           "devices": fd.devices(), "broker": fd.broker_url, "max_connections": files.max_connections,
+           "limit_nofile": files.open_files, "restart_needed": before not in (None, files.max_connections)}
     if args.json:
         emit_json(out)
         return 0
@@ -127,5 +133,23 @@ def cmd(args) -> int:
     if out["ca_file"]:
         c.print(f"  CA       {out['ca_file']} (copied into every device's credentials)")
     c.print(f"  devices connect to {out['broker']}")
+    c.print(f"  limits   max_connections {files.max_connections} per listener: run the broker with "
+            f"LimitNOFILE={files.open_files} or more (docs/fleet.md)")
     c.print(f"run:  mosquitto -c {out['config']}      reload after provisioning:  kill -HUP <pid>")
+    if out["restart_needed"]:
+        c.print(f"max_connections changed ({before} -> {files.max_connections}): restart Mosquitto, a reload "
+                "does not apply it")
     return 0
+
+
+def _max_connections_in(conf) -> int | None:
+    """``max_connections`` of the config written last time (None: none yet, or none in it)."""
+    try:
+        text = conf.read_text(encoding="utf-8")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "max_connections" and value.strip().isdigit():
+            return int(value)
+    return None
