@@ -64,8 +64,11 @@ __all__ = [
     "Birth",
     "Command",
     "Death",
+    "MAX_TENSOR_BYTES",
+    "TENSOR_DTYPES",
     "decode_tensor",
     "encode_tensor",
+    "printable",
 ]
 
 CMD_CONTEXT = "cmd/v1"
@@ -294,6 +297,39 @@ class Death:
         return cls.from_body(d)
 
 
+# -------------------------------------------------------------- display
+
+
+_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def printable(value: Any, limit: int = 400) -> str:
+    """A value a device supplied (birth, telemetry, ack) as text that is safe on an operator's terminal.
+
+    Every character that is not printable becomes a visible escape: C0 controls and ESC (``\\x1b``), DEL,
+    C1 controls (``\\x9b``), bidi overrides and other format characters (``\\u202e``), line and paragraph
+    separators; a backslash is doubled, so an escape shown is never the device's own text. At most
+    ``limit`` characters are kept (then ``...``). Rich markup is *not* escaped here: the CLI escapes it
+    where it prints through rich (``edgeflow.cli.fleet``); JSON output needs neither.
+    """
+    text = value if isinstance(value, str) else str(value)
+    cut = len(text) > limit > 0
+    if cut:
+        text = text[:limit]
+    if not (text.isprintable() and "\\" not in text):
+        out = []
+        for ch in text:
+            if ch in _ESCAPES:
+                out.append(_ESCAPES[ch])
+            elif ch.isprintable():
+                out.append(ch)
+            else:
+                n = ord(ch)
+                out.append(f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}")
+        text = "".join(out)
+    return text + ("..." if cut else "")
+
+
 # ----------------------------------------------------------------- inference
 
 
@@ -303,15 +339,72 @@ def encode_tensor(a: np.ndarray) -> dict[str, Any]:
     return {"dtype": a.dtype.str, "shape": list(a.shape), "b64": base64.b64encode(a.tobytes()).decode("ascii")}
 
 
-def decode_tensor(d: Mapping[str, Any]) -> np.ndarray:
+TENSOR_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                 "float16", "float32", "float64")
+"""The element types a tensor on the wire may have: numbers and booleans only (no strings, bytes,
+objects, datetimes, records or sub-arrays, whose item size the sender would choose)."""
+MAX_TENSOR_BYTES = 32 * 1024 * 1024
+"""The most bytes one decoded tensor may take (the smallest built-in board budget is 96 MiB)."""
+MAX_TENSOR_DIMS = 32
+
+
+def _tensor_error(msg: str) -> CodecError:
+    return _reason(CodecError(f"tensor refused: {msg}; send {{dtype, shape, b64|data}} with a numeric dtype "
+                              f"({', '.join(TENSOR_DTYPES)})"), "bad_message")
+
+
+def decode_tensor(d: Mapping[str, Any], *, max_bytes: int = MAX_TENSOR_BYTES) -> np.ndarray:
+    """The array an :func:`encode_tensor` dict (or ``{dtype, shape, data}``) describes, checked before
+    anything is allocated: a numeric dtype of :data:`TENSOR_DTYPES`, at most :data:`MAX_TENSOR_DIMS`
+    non-negative dimensions, ``shape``'s element count times the item size within ``max_bytes``, and
+    ``b64`` exactly that many bytes (``data`` exactly that many elements). Anything else is one
+    :class:`CodecError` (``reason`` "bad_message") naming the problem."""
+    if not isinstance(d, Mapping):
+        raise _tensor_error(f"expected an object, got {type(d).__name__}")
+    raw = d.get("dtype")
+    if not isinstance(raw, str) or len(raw) > 16:
+        raise _tensor_error(f"dtype {str(raw)[:40]!r} is not a short dtype string such as '<f4'")
     try:
-        dtype = np.dtype(str(d["dtype"]))
-        if dtype.hasobject:
-            raise ValueError("object arrays are not accepted")
-        shape = tuple(int(s) for s in d["shape"])
+        dtype = np.dtype(raw)
+    except (TypeError, ValueError) as exc:
+        raise _tensor_error(f"dtype {raw!r} is not a numpy dtype ({exc})") from None
+    if dtype.name not in TENSOR_DTYPES or dtype.fields is not None or dtype.subdtype is not None:
+        raise _tensor_error(f"dtype {raw!r} ({dtype.name}) is not accepted")
+    shape_in = d.get("shape")
+    if not isinstance(shape_in, (list, tuple)) or len(shape_in) > MAX_TENSOR_DIMS:
+        raise _tensor_error(f"shape must be a list of at most {MAX_TENSOR_DIMS} dimensions")
+    if not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_INT for s in shape_in):
+        raise _tensor_error(f"shape {str(shape_in)[:80]} must hold whole numbers >= 0")
+    shape = tuple(shape_in)
+    count = math.prod(shape)
+    nbytes = count * dtype.itemsize
+    if nbytes > max_bytes:
+        raise _tensor_error(f"shape {list(shape)[:8]} of {dtype.name} is {nbytes} bytes, over the limit of "
+                            f"{max_bytes} bytes per tensor")
+    try:
         if "b64" in d:
-            a = np.frombuffer(base64.b64decode(d["b64"], validate=True), dtype=dtype)
-            return a.reshape(shape).copy()
-        return np.asarray(d["data"], dtype=dtype).reshape(shape)
-    except (KeyError, TypeError, ValueError, OverflowError, MemoryError, binascii.Error) as exc:
-        raise _reason(FleetError(f"tensor must be {{dtype, shape, b64|data}}: {exc}"), "bad_args") from exc
+            b64 = d["b64"]
+            want = 4 * ((nbytes + 2) // 3)
+            if not isinstance(b64, str) or len(b64) != want:
+                got = len(b64) if isinstance(b64, str) else type(b64).__name__
+                raise _tensor_error(f"b64 of {got} characters does not encode the {nbytes} bytes that shape "
+                                    f"{list(shape)[:8]} of {dtype.name} declares ({want} characters)")
+            buf = base64.b64decode(b64, validate=True)
+            if len(buf) != nbytes:
+                raise _tensor_error(f"b64 decodes to {len(buf)} bytes, shape {list(shape)[:8]} of {dtype.name} "
+                                    f"declares {nbytes}")
+            return np.frombuffer(buf, dtype=dtype).reshape(shape).copy()
+        data = d.get("data")
+        if shape and not isinstance(data, list) or not shape and not isinstance(data, (int, float)):
+            raise _tensor_error("give the values as 'b64' (the C-order bytes) or 'data' (nested lists of numbers, "
+                                "or one number for shape [])")
+        if shape and len(data) != shape[0]:
+            raise _tensor_error(f"data holds {len(data)} rows, shape {list(shape)[:8]} declares {shape[0]}")
+        a = np.asarray(data, dtype=dtype)
+        if a.shape != shape:
+            raise _tensor_error(f"data has shape {list(a.shape)[:8]}, the message declares {list(shape)[:8]}")
+        return a
+    except CodecError:
+        raise
+    except (TypeError, ValueError, OverflowError, MemoryError, binascii.Error) as exc:
+        raise _tensor_error(str(exc)[:200]) from None
