@@ -30,6 +30,12 @@ A rollout of version V to a set of devices:
    device back.
 
 The selection syntax of ``--to`` is :func:`parse_selector`.
+
+Profile names come from the devices' births, so they are checked before use
+(:func:`profile_problem`): a device claiming an invalid name (a path such as
+``../../etc/passwd``) or a profile this gateway does not know gets no
+artifact and is **skipped** with the reason, the rest of the rollout goes on;
+no name a device sends is ever opened as a file.
 """
 
 from __future__ import annotations
@@ -42,8 +48,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from edgeflow.errors import ConfigError, FleetError
+from edgeflow.errors import ConfigError, FleetError, ProfileError
 from edgeflow.artifact import ANY_PROFILE, build_artifact, parse_artifact
+from edgeflow.profiles import builtin_profile, check_profile_name
 
 from .store import DeviceRecord
 
@@ -55,6 +62,7 @@ __all__ = [
     "build_artifacts",
     "parse_selector",
     "plan_waves",
+    "profile_problem",
     "select_devices",
 ]
 
@@ -201,6 +209,25 @@ def plan_waves(device_ids: Sequence[str], canary_count: int, wave_size: int | No
 # -------------------------------------------------------------- artifacts
 
 
+def profile_problem(profile: object, *, known: bool = True) -> str | None:
+    """Why no artifact can be built for (or sent to) a device claiming ``profile``; None when one can.
+
+    The name must be a valid profile name (:func:`edgeflow.profiles.check_profile_name`) and, with
+    ``known``, a built-in profile here (or :data:`~edgeflow.artifact.ANY_PROFILE`). The reason quotes
+    the name with ``repr`` (control characters escaped)."""
+    if profile == ANY_PROFILE:
+        return None
+    try:
+        if known:
+            builtin_profile(profile, "device profile")
+        else:
+            check_profile_name(profile, "device profile")
+    except ProfileError as exc:
+        return str(exc)
+    return None
+
+
+
 def build_artifacts(
     model: bytes,
     profiles: Iterable[str],
@@ -226,6 +253,9 @@ def build_artifacts(
     profile runs unquantized, the fp32 model is shipped and a line is added
     to ``notes`` saying so.
 
+    A profile that :func:`profile_problem` refuses (a device's invalid or unknown claim) gets no
+    artifact and a line in ``notes``; the devices claiming it are skipped by the :class:`Rollout`.
+
     ``masters``: a dict that receives, for every profile that can train and got
     a quantized model, the signed fp32 *training master* (the source model,
     manifest meta ``role: train_master``; the quantized artifact names it by
@@ -241,7 +271,11 @@ def build_artifacts(
     notes = notes if notes is not None else []
     out: dict[str, bytes] = {}
     source_sha = hashlib.sha256(model).hexdigest()
-    for profile in sorted(set(profiles)):
+    for profile in sorted(set(profiles), key=str):
+        problem = profile_problem(profile)
+        if problem is not None:
+            notes.append(f"no artifact for a device's profile: {problem}; its devices are skipped")
+            continue
         body, how = model, "fp32"
         if quantize:
             body, how = _quantized(model, profile, calibration, notes)
@@ -264,10 +298,9 @@ def build_artifacts(
 
 def _can_train(profile: str) -> bool:
     from edgeflow.errors import EdgeflowError
-    from edgeflow.profiles import get_profile
 
     try:
-        return bool(get_profile(profile).can_train)
+        return bool(builtin_profile(profile).can_train)
     except EdgeflowError:
         return False
 
@@ -337,8 +370,10 @@ class Rollout:
         for rec in self.targets:
             r = DeviceResult(rec.device_id, rec.profile, from_version=rec.model_version)
             rep.devices[rec.device_id] = r
-            if self._artifact_for(rec.profile) is None:
-                r.state, r.error = "skipped", f"no artifact for profile {rec.profile!r}"
+            invalid = profile_problem(rec.profile, known=False)
+            if invalid is not None or self._artifact_for(rec.profile) is None:
+                r.state = "skipped"
+                r.error = invalid or profile_problem(rec.profile) or f"no artifact for profile {rec.profile!r}"
                 continue
             eligible.append(rec.device_id)
         rep.waves = plan_waves(eligible, pol.canary_count(len(eligible)), pol.wave_size)
