@@ -841,14 +841,15 @@ class FleetDir:
         for user in ops:
             if user != GATEWAY:
                 validate_id(user, "operator user name")
-        if self.exists:  # a new operator name must not take a provisioned device's (or its sessions')
-            owned = operator_namespace(ops)
+        new = sorted(set(ops) - set(meta.get("operators", [])))
+        if self.exists and new:  # a new operator name must not take a provisioned device's (or its sessions')
+            bases = {m.group(1) if (m := _SESSION_SUFFIX.fullmatch(op)) else op for op in new}
             for dev in sorted(set(self.devices()) | set(self.keyring().devices())):
-                if owned(dev):
-                    new = sorted(set(ops) - set(meta.get("operators", [])))
-                    raise ConfigError(f"operator user name(s) {', '.join(new) or ', '.join(ops)} would share a name "
-                                      f"space with provisioned device {dev!r} (operators own NAME and NAME-2, "
-                                      "NAME-3 ...): pick another operator name")
+                m = _SESSION_SUFFIX.fullmatch(dev)
+                if dev in bases or (m and m.group(1) in bases):
+                    raise ConfigError(f"operator user name(s) {', '.join(new)} would share a name space with "
+                                      f"provisioned device {dev!r} (an operator owns NAME and its session users "
+                                      "NAME-2, NAME-3 ...): pick another operator name")
         if not self.path.exists():
             _make_dirs(self.path, 0o700)
         _refuse_links(self._own_entries())
