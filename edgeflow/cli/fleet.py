@@ -6,6 +6,12 @@ one, listens to the broker's retained births and deaths; ``deploy``,
 fleet key from the fleet directory and wait for the devices' acks;
 ``provision`` creates a device's credentials directory, ``revoke`` takes a
 device's key and broker credentials away.
+
+Every string a device supplied (its birth, telemetry, acks: profile, backend,
+train detail, error texts) is printed through :func:`_shown`: control, C1 and
+bidi characters as visible escapes, rich markup escaped, so a device can
+neither write escape sequences to the operator's terminal nor break the
+output for the rest of the fleet. ``--json`` output is escaped by JSON itself.
 """
 
 from __future__ import annotations
@@ -16,6 +22,18 @@ import time
 from typing import Any
 
 ORDER = 70
+
+
+def _shown(value: Any, limit: int = 400) -> str:
+    """A device-supplied value for rich output: shown as the text it is, never interpreted.
+
+    Control characters (ESC, BEL...), C1 controls and bidi overrides become visible escapes
+    (:func:`edgeflow.protocol.fleet.printable`) and rich markup such as ``[/]`` is escaped."""
+    from rich.markup import escape
+
+    from ..protocol.fleet import printable
+
+    return escape(printable(value, limit))
 
 
 def _common(p, *, wait: float = 2.0, what: str = "the devices' retained births") -> None:
@@ -379,12 +397,13 @@ def _print_table(rows: list[dict[str, Any]], rounds: dict[str, Any] | None) -> N
     for r in rows:
         lat = "-" if r["latency_p50_ms"] is None else f"{r['latency_p50_ms']:.2f}/{r['latency_p95_ms']:.2f}"
         cells.append([
-            r["device"], r["profile"] or "-", r["health"], "-" if r["model_version"] is None else f"v{r['model_version']}",
-            TRAIN_WORDS.get(r["train"] or "", r["train"] or "-"), r["backend"] or "-", lat,
+            _shown(r["device"]), _shown(r["profile"] or "-"), _shown(r["health"]),
+            "-" if r["model_version"] is None else f"v{_shown(r['model_version'])}",
+            _shown(TRAIN_WORDS.get(r["train"] or "", r["train"] or "-")), _shown(r["backend"] or "-"), lat,
             human_bytes(r["rss_bytes"]) if r["rss_bytes"] else "-",
             "-" if r["cpu_percent"] is None else f"{r['cpu_percent']:.1f}",
             "-" if r["battery"] is None else f"{100 * r['battery']:.0f}%",
-            f"{r['last_seen_s_ago']:.0f}s", r["trust"] or "-",
+            f"{r['last_seen_s_ago']:.0f}s", _shown(r["trust"] or "-"),
         ])
     title = f"{len(rows)} device(s), {sum(r['online'] for r in rows)} online"
     c.print(fit_table(title, cols, cells, c.width))
@@ -393,9 +412,9 @@ def _print_table(rows: list[dict[str, Any]], rounds: dict[str, Any] | None) -> N
         if r["online"] and r["train"] != "training" and r["train_detail"]:
             why.setdefault(r["train_detail"], []).append(r["device"])
     for detail, ids in sorted(why.items()):
-        c.print(f"not training: {', '.join(ids)}: {detail}")
+        c.print(f"not training: {', '.join(_shown(d) for d in ids)}: {_shown(detail)}")
     if rounds:
-        c.print(f"rounds: {rounds.get('state')}: {rounds.get('reason', '')}")
+        c.print(f"rounds: {_shown(rounds.get('state'))}: {_shown(rounds.get('reason', ''))}")
 
 
 def _share(text: str, what: str, *, count: bool = False) -> float:
@@ -502,7 +521,7 @@ def cmd_deploy(args) -> int:
     from pathlib import Path
 
     from ..errors import FleetError
-    from ..gateway.ota import Rollout, build_artifacts, select_devices
+    from ..gateway.ota import Rollout, build_artifacts, profile_problem, select_devices
     from ._common import console, emit_json
 
     model, policy, calibration, golden = _check_deploy_args(args)
@@ -512,6 +531,14 @@ def cmd_deploy(args) -> int:
         if not targets:
             raise FleetError(f"no {'known' if args.include_offline else 'online'} device matches --to {args.to!r} "
                              "(see `edgeflow fleet status`)")
+        # The profile is the device's claim: an invalid name (a path) or one unknown here skips that device
+        # (the Rollout reports it "skipped" with the reason); the rest of the rollout goes on.
+        skipped = {r.device_id: why for r in targets if (why := profile_problem(r.profile)) is not None}
+        deployable = [r for r in targets if r.device_id not in skipped]
+        if not deployable:
+            raise FleetError(f"none of the {len(targets)} device(s) matching --to {args.to!r} claims a profile an "
+                             "artifact can be built for: " + "; ".join(f"{d}: {why}" for d, why in
+                                                                      sorted(skipped.items())[:5]))
         version = args.version
         if version is None:
             known = [r.model_version for r in s.fm.devices() if r.model_version is not None]
@@ -519,7 +546,7 @@ def cmd_deploy(args) -> int:
         notes: list[str] = []
         masters: dict[str, bytes] | None = None if args.no_train_master else {}
         artifacts = build_artifacts(
-            model, {r.profile for r in targets}, s.fleet_dir.fleet_key(), version=version, fleet=s.fleet_dir.fleet,
+            model, {r.profile for r in deployable}, s.fleet_dir.fleet_key(), version=version, fleet=s.fleet_dir.fleet,
             name=Path(args.model).stem, quantize=args.quantize, calibration=calibration,
             golden_inputs=golden, atol=args.atol, rtol=args.rtol,
             latency_budget_ms=args.latency_budget_ms, notes=notes, masters=masters,
@@ -529,25 +556,31 @@ def cmd_deploy(args) -> int:
                          "part in federated rounds")
         c = console(stderr=True)
         for n in notes:
-            c.print(f"  {n}")
+            c.print(f"  {_shown(n)}")
+        if skipped and not args.json:
+            c.print(f"skipping {len(skipped)} device(s) whose profile no artifact can be built for:")
+            for d, why in sorted(skipped.items()):
+                c.print(f"  {_shown(d)}: {_shown(why)}")
         if not args.json:
-            c.print(f"deploying v{version} to {len(targets)} device(s) ({', '.join(sorted(artifacts))})")
+            c.print(f"deploying v{version} to {len(deployable)} device(s) ({_shown(', '.join(sorted(artifacts)))})")
 
         def progress(rep, r) -> None:
             if not args.json:
-                c.print(f"  wave {r.wave}: {r.device_id:<20} {r.state:<9} {r.error}")
+                c.print(f"  wave {r.wave}: {_shown(r.device_id):<20} {_shown(r.state):<9} {_shown(r.error)}")
 
         report = Rollout(s.fm, artifacts, targets, policy, on_progress=progress, masters=masters).run()
     finally:
         s.close()
     out = report.to_dict()
     out["notes"] = notes
+    out["skipped"] = skipped
     if args.json:
         emit_json(out)
     else:
         counts = ", ".join(f"{k} {v}" for k, v in sorted(report.counts().items()))
-        console().print(f"rollout of v{version}: [bold]{report.state}[/] ({counts}; failure rate "
-                        f"{report.failure_rate:.0%})" + (f"\n  {report.halted_reason}" if report.halted_reason else ""))
+        console().print(f"rollout of v{version}: [bold]{_shown(report.state)}[/] ({_shown(counts)}; failure rate "
+                        f"{report.failure_rate:.0%})" + (f"\n  {_shown(report.halted_reason)}"
+                                                         if report.halted_reason else ""))
     return 0 if report.state == "completed" and report.failure_rate == 0 else 1
 
 
@@ -576,8 +609,8 @@ def cmd_rollback(args) -> int:
     else:
         c = console()
         for d, a in results.items():
-            state = "[green]ok[/]" if a["ok"] else f"[red]{a['code']}[/]"
-            c.print(f"{d}: {state} v{a['result'].get('model_version')} {a.get('error', '')}")
+            state = "[green]ok[/]" if a["ok"] else f"[red]{_shown(a['code'])}[/]"
+            c.print(f"{_shown(d)}: {state} v{_shown(a['result'].get('model_version'))} {_shown(a.get('error', ''))}")
     return 0 if all(a["ok"] for a in results.values()) else 1
 
 
@@ -619,10 +652,10 @@ def cmd_cmd(args) -> int:
     else:
         c = console()
         if ack.ok:
-            c.print(f"{ack.device}: {ack.name} [green]ok[/]")
-            c.print_json(json.dumps(ack.result, default=str))
+            c.print(f"{_shown(ack.device)}: {_shown(ack.name)} [green]ok[/]")
+            c.print_json(json.dumps(ack.result, default=str), ensure_ascii=True)  # every control/bidi char escaped
         else:
-            c.print(f"{ack.device}: {ack.name} [red]{ack.code}[/]: {ack.error}")
+            c.print(f"{_shown(ack.device)}: {_shown(ack.name)} [red]{_shown(ack.code)}[/]: {_shown(ack.error)}")
     return 0 if ack.ok else 1
 
 
