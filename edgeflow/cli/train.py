@@ -123,15 +123,9 @@ def _check_shapes(model, x, batch_size: int, input_name: str | None) -> None:
             continue
         check_inputs(np.asarray(arr), (None, *t.shape[1:]), t.name)  # before the first step: dims --shape fixed
         b = t.shape[0] if t.shape else None
-        if not (isinstance(b, int) and b > 0):
-            continue
-        n = len(arr)
-        sizes = {min(batch_size, n)} | ({n % batch_size} if n > batch_size and n % batch_size else set())
-        if sizes != {b}:
-            raise ShapeError(
-                f"input {t.name!r} has a fixed batch of {b} in the model, the data gives batches of "
-                f"{sorted(sizes)} ({n} samples, --batch-size {batch_size}): leave the batch open with "
-                f"--shape {t.name}={hint}, or train with --batch-size {b} on a multiple of {b} samples")
+        if isinstance(b, int) and b > 0 and batch_size < b:
+            raise ShapeError(f"input {t.name!r} has a fixed batch of {b} in the model: --batch-size must be at "
+                             f"least {b} (steps run in micro-batches of {b}), got {batch_size}")
 
 
 def cmd(args) -> int:
@@ -201,6 +195,10 @@ def cmd(args) -> int:
         compact = len(trainer.tape.compacted_values)
         compact = (f", {compact} activation(s) kept in 8/16 bits (--exact-activations: exact)" if compact else "")
         out.print(f"  planned step memory {human_bytes(plan.peak_bytes)} at batch {args.batch_size}{micro}{compact}")
+        if trainer.fixed_batch:
+            out.print(f"  the model fixes a batch of {trainer.fixed_batch}: each step of {args.batch_size} samples runs "
+                      f"as micro-batches of {trainer.fixed_batch} with gradient accumulation (the exported graph is "
+                      "unchanged)", soft_wrap=True)
 
     with spinner(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                  TextColumn("loss {task.fields[loss]}"), disable=args.json) as prog:
@@ -229,9 +227,14 @@ def cmd(args) -> int:
     if args.json:
         emit_json({"model": args.model, "output": args.output, "profile": trainer.profile.name if trainer.profile else None,
                    "trainable": trainer.trainable_names, "micro_batch": trainer.micro_batch,
+                   "fixed_batch": trainer.fixed_batch, "skipped_samples": trainer.skipped_samples,
                    "mode": str(trainer.mode), "step": trainer.global_step, "resumed_from": resumed,
                    "state": [str(npz), str(meta)], "memory_plan": plan.to_dict(), **history.to_dict()})
         return 0
+    if trainer.skipped_samples:
+        out.print(f"  {trainer.skipped_samples} sample(s) left out over the run: batches that were not a multiple of "
+                  f"the model's fixed batch of {trainer.fixed_batch} (choose --batch-size and the data size as "
+                  "multiples of it to use every sample)", soft_wrap=True)
     out.print(f"saved {args.output}")
     out.print(f"train state (step {trainer.global_step}) saved to {npz} and {meta.name}; continue with --resume")
     return 0

@@ -24,7 +24,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -102,6 +102,13 @@ class History:
     def to_dict(self) -> dict:
         return {"epochs": [asdict(e) for e in self.epochs], "num_samples": self.num_samples,
                 "mean_loss": self.mean_loss}
+
+
+def _fixed_batch(inputs: Sequence[Any]) -> int | None:
+    """The leading dim the graph fixes on its per-sample inputs (they must agree), or None."""
+    dims = {t.shape[0] for t in inputs if t.shape}
+    fixed = {d for d in dims if isinstance(d, int) and d > 0}
+    return fixed.pop() if len(fixed) == 1 and len(dims) == 1 else None
 
 
 def _matches(name: str, patterns: Sequence[str]) -> bool:
@@ -198,8 +205,15 @@ class Trainer:
             optimizer, lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
 
         self.inputs = {t.name: t for t in self.graph.inputs}
-        self.input_name, self.input_shape = self._pick_input(input)
         check_known(dict(feeds or {}), list(self.inputs), "feeds=")
+        self.fixed_batch = _fixed_batch([t for t in self.graph.inputs if t.name not in dict(feeds or {})])
+        """The batch the exported graph fixes on its per-sample inputs (None: free): steps then run in
+        micro-batches of exactly that size with gradient accumulation, and the data may hold any number of
+        samples (issue 30: a model exported with batch 1 could not be trained)."""
+        if self.fixed_batch:
+            self.inputs = {k: (replace(t, shape=(None, *t.shape[1:])) if k not in dict(feeds or {}) else t)
+                           for k, t in self.inputs.items()}
+        self.input_name, self.input_shape = self._pick_input(input)
         self.feeds: dict[str, np.ndarray] = {k: convert(k, v, self.inputs[k], self.dtype)
                                              for k, v in dict(feeds or {}).items()}
         self.output_name = output or self.graph.output_names[0]
@@ -254,12 +268,14 @@ class Trainer:
             cfg = qat if isinstance(qat, QATConfig) else QATConfig()
             self.qat = FakeQuantizer(self.tape, cfg, self.trainable_names)
 
-        self.micro_batch = self.batch_size
+        self.micro_batch = self.fixed_batch or self.batch_size
         self.memory: BudgetDecision | None = None
         if self.profile is not None:
             self._apply_profile(self.profile)
 
         self._rng = np.random.default_rng(self.seed)
+        self.skipped_samples = 0
+        """Samples left out because a batch was not a multiple of :attr:`fixed_batch`."""
         self.global_step = 0
         self.last_gradients: dict[str, np.ndarray] = {}
         self._pending_state: dict[str, np.ndarray] = {}
@@ -267,7 +283,7 @@ class Trainer:
     # ------------------------------------------------------------ construction helpers
 
     def _pick_input(self, name: str | None) -> tuple[str | None, tuple | None]:
-        ins = self.graph.inputs
+        ins = list(self.inputs.values())
         if name is None:
             if len(ins) != 1:
                 return None, None  # x must be a dict by input name (or input= names the one it feeds)
@@ -402,7 +418,7 @@ class Trainer:
                 f"{self.batch_size}, over profile {profile.name!r}'s training budget of {budget / 2**20:.1f} MiB; "
                 f"fits: {hint}", planned_bytes=e.planned_bytes, budget_bytes=budget) from None
         self.memory = decision
-        self.micro_batch = decision.micro_batch
+        self.micro_batch = self.fixed_batch or decision.micro_batch
         self.tape.set_save_workspace(decision.save_workspace)
         if decision.micro_batch < self.batch_size:
             log.info("batch %d does not fit %s: micro-batches of %d with gradient accumulation",
@@ -509,6 +525,14 @@ class Trainer:
         n = len(y)
         if n == 0:
             raise InputError("empty batch")
+        if self.fixed_batch and n % self.fixed_batch:
+            # the graph runs only batches of exactly fixed_batch: the remainder of this batch is left out
+            n -= n % self.fixed_batch
+            if n == 0:
+                raise TrainingError(f"a batch of {len(y)} sample(s) is smaller than the model's fixed batch of "
+                                    f"{self.fixed_batch}: use a batch size that is a multiple of {self.fixed_batch}")
+            self.skipped_samples += len(y) - n
+            x, y = {k: v[:n] for k, v in x.items()}, y[:n]
         total_loss, total_correct = 0.0, 0
         grads: dict[str, np.ndarray] = {}
         states: dict[str, np.ndarray] = {}
@@ -642,9 +666,19 @@ class Trainer:
     def predict(self, x: Any, *, batch_size: int = 256) -> np.ndarray:
         """The target output in inference mode (running BatchNorm stats, no Dropout)."""
         feeds, n = self._batch_feeds(x)
-        outs = [self.tape.infer(self.params, self._feed({k: v[i:i + batch_size] for k, v in feeds.items()}))
-                for i in range(0, n, batch_size)]
+        batch_size = self.fixed_batch or batch_size
+        outs = [self._infer({k: v[i:i + batch_size] for k, v in feeds.items()}) for i in range(0, n, batch_size)]
         return np.concatenate(outs) if outs else np.zeros((0,), self.dtype)
+
+    def _infer(self, xb: dict[str, np.ndarray]) -> np.ndarray:
+        """The target output for one chunk; a chunk shorter than the model's fixed batch is padded with
+        copies of its last sample, and the padding's outputs dropped."""
+        n = batch_len(xb)
+        if self.fixed_batch and n < self.fixed_batch:
+            pad = self.fixed_batch - n
+            xb = {k: np.concatenate([v, np.repeat(v[-1:], pad, axis=0)]) for k, v in xb.items()}
+            return self.tape.infer(self.params, self._feed(xb))[:n]
+        return self.tape.infer(self.params, self._feed(xb))
 
     def evaluate(self, x: np.ndarray, y: np.ndarray, *, batch_size: int = 256) -> tuple[float, float | None]:
         """(mean loss, accuracy) in inference mode; accuracy is None for regression losses."""
@@ -652,9 +686,10 @@ class Trainer:
         if len(y) == 0:
             raise InputError("cannot evaluate on zero samples")
         loss_sum, correct, scored = 0.0, 0, True
+        batch_size = self.fixed_batch or batch_size
         for i in range(0, len(y), batch_size):
             xb, yb = {k: v[i:i + batch_size] for k, v in x.items()}, y[i:i + batch_size]
-            out = self.tape.infer(self.params, self._feed(xb))
+            out = self._infer(xb)
             loss_sum += self.loss.value(out, yb) * len(yb)
             c = self.loss.correct(out, yb)
             if c is None:
