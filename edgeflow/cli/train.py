@@ -125,7 +125,8 @@ def _check_shapes(model, x, batch_size: int, input_name: str | None) -> None:
         b = t.shape[0] if t.shape else None
         if isinstance(b, int) and b > 0 and batch_size < b:
             raise ShapeError(f"input {t.name!r} has a fixed batch of {b} in the model: --batch-size must be at "
-                             f"least {b} (steps run in micro-batches of {b}), got {batch_size}")
+                             f"least {b} (steps run in micro-batches of {b}), got {batch_size}; or leave the batch "
+                             f"open with --shape {t.name}={hint}")
 
 
 def cmd(args) -> int:
