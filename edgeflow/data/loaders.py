@@ -160,11 +160,42 @@ def _npy_header(fp, name: str, error: type[Exception]) -> tuple[tuple[int, ...],
             shape, _, dtype = fmt.read_array_header_1_0(fp)
         elif version == (2, 0):
             shape, _, dtype = fmt.read_array_header_2_0(fp)
+        elif version == (3, 0):  # 2.0 with utf-8 field names (numpy has no public reader for it)
+            shape, dtype = _npy_header_3_0(fp)
         else:
-            shape, _, dtype = fmt._read_array_header(fp, version)  # 3.0: utf-8 field names
+            raise ValueError(f"unknown .npy format version {version[0]}.{version[1]}")
     except _CORRUPT as exc:
         raise error(f"{name}: not a readable .npy array ({exc}); save it with np.save/np.savez") from exc
     return tuple(int(d) for d in shape), np.dtype(dtype)
+
+
+def _npy_header_3_0(fp) -> tuple[tuple[int, ...], np.dtype]:
+    import ast
+    import struct
+
+    raw = fp.read(4)
+    if len(raw) != 4:
+        raise EOFError("the .npy header is cut short")
+    (length,) = struct.unpack("<I", raw)
+    if length > 1 << 20:
+        raise ValueError(f"a .npy header of {length} bytes")
+    text = fp.read(length)
+    if len(text) != length:
+        raise EOFError("the .npy header is cut short")
+    try:
+        d = ast.literal_eval(text.decode("utf-8"))
+    except (SyntaxError, UnicodeDecodeError, MemoryError, RecursionError) as exc:
+        raise ValueError(f"the .npy header does not parse ({type(exc).__name__})") from None
+    if not isinstance(d, dict) or not {"descr", "shape", "fortran_order"} <= set(d):
+        raise ValueError("the .npy header lacks descr/shape/fortran_order")
+    shape = d["shape"]
+    if not (isinstance(shape, tuple) and all(isinstance(x, int) and x >= 0 for x in shape)):
+        raise ValueError(f"the .npy header's shape is not a tuple of sizes: {str(shape)[:40]}")
+    try:
+        dtype = np.lib.format.descr_to_dtype(d["descr"])
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"the .npy header's dtype is not one numpy reads ({exc})") from None
+    return shape, dtype
 
 
 def _check_declared(name: str, shape: tuple[int, ...], dtype: np.dtype, holds: int, total: int, limit: int,
