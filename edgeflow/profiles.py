@@ -276,7 +276,7 @@ def builtin_profile(name: object, what: str = "device profile") -> DeviceProfile
     return profiles[name]  # type: ignore[index]
 
 
-def get_profile(name_or_path: "str | os.PathLike | DeviceProfile") -> DeviceProfile:
+def get_profile(name_or_path: str | os.PathLike | DeviceProfile) -> DeviceProfile:
     """A built-in profile by name, or a profile TOML file by path (the operator's own argument).
 
     A path is a :class:`os.PathLike`, or a string ending in ``.toml`` or holding a path separator;

@@ -48,8 +48,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from edgeflow.errors import ConfigError, FleetError, ProfileError
 from edgeflow.artifact import ANY_PROFILE, build_artifact, parse_artifact
+from edgeflow.errors import ConfigError, FleetError, ProfileError
 from edgeflow.profiles import builtin_profile, check_profile_name
 
 from .store import DeviceRecord

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import json
-import queue
 import threading
 import time
 import tracemalloc
@@ -20,15 +19,20 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from _fleet import FLEET, PROFILE, fleet_env, mlp_bytes, wait_until  # noqa: F401
+from edgeflow.gateway.ota import Rollout, RolloutPolicy, build_artifacts
+from edgeflow.gateway.store import DeviceRecord, GatewayStore
 
 from edgeflow.artifact import ANY_PROFILE, build_artifact, parse_artifact
 from edgeflow.cli.main import main
 from edgeflow.device.inference import InferenceService
 from edgeflow.errors import CodecError, ProfileError
-from edgeflow.gateway.ota import Rollout, RolloutPolicy, build_artifacts
-from edgeflow.gateway.store import DeviceRecord, GatewayStore
 from edgeflow.profiles import builtin_profile, check_profile_name, get_profile
-from edgeflow.protocol.fleet import BIRTH_CONTEXT, decode_tensor, encode_tensor, printable
+from edgeflow.protocol.fleet import (
+    BIRTH_CONTEXT,
+    decode_tensor,
+    encode_tensor,
+    printable,
+)
 from edgeflow.protocol.signed_json import sign_body
 from edgeflow.signing import PrivateKey
 from edgeflow.transport.message import Message
@@ -165,7 +169,7 @@ def test_build_artifacts_skips_claimed_paths_and_unknown_profiles(tmp_path, monk
     name aborted the whole build."""
     evil = tmp_path / "evil.toml"  # a file that *is* a valid profile: the old code built an artifact for it
     evil.write_text(_profile_toml("evil", get_profile(PROFILE)))
-    import edgeflow.profiles as profiles
+    from edgeflow import profiles
 
     opened: list[str] = []
     real = profiles.load_profile_file

@@ -49,7 +49,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import CodecError, FleetError
+from ..errors import CodecError
 from ..signing import PrivateKey, PublicKey
 from .signed_json import loads, open_signed, peek_signed, sign_body
 from .signed_json import with_reason as _reason
@@ -64,7 +64,6 @@ __all__ = [
     "Birth",
     "Command",
     "Death",
-    "MAX_TENSOR_BYTES",
     "TENSOR_DTYPES",
     "decode_tensor",
     "encode_tensor",
