@@ -26,6 +26,9 @@ def register(sub) -> None:
                    help="the model input that --data's x feeds (a model with several inputs: the other "
                    "inputs take the arrays of --data named after them)")
     p.add_argument("--output", "-o", required=True, help="where to write the trained .onnx model")
+    p.add_argument("--target", metavar="OUTPUT",
+                   help="the model output the labels train (required when the model has several outputs; the "
+                   "new head of --new-head replaces the layer that produces it)")
     p.add_argument("--epochs", "-e", type=int, default=1)
     p.add_argument("--batch-size", "-b", type=int, default=32)
     p.add_argument("--profile", help="device profile name or .toml path (default: detected from this host)")
@@ -163,14 +166,14 @@ def cmd(args) -> int:
     if args.new_head:
         from ..train.transfer import new_head
 
-        model = new_head(model, args.new_head, seed=args.seed)
+        model = new_head(model, args.new_head, seed=args.seed, output=args.target)
     budget = None if args.budget_mib is None else int(args.budget_mib * 2**20)
     trainer = Trainer(
         model, loss=args.loss, optimizer=args.optimizer, lr=args.lr,
         momentum=args.momentum if args.optimizer == "sgd" else 0.0, weight_decay=args.weight_decay,
         trainable=args.trainable, freeze=args.freeze, batch_size=args.batch_size, seed=args.seed,
         clip_norm=args.clip_norm, qat=args.qat, profile=profile, grad_accumulation=args.grad_accumulation,
-        mode=args.mode, budget_bytes=budget, input=args.input,
+        mode=args.mode, budget_bytes=budget, input=args.input, output=args.target,
         compact_activations=False if args.exact_activations else None,
     )
     state_file = state_path(args.output)

@@ -216,8 +216,14 @@ class Trainer:
         self.input_name, self.input_shape = self._pick_input(input)
         self.feeds: dict[str, np.ndarray] = {k: convert(k, v, self.inputs[k], self.dtype)
                                              for k, v in dict(feeds or {}).items()}
+        if output is None and len(self.graph.output_names) > 1:
+            shapes = {o.name: o.shape for o in self.graph.outputs}
+            listed = ", ".join(f"{n} {list(shapes.get(n, ()))}" for n in self.graph.output_names)
+            raise TrainingError(f"the model has {len(self.graph.output_names)} outputs ({listed}): name the one the "
+                                "labels train with output= (--target NAME); training the first one silently could "
+                                "train a box regressor on class labels")
         self.output_name = output or self.graph.output_names[0]
-        if output is None and mode is not None and self.loss.classifies:
+        if (output is None or output in self.graph.output_names) and mode is not None and self.loss.classifies:
             self.output_name = logits_of(self.graph, self.output_name)  # cross-entropy wants the logits
         produced = {o for n in self.graph.nodes for o in n.outputs if o}
         if self.output_name not in produced:

@@ -248,8 +248,58 @@ def describe(names: Sequence[str], arrays: dict[str, np.ndarray], total: int) ->
     return f"{len(names)} of {total} weight tensors train ({n_values:,} values): {shown}"
 
 
-def new_head(model: onnx.ModelProto, n_classes: int, *, seed: int = 0) -> onnx.ModelProto:
-    """The model with its last Gemm/MatMul (or 1x1 Conv) layer replaced by a fresh one of ``n_classes`` outputs.
+PASS_THROUGH = frozenset({"Add", "Softmax", "LogSoftmax", "Sigmoid", "Flatten", "Reshape", "Squeeze", "Unsqueeze",
+                          "Identity", "Dropout", "Transpose", "GlobalAveragePool", "Cast"})
+"""Ops between a classifier's last layer and the output that keep its class axis (the head is found
+by walking back from the output through these)."""
+
+
+def find_head(model: onnx.ModelProto, output: str | None = None) -> onnx.NodeProto:
+    """The classifier head of ``model``: the Gemm, MatMul or 1x1 Conv with a weight of its own that produces
+    ``output`` (default: the model's only output) through :data:`PASS_THROUGH` ops only (its bias Add, a
+    Flatten, a final Softmax...). Raises TrainingError naming what was found instead, so an inner layer is
+    never replaced by mistake (issue 30: a ResNet's inner 1x1 conv was)."""
+    g = model.graph
+    outputs = [o.name for o in g.output]
+    if output is None:
+        if len(outputs) != 1:
+            raise TrainingError(f"the model has {len(outputs)} outputs ({', '.join(outputs)}): name the one the new "
+                                "head replaces with --target NAME (output=)")
+        output = outputs[0]
+    inits = {t.name for t in g.initializer}
+    producer = {o: n for n in g.node for o in n.output}
+    users: dict[str, int] = {}
+    for n in g.node:
+        for x in n.input:
+            users[x] = users.get(x, 0) + 1
+    value, path = output, []
+    while value in producer:
+        node = producer[value]
+        if node.op_type in ("Gemm", "MatMul", "Conv") and not node.domain:
+            if len(node.input) < 2 or node.input[1] not in inits or users.get(node.input[1], 0) != 1:
+                raise TrainingError(f"{node.op_type} {node.name or value!r} produces {output!r} but its weight is "
+                                    "not a tensor of its own: give the model a new head yourself")
+            if node.op_type == "Conv":
+                w = next(t for t in g.initializer if t.name == node.input[1])
+                if any(d != 1 for d in w.dims[2:]):
+                    raise TrainingError(f"the layer producing {output!r} is a {'x'.join(map(str, w.dims[2:]))} Conv, "
+                                        "not a classifier head: give the model a new head yourself")
+            return node
+        if node.op_type not in PASS_THROUGH or node.domain:
+            via = " <- ".join(path + [node.op_type])
+            raise TrainingError(f"found no classifier head: {output!r} comes from {via}, not from a Gemm/MatMul/1x1 "
+                                "Conv through a bias, Flatten or Softmax; give the model a new head yourself")
+        path.append(node.op_type)
+        data = [x for x in node.input if x and x not in inits]
+        if len(data) != 1:  # an Add of two computed values (a residual) is not a bias
+            raise TrainingError(f"found no classifier head: {output!r} comes from {node.op_type} of "
+                                f"{len(data)} computed values; give the model a new head yourself")
+        value = data[0]
+    raise TrainingError(f"found no classifier head: {output!r} is not computed from a Gemm/MatMul/1x1 Conv")
+
+
+def new_head(model: onnx.ModelProto, n_classes: int, *, seed: int = 0, output: str | None = None) -> onnx.ModelProto:
+    """The model with its classifier head (:func:`find_head`) replaced by a fresh one of ``n_classes`` outputs.
 
     The new weight is drawn like PyTorch's default Linear init (uniform, bound
     1/sqrt(fan_in)) with ``seed``; the bias starts at zero. Output shapes in
@@ -262,56 +312,50 @@ def new_head(model: onnx.ModelProto, n_classes: int, *, seed: int = 0) -> onnx.M
     model = prepare_model(model)
     m = onnx.ModelProto()
     m.CopyFrom(model)
+    head = find_head(m, output)
+    node = next(n for n in m.graph.node if list(n.output) == list(head.output))
     inits = {t.name: t for t in m.graph.initializer}
     users: dict[str, int] = {}
     for n in m.graph.node:
         for x in n.input:
             users[x] = users.get(x, 0) + 1
-    for node in reversed(m.graph.node):
-        if node.op_type not in ("Gemm", "MatMul", "Conv") or len(node.input) < 2 or node.input[1] not in inits:
-            continue
-        w = numpy_helper.to_array(inits[node.input[1]])
-        if users.get(node.input[1], 0) != 1:
-            continue
-        rng = np.random.default_rng(seed)
-        if node.op_type == "MatMul" or (node.op_type == "Gemm" and not _attr(node, "transB")):
-            fan_in = w.shape[0]
-            new_w = rng.uniform(-1, 1, (fan_in, n_classes)) / math.sqrt(fan_in)
-        elif node.op_type == "Gemm":
-            fan_in = w.shape[1]
-            new_w = rng.uniform(-1, 1, (n_classes, fan_in)) / math.sqrt(fan_in)
-        else:
-            if w.shape[2:] != (1, 1) and any(d != 1 for d in w.shape[2:]):
-                continue
-            fan_in = int(np.prod(w.shape[1:]))
-            new_w = rng.uniform(-1, 1, (n_classes,) + w.shape[1:]) / math.sqrt(fan_in)
-        inits[node.input[1]].CopyFrom(numpy_helper.from_array(new_w.astype(w.dtype), node.input[1]))
-        bias = node.input[2] if len(node.input) > 2 and node.input[2] in inits else None
-        if bias is None:  # MatMul + Add(bias)
-            out = node.output[0]
-            for n in m.graph.node:
-                if n.op_type == "Add" and out in n.input:
-                    other = [x for x in n.input if x != out]
-                    if other and other[0] in inits and users.get(other[0], 0) == 1:
-                        bias = other[0]
-                    break
-        if bias is not None:
-            b = numpy_helper.to_array(inits[bias])
-            shape = tuple(n_classes if d > 1 else d for d in b.shape) if b.ndim else (n_classes,)
-            inits[bias].CopyFrom(numpy_helper.from_array(np.zeros(shape, b.dtype), bias))
-        old_n = w.shape[0] if node.op_type == "Conv" or (node.op_type == "Gemm" and _attr(node, "transB")) \
-            else w.shape[-1]
-        del m.graph.value_info[:]
-        for o in m.graph.output:  # the class axis of the outputs changes size
-            t = o.type.tensor_type
-            if t.HasField("shape"):
-                for i, d in enumerate(t.shape.dim):
-                    if d.HasField("dim_value") and d.dim_value == old_n:
-                        d.dim_value = n_classes
-                    elif d.HasField("dim_value") and d.dim_value < 1:  # Paddle's -1: a free dim
-                        d.dim_param = f"{o.name}_dim{i}"
-        return m
-    raise TrainingError("found no final Gemm/MatMul/1x1-Conv layer to replace: give the model a new head yourself")
+    w = numpy_helper.to_array(inits[node.input[1]])
+    rng = np.random.default_rng(seed)
+    if node.op_type == "MatMul" or (node.op_type == "Gemm" and not _attr(node, "transB")):
+        fan_in = w.shape[0]
+        new_w = rng.uniform(-1, 1, (fan_in, n_classes)) / math.sqrt(fan_in)
+    elif node.op_type == "Gemm":
+        fan_in = w.shape[1]
+        new_w = rng.uniform(-1, 1, (n_classes, fan_in)) / math.sqrt(fan_in)
+    else:
+        fan_in = int(np.prod(w.shape[1:]))
+        new_w = rng.uniform(-1, 1, (n_classes,) + w.shape[1:]) / math.sqrt(fan_in)
+    inits[node.input[1]].CopyFrom(numpy_helper.from_array(new_w.astype(w.dtype), node.input[1]))
+    bias = node.input[2] if len(node.input) > 2 and node.input[2] in inits else None
+    if bias is None:  # MatMul + Add(bias)
+        out = node.output[0]
+        for n in m.graph.node:
+            if n.op_type == "Add" and out in n.input:
+                other = [x for x in n.input if x != out]
+                if other and other[0] in inits and users.get(other[0], 0) == 1:
+                    bias = other[0]
+                break
+    if bias is not None:
+        b = numpy_helper.to_array(inits[bias])
+        shape = tuple(n_classes if d > 1 else d for d in b.shape) if b.ndim else (n_classes,)
+        inits[bias].CopyFrom(numpy_helper.from_array(np.zeros(shape, b.dtype), bias))
+    old_n = w.shape[0] if node.op_type == "Conv" or (node.op_type == "Gemm" and _attr(node, "transB")) \
+        else w.shape[-1]
+    del m.graph.value_info[:]
+    for o in m.graph.output:  # the class axis of the outputs changes size
+        t = o.type.tensor_type
+        if t.HasField("shape"):
+            for i, d in enumerate(t.shape.dim):
+                if d.HasField("dim_value") and d.dim_value == old_n:
+                    d.dim_value = n_classes
+                elif d.HasField("dim_value") and d.dim_value < 1:  # Paddle's -1: a free dim
+                    d.dim_param = f"{o.name}_dim{i}"
+    return m
 
 
 def _attr(node, name: str, default: int = 0) -> int:
