@@ -306,6 +306,7 @@ def test_generated_broker_starts_from_any_directory_unprivileged_and_without_war
     (["--ca", "NOTPEM"], "is not a PEM certificate"),
     (["--log-file", "/nonexistent/dir/m.log"], "directory /nonexistent/dir does not exist"),
     (["--max-packet-size", "100"], "max_packet_size 100 is too small"),
+    (["--max-connections", "0"], "max_connections 0 is too small"),
     (["--broker-url", "gw:8883"], "has no scheme"),
     (["--broker-user", "nosuchuser"], "--broker-user nosuchuser"),
 ])

@@ -63,8 +63,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-import ipaddress
 import errno
+import ipaddress
 import json
 import os
 import re
@@ -81,7 +81,12 @@ from typing import Any
 from ..errors import ConfigError
 from ..signing import KeyRing, PrivateKey, PublicKey
 from ..transport.broker import mosquitto_password_hash
-from ..transport.topics import DEVICE_CHANNEL_SPECS, GATEWAY, GATEWAY_CHANNEL_SPECS, validate_id
+from ..transport.topics import (
+    DEVICE_CHANNEL_SPECS,
+    GATEWAY,
+    GATEWAY_CHANNEL_SPECS,
+    validate_id,
+)
 
 __all__ = [
     "DEFAULT_MAX_PACKET",
