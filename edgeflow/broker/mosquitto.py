@@ -808,8 +808,14 @@ class FleetDir:
         said = False
         while True:
             for name in pool:
-                lock = os.fdopen(os.open(self.path / "operators" / f".{name}.lock",  # held until released
-                                         os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o600), "r+b")
+                lock_path = self.path / "operators" / f".{name}.lock"
+                try:
+                    lock = os.fdopen(os.open(lock_path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o600),
+                                     "r+b")  # held until released
+                except OSError as exc:
+                    if exc.errno == errno.ELOOP:
+                        raise _link_error(lock_path) from None
+                    raise
                 try:
                     fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except OSError:
