@@ -39,6 +39,7 @@ import numpy as np
 from ..errors import TrainingError
 from ..runtime.graph import CompiledGraph, Node
 from ..kernels import Kernel, get_kernel
+from ..kernels.rnn_backward import training_limits as _recurrent_limits
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,14 @@ NON_DIFFERENTIABLE_INPUTS: dict[str, frozenset[int]] = {
     "CastLike": frozenset({1}),
     "Pad": frozenset({1, 2, 3}),
     "Resize": frozenset({1, 2, 3}),
+    "LSTM": frozenset({4}),  # sequence_lens
+    "GRU": frozenset({4}),
+    "RNN": frozenset({4}),
+}
+#: Ops whose backward covers only some settings: op -> (attrs, input names) -> why not (None: covered).
+#: Checked when the tape is built, so an uncovered setting is one line at Trainer construction.
+BACKWARD_LIMITS: dict[str, Callable[[dict[str, Any], list[str]], "str | None"]] = {
+    op: (lambda attrs, inputs, _op=op: _recurrent_limits(_op, attrs, inputs)) for op in ("LSTM", "GRU", "RNN")
 }
 #: Ops whose outputs past the first carry no gradient (stats, masks, indices).
 FIRST_OUTPUT_ONLY = frozenset({"BatchNormalization", "Dropout", "MaxPool"})
@@ -292,6 +301,13 @@ class Tape:
             if not st.kernel.trainable:
                 missing.append(f"{st.node.op_type} (node {st.node.name!r})")
                 continue
+            limit = None if st.node.domain else BACKWARD_LIMITS.get(st.node.op_type)
+            why = limit(st.node.attrs, st.inputs) if limit is not None else None
+            if why:
+                raise TrainingError(
+                    f"{st.node.op_type} node {st.node.name!r}: {why}; re-export the layer with the defaults, "
+                    "or freeze it and every layer before it (freeze=[prefix, ...])"
+                )
             uses = st.kernel.backward_uses
             st.keep_inputs = uses in ("all", "inputs")
             st.keep_outputs = uses in ("all", "outputs")
