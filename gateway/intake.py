@@ -29,13 +29,14 @@ from typing import Any
 import numpy as np
 
 from edgeflow.codecs import decode_update
-from edgeflow.errors import AggregationError, CodecError
-from edgeflow.protocol.rounds import UpdateMeta, parse_update_meta
+from edgeflow.errors import AggregationError, CodecError, SignatureError
+from edgeflow.protocol.rounds import EvaluationReport, UpdateMeta, parse_update_meta
 from edgeflow.signing import KeyRing, ReplayGuard
 
 from .store import MAX_SEQ
 
-__all__ = ["CheckedUpdate", "RoundView", "check_update", "partial_clients", "refusal", "screen"]
+__all__ = ["CheckedUpdate", "RoundView", "check_evaluation", "check_update", "partial_clients", "refusal",
+           "screen"]
 
 
 @dataclass(frozen=True)
@@ -137,3 +138,31 @@ def check_update(payload: bytes, rnd: RoundView, *, keyring: KeyRing, like: Mapp
         want = None if like is None else like[k].dtype
         tensors[k] = v if want is None or v.dtype == want else v.astype(want)
     return CheckedUpdate(upd.device_id, upd.round_id, upd.seq, tensors, meta, bytes(payload), num_clients)
+
+
+def check_evaluation(payload: bytes, rnd: RoundView | None, sender: str | None, *, keyring: KeyRing,
+                     reported: Callable[[str], bool]) -> EvaluationReport:
+    """The rules for a device's report in a federated evaluate round (``rnd.mode`` "evaluate"), in order:
+    the round is open, the topic names a device that was selected and has not reported, the report is
+    signed by that device's key, every field is in range, and it names this round (id, nonce) and the model
+    version it was asked to evaluate. Refusals are CodecError/SignatureError with a ``reason`` (the round's
+    ``rejected_<reason>`` / ``late`` / ``not_selected`` / ``duplicates`` counters)."""
+    if rnd is None or not rnd.open or rnd.mode != "evaluate":
+        raise refusal("late", "no evaluate round is open")
+    if sender is None or sender not in rnd.selected:
+        raise refusal("not_selected", f"{sender!r} was not selected for evaluate round {rnd.round_id}")
+    if reported(sender):
+        raise refusal("duplicates", f"{sender!r} already reported in evaluate round {rnd.round_id}")
+    key = keyring.get(sender)
+    if key is None:
+        err = SignatureError(f"no key registered for {sender!r}")
+        err.reason = "unknown_device"  # type: ignore[attr-defined]
+        raise err
+    rep = EvaluationReport.verify(payload, key)
+    if rep.round_id != rnd.round_id or rep.nonce != rnd.nonce:
+        raise refusal("wrong_round", f"the report answers round {rep.round_id} ({rep.nonce[:16]!r}), not evaluate "
+                                     f"round {rnd.round_id}")
+    if rep.model_version != rnd.model_version:
+        raise refusal("wrong_version", f"the report evaluates v{rep.model_version}, the round asked for "
+                                       f"v{rnd.model_version}")
+    return rep

@@ -89,6 +89,14 @@ class RoundConfig:
     max_staleness: int | None = 10
     seed: int = 0
     publish_timeout_s: float = 30.0  # wait this long for the broker's ack before logging and waiting on
+    fraction_evaluate: float = 0.0
+    """Federated evaluate rounds (Flower's ``fraction_evaluate``): after each round that published a model, this
+    share of the online devices evaluates it on their own data (0: none; the clients' evaluation beside their
+    updates, ``fed_eval_*``, is independent of it)."""
+    min_evaluate_clients: int = 2
+    """An evaluate round needs at least this many devices (fewer online: skipped, and the round says so)."""
+    evaluate_deadline_s: float | None = None
+    """How long an evaluate round waits for the reports (default: ``deadline_s``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.train, dict):
@@ -111,6 +119,15 @@ class RoundConfig:
             problems.append(f"rounds must be >= 0, got {self.rounds}")
         if not self.publish_timeout_s > 0:
             problems.append(f"publish_timeout_s must be > 0, got {self.publish_timeout_s}")
+        if not 0 <= self.fraction_evaluate <= 1:
+            problems.append(f"fraction_evaluate must be in [0, 1], got {self.fraction_evaluate}")
+        if self.min_evaluate_clients < 1:
+            problems.append(f"min_evaluate_clients must be >= 1, got {self.min_evaluate_clients}")
+        if self.evaluate_deadline_s is not None and not self.evaluate_deadline_s > 0:
+            problems.append(f"evaluate_deadline_s must be > 0, got {self.evaluate_deadline_s}")
+        if self.fraction_evaluate > 0 and self.mode != "sync":
+            problems.append("fraction_evaluate needs mode 'sync' (an asynchronous session has no round ends to "
+                            "evaluate after)")
         if self.secagg is not None:
             if self.dp:
                 problems.append("secagg and central dp cannot be combined (dp clips each update in the clear)")
@@ -126,10 +143,11 @@ class RoundConfig:
         if problems:
             raise ConfigError("round configuration: " + "; ".join(problems))
 
-    _INTS = ("rounds", "min_clients", "max_extensions", "async_buffer", "seed")
+    _INTS = ("rounds", "min_clients", "max_extensions", "async_buffer", "seed", "min_evaluate_clients")
     _OPT_INTS = ("max_clients", "max_staleness")
-    _NUMBERS = ("fraction", "overselect", "quorum", "deadline_s", "wait_for_devices_s", "publish_timeout_s")
-    _OPT_NUMBERS = ("min_battery",)
+    _NUMBERS = ("fraction", "overselect", "quorum", "deadline_s", "wait_for_devices_s", "publish_timeout_s",
+                "fraction_evaluate")
+    _OPT_NUMBERS = ("min_battery", "evaluate_deadline_s")
     _STRINGS = ("mode", "strategy", "staleness")
 
     def _check_types(self) -> None:

@@ -99,6 +99,7 @@ from edgeflow.transport.topics import device_filter, gateway_topic, parse_topic
 from .aggregate import weighted_metrics
 from .aggregation import AggregateResult, decode_state, encode_state
 from .async_rounds import AsyncRounds
+from .evaluate_rounds import EvaluateRounds
 from .global_model import classification_metrics, model_weights, model_with_weights
 from .intake import CheckedUpdate, RoundView, check_update, screen
 from .open_round import OpenRound
@@ -259,6 +260,7 @@ class RoundManager:
         self._recovered: RoundAnnouncement | None = None
         self.secure = SecureRounds(self)  # secure aggregation: its server and phases (gateway/secure_rounds.py)
         self.async_rounds = AsyncRounds(self)  # FedBuff: the long-running session (gateway/async_rounds.py)
+        self.evaluate_rounds = EvaluateRounds(self)  # fraction_evaluate (gateway/evaluate_rounds.py)
         self._staged: _Staged | None = None
         # global model
         latest = store.latest_model()
@@ -381,6 +383,8 @@ class RoundManager:
                 self._sub = self.transport.subscribe(str(device_filter(self.fleet, "update")), self._on_update)
             if self.config.secagg is not None:
                 self.transport.subscribe(str(device_filter(self.fleet, "secagg")), self.secure.on_frame)
+            if self.config.fraction_evaluate > 0:
+                self.evaluate_rounds.attach()
 
     def _recover(self) -> None:
         """Make the stored rounds consistent with the latest model, whatever step a previous
@@ -936,7 +940,12 @@ class RoundManager:
             return self.fail_round(ann, t_start, str(exc), result.num_clients)
         metrics = self.round_metrics(ann, result, agg_s, t_start)
         metrics.extra.update(extra or {})
+        published = self._staged is not None
         self.commit(ann, metrics.to_dict())
+        if published and self.config.fraction_evaluate > 0 and not self._stop.is_set():
+            evaluated = self.evaluate_rounds.run(ann.round_id)  # the model just published, on the devices' data
+            metrics.extra.update(evaluated)
+            self.store.add_round_metrics(ann.round_id, evaluated)
         self.report(metrics)
         return metrics
 

@@ -41,7 +41,7 @@ import numpy as np
 from ..codecs import ErrorFeedback, decode_update, encode_update
 from ..errors import CodecError, EdgeflowError, SignatureError
 from ..signing import KeyRing, PublicKey, Signer
-from ..protocol.rounds import RoundAnnouncement, TrainConfig
+from ..protocol.rounds import EvaluationReport, RoundAnnouncement, TrainConfig
 from ..transport.base import Transport
 from ..transport.topics import device_topic, gateway_topic
 from .numpy_client import NumPyClient, check_evaluate, check_fit
@@ -59,6 +59,7 @@ class ClientStats:
     bytes_sent: int = 0
     dense_bytes: int = 0
     skipped_late: int = 0
+    evaluations_sent: int = 0
     rejected_messages: int = 0
     last_round: int = -1
     last_loss: float | None = None
@@ -435,6 +436,9 @@ class Client:
                 return
             if ann.mode == "async":
                 self._run_async(ann)
+            elif ann.mode == "evaluate":
+                if ("evaluate", ann.round_id, ann.nonce) not in self._done:
+                    self._run_evaluate(ann)
             elif (ann.round_id, ann.nonce) not in self._done:
                 try:
                     self._run_round(ann)
@@ -554,6 +558,51 @@ class Client:
         self._done.add((ann.round_id, ann.nonce))
         if delta is not None:
             self._send(ann, delta, n, loss, version)
+
+    def _run_evaluate(self, ann: RoundAnnouncement) -> None:
+        """A federated evaluate round: evaluate the announced global model on the local data, send the signed
+        report (gateway/evaluate_rounds.py)."""
+        self._done.add(("evaluate", ann.round_id, ann.nonce))
+        got = self._wait_weights(ann.model_version, ann.deadline)
+        if got is None or got[0] != ann.model_version:
+            why = "never arrived" if got is None else f"was replaced by v{got[0]} before it could be evaluated"
+            self.stats.errors.append(f"evaluate round {ann.round_id}: global model v{ann.model_version} {why}")
+            return
+        try:
+            loss, n, metrics = self._evaluate(got[1], ann)
+        except EdgeflowError as exc:
+            self.stats.errors.append(f"evaluate round {ann.round_id}: {exc}")
+            log.warning("device %s: evaluate round %d failed: %s", self.device_id, ann.round_id, exc)
+            return
+        if time.time() > ann.deadline:
+            self.stats.skipped_late += 1
+            log.info("device %s: evaluate round %d deadline passed; report not sent", self.device_id, ann.round_id)
+            return
+        report = EvaluationReport(ann.round_id, ann.nonce, ann.model_version, loss, n, metrics)
+        self.transport.publish(str(device_topic(self.fleet, self.device_id, "evaluate")),
+                               report.sign(self.signer.key), qos=1)
+        self.stats.evaluations_sent += 1
+
+    def _evaluate(self, weights: dict[str, np.ndarray], ann: RoundAnnouncement) -> tuple[float, int, dict]:
+        """(loss, examples, metrics) of ``weights`` on the local data: the app's ``evaluate``, or the
+        trainer's loss and accuracy."""
+        if self.app is not None:
+            app, name = self.app, type(self.app).__name__
+            if not app.evaluates:
+                raise EdgeflowError(f"{name} has no evaluate(): it cannot take part in evaluate rounds "
+                                    "(fraction_evaluate); define evaluate(parameters, config)")
+            config = {**ann.config.__dict__, "codec_opts": dict(ann.config.codec_opts), "round_id": ann.round_id,
+                      "model_version": ann.model_version}
+            try:
+                result = app.evaluate({k: v.copy() for k, v in weights.items()}, config)
+            except Exception as exc:
+                raise EdgeflowError(f"{name}.evaluate raised {type(exc).__name__}: {exc}") from exc
+            loss, n, metrics = check_evaluate(result, f"{name}.evaluate")
+            self.last_evaluate = {"round_id": ann.round_id, "loss": loss, "num_examples": n, "metrics": metrics}
+            return loss, n, metrics
+        self.trainer.set_weights(weights)
+        loss, acc = self.trainer.evaluate(self.x, self.y)
+        return float(loss), len(self.y), ({} if acc is None else {"accuracy": float(acc)})
 
     def _run_async(self, ann: RoundAnnouncement) -> None:
         """FedBuff: train from the newest global version, send, repeat until closed."""

@@ -19,9 +19,12 @@ from ..errors import CodecError
 from ..signing import PrivateKey, PublicKey
 from .signed_json import open_signed, sign_body
 
-__all__ = ["MAX_NUM_SAMPLES", "ROUND_CONTEXT", "RoundAnnouncement", "TrainConfig", "UpdateMeta", "parse_update_meta"]
+__all__ = ["EVALUATE_CONTEXT", "EvaluationReport", "MAX_NUM_SAMPLES", "ROUND_CONTEXT", "RoundAnnouncement",
+           "TrainConfig", "UpdateMeta", "parse_update_meta"]
 
 ROUND_CONTEXT = "round/v1"
+EVALUATE_CONTEXT = "evaluate/v1"
+"""What a device's signature on its evaluation report is for (never valid as anything else)."""
 MAX_NUM_SAMPLES = (1 << 31) - 1
 """Largest ``num_samples`` an update may claim (the gateway caps the weight far lower, see docs/aggregation.md)."""
 
@@ -190,3 +193,46 @@ def parse_update_meta(metadata: Any, device: str = "") -> UpdateMeta:
         err.reason = "bad_metadata"  # type: ignore[attr-defined]
         raise err from None
     return UpdateMeta(num_samples, base_version, loss, train_s, nonce, metrics, evaluation)
+
+
+@dataclass(frozen=True)
+class EvaluationReport:
+    """A device's evaluation of a global model in a federated evaluate round (``mode`` "evaluate" of a
+    :class:`RoundAnnouncement`), signed with the device's key and sent on its ``evaluate`` channel.
+
+    ``round_id``, ``nonce`` and ``model_version`` name the evaluate round it answers (the gateway
+    refuses any other); ``loss`` and ``metrics`` are the device's figures over its ``num_examples``
+    local examples (Flower's ``EvaluateRes``)."""
+
+    round_id: int
+    nonce: str
+    model_version: int
+    loss: float
+    num_examples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def sign(self, key: PrivateKey) -> bytes:
+        return sign_body(asdict(self), key, EVALUATE_CONTEXT)
+
+    @classmethod
+    def from_body(cls, d: Any) -> "EvaluationReport":
+        """Check every field; CodecError (reason "bad_metadata") names the one that is wrong."""
+        try:
+            if not isinstance(d, dict):
+                raise CodecError("the body is not a JSON object")
+            nonce = d.get("nonce")
+            if not isinstance(nonce, str) or len(nonce) > 64:
+                raise CodecError(f"nonce must be a string of at most 64 characters, got {str(nonce)[:40]!r}")
+            return cls(round_id=as_int(d.get("round_id"), "round_id", lo=0, hi=(1 << 63) - 1), nonce=nonce,
+                       model_version=as_int(d.get("model_version"), "model_version", lo=0, hi=(1 << 63) - 1),
+                       loss=as_number(d.get("loss"), "loss"),
+                       num_examples=as_int(d.get("num_examples"), "num_examples", lo=1, hi=MAX_NUM_SAMPLES),
+                       metrics=_metrics(d.get("metrics", {}), "metrics"))
+        except CodecError as exc:
+            err = CodecError(f"evaluation report: {exc}")
+            err.reason = "bad_metadata"  # type: ignore[attr-defined]
+            raise err from None
+
+    @classmethod
+    def verify(cls, data: bytes, key: PublicKey) -> "EvaluationReport":
+        return cls.from_body(open_signed(data, key, EVALUATE_CONTEXT))

@@ -8,6 +8,7 @@ valid device id)::
     edgeflow/<fleet>/<device>/death       broker -> all    retained last will, offline
     edgeflow/<fleet>/<device>/telemetry   device -> gw     metrics, QoS 0 or 1
     edgeflow/<fleet>/<device>/update      device -> gw     signed model updates (envelopes)
+    edgeflow/<fleet>/<device>/evaluate    device -> gw     signed evaluation reports (federated evaluate rounds)
     edgeflow/<fleet>/<device>/cmd         gw -> device     commands
     edgeflow/<fleet>/<device>/cmd/ack     device -> gw     command results
     edgeflow/<fleet>/gateway/model        gw -> devices    retained global model (chunked)
@@ -106,6 +107,7 @@ DEVICE_CHANNEL_SPECS: tuple[ChannelSpec, ...] = (
     ChannelSpec("death", "device", "all", True, False, "1", "signed last will (published by the broker): offline"),
     ChannelSpec("telemetry", "device", "gateway", False, False, "0/1", "metrics"),
     ChannelSpec("update", "device", "gateway", False, True, "1", "signed update envelope (docs/codecs.md)"),
+    ChannelSpec("evaluate", "device", "gateway", False, False, "1", "signed evaluation report (federated evaluate)"),
     ChannelSpec("cmd", "gateway", "device", False, True, "1", "signed command"),
     ChannelSpec("cmd/ack", "device", "gateway", False, True, "1", "signed command result"),
     ChannelSpec("secagg", "device", "gateway", False, True, "1", "secure-aggregation protocol messages"),

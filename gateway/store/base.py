@@ -516,6 +516,17 @@ class GatewayStore:
                 (round_id, model_version, "open", time.time(), deadline, json.dumps(config), json.dumps(selected)),
             )
 
+    def add_round_metrics(self, round_id: int, metrics: dict) -> None:
+        """Merge ``metrics`` into a finished round's metrics, in one transaction (a federated evaluate round's
+        figures, which arrive after the round stored its model)."""
+        with self.tx() as db:
+            row = db.one("SELECT state, metrics FROM rounds WHERE round_id=?{for_update}", (round_id,))
+            if row is None or row[0] == "open":
+                raise StateError(f"round {round_id} is {'unknown' if row is None else 'open'}: only a finished "
+                                 "round takes more metrics")
+            merged = {**json.loads(row[1] or "{}"), **metrics}
+            db.execute("UPDATE rounds SET metrics=? WHERE round_id=?", (json.dumps(merged), round_id))
+
     def close_round(self, round_id: int, metrics: dict, state: str = "closed") -> None:
         with self.tx() as db:
             db.execute("UPDATE rounds SET state=?, metrics=? WHERE round_id=?", (state, json.dumps(metrics), round_id))
