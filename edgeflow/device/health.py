@@ -166,6 +166,7 @@ def _child_main() -> None:
     except MemoryError as exc:
         report = HealthReport(False, "golden", _memory_reason(kwargs["profile"], kwargs["memory_budget_mb"], exc))
     except BaseException as exc:  # noqa: BLE001 - the child's last word is a verdict, never a traceback
+        log.info("health check child: %s: %s (reported as the verdict)", type(exc).__name__, exc)
         report = HealthReport(False, "golden", f"the health check failed: {type(exc).__name__}: {exc}")
     result.write(json.dumps(report.to_dict(), default=str))
     result.close()
@@ -277,6 +278,7 @@ def _check(
     except MemoryError as exc:
         return HealthReport(False, "latency", _memory_reason(profile, memory_budget_mb, exc), backend=rt.backend_name)
     except Exception as exc:  # noqa: BLE001 - a timed run that fails (a limit) fails the check, never the agent
+        log.info("health check: a timed run failed (%s): the check fails", exc)
         return HealthReport(False, "latency", f"a timed run failed: {exc}", backend=rt.backend_name)
     p50 = float(np.median(times))
     budget = golden.latency_budget_ms if golden is not None else default_latency_budget_ms

@@ -24,6 +24,8 @@ address-space limit (:mod:`edgeflow.device.health`).
 
 from __future__ import annotations
 
+import logging
+
 import contextlib
 import contextvars
 import heapq
@@ -34,6 +36,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from ..errors import ResourceLimitError
+
+log = logging.getLogger("edgeflow.runtime.limits")
 
 DEFAULT_MAX_LOOP_ITERATIONS = 1_000_000
 DEFAULT_MAX_RUN_SECONDS = 60.0
@@ -208,7 +212,7 @@ class Watchdog:
             try:
                 fn()
             except Exception:  # noqa: BLE001 - a watchdog callback must never kill the watchdog
-                pass
+                log.exception("a watchdog callback failed; the watchdog goes on")
 
 
 WATCHDOG = Watchdog()
