@@ -65,7 +65,7 @@ NON_DIFFERENTIABLE_INPUTS: dict[str, frozenset[int]] = {
 }
 #: Ops whose backward covers only some settings: op -> (attrs, input names) -> why not (None: covered).
 #: Checked when the tape is built, so an uncovered setting is one line at Trainer construction.
-BACKWARD_LIMITS: dict[str, Callable[[dict[str, Any], list[str]], "str | None"]] = {
+BACKWARD_LIMITS: dict[str, Callable[[dict[str, Any], list[str]], str | None]] = {
     op: (lambda attrs, inputs, _op=op: _recurrent_limits(_op, attrs, inputs)) for op in ("LSTM", "GRU", "RNN")
 }
 #: Ops whose outputs past the first carry no gradient (stats, masks, indices).
