@@ -761,17 +761,21 @@ class FleetManager:
         return self.send_command(device_id, name, args, timeout_s=timeout_s).wait()
 
     def send_ota(self, device_id: str, artifact: bytes, *, version: int, timeout_s: float | None = None,
-                 ttl_s: float | None = None, allow_downgrade: bool = False, role: str | None = None) -> PendingCommand:
+                 ttl_s: float | None = None, allow_downgrade: bool = False, role: str | None = None,
+                 challenge: str | None = None) -> PendingCommand:
         """Offer ``artifact`` to one device (signed deploy command + artifact, chunked by the transport).
 
         Devices refuse a version older than the one they run unless ``allow_downgrade``.
         ``role="train_master"``: the fp32 master of a quantized model, kept for training, not served.
+        ``challenge``: hex seed of the inputs whose outputs the device returns as evidence (gateway/ota.py).
         """
         extra: dict[str, Any] = {}
         if allow_downgrade:
             extra["allow_downgrade"] = True
         if role is not None:
             extra["role"] = role
+        if challenge is not None:
+            extra["challenge"] = challenge
         cmd = deploy_command(device_id, self.fleet, artifact, version=version,
                              ttl_s=self.options.command_ttl_s if ttl_s is None else ttl_s, extra=extra or None)
         pc = self._track(cmd, timeout_s)
