@@ -140,6 +140,15 @@ class BufferedAggregator:
     ``max_staleness`` versions behind are rejected (counted in the next
     result's ``rejected``), as are those claiming a future version.
     The wrapper replaces the inner aggregator's ``staleness_fn``.
+
+    One update per device per buffer: a second update from a client already
+    in the current buffer is refused (reason ``buffer_duplicate``, counted as
+    ``rejected_buffer_duplicate`` in the result that closes the buffer)
+    before the inner aggregator sees it, whatever the inner aggregator does
+    with repeated client ids. It is not held for the next buffer: the device
+    trains again from the version that buffer produces (an update held over
+    would be stale by then, and holding them would let one device queue work
+    the gateway must keep in memory).
     """
 
     def __init__(self, inner: Aggregator | None = None, *, buffer_size: int = 10,
@@ -162,6 +171,8 @@ class BufferedAggregator:
         self._weights: dict[str, np.ndarray] | None = None
         self._version = -1
         self._pending_rejections: list[Rejection] = []
+        self._members: set[str] = set()
+        """The clients whose update is in the current buffer."""
 
     # ---- state -----------------------------------------------------------
 
@@ -188,6 +199,7 @@ class BufferedAggregator:
         self._weights = {k: np.array(v, copy=True) for k, v in global_weights.items()}
         self._version = int(version)
         self._pending_rejections = []
+        self._members = set()
         self.inner.begin_round(self._weights, round_id=self._version + 1)
 
     def add(self, update: Weights, num_samples: int, client_id: str = "", *,
@@ -197,6 +209,11 @@ class BufferedAggregator:
             raise AggregationError("BufferedAggregator.start() must be called before add()")
         if isinstance(base_version, bool) or not isinstance(base_version, (int, np.integer)):
             raise AggregationError(f"client {client_id!r}: base_version must be an int, got {base_version!r}")
+        if client_id and client_id in self._members:
+            self._pending_rejections.append(Rejection(
+                client_id, "buffer_duplicate",
+                f"already has an update in the buffer for v{self._version + 1} (one update per device per buffer)"))
+            return None
         staleness = self._version - int(base_version)
         if staleness < 0:
             self._pending_rejections.append(
@@ -206,7 +223,10 @@ class BufferedAggregator:
             self._pending_rejections.append(
                 Rejection(client_id, "stale", f"{staleness} versions behind (max {self.max_staleness})"))
             return None
+        before = self.inner.num_clients
         self.inner.add(update, num_samples, client_id=client_id, staleness=staleness)
+        if client_id and self.inner.num_clients > before:
+            self._members.add(client_id)
         if self.inner.num_clients >= self.buffer_size:
             return self._flush()
         return None
@@ -235,5 +255,6 @@ class BufferedAggregator:
         assert result.weights is not None
         self._weights = result.weights
         self._version += 1
+        self._members = set()
         self.inner.begin_round(self._weights, round_id=self._version + 1)
         return result
