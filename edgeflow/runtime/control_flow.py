@@ -81,6 +81,76 @@ def run_nodes(nodes: list, env: dict[str, Any]) -> dict[str, Any]:
     return env
 
 
+class Plan:
+    """Compiled nodes as an execution plan: every value has a slot in a list.
+
+    Built once (at load for the top-level graph, on the first run for a
+    subgraph), it holds per node what :func:`run_nodes` looks up on every
+    call: the kernel's bound ``forward``, its decoded attributes, the slots
+    of its inputs and outputs, and the slots to clear after it (values whose
+    last reader it is). Slot 0 is always None (an omitted optional input).
+    Constants (initializers) sit in ``template``, which each run copies, so
+    they are read when the plan is built, not on every run.
+    """
+
+    __slots__ = ("slots", "template", "steps", "nodes", "constants")
+
+    def __init__(self, nodes: list, constants: dict[str, Any], names: tuple[str, ...] = ()) -> None:
+        slots: dict[str, int] = {"": 0}
+
+        def slot(name: str) -> int:
+            i = slots.get(name)
+            if i is None:
+                i = slots[name] = len(slots)
+            return i
+
+        for name in names:  # fed values first: their slots are stable and known to the caller
+            slot(name)
+        for name in constants:
+            slot(name)
+        steps = []
+        for node in nodes:
+            ins = tuple(slot(x) for x in node.inputs)
+            outs = tuple(slot(x) if x else -1 for x in node.outputs)
+            frees = tuple(slot(x) for x in node.free_after)
+            attrs = node.attrs or None
+            steps.append((node.kernel.forward, ins, attrs, outs, outs[0] if outs else -1,
+                          bool(node.fused_relu), frees, node))
+        template: list[Any] = [None] * len(slots)
+        for name, value in constants.items():
+            template[slots[name]] = value
+        self.slots = slots
+        self.template = template
+        self.steps = tuple(steps)
+        self.nodes = nodes  # what it was built from (a subgraph rebuilds when the optimizer replaced them)
+        self.constants = constants
+
+    def run(self, vals: list[Any]) -> list[Any]:
+        """Run every step on ``vals`` (a copy of ``template`` with the fed slots filled); returns it."""
+        budget = current_budget()
+        deadline = budget.deadline if budget is not None else None
+        now = time.monotonic
+        for forward, ins, attrs, outs, out0, relu, frees, node in self.steps:
+            if deadline is not None and now() > deadline:
+                raise budget.time_error(f"node '{node.name}' ({node.op_type})")
+            args = [vals[i] for i in ins]
+            try:
+                result = forward(*args, **attrs) if attrs is not None else forward(*args)
+            except KERNEL_ERRORS as exc:
+                raise BackendError(node_failure(node, args, exc)) from exc
+            if isinstance(result, tuple):
+                for i, value in zip(outs, result):
+                    if i > 0:
+                        vals[i] = value
+            else:
+                if relu:
+                    np.maximum(result, 0, out=result)
+                vals[out0] = result
+            for i in frees:
+                vals[i] = None
+        return vals
+
+
 @dataclass
 class Subgraph:
     """A graph attribute compiled for the executor."""
@@ -94,20 +164,41 @@ class Subgraph:
     output_info: list[tuple[Any, Any]] = field(default_factory=list)
     # (numpy dtype or None, shape tuple or None) per output: zero-trip scan outputs
     graph: Any = None  # the onnx.GraphProto (memory planning reads its value_info)
+    _plan: Any = field(default=None, init=False, repr=False, compare=False)
+    _input_slots: tuple = field(default=(), init=False, repr=False, compare=False)
+    _outer_slots: tuple = field(default=(), init=False, repr=False, compare=False)
+    _output_slots: tuple = field(default=(), init=False, repr=False, compare=False)
 
     def run(self, outer: dict[str, Any], *inputs: Any) -> list[Any]:
         if len(inputs) != len(self.input_names):
             raise BackendError(
                 f"{self.label}: the subgraph declares {len(self.input_names)} input(s) but was given {len(inputs)}"
             )
-        env = dict(outer)
-        env.update(self.initializers)
-        env.update(zip(self.input_names, inputs))
+        plan = self._plan
+        if plan is None or plan.nodes is not self.nodes or plan.constants is not self.initializers:
+            plan = self._build_plan()
+        vals = plan.template.copy()
+        # precedence as a scope: outer values, shadowed by the subgraph's initializers, then its inputs
+        for name, i in self._outer_slots:
+            vals[i] = outer[name]
+        for i, value in zip(self._input_slots, inputs):
+            vals[i] = value
         try:
-            run_nodes(self.nodes, env)
+            plan.run(vals)
         except BackendError as exc:
             raise BackendError(f"{self.label} / {exc}") from exc
-        return [env[name] for name in self.output_names]
+        return [vals[i] for i in self._output_slots]
+
+    def _build_plan(self) -> Plan:
+        inits = self.initializers
+        plan = Plan(self.nodes, inits, tuple(self.input_names) + tuple(self.outer_names))
+        slots = plan.slots
+        self._input_slots = tuple(slots[n] for n in self.input_names)
+        self._outer_slots = tuple((n, slots[n]) for n in self.outer_names
+                                  if n not in inits and n not in self.input_names)
+        self._output_slots = tuple(slots[n] for n in self.output_names)  # each is defined (compile_graph)
+        self._plan = plan
+        return plan
 
 
 ITERATING_OPS = frozenset({"Loop", "Scan", "SequenceMap"})

@@ -23,7 +23,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..data import image_decoder as _image_decoder  # noqa: F401 - registers ImageDecoder where Pillow is installed
-from .control_flow import Subgraph, bind_subgraphs, check_arity
+from .control_flow import Plan, Subgraph, bind_subgraphs, check_arity
 from ..errors import ModelError, UnsupportedOpError
 from ..kernels import Kernel, UnknownOpError, get_kernel
 from .model import TensorInfo, elem_dtype, graph_inputs, graph_outputs, model_opset
@@ -257,9 +257,20 @@ class CompiledGraph:
     outputs: list[TensorInfo]
     types: dict[str, str]
 
+    _plan: Plan | None = field(default=None, init=False, repr=False, compare=False)
+
     @property
     def output_names(self) -> list[str]:
         return [o.name for o in self.outputs]
+
+    def plan(self) -> Plan:
+        """The execution plan of :attr:`nodes` (built on first use, rebuilt if
+        ``nodes`` or ``initializers`` were replaced since). The graph inputs
+        take slots 1..len(inputs), in order."""
+        p = self._plan
+        if p is None or p.nodes is not self.nodes or p.constants is not self.initializers:
+            p = self._plan = Plan(self.nodes, self.initializers, tuple(self.input_names))
+        return p
 
     @property
     def input_names(self) -> list[str]:

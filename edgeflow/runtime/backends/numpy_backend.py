@@ -1,19 +1,21 @@
 """The pure-numpy backend: runs a :class:`~edgeflow.runtime.graph.CompiledGraph`.
 
-For boards where no onnxruntime wheel exists (armv7, riscv64). The loop is
-deliberately plain — look up inputs, call the kernel, store outputs, drop
-values whose last reader ran — because per-node Python overhead is what
-decides small-batch latency.
+For boards where no onnxruntime wheel exists (armv7, riscv64). Per-node
+Python overhead is what decides small-batch latency, so the session runs
+the graph's execution plan (:class:`~edgeflow.runtime.control_flow.Plan`,
+built at load): each node's bound kernel, decoded attributes and input,
+output and free-after slots of a list, instead of name lookups per call.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
 import onnx
 
-from ..control_flow import run_nodes
+from ..control_flow import Plan
 from ..graph import CompiledGraph, compile_graph, find_missing, numpy_supports, unsupported_ops
 from .base import Backend, Session, SessionOptions
 
@@ -26,22 +28,42 @@ class NumpySession(Session):
         self.graph = graph
         self.options = options
         self._threads = max(1, int(options.threads))
+        graph.plan()  # built at load: the first run pays nothing extra
 
     def _run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
         _set_blas_threads(self._threads)
-        env = execute(self.graph, feeds)
-        return {n: env[n] for n in output_names}
+        plan = self.graph.plan()
+        vals = _feed(plan, self.graph, feeds)
+        plan.run(vals)
+        slots = plan.slots
+        return {n: vals[slots[n]] for n in output_names}
+
+
+def _feed(plan: Plan, graph: CompiledGraph, feeds: dict[str, np.ndarray]) -> list:
+    vals = plan.template.copy()
+    for i, info in enumerate(graph.inputs, 1):  # the plan gives the inputs slots 1..n, in order
+        value = feeds.get(info.name, _ABSENT)
+        if value is not _ABSENT:
+            vals[i] = value
+    return vals
+
+
+_ABSENT = object()
 
 
 def execute(graph: CompiledGraph, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Run every node in order; returns the environment holding the outputs.
+    """Run every node in order; returns the values alive at the end (the
+    outputs among them) by name.
 
     Control-flow nodes are ordinary kernel calls here: their kernels run
     their compiled subgraphs (see :mod:`edgeflow.runtime.control_flow`).
     """
-    env: dict[str, np.ndarray] = dict(graph.initializers)
-    env.update(feeds)
-    return run_nodes(graph.nodes, env)
+    plan = graph.plan()
+    vals = _feed(plan, graph, feeds)
+    plan.run(vals)
+    out = {n: vals[i] for n, i in plan.slots.items() if n and vals[i] is not None}
+    out.update((n, vals[plan.slots[n]]) for n in graph.output_names)
+    return out
 
 
 _CONTROLLER = None
@@ -59,7 +81,9 @@ def _set_blas_threads(threads: int) -> None:
     ~100x slower.
     """
     global _CONTROLLER, _BLAS_THREADS
-    threads = max(1, min(threads, os.cpu_count() or 1))
+    if threads == _BLAS_THREADS:  # the common case, before anything else (os.cpu_count() costs ~10 us)
+        return
+    threads = max(1, min(threads, _cpu_count()))
     if threads == _BLAS_THREADS:
         return
     try:
@@ -70,6 +94,11 @@ def _set_blas_threads(threads: int) -> None:
         _CONTROLLER = ThreadpoolController()
     _CONTROLLER.limit(limits=threads, user_api="blas")
     _BLAS_THREADS = threads
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_count() -> int:
+    return os.cpu_count() or 1
 
 
 class NumpyBackend(Backend):

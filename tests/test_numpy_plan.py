@@ -1,0 +1,188 @@
+"""The numpy backend's execution plan (issue 30: per-node Python overhead).
+
+A session runs its graph's :class:`~edgeflow.runtime.control_flow.Plan`,
+built at load: per node the bound kernel, its attributes and slot indices
+into a list. These tests check that a run does no name lookups any more
+(node names are not read), that it frees values after their last reader,
+that subgraph scopes keep their precedence (outer < initializers <
+inputs), that the plan follows a graph whose nodes were replaced, that the
+BLAS thread count is not re-derived every run, and that outputs equal the
+name-based loop (:func:`run_nodes`) bit for bit.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as T
+from onnx import helper as h
+from onnx import numpy_helper
+
+from edgeflow.errors import BackendError
+from edgeflow.runtime.backends import numpy_backend as nb
+from edgeflow.runtime.backends.numpy_backend import NumpyBackend, execute
+from edgeflow.runtime.backends.base import SessionOptions
+from edgeflow.runtime.control_flow import run_nodes
+from edgeflow.runtime.graph import compile_graph
+
+F = T.FLOAT
+
+
+def vi(name, shape, dtype=F):
+    return h.make_tensor_value_info(name, dtype, shape)
+
+
+def const(name, value, dtype=np.float32):
+    return numpy_helper.from_array(np.asarray(value, dtype=dtype), name)
+
+
+def model_of(nodes, inputs, outputs, inits=(), opset=17):
+    g = h.make_graph(nodes, "g", inputs, outputs, list(inits))
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", opset)])
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def small_net():
+    """Two outputs, an omitted optional input (Clip min ''), a multi-output node (Split)
+    with an unused output, a dangling intermediate."""
+    nodes = [
+        h.make_node("MatMul", ["x", "w"], ["a"]),
+        h.make_node("Add", ["a", "b"], ["c"]),
+        h.make_node("Clip", ["c", "", "hi"], ["d"]),
+        h.make_node("Tanh", ["a"], ["z"]),
+        h.make_node("Split", ["d"], ["s0", "s1", "s2"], axis=1, num_outputs=3),
+        h.make_node("Mul", ["s0", "s2"], ["y"]),
+    ]
+    rng = np.random.default_rng(0)
+    inits = [const("w", rng.standard_normal((4, 6))), const("b", rng.standard_normal(6)), const("hi", 0.5)]
+    m = model_of(nodes, [vi("x", [2, 4])], [vi("y", [2, 2]), vi("z", [2, 6])], inits, opset=18)
+    return m, {"x": rng.standard_normal((2, 4)).astype(np.float32)}
+
+
+def test_a_run_reads_no_value_names_of_the_nodes():
+    # what a run needs per node is in the plan; the name lists are read at load only
+    m, feeds = small_net()
+    sess = NumpyBackend().load(m, SessionOptions(threads=1))
+    want = sess.run(feeds)
+    for node in sess.graph.nodes:
+        node.inputs = node.outputs = node.free_after = None  # any name lookup in a run now fails
+    got = sess.run(feeds)
+    assert set(got) == {"y", "z"}
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+
+
+def test_outputs_equal_the_name_based_loop_bit_for_bit():
+    m, feeds = small_net()
+    g = compile_graph(m)
+    env = dict(g.initializers)
+    env.update(feeds)
+    ref = run_nodes(g.nodes, env)
+    got = NumpyBackend().load(m).run(feeds)
+    for k in ("y", "z"):
+        assert got[k].dtype == ref[k].dtype and got[k].tobytes() == ref[k].tobytes()
+
+
+def _wrap(node, fn):
+    inner = node.kernel.forward
+    node.kernel = type(node.kernel)(**{**node.kernel.__dict__, "forward": lambda *a, **k: fn(inner(*a, **k))})
+
+
+def test_values_are_released_after_their_last_reader():
+    # the first node's output is read by later nodes, but not by the last one: while the last
+    # node runs, nothing may still hold it (peak memory is planned on these lifetimes)
+    m, feeds = small_net()
+    sess = NumpyBackend().load(m)
+    nodes = sess.graph.nodes
+    first, last = nodes[0], nodes[-1]
+    assert not set(first.outputs) & {"y", "z"} and not set(first.outputs) & set(last.inputs)
+    held, alive_at_last = [], []
+    _wrap(first, lambda out: held.append(weakref.ref(out)) or out)
+    _wrap(last, lambda out: (gc.collect(), alive_at_last.append(held[-1]() is not None))[0] or out)
+    sess.graph._plan = None  # rebuilt with the wrapped kernels
+    sess.run(feeds)
+    assert alive_at_last == [False]
+
+
+def test_the_plan_follows_replaced_nodes():
+    m, feeds = small_net()
+    g = compile_graph(m)
+    p1 = g.plan()
+    assert g.plan() is p1
+    g.nodes = list(g.nodes)  # an optimizer pass replacing the list
+    assert g.plan() is not p1
+
+
+def test_runtime_errors_still_name_the_node_and_shapes():
+    m = model_of([h.make_node("Add", ["x", "y"], ["z"], name="add1")],
+                 [vi("x", ["n"]), vi("y", ["m"])], [vi("z", ["k"])])
+    sess = NumpyBackend().load(m)
+    with pytest.raises(BackendError, match=r"node 'add1' \(Add\) failed on input shapes \[\(3,\), \(4,\)\]"):
+        sess.run({"x": np.zeros(3, np.float32), "y": np.zeros(4, np.float32)})
+
+
+# -- subgraph scopes --------------------------------------------------------------------
+
+
+def _if_model(shadow: str):
+    """If whose then-branch reads 'v': from the outer graph, or shadowed by the branch's own initializer."""
+    then_inits = [const("v", [100.0])] if shadow == "initializer" else []
+    then_g = h.make_graph([h.make_node("Add", ["x", "v"], ["t"])], "then", [], [vi("t", [1])], then_inits)
+    else_g = h.make_graph([h.make_node("Sub", ["x", "v"], ["e"])], "else", [], [vi("e", [1])])
+    return model_of(
+        [h.make_node("Neg", ["x"], ["v"]), h.make_node("If", ["c"], ["y"], then_branch=then_g, else_branch=else_g)],
+        [vi("c", [], T.BOOL), vi("x", [1])], [vi("y", [1])])
+
+
+@pytest.mark.parametrize("shadow", ["none", "initializer"])
+def test_subgraph_scope_precedence(shadow):
+    x = np.array([3.0], np.float32)
+    sess = NumpyBackend().load(_if_model(shadow), SessionOptions())
+    then = sess.run({"c": np.array(True), "x": x})["y"]
+    other = sess.run({"c": np.array(False), "x": x})["y"]
+    np.testing.assert_array_equal(then, [103.0] if shadow == "initializer" else [0.0])
+    np.testing.assert_array_equal(other, [6.0])
+
+
+def test_loop_body_input_shadows_an_outer_value_of_the_same_name():
+    # the body's carried input is called 'acc' like an outer value: the input wins
+    body = h.make_graph(
+        [h.make_node("Identity", ["cond_in"], ["cond_out"]), h.make_node("Add", ["acc", "one"], ["acc_out"])],
+        "body", [vi("i", [], T.INT64), vi("cond_in", [], T.BOOL), vi("acc", [1])],
+        [vi("cond_out", [], T.BOOL), vi("acc_out", [1])])
+    m = model_of(
+        [h.make_node("Neg", ["x"], ["acc"]),
+         h.make_node("Loop", ["n", "", "x"], ["y"], body=body),
+         h.make_node("Add", ["y", "acc"], ["z"])],
+        [vi("n", [], T.INT64), vi("x", [1])], [vi("z", [1])], [const("one", [1.0])])
+    out = NumpyBackend().load(m).run({"n": np.array(4, np.int64), "x": np.array([2.0], np.float32)})["z"]
+    np.testing.assert_array_equal(out, [(2.0 + 4) - 2.0])
+
+
+def test_execute_returns_the_outputs_by_name():
+    m, feeds = small_net()
+    g = compile_graph(m)
+    env = execute(g, feeds)
+    assert {"y", "z"} <= set(env)
+
+
+# -- per-run work -----------------------------------------------------------------------
+
+
+def test_blas_thread_count_is_not_rederived_every_run(monkeypatch):
+    m, feeds = small_net()
+    sess = NumpyBackend().load(m, SessionOptions(threads=1))
+    sess.run(feeds)  # sets the pool once
+    calls = []
+    real = os.cpu_count
+    monkeypatch.setattr(os, "cpu_count", lambda: calls.append(1) or real())
+    for _ in range(3):
+        sess.run(feeds)
+    assert calls == []
+    assert nb._BLAS_THREADS == 1
