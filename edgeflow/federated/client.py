@@ -9,6 +9,16 @@ feedback residual across rounds — signs it with the device key, and
 publishes it on ``<device>/update``. An update that would arrive after the
 deadline is not sent (the gateway would drop it anyway).
 
+Deadlines are kept on the device's own clock: the announcement says when the
+gateway issued it (``issued``) and when the round ends (``deadline``), both
+on the gateway's clock, and the device counts ``deadline - issued`` from the
+moment it received the announcement. A device whose clock is off (no RTC, no
+NTP yet) still sends in time. The offset it measures (its clock minus the
+gateway's at receipt; the smallest of the last few announcements, since
+network delay and a retained announcement's age only ever add to it) goes
+into each update's metadata as ``clock_skew_s`` (an optional field the
+gateway ignores if it does not know it) and into :meth:`Client.status`.
+
 Gateway epochs (docs/security.md, "State loss and restore"): the model and
 the announcement carry the gateway's epoch. The client keeps the newest model
 version *of the highest epoch* it has seen and skips rounds it already did
@@ -32,7 +42,8 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -50,6 +61,10 @@ log = logging.getLogger("edgeflow.federated")
 
 GATEWAY_ID = "gateway"
 UpdateTransform = Callable[[dict[str, np.ndarray], int], "dict[str, np.ndarray] | None"]
+SKEW_SAMPLES = 8
+"""The clock offset is the smallest of the last this many announcements' (receipt - issued)..."""
+SKEW_WINDOW_S = 900.0
+"""... received within this many seconds (a clock that was corrected is followed after that)."""
 
 
 @dataclass
@@ -120,15 +135,21 @@ class Client:
         report_train_time: bool = True,
         app: NumPyClient | None = None,
         epoch_file: str | os.PathLike[str] | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         """``epoch_file`` keeps the newest gateway epoch across restarts (the device agent passes one in its
         state directory), so a replayed model or announcement of an older epoch stays refused after a
-        restart too."""
+        restart too. ``clock``: the device's wall clock (default ``time.time``); round deadlines are
+        converted to it at receipt (module docstring)."""
         if signer.device_id != device_id:
             raise EdgeflowError(f"signer is for {signer.device_id!r}, client is {device_id!r}")
         self.transport = transport
         self.fleet = fleet
         self.device_id = device_id
+        self.clock: Callable[[], float] = clock or time.time
+        self.clock_skew_s: float | None = None
+        """This device's clock minus the gateway's, as measured from the round announcements (None: none yet)."""
+        self._skew_samples: deque[tuple[float, float]] = deque(maxlen=SKEW_SAMPLES)
         self.signer = signer
         self.keyring = KeyRing({GATEWAY_ID: fleet_key})
         self.app = app
@@ -215,7 +236,8 @@ class Client:
 
     def status(self) -> dict[str, Any]:
         return {"running": self._thread is not None, "model_version": self._version, "gateway_epoch": self._epoch,
-                "state": self.state, "detail": self.state_detail, **self.stats.to_dict()}
+                "state": self.state, "detail": self.state_detail, "clock_skew_s": self.clock_skew_s,
+                **self.stats.to_dict()}
 
     def _set_state(self, state: str, detail: str = "") -> None:
         if (state, detail) == (self.state, self.state_detail):
@@ -354,9 +376,29 @@ class Client:
         with self._weights_cv:
             if not self._follow_epoch(ann.epoch, f"round {ann.round_id} announcement"):
                 return
+        ann = self._localize(ann)
         self._current = ann
         if ann.state == "open" and (not ann.selected or self.device_id in ann.selected):
             self._rounds.put(ann)
+
+    def _localize(self, ann: RoundAnnouncement) -> RoundAnnouncement:
+        """``ann`` with its deadline on this device's clock: ``deadline - issued`` counted from now (the
+        receipt), corrected by the smallest offset seen lately (a retained or re-published announcement
+        is older than its receipt). An announcement without ``issued`` keeps its absolute deadline."""
+        if not ann.issued:
+            return ann
+        mono = time.monotonic()
+        samples = self._skew_samples
+        while samples and mono - samples[0][0] > SKEW_WINDOW_S:
+            samples.popleft()
+        samples.append((mono, self.clock() - ann.issued))
+        skew = min(s for _, s in samples)
+        if self.clock_skew_s is None or abs(skew - self.clock_skew_s) > 1.0:
+            log.log(logging.WARNING if abs(skew) > 5.0 else logging.DEBUG,
+                    "device %s: this clock is %+.1f s off the gateway's; round deadlines are counted from "
+                    "receipt", self.device_id, skew)
+        self.clock_skew_s = skew
+        return replace(ann, deadline=ann.deadline + skew)
 
     def _on_secagg(self, msg: Any) -> None:
         """Gateway -> devices secure-aggregation broadcasts (signed by the fleet key)."""
@@ -380,7 +422,7 @@ class Client:
 
     def _sa_wait(self, kind: type, session: bytes | None, deadline: float) -> Any:
         while not self._stop.is_set():
-            left = deadline - time.time()
+            left = deadline - self.clock()
             if left <= 0:
                 raise EdgeflowError(f"secure aggregation: no {kind.__name__} before the deadline")
             try:
@@ -449,7 +491,7 @@ class Client:
     def _wait_weights(self, version: int, deadline: float) -> tuple[int, dict[str, np.ndarray]] | None:
         with self._weights_cv:
             while self._version < version and not self._stop.is_set():
-                left = deadline - time.time()
+                left = deadline - self.clock()
                 if left <= 0:
                     return None
                 self._weights_cv.wait(min(left, 0.5))
@@ -529,10 +571,12 @@ class Client:
             metadata={**({} if loss is None else {"loss": float(loss)}), "base_version": int(base_version),
                       **self._app_meta,
                       **({"train_s": round(self.stats.last_train_s, 4)} if self.report_train_time else {}),
+                      **({"clock_skew_s": round(self.clock_skew_s, 3)}
+                         if self.report_train_time and self.clock_skew_s is not None else {}),
                       **({"round_nonce": ann.nonce} if ann.nonce else {})},
             **cfg.codec_opts,
         )
-        if ann.mode == "sync" and time.time() > ann.deadline:
+        if ann.mode == "sync" and self.clock() > ann.deadline:
             self.stats.skipped_late += 1
             log.info("device %s: round %d deadline passed; update not sent", self.device_id, ann.round_id)
             return False
@@ -610,7 +654,7 @@ class Client:
             cur = self._current
             if cur is None or cur.round_id != ann.round_id or cur.state != "open":
                 return
-            got = self._wait_weights(0, time.time() + 5.0)
+            got = self._wait_weights(0, self.clock() + 5.0)
             if got is None:
                 continue
             version, weights = got
