@@ -329,3 +329,71 @@ def make_golden(
         feeds = dict(inputs)
     expected = rt.run(feeds)
     return Golden(feeds, {k: np.asarray(v) for k, v in expected.items()}, atol, rtol, latency_budget_ms)
+
+
+# -- canary evidence ---------------------------------------------------------------------------------
+
+EVIDENCE_SAMPLES = 64
+"""Output values per output a device returns as evidence that it ran the offered model."""
+
+
+def _challenge_rng(seed: str, *salt: str) -> np.random.Generator:
+    if not (isinstance(seed, str) and 16 <= len(seed) <= 64 and all(c in "0123456789abcdef" for c in seed)):
+        raise FleetError(f"a challenge must be 16-64 lowercase hex digits, got {str(seed)[:40]!r}")
+    digest = hashlib.sha256("\x00".join((seed, *salt)).encode()).digest()
+    return np.random.default_rng(int.from_bytes(digest[:16], "big"))
+
+
+def challenge_inputs(golden: "Golden", seed: str) -> dict[str, np.ndarray]:
+    """Inputs nobody can know before the gateway draws ``seed``: the golden inputs, each float sample mixed
+    with the others and with noise (a seeded convex combination plus 5% of their spread), integer inputs
+    (token ids) permuted along their last axis. The same on the device and on the gateway."""
+    out: dict[str, np.ndarray] = {}
+    for name in sorted(golden.inputs):
+        x = np.asarray(golden.inputs[name])
+        rng = _challenge_rng(seed, "in", name)
+        if x.ndim == 0 or x.size == 0:
+            out[name] = x
+        elif x.dtype.kind == "f":
+            n = len(x)
+            mix = rng.dirichlet(np.ones(n), size=n) if n > 1 else np.ones((1, 1))
+            base = np.tensordot(mix, x.astype(np.float64), axes=1)
+            spread = float(np.std(x)) or 1.0
+            out[name] = (base + rng.normal(0.0, 0.05 * spread, x.shape)).astype(x.dtype)
+        elif x.dtype.kind in "iu":
+            out[name] = np.take_along_axis(x, np.argsort(rng.random(x.shape), axis=-1), axis=-1)
+        else:
+            out[name] = x
+    return out
+
+
+def sample_outputs(outputs: Mapping[str, np.ndarray], seed: str, k: int = EVIDENCE_SAMPLES) -> dict[str, list]:
+    """``k`` values of each output at positions drawn from ``seed`` (JSON-ready: non-finite values as text)."""
+    out: dict[str, list] = {}
+    for name in sorted(outputs):
+        flat = np.asarray(outputs[name]).ravel()
+        if flat.dtype.kind not in "fiub" or flat.size == 0:
+            out[name] = []
+            continue
+        idx = _challenge_rng(seed, "out", name).choice(flat.size, min(k, flat.size), replace=False)
+        vals = flat[np.sort(idx)].astype(np.float64)
+        out[name] = [float(v) if np.isfinite(v) else str(v) for v in vals]
+    return out
+
+
+def evidence_problem(expected: Mapping[str, list], got: Any, atol: float, rtol: float) -> str | None:
+    """Why ``got`` (a device's evidence) does not show the outputs the gateway computed, or None."""
+    if not isinstance(got, dict):
+        return "no evidence in the acknowledgement (a device that did not run the model, or an old edgeflow)"
+    for name, want in expected.items():
+        have = got.get(name)
+        if not isinstance(have, list) or len(have) != len(want):
+            return f"output {name!r}: {0 if not isinstance(have, list) else len(have)} values, expected {len(want)}"
+        for i, (w, h) in enumerate(zip(want, have)):
+            if isinstance(w, str) or isinstance(h, str):
+                if w != h:
+                    return f"output {name!r} value {i}: {h!r}, the gateway computed {w!r}"
+                continue
+            if not isinstance(h, (int, float)) or isinstance(h, bool) or not abs(h - w) <= atol + rtol * abs(w):
+                return f"output {name!r} value {i}: {h!r}, the gateway computed {w:.6g} (atol {atol:g}, rtol {rtol:g})"
+    return None

@@ -29,6 +29,17 @@ A rollout of version V to a set of devices:
    --allow-downgrade``): a replayed or mistaken old offer cannot roll a
    device back.
 
+**Canary evidence** (issue 31: a lying canary that acked every offer ok opened the whole fleet to a bad
+rollout). Each offer carries a fresh random challenge in its signed deploy command. The device, once the
+offered model serves, runs it on inputs drawn from the challenge (the golden inputs mixed with seeded noise,
+:func:`edgeflow.artifact.challenge_inputs`) and returns 64 of each output's values at positions the challenge
+draws, in its signed ack. The gateway runs the artifact's model on the same inputs and compares within the
+golden tolerance: a device that did not run the offered model cannot produce them, and its ok turns into
+``failed`` (``bad_evidence``, with a conditional rollback). The waves after the canary go out only when
+``min_canaries`` (default 2, or all of a smaller rollout) canaries succeeded with verified evidence, so one
+compromised device cannot green-light a rollout on its own. What it does not cover: a compromised device that
+does run the model can produce the evidence and still lie about its health; k of n canaries bounds that.
+
 The selection syntax of ``--to`` is :func:`parse_selector`.
 
 Profile names come from the devices' births, so they are checked before use
@@ -43,6 +54,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
+import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -89,16 +101,27 @@ class RolloutPolicy:
     copy could roll a device back a day later; issue 20)."""
     allow_downgrade: bool = False
     """Let devices install a version older than the one they run (they refuse it otherwise)."""
+    min_canaries: int = 2
+    """The canary wave holds at least this many devices (all of them in a smaller rollout), and the waves after
+    it go out only when that many canaries showed evidence the gateway checked: one lying canary cannot open the
+    fleet to a bad rollout (issue 31)."""
+    evidence: bool = True
+    """Each offer carries a fresh challenge; a device's ok counts only with the outputs of the offered model on
+    the challenge's inputs, checked against the gateway's own run (``canary evidence`` in the module docstring)."""
 
     def canary_count(self, n: int) -> int:
         if n == 0:
             return 0
+        if isinstance(self.min_canaries, bool) or not isinstance(self.min_canaries, int) or self.min_canaries < 1:
+            raise ConfigError(f"min_canaries must be a whole number >= 1, got {self.min_canaries!r}")
         c = self.canary
         if c >= 1 and float(c).is_integer():
-            return min(n, int(c))
-        if not 0 < c <= 1:
+            share = min(n, int(c))
+        elif not 0 < c <= 1:
             raise ConfigError(f"canary must be a share in (0, 1] or a whole device count, got {c}")
-        return min(n, max(1, math.ceil(c * n - 1e-9)))
+        else:
+            share = min(n, max(1, math.ceil(c * n - 1e-9)))
+        return max(share, min(n, self.min_canaries))
 
 
 @dataclass
@@ -117,6 +140,8 @@ class DeviceResult:
     health: dict[str, Any] | None = None
     train_master: str = ""
     """The fp32 training master sent with a quantized model: "ok", or what went wrong ("" when none)."""
+    evidence: str = ""
+    """"verified" when the device's outputs on the challenge matched the gateway's, else why not ("": not asked)."""
 
 
 @dataclass
@@ -383,11 +408,13 @@ class Rollout:
             finished += len(wave)
             failed += sum(1 for d in wave if rep.devices[d].state in FAILURE)
             rep.failure_rate = failed / finished if finished else 0.0
-            if failed and rep.failure_rate > pol.failure_threshold:
+            over = bool(failed) and rep.failure_rate > pol.failure_threshold
+            shown = self._canaries_short(wave) if i == 0 and len(rep.waves) > 1 else None
+            if over or shown is not None:
                 label = "canary" if i == 0 else f"wave {i}"
                 rep.state = "halted"
                 rep.halted_reason = (f"failure rate {rep.failure_rate:.0%} ({failed} of {finished}) after the {label} "
-                                     f"exceeds the threshold of {pol.failure_threshold:.0%}")
+                                     f"exceeds the threshold of {pol.failure_threshold:.0%}") if over else str(shown)
                 log.warning("rollout of v%d halted: %s", self.version, rep.halted_reason)
                 for later in rep.waves[i + 1:]:
                     for d in later:
@@ -400,9 +427,66 @@ class Rollout:
         rep.finished = time.time()
         return rep
 
+    def _canaries_short(self, wave: list[str]) -> str | None:
+        """Why the canary wave does not open the rest of the fleet (None: it does): fewer than
+        ``min_canaries`` of its devices succeeded with verified evidence."""
+        need = min(len(wave), self.policy.min_canaries)
+        good = [d for d in wave if self.report.devices[d].state in SUCCESS
+                and (not self.policy.evidence or self.report.devices[d].evidence == "verified")]
+        if len(good) >= need:
+            return None
+        why = next((f" ({d}: {self.report.devices[d].evidence})" for d in wave
+                    if self.report.devices[d].state in SUCCESS and self.report.devices[d].evidence != "verified"), "")
+        return (f"only {len(good)} of the {len(wave)} canaries succeeded with verified evidence{why}; "
+                f"{need} are needed (min_canaries) before the rest of the fleet gets v{self.version}")
+
+    def _expected(self, profile: str, seed: str) -> tuple[dict[str, list], float, float] | None:
+        """What the offered model computes here on the challenge's inputs (None: no golden data to draw from)."""
+        from edgeflow.artifact import challenge_inputs, make_golden, sample_outputs
+
+        art = parse_artifact(self._artifact_for(profile))  # type: ignore[arg-type]
+        golden = art.golden()
+        if golden is None:
+            return None
+        run_on = profile if profile != ANY_PROFILE else "x86-gateway"  # as build_artifacts ran the golden data
+        ours = make_golden(art.model, run_on, challenge_inputs(golden, seed))
+        return sample_outputs(ours.expected, seed), golden.atol, golden.rtol
+
+    def _check_evidence(self, r: DeviceResult, seed: str, result: Mapping[str, Any]) -> None:
+        """Mark ``r`` verified, or failed (``bad_evidence``) with why; a device without golden data to draw
+        the challenge from is marked so and counts as unverified."""
+        from edgeflow.artifact import evidence_problem
+
+        try:
+            expected = self._expected(r.profile, seed)
+        except Exception as exc:  # noqa: BLE001 - the gateway's own run failing must not pass the device
+            log.warning("device %s: the gateway could not compute the challenge's outputs: %s", r.device_id, exc)
+            r.evidence = f"not checked: the gateway's run failed ({exc})"
+            return
+        if expected is None:
+            r.evidence = "not checked: the artifact has no golden data to draw a challenge from"
+            return
+        want, atol, rtol = expected
+        problem = evidence_problem(want, result.get("evidence"), atol, rtol)
+        if problem is None:
+            r.evidence = "verified"
+            return
+        r.evidence = problem
+        r.state, r.code = "failed", "bad_evidence"
+        r.error = f"its acknowledgement does not show the offered model's outputs on the challenge: {problem}"
+        log.warning("device %s: %s", r.device_id, r.error)
+        if self.policy.rollback_timeouts:  # it may run v even so: roll it back if it does
+            try:
+                self.fleet.send_command(r.device_id, "rollback", {"from_version": self.version},
+                                        ttl_s=self.policy.rollback_ttl_s, timeout_s=self.policy.rollback_ttl_s)
+                r.rolled_back = True
+            except Exception as exc:  # noqa: BLE001 - the failure stands; the rollback is best effort
+                log.warning("device %s: rollback not sent: %s", r.device_id, exc)
+
     def _run_wave(self, index: int, wave: list[str]) -> None:
         rep, pol = self.report, self.policy
         pending = {}
+        seeds: dict[str, str] = {}
         master_acks = {}
         for d in wave:
             r = rep.devices[d]
@@ -418,9 +502,13 @@ class Rollout:
                 except Exception as exc:  # noqa: BLE001 - serving does not need the master
                     log.warning("device %s: training master not sent: %s", d, exc)
                     r.train_master = f"not sent: {exc}"
+            extra = {}
+            if pol.evidence:
+                seeds[d] = extra["challenge"] = secrets.token_hex(16)
             try:
                 pending[d] = self.fleet.send_ota(d, art, version=self.version, timeout_s=pol.report_timeout_s,
-                                                 ttl_s=pol.command_ttl_s, allow_downgrade=pol.allow_downgrade)
+                                                 ttl_s=pol.command_ttl_s, allow_downgrade=pol.allow_downgrade,
+                                                 **extra)
             except Exception as exc:  # noqa: BLE001 - a publish failure is this device's failure
                 log.warning("device %s: OTA offer not sent: %s", d, exc)
                 r.state, r.code, r.error = "failed", "send_failed", str(exc)
@@ -454,6 +542,8 @@ class Rollout:
             r.health = ack.result.get("health")
             if ack.ok:
                 r.state = "unchanged" if ack.result.get("unchanged") else "ok"
+                if d in seeds:
+                    self._check_evidence(r, seeds[d], ack.result)
             else:
                 r.rolled_back = bool(ack.result.get("rolled_back", False))
                 r.state = "failed" if ack.code in ("health_check_failed", "failed", "interrupted") else "refused"

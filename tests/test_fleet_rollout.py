@@ -13,10 +13,11 @@ pytestmark = pytest.mark.integration
 
 def test_wave_planning_and_selectors() -> None:
     ids = [f"d{i}" for i in range(10)]
-    p = RolloutPolicy(canary=0.1)
+    p = RolloutPolicy(canary=0.1, min_canaries=1)
     assert plan_waves(ids, p.canary_count(10), 3) == [["d0"], ["d1", "d2", "d3"], ["d4", "d5", "d6"], ["d7", "d8", "d9"]]
     assert plan_waves(ids, RolloutPolicy(canary=0.25).canary_count(10), None) == [ids[:3], ids[3:]]
-    assert RolloutPolicy(canary=2).canary_count(10) == 2 and RolloutPolicy(canary=0.01).canary_count(10) == 1
+    assert RolloutPolicy(canary=0.1).canary_count(10) == 2 and RolloutPolicy(canary=1).canary_count(1) == 1  # k of n
+    assert RolloutPolicy(canary=2).canary_count(10) == 2 and RolloutPolicy(canary=0.01, min_canaries=1).canary_count(10) == 1
     assert parse_selector("profile=raspberry-pi-4,device=pi-*|cam-?") == {
         "profile": ["raspberry-pi-4"], "device": ["pi-*", "cam-?"]}
     assert parse_selector("all") == {}
@@ -37,7 +38,7 @@ def test_canary_rollout_to_ten_devices_one_fails_its_health_check(fleet_env) -> 
     assert [t.device_id for t in targets] == sorted(ids)
     arts = build_artifacts(mlp_bytes(1), [PROFILE], key, version=1, fleet=FLEET)
     assert verify_artifact(arts[PROFILE], key.public_key, profile=PROFILE).golden() is not None
-    rep = Rollout(fm, arts, targets, RolloutPolicy(canary=0.1, report_timeout_s=30)).run()
+    rep = Rollout(fm, arts, targets, RolloutPolicy(canary=0.1, min_canaries=1, report_timeout_s=30)).run()
     assert rep.state == "completed" and rep.counts() == {"ok": 10}, rep.to_dict()
     assert [len(w) for w in rep.waves] == [1, 9]
 
@@ -45,7 +46,7 @@ def test_canary_rollout_to_ten_devices_one_fails_its_health_check(fleet_env) -> 
     bad = ids[2]
     assert fm.command(bad, "set_config", {"memory_budget_mb": 0}).ok
     seen = []
-    policy = RolloutPolicy(canary=0.1, wave_size=3, failure_threshold=0.2, report_timeout_s=30)
+    policy = RolloutPolicy(canary=0.1, min_canaries=1, wave_size=3, failure_threshold=0.2, report_timeout_s=30)
     rep = Rollout(fm, build_artifacts(mlp_bytes(2), [PROFILE], key, version=2, fleet=FLEET), targets, policy,
                   on_progress=lambda r, d: seen.append((d.device_id, d.state))).run()
     assert rep.waves == [ids[:1], ids[1:4], ids[4:7], ids[7:]]
@@ -67,7 +68,7 @@ def test_canary_rollout_to_ten_devices_one_fails_its_health_check(fleet_env) -> 
     order = [bad] + [d for d in ids if d != bad]
     recs = {t.device_id: t for t in select_devices(fm.devices(), f"profile={PROFILE}")}
     rep = Rollout(fm, build_artifacts(mlp_bytes(3), [PROFILE], key, version=3, fleet=FLEET),
-                  [recs[d] for d in order], RolloutPolicy(canary=0.1, report_timeout_s=30)).run()
+                  [recs[d] for d in order], RolloutPolicy(canary=0.1, min_canaries=1, report_timeout_s=30)).run()
     assert rep.state == "halted" and "canary" in rep.halted_reason
     assert rep.counts() == {"failed": 1, "skipped": 9}
     assert all(a.model_version in (1, 2) for a in agents)

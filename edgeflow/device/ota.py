@@ -21,7 +21,7 @@ import queue
 import time
 from typing import Any
 
-from ..artifact import Artifact, verify_artifact
+from ..artifact import Artifact, challenge_inputs, sample_outputs, verify_artifact
 from ..errors import CodecError, EdgeflowError, FleetError, SignatureError
 from ..faults import fault_point
 from ..protocol.fleet import Ack, Command
@@ -153,7 +153,7 @@ class OtaService:
         cur = a._model
         old_version = None if cur is None else cur.version
         if cur is not None and cur.sha256 == art.manifest.sha256 and cur.version == art.version:
-            return {"model_version": cur.version, "unchanged": True}
+            return {"model_version": cur.version, "unchanged": True, **self.evidence(cmd, art)}
         self.check_fresh(cmd, old_version)
         if cur is not None and art.version < cur.version and cmd.args.get("allow_downgrade") is not True:
             raise CommandFailed("downgrade", f"v{art.version} is older than the running v{cur.version}: a downgrade "
@@ -195,7 +195,21 @@ class OtaService:
         a.slots.prune_masters(self.needed_masters())
         a.training_service.restart()
         return self.finish(cmd, {"model_version": m.version, "previous_version": old_version, "slot": slot,
-                                 "health": report.to_dict()})
+                                 "health": report.to_dict(), **self.evidence(cmd, art)})
+
+    def evidence(self, cmd: Command, art: Artifact) -> dict[str, Any]:
+        """What the served model computes on the inputs the gateway's challenge draws (``{"evidence": ...}``,
+        in the signed ack): the gateway checks it against its own run, so a device cannot claim a healthy
+        install without running the model (gateway/ota.py, "canary evidence")."""
+        seed = cmd.args.get("challenge")
+        golden = art.golden()
+        if seed is None or golden is None:
+            return {}
+        try:
+            return {"evidence": sample_outputs(self.agent.run_named(challenge_inputs(golden, seed)), seed)}
+        except EdgeflowError as exc:
+            log.warning("%s: no evidence for the challenge: %s", self.agent.device_id, exc)
+            return {"evidence_error": str(exc)[:300]}
 
     def finish(self, cmd: Command, result: dict[str, Any]) -> None:
         """Ack, then forget the journal, then re-announce: a crash in between repeats the ack, never loses it."""

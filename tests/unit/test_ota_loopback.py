@@ -24,13 +24,13 @@ def test_canary_rollout_halts_on_a_failing_board_which_keeps_its_working_model(l
     targets = select_devices(fm.devices(), f"profile={PROFILE}", online=fm.is_online)
     assert [t.device_id for t in targets] == sorted(ids)
     rep = Rollout(fm, build_artifacts(mlp_bytes(1), [PROFILE], key, version=1, fleet="lab"), targets,
-                  RolloutPolicy(canary=1, report_timeout_s=20)).run()
+                  RolloutPolicy(canary=1, min_canaries=1, report_timeout_s=20)).run()
     assert rep.state == "completed" and rep.counts() == {"ok": 6}, rep.to_dict()
     assert [len(w) for w in rep.waves] == [1, 5]
 
     bad = ids[2]  # far less free memory than its profile says: v2 fails its health check there
     assert fm.command(bad, "set_config", {"memory_budget_mb": 0}).ok
-    policy = RolloutPolicy(canary=1, wave_size=2, failure_threshold=0.2, report_timeout_s=20)
+    policy = RolloutPolicy(canary=1, min_canaries=1, wave_size=2, failure_threshold=0.2, report_timeout_s=20)
     rep = Rollout(fm, build_artifacts(mlp_bytes(2), [PROFILE], key, version=2, fleet="lab"), targets, policy).run()
     assert rep.waves == [ids[:1], ids[1:3], ids[3:5], ids[5:]]
     r = rep.devices[bad]
