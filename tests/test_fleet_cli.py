@@ -68,7 +68,8 @@ def test_fleet_status_cmd_deploy_rollback(fleet_env, tmp_path, capsys) -> None:
     rc, rep = _run(capsys, "fleet", "deploy", str(model), "--to", sel, "--canary", "1", "--timeout", "30", *common,
                    "--json")
     assert rc == 0 and rep["state"] == "completed" and rep["version"] == 1 and rep["counts"] == {"ok": 2}
-    assert [len(w) for w in rep["waves"]] == [1, 1]
+    assert [len(w) for w in rep["waves"]] == [2]  # two devices: both are canaries (--min-canaries 2)
+    assert {d["evidence"] for d in rep["devices"].values()} == {"verified"}
     assert all(a.model_version == 1 for a in agents)
 
     calib = tmp_path / "calib.npy"

@@ -72,6 +72,10 @@ def register(sub) -> None:
     d.add_argument("--to", required=True, help="targets: 'profile=NAME', 'device=GLOB', 'version=N', ',' = and; 'all'")
     d.add_argument("--canary", default="10%", help="share ('10%%', 0.1) or count ('2') of the canary wave")
     d.add_argument("--wave-size", type=int, help="devices per wave after the canary (default: all the rest)")
+    d.add_argument("--min-canaries", type=int, default=2,
+                   help="the canary wave holds at least this many devices, and the rest of the fleet gets the model "
+                   "only when that many canaries proved they run it (their outputs on a fresh challenge match the "
+                   "gateway's; default 2, or all of a smaller rollout)")
     d.add_argument("--threshold", default="20%", help="halt when the failure rate exceeds this (default 20%%)")
     d.add_argument("--timeout", type=float, default=120.0, help="seconds each device has to report (default 120)")
     d.add_argument("--version", type=int, help="artifact version (default: newest in the fleet + 1)")
@@ -497,10 +501,11 @@ def _check_deploy_args(args) -> tuple[bytes, Any, Any, Any]:
                         ("--rtol", args.rtol, args.rtol >= 0),
                         ("--latency-budget-ms", args.latency_budget_ms, args.latency_budget_ms > 0),
                         ("--wave-size", args.wave_size, args.wave_size is None or args.wave_size >= 1),
+                        ("--min-canaries", args.min_canaries, args.min_canaries >= 1),
                         ("--version", args.version, args.version is None or args.version >= 0)):
         if not ok:
             raise ConfigError(f"{flag} {v}: out of range (timeouts and budgets > 0, tolerances >= 0, "
-                              "--wave-size >= 1, --version >= 0)")
+                              "--wave-size and --min-canaries >= 1, --version >= 0)")
     if args.calibration and not args.quantize:
         raise ConfigError("--calibration is only used with --quantize; add --quantize or drop --calibration")
     if args.quantize and not args.calibration:
@@ -512,6 +517,7 @@ def _check_deploy_args(args) -> tuple[bytes, Any, Any, Any]:
     load_model(str(path))  # a file that is not an ONNX model is one line here, not after connecting
     model = path.read_bytes()
     policy = RolloutPolicy(canary=canary, wave_size=args.wave_size, failure_threshold=threshold,
+                           min_canaries=args.min_canaries,
                            report_timeout_s=args.timeout, revert_on_halt=args.revert_on_halt,
                            allow_downgrade=args.allow_downgrade)
     return model, policy, _load_array(args.calibration, "--calibration"), _load_array(args.golden, "--golden")
