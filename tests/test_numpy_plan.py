@@ -186,3 +186,52 @@ def test_blas_thread_count_is_not_rederived_every_run(monkeypatch):
         sess.run(feeds)
     assert calls == []
     assert nb._BLAS_THREADS == 1
+
+
+# -- hot kernels --------------------------------------------------------------------------
+
+
+def test_a_conv_with_huge_im2col_columns_builds_them_a_band_at_a_time():
+    # basic-pitch's 3x39 conv on few channels: its whole column matrix was 162 MiB, built
+    # and streamed back from memory (68 ms of the model's 88 ms); here 29 MiB of columns
+    # would be built at once before the fix: the kernel must stay far below that, exactly
+    import tracemalloc
+
+    from kernels.conv import conv
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 4, 64, 256)).astype(np.float32)
+    w = rng.standard_normal((8, 4, 3, 39)).astype(np.float32)
+    b = rng.standard_normal(8).astype(np.float32)
+    attrs = dict(kernel_shape=(3, 39), pads=(1, 19, 1, 19), strides=(1, 1), dilations=(1, 1))
+    tracemalloc.start()
+    try:
+        y = conv(x, w, b, **attrs)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"peak {peak / 2**20:.1f} MiB"
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (1, 1), (19, 19)))
+    ref = np.zeros((8, 64, 256))
+    for i in range(3):
+        for j in range(39):
+            ref += np.einsum("mc,chw->mhw", w[:, :, i, j].astype(np.float64), xp[0, :, i:i + 64, j:j + 256])
+    ref += b[:, None, None]
+    assert y.shape == (1, 8, 64, 256) and y.dtype == np.float32
+    np.testing.assert_allclose(y[0], ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("strides,dilations,pads", [((1, 1), (1, 1), (1, 19, 1, 19)), ((2, 3), (1, 1), (0, 2, 1, 0)),
+                                                    ((1, 2), (2, 1), (2, 0, 0, 3))])
+def test_banded_conv_equals_the_one_gemm_im2col(monkeypatch, strides, dilations, pads):
+    from kernels import conv as kc
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((1, 3, 21, 40)).astype(np.float32)
+    w = rng.standard_normal((5, 3, 3, 7)).astype(np.float32)
+    attrs = dict(kernel_shape=(3, 7), pads=pads, strides=strides, dilations=dilations)
+    ref = kc.conv(x, w, **attrs)
+    monkeypatch.setattr(kc, "_BAND_OVER", 0)
+    monkeypatch.setattr(kc, "_BAND_BYTES", 3 * 21 * 4 * 2)  # a few rows a band, and a ragged last band
+    got = kc.conv(x, w, **attrs)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
