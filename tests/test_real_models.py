@@ -178,8 +178,10 @@ def test_manifest_is_complete():
         assert len(model.sha256) == 64 and len(model.dist.sha256) == 64
         assert model.member.endswith(".onnx")
         assert model.input_shapes
-    for d in m.dists.values():  # the pinned file is that package's, at that version
-        assert d.file.lower().startswith(re.sub(r"[-_.]+", "_", d.package).lower() + f"-{d.version}-"), d.file
+    for d in m.dists.values():  # the pinned file is that package's, at that version (a wheel, or an sdist)
+        stem, f = re.sub(r"[-_.]+", "_", d.package).lower(), d.file.lower()
+        assert f.startswith(f"{stem}-{d.version}-") or (
+            f.endswith(f"-{d.version}.tar.gz") and re.sub(r"[-_.]+", "_", f[: -len(f"-{d.version}.tar.gz")]) == stem), d.file
 
 
 def test_parse_shapes_accepts_onnx_names_and_rejects_garbage():
