@@ -36,6 +36,7 @@ from edgeflow.gateway.aggregation import AggregateResult, Aggregator, Rejection,
 __all__ = [
     "BufferedAggregator",
     "StalenessFn",
+    "available_staleness",
     "constant_staleness",
     "exponential_staleness",
     "hinge_staleness",
@@ -109,6 +110,11 @@ _STALENESS = {
     "hinge": hinge_staleness,
     "exponential": exponential_staleness,
 }
+
+
+def available_staleness() -> list[str]:
+    """The staleness function names :func:`make_staleness` knows (``[rounds] staleness``)."""
+    return sorted(_STALENESS)
 
 
 def make_staleness(name: str, **params: float) -> StalenessFn:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import threading
 import time
@@ -30,7 +31,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import onnx
 
-from edgeflow.errors import ConfigError
+from edgeflow.errors import ConfigError, EdgeflowError
 from edgeflow.signing import KeyRing, PrivateKey, PublicKey, Signer
 from edgeflow.transport.base import Transport
 
@@ -83,37 +84,317 @@ class GatewayConfig:
         return q if q.is_absolute() else self.base_dir / q
 
 
-_STORE_KEYS = {"url", "telemetry_keep"}
+# ---------------------------------------------------------------------------------------------------------
+# The schema of gateway.toml: every key of every section, its type and range. load_config checks the whole
+# file against it before anything is built, and a problem is one ConfigError line naming the dotted key
+# (``rounds.min_clients``) and what it must be. Cross-field rules (secagg with central DP, a site without
+# site_id, ...) stay with the classes that own them and run after this.
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Rule:
+    kind: str  # "int" | "number" | "bool" | "str" | "choice" | "oneof" | "strlist" | "table" | "url"
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    optional: bool = False  # None allowed (a dict given to load_config; TOML has no null)
+    choices: Callable[[], list[str]] | None = None
+    schemes: tuple[str, ...] = ()
+    values: tuple[Any, ...] = ()
+
+    def expected(self) -> str:
+        if self.kind in ("int", "number"):
+            what = "an integer" if self.kind == "int" else "a number"
+            if self.lo is not None and self.hi is not None:
+                return (f"{what} in {'(' if self.lo_open else '['}{_fmt(self.lo)}, {_fmt(self.hi)}"
+                        f"{')' if self.hi_open else ']'}")
+            if self.lo is not None:
+                return f"{what} {'>' if self.lo_open else '>='} {_fmt(self.lo)}"
+            return what
+        if self.kind == "bool":
+            return "true or false"
+        if self.kind == "str":
+            return "a non-empty string"
+        if self.kind == "choice":
+            assert self.choices is not None
+            return "one of " + ", ".join(repr(c) for c in self.choices())
+        if self.kind == "strlist":
+            return "a list of non-empty strings"
+        if self.kind == "oneof":
+            return "one of " + ", ".join(repr(x) for x in self.values)
+        if self.kind == "url":
+            return "a URL starting with " + " or ".join(f"{x}://" for x in self.schemes)
+        return "a table, e.g. { key = value }"
+
+    def ok(self, v: Any) -> bool:
+        if v is None:
+            return self.optional
+        if self.kind in ("int", "number"):
+            if isinstance(v, bool) or not isinstance(v, int if self.kind == "int" else (int, float)):
+                return False
+            if self.kind == "number" and not math.isfinite(v):
+                return False
+            if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
+                return False
+            return self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
+        if self.kind == "bool":
+            return isinstance(v, bool)
+        if self.kind == "str":
+            return isinstance(v, str) and bool(v.strip()) and v.isprintable()
+        if self.kind == "choice":
+            assert self.choices is not None
+            return isinstance(v, str) and v in self.choices()
+        if self.kind == "strlist":
+            return isinstance(v, list) and all(isinstance(x, str) and x.strip() for x in v)
+        if self.kind == "oneof":
+            return not isinstance(v, bool) and any(type(v) is type(x) and v == x for x in self.values)
+        if self.kind == "url":
+            return isinstance(v, str) and v.isprintable() and any(v.startswith(f"{x}://") and len(v) > len(x) + 3
+                                                                   for x in self.schemes)
+        return isinstance(v, dict)
+
+
+def _fmt(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+def _int(lo: float | None = None, hi: float | None = None, *, optional: bool = False) -> _Rule:
+    return _Rule("int", lo, hi, optional=optional)
+
+
+def _num(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False,
+         optional: bool = False) -> _Rule:
+    return _Rule("number", lo, hi, lo_open, hi_open, optional=optional)
+
+
+def _pos(optional: bool = False) -> _Rule:
+    return _num(0, lo_open=True, optional=optional)
+
+
+_STR, _OPT_STR, _BOOL, _TABLE = _Rule("str"), _Rule("str", optional=True), _Rule("bool"), _Rule("table")
+_MQTT = ("mqtt", "mqtts", "ws", "wss")
+
+
+def _choice(fn: Callable[[], list[str]]) -> _Rule:
+    return _Rule("choice", choices=fn)
+
+
+def _roles() -> list[str]:
+    from .hierarchy import ROLES
+
+    return list(ROLES)
+
+
+def _strategies() -> list[str]:
+    from .strategies import available_aggregators
+
+    return available_aggregators()
+
+
+def _staleness() -> list[str]:
+    from .buffered import available_staleness
+
+    return available_staleness()
+
+
+def _codecs() -> list[str]:
+    from edgeflow.codecs import available_codecs
+
+    return list(available_codecs())
+
+
+def _optimizers() -> list[str]:
+    from edgeflow.train.optim import OPTIMIZERS
+
+    return list(OPTIMIZERS)
+
+
+def _min_payload() -> int:
+    from edgeflow.transport.chunking import HEADER_SIZE
+
+    return HEADER_SIZE + 1024
+
+
+SCHEMA: dict[str, dict[str, _Rule]] = {
+    "gateway": {
+        "fleet_dir": _OPT_STR, "fleet": _OPT_STR, "state": _STR, "model": _OPT_STR, "eval": _OPT_STR,
+        "metrics": _OPT_STR, "client_id": _OPT_STR, "broker": _Rule("url", optional=True, schemes=_MQTT),
+        "max_payload": _int(_min_payload(), 268_435_455, optional=True), "role": _choice(_roles),
+    },
+    "fleet": {
+        "heartbeat_factor": _pos(), "heartbeat_min_s": _num(0), "heartbeat_timeout_s": _pos(optional=True),
+        "liveness_check_s": _pos(), "command_timeout_s": _pos(), "command_ttl_s": _pos(),
+        "record_registry": _BOOL, "record_telemetry": _BOOL, "telemetry_queue": _int(1),
+        "max_telemetry_bytes": _int(64), "telemetry_rate_hz": _num(0), "keyring_reload_s": _num(0),
+        "lag_window": _int(1)
+    },
+    "rounds": {
+        "rounds": _int(0), "mode": _choice(lambda: ["sync", "async"]), "fraction": _num(0, 1, lo_open=True),
+        "min_clients": _int(1), "max_clients": _int(1, optional=True), "overselect": _num(1),
+        "quorum": _num(0, 1, lo_open=True), "deadline_s": _pos(), "max_extensions": _int(0),
+        "strategy": _choice(_strategies), "strategy_params": _TABLE, "profiles": _Rule("strlist", optional=True),
+        "min_battery": _num(0, 1, optional=True), "wait_for_devices_s": _num(0), "train": _TABLE,
+        "dp": _Rule("table", optional=True), "secagg": _Rule("table", optional=True), "async_buffer": _int(1),
+        "staleness": _choice(_staleness), "max_staleness": _int(0, optional=True), "seed": _int(0),
+        "publish_timeout_s": _pos(), "fraction_evaluate": _num(0, 1), "min_evaluate_clients": _int(1),
+        "evaluate_deadline_s": _pos(optional=True),
+    },
+    "rounds.train": {
+        "epochs": _int(1), "batch_size": _int(1), "lr": _pos(), "optimizer": _choice(_optimizers),
+        "momentum": _num(0), "weight_decay": _num(0), "proximal_mu": _num(0), "clip_norm": _pos(optional=True),
+        "codec": _choice(_codecs), "codec_opts": _TABLE, "max_samples": _int(1, optional=True), "secagg": _BOOL,
+    },
+    "rounds.dp": {
+        "clip_norm": _pos(), "noise_multiplier": _num(0), "sampling_rate": _num(0, 1, lo_open=True),
+        "delta": _num(0, 1, lo_open=True, hi_open=True), "expected_clients": _int(1, optional=True),
+        "seed": _int(0, optional=True),
+    },
+    "rounds.secagg": {
+        "max_dropout_fraction": _num(0, 0.5, hi_open=True), "clip": _pos(), "phase_timeout_s": _pos(),
+        "ring_bits": _Rule("oneof", values=(32, 64)), "frac_bits": _int(0, 62),
+        "weight_cap": _pos(), "norm_bound": _pos(),
+    },
+    "hierarchy": {
+        "site_id": _OPT_STR, "uplink": _STR, "site_key": _OPT_STR, "root_key": _OPT_STR,
+        "forward_margin_s": _num(0), "sites": _Rule("strlist"),
+    },
+    "store": {"url": _STR, "telemetry_keep": _int(1, 1_000_000)},
+}
+"""Every key of gateway.toml (``rounds.train`` is the ``[rounds.train]`` table, ``rounds.dp`` the ``[rounds] dp``
+table, ...); tests/test_gateway_config_schema.py checks it against the dataclasses' fields."""
+_NESTED = {"rounds": ("train", "dp", "secagg")}
+_REQUIRED = {"rounds.dp": ("clip_norm", "noise_multiplier")}
+
+
+def _shown(v: Any, typed: bool = True) -> str:
+    """A value as the error shows it: short, one line, with its TOML type when that is the problem."""
+    text = repr(v)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    if not typed:
+        return text
+    kind = {bool: "boolean", int: "integer", float: "float", str: "string", list: "array", dict: "table"}.get(type(v))
+    return f"{text} ({kind})" if kind else text
+
+
+def _check_table(data: Any, name: str, problems: list[str]) -> None:
+    rules = SCHEMA[name]
+    if not isinstance(data, dict):
+        problems.append(f"{name} must be a table ([{name}] with key = value lines), got {_shown(data)}")
+        return
+    unknown = sorted(set(data) - set(rules))
+    if unknown:
+        noun = "setting" if name.startswith("rounds") else "key"  # the words RoundConfig and [store] always used
+        problems.append(f"[{name}] unknown {noun}(s) {unknown} ({', '.join(f'{name}.{k}' for k in unknown)}); "
+                        f"the keys of [{name}] are {', '.join(sorted(rules))}")
+    for k in _REQUIRED.get(name, ()):
+        if k not in data:
+            problems.append(f"{name}.{k} is required")
+    for k, v in data.items():
+        rule = rules.get(k)
+        if rule is None:
+            continue
+        if not rule.ok(v):
+            if rule.kind == "choice" and isinstance(v, str):
+                assert rule.choices is not None
+                problems.append(f"{name}.{k} must be one of {', '.join(rule.choices())} "
+                                f"({k} {_shown(v, typed=False)} is unknown)")
+            else:
+                problems.append(f"{name}.{k} must be {rule.expected()}, got {_shown(v)}")
+        elif k in _NESTED.get(name, ()) and v is not None:
+            _check_table(v, f"{name}.{k}", problems)
+
+
+def _check_semantics(data: dict[str, Any], base: Path, problems: list[str]) -> None:
+    """What a type and range cannot say: ids, the strategy with its parameters, the codec's options, the
+    central DP settings, URLs; and key pairs (max_clients >= min_clients)."""
+    from edgeflow.transport.topics import validate_id
+
+    gw, rounds, hi, st = (data.get(k, {}) for k in ("gateway", "rounds", "hierarchy", "store"))
+
+    def attempt(key: str, fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except ConfigError as exc:
+            problems.append(f"{key}: {exc}")
+        except (TypeError, ValueError) as exc:  # a constructor refusing a value the schema let through
+            problems.append(f"{key}: {exc}")
+        except EdgeflowError as exc:  # CodecError and the like from a dry run
+            problems.append(f"{key}: {exc}")
+
+    if "fleet" in gw:
+        attempt("gateway.fleet", lambda: validate_id(gw["fleet"], "fleet id"))
+    if "client_id" in gw and len(gw["client_id"]) > 256:
+        problems.append("gateway.client_id must be at most 256 characters")
+    if "site_id" in hi and hi["site_id"] is not None:
+        attempt("hierarchy.site_id", lambda: validate_id(hi["site_id"], "site id"))
+    for s in hi.get("sites", []):
+        attempt("hierarchy.sites", lambda s=s: validate_id(s, "site id"))
+    if "uplink" in hi and hi["uplink"] != "bridge" and not _Rule("url", schemes=_MQTT).ok(hi["uplink"]):
+        problems.append(f"hierarchy.uplink must be \"bridge\" or the central broker's URL (mqtts://HOST:PORT), "
+                        f"got {_shown(hi['uplink'])}")
+    if "url" in st:
+        attempt("store.url", lambda: parse_store_url(st["url"], base_dir=base))
+    lo, hi_n = rounds.get("min_clients", 2), rounds.get("max_clients")
+    if hi_n is not None and hi_n < lo:
+        problems.append(f"rounds.max_clients ({hi_n}) must be >= rounds.min_clients ({lo}): no round could start")
+    train = rounds.get("train", {})
+    if "codec_opts" in train:
+        from edgeflow.codecs.registry import get_codec
+
+        attempt("rounds.train.codec_opts",
+                lambda: get_codec(train.get("codec", "int8")).check_options(dict(train["codec_opts"])))
+    if "strategy" in rounds or "strategy_params" in rounds or rounds.get("dp"):
+        from .strategies import make_aggregator
+
+        def build() -> None:
+            params = dict(rounds.get("strategy_params", {}))
+            if rounds.get("dp"):
+                from .privacy import CentralDP
+
+                params["privacy"] = CentralDP(**rounds["dp"])
+            make_aggregator(rounds.get("strategy", "fedavg"), **params)
+
+        attempt("rounds.strategy_params" if "strategy_params" in rounds else
+                "rounds.dp" if rounds.get("dp") else "rounds.strategy", build)
+
+
+def check_config(data: Mapping[str, Any], where: str = "<config>", base: Path | None = None) -> None:
+    """Check a parsed gateway.toml against :data:`SCHEMA`: ConfigError, one line naming every bad key
+    (dotted, e.g. ``rounds.min_clients``) and what it must be."""
+    problems: list[str] = []
+    sections = ("gateway", "fleet", "rounds", "hierarchy", "store")
+    for sec in sorted(set(data) - set(sections)):
+        problems.append(f"unknown section [{sec}]; the sections are {', '.join(f'[{x}]' for x in sections)}")
+    for sec in sections:
+        if sec in data:
+            _check_table(data[sec], sec, problems)
+    if not problems:
+        _check_semantics(dict(data), base or Path.cwd(), problems)
+    if problems:
+        more = f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})" if len(problems) > 1 else ""
+        raise ConfigError(f"{where}: " + "; ".join(problems[:8]) + (more if len(problems) > 8 else "")
+                          + "; fix gateway.toml (docs/gateway.md lists every key)")
 
 
 def _store_section(st: dict[str, Any], gw: dict[str, Any], where: str, base: Path) -> dict[str, Any]:
-    """``[store]``: validated here, so a bad URL is one line naming the key before anything starts."""
-    bad = sorted(set(st) - _STORE_KEYS)
-    if bad:
-        raise ConfigError(f"{where}: [store] unknown key(s) {bad}; known: {sorted(_STORE_KEYS)}")
+    """``[store]`` (already checked by :func:`check_config`): the GatewayConfig fields it sets."""
     out: dict[str, Any] = {}
     if "url" in st:
         if "state" in gw:
             raise ConfigError(f"{where}: [gateway] state and [store] url both name the gateway's state; keep one "
                               "([store] url = \"sqlite:///gateway.sqlite\" is the same as state = \"gateway.sqlite\")")
-        try:
-            parse_store_url(st["url"], base_dir=base)
-        except ConfigError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
         out["store_url"] = st["url"]
     if "telemetry_keep" in st:
-        keep = st["telemetry_keep"]
-        if not isinstance(keep, int) or isinstance(keep, bool) or not 1 <= keep <= 1_000_000:
-            raise ConfigError(f"{where}: [store] telemetry_keep must be an integer from 1 to 1000000, got {keep!r}")
-        out["telemetry_keep"] = keep
+        out["telemetry_keep"] = st["telemetry_keep"]
     return out
 
 
-_GATEWAY_KEYS = {"fleet_dir", "fleet", "state", "model", "eval", "metrics", "client_id", "broker", "max_payload", "role"}
-
-
 def load_config(source: str | Path | Mapping[str, Any]) -> GatewayConfig:
-    """Parse and validate ``gateway.toml`` (or an equivalent dict); errors name the key."""
+    """Parse and validate ``gateway.toml`` (or an equivalent dict): every key against :data:`SCHEMA`
+    (types, ranges, choices, unknown keys) before anything is built; errors name the dotted key."""
     if isinstance(source, Mapping):
         data, base, where = dict(source), Path.cwd(), "<config>"
     else:
@@ -124,36 +405,21 @@ def load_config(source: str | Path | Mapping[str, Any]) -> GatewayConfig:
             data = tomllib.loads(p.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{p}: not valid TOML: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8") from None
         base, where = p.resolve().parent, str(p)
-    unknown = sorted(set(data) - {"gateway", "fleet", "rounds", "hierarchy", "store"})
-    if unknown:
-        raise ConfigError(f"{where}: unknown section(s) {unknown}; sections are [gateway], [fleet], [rounds], "
-                          "[hierarchy], [store]")
+    check_config(data, where, base)
     gw = dict(data.get("gateway", {}))
-    bad = sorted(set(gw) - _GATEWAY_KEYS)
-    if bad:
-        raise ConfigError(f"{where}: [gateway] unknown key(s) {bad}; known: {sorted(_GATEWAY_KEYS)}")
     fo = dict(data.get("fleet", {}))
-    known_fo = {f.name for f in fields(FleetOptions)}
-    bad = sorted(set(fo) - known_fo)
-    if bad:
-        raise ConfigError(f"{where}: [fleet] unknown key(s) {bad}; known: {sorted(known_fo)}")
     try:
         rounds = RoundConfig.from_dict(dict(data.get("rounds", {})))
     except (ConfigError, TypeError) as exc:
         raise ConfigError(f"{where}: [rounds]: {exc}") from exc
-    hi = dict(data.get("hierarchy", {}))
-    known_hi = {f.name for f in fields(HierarchyOptions)}
-    bad = sorted(set(hi) - known_hi)
-    if bad:
-        raise ConfigError(f"{where}: [hierarchy] unknown key(s) {bad}; known: {sorted(known_hi)}")
-    hierarchy = HierarchyOptions(**hi)
+    hierarchy = HierarchyOptions(**dict(data.get("hierarchy", {})))
     try:
         hierarchy.check(gw.get("role", "flat"))
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
-    if not isinstance(data.get("store", {}), dict):
-        raise ConfigError(f"{where}: [store] must be a table, e.g. [store] url = \"postgresql://HOST/DB\"")
     store = _store_section(dict(data.get("store", {})), gw, where, base)
     return GatewayConfig(**gw, fleet_options=FleetOptions(**fo), rounds=rounds, hierarchy=hierarchy, base_dir=base,
                          **store)
