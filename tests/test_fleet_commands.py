@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from _fleet import FLEET, PROFILE, artifact, fleet_env, mlp_bytes, wait_until  # noqa: F401
 
-from edgeflow.protocol.fleet import Ack, Command, decode_tensor, encode_tensor
+from edgeflow.protocol.fleet import Ack, Command, decode_tensor, encode_tensor, sign_inference_request
 from edgeflow.protocol.ota import OtaOffer, deploy_command
 from edgeflow.protocol.signed_json import sign_body
 from edgeflow.runtime.session import load
@@ -141,9 +141,21 @@ def test_deploy_rollback_reboot_and_inference_over_mqtt(fleet_env, fm) -> None:
     app = fleet_env.transport("tester", connect=False)
     app.subscribe(device_topic(FLEET, dev, "infer/reply").value, lambda m: replies.append(m.json()))
     app.connect()
-    app.publish(device_topic(FLEET, dev, "infer").value, json.dumps({"id": "q1", "input": encode_tensor(x)})).wait(5)
-    app.publish(device_topic(FLEET, dev, "infer").value, json.dumps({"id": "q2", "inputs": {"nope": encode_tensor(x)}}))
-    assert wait_until(lambda: len(replies) == 2, 10)
+    key = fleet_env.fleet_dir.fleet_key()
+    app.publish(device_topic(FLEET, dev, "infer").value,
+                sign_inference_request({"id": "q1", "input": encode_tensor(x)}, key, device=dev)).wait(5)
+    app.publish(device_topic(FLEET, dev, "infer").value,
+                sign_inference_request({"id": "q2", "inputs": {"nope": encode_tensor(x)}}, key, device=dev))
+    # unsigned, signed by an unknown key, addressed to another device: answered with the reason, never run
+    app.publish(device_topic(FLEET, dev, "infer").value, json.dumps({"id": "q3", "input": encode_tensor(x)}))
+    app.publish(device_topic(FLEET, dev, "infer").value,
+                sign_inference_request({"id": "q4", "input": encode_tensor(x)}, PrivateKey.generate(), device=dev))
+    app.publish(device_topic(FLEET, dev, "infer").value,
+                sign_inference_request({"id": "q5", "input": encode_tensor(x)}, key, device="other"))
+    assert wait_until(lambda: len(replies) == 5, 10)
+    refused = sorted(r["code"] for r in replies if r["id"] is None)
+    assert refused == ["unauthorized", "unsigned", "wrong_device"], replies
+    replies[:] = [r for r in replies if r["id"] is not None]
     by_id = {r["id"]: r for r in replies}
     assert by_id["q1"]["ok"] and by_id["q1"]["model_version"] == 2
     np.testing.assert_allclose(decode_tensor(by_id["q1"]["outputs"]["logits"]), want2, rtol=1e-5, atol=1e-5)

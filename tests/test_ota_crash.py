@@ -4,7 +4,6 @@ before the pointer swap, the new one after — and report the interrupted comman
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import pytest
 from _fleet import FLEET, PROFILE, artifact, fleet_env, mlp_bytes, wait_until  # noqa: F401
 
 from edgeflow.faults import EXIT_CODE, OTA_STEPS
-from edgeflow.protocol.fleet import decode_tensor, encode_tensor
+from edgeflow.protocol.fleet import decode_tensor, encode_tensor, sign_inference_request
 from edgeflow.device.slots import SlotStore
 from edgeflow.artifact import verify_artifact
 from edgeflow.runtime.session import load
@@ -92,7 +91,9 @@ def test_agent_killed_at_each_ota_step_restarts_on_a_working_model(fleet_env, tm
                           lambda m, d=d: replies.__setitem__(d, m.json()))
         app.connect()
         for d in devices.values():
-            app.publish(device_topic(FLEET, d, "infer").value, json.dumps({"id": d, "input": encode_tensor(x)}))
+            app.publish(device_topic(FLEET, d, "infer").value,
+                        sign_inference_request({"id": d, "input": encode_tensor(x)}, fleet_env.fleet_dir.fleet_key(),
+                                               device=d))
         assert wait_until(lambda: len(replies) == len(devices), 20), replies
         for p, d in devices.items():
             r = replies[d]

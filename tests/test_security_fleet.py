@@ -29,7 +29,7 @@ from _brokers import mosquitto_factory  # noqa: F401
 from _fleet import FAST, FLEET, PROFILE, artifact, fleet_env, mlp_bytes, wait_until  # noqa: F401
 
 from edgeflow.device.agent import AgentOptions, DeviceAgent
-from edgeflow.protocol.fleet import Ack, Birth, Command, Death, encode_tensor
+from edgeflow.protocol.fleet import Ack, Birth, Command, Death, encode_tensor, sign_inference_request
 from edgeflow.protocol.ota import OtaOffer, deploy_command
 from edgeflow.protocol.signed_json import sign_body
 from edgeflow.device.replay import SeenCommands
@@ -457,7 +457,9 @@ def test_inference_replies_and_acks_over_256_kib_pass_the_generated_acl(fleet_en
     app.subscribe(device_topic(FLEET, dev, "infer/reply").value, replies.append)
     app.connect()
     x = np.random.default_rng(3).random((8000, 64)).astype(np.float32)  # 8000 x 10 float32 out: 427 KB of JSON
-    app.publish(device_topic(FLEET, dev, "infer").value, json.dumps({"id": "big", "input": encode_tensor(x)})).wait(30)
+    app.publish(device_topic(FLEET, dev, "infer").value,
+                sign_inference_request({"id": "big", "input": encode_tensor(x)}, fleet_env.fleet_dir.fleet_key(),
+                                       device=dev)).wait(30)
     assert wait_until(lambda: replies, 30), "the chunked reply never arrived"
     (msg,) = replies
     assert msg.chunks >= 2 and len(msg.payload) > 256 * 1024 and msg.json()["ok"]
@@ -519,7 +521,7 @@ def test_deep_json_and_huge_numbers_are_refused_cleanly(fleet_env, fm, no_traceb
     assert wait_until(lambda: len(acks) >= 3 and replies, 15), (len(acks), replies)
     codes = [_ack_of(m.payload).code for m in acks]
     assert codes.count("bad_message") >= 3, codes
-    assert not replies[0].json()["ok"] and replies[0].json()["code"] == "bad_message"
+    assert not replies[0].json()["ok"] and replies[0].json()["code"] == "unsigned"  # refused before any parsing
     # the gateway's side: births, deaths and telemetry with 1e400 and deep nesting (signed by the real device,
     # sent with its credentials: a compromised device). The agent goes first (one connection per device user).
     a.crash()

@@ -32,6 +32,7 @@ from edgeflow.protocol.fleet import (
     decode_tensor,
     encode_tensor,
     printable,
+    sign_inference_request,
 )
 from edgeflow.protocol.signed_json import sign_body
 from edgeflow.signing import PrivateKey
@@ -90,6 +91,9 @@ def test_good_tensors_still_decode() -> None:
     assert decode_tensor({"dtype": "<f4", "shape": [2, 2], "data": [[1, 2], [3, 4]]}).tolist() == [[1, 2], [3, 4]]
 
 
+FLEET_KEY = PrivateKey.generate()
+
+
 class _FakeAgent:
     """What InferenceService uses of a DeviceAgent: the transport, topics, stop flag and run_named."""
 
@@ -99,6 +103,10 @@ class _FakeAgent:
         self._stop = threading.Event()
         self._topic = {"infer/reply": "edgeflow/lab/dev/infer/reply"}
         self.model_version = 1
+        self.device_id = "dev"
+        self.fleet_key = FLEET_KEY.public_key
+        self.options = SimpleNamespace(infer_keys=())
+        self.counters = {"infer_refused": 0}
         self.transport = SimpleNamespace(publish=lambda topic, body, **kw: self.replies.append(json.loads(body)))
 
     def run_named(self, feeds):
@@ -109,12 +117,14 @@ class _FakeAgent:
 def test_device_answers_the_hostile_inference_request_with_one_clear_error() -> None:
     agent = _FakeAgent()
     svc = InferenceService(agent, 4)
-    hostile = json.dumps({"id": "evil", "input": {"dtype": "S2000000000", "shape": [1], "data": ["a"]}})
-    good = json.dumps({"id": "ok", "input": encode_tensor(np.zeros((1, 2), np.float32))})
+    hostile = sign_inference_request({"id": "evil", "input": {"dtype": "S2000000000", "shape": [1], "data": ["a"]}},
+                                     FLEET_KEY, device="dev")
+    good = sign_inference_request({"id": "ok", "input": encode_tensor(np.zeros((1, 2), np.float32))}, FLEET_KEY,
+                                  device="dev")
     tracemalloc.start()
     try:
-        svc.on_request(Message("edgeflow/lab/dev/infer", hostile.encode()))
-        svc.on_request(Message("edgeflow/lab/dev/infer", good.encode()))
+        svc.on_request(Message("edgeflow/lab/dev/infer", hostile))
+        svc.on_request(Message("edgeflow/lab/dev/infer", good))
         svc.queue.put(None)
         svc.loop()  # runs both, returns at the None
         peak = tracemalloc.get_traced_memory()[1]
@@ -311,3 +321,47 @@ def test_deploy_to_all_skips_claimed_bad_profiles_and_status_stays_clean(fleet_e
     assert rc == 0, err
     assert "\x1b" not in out + err
     assert "skipping 2 device(s)" in err and evil in err and odd in err and "'../../etc/passwd'" in err
+
+
+# ------------------------------------------------------------------ 1b. inference requests are signed
+
+def _refusal(payload: bytes, *, now: float | None = None, keys=None) -> str:
+    from edgeflow.protocol.fleet import open_inference_request
+
+    keys = keys if keys is not None else {FLEET_KEY.public_key.key_id_hex: FLEET_KEY.public_key}
+    with pytest.raises(Exception) as e:
+        open_inference_request(payload, keys, device="dev", now=now)
+    return getattr(e.value, "reason", "?")
+
+
+def test_unsigned_forged_replayed_and_tampered_requests_are_refused_before_anything_runs() -> None:
+    """Issue 31: a 205-byte unsigned inference request cost a device 2.3 GB; requests must be signed by the
+    fleet key (or an app key the device was given), addressed to the device and fresh."""
+    import time as _t
+
+    from edgeflow.protocol.fleet import open_inference_request
+
+    req = {"id": "q", "input": encode_tensor(np.zeros((1, 2), np.float32))}
+    good = sign_inference_request(req, FLEET_KEY, device="dev")
+    keys = {FLEET_KEY.public_key.key_id_hex: FLEET_KEY.public_key}
+    assert open_inference_request(good, keys, device="dev")["id"] == "q"
+    assert _refusal(json.dumps(req).encode()) == "unsigned"
+    assert _refusal(sign_inference_request(req, PrivateKey.generate(), device="dev")) == "unauthorized"
+    assert _refusal(sign_inference_request(req, FLEET_KEY, device="dev2")) == "wrong_device"
+    assert _refusal(good, now=_t.time() + 3600) == "expired"  # a captured request replayed an hour later
+    assert _refusal(sign_inference_request(req, FLEET_KEY, device="dev", now=_t.time() + 3600)) == "expired"
+    assert _refusal(good[:-3] + b"99}") == "bad_signature"  # the body changed after signing
+    assert _refusal(good[:9] + b"{}") in ("bad_message", "unsigned")  # a truncated header
+    app = PrivateKey.generate()  # an app key the device was given
+    assert open_inference_request(sign_inference_request(req, app, device="dev"),
+                                  {**keys, app.public_key.key_id_hex: app.public_key}, device="dev")["id"] == "q"
+
+
+def test_the_device_answers_an_unsigned_request_and_never_runs_it() -> None:
+    agent = _FakeAgent()
+    svc = InferenceService(agent, 4)
+    svc.on_request(Message("edgeflow/lab/dev/infer", json.dumps({"id": "x", "input": encode_tensor(
+        np.zeros((1, 2), np.float32))}).encode()))
+    svc.queue.put(None)
+    svc.loop()
+    assert agent.runs == 0 and agent.replies[0]["code"] == "unsigned" and agent.counters["infer_refused"] == 1

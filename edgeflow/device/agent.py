@@ -105,6 +105,8 @@ class AgentOptions:
     battery_file: str | None = None
     health_runs: int = 5
     infer_queue: int = 64
+    infer_keys: tuple[str, ...] = ()
+    """Hex public keys of the applications allowed to ask for inferences, besides the fleet key."""
     clock_skew_s: float = 120.0
     """Commands are accepted until ``expires + clock_skew_s`` (device clocks drift)."""
     train: bool = True
@@ -281,7 +283,8 @@ class DeviceAgent:
         self.boot_notes: list[str] = []
         self._started = False
         self._recovery: bytes | None = None
-        self.counters: dict[str, int] = {"commands": 0, "refused": 0, "inferences": 0, "deploys": 0, "rollbacks": 0}
+        self.counters: dict[str, int] = {"commands": 0, "refused": 0, "inferences": 0, "infer_refused": 0, "deploys": 0,
+                                         "rollbacks": 0}
 
     def _load_config(self) -> None:
         """The persisted ``set_config`` values over the given options (``train`` also from the

@@ -1,6 +1,8 @@
 """The device's inference service: requests on its ``infer`` topic, answered on ``infer/reply``.
 
-A request ``{"id", "input": tensor}`` (or ``"inputs": {name: tensor}``) is queued (at most
+A request ``{"id", "input": tensor}`` (or ``"inputs": {name: tensor}``), signed by the fleet key or an app
+key the device was given (:func:`edgeflow.protocol.fleet.sign_inference_request`: an unsigned, expired,
+misaddressed or foreign-signed request is answered ``ok: false`` with its reason and never run), is queued (at most
 ``AgentOptions.infer_queue``; beyond that the answer is ``busy``) and run on the agent's
 active model by one worker thread; the reply carries the model's own output names, the model
 version and the latency, or ``ok: false`` with the reason. Every request gets an answer.
@@ -16,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CodecError, EdgeflowError, FleetError
-from ..protocol.fleet import decode_tensor, encode_tensor
-from ..protocol.signed_json import loads
+from ..errors import CodecError, EdgeflowError, FleetError, SignatureError
+from ..protocol.fleet import decode_tensor, encode_tensor, open_inference_request
+from ..signing import PublicKey
 from ..transport.message import Message
 
 log = logging.getLogger("edgeflow.device")
@@ -31,13 +33,22 @@ class InferenceService:
         self.agent = agent
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, maxsize))
 
+    def keys(self) -> dict[str, PublicKey]:
+        """Who may ask for inferences: the fleet key and the app keys in ``AgentOptions.infer_keys``."""
+        a = self.agent
+        out = {a.fleet_key.key_id_hex: a.fleet_key}
+        for hex_key in a.options.infer_keys:
+            k = PublicKey.from_hex(hex_key)
+            out[k.key_id_hex] = k
+        return out
+
     def on_request(self, msg: Message) -> None:
         try:
-            req = loads(msg.payload, "inference request")
-            if not isinstance(req, dict):
-                raise CodecError("inference request must be a JSON object")
-        except CodecError as exc:
-            self.reply({"id": None, "ok": False, "code": "bad_message", "error": str(exc)}, msg)
+            req = open_inference_request(msg.payload, self.keys(), device=self.agent.device_id)
+        except (CodecError, SignatureError) as exc:
+            self.agent.counters["infer_refused"] += 1
+            self.reply({"id": None, "ok": False, "code": getattr(exc, "reason", "bad_message"), "error": str(exc)},
+                       msg)
             return
         try:
             self.queue.put_nowait((req, msg))

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import json
 import math
 import time
 import uuid
@@ -49,7 +51,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import CodecError
+from ..errors import CodecError, SignatureError
 from ..signing import PrivateKey, PublicKey
 from .signed_json import loads, open_signed, peek_signed, sign_body
 from .signed_json import with_reason as _reason
@@ -407,3 +409,60 @@ def decode_tensor(d: Mapping[str, Any], *, max_bytes: int = MAX_TENSOR_BYTES) ->
         raise
     except (TypeError, ValueError, OverflowError, MemoryError, binascii.Error) as exc:
         raise _tensor_error(str(exc)[:200]) from None
+
+
+# ----------------------------------------------------------------- signed inference requests
+
+INFER_CONTEXT = "infer/v1"
+INFER_MAGIC = b"EFIR\x01"
+INFER_CLOCK_SKEW_S = 300.0
+"""How far in the future a request's ``issued`` may lie (the sender's clock ahead of the device's)."""
+
+
+def sign_inference_request(request: Mapping[str, Any], key: PrivateKey, *, device: str, ttl_s: float = 60.0,
+                           now: float | None = None) -> bytes:
+    """An inference request as the device takes it: a header signed with ``key`` (the fleet key, or an app key
+    the device was given) that names the device, a validity window and the sha256 of the request's JSON,
+    followed by that JSON (any size: only the header is signed). Layout: ``EFIR\\x01`` | u32 header length |
+    signed header | request JSON."""
+    body = json.dumps(dict(request), separators=(",", ":")).encode("utf-8")
+    t = time.time() if now is None else now
+    header = sign_body({"device": device, "id": str(request.get("id", "")), "issued": t, "expires": t + ttl_s,
+                        "sha256": hashlib.sha256(body).hexdigest()}, key, INFER_CONTEXT)
+    return INFER_MAGIC + len(header).to_bytes(4, "big") + header + body
+
+
+def open_inference_request(data: bytes, keys: Mapping[str, PublicKey], *, device: str,
+                           now: float | None = None) -> dict[str, Any]:
+    """The request of a signed inference message, after every check: the header is signed by one of ``keys``
+    (key id hex -> key), names this ``device``, is within its validity window, and the request is the one it
+    hashes. Refusals are CodecError/SignatureError with a ``reason`` (``unsigned``, ``unauthorized``, ...)."""
+    data = bytes(data)
+    if not data.startswith(INFER_MAGIC) or len(data) < len(INFER_MAGIC) + 4:
+        raise _reason(SignatureError("inference requests must be signed (edgeflow.protocol.fleet."
+                                     "sign_inference_request with the fleet key or an app key the device knows)"),
+                      "unsigned")
+    start = len(INFER_MAGIC) + 4
+    n = int.from_bytes(data[len(INFER_MAGIC):start], "big")
+    if n > 4096 or start + n > len(data):
+        raise _reason(CodecError("inference request header is truncated or too long"), "bad_message")
+    header, body = data[start:start + n], data[start + n:]
+    wrapper, _ = peek_signed(header)
+    key = keys.get(str(wrapper.get("key_id", "")))
+    if key is None:
+        raise _reason(SignatureError("inference request signed by a key this device does not accept"), "unauthorized")
+    h = open_signed(header, key, INFER_CONTEXT)
+    if h.get("device") != device:
+        raise _reason(SignatureError(f"inference request addressed to {str(h.get('device'))[:64]!r}, not to this "
+                                     "device"), "wrong_device")
+    t = time.time() if now is None else now
+    issued, expires = _float(h.get("issued"), "issued"), _float(h.get("expires"), "expires")
+    if not issued - INFER_CLOCK_SKEW_S <= t <= expires:
+        raise _reason(SignatureError("inference request expired or not yet valid (check the sender's clock)"),
+                      "expired")
+    if hashlib.sha256(body).hexdigest() != h.get("sha256"):
+        raise _reason(SignatureError("inference request does not match its signed hash"), "bad_signature")
+    req = loads(body, "inference request")
+    if not isinstance(req, dict):
+        raise _reason(CodecError("inference request must be a JSON object"), "bad_message")
+    return req

@@ -820,7 +820,7 @@ def b22_retained(c: Checks, arena: Arena) -> None:
 
 @attack("B23", "F10", "an inference reply over 256 KiB through the ACL")
 def b23_big_reply(c: Checks, arena: Arena) -> None:
-    from edgeflow.protocol.fleet import encode_tensor
+    from edgeflow.protocol.fleet import encode_tensor, sign_inference_request
 
     dev = HONEST[0]
     replies: list[Any] = []
@@ -828,7 +828,8 @@ def b23_big_reply(c: Checks, arena: Arena) -> None:
     app.subscribe(_topic(dev, "infer/reply"), replies.append)
     app.connect()
     x = np.random.default_rng(3).random((8000, 64)).astype(np.float32)
-    app.publish(_topic(dev, "infer"), json.dumps({"id": "big", "input": encode_tensor(x)})).wait(30)
+    app.publish(_topic(dev, "infer"),
+                sign_inference_request({"id": "big", "input": encode_tensor(x)}, arena.fleet_key, device=dev)).wait(30)
     c.must(wait_until(lambda: replies, 40), "the chunked reply never arrived")
     if replies:
         c.must(len(replies[0].payload) > 256 * 1024 and replies[0].json().get("ok"), "bad reply")
