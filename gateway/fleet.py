@@ -29,7 +29,16 @@
   (``GatewayStore.telemetry_keep``) have a bounded size; a writer thread
   commits it to SQLite, so a slow disk never stalls the transport's worker
   thread; the end-to-end lag (device timestamp to commit) is measured and
-  reported by :meth:`FleetManager.stats`.
+  reported by :meth:`FleetManager.stats`;
+- **retained junk** on device channels is cleared at the broker: a retained
+  message on a channel that carries none (``telemetry``, ``cmd/ack``, and
+  whatever :meth:`FleetManager.watch_retained` adds: ``update``...), or a
+  retained birth or death that does not parse as one (not JSON, not the
+  signed shape, over the size bound), is replaced by an empty retained
+  message on its topic (what deletes a retained message in MQTT), counted
+  (``retained_junk_cleared``) and logged once per topic. Honest devices
+  retain only births and deaths, so nothing they need is touched; a
+  well-formed birth with a bad signature is refused but left alone.
 
 Commands: :meth:`FleetManager.send_command` signs a :class:`Command` with
 the fleet key, publishes it on the device's ``cmd`` topic and returns a
@@ -60,7 +69,7 @@ from typing import Any
 import numpy as np
 
 from edgeflow.broker.bridge import UPLINK_LEVEL
-from edgeflow.protocol.fleet import ACK_CONTEXT, Ack, Birth, Command, Death
+from edgeflow.protocol.fleet import ACK_CONTEXT, MAX_BIRTH_BYTES, Ack, Birth, Command, Death
 from edgeflow.protocol.ota import OtaOffer, deploy_command
 from edgeflow.protocol.signed_json import loads, open_signed, peek_signed
 from edgeflow.errors import CodecError, ConfigError, FleetError, SignatureError
@@ -293,6 +302,8 @@ class FleetManager:
         self._threads: list[threading.Thread] = []
         self._subs: list[Any] = []
         self._started_at = 0.0
+        self._cleared: OrderedDict[str, None] = OrderedDict()
+        """Topics whose retained junk this manager cleared (the newest 4096): logged once each."""
         for rec in store.devices():
             self._online[rec.device_id] = rec.online
             self._last_seen[rec.device_id] = time.monotonic()
@@ -336,6 +347,58 @@ class FleetManager:
         for t in self._threads:
             t.join(timeout)
         self._threads = []
+
+    def watch_retained(self, channels: tuple[str, ...] | list[str]) -> None:
+        """Also clear retained messages on these device channels (ones that carry no retained messages, e.g.
+        ``update``), through handlers beside the application's own: subscribe the *same* filters the rounds
+        use, so the broker sends nothing more (the transport shares one broker subscription per filter).
+        Call before ``transport.connect()``, like :meth:`start`."""
+        for ch in channels:
+            self._subs.append(self.transport.subscribe(str(device_filter(self.fleet, ch)),
+                                                       lambda msg, ch=ch: self._retained_only(msg, ch)))
+
+    def _retained_only(self, msg: Any, channel: str) -> None:
+        if msg.retain and msg.payload:
+            self._clear_junk(msg, channel, "a retained message on a channel that carries none")
+
+    def _clear_junk(self, msg: Any, channel: str, why: str) -> None:
+        """Delete a retained message at the broker (an empty retained message on its topic); counted and
+        logged once per topic."""
+        with self._lock:
+            again = msg.topic in self._cleared
+            self._cleared[msg.topic] = None
+            self._cleared.move_to_end(msg.topic)
+            while len(self._cleared) > 4096:
+                self._cleared.popitem(last=False)
+        self._count("retained_junk_cleared")
+        self._count(f"retained_junk_{channel.replace('/', '_')}")
+        try:
+            self.transport.publish(msg.topic, b"", qos=1, retain=True, raw=True)
+        except Exception as exc:  # noqa: BLE001 - a closing transport: the next start clears it
+            log.warning("retained junk on %s not cleared: %s", msg.topic, exc)
+            return
+        if not again:
+            log.warning("cleared retained junk on %s (%d bytes: %s); a device left it there, or someone with "
+                        "write access to that topic", msg.topic, len(msg.payload), why)
+
+    def _retained_junk(self, msg: Any, channel: str) -> bool:
+        """True (and cleared) when ``msg`` is a retained message that does not belong on ``channel``."""
+        if not (msg.retain and msg.payload):
+            return False
+        if channel in ("telemetry", "cmd/ack"):
+            self._clear_junk(msg, channel, "a retained message on a channel that carries none")
+            return True
+        try:
+            if channel == "birth":
+                if len(msg.payload) > MAX_BIRTH_BYTES:
+                    raise CodecError(f"over {MAX_BIRTH_BYTES} bytes")
+                Birth.from_body(peek_signed(msg.payload)[1])
+            else:
+                Death.from_bytes(msg.payload)  # signed, or an old agent's unsigned death: both are deaths
+        except (CodecError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            self._clear_junk(msg, channel, f"not a {channel} message: {str(exc)[:80]}")
+            return True
+        return False
 
     def add_listener(self, fn: Callable[[FleetEvent], Any]) -> None:
         """``fn(FleetEvent)`` on births, deaths, heartbeat timeouts and acks (on the transport's worker thread)."""
@@ -505,7 +568,7 @@ class FleetManager:
 
     def _on_birth(self, msg: Any) -> None:
         device = self._device_of(msg.topic, "birth")
-        if device is None:
+        if device is None or self._retained_junk(msg, "birth"):
             return
         key = self._key(device, "births")
         if key is None:
@@ -554,7 +617,7 @@ class FleetManager:
 
     def _on_death(self, msg: Any) -> None:
         device = self._device_of(msg.topic, "death")
-        if device is None:
+        if device is None or self._retained_junk(msg, "death"):
             return
         key = self._key(device, "deaths")
         if key is None:
@@ -598,7 +661,7 @@ class FleetManager:
 
     def _on_telemetry(self, msg: Any) -> None:
         device = self._device_of(msg.topic, "telemetry")
-        if device is None:
+        if device is None or self._retained_junk(msg, "telemetry"):
             return
         if self._key(device, "telemetry") is None:
             return
@@ -709,7 +772,7 @@ class FleetManager:
 
     def _on_ack(self, msg: Any) -> None:
         device = self._device_of(msg.topic, "cmd/ack")
-        if device is None:
+        if device is None or self._retained_junk(msg, "cmd/ack"):
             return
         key = self._key(device, "acks")
         if key is None:

@@ -566,6 +566,10 @@ class Gateway:
         if not self._started:
             self.fleet.start()
             self.rounds.start()
+            # retained junk on the device channels the rounds read is cleared too (same filters: no extra traffic)
+            cfg = self.rounds.config
+            self.fleet.watch_retained(["update"] + (["secagg"] if cfg.secagg is not None else [])
+                                      + (["evaluate"] if getattr(cfg, "fraction_evaluate", 0) > 0 else []))
             if self.site is not None:
                 self.site.start()
             self.transport.connect(timeout=timeout)
