@@ -457,3 +457,23 @@ def test_cli_on_a_numpy_board_says_what_it_chose(tmp_path, capsys):
                str(tmp_path / "s.onnx"), "--no-sensitivity", "--no-gate", "--json"])
     rep = json.loads(capsys.readouterr().out)
     assert rc == 0 and rep["gate"] is None and any("bench gate is off" in n for n in rep["notes"])
+
+def test_a_text_recognizer_is_judged_by_the_text_it_reads_by_default():
+    """Issue 30: the default quantize judged PP-OCRv4's recognizer by cosine and wrote a model that read 3 of
+    33 lines as fp32 did. A model with PaddleOCR's character table gets the CTC loss unless --loss says
+    otherwise."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 5)).astype(np.float32), "W")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "rec",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 8, 5])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    helper.set_model_props(m, {"character": "a\nb\nc"})
+    x = np.random.default_rng(1).standard_normal((30, 8, 4)).astype(np.float32)
+    r = edgeflow.quantize(m, "x86-gateway", calibration=x, latency_runs=0, sensitivity=False, gate_rounds=1)
+    assert any("CTC character table" in n and "--loss ctc" in n for n in r.report.notes)
+    cos = edgeflow.quantize(m, "x86-gateway", calibration=x, latency_runs=0, sensitivity=False, gate_rounds=1,
+                            loss="cosine")
+    assert not any("CTC character table" in n for n in cos.report.notes)

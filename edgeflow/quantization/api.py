@@ -556,6 +556,14 @@ def quantize(
             notes.append(note)
     fp32 = name_nodes(fp32)
     inputs = graph_inputs(fp32)
+    if loss == "auto" and kind == "static":
+        from .gate import ctc_space_class
+
+        if ctc_space_class(fp32) is not None:  # a PaddleOCR-convention text recognizer: judge the text it reads
+            loss = "ctc"
+            notes.append("the model carries a CTC character table (PaddleOCR convention): the gate's loss is the "
+                         "share of samples whose decoded text differs from fp32's (--loss ctc), not the cosine, "
+                         "which can stay above 0.99 while characters change")
     per_channel = prof.quantization.weights == "per-channel"
     activations = prof.quantization.activations
     if kind != "fp16":
