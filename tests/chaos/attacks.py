@@ -985,3 +985,79 @@ def b26_smaller(c: Checks, arena: Arena) -> None:
     back = fm.command(dev2, "rollback")
     c.must(back.ok and a.model_version == v, f"no rollback target after the failed check: {back.code}")
     arena.wait_trainers()
+
+
+# -- issue 31: the second red team's findings that fit the arena ---------------------------------------
+
+@attack("C27", "I31", "a 205-byte inference request asking a device for a 2 GB string tensor, unsigned and signed")
+def c27_hostile_inference(c: Checks, arena: Arena) -> None:
+    from edgeflow.protocol.fleet import sign_inference_request
+
+    dev = HONEST[0]
+    replies: list[Any] = []
+    app = arena.operator("tester", connect=False)
+    app.subscribe(_topic(dev, "infer/reply"), replies.append)
+    app.connect()
+    hostile = {"id": "evil", "input": {"dtype": "S2000000000", "shape": [1], "data": ["a"]}}
+    app.publish(_topic(dev, "infer"), json.dumps(hostile)).wait(10)  # unsigned: refused before parsing
+    app.publish(_topic(dev, "infer"), sign_inference_request(hostile, arena.fleet_key, device=dev)).wait(10)
+    c.must(wait_until(lambda: len(replies) >= 2, 15), f"{len(replies)} answers to 2 hostile requests")
+    bodies = [m.json() for m in replies]
+    c.must(all(not b.get("ok") for b in bodies), f"a hostile request was served: {bodies}")
+    c.must(any(b.get("code") == "unsigned" for b in bodies), f"the unsigned request was not refused as such: {bodies}")
+    c.must(any("tensor refused: dtype" in str(b.get("error")) for b in bodies), f"the dtype was not refused: {bodies}")
+    c.must(_ping(arena, dev), "the device stopped answering")
+
+
+@attack("C28", "I31", "a lying canary acks every offer ok (no evidence, or the golden outputs copied)")
+def c28_lying_canary(c: Checks, arena: Arena) -> None:
+    from edgeflow.artifact import sample_outputs
+    from edgeflow.gateway.ota import Rollout, RolloutPolicy, build_artifacts
+
+    fm = arena.gw.fleet
+    ota = arena.evil.ota
+
+    def lie(cmd, data, art):  # the compromised device claims a healthy install of whatever it is offered
+        ota.finish(cmd, {"model_version": art.version, "health": {"ok": True},
+                         "evidence": sample_outputs(art.golden().expected, cmd.args.get("challenge", "0" * 32))})
+
+    honest_before = {d: arena.agents[d].model_version for d in HONEST}
+    version = max(v or 0 for v in honest_before.values()) + 10
+    recs = {r.device_id: r for r in fm.devices()}
+    ota.deploy, real = lie, ota.deploy
+    try:
+        rep = Rollout(fm, build_artifacts(_mlp(7), [PROFILE], arena.fleet_key, version=version, fleet=FLEET),
+                      [recs[EVIL], *(recs[d] for d in HONEST)],
+                      RolloutPolicy(report_timeout_s=60.0, failure_threshold=0.9)).run()
+    finally:
+        ota.deploy = real
+    r = rep.devices[EVIL]
+    c.must(r.state == "failed" and r.code == "bad_evidence", f"the liar's ok was taken: {r.state} {r.code}")
+    c.must(rep.state == "halted", f"the rollout went on past a lying canary: {rep.state}")
+    c.must(all(arena.agents[d].model_version == honest_before[d] for d in HONEST[1:]),
+           "devices after the canary wave got the model")
+
+
+@attack("C29", "I31", "a model whose Loop runs 2**62 times, offered to a device")
+def c29_endless_loop(c: Checks, arena: Arena) -> None:
+    from edgeflow.artifact import build_artifact
+
+    from test_untrusted_model_limits import loop_model
+
+    dev = HONEST[1]
+    a = arena.agents[dev]
+    before = a.model_version
+    # no golden data (computing it would run the loop here): the device's health check runs the model itself
+    art = build_artifact(loop_model().SerializeToString(), version=(before or 0) + 20, profile=PROFILE,
+                         key=arena.fleet_key, fleet=FLEET)
+    t0 = time.monotonic()
+    r = arena.gw.fleet.send_ota(dev, art, version=(before or 0) + 20).wait(240)
+    c.must(not r.ok and a.model_version == before, f"the endless model was installed: {r.code} {r.error}")
+    c.should(time.monotonic() - t0 < 180, f"the health check took {time.monotonic() - t0:.0f} s")
+    c.must(_ping(arena, dev), "the device stopped answering")
+
+
+def _mlp(seed: int) -> bytes:
+    from _fleet import mlp_bytes
+
+    return mlp_bytes(seed)
