@@ -24,7 +24,7 @@ import math
 import sys
 import threading
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -376,7 +376,7 @@ def check_config(data: Mapping[str, Any], where: str = "<config>", base: Path | 
     if problems:
         more = f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})" if len(problems) > 1 else ""
         raise ConfigError(f"{where}: " + "; ".join(problems[:8]) + (more if len(problems) > 8 else "")
-                          + "; fix gateway.toml (docs/gateway.md lists every key)")
+                          + "; fix gateway.toml (docs/gateway.md, section gateway.toml)")
 
 
 def _store_section(st: dict[str, Any], gw: dict[str, Any], where: str, base: Path) -> dict[str, Any]:
