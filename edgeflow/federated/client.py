@@ -618,7 +618,7 @@ class Client:
             self.stats.errors.append(f"evaluate round {ann.round_id}: {exc}")
             log.warning("device %s: evaluate round %d failed: %s", self.device_id, ann.round_id, exc)
             return
-        if time.time() > ann.deadline:
+        if self.clock() > ann.deadline:  # the deadline is on this device's clock (_localize)
             self.stats.skipped_late += 1
             log.info("device %s: evaluate round %d deadline passed; report not sent", self.device_id, ann.round_id)
             return
