@@ -28,6 +28,8 @@ What must survive a gateway crash, and why it lives here:
 - **ingest_*** : the ingestion workers' gate, claims, partial sums and
   leases (:mod:`edgeflow.gateway.ingest`): a claim stores the envelope,
   dedupes it and checks that the round's intake is open in one transaction.
+- **rollouts**: one row per finished OTA rollout (``edgeflow fleet deploy``):
+  the artifact version, the SHA-256 of the model it was built from, its report.
 - **meta**: the schema version (:mod:`.migrations`) and the gateway's epoch
   (see :mod:`edgeflow.gateway.rounds`).
 
@@ -504,6 +506,47 @@ class GatewayStore:
              "round_id": None if r[4] is None else int(r[4]), "metrics": json.loads(r[5])}
             for r in rows
         ]
+
+    # -- rollouts (edgeflow fleet deploy) ---------------------------------------------------
+    _ROLLOUT_COLS = "rollout_id, artifact_version, state, started, finished, source_sha256, name, selector, report"
+
+    def add_rollout(self, report: dict[str, Any], *, rollout_id: str, source_sha256: str = "", name: str = "",
+                    selector: str = "") -> str:
+        """Record a finished rollout (a :meth:`RolloutReport.to_dict`, with ``version`` the artifact
+        version it shipped) in one transaction; recording the same ``rollout_id`` again replaces it."""
+        version = report.get("version")
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise ValueError(f"a rollout report names its artifact version as a whole number, got {version!r}")
+        started = float(report.get("started") or time.time())
+        finished = report.get("finished")
+        with self.tx() as db:
+            db.execute(
+                "INSERT INTO rollouts (rollout_id, artifact_version, state, started, finished, source_sha256, name, "
+                "selector, report) VALUES (?,?,?,?,?,?,?,?,?) ON CONFLICT (rollout_id) DO UPDATE SET "
+                "artifact_version=excluded.artifact_version, state=excluded.state, started=excluded.started, "
+                "finished=excluded.finished, source_sha256=excluded.source_sha256, name=excluded.name, "
+                "selector=excluded.selector, report=excluded.report",
+                (str(rollout_id), version, str(report.get("state", "")), started,
+                 None if finished is None else float(finished), str(source_sha256), str(name), str(selector),
+                 json.dumps(report, default=str)))
+        return str(rollout_id)
+
+    def rollouts(self) -> list[dict[str, Any]]:
+        """Every recorded rollout, oldest first (see :meth:`rollout_row`)."""
+        return [self.rollout_row(r) for r in self._all(f"SELECT {self._ROLLOUT_COLS} FROM rollouts "
+                                                         "ORDER BY started, rollout_id")]
+
+    @staticmethod
+    def rollout_row(r: Any) -> dict[str, Any]:
+        """A ``rollouts`` row as a dict: ``rollout_id, artifact_version, state, started, finished,
+        source_sha256, name, selector, report`` (the stored report, parsed)."""
+        try:
+            report = json.loads(r[8] or "{}")
+        except ValueError:
+            report = {}
+        return {"rollout_id": r[0], "artifact_version": int(r[1]), "state": r[2], "started": float(r[3]),
+                "finished": None if r[4] is None else float(r[4]), "source_sha256": r[5], "name": r[6],
+                "selector": r[7], "report": report if isinstance(report, dict) else {}}
 
     # -- rounds -----------------------------------------------------------------------
     _ROUND_COLS = "round_id, model_version, state, created, deadline, config, selected, metrics"

@@ -23,6 +23,11 @@ edgeflow is refused with one line (:class:`~edgeflow.errors.StateError`).
   (norm-bound reference, server-optimizer moments, the DP accountant and its
   noise generator) as it stood when a round ended, written in the round's own
   closing transaction, so a restarted gateway goes on exactly where it stopped.
+- **4**: ``rollouts``: one row per OTA rollout (``edgeflow fleet deploy``), written in one
+  transaction when it finishes: the artifact version it shipped, the SHA-256 of the model it
+  was built from (which names the gateway's model version when that model came from this
+  state's ``models``), its state, target selector and the whole report as JSON
+  (``edgeflow fleet rollouts`` lists them).
 """
 
 from __future__ import annotations
@@ -114,6 +119,20 @@ MIGRATIONS: dict[int, list[str]] = {
             created {real} NOT NULL,
             state {blob} NOT NULL
         )""",
+    ],
+    4: [
+        """CREATE TABLE IF NOT EXISTS rollouts (
+            rollout_id TEXT PRIMARY KEY,
+            artifact_version {int} NOT NULL,
+            state TEXT NOT NULL,
+            started {real} NOT NULL,
+            finished {real},
+            source_sha256 TEXT NOT NULL DEFAULT '',
+            name TEXT NOT NULL DEFAULT '',
+            selector TEXT NOT NULL DEFAULT '',
+            report TEXT NOT NULL DEFAULT '{{}}'
+        )""",
+        "CREATE INDEX IF NOT EXISTS rollouts_by_started ON rollouts (started)",
     ],
 }
 
