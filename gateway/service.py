@@ -69,6 +69,7 @@ class GatewayConfig:
     hierarchy: HierarchyOptions = field(default_factory=HierarchyOptions)
     store_url: str | None = None  # [store] url: sqlite:///PATH or postgresql://... (instead of [gateway] state)
     telemetry_keep: int = 500  # [store] telemetry_keep: rows of telemetry history kept per device
+    http_listen: str | None = None  # [http] listen: HOST:PORT of the dashboard and /metrics (gateway/web)
     base_dir: Path = field(default_factory=Path.cwd)
 
     def store_target(self) -> StoreTarget:
@@ -261,6 +262,7 @@ SCHEMA: dict[str, dict[str, _Rule]] = {
         "forward_margin_s": _num(0), "sites": _Rule("strlist"),
     },
     "store": {"url": _STR, "telemetry_keep": _int(1, 1_000_000)},
+    "http": {"listen": _STR},
 }
 """Every key of gateway.toml (``rounds.train`` is the ``[rounds.train]`` table, ``rounds.dp`` the ``[rounds] dp``
 table, ...); tests/test_gateway_config_schema.py checks it against the dataclasses' fields."""
@@ -312,7 +314,7 @@ def _check_semantics(data: dict[str, Any], base: Path, problems: list[str]) -> N
     central DP settings, URLs; and key pairs (max_clients >= min_clients)."""
     from edgeflow.transport.topics import validate_id
 
-    gw, rounds, hi, st = (data.get(k, {}) for k in ("gateway", "rounds", "hierarchy", "store"))
+    gw, rounds, hi, st, web = (data.get(k, {}) for k in ("gateway", "rounds", "hierarchy", "store", "http"))
 
     def attempt(key: str, fn: Callable[[], Any]) -> None:
         try:
@@ -337,6 +339,13 @@ def _check_semantics(data: dict[str, Any], base: Path, problems: list[str]) -> N
                         f"got {_shown(hi['uplink'])}")
     if "url" in st:
         attempt("store.url", lambda: parse_store_url(st["url"], base_dir=base))
+    if "listen" in web:
+        from .web.server import parse_listen
+
+        try:
+            parse_listen(web["listen"], "http.listen")
+        except ConfigError as exc:
+            problems.append(str(exc))
     lo, hi_n = rounds.get("min_clients", 2), rounds.get("max_clients")
     if hi_n is not None and hi_n < lo:
         problems.append(f"rounds.max_clients ({hi_n}) must be >= rounds.min_clients ({lo}): no round could start")
@@ -365,7 +374,7 @@ def check_config(data: Mapping[str, Any], where: str = "<config>", base: Path | 
     """Check a parsed gateway.toml against :data:`SCHEMA`: ConfigError, one line naming every bad key
     (dotted, e.g. ``rounds.min_clients``) and what it must be."""
     problems: list[str] = []
-    sections = ("gateway", "fleet", "rounds", "hierarchy", "store")
+    sections = ("gateway", "fleet", "rounds", "hierarchy", "store", "http")
     for sec in sorted(set(data) - set(sections)):
         problems.append(f"unknown section [{sec}]; the sections are {', '.join(f'[{x}]' for x in sections)}")
     for sec in sections:
@@ -422,7 +431,7 @@ def load_config(source: str | Path | Mapping[str, Any]) -> GatewayConfig:
         raise ConfigError(f"{where}: {exc}") from exc
     store = _store_section(dict(data.get("store", {})), gw, where, base)
     return GatewayConfig(**gw, fleet_options=FleetOptions(**fo), rounds=rounds, hierarchy=hierarchy, base_dir=base,
-                         **store)
+                         http_listen=dict(data.get("http", {})).get("listen"), **store)
 
 
 def load_eval(path: Path | None) -> tuple[np.ndarray, np.ndarray] | None:
