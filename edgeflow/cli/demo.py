@@ -24,6 +24,8 @@ def register(sub) -> None:
     p.add_argument("--broker", help="broker URL, or 'mosquitto' / 'embedded' to force one (default: auto)")
     p.add_argument("--keep", metavar="DIR", help="keep the state (gateway db, device slots, metrics) in DIR")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--http", metavar="ADDR", help="serve the dashboard (/) and Prometheus metrics (/metrics) on "
+                   "HOST:PORT while the demo runs, e.g. 127.0.0.1:9100 (docs/operations.md)")
     p.set_defaults(func=cmd)
 
 
@@ -65,8 +67,20 @@ def cmd(args) -> int:
     say = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else c.print
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console(stderr=True, min_width=100), transient=False, disable=args.json)
-    with Demo(cfg, say=say, progress=progress) as demo, progress:
-        result = demo.run()
+    demo = Demo(cfg, say=say, progress=progress)
+    web = None
+    if getattr(args, "http", None):
+        from ..gateway.web import WebServer
+
+        # the demo builds its gateway inside run(): the view attaches as soon as it exists
+        web = WebServer(lambda: getattr(demo, "gateway", None), args.http).start()
+        say(f"dashboard {web.url}  metrics {web.url}metrics")
+    try:
+        with demo, progress:
+            result = demo.run()
+    finally:
+        if web is not None:
+            web.stop()
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:

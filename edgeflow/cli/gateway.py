@@ -57,6 +57,8 @@ def register(sub) -> None:
     p.add_argument("--serve", action="store_true", help="after the rounds, keep serving the fleet until Ctrl-C")
     p.add_argument("--json", action="store_true", help="print each round's metrics as one JSON line (only JSON on "
                    "stdout)")
+    p.add_argument("--http", metavar="ADDR", help="serve the dashboard (/) and Prometheus metrics (/metrics) on "
+                   "HOST:PORT, e.g. 127.0.0.1:9100 (default: [http] listen; read-only; docs/operations.md)")
     p.add_argument("--export-model", metavar="PATH", help="write the newest global model from the state to PATH "
                    "(.onnx) and exit, e.g. to deploy what the rounds trained with `edgeflow fleet deploy`")
     p.set_defaults(func=cmd)
@@ -117,9 +119,18 @@ def cmd(args) -> int:
                     f"{m.dropped} dropped, {m.late} late, {m.rejected} rejected, "
                     f"{m.bytes_in / 1024:.1f} KiB in, accuracy {acc}, {m.round_s:.1f} s")
 
+    listen = args.http or cfg.http_listen
+    web = None
+    if listen:
+        from edgeflow.gateway.web import WebServer, parse_listen
+
+        parse_listen(listen, "--http" if args.http else "[http] listen")  # a bad address before connecting
     gw = Gateway.from_config(cfg, broker=args.broker, fleet_dir=args.dir, on_round=on_round)
     rc = 0
     try:
+        if listen:
+            web = WebServer(gw, listen, what="--http" if args.http else "[http] listen").start()
+            _say(args, c, f"dashboard {web.url}  metrics {web.url}metrics")
         gw.start()
         if not args.json:
             c.print(f"gateway for fleet {gw.fleet_id} on {getattr(gw.transport, 'url', gw.transport)}: "
@@ -134,8 +145,20 @@ def cmd(args) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        if web is not None:
+            web.stop()
         gw.stop()
     return rc
+
+
+def _say(args, c, text: str) -> None:
+    """A status line: on stdout, or on stderr with --json (stdout carries only JSON)."""
+    import sys
+
+    if args.json:
+        print(text, file=sys.stderr, flush=True)
+    else:
+        c.print(text, highlight=False)
 
 
 def _no_round(gw) -> int:

@@ -83,6 +83,8 @@ def register(sub) -> None:
     p.add_argument("--broker", help="broker URL, or 'mosquitto' / 'embedded' (default: auto)")
     p.add_argument("--out", help="run folder (default runs/<timestamp>)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--http", metavar="ADDR", help="serve the dashboard (/) and Prometheus metrics (/metrics) on "
+                   "HOST:PORT while the simulation runs, e.g. 127.0.0.1:9100 (docs/operations.md)")
     p.set_defaults(func=cmd)
 
 
@@ -178,6 +180,12 @@ def cmd(args) -> int:
     from ._common import console
 
     cfg, broker_spec = build_config(args)
+    if args.http:
+        from ..gateway.web import parse_listen
+        from ..gateway.web.metrics import require_prometheus
+
+        parse_listen(args.http)  # a bad address or a missing prometheus_client before anything starts
+        require_prometheus()
     c = console(min_width=120)
     out = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
@@ -211,7 +219,13 @@ def cmd(args) -> int:
             (out / "metrics.jsonl").write_text("")
             fleet = SimulatedFleet(cfg, broker.url, on_round=on_round,
                                    protocol=getattr(broker, "protocol", "auto") or "auto")
+            web = None
             try:
+                if args.http:
+                    from ..gateway.web import WebServer
+
+                    web = WebServer(fleet, args.http).start()
+                    say(f"dashboard {web.url}  metrics {web.url}metrics")
                 fleet.run()
                 onnx.save(fleet.rounds.current_model(), out / "final_model.onnx")
                 devices = [{
@@ -222,6 +236,8 @@ def cmd(args) -> int:
                 } for d in fleet.devices]
                 up, dense = fleet.upload_bytes()
             finally:
+                if web is not None:
+                    web.stop()
                 fleet.close()
         wall = time.perf_counter() - t0
         accs = [r["accuracy"] for r in rounds if r.get("accuracy") is not None]
