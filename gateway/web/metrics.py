@@ -117,6 +117,11 @@ class GatewayMetrics:
             g.set(float("nan") if v is None else float(v))
 
     def exposition(self) -> bytes:
+        """The text format; the store reads made since the last scrape go into their histogram first (this
+        scrape's own reads show in the next one)."""
+        reads, self.view.store_reads[:] = list(self.view.store_reads), []
+        for s in reads:
+            self.store_seconds.observe(s)
         return self.pc.generate_latest(self.registry)
 
 
@@ -137,9 +142,6 @@ class _ScrapeCollector:
         up = GaugeMetricFamily("edgeflow_gateway_attached", "1 once the gateway whose figures these are exists")
         up.add_metric([], 1.0 if attached else 0.0)
         yield up
-        reads, view.store_reads[:] = list(view.store_reads), []
-        for s in reads:
-            o.store_seconds.observe(s)
         if not attached:
             return
         version = getattr(view.rounds, "version", None)
