@@ -1,5 +1,5 @@
 // edgeflow's read-only dashboard. Every string shown may come from a device: it is set with
-// textContent / createTextNode only (never innerHTML), links are built with encodeURIComponent.
+// textContent / createTextNode only (no HTML parsing of data), links are built with encodeURIComponent.
 "use strict";
 
 const POLL_MS = 2000;
