@@ -1,0 +1,107 @@
+"""The dashboard in a real browser: headless Chromium (Debian's ``chromium``, driven by playwright without its
+own browser download) loads the page of a running loopback fleet and sees its devices, rounds, rollout and a
+device's telemetry; a device id carrying HTML and script is shown as text and never runs; the page logs no
+error (a CSP violation would be one). Screenshots go to $EDGEFLOW_SCREENSHOT_DIR (CI keeps them) or tmp_path;
+their paths are printed.
+
+CI installs the browser and playwright (.ci/run): ``apt-get install -y chromium`` and ``pip install playwright``
+(never ``playwright install``). $EDGEFLOW_CHROMIUM names another executable.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("prometheus_client", reason="the web view needs prometheus_client (pip install 'edgeflow[web]')")
+pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright; .ci/run does)")
+
+CHROMIUM = os.environ.get("EDGEFLOW_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = [
+    pytest.mark.skipif(CHROMIUM is None, reason="no chromium executable (apt-get install -y chromium, or set "
+                       "EDGEFLOW_CHROMIUM)"),
+    pytest.mark.slow,
+]
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _webfleet import HOSTILE_BACKEND, HOSTILE_ID, HOSTILE_PROFILE, web_fleet  # noqa: E402
+
+
+def _shots(tmp_path: Path) -> Path:
+    d = Path(os.environ.get("EDGEFLOW_SCREENSHOT_DIR") or tmp_path)
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def test_the_dashboard_shows_the_fleet_in_chromium(tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    shots = _shots(tmp_path)
+    with web_fleet(tmp_path) as wf, sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            problems: list[str] = []
+            page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+            page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+            page.on("dialog", lambda d: (problems.append(f"dialog: {d.message}"), d.dismiss()))
+            page.goto(wf.url, wait_until="domcontentloaded")
+            page.wait_for_selector("body[data-loaded='1']", timeout=20_000)
+
+            # the fleet table: every device, the hostile one as literal text
+            rows = page.locator("#devices tbody tr")
+            assert rows.count() == 3
+            ids = sorted(rows.locator("td:first-child").all_text_contents())
+            assert ids == sorted([*wf.agents, HOSTILE_ID])
+            hostile = page.locator("#devices tbody tr", has_text="onerror")
+            cells = hostile.locator("td").all_text_contents()
+            assert cells[0] == HOSTILE_ID and cells[2] == HOSTILE_PROFILE and cells[3] == HOSTILE_BACKEND
+            assert page.locator("#devices img, #devices script, #injected").count() == 0
+            assert page.evaluate("window.__pwned === undefined")
+            agent = page.locator(f"#devices tbody tr[data-device='{wf.agents[0]}'] td").all_text_contents()
+            assert agent[1] == "ok" and agent[2] == "raspberry-pi-4" and agent[4] == "v1"
+
+            # the summary and the round charts (a point per round)
+            assert page.locator(".card[data-key='rounds closed'] b").text_content() == "2"
+            assert page.locator("#chart-accuracy svg circle").count() == 2
+            assert page.locator("#chart-bytes svg circle").count() == 2
+            main = shots / "dashboard-fleet.png"
+            page.screenshot(path=str(main), full_page=True)
+            print(f"screenshot: {main}")
+
+            page.goto(wf.url + "#/rounds")
+            page.wait_for_selector("#rounds tbody tr")
+            assert page.locator("#rounds tbody tr").count() == 2
+            assert page.locator("#rounds tbody tr").first.locator("td").first.text_content() == "2"
+
+            page.goto(wf.url + "#/rollouts")
+            page.wait_for_selector("#rollouts .rollout")
+            assert "completed" in page.locator("#rollouts .rollout").first.text_content()
+            assert "2/2 devices" in page.locator("#rollouts .rollout").first.text_content()
+
+            # a device's page: its facts and telemetry (reached by clicking its link)
+            page.goto(wf.url)
+            page.wait_for_selector("#devices tbody tr")
+            page.locator(f"#devices tbody tr[data-device='{wf.agents[0]}'] a").click()
+            page.wait_for_selector("#telemetry tbody tr", timeout=10_000)
+            assert page.locator("#device-id").text_content() == wf.agents[0]
+            assert page.locator("#telemetry tbody tr").count() >= 1
+            dev = shots / "dashboard-device.png"
+            page.screenshot(path=str(dev), full_page=True)
+            print(f"screenshot: {dev}")
+
+            # the hostile device's page too: its id in the URL and the heading, as text
+            page.goto(wf.url)
+            page.wait_for_selector("#devices tbody tr")
+            hostile.locator("a").click()
+            page.wait_for_selector("#device-facts dd")
+            assert page.locator("#device-id").text_content() == HOSTILE_ID
+            assert page.evaluate("window.__pwned === undefined")
+            assert page.locator("main img, main script").count() == 0
+            assert not problems, problems
+        finally:
+            browser.close()
