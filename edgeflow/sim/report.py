@@ -1,4 +1,4 @@
-"""The run folder of ``edgeflow simulate``: metrics, model, plots and an HTML report.
+"""The run folder of ``edgeflow simulate``: metrics, model, charts and an HTML report.
 
 Layout of ``runs/<name>/``::
 
@@ -7,21 +7,29 @@ Layout of ``runs/<name>/``::
     devices.json     per device: profile, samples, bytes sent, training time, faults
     summary.json     final accuracy, wall time, peak memory, upload ratio
     final_model.onnx the last global model
+    accuracy.svg, bytes.svg, participants.svg   charts per round, always (no dependency)
     accuracy.png, bytes.png, participants.png, latency.png   (with matplotlib)
-    report.html      all of the above on one page
+    report.html      all of the above on one page, the SVG charts inline
+    report.md        the summary, the charts (as the .svg files) and the rounds table
 
-matplotlib is an optional extra (``pip install '.[report]'``): without it the
-HTML report is written with tables only and says how to get the plots.
+The SVG charts are drawn here, with the standard library only (:func:`svg_chart`): one
+point (or bar) per round, so every run has pictures. matplotlib is an optional extra
+(``pip install '.[report]'``) for the PNG versions and the per-device latency plot.
 """
 
 from __future__ import annotations
 
 import html
 import json
+import math
 from pathlib import Path
 from typing import Any, Sequence
 
 PLOTS = ("accuracy", "bytes", "participants", "latency")
+CHARTS = ("accuracy", "bytes", "participants")
+"""The SVG charts every run gets (:func:`write_charts`)."""
+
+_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e")
 
 
 def write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
@@ -97,6 +105,159 @@ def make_plots(folder: Path, rounds: list[dict[str, Any]], devices: list[dict[st
     return written
 
 
+def _finite(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    v = float(v)
+    return v if math.isfinite(v) else None
+
+
+def _nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    """About ``n`` round tick values covering [lo, hi]."""
+    if hi <= lo:
+        hi = lo + 1.0
+    raw = (hi - lo) / max(1, n)
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    first = math.ceil(lo / step - 1e-9) * step
+    out, t = [], first
+    while t <= hi + 1e-9 * step:
+        out.append(round(t, 10))
+        t += step
+    return out
+
+
+def _fmt_tick(v: float) -> str:
+    if v == 0:
+        return "0"
+    if abs(v) >= 1e4 or abs(v) < 1e-2:
+        return f"{v:.0e}".replace("e+0", "e").replace("e-0", "e-")
+    return f"{v:g}"
+
+
+def svg_chart(title: str, xs: Sequence[int], series: Sequence[tuple[str, Sequence[Any], str]], *,
+              ylabel: str, xlabel: str = "round", y_range: tuple[float, float] | None = None,
+              log: bool = False, width: int = 560, height: int = 300) -> str:
+    """One chart as a standalone SVG document (standard library only).
+
+    ``series``: ``(label, values, kind)`` with ``kind`` "line" (a polyline and one ``<circle
+    class="point">`` per value) or "bar" (one ``<rect class="bar">`` per value); ``values`` align
+    with ``xs``, and a missing value (None, NaN) draws nothing for that round. ``log``: a
+    logarithmic y axis (positive values only). Every point and bar has a ``<title>`` tooltip and
+    ``data-round``/``data-value`` attributes."""
+    left, right, top, bottom = 64, 16, 40, 44
+    pw, ph = width - left - right, height - top - bottom
+    vals = [v for _, ys, _ in series for v in (_finite(y) for y in ys) if v is not None and (not log or v > 0)]
+    if y_range is not None:
+        lo, hi = y_range
+    elif vals:
+        lo, hi = (min(vals), max(vals)) if log else (min(0.0, min(vals)), max(vals))
+    else:
+        lo, hi = (1.0, 10.0) if log else (0.0, 1.0)
+    if log:
+        lo, hi = 10 ** math.floor(math.log10(lo)), 10 ** math.ceil(math.log10(hi))
+        if hi <= lo:
+            hi = lo * 10
+
+        def ty(v: float) -> float:
+            return top + ph - (math.log10(v) - math.log10(lo)) / (math.log10(hi) - math.log10(lo)) * ph
+        yticks = [10.0 ** e for e in range(int(round(math.log10(lo))), int(round(math.log10(hi))) + 1)]
+    else:
+        if hi <= lo:
+            hi = lo + 1.0
+        yticks = _nice_ticks(lo, hi)
+        lo, hi = min(lo, yticks[0]), max(hi, yticks[-1])
+
+        def ty(v: float) -> float:
+            return top + ph - (v - lo) / (hi - lo) * ph
+    x_lo, x_hi = (min(xs), max(xs)) if xs else (0, 1)
+    n_bars = sum(1 for _, _, k in series if k == "bar")
+    slot = pw / max(1, len(xs))
+
+    def tx(x: float) -> float:
+        return left + slot / 2 + (x - x_lo) / max(1, x_hi - x_lo) * (pw - slot) if len(xs) > 1 else left + pw / 2
+
+    e = html.escape
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" role="img" aria-label="{e(title)}" '
+           'font-family="sans-serif" font-size="11">',
+           f"<title>{e(title)}</title>",
+           f'<rect x="0" y="0" width="{width}" height="{height}" fill="#fff"/>',
+           f'<text x="{width / 2:.1f}" y="16" text-anchor="middle" font-size="13">{e(title)}</text>']
+    for t in yticks:
+        y = ty(t)
+        out.append(f'<line x1="{left}" x2="{left + pw}" y1="{y:.1f}" y2="{y:.1f}" stroke="#ddd"/>'
+                   f'<text x="{left - 4}" y="{y + 4:.1f}" text-anchor="end">{e(_fmt_tick(t))}</text>')
+    step = max(1, math.ceil(len(xs) / 12))
+    for i, x in enumerate(xs):
+        if i % step == 0 or i == len(xs) - 1:
+            out.append(f'<text x="{tx(x):.1f}" y="{top + ph + 14}" text-anchor="middle">{int(x)}</text>')
+    out.append(f'<line x1="{left}" x2="{left}" y1="{top}" y2="{top + ph}" stroke="#444"/>'
+               f'<line x1="{left}" x2="{left + pw}" y1="{top + ph}" y2="{top + ph}" stroke="#444"/>')
+    out.append(f'<text x="{left + pw / 2:.1f}" y="{height - 6}" text-anchor="middle">{e(xlabel)}</text>')
+    out.append(f'<text transform="translate(14 {top + ph / 2:.1f}) rotate(-90)" text-anchor="middle">'
+               f"{e(ylabel)}{' (log scale)' if log else ''}</text>")
+    bar_i = 0
+    base = ty(lo) if log else ty(max(lo, 0.0))
+    for si, (label, ys, kind) in enumerate(series):
+        color = _COLORS[si % len(_COLORS)]
+        pts = []
+        for x, y in zip(xs, ys):
+            v = _finite(y)
+            if v is None or (log and v <= 0):
+                continue
+            tip = f"<title>round {int(x)}: {e(label)} {v:.4g}</title>"
+            if kind == "bar":
+                bw = slot * 0.8 / max(1, n_bars)
+                bx = tx(x) - slot * 0.4 + bar_i * bw
+                top_y = ty(v)
+                out.append(f'<rect class="bar" data-series="{e(label)}" data-round="{int(x)}" data-value="{v:.6g}" '
+                           f'x="{bx:.1f}" y="{min(top_y, base):.1f}" width="{max(bw, 1):.1f}" '
+                           f'height="{abs(base - top_y):.1f}" fill="{color}">{tip}</rect>')
+            else:
+                pts.append((tx(x), ty(v), x, v, tip))
+        if kind == "bar":
+            bar_i += 1
+        if len(pts) > 1:
+            out.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="'
+                       + " ".join(f"{px:.1f},{py:.1f}" for px, py, *_ in pts) + '"/>')
+        for px, py, x, v, tip in pts:
+            out.append(f'<circle class="point" data-series="{e(label)}" data-round="{int(x)}" data-value="{v:.6g}" '
+                       f'cx="{px:.1f}" cy="{py:.1f}" r="3" fill="{color}">{tip}</circle>')
+        lx = left + 8 + si * 150
+        out.append(f'<rect x="{lx}" y="{top - 14}" width="10" height="10" fill="{color}"/>'
+                   f'<text x="{lx + 14}" y="{top - 5}">{e(label)}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def charts(rounds: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """The run's charts as SVG documents: {"accuracy": ..., "bytes": ..., "participants": ...}."""
+    xs = [int(m["round_id"]) for m in rounds]
+    kib = [[None if _finite(m.get(k)) is None else float(m[k]) / 1024 for m in rounds] for k in
+           ("bytes_in", "dense_bytes")]
+    spread = [v for v in kib[0] + kib[1] if v is not None and v > 0]
+    log = bool(spread) and max(spread) / min(spread) > 20
+    return {
+        "accuracy": svg_chart("global model accuracy per round", xs, [("test accuracy",
+                              [m.get("accuracy") for m in rounds], "line")], ylabel="test accuracy", y_range=(0.0, 1.0)),
+        "bytes": svg_chart("bytes uploaded per round", xs, [("uploaded", kib[0], "bar"),
+                           ("dense fp32 equivalent", kib[1], "line")], ylabel="KiB", log=log),
+        "participants": svg_chart("participants per round", xs, [
+            ("selected", [m.get("selected") for m in rounds], "line"),
+            ("aggregated", [m.get("participants") for m in rounds], "line"),
+            ("dropped", [m.get("dropped") for m in rounds], "line")], ylabel="devices"),
+    }
+
+
+def write_charts(folder: Path, rounds: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """Write ``<name>.svg`` for each of :data:`CHARTS` into ``folder``; returns the SVG documents."""
+    out = charts(rounds)
+    for name, svg in out.items():
+        (Path(folder) / f"{name}.svg").write_text(svg + "\n", encoding="utf-8")
+    return out
+
+
 def _table(rows: Sequence[dict[str, Any]], cols: Sequence[str]) -> str:
     def fmt(v: Any) -> str:
         if isinstance(v, float):
@@ -114,14 +275,18 @@ def write_report(folder: Path, config: dict[str, Any], rounds: list[dict[str, An
         "<!doctype html><html><head><meta charset='utf-8'><title>edgeflow simulate report</title>",
         "<style>body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse;"
         "margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#eee}"
-        "img{max-width:48%;margin:1%}</style></head><body>",
+        "img{max-width:48%;margin:1%}figure.chart{display:inline-block;margin:1%}</style></head><body>",
         "<h1>edgeflow simulate</h1>",
         "<h2>Summary</h2>", _table([summary], list(summary)),
     ]
+    svgs = write_charts(folder, rounds)
+    parts.append("<h2>Charts</h2>" + "".join(f"<figure class='chart' id='chart-{n}'>{svg}</figure>"
+                                             for n, svg in svgs.items()))
     if plots:
         parts.append("<h2>Plots</h2>" + "".join(f"<img src='{p}' alt='{p[:-4]}'>" for p in plots))
     else:
-        parts.append("<p><em>Plots need matplotlib: <code>pip install '.[report]'</code>, then re-run.</em></p>")
+        parts.append("<p><em>PNG versions of the charts and the per-device latency plot need matplotlib: "
+                     "<code>pip install '.[report]'</code>, then re-run.</em></p>")
     parts += [
         "<h2>Rounds</h2>",
         _table(rounds, ["round_id", "model_version", "selected", "participants", "dropped", "late", "rejected",
@@ -134,4 +299,24 @@ def write_report(folder: Path, config: dict[str, Any], rounds: list[dict[str, An
     ]
     path = folder / "report.html"
     path.write_text("\n".join(parts), encoding="utf-8")
+    write_markdown(folder, rounds, summary, list(svgs))
+    return path
+
+
+def _md_cell(v: Any) -> str:
+    text = f"{v:.4g}" if isinstance(v, float) else str(v)
+    return html.escape(text).replace("|", "\\|").replace("\n", " ")
+
+
+def write_markdown(folder: Path, rounds: Sequence[dict[str, Any]], summary: dict[str, Any],
+                   charts_written: Sequence[str]) -> Path:
+    """``report.md``: the summary, the SVG charts (as image links to the files beside it) and the rounds."""
+    cols = ["round_id", "model_version", "selected", "participants", "dropped", "bytes_in", "round_s", "accuracy"]
+    lines = ["# edgeflow simulate", "", "| " + " | ".join(summary) + " |", "|" + "---|" * len(summary),
+             "| " + " | ".join(_md_cell(v) for v in summary.values()) + " |", "", "## Charts", ""]
+    lines += [f"![{n}]({n}.svg)" for n in charts_written]
+    lines += ["", "## Rounds", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_md_cell(r.get(c, "")) for c in cols) + " |" for r in rounds]
+    path = Path(folder) / "report.md"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
