@@ -54,8 +54,9 @@ def register(sub) -> None:
         "broker) on non-IID shards of scikit-learn's digits. Every knob of the gateway is a flag or a "
         "key of a TOML file (--config). Writes a run folder: config.json, metrics.jsonl (one line per "
         "round), devices.jsonl and devices.json (one record per device), summary.json, "
-        "final_model.onnx, report.html and, when matplotlib is installed (pip install '.[report]'), "
-        "PNG plots of accuracy, bytes, participants and latency.", 78)
+        "final_model.onnx, SVG charts of accuracy, bytes and participants per round (accuracy.svg, "
+        "bytes.svg, participants.svg), report.html with them inline, report.md and, when matplotlib is "
+        "installed (pip install '.[report]'), PNG plots of accuracy, bytes, participants and latency.", 78)
     hint = textwrap.fill(
         "With --dropout, --vanish or --stragglers some selected devices never report, so each round waits "
         "for its --deadline (default 30 s) before it closes on the quorum: lower --deadline to what one "
@@ -263,7 +264,7 @@ def cmd(args) -> int:
         c.print(f"{summary['rounds_completed']} rounds on {cfg.devices} devices in {wall:.1f} s, peak RSS "
                 f"{summary['peak_rss_mb']} MiB; final accuracy {acc}; uploaded "
                 f"{up / 1024:.0f} KiB ({(summary['upload_ratio'] or 0):.1%} of dense)")
-        c.print(f"run folder: {out}  (report: {report}{'' if plots else '; no plots: pip install matplotlib'})")
+        c.print(f"run folder: {out}  (report: {report}, SVG charts{'' if plots else '; PNG plots: pip install matplotlib'})")
     if failed:
         print("edgeflow simulate: error: no round completed, so there is no accuracy to report; see "
               f"{out / 'metrics.jsonl'} and the log (-v); lower --min-clients/--quorum or raise --deadline",
