@@ -136,3 +136,17 @@ def test_cli_flag_and_config_key_errors_exit_2(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['port'\]"):
         load_config({"http": {"port": 9100}})
     assert load_config({"http": {"listen": "127.0.0.1:9100"}}).http_listen == "127.0.0.1:9100"
+
+
+def test_the_grafana_dashboard_uses_only_metrics_the_gateway_exports(scraped):
+    import json
+    import re
+
+    _, _, fams, _ = scraped
+    dash = json.loads((Path(__file__).resolve().parents[1] / "docs" / "grafana-edgeflow.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    names = {n for e in exprs for n in re.findall(r"\bedgeflow_[a-z0-9_]+", e)}
+    assert len(names) >= 20
+    for n in sorted(names):
+        base = re.sub(r"_(total|bucket|count|sum)$", "", n)
+        assert n in fams or base in fams, f"{n} is in docs/grafana-edgeflow.json but not on /metrics"
