@@ -105,3 +105,36 @@ def test_the_dashboard_shows_the_fleet_in_chromium(tmp_path):
             assert not problems, problems
         finally:
             browser.close()
+
+
+def test_a_thousand_devices_in_chromium(tmp_path):
+    """1,000 registry rows: the table draws 500 and says how many more; the filter finds any one."""
+    import time
+
+    from playwright.sync_api import sync_playwright
+
+    shots = _shots(tmp_path)
+    with web_fleet(tmp_path, rounds=1, agents=1) as wf, sync_playwright() as pw:
+        profiles = ("raspberry-pi-4", "raspberry-pi-5", "jetson-orin-nano", "x86-gateway")
+        for i in range(1000 - 2):
+            p = profiles[i % 4]
+            wf.store.upsert_birth(f"sim-{i:04d}", {"profile": p, "backend": "ort", "can_train": True}, profile=p,
+                                  model_version=1 + i % 3)
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            t0 = time.perf_counter()
+            page.goto(wf.url, wait_until="domcontentloaded")
+            page.wait_for_selector("body[data-loaded='1']", timeout=30_000)
+            print(f"1000 devices: page loaded and drawn in {time.perf_counter() - t0:.2f} s")
+            assert page.locator(".card[data-key='devices'] b").text_content() == "1000"
+            assert page.locator("#devices tbody tr").count() == 500
+            assert page.locator("#devices-more").text_content() == "500 more not shown: filter to narrow"
+            page.fill("#filter", "sim-0777")
+            assert page.locator("#devices tbody tr").count() == 1
+            page.fill("#filter", "")
+            shot = shots / "dashboard-1000-devices.png"
+            page.screenshot(path=str(shot))
+            print(f"screenshot: {shot}")
+        finally:
+            browser.close()
