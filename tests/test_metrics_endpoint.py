@@ -136,6 +136,15 @@ def test_cli_flag_and_config_key_errors_exit_2(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['port'\]"):
         load_config({"http": {"port": 9100}})
     assert load_config({"http": {"listen": "127.0.0.1:9100"}}).http_listen == "127.0.0.1:9100"
+    cfg = tmp_path / "gateway.toml"
+    cfg.write_text('[gateway]\nfleet_dir = "nowhere"\n\n[http]\nlisten = "localhost"\n')
+    assert main(["gateway", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "http.listen must be HOST:PORT" in err[0], err
+    cfg.write_text('[gateway]\nfleet_dir = "nowhere"\n')
+    assert main(["gateway", "--config", str(cfg), "--http", "9100"]) == 2  # before the fleet directory is read
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--http must be HOST:PORT" in err[0], err
 
 
 def test_the_grafana_dashboard_uses_only_metrics_the_gateway_exports(scraped):
