@@ -392,3 +392,36 @@ def test_fleet_deploy_records_its_rollout(fleet_env, tmp_path, capsys) -> None: 
                         *common)
     _one_line_error(rc, out, err, "typo.db", "no such file")
     assert all(a.model_version == 2 for a in agents)
+
+
+def test_an_artifact_of_the_gateways_initial_model_file_maps_by_weights(tmp_path, capsys) -> None:
+    """The gateway stores its initial model as loaded (other bytes than the file): an artifact deployed from
+    model.onnx is still "= model v1", matched by the weights `fleet deploy` fingerprinted."""
+    import onnx
+
+    from edgeflow import zoo
+    from edgeflow.cli.fleet import weights_fingerprint
+    from edgeflow.runtime.model import load_model
+
+    f = tmp_path / "model.onnx"
+    onnx.save(zoo.digits_mlp(seed=0), str(f))
+    loaded = load_model(str(f)).SerializeToString()
+    path = tmp_path / "gateway.sqlite"
+    s = GatewayStore(str(path))
+    try:
+        s.add_model(loaded, hashlib.sha256(loaded).hexdigest())
+        s.add_model(mlp_bytes(5), hashlib.sha256(mlp_bytes(5)).hexdigest(), round_id=1)  # other weights
+        file_bytes = f.read_bytes()
+        assert hashlib.sha256(file_bytes).hexdigest() != hashlib.sha256(loaded).hexdigest()
+        for rid, fp in (("by-weights", weights_fingerprint(file_bytes)), ("no-fingerprint", None)):
+            s.add_rollout({"version": 1, "state": "completed", "started": time.time(), "devices": {},
+                           "source": {"weights_sha256": fp}}, rollout_id=rid,
+                          source_sha256=hashlib.sha256(file_bytes).hexdigest(), name="model.onnx", selector="all")
+    finally:
+        s.close()
+    rc, out, err = _run(capsys, "fleet", "rollouts", "--state", str(path), "--json")
+    assert rc == 0, err
+    assert {r["rollout_id"]: r["model_version"] for r in json.loads(out)["rollouts"]} == \
+        {"by-weights": 1, "no-fingerprint": None}
+    assert weights_fingerprint(mlp_bytes(5)) != weights_fingerprint(file_bytes)
+    assert weights_fingerprint(b"not onnx") is None

@@ -85,7 +85,8 @@ def test_the_fleet_quick_start_runs_as_written():
         round_lines = [ln for ln in out.stdout.splitlines() if re.match(r"round \d+: model v\d+, ", ln)]
         assert len(round_lines) >= 3 and all(re.search(r"KiB in, accuracy [0-9.]+, [0-9.]+ s$", ln)
                                              for ln in round_lines), out.stdout
-        assert "rollout of v2: completed" in out.stdout and "rollout of v1: completed" in out.stdout, out.stdout
+        assert "rollout of artifact v2: completed" in out.stdout and "rollout of artifact v1: completed" in out.stdout, \
+            out.stdout
         assert "cam-1: ok v1" in out.stdout or "cam-1: [green]ok" in out.stdout or "cam-1: ok" in out.stdout
     finally:
         shutil.rmtree(work, ignore_errors=True)

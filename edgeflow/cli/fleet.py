@@ -420,6 +420,10 @@ class _StateReader:
                  "round_id": None if r[4] is None else int(r[4])}
                 for r in self._q("SELECT version, created, sha256, size, round_id FROM models ORDER BY version")]
 
+    def model_onnx(self, version: int) -> bytes | None:
+        rows = self._q("SELECT onnx FROM models WHERE version=?", (int(version),))
+        return bytes(rows[0][0]) if rows else None
+
     def rollouts(self) -> list[dict[str, Any]] | None:
         """The recorded rollouts, oldest first; None when the state predates the table (schema < 4)."""
         from ..gateway.store import GatewayStore
@@ -626,6 +630,7 @@ def cmd_status(args) -> int:
             rounds = reader.rounds_status()
             models = reader.models()
             rollouts, _ = _rollouts_from(args, reader, strict=False)
+            _match_models(rollouts, models, reader)
         finally:
             reader.close()
     else:
@@ -760,7 +765,9 @@ def cmd_deploy(args) -> int:
     from ..errors import StateError
 
     try:  # the rollout happened whatever the record does: a failed record is one line on stderr, not the exit code
-        out["recorded_in"] = _record_rollout(args, out, source_sha256=hashlib.sha256(model).hexdigest(),
+        out["source"] = {"file": Path(args.model).name, "sha256": hashlib.sha256(model).hexdigest(),
+                         "weights_sha256": weights_fingerprint(model)}
+        out["recorded_in"] = _record_rollout(args, out, source_sha256=out["source"]["sha256"],
                                              name=Path(args.model).name)
     except StateError as exc:
         out["recorded_in"] = None
@@ -1019,13 +1026,55 @@ def _rollouts_from(args: Any, reader: Any | None, *, strict: bool = True) -> tup
     return sorted(found.values(), key=lambda r: (r["started"], r["rollout_id"])), read
 
 
+def weights_fingerprint(onnx_bytes: bytes) -> str | None:
+    """SHA-256 over a model's initializers (name, dtype, shape, values), or None when it does not parse.
+    The gateway stores its initial model as loaded (re-serialized: other bytes than the file), so an artifact
+    built from that file matches it by weights, not by the file's SHA-256."""
+    import hashlib
+
+    try:
+        import onnx
+        from onnx import numpy_helper
+
+        m = onnx.load_model_from_string(bytes(onnx_bytes))
+        h = hashlib.sha256()
+        for t in sorted(m.graph.initializer, key=lambda t: t.name):
+            a = numpy_helper.to_array(t)
+            h.update(f"{t.name}|{a.dtype.str}|{a.shape}|".encode())
+            h.update(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
+        return h.hexdigest()
+    except Exception as exc:  # noqa: BLE001 - a model that does not parse is simply not matched by weights
+        logging.getLogger(__name__).debug("no weights fingerprint: %s", exc)
+        return None
+
+
+def _match_models(rollouts: list[dict[str, Any]], models: list[dict[str, Any]], reader: Any | None) -> None:
+    """Give each rollout ``model``: the gateway's model it was built from (by SHA-256, or for the gateway's
+    initial models, stored without a round, by weights), or None."""
+    by_sha = {m["sha256"]: m for m in models}
+    seeds: dict[str, dict[str, Any]] | None = None
+    for r in rollouts:
+        m = by_sha.get(r["source_sha256"])
+        want = ((r.get("report") or {}).get("source") or {}).get("weights_sha256")
+        if m is None and want and reader is not None and models:
+            if seeds is None:
+                seeds = {}
+                for sm in models:
+                    blob = reader.model_onnx(sm["version"]) if sm["round_id"] is None else None
+                    fp = weights_fingerprint(blob) if blob else None
+                    if fp:
+                        seeds.setdefault(fp, sm)
+            m = seeds.get(want)
+        r["model"] = m
+
+
 def _artifact_models(rollouts: list[dict[str, Any]], models: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """artifact version -> {"model_version", "round", "source_sha256", "name"} from the newest rollout of it
     (model_version None when that model is not one of the gateway's, or the gateway's state was not read)."""
     by_sha = {m["sha256"]: m for m in models}
     out: dict[int, dict[str, Any]] = {}
     for r in rollouts:  # oldest first: the newest rollout of a version wins
-        m = by_sha.get(r["source_sha256"])
+        m = r["model"] if "model" in r else by_sha.get(r["source_sha256"])
         out[r["artifact_version"]] = {"model_version": None if m is None else m["version"],
                                       "round": None if m is None else m["round_id"],
                                       "source_sha256": r["source_sha256"], "name": r["name"]}
@@ -1044,7 +1093,7 @@ def _artifact_words(version: Any, mapping: dict[int, dict[str, Any]]) -> str:
 
 def _rollout_row(r: dict[str, Any], mapping_models: dict[str, dict[str, Any]]) -> dict[str, Any]:
     rep = r["report"]
-    m = mapping_models.get(r["source_sha256"])
+    m = r["model"] if "model" in r else mapping_models.get(r["source_sha256"])
     counts = rep.get("counts") if isinstance(rep.get("counts"), dict) else {}
     waves = rep.get("waves") if isinstance(rep.get("waves"), list) else []
     return {
@@ -1069,6 +1118,7 @@ def cmd_rollouts(args) -> int:
     try:
         rollouts, read = _rollouts_from(args, reader)
         models = reader.models() if reader is not None else []
+        _match_models(rollouts, models, reader)
     finally:
         if reader is not None:
             reader.close()
@@ -1168,6 +1218,7 @@ def cmd_history(args) -> int:
         rounds = reader.rounds()
         models = reader.models()
         rollouts, read = _rollouts_from(args, reader)
+        _match_models(rollouts, models, reader)
     finally:
         reader.close()
     mapping = _artifact_models(rollouts, models)
@@ -1179,10 +1230,8 @@ def cmd_history(args) -> int:
     for r in rollouts:
         d = (r["report"].get("devices") or {}).get(args.device)
         if isinstance(d, dict):
-            m = mapping.get(r["artifact_version"])
             offered.append({"rollout_id": r["rollout_id"], "artifact_version": r["artifact_version"],
-                            "model_version": None if m is None or m["source_sha256"] != r["source_sha256"]
-                            else m["model_version"],
+                            "model_version": (r.get("model") or {}).get("version"),
                             "started": round(r["started"], 3), "rollout_state": r["state"], "state": d.get("state"),
                             "code": d.get("code") or None, "error": d.get("error") or None, "wave": d.get("wave"),
                             "from_version": d.get("from_version"), "to_version": d.get("model_version"),
