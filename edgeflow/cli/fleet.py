@@ -541,7 +541,7 @@ def _add_versions(rows: list[dict[str, Any]], mapping: dict[int, dict[str, Any]]
 def _versions_line(rows: list[dict[str, Any]], models: list[dict[str, Any]] | None,
                    mapping: dict[int, dict[str, Any]]) -> str | None:
     """``gateway: global model v4 (round 3); devices run artifact v1 (= model v1) on 2``: the three counters."""
-    from .rounds import global_model_line
+    from ._history import global_model_line
 
     parts = []
     if models is not None:
@@ -1111,7 +1111,7 @@ def _rollout_row(r: dict[str, Any], mapping_models: dict[str, dict[str, Any]]) -
 def cmd_rollouts(args) -> int:
     from ..errors import StateError
     from ._common import console, emit_json, fit_table
-    from .rounds import check_last, global_model_line, when
+    from ._history import check_last, global_model_line, when
 
     check_last(args.last)
     reader = state_reader(args) if (args.state or args.config) else None
@@ -1172,7 +1172,7 @@ _TELEMETRY_FIELDS = ("model_version", "training", "train", "inferences", "infere
                      "latency_p95_ms", "rss_bytes", "cpu_percent", "battery", "queue_depth")
 
 NOT_RECORDED = (
-    "births before the latest one: the registry keeps only the newest birth (bdseq counts them)",
+    "births before the latest one: the registry keeps only the newest birth (and its bdseq)",
     "telemetry older than the newest [store] telemetry_keep rows (500 by default) per device",
     "whether the device's update was aggregated in a given round: a round stores only its counts and the "
     "devices it selected (the device's own telemetry counts rounds_trained)",
@@ -1201,7 +1201,7 @@ def cmd_history(args) -> int:
     from ..errors import ConfigError, FleetError
     from ..protocol.fleet import printable
     from ._common import console, emit_json, human_bytes
-    from .rounds import global_model_line, when
+    from ._history import global_model_line, when
 
     if args.last < 0:
         raise ConfigError(f"--last {args.last}: give how many telemetry rows to list, 0 or more")
@@ -1266,8 +1266,9 @@ def cmd_history(args) -> int:
     c.print(f"[bold]{_shown(rec.device_id)}[/] ({_shown(rec.profile or '-')}): "
             f"{'online' if rec.online else 'offline'}, runs {_artifact_words(rec.model_version, mapping)}; "
             + (f"gateway: global {global_model_line(models)}" if models else "the gateway has no global model yet"))
-    c.print(f"  registered {when(rec.first_seen)}, last seen {when(rec.last_seen)}")
-    c.print(f"  latest birth (connection #{_shown(rec.bdseq)}): backend {_shown(b.get('backend') or '-')}, "
+    c.print(f"  registered {when(rec.first_seen)}, last seen {when(rec.last_seen)} (the state holds what the "
+            "gateway saw while it ran)")
+    c.print(f"  latest birth (bdseq {_shown(rec.bdseq)}): backend {_shown(b.get('backend') or '-')}, "
             f"edgeflow {_shown((b.get('versions') or {}).get('edgeflow') or '-')}, "
             f"can train {_shown(b.get('can_train'))}, trust {_shown(b.get('trust') or '-')}")
     c.print(f"telemetry: {len(telemetry)} report(s) kept" + (f", {when(telemetry[0][0])} .. {when(telemetry[-1][0])}"

@@ -69,20 +69,6 @@ def add_state_args(p) -> None:
                    help="read the state that gateway.toml names ([gateway] state or [store] url) instead of --state")
 
 
-def check_last(last: int | None) -> None:
-    from ..errors import ConfigError
-
-    if last is not None and last < 1:
-        raise ConfigError(f"--last {last}: give how many of the newest to show, 1 or more")
-
-
-def when(ts: float | None) -> str:
-    """A stored timestamp as local time, to the second."""
-    if ts is None:
-        return "-"
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(ts)))
-
-
 def _num(v: Any) -> float | None:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
@@ -92,15 +78,6 @@ def _num(v: Any) -> float | None:
 def _round(v: Any, nd: int) -> float | None:
     x = _num(v)
     return None if x is None else round(x, nd)
-
-
-def global_model_line(models: list[dict[str, Any]]) -> str | None:
-    """``model v4 (round 3)``: the gateway's newest global model and the round that made it."""
-    if not models:
-        return None
-    m = models[-1]
-    made = f"round {m['round_id']}" if m["round_id"] is not None else "the initial model, before any round"
-    return f"model v{m['version']} ({made})"
 
 
 def round_rows(reader: Any, last: int | None = None) -> list[dict[str, Any]]:
@@ -152,6 +129,7 @@ def round_rows(reader: Any, last: int | None = None) -> list[dict[str, Any]]:
 
 def _cells(r: dict[str, Any]) -> list[str]:
     from ._common import human_bytes
+    from ._history import when
     from .fleet import _shown
 
     made = "-" if r["model_version"] is None else f"v{r['model_version']}"
@@ -165,6 +143,7 @@ def _cells(r: dict[str, Any]) -> list[str]:
 
 def cmd_rounds(args) -> int:
     from ._common import console, emit_json, fit_table
+    from ._history import check_last, global_model_line
     from .fleet import _shown, state_reader
 
     check_last(args.last)
