@@ -90,6 +90,8 @@ def test_the_dashboard_shows_the_fleet_in_chromium(tmp_path):
             page.wait_for_selector("#telemetry tbody tr", timeout=10_000)
             assert page.locator("#device-id").text_content() == wf.agents[0]
             assert page.locator("#telemetry tbody tr").count() >= 1
+            assert page.locator("#device-chart-caption").text_content() == "telemetry: cpu_percent"
+            assert page.locator("#chart-device svg circle").count() >= 1
             dev = shots / "dashboard-device.png"
             page.screenshot(path=str(dev), full_page=True)
             print(f"screenshot: {dev}")

@@ -182,9 +182,10 @@ async function renderDevice(id) {
     ["versions", JSON.stringify(b.versions || {})]];
   for (const [k, v] of items) { facts.appendChild(el("dt", {}, k)); facts.appendChild(el("dd", {}, v)); }
   // the first numeric field of the telemetry that changes over time is charted (latency, battery, memory)
-  const keys = ["latency_ms", "battery", "memory_mb", "cpu", "temperature_c"];
+  const keys = ["cpu_percent", "battery", "latency_p50_ms", "rss_bytes", "temperature_c", "latency_ms", "memory_mb"];
+  const skip = new Set(["ts", "seq", "bdseq", "model_version"]);
   const key = keys.find(k => d.telemetry.some(t => typeof t.data[k] === "number")) ||
-    Object.keys((d.telemetry[0] || { data: {} }).data).find(k => typeof d.telemetry[0].data[k] === "number");
+    Object.keys((d.telemetry[0] || { data: {} }).data).find(k => !skip.has(k) && typeof d.telemetry[0].data[k] === "number");
   document.getElementById("device-chart-caption").textContent = key ? `telemetry: ${key}` : "telemetry";
   const t0 = d.telemetry.length ? d.telemetry[0].ts : 0;
   lineChart(document.getElementById("chart-device"),
