@@ -89,6 +89,7 @@ def _asset(name: str) -> bytes:
 class _Handler(BaseHTTPRequestHandler):
     server: "_Server"
     protocol_version = "HTTP/1.1"
+    timeout = 60  # an idle keep-alive connection lets its thread go after a minute
     server_version = "edgeflow-web"
     sys_version = ""
 
