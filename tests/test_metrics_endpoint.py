@@ -159,3 +159,28 @@ def test_the_grafana_dashboard_uses_only_metrics_the_gateway_exports(scraped):
     for n in sorted(names):
         base = re.sub(r"_(total|bucket|count|sum)$", "", n)
         assert n in fams or base in fams, f"{n} is in docs/grafana-edgeflow.json but not on /metrics"
+
+
+def test_a_server_started_before_its_gateway_exists_attaches_when_it_does():
+    """edgeflow demo starts the server before its gateway is built: /metrics says so, then counts its rounds."""
+    import json
+
+    sys.path.insert(0, str(Path(__file__).parent / "unit"))
+    from _lbfleet import LoopbackFleet
+
+    from edgeflow.gateway.web import WebServer
+
+    holder: dict = {}
+    with WebServer(lambda: holder.get("fleet"), "127.0.0.1:0") as srv:
+        _, fams = _scrape(srv.url)
+        assert _value(fams, "edgeflow_gateway_attached") == 0 and "edgeflow_devices" not in fams
+        with urllib.request.urlopen(srv.url + "api/state", timeout=10) as r:
+            assert json.loads(r.read())["attached"] is False
+        with LoopbackFleet(3, config={"rounds": 2}) as lb:
+            holder["fleet"] = lb
+            assert srv.view.ready.wait(10)  # the attach thread looks every 50 ms
+            lb.rounds.run(2)
+            _, fams = _scrape(srv.url)
+            assert _value(fams, "edgeflow_gateway_attached") == 1
+            count = [s.value for s in fams["edgeflow_round_duration_seconds"].samples if s.name.endswith("_count")]
+            assert count == [2]

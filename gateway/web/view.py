@@ -149,6 +149,8 @@ class WebView:
         self.store_reads: list[float] = []
         """Seconds each store read of this view took since the last scrape (metrics drain it)."""
         self.attached = False
+        self.ready = threading.Event()
+        """Set once attached (the target exists and its hooks are in)."""
         self.resolve()
 
     # -- attaching ---------------------------------------------------------------------------------------
@@ -164,6 +166,7 @@ class WebView:
                 return False
             self._attach(obj)
             self.attached = True
+            self.ready.set()
             return True
 
     def _attach(self, obj: Any) -> None:
