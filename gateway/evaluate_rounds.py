@@ -32,7 +32,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -42,9 +42,6 @@ from edgeflow.transport.topics import device_filter, parse_topic
 
 from .aggregate import weighted_metrics
 from .intake import RoundView, check_evaluation
-
-if TYPE_CHECKING:
-    from .rounds import RoundManager
 
 log = logging.getLogger("edgeflow.gateway.evaluate")
 
@@ -68,7 +65,7 @@ def aggregate_evaluations(reports: list[EvaluationReport], metrics_fn: Any = Non
 class EvaluateRounds:
     """The evaluate round of a :class:`~edgeflow.gateway.rounds.RoundManager` (one open at a time)."""
 
-    def __init__(self, manager: "RoundManager") -> None:
+    def __init__(self, manager: Any) -> None:  # the RoundManager (which imports this module)
         self.m = manager
         self._cv = threading.Condition()
         self._rnd: RoundView | None = None
