@@ -100,18 +100,25 @@ def main(argv: list[str] | None = None) -> int:
                 row = one_run(name, seed, args.rounds, attack)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    table = {}
-    for name in args.only or list(STRATEGIES):
-        for attack in (False, True):
-            sel = [r for r in rows if r["strategy"] == name and r["attack"] == attack]
-            table[f"{name} {'attacked' if attack else 'clean'}"] = {
-                "clean_accuracy": statistics.mean(r["clean_accuracy"] for r in sel),
-                "backdoor_success": statistics.mean(r["backdoor_success"] for r in sel)}
+    table = mean_table(rows, args.only or list(STRATEGIES))
     print(json.dumps({"mean": table}, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "mean": table, "args": vars(args)}, indent=2),
                                    encoding="utf-8")
     return 0
+
+
+def mean_table(rows: list[dict[str, Any]], names: list[str]) -> dict[str, dict[str, float]]:
+    """``{"<name> clean|attacked": {clean_accuracy, backdoor_success}}``: the means over the seeds."""
+    table = {}
+    for name in names:
+        for attack in (False, True):
+            sel = [r for r in rows if r["strategy"] == name and r["attack"] == attack]
+            if sel:
+                table[f"{name} {'attacked' if attack else 'clean'}"] = {
+                    "clean_accuracy": statistics.mean(r["clean_accuracy"] for r in sel),
+                    "backdoor_success": statistics.mean(r["backdoor_success"] for r in sel)}
+    return table
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -139,21 +138,17 @@ def main(argv: list[str] | None = None) -> int:
     for cls in (RobustLearningRate, Flame, FLTrust, CenteredClip):
         strategies.register_aggregator(cls.name, cls)
     backdoor.STRATEGIES.update(RULES)
-    rows, table = [], {}
+    rows = []
     for name in args.only or list(RULES):
         for attack in (False, True):
-            sel = [backdoor.one_run(name, seed, args.rounds, attack) for seed in range(args.seeds)]
-            rows += sel
-            table[f"{name} {'attacked' if attack else 'clean'}"] = {
-                "clean_accuracy": statistics.mean(r["clean_accuracy"] for r in sel),
-                "backdoor_success": statistics.mean(r["backdoor_success"] for r in sel)}
-            print(json.dumps({name: table[f"{name} {'attacked' if attack else 'clean'}"], "attack": attack}),
-                  flush=True)
+            rows += [backdoor.one_run(name, seed, args.rounds, attack) for seed in range(args.seeds)]
+            key = f"{name} {'attacked' if attack else 'clean'}"
+            print(json.dumps({name: backdoor.mean_table(rows, [name])[key], "attack": attack}), flush=True)
     if args.json:
+        table = backdoor.mean_table(rows, args.only or list(RULES))
         Path(args.json).write_text(json.dumps({"rows": rows, "mean": table, "args": vars(args)}, indent=2),
                                    encoding="utf-8")
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())
