@@ -1061,3 +1061,86 @@ def _mlp(seed: int) -> bytes:
     from _fleet import mlp_bytes
 
     return mlp_bytes(seed)
+
+
+ESCAPES = {"osc": "\x1b]0;pwned\x07", "clear": "\x1b[2J", "close": "[/]", "style": "[bold red]x"}
+
+
+def _forge_birth(arena: Arena, device: str, **fields: Any) -> Any:
+    """A birth signed with a provisioned device's own key and sent with its password (a compromised board)."""
+    from edgeflow.protocol.fleet import BIRTH_CONTEXT
+    from edgeflow.protocol.signed_json import sign_body
+    from edgeflow.signing import PrivateKey
+
+    key = PrivateKey.load(arena.fd.device_dir(device) / "device.key")
+    body = {"device": device, "fleet": FLEET, "profile": PROFILE, "bdseq": int(time.time() * 1000),
+            "public_key": key.public_key.hex, "seq": 1, "ts": time.time(), **fields}
+    t = arena.env.transport(device, arena.env.device_password(device))
+    t.publish(_topic(device, "birth"), sign_body(body, key, BIRTH_CONTEXT), qos=1, retain=True).wait(10)
+    return t
+
+
+@attack("C30", "I31", "claimed profiles that are a path and an unknown board, strings with escapes and markup")
+def c30_claimed_profiles_and_escapes(c: Checks, arena: Arena) -> None:
+    from edgeflow.gateway.ota import RolloutPolicy, build_artifacts
+
+    fm = arena.gw.fleet
+    evil, odd = SPARE[0], SPARE[1]
+    ts = [_forge_birth(arena, evil, profile="../../etc/passwd", backend=ESCAPES["clear"] + ESCAPES["osc"]),
+          _forge_birth(arena, odd, profile="no-such-board", backend=ESCAPES["style"] + ESCAPES["close"])]
+    try:
+        c.must(wait_until(lambda: {evil, odd} <= {r.device_id for r in fm.online_devices()}, 15),
+               "the forged births never registered")
+        state = arena.root / "gateway.sqlite"
+        out = subprocess.run([sys.executable, "-m", "edgeflow", "fleet", "status", "--state", str(state)],
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "300"})
+        c.must(out.returncode == 0, f"fleet status rc {out.returncode}: {out.stderr[-300:]}")
+        c.must("\x1b" not in out.stdout + out.stderr and "\x07" not in out.stdout, "an escape reached the terminal")
+        c.should("\\x1b[2J" in out.stdout, "the hostile backend is not shown escaped")
+        version = max((arena.agents[d].model_version or 0) for d in HONEST) + 30
+        rep = fm.deploy(build_artifacts(_mlp(3), [PROFILE], arena.fleet_key, version=version, fleet=FLEET),
+                        to="all", policy=RolloutPolicy(report_timeout_s=60.0, failure_threshold=0.5))
+        skipped = {d for d, r in rep.devices.items() if r.state == "skipped"}
+        c.must({evil, odd} <= skipped, f"claimed profiles not skipped: {sorted(skipped)}")
+        c.must(rep.state == "completed" and all(arena.agents[d].model_version == version for d in HONEST),
+               f"the rest of the fleet did not get the model: {rep.state} {rep.halted_reason}")
+    finally:
+        for t, d in zip(ts, (evil, odd)):  # the forged births go, as an operator would clear them
+            t.publish(_topic(d, "birth"), b"", qos=1, retain=True).wait(10)
+            t.close(timeout=2)
+
+
+@attack("C31", "I31", "retained junk on the compromised device's channels, across a gateway restart")
+def c31_retained_junk(c: Checks, arena: Arena) -> None:
+    arena.evil_publish("telemetry", b"\x00" * 200_000, retain=True, raw=True)
+    arena.evil_publish("cmd/ack", b'{"not": "an ack"}', retain=True, raw=True)
+    before = arena.gw.fleet.stats().get("retained_junk_cleared", 0)
+    arena.stop_gateway()
+    arena.start_gateway()  # the retained messages arrive with its subscriptions: it clears what does not parse
+    c.must(wait_until(lambda: arena.gw.fleet.stats().get("retained_junk_cleared", 0) >= 2, 20),
+           f"retained junk not cleared: {arena.gw.fleet.stats().get('retained_junk_cleared', 0)} (before the restart "
+           f"{before})")
+    seen: list[Any] = []
+    app = arena.operator("tester", connect=False)
+    app.subscribe(_topic(EVIL, "telemetry"), lambda m: seen.append(m) if m.retain and m.payload else None)
+    app.connect()
+    c.must(_ping(arena), "the gateway stopped answering after the restart")
+    c.must(not seen, "the junk is still retained at the broker")
+    arena.wait_trainers()
+
+
+@attack("C32", "I31", "a model that allocates 1.6 GB at run time, offered to a board with a 1 GB budget")
+def c32_runtime_allocation(c: Checks, arena: Arena) -> None:
+    from edgeflow.artifact import build_artifact
+
+    from test_untrusted_model_limits import alloc_model
+
+    dev = HONEST[2]
+    a = arena.agents[dev]
+    before = a.model_version
+    art = build_artifact(alloc_model().SerializeToString(), version=(before or 0) + 40, profile=PROFILE,
+                         key=arena.fleet_key, fleet=FLEET)
+    r = arena.gw.fleet.send_ota(dev, art, version=(before or 0) + 40).wait(240)
+    c.must(not r.ok and a.model_version == before, f"the allocating model was installed: {r.code} {r.error}")
+    c.should("memory" in str(r.error), f"the refusal does not name the memory: {r.error}")
+    c.must(_ping(arena, dev), "the device stopped answering")
