@@ -255,7 +255,8 @@ def hardswish_rows(models, n_cal: int, n_eval: int, runs: int, rounds: int, prof
         if data is None:
             continue
         cal, ev, fp32 = data
-        kw = dict(calibration=cal, backend="ort", batch_size=1, latency_runs=0, sensitivity=False)
+        kw = dict(calibration=cal, backend="ort", batch_size=1, latency_runs=0, sensitivity=False,
+                  max_loss=None)  # the lever itself: static int8 unchecked
         with mock.patch("edgeflow.quantization.hardswish.hardswish_as_qlinear", lambda m: (m, 0)):
             off = edgeflow.quantize(fp32, prof, **kw).model
         on = edgeflow.quantize(fp32, prof, **kw)
@@ -321,7 +322,7 @@ def bias_rows(models, n_cal: int, n_eval: int, profile: str = PROFILE,
             for bc in (False, True):
                 t0 = time.time()
                 r = edgeflow.quantize(fp32, prof, calibration=cal, method=method, backend="ort", batch_size=1,
-                                      latency_runs=0, sensitivity=False, bias_correction=bc)
+                                      latency_runs=0, sensitivity=False, bias_correction=bc, max_loss=None)
                 row["seconds_bc" if bc else "seconds"] = time.time() - t0
                 sess = load(r.model, prof, backend="ort", batch_size=1, allow_over_budget=True, exact_int8=exact)
                 row["fidelity_bc" if bc else "fidelity"] = _fidelity(fid, ref, outputs(sess))
@@ -386,7 +387,7 @@ def print_op_times(name: str, profile: str = PROFILE, n_cal: int = 16) -> None:
 
     fp32 = name_nodes(edgeflow.runtime.optimize.optimize_model(model_suite.load(name)))  # the names quantize gives
     q = edgeflow.quantize(fp32, prof, calibration=_stack(name, range(n_cal)), backend="ort", batch_size=1,
-                          latency_runs=0, sensitivity=False).model
+                          latency_runs=0, sensitivity=False, max_loss=None).model
     one = {k: v[:1] for k, v in _stack(name, [100]).items()}
     groups = {}
     for n in fp32.graph.node:
@@ -501,8 +502,10 @@ def main(argv: list[str] | None = None) -> int:
     # --- the benchmark CNN: latency and size ---------------------------------
     cnn28 = zoo.small_cnn()
     x28 = rng.random((300, 1, 28, 28), dtype=np.float32)
-    q28 = edgeflow.quantize(cnn28, PROFILE, calibration=x28, engine="ort", latency_runs=0, sensitivity=False)
-    q28n = edgeflow.quantize(cnn28, PROFILE, calibration=x28, engine="numpy", latency_runs=0, sensitivity=False)
+    q28 = edgeflow.quantize(cnn28, PROFILE, calibration=x28, engine="ort", latency_runs=0, sensitivity=False,
+                            max_loss=None)
+    q28n = edgeflow.quantize(cnn28, PROFILE, calibration=x28, engine="numpy", latency_runs=0, sensitivity=False,
+                             max_loss=None)
 
     # --- digits: trained models, accuracy, latency ---------------------------
     digits = load_digits(seed=0)
@@ -516,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
         row = {"model": name}
         for engine in ("ort", "numpy"):
             r = edgeflow.quantize(fp32, PROFILE, calibration=split.x_train[:300], engine=engine,
-                                  eval_data=split.x_test, labels=digits.y_test, latency_runs=0, sensitivity=False)
+                                  eval_data=split.x_test, labels=digits.y_test, latency_runs=0, sensitivity=False,
+                                  max_loss=None)
             row["fp32_acc"] = r.report.accuracy_fp32
             row[f"int8_acc_{engine}"] = r.report.accuracy_quantized
             row[f"drop_{engine}"] = r.report.accuracy_drop
