@@ -76,5 +76,7 @@ def test_one_fast_device_is_in_each_buffer_at_most_once_over_loopback():
         assert "d0" in r.client_ids  # the fast device is in each buffer, once
     refused = sum(r.metrics.get("rejected_buffer_duplicate", 0.0) for r in buffers)
     dup = [x for r in buffers for x in r.rejected if x.reason == "buffer_duplicate"]
-    assert refused == len(dup) >= 2 and {x.client_id for x in dup} == {"d0"}
+    # d0's copies are refused; under load a slow device can also finish twice within one buffer, and its
+    # second update is refused by the same rule
+    assert refused == len(dup) >= 2 and "d0" in {x.client_id for x in dup}
     assert fast.stats.updates_sent >= 3 * 3

@@ -905,8 +905,13 @@ def b25_state_damage(c: Checks, arena: Arena) -> None:
     from edgeflow.errors import StateError
     from edgeflow.gateway.store import GatewayStore
 
+    import sqlite3
+
     src = arena.root / "damage-src.sqlite"
     arena.gw.store.backup(src) if hasattr(arena.gw.store, "backup") else _sqlite_backup(arena, src)
+    db = sqlite3.connect(str(src))  # no free pages: the bytes overwritten mid-file are in use, whatever the layout
+    db.execute("VACUUM")
+    db.close()
     for damage in ("truncated", "overwritten"):
         p = arena.root / f"damaged-{damage}.sqlite"
         shutil.copyfile(src, p)
