@@ -1045,21 +1045,26 @@ def c28_lying_canary(c: Checks, arena: Arena) -> None:
 
 @attack("C29", "I31", "a model whose Loop runs 2**62 times, offered to a device")
 def c29_endless_loop(c: Checks, arena: Arena) -> None:
-    from edgeflow.artifact import build_artifact
-
     from test_untrusted_model_limits import loop_model
 
     dev = HONEST[1]
-    a = arena.agents[dev]
-    before = a.model_version
-    # no golden data (computing it would run the loop here): the device's health check runs the model itself
-    art = build_artifact(loop_model().SerializeToString(), version=(before or 0) + 20, profile=PROFILE,
-                         key=arena.fleet_key, fleet=FLEET)
     t0 = time.monotonic()
-    r = arena.gw.fleet.send_ota(dev, art, version=(before or 0) + 20).wait(240)
-    c.must(not r.ok and a.model_version == before, f"the endless model was installed: {r.code} {r.error}")
+    r, before = _offer_unchecked(arena, dev, loop_model(), 20)
+    c.must(not r.ok and arena.agents[dev].model_version == before,
+           f"the endless model was installed: {r.code} {r.error}")
     c.should(time.monotonic() - t0 < 180, f"the health check took {time.monotonic() - t0:.0f} s")
     c.must(_ping(arena, dev), "the device stopped answering")
+
+
+def _offer_unchecked(arena: Arena, dev: str, model: Any, bump: int) -> tuple[Any, int | None]:
+    """Offer ``model`` to ``dev`` as a signed artifact without golden data (computing it would run the hostile
+    model here): the device's own health check is what must refuse it. Returns (ack, the version before)."""
+    from edgeflow.artifact import build_artifact
+
+    before = arena.agents[dev].model_version
+    art = build_artifact(model.SerializeToString(), version=(before or 0) + bump, profile=PROFILE,
+                         key=arena.fleet_key, fleet=FLEET)
+    return arena.gw.fleet.send_ota(dev, art, version=(before or 0) + bump).wait(240), before
 
 
 def _mlp(seed: int) -> bytes:
@@ -1136,16 +1141,11 @@ def c31_retained_junk(c: Checks, arena: Arena) -> None:
 
 @attack("C32", "I31", "a model that allocates 1.6 GB at run time, offered to a board with a 1 GB budget")
 def c32_runtime_allocation(c: Checks, arena: Arena) -> None:
-    from edgeflow.artifact import build_artifact
-
     from test_untrusted_model_limits import alloc_model
 
     dev = HONEST[2]
-    a = arena.agents[dev]
-    before = a.model_version
-    art = build_artifact(alloc_model().SerializeToString(), version=(before or 0) + 40, profile=PROFILE,
-                         key=arena.fleet_key, fleet=FLEET)
-    r = arena.gw.fleet.send_ota(dev, art, version=(before or 0) + 40).wait(240)
-    c.must(not r.ok and a.model_version == before, f"the allocating model was installed: {r.code} {r.error}")
+    r, before = _offer_unchecked(arena, dev, alloc_model(), 40)
+    c.must(not r.ok and arena.agents[dev].model_version == before,
+           f"the allocating model was installed: {r.code} {r.error}")
     c.should("memory" in str(r.error), f"the refusal does not name the memory: {r.error}")
     c.must(_ping(arena, dev), "the device stopped answering")
