@@ -475,13 +475,13 @@ class IngestWorker:
         self.db = IngestStore(cfg.state)
         self.keyring = KeyRing.load(cfg.keyring)
         if transport is None:
-            from edgeflow.transport import MqttTransport
+            from edgeflow.transport.factory import transport_from_url
             from edgeflow.transport.message import TlsConfig
 
             kwargs: dict[str, Any] = {}
             if cfg.ca_file:
                 kwargs["tls"] = TlsConfig(ca_file=cfg.ca_file)
-            transport = MqttTransport.from_url(cfg.broker, client_id=cfg.mqtt_client_id, clean_start=False,
+            transport = transport_from_url(cfg.broker, client_id=cfg.mqtt_client_id, clean_start=False,
                                                session_expiry_s=cfg.session_expiry_s, username=cfg.username,
                                                password=cfg.password, **kwargs)
         self.transport = transport

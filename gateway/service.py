@@ -520,7 +520,7 @@ class Gateway:
     def from_config(cls, config: GatewayConfig, *, broker: str | None = None, fleet_dir: str | None = None,
                     on_round: Callable[[RoundMetrics], None] | None = None) -> "Gateway":
         from edgeflow.broker.mosquitto import FleetDir
-        from edgeflow.transport import MqttTransport
+        from edgeflow.transport.factory import transport_from_url
         from edgeflow.transport.message import TlsConfig, Will
         from edgeflow.transport.topics import gateway_topic
 
@@ -542,7 +542,7 @@ class Gateway:
             kwargs["tls"] = TlsConfig(ca_file=str(ca))
         if config.max_payload:
             kwargs["max_payload"] = int(config.max_payload)
-        transport = MqttTransport.from_url(
+        transport = transport_from_url(
             url, client_id=config.client_id or f"{fleet}-gateway", username=creds["username"],
             password=creds["password"], clean_start=False, session_expiry_s=24 * 3600,
             will=Will(str(gateway_topic(fleet, "state")), json.dumps({"online": False}), qos=1, retain=True),
@@ -659,7 +659,7 @@ def _site_material(config: GatewayConfig, fd: Any, fleet: str, transport_kwargs:
     root_key = PublicKey.load(config.path(h.root_key)) if h.root_key else fd.fleet_public_key()
     out: dict[str, Any] = {"site_signer": Signer.load(h.site_id, key_path), "root_key": root_key}
     if h.uplink != "bridge":
-        from edgeflow.transport import MqttTransport
+        from edgeflow.transport.factory import transport_from_url
 
         creds_path = fd.device_dir(h.site_id) / "device.json"
         creds = json.loads(creds_path.read_text(encoding="utf-8")) if creds_path.exists() else {}
@@ -669,7 +669,7 @@ def _site_material(config: GatewayConfig, fd: Any, fleet: str, transport_kwargs:
         ca = fd.ca_file()
         if h.uplink.startswith(("mqtts://", "wss://")) and ca is not None:
             kw["tls"] = TlsConfig(ca_file=str(ca))
-        out["uplink_transport"] = MqttTransport.from_url(
+        out["uplink_transport"] = transport_from_url(
             h.uplink, client_id=creds.get("username", h.site_id), username=creds.get("username"),
             password=creds.get("password"), clean_start=False, session_expiry_s=24 * 3600, **kw)
     return out

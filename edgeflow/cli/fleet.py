@@ -224,7 +224,7 @@ class _Session:
         from ..gateway.fleet import FleetManager, FleetOptions
         from ..gateway.store import GatewayStore
         from ..transport.message import TlsConfig
-        from ..transport.mqtt import MqttTransport
+        from ..transport.factory import transport_from_url
         from ..transport.url import parse_broker_url
 
         if not args.wait >= 0:
@@ -241,7 +241,7 @@ class _Session:
         ca = fd.ca_file()
         if parse_broker_url(url).tls and ca is not None:
             kwargs["tls"] = TlsConfig(ca_file=str(ca))
-        self.transport = MqttTransport.from_url(url, **kwargs)
+        self.transport = transport_from_url(url, **kwargs)
         self.store = GatewayStore(":memory:")
         self.fm = FleetManager(self.transport, self.store, fd.fleet, fd.fleet_key(),
                                FleetOptions(record_telemetry=telemetry, heartbeat_timeout_s=3600), keyring=fd.keyring(),

@@ -315,7 +315,7 @@ class DeviceAgent:
         **transport_options: Any,
     ) -> DeviceAgent:
         """Build the agent and its MQTT transport from a credentials directory (see :mod:`.credentials`)."""
-        from ..transport.mqtt import MqttTransport
+        from ..transport.factory import transport_from_url
         from ..transport.url import parse_broker_url
         from .credentials import DeviceCredentials
 
@@ -332,7 +332,7 @@ class DeviceAgent:
             tls = creds.tls_config()
             if tls is not None:
                 kwargs["tls"] = tls
-        transport = MqttTransport.from_url(url, **kwargs)
+        transport = transport_from_url(url, **kwargs)
         state = Path(state_dir) if state_dir else Path.home() / ".edgeflow" / "device" / creds.device_id
         return cls(transport, device_id=creds.device_id, fleet=creds.fleet, profile=prof, signer=creds.signer,
                    fleet_key=creds.fleet_key, state_dir=state, options=options,

@@ -225,7 +225,7 @@ class Demo:
         from ..gateway.store import GatewayStore
         from ..profiles import get_profile
         from ..signing import KeyRing, PrivateKey, Signer
-        from ..transport import MqttTransport
+        from ..transport.factory import transport_from_url
         from ..transport.message import Will
         from ..transport.topics import gateway_topic
 
@@ -268,7 +268,7 @@ class Demo:
         for d, s in signers.items():
             keyring.register(d, s.public_key)
 
-        gt = MqttTransport.from_url(
+        gt = transport_from_url(
             self.broker.url, client_id=f"{cfg.fleet}-gateway", protocol=protocol, clean_start=True,
             will=Will(str(gateway_topic(cfg.fleet, "state")), '{"online": false}'),
         )
@@ -291,7 +291,7 @@ class Demo:
         make = _participant_factory(self.shards, cfg.seed, self.clients)
         self.agents = {}
         for d, p in zip(ids, profiles):
-            t = MqttTransport.from_url(self.broker.url, client_id=d, protocol=protocol, clean_start=True)
+            t = transport_from_url(self.broker.url, client_id=d, protocol=protocol, clean_start=True)
             agent = DeviceAgent(t, device_id=d, fleet=cfg.fleet, profile=p, signer=signers[d],
                                 fleet_key=fleet_key.public_key, state_dir=work / "devices" / d,
                                 options=AgentOptions(telemetry_interval_s=2.0, health_runs=3),

@@ -272,7 +272,7 @@ class SimulatedFleet:
                  on_round: Callable | None = None, protocol: str = "auto") -> None:
         from ..gateway.rounds import RoundManager
         from ..gateway.store import GatewayStore
-        from ..transport import MqttTransport
+        from ..transport.factory import transport_from_url
 
         self.cfg = cfg
         self.broker_url = broker_url
@@ -297,7 +297,7 @@ class SimulatedFleet:
             did = f"dev{i:03d}"
             signer = Signer.generate(did)
             self.keyring.register(did, signer.public_key)
-            t = MqttTransport.from_url(broker_url, client_id=f"{cfg.fleet}-{did}", protocol=protocol,
+            t = transport_from_url(broker_url, client_id=f"{cfg.fleet}-{did}", protocol=protocol,
                                        clean_start=True)
             transform = self._transform(i, i in byz, rng)
             prof = next(profiles)
@@ -306,7 +306,7 @@ class SimulatedFleet:
                        profile=prof, seed=cfg.seed * 1000 + i, transform_update=transform,
                        delay_s=cfg.straggler_delay_s if i in slow else 0.0, trainer_options=trainer_options)
             self.devices.append(SimDevice(did, prof, t, c, byzantine=i in byz, straggler=i in slow))
-        self.gateway_transport = MqttTransport.from_url(broker_url, client_id=f"{cfg.fleet}-gateway",
+        self.gateway_transport = transport_from_url(broker_url, client_id=f"{cfg.fleet}-gateway",
                                                         protocol=protocol)
         rc = cfg.round_config(wait_for_devices_s=10.0)
         self.store = GatewayStore(state_path)
