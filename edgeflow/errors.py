@@ -101,3 +101,13 @@ class ResourceLimitError(EdgeflowError, RuntimeError):
     def __init__(self, message: str, limit: str = "") -> None:
         super().__init__(message)
         self.limit = limit
+
+
+class StateInUseError(StateError):
+    """Another gateway process holds the lease on this state (one gateway per state); the message
+    names the holder (host, pid, since) and what to do."""
+
+
+class ClientIdTakenError(TransportError):
+    """The broker handed this client id's session to another connection (MQTT 5 DISCONNECT 0x8E,
+    "session taken over") again and again: the same device (or gateway) runs twice."""
