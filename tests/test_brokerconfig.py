@@ -395,3 +395,34 @@ def test_transport_doc_shows_the_acl_broker_config_writes() -> None:
     block = doc.split(marker, 1)[1].split("```", 2)[1]
     want = fleet_acl("lab", ["gateway", "admin"], ["dev-1"]).strip()
     assert block.strip() == want, ("docs/transport.md's ACL differs from what broker-config writes; paste:\n" + want)
+
+
+@pytest.mark.parametrize("bind_host, flag", [("127.0.0.1", "--port"), ("0.0.0.0", "--port"),
+                                             ("127.0.0.1", "--websockets"), ("127.0.0.1", "--local-port")])
+def test_a_port_already_listened_on_is_refused_before_anything_is_written(tmp_path, capsys, bind_host, flag) -> None:
+    """Issue 33: broker-config accepted a port in use; the broker then failed at start. A real listening
+    socket: one line naming the port and the fix, rc 2, no fleet directory. A rerun keeping the port the
+    running broker holds (what `fleet provision` does) is not refused."""
+    from edgeflow.cli.main import main
+
+    user = ["--broker-user", BROKER_USER] if BROKER_USER else []
+    d = tmp_path / "fleet"
+    with socket.socket() as busy:
+        busy.bind((bind_host, 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        others = {"--port": [], "--websockets": ["--port", str(free_port())], "--local-port": ["--port", str(free_port())]}
+        capsys.readouterr()
+        rc = main(["broker-config", "--dir", str(d), "--fleet", "lab", *others[flag], flag, str(port), *user])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1, err
+        assert f"{flag} {port}: the port is already in use" in err[0] and f"choose another port with {flag}" in err[0]
+        assert not d.exists(), "nothing is written when a port is taken"
+    assert main(["broker-config", "--dir", str(d), "--fleet", "lab", *others[flag], flag, str(port), *user]) == 0
+    with socket.socket() as broker:  # the broker now runs on it: reruns and provisioning go on
+        broker.bind(("127.0.0.1" if flag == "--local-port" else "0.0.0.0", port))
+        broker.listen()
+        assert main(["broker-config", "--dir", str(d)]) == 0
+        assert main(["fleet", "provision", "pi-1", "--dir", str(d)]) == 0
+        capsys.readouterr()
+        assert main(["broker-config", "--dir", str(d), flag, str(port)]) == 0, "the same port given again"

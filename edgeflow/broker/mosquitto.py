@@ -21,7 +21,10 @@ What the generated broker enforces:
   ``max_queued_bytes`` per client; ``max_connections`` on every listener,
   sized to the fleet (:func:`fleet_max_connections`), so idle sockets opened
   without a credential are refused at that count instead of using up the
-  broker's open files (its ``LimitNOFILE``, see docs/fleet.md). Mosquitto 2.0 cannot forbid retain per
+  broker's open files (its ``LimitNOFILE``, see docs/fleet.md). ``max_connections`` bounds a listener,
+  not a peer: ``broker/nftables.conf`` (:mod:`edgeflow.broker.firewall`) limits the connections per
+  source address in the kernel, so one address cannot fill a listener with idle sockets (the slow
+  loris Mosquitto would only drop after about 95 s). Mosquitto 2.0 cannot forbid retain per
   topic (its ACL has no retain flag) nor bound the retained store; receivers
   refuse retained chunks the topic scheme does not expect
   (:func:`edgeflow.transport.topics.retained_chunks_allowed`).
@@ -55,7 +58,7 @@ Fleet directory (``edgeflow broker-config --dir FLEET`` creates it)::
     fleet.key/fleet.pub the fleet signing key (commands, OTA artifacts)
     keyring.json        device public keys (device id -> hex)
     operators/<user>.json  operator MQTT credentials (0600)
-    broker/             mosquitto.conf, passwd, acl, ca.crt, ca.key, server.crt, server.key
+    broker/             mosquitto.conf, passwd, acl, ca.crt, ca.key, server.crt, server.key, nftables.conf
     devices/<id>/       a device's credentials directory, to copy onto the board
 """
 
@@ -87,6 +90,7 @@ from ..transport.topics import (
     GATEWAY_CHANNEL_SPECS,
     validate_id,
 )
+from .firewall import ConnectionLimits, nftables_ruleset, per_source_limit
 
 __all__ = [
     "DEFAULT_MAX_PACKET",
@@ -95,6 +99,7 @@ __all__ = [
     "FleetDir",
     "ListenerSettings",
     "broker_user",
+    "check_ports_free",
     "fleet_acl",
     "fleet_max_connections",
     "make_fleet_ca",
@@ -256,6 +261,9 @@ class ListenerSettings:
     max_connections: int | None = None
     """Connections each listener accepts (``max_connections``); None: sized to the fleet by
     :meth:`FleetDir.write_broker_config` (:func:`fleet_max_connections`)."""
+    per_source_connections: int | None = None
+    """Connections one source address may hold on the network listeners (broker/nftables.conf); None:
+    :func:`edgeflow.broker.firewall.per_source_limit` of the operator users."""
     persistence_dir: str | None = None
     log_file: str | None = None
     user: str | None = None
@@ -282,7 +290,8 @@ class ListenerSettings:
         for name, value, low in (("max_packet_size", self.max_packet_size, 64 * 1024),
                                  ("max_queued_messages", self.max_queued_messages, 1),
                                  ("max_queued_bytes", self.max_queued_bytes, 1 << 20),
-                                 ("max_connections", self.max_connections, 1)):
+                                 ("max_connections", self.max_connections, 1),
+                                 ("per_source_connections", self.per_source_connections, 1)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ConfigError(f"{name} {value!r} is too small or not a whole number: use at least {low}")
         if bool(self.certfile) != bool(self.keyfile):
@@ -376,6 +385,53 @@ def broker_user(settings: ListenerSettings) -> str:
                               f"user; run broker-config as root, or leave --broker-user out (the broker runs as {me})")
         return me
     return settings.user or "mosquitto"
+
+
+def check_ports_free(settings: ListenerSettings, previous: ListenerSettings | None = None) -> None:
+    """Refuse (ConfigError, one line) a listener port another process already listens on.
+
+    A bind attempt per listener (the address the broker will bind, ``SO_REUSEADDR`` as Mosquitto sets
+    it, so connections in TIME_WAIT do not count). Ports the ``previous`` settings (the last run's)
+    already had on the same address are skipped: the broker running on that config holds them, and a
+    rerun (``fleet provision``) must not be refused for it. An address that is not this machine's
+    (the config is made for another host) or a port that needs root is left to the broker to report.
+    """
+    def listeners(s: ListenerSettings | None) -> dict[tuple[str, int], str]:
+        if s is None:
+            return {}
+        out = {(s.host, s.port): "--port"}
+        if s.websockets_port:
+            out[(s.host, s.websockets_port)] = "--websockets"
+        if s.plain_port:
+            out[("127.0.0.1", s.plain_port)] = "--local-port"
+        return out
+
+    before = listeners(previous)
+    for (host, port), flag in listeners(settings).items():
+        if (host, port) in before:
+            continue
+        problem = _bind_problem(host, port)
+        if problem is not None:
+            raise ConfigError(f"{flag} {port}: {problem} on {host} (`ss -ltnp 'sport = :{port}'` shows by whom): "
+                              f"stop that process or choose another port with {flag}")
+
+
+def _bind_problem(host: str, port: int) -> str | None:
+    """Why the broker could not listen on ``host``:``port`` now, or None (free, or not decidable here)."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return None  # a name this machine cannot resolve: the config is for another host
+    for family, kind, proto, _, addr in infos[:1]:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return "the port is already in use"
+                return None  # EADDRNOTAVAIL (another host's address), EACCES (a port below 1024): the broker's to say
+    return None
 
 
 def _reachable(path: Path, uid: int, gids: set[int]) -> tuple[bool, Path | None]:
@@ -681,6 +737,10 @@ class BrokerFiles:
     max_connections: int = MIN_MAX_CONNECTIONS
     """``max_connections`` of each listener in the config."""
     listeners: int = 1
+    firewall: Path | None = None
+    """broker/nftables.conf: the per-source limits to load with ``nft -f`` (:mod:`edgeflow.broker.firewall`)."""
+    per_source: int = 0
+    """Connections per source address that ruleset allows on the network listeners."""
 
     @property
     def open_files(self) -> int:
@@ -887,7 +947,8 @@ class FleetDir:
         b = self.broker_dir
         return [self.meta_path, self.keyring_path, self.path / "fleet.key", self.path / "fleet.pub",
                 self.path / "operators", self.path / "devices", b,
-                *(b / n for n in ("passwd", "acl", "mosquitto.conf", "ca.crt", "ca.key", "server.crt", "server.key"))]
+                *(b / n for n in ("passwd", "acl", "mosquitto.conf", "ca.crt", "ca.key", "server.crt", "server.key",
+                                  "nftables.conf"))]
 
     def _check_names(self, ops: list[str], devices: Iterable[str]) -> None:
         """Devices and operators in disjoint name spaces; each device's MQTT user name is its id."""
@@ -962,11 +1023,22 @@ class FleetDir:
         conf = b / "mosquitto.conf"
         _write_file(conf, render_config(fleet, rendered, password_file=str(b / "passwd"), acl_file=str(acl)).encode(),
                     0o600)
+        limits = self._connection_limits(fleet, s, len(ops))
+        firewall = b / "nftables.conf"
+        _write_file(firewall, nftables_ruleset(limits, config_path=str(firewall)).encode(), 0o600)
         if grant is not None:
             grant()
         self._fill_broker_urls()
         listeners = 1 + bool(s.websockets_port) + bool(s.plain_port)
-        return BrokerFiles(conf, b / "passwd", acl, ca if ca.exists() else None, max_conn, listeners)
+        return BrokerFiles(conf, b / "passwd", acl, ca if ca.exists() else None, max_conn, listeners, firewall,
+                           limits.per_source)
+
+    @staticmethod
+    def _connection_limits(fleet: str, s: ListenerSettings, operator_users: int) -> ConnectionLimits:
+        """The per-source limits of the network listeners (TLS, websockets; the plain one is loopback only)."""
+        ports = [s.port] + ([s.websockets_port] if s.websockets_port else [])
+        per_source = s.per_source_connections or per_source_limit(operator_users)
+        return ConnectionLimits.for_source(fleet, ports, per_source)
 
     def check_broker_config(self, settings: ListenerSettings) -> None:
         """Every check :meth:`write_broker_config` makes (ports, certificate files, the broker user and

@@ -14,9 +14,11 @@ def register(sub) -> None:
         description="Create (or update) the fleet directory: fleet signing key, operator credentials, a fleet CA "
         "and server certificate unless --cert/--key are given, and broker/mosquitto.conf with a TLS listener, no "
         "anonymous access, one password per provisioned device, ACLs that confine each device to its own "
-        "topics and message/queue limits. Every path in it is absolute. A rerun keeps the settings of the last "
+        "topics and message/queue limits, plus broker/nftables.conf, a firewall ruleset limiting the connections "
+        "each source address may open to the broker's listeners (load it with nft -f). Every path in it is absolute. A rerun keeps the settings of the last "
         "one (stored in fleet.json) except those given again; `edgeflow fleet provision` reruns it for you. "
-        "Reload Mosquitto afterwards (kill -HUP).",
+        "Reload Mosquitto afterwards (kill -HUP). A listener port that another process already listens on is "
+        "refused before anything is written.",
     )
     p.add_argument("--dir", default=None, help="fleet directory (default $EDGEFLOW_FLEET_DIR or ./fleet)")
     p.add_argument("--fleet", help="fleet id (required when creating the directory)")
@@ -41,6 +43,10 @@ def register(sub) -> None:
                    help="connections each listener accepts; more are closed at once (default: sized to the fleet, "
                    "devices + operator users + a quarter, at least 256). The broker's open-file limit "
                    "(systemd LimitNOFILE) must exceed N x listeners + 64: docs/fleet.md")
+    p.add_argument("--per-source-connections", type=int, metavar="N",
+                   help="connections one source address may hold open on the broker's network listeners, enforced "
+                   "by broker/nftables.conf (default: operator users + 4, at least 8; a device uses one). Raise it "
+                   "for sites whose boards share one NAT address: docs/fleet.md")
     p.add_argument("--persistence", metavar="DIR", help="keep sessions and queued messages in DIR")
     p.add_argument("--log-file", help="Mosquitto log file")
     p.add_argument("--broker-user", metavar="USER",
@@ -80,6 +86,7 @@ def fleet_dir_arg(value: str | None) -> str:
 _FLAGS = {"host": "host", "port": "port", "cert": "certfile", "key": "keyfile", "ca": "cafile",
           "require_certificate": "require_certificate", "websockets": "websockets_port", "local_port": "plain_port",
           "max_packet_size": "max_packet_size", "max_queued_bytes": "max_queued_bytes", "max_connections": "max_connections",
+          "per_source_connections": "per_source_connections",
           "persistence": "persistence_dir", "log_file": "log_file", "broker_user": "user"}
 
 
@@ -95,7 +102,7 @@ def settings_from_args(args, fd):
 
 
 def cmd(args) -> int:
-    from ..broker.mosquitto import FleetDir
+    from ..broker.mosquitto import FleetDir, check_ports_free
     from ..errors import ConfigError
     from ..transport.topics import validate_id
     from ..transport.url import parse_broker_url
@@ -116,13 +123,15 @@ def cmd(args) -> int:
     validate_id(args.fleet or fd.fleet, "fleet id")
     settings = settings_from_args(args, fd)
     fd.check_broker_config(settings)
+    check_ports_free(settings, fd.listener_settings() if fd.exists and fd.meta().get("listener") else None)
     before = _max_connections_in(fd.broker_dir / "mosquitto.conf")
     fd.init(args.fleet or fd.fleet, broker=url)
     files = fd.write_broker_config(settings, tls_hosts=hosts)
     out = {"fleet": fd.fleet, "dir": str(fd.path), "config": str(files.config), "password_file": str(files.password_file),
            "acl_file": str(files.acl_file), "ca_file": str(files.ca_file) if files.ca_file else None,
            "devices": fd.devices(), "broker": fd.broker_url, "max_connections": files.max_connections,
-           "limit_nofile": files.open_files, "restart_needed": before not in (None, files.max_connections)}
+           "limit_nofile": files.open_files, "firewall": str(files.firewall) if files.firewall else None,
+           "per_source_connections": files.per_source, "restart_needed": before not in (None, files.max_connections)}
     if args.json:
         emit_json(out)
         return 0
@@ -135,6 +144,9 @@ def cmd(args) -> int:
     c.print(f"  devices connect to {out['broker']}")
     c.print(f"  limits   max_connections {files.max_connections} per listener: run the broker with "
             f"LimitNOFILE={files.open_files} or more (docs/fleet.md)")
+    if files.firewall:
+        c.print(f"  firewall {files.firewall}: at most {files.per_source} connections per source address; load it "
+                f"as root:  nft -f {files.firewall}  (docs/fleet.md)")
     c.print(f"run:  mosquitto -c {out['config']}      reload after provisioning:  kill -HUP <pid>")
     if out["restart_needed"]:
         c.print(f"max_connections changed ({before} -> {files.max_connections}): restart Mosquitto, a reload "
