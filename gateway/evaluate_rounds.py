@@ -32,7 +32,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import replace
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -48,6 +48,27 @@ log = logging.getLogger("edgeflow.gateway.evaluate")
 __all__ = ["EvaluateRounds", "aggregate_evaluations"]
 
 
+def aggregate_metrics(results: list[tuple[int, Mapping[str, Any]]]) -> dict[str, Any]:
+    """The default aggregation of client metrics (pure): numbers by their example-weighted mean
+    (:func:`~edgeflow.gateway.aggregate.weighted_metrics`), true/false as the example-weighted share of true,
+    text as the value reported for the most examples (ties: the first in sorted order)."""
+    numbers = [(n, {k: v for k, v in m.items() if not isinstance(v, str)}) for n, m in results]
+    out: dict[str, Any] = dict(weighted_metrics(numbers))
+    texts: dict[str, dict[str, int]] = {}
+    for n, m in results:
+        for k, v in m.items():
+            if isinstance(v, str):
+                texts.setdefault(k, {})[v] = texts.setdefault(k, {}).get(v, 0) + int(n)
+    for k, votes in texts.items():
+        out[k] = min(votes, key=lambda v: (-votes[v], v))
+    return dict(sorted(out.items()))
+
+
+def metric_value(v: Any) -> Any:
+    """A metric as the round's record keeps it: text as it is, anything else as a float."""
+    return v if isinstance(v, str) else float(v)
+
+
 def aggregate_evaluations(reports: list[EvaluationReport], metrics_fn: Any = None) -> dict[str, float]:
     """Flower's weighted loss average and metrics aggregation over the reports (pure)."""
     if not reports:
@@ -57,8 +78,8 @@ def aggregate_evaluations(reports: list[EvaluationReport], metrics_fn: Any = Non
            "dist_eval_loss": weighted_metrics([(r.num_examples, {"loss": r.loss}) for r in reports])["loss"]}
     with_metrics = [(r.num_examples, r.metrics) for r in reports if r.metrics]
     if with_metrics:
-        agg = (metrics_fn or weighted_metrics)(with_metrics)
-        out.update({f"dist_eval_{k}": float(v) for k, v in dict(agg).items()})
+        agg = (metrics_fn or aggregate_metrics)(with_metrics)
+        out.update({f"dist_eval_{k}": metric_value(v) for k, v in dict(agg).items()})
     return out
 
 

@@ -99,7 +99,7 @@ from edgeflow.transport.topics import device_filter, gateway_topic, parse_topic
 from .aggregate import weighted_metrics
 from .aggregation import AggregateResult, decode_state, encode_state
 from .async_rounds import AsyncRounds
-from .evaluate_rounds import EvaluateRounds
+from .evaluate_rounds import EvaluateRounds, aggregate_metrics, metric_value
 from .global_model import classification_metrics, model_weights, model_with_weights
 from .intake import CheckedUpdate, RoundView, check_update, screen
 from .open_round import OpenRound
@@ -1020,21 +1020,21 @@ class RoundManager:
         )
         return m
 
-    def _client_metrics(self, got: Any) -> dict[str, float]:
+    def _client_metrics(self, got: Any) -> dict[str, Any]:
         """What the clients reported beside their updates: fit metrics (``fit_<name>``) and their evaluation
         of the model they trained from (``fed_eval_loss``, ``fed_eval_<name>``, ``fed_eval_clients``, the
         ``fed_eval_examples`` they evaluated on), each aggregated by example count or by the user's function."""
         out: dict[str, float] = {}
         if got.fit_metrics:
-            fit = (self.fit_metrics_fn or weighted_metrics)(list(got.fit_metrics))
-            out.update({f"fit_{k}": float(v) for k, v in dict(fit).items()})
+            fit = (self.fit_metrics_fn or aggregate_metrics)(list(got.fit_metrics))
+            out.update({f"fit_{k}": metric_value(v) for k, v in dict(fit).items()})
         if got.evaluations:
             ev = list(got.evaluations)
             out["fed_eval_clients"] = float(len(ev))
             out["fed_eval_examples"] = float(sum(n for _, n, _ in ev))
             out["fed_eval_loss"] = weighted_metrics([(n, {"loss": loss}) for loss, n, _ in ev])["loss"]
-            agg = (self.evaluate_metrics_fn or weighted_metrics)([(n, m) for _, n, m in ev if m])
-            out.update({f"fed_eval_{k}": float(v) for k, v in dict(agg).items()})
+            agg = (self.evaluate_metrics_fn or aggregate_metrics)([(n, m) for _, n, m in ev if m])
+            out.update({f"fed_eval_{k}": metric_value(v) for k, v in dict(agg).items()})
         return out
 
     def report(self, m: RoundMetrics) -> None:

@@ -39,6 +39,10 @@ FLAGS: dict[str, tuple[str, type, str]] = {
     "--straggler-delay": ("straggler_delay_s", float, "extra seconds a straggler takes (default 0)"),
     "--mode": ("mode", str, "sync or async (FedBuff) (default sync)"),
     "--async-buffer": ("async_buffer", int, "async: aggregate every K updates (default 10)"),
+    "--app": ("app", str, "FILE.py:client_fn or module:client_fn: each device runs the client your Flower-style "
+              "client_fn(context) returns, on its own data (docs/flower.md); --model is then unused"),
+    "--initial-parameters": ("initial_parameters", str, "with --app: .npz holding the first global parameters "
+                             "(np.savez(path, *arrays)); default: one client's get_parameters, as Flower"),
 }
 SPARSE = ("topk", "topk-int8")
 COORDINATE_ROBUST = ("median", "trimmed-mean")
@@ -164,6 +168,23 @@ def build_config(args):
     return cfg, args.broker or broker
 
 
+def _samples(client) -> int | None:
+    """A device's local examples: its data, or what its app's last fit said it used."""
+    if client.y is not None:
+        return len(client.y)
+    return (client.last_fit or {}).get("num_examples")
+
+
+def save_final_model(fleet, out) -> None:
+    """final_model.onnx; an app run (parameters only, no ONNX model) also final_parameters.npz, its arrays in order."""
+    import numpy as np
+    import onnx
+
+    onnx.save(fleet.rounds.current_model(), out / "final_model.onnx")
+    if fleet.cfg.app:
+        np.savez(out / "final_parameters.npz", **fleet.rounds.weights)
+
+
 def cmd(args) -> int:
     import dataclasses
     import json
@@ -171,7 +192,6 @@ def cmd(args) -> int:
     import time
     from pathlib import Path
 
-    import onnx
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..sim.demo import describe_broker, select_broker
@@ -211,6 +231,9 @@ def cmd(args) -> int:
             task = progress.add_task("rounds", total=cfg.rounds)
 
             def on_round(m) -> None:
+                if cfg.app and m.accuracy is None:  # an app run: the clients' own evaluation (docs/flower.md)
+                    acc = m.extra.get("fed_eval_accuracy")
+                    m.accuracy = acc if isinstance(acc, float) else None
                 rounds.append(m.to_dict())
                 with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
                     f.write(json.dumps(m.to_dict()) + "\n")
@@ -228,9 +251,9 @@ def cmd(args) -> int:
                     web = WebServer(fleet, args.http).start()
                     say(f"dashboard {web.url}  metrics {web.url}metrics")
                 fleet.run()
-                onnx.save(fleet.rounds.current_model(), out / "final_model.onnx")
+                save_final_model(fleet, out)
                 devices = [{
-                    "device": d.device_id, "profile": d.profile, "samples": len(d.client.y),
+                    "device": d.device_id, "profile": d.profile, "samples": _samples(d.client),
                     "byzantine": d.byzantine, "straggler": d.straggler, "vanished": d.vanished,
                     "updates_sent": d.client.stats.updates_sent, "bytes_sent": d.client.stats.bytes_sent,
                     "mean_train_ms": 1000 * d.client.stats.train_s_total / max(1, d.client.stats.rounds_trained),
@@ -256,11 +279,13 @@ def cmd(args) -> int:
         report = write_report(out, conf, rounds, devices, summary, plots)
     finally:
         broker.stop()
-    failed = summary["final_accuracy"] is None
+    # an app's clients may report no accuracy: the run failed when no round completed
+    failed = summary["rounds_completed"] == 0 if cfg.app else summary["final_accuracy"] is None
     if args.json:
         print(json.dumps({**summary, "ok": not failed, "run_folder": str(out), "report": str(report)}, indent=2))
     else:
-        acc = "none (no round completed)" if failed else f"{summary['final_accuracy']:.3f}"
+        acc = ("none (no round completed)" if failed else "not reported (no 'accuracy' in the clients' evaluate)"
+               if summary["final_accuracy"] is None else f"{summary['final_accuracy']:.3f}")
         c.print(f"{summary['rounds_completed']} rounds on {cfg.devices} devices in {wall:.1f} s, peak RSS "
                 f"{summary['peak_rss_mb']} MiB; final accuracy {acc}; uploaded "
                 f"{up / 1024:.0f} KiB ({(summary['upload_ratio'] or 0):.1%} of dense)")

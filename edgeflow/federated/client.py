@@ -55,6 +55,7 @@ from ..signing import KeyRing, PublicKey, Signer
 from ..protocol.rounds import EvaluationReport, RoundAnnouncement, TrainConfig
 from ..transport.base import Transport
 from ..transport.topics import device_topic, gateway_topic
+from .app import ListClient, natural_order
 from .numpy_client import NumPyClient, check_evaluate, check_fit
 
 log = logging.getLogger("edgeflow.federated")
@@ -199,11 +200,15 @@ class Client:
         self.last_delta: dict[str, np.ndarray] | None = None
         self._sa_inbox: "queue.Queue[Any]" = queue.Queue()
         self.state = "waiting"
-        """"waiting" (no global model yet), "ready", or "model_mismatch" (the gateway's model does not
-        fit the local one: ``state_detail`` says how); the device agent reports it."""
+        """"waiting" (no global model yet), "ready", "model_mismatch" (the gateway's model does not
+        fit the local one: ``state_detail`` says how) or "app_error" (the app's last round failed: what
+        ``state_detail`` says); the device agent reports it."""
         self.state_detail = ""
         self.on_state_change: Callable[[], Any] | None = None
         """Called (on the transport's thread) when :attr:`state` changes; the agent re-announces."""
+        self.on_error: Callable[[str, EdgeflowError], Any] | None = None
+        """Called with (device id, error) when a round fails here (the app's result refused, fit raising):
+        ``edgeflow simulate --app`` stops on the first one instead of waiting out the round's deadline."""
 
     # -- lifecycle --------------------------------------------------------
     def start(self) -> "Client":
@@ -276,6 +281,16 @@ class Client:
                         exc_info=True)
             return f"{type(self.app).__name__}.get_parameters raised {type(exc).__name__}: {exc}"
         if local is None:
+            return ""
+        if isinstance(self.app, ListClient):  # a list: compared by position, in the names' natural order
+            names = natural_order(list(weights))
+            if len(local) != len(names):
+                return (f"it has {len(names)} parameters and {type(self.app.inner).__name__}.get_parameters gives "
+                        f"{len(local)}")
+            for i, (name, mine) in enumerate(zip(names, local.values())):
+                if tuple(np.shape(weights[name])) != tuple(np.shape(mine)):
+                    return (f"parameter {i} ({name}) is {tuple(np.shape(weights[name]))} there and "
+                            f"{tuple(np.shape(mine))} here")
             return ""
         extra = sorted(set(weights) - set(local))
         if extra:
@@ -487,6 +502,18 @@ class Client:
                 except EdgeflowError as exc:
                     self.stats.errors.append(f"round {ann.round_id}: {exc}")
                     log.warning("device %s: round %d failed: %s", self.device_id, ann.round_id, exc)
+                    self._report_error(exc)
+
+    def _report_error(self, exc: EdgeflowError) -> None:
+        """Tell ``on_error`` (a simulation stops at once on it; a device shows it in its state)."""
+        if self.app is not None:
+            self._set_state("app_error", str(exc))
+        cb = self.on_error
+        if cb is not None:
+            try:
+                cb(self.device_id, exc)
+            except Exception:  # noqa: BLE001 - a callback must not end the client's worker
+                log.exception("device %s: error callback failed", self.device_id)
 
     def _wait_weights(self, version: int, deadline: float) -> tuple[int, dict[str, np.ndarray]] | None:
         with self._weights_cv:
@@ -559,7 +586,9 @@ class Client:
         self.last_delta = delta
         if self.transform_update is not None:
             delta = self.transform_update(delta, round_id)
-        return delta, n, metrics.get("loss")  # None: the app reports no training loss
+        loss = metrics.get("loss")
+        numeric = isinstance(loss, (int, float)) and not isinstance(loss, bool)
+        return delta, n, float(loss) if numeric else None  # None: the app reports no training loss
 
     def _send(self, ann: RoundAnnouncement, delta: dict[str, np.ndarray], n: int, loss: float | None,
               base_version: int) -> bool:

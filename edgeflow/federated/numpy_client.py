@@ -39,7 +39,7 @@ from ..errors import EdgeflowError
 __all__ = ["Metrics", "NumPyClient", "Parameters", "check_fit", "check_evaluate", "clean_metrics"]
 
 Parameters = dict[str, np.ndarray]
-Metrics = dict[str, float]
+Metrics = dict[str, "float | int | bool | str"]
 
 MAX_METRICS = 16
 
@@ -73,19 +73,35 @@ def _count(n: Any, who: str) -> int:
     return int(n)
 
 
+MAX_TEXT = 256
+"""A text metric's longest value, in characters."""
+
+
 def clean_metrics(metrics: Any, who: str) -> Metrics:
-    """At most 16 finite numbers by string name (what fits an update's metadata)."""
+    """At most 16 metrics by string name (what fits an update's metadata): finite numbers, true/false, or
+    printable text of at most :data:`MAX_TEXT` characters, as Flower's ``Scalar`` (bytes are not sent)."""
     if metrics is None:
         return {}
     if not isinstance(metrics, Mapping):
-        raise EdgeflowError(f"{who} returned metrics of type {type(metrics).__name__}; return a dict name -> number")
+        raise EdgeflowError(f"{who} returned metrics of type {type(metrics).__name__}; return a dict name -> value")
     out: Metrics = {}
     for k, v in metrics.items():
-        if not isinstance(k, str) or not 0 < len(k) <= 64:
-            raise EdgeflowError(f"{who} returned a metric named {k!r}; names are strings of 1-64 characters")
-        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v):
-            raise EdgeflowError(f"{who} returned metric {k!r} = {v!r}; metrics are finite numbers")
-        out[k] = float(v)
+        if not isinstance(k, str) or not 0 < len(k) <= 64 or not k.isprintable():
+            raise EdgeflowError(f"{who} returned a metric named {k!r}; names are 1-64 printable characters")
+        if isinstance(v, (bool, np.bool_)):
+            out[k] = bool(v)
+        elif isinstance(v, str):
+            if len(v) > MAX_TEXT or not v.isprintable():
+                raise EdgeflowError(f"{who} returned metric {k!r} = {v[:40]!r}...; text metrics are at most "
+                                    f"{MAX_TEXT} printable characters")
+            out[k] = v
+        elif isinstance(v, (int, np.integer)):
+            out[k] = int(v)
+        elif isinstance(v, (float, np.floating)) and math.isfinite(v):
+            out[k] = float(v)
+        else:
+            raise EdgeflowError(f"{who} returned metric {k!r} = {v!r}; a metric is a finite number, true/false or "
+                                f"text (of at most {MAX_TEXT} characters)")
     if len(out) > MAX_METRICS:
         raise EdgeflowError(f"{who} returned {len(out)} metrics; at most {MAX_METRICS} travel with an update")
     return out

@@ -139,8 +139,8 @@ class UpdateMeta:
     loss: float | None = None
     train_s: float | None = None
     nonce: str | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
-    """The client's fit metrics (name -> finite number), as a Flower ``fit`` returns them."""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    """The client's fit metrics (name -> finite number, true/false or text), as a Flower ``fit`` returns them."""
     evaluation: tuple[float, int, dict[str, float]] | None = None
     """(loss, num_examples, metrics) of the client's evaluation of the model it trained from, if it sent one."""
 
@@ -149,16 +149,27 @@ MAX_METRICS = 64
 """At most this many metrics per update (fit or evaluate); names up to 64 characters."""
 
 
-def _metrics(value: Any, field_name: str) -> dict[str, float]:
+MAX_TEXT = 256
+"""A text metric's longest value (characters); numbers, true/false and text are kept (Flower's ``Scalar``)."""
+
+
+def _metrics(value: Any, field_name: str) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise CodecError(f"{field_name} must be an object of name -> number")
+        raise CodecError(f"{field_name} must be an object of name -> number, true/false or text")
     if len(value) > MAX_METRICS:
         raise CodecError(f"{field_name} has {len(value)} entries, at most {MAX_METRICS}")
     out = {}
     for k, v in value.items():
         if not isinstance(k, str) or not 0 < len(k) <= 64 or not k.isprintable():
             raise CodecError(f"{field_name} has a bad name {str(k)[:40]!r} (1-64 printable characters)")
-        out[k] = as_number(v, f"{field_name}[{k!r}]")
+        if isinstance(v, bool):
+            out[k] = v
+        elif isinstance(v, str):
+            if len(v) > MAX_TEXT or not v.isprintable():
+                raise CodecError(f"{field_name}[{k!r}] is text of {len(v)} characters; at most {MAX_TEXT} printable")
+            out[k] = v
+        else:
+            out[k] = as_number(v, f"{field_name}[{k!r}]")
     return out
 
 

@@ -88,6 +88,8 @@ class SimConfig(_Knobs):
     profiles: tuple[str, ...] = ("x86-gateway",)
     secagg_dropouts: int = 0  # devices that drop after sharing keys, in every secure round
     fleet: str = ""
+    app: str = ""  # FILE_OR_MODULE:client_fn - the devices run the user's Flower-style clients (docs/flower.md)
+    initial_parameters: str = ""  # with app: an .npz of the first global parameters (default: one client's)
 
     def __post_init__(self) -> None:
         if isinstance(self.profiles, str):
@@ -170,7 +172,11 @@ def _range_problems(cfg: SimConfig) -> list[str]:
         out.append(f"overselect must be >= 1, got {cfg.overselect}")
     if cfg.attack not in ATTACKS:
         out.append(f"attack must be one of {', '.join(ATTACKS)}, got {cfg.attack!r}")
-    if cfg.model not in ("mlp", "cnn") and not _is_suite_model(cfg.model):
+    if cfg.initial_parameters and not cfg.app:
+        out.append("initial_parameters needs app (--app FILE:client_fn): the digits models start from their own weights")
+    if cfg.app:
+        pass  # the user's clients bring the model; the reference is loaded (and its problems named) by the fleet
+    elif cfg.model not in ("mlp", "cnn") and not _is_suite_model(cfg.model):
         out.append(f"model must be 'mlp', 'cnn' or a real-model suite name (edgeflow models list), got {cfg.model!r}")
     try:
         from ..train.transfer import parse_mode
@@ -184,7 +190,7 @@ def _range_problems(cfg: SimConfig) -> list[str]:
         out.append(f"mode must be 'sync' or 'async', got {cfg.mode!r}")
     if cfg.codec not in available_codecs():
         out.append(f"codec {cfg.codec!r} is unknown; choose one of {', '.join(available_codecs())}")
-    if cfg.strategy not in available_aggregators():
+    if cfg.strategy not in available_aggregators() and ":" not in cfg.strategy:
         out.append(f"strategy {cfg.strategy!r} is unknown; choose one of {', '.join(available_aggregators())}")
     known = set(list_profiles())
     bad = [p for p in cfg.profiles if p not in known and not p.endswith(".toml")]
@@ -242,6 +248,38 @@ def shard_data(cfg: SimConfig) -> tuple[Split, list[np.ndarray]]:
     return split, parts
 
 
+def make_apps(cfg: SimConfig) -> list[Any]:
+    """One client per simulated device from the user's ``client_fn`` (``cfg.app``), with Flower's context:
+    ``node_id`` and ``node_config["partition-id"]`` = the device's index, ``["num-partitions"]`` = devices."""
+    from ..federated.app import Context, load_client_fn, make_client
+
+    client_fn = load_client_fn(cfg.app)
+    run_config = {"seed": cfg.seed, "rounds": cfg.rounds}
+    return [make_client(client_fn, Context(node_id=i, node_config={"partition-id": i, "num-partitions": cfg.devices},
+                                           run_config=run_config), cfg.app)
+            for i in range(cfg.devices)]
+
+
+def initial_model(cfg: SimConfig, apps: list[Any]) -> onnx.ModelProto:
+    """The first global model of an app run: ``cfg.initial_parameters`` (.npz), else the parameters one
+    client offers (picked at random, seeded; Flower's server does the same), checked against every client."""
+    from ..gateway.global_model import load_initial_parameters, parameters_model
+
+    if cfg.initial_parameters:
+        weights = load_initial_parameters(cfg.initial_parameters)
+        source = f"--initial-parameters {cfg.initial_parameters}"
+    else:
+        pick = int(np.random.default_rng(cfg.seed + 11).integers(len(apps)))
+        name = type(getattr(apps[pick], "inner", apps[pick])).__name__
+        weights = apps[pick].get_parameters({})
+        if weights is None:
+            raise ConfigError(f"--app {cfg.app}: {name}.get_parameters returned None, so there are no initial "
+                              "parameters; return the model's arrays or give --initial-parameters FILE.npz")
+        source = f"{name}.get_parameters of device dev{pick:03d}"
+    model = parameters_model(weights, source=source)
+    return model
+
+
 def _attack(kind: str, scale: float, rng: np.random.Generator) -> Callable:
     def transform(delta: dict[str, np.ndarray], round_id: int) -> dict[str, np.ndarray]:
         if kind == "scale":
@@ -278,8 +316,16 @@ class SimulatedFleet:
         self.broker_url = broker_url
         self.protocol = protocol
         rng = np.random.default_rng(cfg.seed)
-        self.split, parts = shard_data(cfg)
-        self.model = build_model(cfg.model, cfg.seed, cfg.input_size)
+        self.apps: list[Any] | None = None
+        self.app_error: tuple[str, EdgeflowError] | None = None
+        """The first device whose round failed in an app run (the run stops on it)."""
+        if cfg.app:
+            self.split, parts = None, [None] * cfg.devices
+            self.apps = make_apps(cfg)
+            self.model = initial_model(cfg, self.apps)
+        else:
+            self.split, parts = shard_data(cfg)
+            self.model = build_model(cfg.model, cfg.seed, cfg.input_size)
         trainer_options = {} if cfg.train_mode == "full" and cfg.model in ("mlp", "cnn") else {"mode": cfg.train_mode}
         self.fleet_key = PrivateKey.generate()
         self.keyring = KeyRing()
@@ -301,11 +347,17 @@ class SimulatedFleet:
                                        clean_start=True)
             transform = self._transform(i, i in byz, rng)
             prof = next(profiles)
+            local: dict[str, Any] = (
+                {"app": self.apps[i]} if self.apps is not None else
+                {"model": self.model, "data": (self.split.x_train[idx], self.split.y_train[idx]),
+                 "trainer_options": trainer_options})
             c = Client(t, fleet=cfg.fleet, device_id=did, signer=signer, fleet_key=self.fleet_key.public_key,
-                       model=self.model, data=(self.split.x_train[idx], self.split.y_train[idx]),
                        profile=prof, seed=cfg.seed * 1000 + i, transform_update=transform,
-                       delay_s=cfg.straggler_delay_s if i in slow else 0.0, trainer_options=trainer_options)
+                       delay_s=cfg.straggler_delay_s if i in slow else 0.0, **local)
+            c.on_error = self._on_device_error
             self.devices.append(SimDevice(did, prof, t, c, byzantine=i in byz, straggler=i in slow))
+        if self.apps is not None:
+            self._check_apps_fit()
         self.gateway_transport = transport_from_url(broker_url, client_id=f"{cfg.fleet}-gateway",
                                                         protocol=protocol)
         rc = cfg.round_config(wait_for_devices_s=10.0)
@@ -313,10 +365,29 @@ class SimulatedFleet:
         self.rounds = RoundManager(
             self.gateway_transport, self.store, fleet=cfg.fleet, fleet_key=self.fleet_key, keyring=self.keyring,
             model=self.model, config=rc, candidates=self.candidates,
-            eval_data=(self.split.x_test, self.split.y_test), on_round=on_round,
+            eval_data=None if self.split is None else (self.split.x_test, self.split.y_test), on_round=on_round,
             weight_names=None if cfg.train_mode == "full" else self.trainable_names,
         )
         self._started = False
+
+    def _check_apps_fit(self) -> None:
+        """Every client's own parameters against the first global model, before any round (one line naming
+        the device and the tensor)."""
+        from ..gateway.global_model import model_weights
+
+        weights = model_weights(self.model)
+        for d in self.devices:
+            problem = d.client.misfit(weights)
+            if problem:
+                raise ConfigError(f"device {d.device_id} ({self.cfg.app}): the initial parameters do not fit its "
+                                  f"client: {problem}")
+
+    def _on_device_error(self, device_id: str, exc: EdgeflowError) -> None:
+        """An app's round failed (its result refused, fit raising): stop now, not after the round's deadlines."""
+        if self.apps is None or self.app_error is not None:
+            return
+        self.app_error = (device_id, exc)
+        self.rounds.stop()
 
     @property
     def trainable_names(self) -> list[str]:
@@ -360,7 +431,12 @@ class SimulatedFleet:
     def run(self, rounds: int | None = None):
         if not self._started:
             self.start()
-        return self.rounds.run(rounds)
+        done = self.rounds.run(rounds)
+        if self.app_error is not None:
+            device_id, exc = self.app_error
+            raise EdgeflowError(f"device {device_id} ({self.cfg.app}): {exc}; the run stopped at once (round "
+                                f"{len(done) + 1}, nothing of it was sent)")
+        return done
 
     def close(self) -> None:
         self.rounds.stop()
