@@ -100,8 +100,18 @@ def command_name(parser: argparse.ArgumentParser, args: argparse.Namespace) -> s
         p = subs[0].choices[chosen]
 
 
+def line_buffered_output() -> None:
+    """stdout line by line also into a pipe or a log (``edgeflow gateway | tee log``): a round's
+    line, a progress line or a JSON line shows up when it is printed, not when the command ends."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None and not stream.isatty():
+            reconfigure(line_buffering=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    line_buffered_output()
     argv, verbose, quiet = split_verbosity(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
