@@ -32,8 +32,16 @@ gateway.toml (every key optional except where noted; see docs/gateway.md):
   codec = "topk-int8"
   codec_opts = { ratio = 0.03 }
 
-  # [store]                      # instead of [gateway] state: PostgreSQL for several gateways and
+  # [store]                      # instead of [gateway] state: PostgreSQL, shared with the
   # url = "postgresql://postgres@127.0.0.1:5432/test?schema=lab"   # ingestion workers (docs/scaling.md)
+
+One gateway per state: a second `edgeflow gateway` on the same state exits at once (code 2) with
+one line naming the first (host, pid, since). Read-only commands (edgeflow rounds, fleet status,
+fleet history) work while a gateway runs.
+
+exit codes: 0 rounds done (or served until Ctrl-C), 1 no round produced a model, 2 a bad setting
+or the state is in use, 3 nothing to do: the state already holds [rounds] rounds closed rounds
+(raise [rounds] rounds, pass --rounds N or --serve, or start a new state).
 """
 
 
@@ -101,6 +109,7 @@ def cmd(args) -> int:
     import json
 
     from edgeflow.gateway.service import Gateway, load_config
+    from edgeflow.gateway.store.lease import take_gateway_lease
 
     from ._common import console
 
@@ -125,9 +134,20 @@ def cmd(args) -> int:
         from edgeflow.gateway.web import WebServer, parse_listen
 
         parse_listen(listen, "--http" if args.http else "[http] listen")  # a bad address before connecting
-    gw = Gateway.from_config(cfg, broker=args.broker, fleet_dir=args.dir, on_round=on_round)
+    # one gateway per state: a second one stops here, before it opens the state or takes the broker
+    # session of the first (same client id); readers (rounds, fleet status/history) take no lease
+    lease = take_gateway_lease(cfg.store_target())
+    try:
+        gw = Gateway.from_config(cfg, broker=args.broker, fleet_dir=args.dir, on_round=on_round)
+    except BaseException:
+        lease.release()
+        raise
     rc = 0
     try:
+        closed_before = sum(1 for r in gw.store.rounds() if r.state == "closed")
+        wanted = args.rounds if args.rounds is not None else max(0, cfg.rounds.rounds - closed_before)
+        if _nothing_to_do(cfg, args, gw, wanted):
+            return _rounds_done(cfg, args, closed_before)
         if listen:
             web = WebServer(gw, listen, what="--http" if args.http else "[http] listen").start()
             _say(args, c, f"dashboard {web.url}  metrics {web.url}metrics")
@@ -135,8 +155,6 @@ def cmd(args) -> int:
         if not args.json:
             c.print(f"gateway for fleet {gw.fleet_id} on {getattr(gw.transport, 'url', gw.transport)}: "
                     f"model v{gw.rounds.version}")
-        closed_before = sum(1 for r in gw.store.rounds() if r.state == "closed")
-        wanted = args.rounds if args.rounds is not None else max(0, cfg.rounds.rounds - closed_before)
         done = gw.run_rounds(args.rounds)
         if cfg.role != "site" and wanted > 0 and not any(not m.extra.get("failed") for m in (done or [])):
             rc = _no_round(gw)
@@ -148,7 +166,28 @@ def cmd(args) -> int:
         if web is not None:
             web.stop()
         gw.stop()
+        lease.release()
     return rc
+
+
+ROUNDS_DONE = 3
+"""Exit code of a gateway started on a state whose job is done ([rounds] rounds closed rounds)."""
+
+
+def _nothing_to_do(cfg, args, gw, wanted: int) -> bool:
+    """The job's rounds are all closed in the state, no round is open to finish, and nothing else was asked."""
+    return (cfg.role != "site" and args.rounds is None and not args.serve and wanted == 0
+            and not gw.store.open_rounds())
+
+
+def _rounds_done(cfg, args, closed: int) -> int:
+    """One line naming the state, the count and the fixes; exit code :data:`ROUNDS_DONE`."""
+    import sys
+
+    print(f"edgeflow gateway: error: nothing to do: {cfg.store_target().display} already holds {closed} closed "
+          f"round(s) and [rounds] rounds = {cfg.rounds.rounds} in {args.config}; raise [rounds] rounds, run more "
+          "with --rounds N, keep serving the fleet with --serve, or start a new state", file=sys.stderr)
+    return ROUNDS_DONE
 
 
 def _say(args, c, text: str) -> None:
