@@ -85,9 +85,10 @@ def test_gateway_service_runs_rounds_with_device_agents_over_tls(tmp_path):
                                  "--json").stdout)
         rows = status["devices"] if isinstance(status, dict) else status
         assert {r["device_id"] if "device_id" in r else r["device"] for r in rows} == set(DEVICES)
-        # a second gateway run continues the job: nothing left to do, no round repeated
-        again = _run("gateway", "--config", str(tmp_path / "gw.toml"), "--dir", str(fd.path), "--broker", url,
-                     "--json")
+        # a second gateway run continues the job: nothing left to do (exit 3, one line), no round repeated
+        again = subprocess.run(_cli() + ["gateway", "--config", str(tmp_path / "gw.toml"), "--dir", str(fd.path),
+                                         "--broker", url, "--json"], capture_output=True, text=True, timeout=120)
+        assert again.returncode == 3 and "nothing to do" in again.stderr, again.stderr
         assert not [line for line in again.stdout.splitlines() if line.startswith("{")]
     finally:
         for p in procs:
