@@ -158,8 +158,9 @@ def test_gateway_service_keeps_its_state_on_postgresql(pg_url, tmp_path):  # noq
         assert {r["device"] for r in status["devices"]} == set(DEVICES), status
         assert status["rounds"]["state"] == "closed" and "round 2" in status["rounds"]["reason"], status["rounds"]
 
-        again = _ok("gateway", "--config", str(tmp_path / "gw.toml"), "--dir", str(fd.path), "--broker", url,
+        again = _ef("gateway", "--config", str(tmp_path / "gw.toml"), "--dir", str(fd.path), "--broker", url,
                     "--json")
+        assert again.returncode == 3 and "nothing to do" in again.stderr, again.stderr  # the job is done
         assert not [line for line in again.stdout.splitlines() if line.startswith("{")], "no round repeated"
     finally:
         for p in procs:
