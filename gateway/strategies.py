@@ -999,6 +999,10 @@ def make_aggregator(name: str, **params: Any) -> Aggregator:
     """
     key = name.strip().lower().replace("_", "-")
     cls = _REGISTRY.get(key)
+    if cls is None and ":" in name:  # "my_module:MyStrategy" or "path/file.py:MyStrategy" (docs/flower.md)
+        from .custom_strategy import load_strategy
+
+        cls, key = load_strategy(name), name
     if cls is None:
         raise ConfigError(f"unknown aggregator {name!r}; available: {', '.join(available_aggregators())}")
     accepted = _accepted_params(cls)
