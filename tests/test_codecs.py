@@ -25,7 +25,7 @@ from edgeflow.codecs import (
 from edgeflow.errors import CodecError, SignatureError
 from edgeflow.signing import KeyRing, ReplayGuard, Signer
 
-ALL = ["dense", "fp16", "int8", "topk", "topk-int8"]
+ALL = ["dense", "fp16", "int8", "topk", "topk-int8", "topk-packed"]
 
 
 def model(seed: int = 0) -> dict[str, np.ndarray]:
@@ -54,7 +54,7 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
 
 def test_registry_has_every_codec() -> None:
     assert available_codecs() == ALL
-    assert [get_codec(n).codec_id for n in ALL] == [1, 2, 3, 4, 5]
+    assert [get_codec(n).codec_id for n in ALL] == [1, 2, 3, 4, 5, 6]
     with pytest.raises(CodecError, match="unknown codec 'zip'.*available codecs: dense"):
         get_codec("zip")
 
@@ -72,7 +72,7 @@ def test_round_trip_keeps_names_shapes_dtypes_and_header(codec: str) -> None:
         y = up.tensors[name]
         assert y.shape == x.shape and y.dtype == x.dtype
         assert y.flags.writeable
-        tol = {"dense": 0, "fp16": 1e-3, "int8": 0.02, "topk": 0, "topk-int8": 0.02}[codec]
+        tol = {"dense": 0, "fp16": 1e-3, "int8": 0.02, "topk": 0, "topk-int8": 0.02, "topk-packed": 0.25}[codec]
         assert rel_err(y, x) <= tol, name
 
 
