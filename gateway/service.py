@@ -95,7 +95,7 @@ class GatewayConfig:
 
 @dataclass(frozen=True)
 class _Rule:
-    kind: str  # "int" | "number" | "bool" | "str" | "choice" | "oneof" | "strlist" | "table" | "url"
+    kind: str  # "int" | "number" | "bool" | "str" | "choice" | "strategy" | "oneof" | "strlist" | "table" | "url"
     lo: float | None = None
     hi: float | None = None
     lo_open: bool = False
@@ -121,6 +121,10 @@ class _Rule:
         if self.kind == "choice":
             assert self.choices is not None
             return "one of " + ", ".join(repr(c) for c in self.choices())
+        if self.kind == "strategy":
+            assert self.choices is not None
+            return ("one of " + ", ".join(repr(c) for c in self.choices()) + ", or your class as "
+                    "\"module:Class\" / \"file.py:Class\" (docs/flower.md)")
         if self.kind == "strlist":
             return "a list of non-empty strings"
         if self.kind == "oneof":
@@ -147,6 +151,9 @@ class _Rule:
         if self.kind == "choice":
             assert self.choices is not None
             return isinstance(v, str) and v in self.choices()
+        if self.kind == "strategy":  # a registered name, or a user's class "module:Class" (loaded at the semantic check)
+            assert self.choices is not None
+            return isinstance(v, str) and (v in self.choices() or (":" in v and v.isprintable()))
         if self.kind == "strlist":
             return isinstance(v, list) and all(isinstance(x, str) and x.strip() for x in v)
         if self.kind == "oneof":
@@ -235,7 +242,7 @@ SCHEMA: dict[str, dict[str, _Rule]] = {
         "rounds": _int(0), "mode": _choice(lambda: ["sync", "async"]), "fraction": _num(0, 1, lo_open=True),
         "min_clients": _int(1), "max_clients": _int(1, optional=True), "overselect": _num(1),
         "quorum": _num(0, 1, lo_open=True), "deadline_s": _pos(), "max_extensions": _int(0),
-        "strategy": _choice(_strategies), "strategy_params": _TABLE, "profiles": _Rule("strlist", optional=True),
+        "strategy": _Rule("strategy", choices=_strategies), "strategy_params": _TABLE, "profiles": _Rule("strlist", optional=True),
         "min_battery": _num(0, 1, optional=True), "wait_for_devices_s": _num(0), "train": _TABLE,
         "dp": _Rule("table", optional=True), "secagg": _Rule("table", optional=True), "async_buffer": _int(1),
         "staleness": _choice(_staleness), "max_staleness": _int(0, optional=True), "seed": _int(0),
@@ -303,6 +310,11 @@ def _check_table(data: Any, name: str, problems: list[str]) -> None:
                 assert rule.choices is not None
                 problems.append(f"{name}.{k} must be one of {', '.join(rule.choices())} "
                                 f"({k} {_shown(v, typed=False)} is unknown)")
+            elif rule.kind == "strategy" and isinstance(v, str):
+                assert rule.choices is not None
+                problems.append(f"{name}.{k} must be one of {', '.join(rule.choices())}, or your class as "
+                                f"\"module:Class\" / \"file.py:Class\" ({k} {_shown(v, typed=False)} is unknown; "
+                                "docs/flower.md)")
             else:
                 problems.append(f"{name}.{k} must be {rule.expected()}, got {_shown(v)}")
         elif k in _NESTED.get(name, ()) and v is not None:
@@ -355,7 +367,16 @@ def _check_semantics(data: dict[str, Any], base: Path, problems: list[str]) -> N
 
         attempt("rounds.train.codec_opts",
                 lambda: get_codec(train.get("codec", "int8")).check_options(dict(train["codec_opts"])))
-    if "strategy" in rounds or "strategy_params" in rounds or rounds.get("dp"):
+    strategy_ok = True
+    if ":" in rounds.get("strategy", ""):  # a user's class: its own line naming rounds.strategy
+        from .custom_strategy import load_strategy
+
+        try:
+            load_strategy(rounds["strategy"])
+        except ConfigError as exc:
+            problems.append(str(exc))
+            strategy_ok = False
+    if strategy_ok and ("strategy" in rounds or "strategy_params" in rounds or rounds.get("dp")):
         from .strategies import make_aggregator
 
         def build() -> None:
@@ -401,6 +422,18 @@ def _store_section(st: dict[str, Any], gw: dict[str, Any], where: str, base: Pat
     return out
 
 
+def _strategy_file_from(data: dict[str, Any], base: Path) -> dict[str, Any]:
+    """``[rounds] strategy = "file.py:Class"``: a relative file is found next to gateway.toml, as every path."""
+    rounds = data.get("rounds")
+    ref = rounds.get("strategy") if isinstance(rounds, dict) else None
+    if not isinstance(ref, str) or ":" not in ref:
+        return data
+    target, _, attr = ref.rpartition(":")
+    if not target.endswith(".py") or Path(target).expanduser().is_absolute():
+        return data
+    return {**data, "rounds": {**rounds, "strategy": f"{base / target}:{attr}"}}
+
+
 def load_config(source: str | Path | Mapping[str, Any]) -> GatewayConfig:
     """Parse and validate ``gateway.toml`` (or an equivalent dict): every key against :data:`SCHEMA`
     (types, ranges, choices, unknown keys) before anything is built; errors name the dotted key."""
@@ -417,6 +450,7 @@ def load_config(source: str | Path | Mapping[str, Any]) -> GatewayConfig:
         except UnicodeDecodeError as exc:
             raise ConfigError(f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8") from None
         base, where = p.resolve().parent, str(p)
+    data = _strategy_file_from(data, base)
     check_config(data, where, base)
     gw = dict(data.get("gateway", {}))
     fo = dict(data.get("fleet", {}))
