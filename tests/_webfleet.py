@@ -6,6 +6,7 @@ device agents, one OTA rollout, and a hostile device record, all on one loopback
 ``web_fleet(tmp_path)`` yields a :class:`WebFleet`: ``server`` (a started WebServer on 127.0.0.1, any port),
 ``rounds`` (2 closed rounds, with eval data so accuracy is reported), ``fm`` (the FleetManager, 2 agents
 online with telemetry, one completed rollout of model v1), ``store`` (shared by both, as in a Gateway).
+``server_kw`` goes to the WebServer (``tls_cert``, ``tls_key``, ``operators``... for the dashboard's actions).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class WebFleet(SimpleNamespace):
 
 
 @contextlib.contextmanager
-def web_fleet(tmp_path: Path, *, rounds: int = 2, agents: int = 2, listen: str = "127.0.0.1:0") -> Iterator[Any]:
+def web_fleet(tmp_path: Path, *, rounds: int = 2, agents: int = 2, listen: str = "127.0.0.1:0",
+              **server_kw: Any) -> Iterator[Any]:
     from edgeflow.gateway.web import WebServer
 
     split = digits()
@@ -50,7 +52,7 @@ def web_fleet(tmp_path: Path, *, rounds: int = 2, agents: int = 2, listen: str =
         store.set_online(HOSTILE_ID, False)
         target = SimpleNamespace(rounds=lb.rounds, fleet=fm, store=store, transport=lb.gateway_transport,
                                  fleet_id=FLEET)
-        server = WebServer(target, listen).start()
+        server = WebServer(target, listen, **server_kw).start()
         report = fm.deploy({PROFILE: artifact(env, 1)}, to="all")
         assert report.state == "completed", report.to_dict()
         lb.rounds.run(rounds)

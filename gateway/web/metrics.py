@@ -137,7 +137,7 @@ class _ScrapeCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        o, view = self.owner, self.owner.view
+        view = self.owner.view
         attached = view.resolve()
         up = GaugeMetricFamily("edgeflow_gateway_attached", "1 once the gateway whose figures these are exists")
         up.add_metric([], 1.0 if attached else 0.0)
