@@ -1,7 +1,7 @@
 """Does a backdoor pass the aggregation? One of 10 devices trains "7 + a 2x2 trigger -> 1".
 
     python benchmarks/backdoor.py                  # 10 devices, 15 rounds, 3 seeds, every strategy
-    python benchmarks/backdoor.py --quick          # 1 seed, 8 rounds, fedavg and krum
+    python benchmarks/backdoor.py --quick          # 1 seed, 8 rounds, fedavg, krum and fedavg-krum
     python benchmarks/backdoor.py --json out.json
 
 A real RoundManager and 10 real federated Clients (the digits MLP on Dirichlet 0.5 shards of
@@ -39,6 +39,7 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "multi-krum": {"strategy": "multi-krum", "strategy_params": {"num_byzantine": 1}},
     "bulyan": {"strategy": "bulyan", "strategy_params": {"num_byzantine": 1}},
     "multi-krum-weighted": {"strategy": "multi-krum", "strategy_params": {"num_byzantine": 1, "weighted": True}},
+    "fedavg-krum": {"strategy": "fedavg-krum", "strategy_params": {"num_byzantine": 1}},
 }
 TRIGGER = [54, 55, 62, 63]  # the 2x2 bottom-right corner of the 8x8 digit
 
@@ -87,11 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--only", choices=sorted(STRATEGIES), action="append")
-    ap.add_argument("--quick", action="store_true", help="1 seed, 8 rounds, fedavg and krum")
+    ap.add_argument("--quick", action="store_true", help="1 seed, 8 rounds, fedavg, krum and fedavg-krum")
     ap.add_argument("--json", help="write the figures as JSON to this path")
     args = ap.parse_args(argv)
     if args.quick:
-        args.seeds, args.rounds, args.only = 1, 8, args.only or ["fedavg", "krum"]
+        args.seeds, args.rounds, args.only = 1, 8, args.only or ["fedavg", "krum", "fedavg-krum"]
     logging.basicConfig(level=logging.ERROR)
     rows = []
     for name in args.only or list(STRATEGIES):

@@ -17,7 +17,9 @@ rule exists once. Imports only numpy, math and :mod:`edgeflow.errors`.
   smaller, not their mean;
 - the means (:func:`weighted_average`, :func:`bounded_mean`), the robust rules
   (:func:`coordinate_median`, :func:`trimmed_mean`, Krum's
-  :func:`krum_scores`/:func:`krum_select`, :func:`bulyan`), FedProx's client
+  :func:`krum_scores`/:func:`krum_select`, :func:`bulyan`,
+  :func:`krum_bounded_mean`: default FedAvg's bounds over a Multi-Krum
+  selection, the backdoor defence of docs/security.md section 14), FedProx's client
   term (:func:`proximal_term`, :func:`proximal_gradient`), and
   :func:`global_norm`.
 """
@@ -42,6 +44,8 @@ __all__ = [
     "coordinate_median",
     "global_norm",
     "iter_chunks",
+    "KrumBounded",
+    "krum_bounded_mean",
     "krum_scores",
     "krum_select",
     "next_reference",
@@ -246,6 +250,89 @@ def krum_select(dist: np.ndarray, num_byzantine: int, num_selected: int = 1) -> 
     if not 1 <= num_selected <= len(scores):
         raise AggregationError(f"cannot select {num_selected} of {len(scores)} updates")
     return np.argsort(scores, kind="stable")[:num_selected]
+
+
+@dataclass(frozen=True)
+class KrumBounded:
+    """What :func:`krum_bounded_mean` did in one round."""
+
+    mean: np.ndarray
+    """The aggregated delta (float64, flat)."""
+    chosen: np.ndarray
+    """Row indices of the updates that entered the mean (ascending)."""
+    norm_bound: float
+    sample_cap: float
+    clipped: int
+    """Updates whose norm was bounded (all rows, chosen or not)."""
+    capped: int
+    """Updates whose sample count was capped (all rows)."""
+
+
+def _round_bounds(norms: np.ndarray, samples: np.ndarray, clip_multiplier: float, sample_multiplier: float,
+                  sample_cap: float | None) -> tuple[float, float]:
+    """The norm bound and the sample cap from this round's own updates: ``clip_multiplier`` x the robust
+    (lower) median norm, ``sample_multiplier`` x the robust median claim in whole samples (at most
+    ``sample_cap``). With n >= 3 updates the lower median lies within the honest ones' range
+    whatever one device sends."""
+    for name, value in (("clip_multiplier", clip_multiplier), ("sample_multiplier", sample_multiplier)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or value <= 0:
+            raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
+    bound = float(clip_multiplier) * float(robust_median(norms))  # type: ignore[arg-type]
+    cap = float(max(1, math.floor(float(sample_multiplier) * max(1.0, float(robust_median(samples))))))
+    if sample_cap is not None:
+        cap = min(cap, float(sample_cap))
+    return bound, cap
+
+
+def krum_bounded_mean(stack: np.ndarray, samples: Sequence[float], num_byzantine: int, *,
+                      clip_multiplier: float = 1.5, sample_multiplier: float = 3.0,
+                      sample_cap: float | None = None, weighted: bool = True) -> KrumBounded:
+    """Default FedAvg's bounded mean over a Multi-Krum selection, all from one round's updates.
+
+    ``stack``: (n clients x P coordinates) deltas; ``samples``: their claimed sample counts.
+
+    1. bounds from the round itself (:func:`_round_bounds`): each delta longer than
+       ``clip_multiplier`` x the robust median norm is scaled down to that norm, each claim capped
+       at ``sample_multiplier`` x the robust median claim (and ``sample_cap``);
+    2. Multi-Krum (Blanchard et al. 2017) on the bounded deltas: the n - f with the lowest Krum
+       scores (f = ``num_byzantine``) are kept;
+    3. the mean of the kept bounded deltas weighted by their capped claims (1 each unless
+       ``weighted``).
+
+    Why: on non-IID shards a backdoor poisoner's update is neither longer nor less similar to the
+    rest than an honest outlier's, but in the rounds that plant the backdoor it is the Krum-farthest
+    often enough that dropping the farthest f every round holds it (docs/security.md section 14);
+    the bounds keep what Multi-Krum alone lets through: a chosen update's claimed sample count
+    buying weight, a long delta. Needs n >= 2f + 3 updates; NaN/Inf, a non-2-D stack or
+    a sample count that is not finite and >= 1 raise AggregationError (nothing is computed)."""
+    x = np.asarray(stack)
+    if x.ndim != 2 or not np.issubdtype(x.dtype, np.floating):
+        raise AggregationError(f"krum_bounded_mean needs a 2-D float array (clients x coordinates), got "
+                               f"{x.dtype} of shape {x.shape}")
+    n = x.shape[0]
+    if isinstance(num_byzantine, bool) or not isinstance(num_byzantine, (int, np.integer)) or num_byzantine < 0:
+        raise ConfigError(f"num_byzantine must be an int >= 0, got {num_byzantine!r}")
+    f = int(num_byzantine)
+    if n < 2 * f + 3:
+        raise AggregationError(f"krum_bounded_mean with f={f} Byzantine needs at least {2 * f + 3} updates, got {n}")
+    s = np.asarray(samples, dtype=np.float64)
+    if s.shape != (n,) or not np.isfinite(s).all() or (s < 1).any():
+        raise AggregationError(f"krum_bounded_mean needs one finite sample count >= 1 per update, got {samples!r}")
+    rows = [np.asarray(r, dtype=np.float64) for r in x]
+    norms = np.array([math.sqrt(float(np.einsum("i,i->", r, r))) for r in rows])
+    if not np.isfinite(norms).all():
+        bad = int(np.flatnonzero(~np.isfinite(norms))[0])
+        raise AggregationError(f"krum_bounded_mean: update {bad} holds NaN or Inf (or overflows)")
+    bound, cap = _round_bounds(norms, s, clip_multiplier, sample_multiplier, sample_cap)
+    bounded = [bound_update(float(m), float(c), bound, cap) for m, c in zip(norms, s)]
+    scaled = [r * (b.weight / b.counted) for r, b in zip(rows, bounded)]
+    chosen = np.sort(krum_select(pairwise_sq_distances(scaled), f, n - f))
+    w = np.array([bounded[i].counted if weighted else 1.0 for i in chosen], dtype=np.float64)
+    mean = np.zeros(x.shape[1], dtype=np.float64)
+    for i, wi in zip(chosen, w):
+        mean += scaled[i] * (wi / w.sum())
+    return KrumBounded(mean, chosen, bound, cap, sum(b.clipped for b in bounded), sum(b.capped for b in bounded))
 
 
 def proximal_term(weights: Weights, global_weights: Weights, mu: float) -> float:

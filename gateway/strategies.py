@@ -19,6 +19,8 @@ name               rule                                           server memory
 ``krum``           the update with the lowest Krum score          holds n x P + n x n
 ``multi-krum``     mean of the m lowest-score updates             holds n x P + n x n
 ``bulyan``         Krum-chosen n - 2f, then a trimmed mean         holds n x P + n x n
+``fedavg-krum``    FedAvg's bounds, Multi-Krum's n - f, their     holds n x P + n x n
+                   bounded mean (backdoor defence)
 =================  =============================================  ==========================
 
 (P parameters, n clients, d_i client i's delta, n_i its sample count.)
@@ -38,7 +40,7 @@ import numpy as np
 
 from edgeflow.errors import AggregationError, ConfigError, StateError
 from edgeflow.gateway.aggregate import (bound_update, bounded_mean, bounded_weights, bulyan, coordinate_median,
-                                        global_norm, krum_scores, krum_select, next_reference,
+                                        global_norm, krum_bounded_mean, krum_scores, krum_select, next_reference,
                                         pairwise_sq_distances, proximal_gradient, proximal_term, robust_median,
                                         trimmed_mean, weighted_average)
 from edgeflow.gateway.aggregation import (Aggregator, Schema, Weights, all_finite, check_num_samples,
@@ -52,6 +54,7 @@ __all__ = [
     "FedAdagrad",
     "FedAdam",
     "FedAvg",
+    "FedAvgKrum",
     "FedAvgM",
     "FedProx",
     "FedYogi",
@@ -968,6 +971,51 @@ class Bulyan(_Holding):
         return self._as_tensors(out), {"num_selected": float(len(chosen))}
 
 
+class FedAvgKrum(_Holding):
+    """Default FedAvg's bounds over a Multi-Krum selection (:func:`edgeflow.gateway.aggregate.krum_bounded_mean`):
+    each delta's norm bounded at ``clip_multiplier`` x the round's robust median norm, each claim capped at
+    ``sample_multiplier`` x the round's robust median claim (and ``sample_cap``, the round's ``max_samples``),
+    the ``num_byzantine`` Krum-farthest bounded deltas dropped, the rest averaged by their capped claims.
+
+    The backdoor defence of docs/security.md section 14: with 1 of 10 devices planting a trigger
+    backdoor it holds the backdoor to the clean model's rate, and costs about 1.5 points of clean accuracy
+    on a fleet without an attacker (an honest update is dropped every round). Needs n >= 2f + 3 updates
+    (fewer raise AggregationError at finish); the bounds come from the round itself, so there is no
+    cross-round state beyond a server optimizer's. Holds every update: not available under secure
+    aggregation (the gateway sees only the sum there; the round configuration refuses it)."""
+
+    name = "fedavg-krum"
+
+    def __init__(self, num_byzantine: int = 1, weighted: bool = True, clip_multiplier: float = CLIP_MULTIPLIER,
+                 sample_multiplier: float = SAMPLE_MULTIPLIER, sample_cap: int | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if isinstance(num_byzantine, bool) or not isinstance(num_byzantine, int) or num_byzantine < 0:
+            raise ConfigError(f"num_byzantine must be an int >= 0, got {num_byzantine!r}")
+        if sample_cap is not None and (isinstance(sample_cap, bool) or not isinstance(sample_cap, int)
+                                       or sample_cap < 1):
+            raise ConfigError(f"sample_cap must be an int >= 1 or None, got {sample_cap!r}")
+        self.num_byzantine = num_byzantine
+        self.weighted = bool(weighted)
+        self.clip_multiplier = _positive("clip_multiplier", clip_multiplier)
+        self.sample_multiplier = _positive("sample_multiplier", sample_multiplier)
+        self.sample_cap = sample_cap
+        self.selected_clients: tuple[str, ...] = ()
+        """Client ids whose updates entered the last finished round's mean (for logs and audits)."""
+
+    def _reduce(self) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        n, f = len(self._held), self.num_byzantine
+        if n < 2 * f + 3:
+            raise AggregationError(f"round {self._round_id}: fedavg-krum with f={f} Byzantine needs at least "
+                                   f"{2 * f + 3} updates, got {n}")
+        r = krum_bounded_mean(np.stack(self._held), self._samples, f, clip_multiplier=self.clip_multiplier,
+                              sample_multiplier=self.sample_multiplier, sample_cap=self.sample_cap,
+                              weighted=self.weighted)
+        self.selected_clients = tuple(self._client_ids[i] for i in r.chosen)
+        return self._as_tensors(r.mean), {"num_selected": float(len(r.chosen)), "dropped": float(n - len(r.chosen)),
+                                          "norm_bound": r.norm_bound, "sample_cap": r.sample_cap,
+                                          "clipped": float(r.clipped), "capped": float(r.capped)}
+
+
 # ---------------------------------------------------------------------------
 # Registry
 # ---------------------------------------------------------------------------
@@ -983,7 +1031,7 @@ def register_aggregator(name: str, cls: type[Aggregator]) -> None:
 
 
 for _cls in (FedAvg, FedProx, FedAvgM, FedAdam, FedYogi, FedAdagrad, Median, TrimmedMean, Krum, MultiKrum,
-             Bulyan):
+             Bulyan, FedAvgKrum):
     register_aggregator(_cls.name, _cls)
 
 

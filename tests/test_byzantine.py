@@ -69,7 +69,7 @@ def _federated_run(data, strategy, attack, **params):
 
 
 ROBUST = [("median", {}), ("trimmed-mean", {"proportion": 0.2}), ("krum", {"num_byzantine": N_BYZANTINE}),
-          ("multi-krum", {"num_byzantine": N_BYZANTINE})]
+          ("multi-krum", {"num_byzantine": N_BYZANTINE}), ("fedavg-krum", {"num_byzantine": N_BYZANTINE})]
 
 
 def test_fedavg_without_attack_is_the_baseline(data):
