@@ -115,7 +115,8 @@ sys.stdin.read()  # idle: never a CONNECT; hold the sockets until the test close
 """
 
 
-def _nft_unavailable() -> str | None:
+def nft_unavailable() -> str | None:
+    """Why the generated ruleset cannot be loaded here (no nft, no netns, the kernel refuses), or None."""
     if shutil.which("nft") is None:
         return "nftables is not installed (apt-get install -y nftables)"
     why = netns_unavailable()
@@ -146,13 +147,14 @@ class Attacker:
         self.proc.wait(10)
 
 
-def _device(fd: FleetDir, host: str, port: int, timeout_s: float) -> MqttTransport:
-    creds = json.loads((fd.device_dir("pi-1") / "device.json").read_text())
-    return MqttTransport(host, port, client_id="pi-1", username="pi-1", password=creds["password"],
-                         tls=TlsConfig(ca_file=str(fd.device_dir("pi-1") / "ca.crt")), connect_timeout_s=timeout_s)
+def device_transport(fd: FleetDir, device: str, host: str, port: int, timeout_s: float) -> MqttTransport:
+    """A TLS transport with ``device``'s credentials from the fleet directory (not connected)."""
+    creds = json.loads((fd.device_dir(device) / "device.json").read_text())
+    return MqttTransport(host, port, client_id=device, username=device, password=creds["password"],
+                         tls=TlsConfig(ca_file=str(fd.broker_dir / "ca.crt")), connect_timeout_s=timeout_s)
 
 
-def _counters(host, table: str) -> dict[str, int]:
+def rule_counters(host, table: str) -> dict[str, int]:
     """Packets each commented rule of ``table`` matched (``nft -j``)."""
     out = json.loads(host.run(["nft", "-j", "list", "table", "inet", table], timeout=30, check=True).stdout)
     got: dict[str, int] = {}
@@ -170,7 +172,7 @@ def test_one_address_of_idle_sockets_no_longer_locks_a_device_out(tmp_path, test
     20 idle sockets holds every slot and the device's TLS connection is refused; with broker/nftables.conf
     loaded, the same address gets per_source sockets (the rest reset at once: rate and count rules
     both fire) and the device, from another address, connects and publishes at once."""
-    why = _nft_unavailable()
+    why = nft_unavailable()
     if why is not None:
         pytest.skip(why)
     binary = find_mosquitto()
@@ -193,7 +195,7 @@ def test_one_address_of_idle_sockets_no_longer_locks_a_device_out(tmp_path, test
     try:
         assert flood.result["held"] == limit + 4, flood.result  # accepted; Mosquitto closes those past 16
         with pytest.raises(TransportError):
-            _device(fd, broker.ip, port, 3).connect()
+            device_transport(fd, "pi-1", broker.ip, port, 3).connect()
     finally:
         flood.stop()
 
@@ -203,10 +205,10 @@ def test_one_address_of_idle_sockets_no_longer_locks_a_device_out(tmp_path, test
     flood = Attacker(attacker, broker.ip, port, 3 * per_source)
     try:
         assert flood.result == {"held": per_source, "reset": 2 * per_source, "other": []}, flood.result
-        counters = _counters(broker, table_name("lab"))
+        counters = rule_counters(broker, table_name("lab"))
         assert counters.get("new_rate", 0) > 0 and counters.get("per_source", 0) > 0, counters
         t0 = time.monotonic()
-        dev = _device(fd, broker.ip, port, 10)
+        dev = device_transport(fd, "pi-1", broker.ip, port, 10)
         try:
             dev.connect()
             dev.publish(device_topic("lab", "pi-1", "telemetry").value, b"{}").wait(5)
