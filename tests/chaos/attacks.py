@@ -1149,3 +1149,54 @@ def c32_runtime_allocation(c: Checks, arena: Arena) -> None:
            f"the allocating model was installed: {r.code} {r.error}")
     c.should("memory" in str(r.error), f"the refusal does not name the memory: {r.error}")
     c.must(_ping(arena, dev), "the device stopped answering")
+
+
+@attack("C33", "I31", "one address holds idle sockets within max_connections (slow loris) while a device connects")
+def c33_slow_loris_within_the_limit(c: Checks, arena: Arena) -> None:
+    """The arena's fleet directory, copied, regenerated for a broker in a network namespace of its own
+    (max_connections 16) with the broker/nftables.conf it writes loaded there; an attacker address opens
+    3 x per-source idle sockets, an honest device connects over TLS from another address."""
+    import dataclasses
+    import shutil
+
+    from _netns import TestNet
+    from test_broker_firewall import Attacker, device_transport, nft_unavailable, rule_counters
+
+    from edgeflow.broker.firewall import table_name
+    from edgeflow.broker.mosquitto import FleetDir
+    from edgeflow.transport.broker import find_mosquitto, wait_for_port
+
+    why = nft_unavailable() or (None if find_mosquitto() else "mosquitto is not installed")
+    if not c.must(why is None, f"cannot stage the attack: {why}"):
+        return
+    fd = FleetDir(shutil.copytree(arena.fd.path, arena.root / "c33-fleet", dirs_exist_ok=True))
+    net = TestNet()
+    try:
+        broker, attacker = net.host("broker"), net.host("attacker")
+        s = dataclasses.replace(fd.listener_settings(), host="0.0.0.0", port=8883, websockets_port=None,
+                                plain_port=None, max_connections=16, persistence_dir=None,
+                                log_file=str(arena.root / "c33-mosquitto.log"))
+        files = fd.write_broker_config(s, tls_hosts=[broker.ip])
+        proc = broker.popen([find_mosquitto(), "-c", str(files.config)], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        c.must(wait_for_port(broker.ip, 8883, 10, alive=lambda: proc.poll() is None), "the broker did not start")
+        loaded = broker.run(["nft", "-f", str(files.firewall)], timeout=30)
+        c.must(loaded.returncode == 0, f"nft -f refused the generated ruleset: {loaded.stderr.strip()}")
+        flood = Attacker(attacker, broker.ip, 8883, 3 * files.per_source)
+        try:
+            c.must(flood.result["held"] <= files.per_source < 16, f"one address holds {flood.result}")
+            t0 = time.monotonic()
+            dev = device_transport(fd, HONEST[0], broker.ip, 8883, 10)
+            try:
+                dev.connect()
+                dev.publish(_topic(HONEST[0], "telemetry"), b"{}").wait(5)
+            finally:
+                dev.close(timeout=1)
+            took = time.monotonic() - t0
+            c.should(took < 2, f"the device needed {took:.1f} s")
+            c.notes.append(f"attacker {flood.result['held']} held, {flood.result['reset']} reset; device in "
+                           f"{took:.2f} s; {rule_counters(broker, table_name(FLEET))}")
+        finally:
+            flood.stop()
+    finally:
+        net.close()
