@@ -1,6 +1,6 @@
 """Issue 20's red-team attack list against one live fleet: held / degraded / broken per attack.
 
-    python benchmarks/chaos.py                 # all 26 attacks, the table and the run time
+    python benchmarks/chaos.py                 # all 33 attacks, the table and the run time
     python benchmarks/chaos.py --only B09 B12  # some of them
     python benchmarks/chaos.py --json out.json
 
@@ -8,7 +8,9 @@ The fleet (tests/chaos/arena.py): Mosquitto on the config `edgeflow broker-confi
 per-device passwords, the ACL), devices from `fleet provision`, the gateway service built from a
 gateway.toml as `edgeflow gateway` builds it (kill -9 attacks run the real `edgeflow gateway` process),
 three honest device agents training on digits shards and one compromised provisioned device; an
-anonymous broker for the open-broker attacks. tests/chaos/test_chaos.py runs the same attacks in CI and
+anonymous broker for the open-broker attacks. C33 (the slow loris) runs a copy of the fleet's broker in
+network namespaces with its generated nftables ruleset: it needs root, `ip netns` and `nft`.
+tests/chaos/test_chaos.py runs the same attacks in CI and
 fails on any that does not hold.
 """
 
@@ -27,7 +29,7 @@ sys.path.insert(0, str(ROOT / "tests" / "chaos"))
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", nargs="*", help="attack ids (A01..B26)")
+    ap.add_argument("--only", nargs="*", help="attack ids (A01..C33)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--verbose", "-v", action="store_true", help="details of held attacks too")
     ap.add_argument("--log", help="write the fleet's log (INFO) to this file")
