@@ -4,7 +4,8 @@
    pointed to (a root-only decoy became mosquitto's): now it creates those for the broker user or leaves
    its own ones alone, never through a link, and says so in one line;
 2. no ``max_connections``: idle sockets without a credential used up the broker's open files and
-   blocked every TLS client; now each listener has a limit sized to the fleet;
+   blocked every TLS client; now each listener has a limit sized to the fleet (and broker/nftables.conf
+   caps each source address within it: tests/test_broker_firewall.py);
 3. under umask 000 keyring.json, fleet.json and ca.crt were 0666: every mode is set explicitly;
 4. a device provisioned as ``admin-5`` took a future operator session user's name and rights: the two
    name spaces are disjoint.
