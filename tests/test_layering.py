@@ -141,10 +141,17 @@ def test_only_the_mqtt_package_imports_paho():
             assert f.parent == TRANSPORT / "mqtt", f"{f.relative_to(ROOT)} imports paho"
 
 
+def test_only_the_nats_package_imports_nats():
+    """nats-py stays in edgeflow/transport/nats/ (issue 35), as paho stays in mqtt/."""
+    for f in _files("edgeflow"):
+        if "nats" in {m.split(".")[0] for m in _imports(f)}:
+            assert f.parent == TRANSPORT / "nats", f"{f.relative_to(ROOT)} imports nats"
+
+
 def test_the_transport_imports_nothing_above_it():
-    """edgeflow.transport may use the standard library, paho, amqtt (the embedded broker),
+    """edgeflow.transport may use the standard library, paho, nats-py, amqtt (the embedded broker),
     edgeflow.errors and itself: never the gateway, device side, runtime or anything else."""
-    allowed = {"paho", "amqtt"}
+    allowed = {"paho", "amqtt", "nats"}
     for f in _files("edgeflow/transport"):
         for mod in _imports(f):
             top = mod.split(".")[0]
