@@ -45,6 +45,8 @@ __all__ = [
     "EmbeddedBroker",
     "ExternalBroker",
     "MosquittoBroker",
+    "NatsServer",
+    "find_nats_server",
     "TlsFiles",
     "find_mosquitto",
     "free_port",
@@ -179,6 +181,11 @@ class ExternalBroker(_BrokerBase):
     @property
     def url(self) -> str:
         return self._url
+
+    @property
+    def kind_of_server(self) -> str:
+        """``nats`` for a NATS URL, else ``mqtt``."""
+        return "nats" if self.address.is_nats else "mqtt"
 
     def start(self) -> ExternalBroker:
         return self
@@ -485,6 +492,119 @@ class MosquittoBroker(_BrokerBase):
             proc.send_signal(signal.SIGCONT)
 
 
+def find_nats_server() -> str | None:
+    """Path of the nats-server binary (PATH, then /usr/sbin and /usr/local/bin)."""
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    for p in ("/usr/sbin/nats-server", "/usr/local/bin/nats-server", "/usr/bin/nats-server"):
+        if os.access(p, os.X_OK):
+            return p
+    return None
+
+
+class NatsServer(_BrokerBase):
+    """A private nats-server with JetStream on a free loopback port (tests, demos, benchmarks).
+
+    ``extra_config`` is appended to the generated config (accounts, users and
+    permissions from :func:`edgeflow.broker.nats.nats_config`, TLS blocks,
+    ``max_payload``). The JetStream store lives in the work directory, so
+    :meth:`restart` keeps the streams (retained messages, will records).
+    """
+
+    kind = "nats"
+
+    def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, extra_config: str = "",
+                 binary: str | None = None, startup_timeout: float = 10.0,
+                 workdir: str | os.PathLike[str] | None = None, tls_scheme: bool = False) -> None:
+        self.binary = binary or find_nats_server()
+        if self.binary is None:
+            raise TransportError("nats-server is not installed (apt install nats-server), or pass binary=")
+        self.host = host
+        self._auto_port = port is None
+        self.port = port or 0
+        self.extra_config = extra_config
+        self.startup_timeout = startup_timeout
+        self.tls_scheme = tls_scheme
+        owned = workdir is None
+        self.workdir = Path(tempfile.mkdtemp(prefix="edgeflow-nats-")) if owned else Path(workdir)  # type: ignore[arg-type]
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._state: dict[str, Any] = {"proc": None, "log": None, "workdir": str(self.workdir), "owned": owned}
+        self._finalizer = weakref.finalize(self, _cleanup, self._state)
+
+    @property
+    def url(self) -> str:
+        return f"{'tls' if self.tls_scheme else 'nats'}://{self.host}:{self.port}"
+
+    @property
+    def config_path(self) -> Path:
+        return self.workdir / "nats.conf"
+
+    @property
+    def output_path(self) -> Path:
+        return self.workdir / "nats.out"
+
+    def _config_text(self) -> str:
+        store = str(self.workdir / "jetstream").replace("\\", "/")
+        return (f"host: {self.host}\nport: {self.port}\nserver_name: edgeflow_{self.port}\n"
+                f'jetstream {{ store_dir: "{store}" }}\n{self.extra_config}\n')
+
+    @property
+    def running(self) -> bool:
+        proc = self._state["proc"]
+        return proc is not None and proc.poll() is None
+
+    def log(self) -> str:
+        try:
+            return self.output_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+
+    def start(self) -> NatsServer:
+        if self.running:
+            return self
+        for attempt in range(3):
+            if self._auto_port and not self.port:
+                self.port = free_port(self.host)
+            self.config_path.write_text(self._config_text(), encoding="utf-8")
+            if self._state["log"] is None:
+                self._state["log"] = open(self.output_path, "ab")  # noqa: SIM115 - closed in _cleanup
+            proc = subprocess.Popen(  # noqa: S603 - our own binary and config
+                [self.binary, "-c", str(self.config_path)], stdout=self._state["log"], stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL)
+            self._state["proc"] = proc
+            if wait_for_port(self.host, self.port, self.startup_timeout, alive=lambda: proc.poll() is None):
+                return self
+            _terminate(proc)
+            text = self.log()
+            if self._auto_port and "address already in use" in text.lower() and attempt < 2:
+                self.port = 0
+                continue
+            tail = "\n".join(text.strip().splitlines()[-15:])
+            raise TransportError(f"nats-server did not start (exit code {proc.poll()}); config {self.config_path}; "
+                                 f"last log lines:\n{tail}")
+        raise TransportError("nats-server could not find a free port")  # pragma: no cover
+
+    def stop(self, *, cleanup: bool = True) -> None:
+        _terminate(self._state["proc"])
+        self._state["proc"] = None
+        if cleanup:
+            self._finalizer()
+
+    def restart(self, *, down_s: float = 0.0) -> NatsServer:
+        """Stop and start again on the same port and JetStream store."""
+        _terminate(self._state["proc"])
+        self._state["proc"] = None
+        if down_s:
+            time.sleep(down_s)
+        auto = self._auto_port
+        self._auto_port = False
+        try:
+            return self.start()
+        finally:
+            self._auto_port = auto
+
+
 class EmbeddedBroker(_BrokerBase):
     """amqtt's broker in a background thread with its own event loop (MQTT 3.1.1 only).
 
@@ -616,6 +736,8 @@ async def _shutdown_amqtt(broker: Any) -> None:
 def start_broker(url: str | None = None, **mosquitto_options: Any) -> ExternalBroker | MosquittoBroker | EmbeddedBroker:
     """Return a running broker: ``url`` if given, else Mosquitto if installed, else embedded amqtt.
 
+    ``url`` may be any URL :func:`~edgeflow.transport.factory.transport_from_url` serves (an MQTT
+    broker or a NATS server: ``nats://127.0.0.1:4222``); it is used as it is.
     ``mosquitto_options`` go to :class:`MosquittoBroker` when one is started.
     """
     if url:

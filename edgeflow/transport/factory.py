@@ -31,6 +31,8 @@ _BY_SCHEME: dict[str, str] = {
     "ssl": "edgeflow.transport.mqtt:MqttTransport",
     "ws": "edgeflow.transport.mqtt:MqttTransport",
     "wss": "edgeflow.transport.mqtt:MqttTransport",
+    "nats": "edgeflow.transport.nats:NatsTransport",
+    "tls": "edgeflow.transport.nats:NatsTransport",
 }
 
 

@@ -1,4 +1,4 @@
-"""Broker URLs: ``mqtt://``, ``mqtts://``, ``ws://``, ``wss://``.
+"""Broker URLs: ``mqtt://``, ``mqtts://``, ``ws://``, ``wss://``; for NATS ``nats://`` and ``tls://``.
 
 One string is the easiest thing to put in a config file, an environment
 variable or on a command line (``edgeflow demo --broker mqtts://gw:8883``).
@@ -25,7 +25,10 @@ _SCHEMES = {
     "ssl": (True, False, 8883),
     "ws": (False, True, 80),
     "wss": (True, True, 443),
+    "nats": (False, False, 4222),
+    "tls": (True, False, 4222),
 }
+NATS_SCHEMES = frozenset({"nats", "tls"})
 
 
 @dataclass(frozen=True)
@@ -37,9 +40,18 @@ class BrokerAddress:
     ws_path: str = "/mqtt"
     username: str | None = None
     password: str | None = None
+    scheme: str = "mqtt"
+    """The URL's scheme, lower case (``tcp``/``ssl`` stay as given; :attr:`url` normalises)."""
+
+    @property
+    def is_nats(self) -> bool:
+        return self.scheme in NATS_SCHEMES
 
     @property
     def url(self) -> str:
+        if self.is_nats:
+            host = f"[{self.host}]" if ":" in self.host else self.host
+            return f"{'tls' if self.tls else 'nats'}://{host}:{self.port}"
         scheme = ("wss" if self.tls else "ws") if self.websockets else ("mqtts" if self.tls else "mqtt")
         path = self.ws_path if self.websockets else ""
         host = f"[{self.host}]" if ":" in self.host else self.host
@@ -48,7 +60,7 @@ class BrokerAddress:
 
 def parse_broker_url(url: str) -> BrokerAddress:
     """Parse ``scheme://[user[:password]@]host[:port][/path]`` (path only for websockets)."""
-    hint = "expected e.g. mqtt://127.0.0.1:1883, mqtts://host:8883 or ws://host:9001/mqtt"
+    hint = "expected e.g. mqtt://127.0.0.1:1883, mqtts://host:8883, ws://host:9001/mqtt or nats://host:4222"
     if not isinstance(url, str) or "://" not in url:
         msg = f"broker URL {url!r} has no scheme; {hint}"
         raise ConfigError(msg)
@@ -78,4 +90,5 @@ def parse_broker_url(url: str) -> BrokerAddress:
         ws_path=ws_path if ws else "/mqtt",
         username=unquote(parts.username) if parts.username else None,
         password=unquote(parts.password) if parts.password else None,
+        scheme=scheme,
     )

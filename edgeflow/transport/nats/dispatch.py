@@ -1,0 +1,229 @@
+"""The NATS transport's worker thread: reassembly, duplicate suppression, handlers in arrival order.
+
+The event-loop thread (:mod:`.link`) puts every received message here, in
+the order the server delivered it; this thread runs the reassembler and the
+user's handlers one message at a time, so a slow handler never stalls the
+NATS connection (pings, acks). Connection listeners run here too, in order
+with the messages.
+
+Idempotent receipt: every frame a :class:`~.facade.NatsTransport` publishes
+carries a ``Nats-Msg-Id``; a frame resent after a lost acknowledgement has
+the same id, and this thread drops ids it has seen recently (a bounded LRU).
+JetStream's duplicate window drops the same resend from the streams.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from edgeflow.errors import CodecError
+from edgeflow.transport.chunking import Reassembler
+from edgeflow.transport.message import (
+    ConnectionEvent,
+    ConnectionListener,
+    Handler,
+    Message,
+    MessageProperties,
+    Subscription,
+)
+from edgeflow.transport.topics import TopicFilter, split_chunk_topic
+
+__all__ = ["Counters", "Dispatcher", "HandlerTable", "Inbound", "LocalHandler"]
+
+log = logging.getLogger("edgeflow.transport")
+
+
+@dataclass
+class Inbound:
+    """One received NATS message, as the event-loop thread hands it over."""
+
+    topic: str
+    payload: bytes
+    qos: int
+    retain: bool
+    properties: MessageProperties
+    msg_id: str | None = None
+
+
+@dataclass
+class LocalHandler:
+    filter: TopicFilter
+    """What topics are matched against (for ``$share/<g>/<f>``: ``<f>``)."""
+    handler: Handler
+    include_empty: bool
+    sub: Subscription
+    nats_subs: list[object] = field(default_factory=list)
+    """The client's subscriptions that feed this handler (owned by the event-loop thread)."""
+    removed: bool = False
+    """Unsubscribed: a subscription still waiting for the connection is not made."""
+
+
+class Counters:
+    """The transport's counters (``stats()``), safe to bump from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._c: Counter[str] = Counter()
+
+    def add(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._c[key] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._c)
+
+
+class HandlerTable:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._handlers: list[LocalHandler] = []
+
+    def add(self, h: LocalHandler) -> None:
+        with self._lock:
+            self._handlers.append(h)
+
+    def remove(self, sub: Subscription | str) -> list[LocalHandler]:
+        with self._lock:
+            if isinstance(sub, Subscription):
+                gone = [h for h in self._handlers if h.sub is sub]
+            else:
+                gone = [h for h in self._handlers if h.sub.filter == str(sub)]
+            self._handlers = [h for h in self._handlers if all(h is not g for g in gone)]
+            for g in gone:
+                g.removed = True
+        return gone
+
+    def all(self) -> list[LocalHandler]:
+        with self._lock:
+            return list(self._handlers)
+
+    def matching(self, topic: str) -> list[LocalHandler]:
+        with self._lock:
+            return [h for h in self._handlers if h.filter.matches(topic)]
+
+
+_STOP = object()
+
+
+class Dispatcher:
+    def __init__(self, name: str, handlers: HandlerTable, reassembler: Reassembler,
+                 count: Callable[..., None], accept_transfer: Callable[[str], bool] | None,
+                 seen_ids: int = 10_000) -> None:
+        self.name = name
+        self._handlers = handlers
+        self.reassembler = reassembler
+        self._count = count
+        self.accept_transfer = accept_transfer
+        self.queue: queue.Queue[object] = queue.Queue()
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._seen_max = seen_ids
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name=f"edgeflow-nats-worker-{self.name}", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float) -> None:
+        if self._thread is not None:
+            self.queue.put(_STOP)
+            if self._thread is not threading.current_thread():
+                self._thread.join(timeout)
+
+    def put(self, item: Inbound) -> None:
+        self.queue.put(item)
+
+    def notify(self, listeners: list[ConnectionListener], event: ConnectionEvent) -> None:
+        for fn in listeners:
+            self.queue.put(lambda fn=fn: fn(event))
+
+    def _loop(self) -> None:
+        last_expire = time.monotonic()
+        while True:
+            try:
+                item = self.queue.get(timeout=1.0)
+            except queue.Empty:
+                item = None
+            now = time.monotonic()
+            if now - last_expire >= 1.0:
+                last_expire = now
+                expired = self.reassembler.expire(now)
+                if expired:
+                    self._count("transfers_expired", len(expired))
+            if item is None:
+                continue
+            if item is _STOP:
+                return
+            if isinstance(item, Inbound):
+                try:
+                    self._handle(item)
+                except Exception:  # noqa: BLE001 - a bug here must not stop the worker thread
+                    self._count("worker_errors")
+                    log.exception("%s: failed to process a message on %s", self.name, item.topic)
+            else:
+                try:
+                    item()  # type: ignore[operator]
+                except Exception:  # noqa: BLE001 - a listener's bug must not stop the transport
+                    log.exception("%s: connection listener failed", self.name)
+
+    def _duplicate(self, msg_id: str | None) -> bool:
+        if not msg_id:
+            return False
+        if msg_id in self._seen:
+            self._seen.move_to_end(msg_id)
+            return True
+        self._seen[msg_id] = None
+        if len(self._seen) > self._seen_max:
+            self._seen.popitem(last=False)
+        return False
+
+    def _handle(self, raw: Inbound) -> None:
+        if not raw.retain and self._duplicate(raw.msg_id):
+            self._count("duplicates_dropped")
+            return
+        split = split_chunk_topic(raw.topic)
+        if split is None:
+            self.dispatch(Message(raw.topic, raw.payload, raw.qos, raw.retain, raw.properties))
+            return
+        base, _index = split
+        if not raw.payload:
+            self._count("empty_skipped")
+            return
+        if self.accept_transfer is not None and not self.accept_transfer(base):
+            self._count("chunks_refused_sender")
+            return
+        try:
+            done = self.reassembler.add(base, raw.payload, retain=raw.retain, meta=raw.properties)
+        except CodecError as exc:
+            self._count("chunks_bad")
+            log.warning("%s: dropped chunk on %s: %s", self.name, raw.topic, exc)
+            return
+        if done is None:
+            return
+        self._count("transfers_completed")
+        self.dispatch(Message(base, done.payload, raw.qos, done.retain, done.meta or {}, done.chunks,
+                              done.transfer_id.hex()))
+
+    def dispatch(self, msg: Message) -> None:
+        handlers = self._handlers.matching(msg.topic)
+        if not msg.payload:
+            handlers = [h for h in handlers if h.include_empty]
+            if not handlers:
+                self._count("empty_skipped")
+                return
+        if not handlers:
+            self._count("unhandled")
+            return
+        self._count("delivered_messages")
+        for h in handlers:
+            try:
+                h.handler(msg)
+            except Exception:  # noqa: BLE001 - one handler's bug must not stop delivery
+                self._count("handler_errors")
+                log.exception("%s: handler %r failed on %s", self.name, h.handler, msg.topic)

@@ -1,0 +1,592 @@
+"""The NATS connection: nats-py's asyncio client on a private event-loop thread.
+
+Everything that touches nats-py runs on this thread (:class:`Link` owns the
+loop); the facade reaches it with :meth:`Link.submit` (run a coroutine there
+and wait for its result) and :meth:`Link.wake` (the sender has work).
+
+What happens here:
+
+- connect, with retries and backoff until the first connection; afterwards
+  nats-py reconnects by itself and restores the core subscriptions, and
+  the connection listeners hear every change;
+- the JetStream streams are made sure of (:func:`ensure_streams`): the
+  *live* stream (``<prefix>.>``, bounded in age and bytes) gives every QoS 1
+  publish a PubAck, the *retained* stream keeps the last message per
+  subject, the *wills* stream one record per connected client;
+- the sender drains the outbox in order, ``max_inflight`` publishes at a
+  time; an acknowledged frame is released, one whose ack did not come is
+  put back at the head of the outbox in its original order and sent again
+  with the same ``Nats-Msg-Id`` (JetStream and the receivers drop the copy);
+- a publish the server refuses for permissions (``-ERR 'Permissions
+  Violation ...'``) fails its delivery at once, naming the subject;
+- subscribe: the core subscription first, then the retained messages of
+  the matching subjects (a short-lived consumer on the retained stream,
+  last message per subject), then the live messages that came meanwhile;
+- the last will: on every connection the transport writes its will record
+  (with the server's id for this connection) to the wills stream; a clean
+  close deletes it first. :mod:`.will` publishes it when the server reports
+  the connection gone with the record still there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import re
+import threading
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, DiscardPolicy, StorageType, StreamConfig
+
+from edgeflow.errors import TransportError
+from edgeflow.transport.backoff import Backoff
+from edgeflow.transport.base import WillSpec
+from edgeflow.transport.message import ConnectionEvent, MessageProperties
+from edgeflow.transport.nats.dispatch import Dispatcher, Inbound, LocalHandler
+from edgeflow.transport.nats.subjects import (
+    encode_level,
+    retained_subject,
+    subject_topic,
+    topic_subject,
+    will_subject,
+)
+from edgeflow.transport.outbox import Frame, Outbox
+
+__all__ = ["Link", "NatsFrame", "StreamNames", "ensure_streams", "headers_in", "headers_out"]
+
+log = logging.getLogger("edgeflow.transport")
+T = TypeVar("T")
+Parts = list[tuple[list[str], "str | None", bool]]
+"""What one handler subscribes: (subjects, queue group, replay retained) per part."""
+_PERM = re.compile(r'permissions violation for (publish|subscription) to "([^"]+)"', re.IGNORECASE)
+
+
+@dataclass
+class NatsFrame(Frame):
+    """An outbox frame with the id that makes its resends recognisable."""
+
+    msg_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass(frozen=True)
+class StreamNames:
+    """The JetStream streams of one subject prefix."""
+
+    prefix: str
+
+    @property
+    def live(self) -> str:
+        return f"{self.prefix.upper().replace('-', '_')}_LIVE"
+
+    @property
+    def retained(self) -> str:
+        return f"{self.prefix.upper().replace('-', '_')}_RETAINED"
+
+    @property
+    def wills(self) -> str:
+        return f"{self.prefix.upper().replace('-', '_')}_WILLS"
+
+
+async def ensure_streams(js: Any, names: StreamNames, *, live_max_age_s: float, live_max_bytes: int) -> None:
+    """Create the three streams when missing (an existing stream is left as its operator set it)."""
+    p = names.prefix
+    wanted = [
+        StreamConfig(name=names.live, subjects=[f"{p}.>"], max_age=live_max_age_s, max_bytes=live_max_bytes,
+                     discard=DiscardPolicy.OLD, storage=StorageType.FILE, duplicate_window=120.0),
+        StreamConfig(name=names.retained, subjects=[f"{p}_retained.>"], max_msgs_per_subject=1,
+                     storage=StorageType.FILE, duplicate_window=120.0),
+        StreamConfig(name=names.wills, subjects=[f"{p}_will.>"], max_msgs_per_subject=1, storage=StorageType.FILE),
+    ]
+    for cfg in wanted:
+        try:
+            await js.stream_info(cfg.name)
+            continue
+        except nats.js.errors.NotFoundError:
+            pass
+        try:
+            await js.add_stream(cfg)
+        except nats.js.errors.APIError as exc:
+            msg = (f"JetStream stream {cfg.name} is missing and this user may not create it ({exc}); "
+                   "start the gateway (or any transport with stream rights) once, or create it with the nats CLI")
+            raise TransportError(msg) from None
+
+
+def headers_out(frame: NatsFrame) -> dict[str, str]:
+    h = {"Nats-Msg-Id": frame.msg_id}
+    for key, value in (frame.properties or {}).items():
+        if key == "correlation_data":
+            h["Ef-Correlation-Data"] = base64.b64encode(bytes(value)).decode()
+        elif key == "user_properties":
+            items = value.items() if isinstance(value, dict) else value
+            h["Ef-User-Properties"] = json.dumps({str(k): str(v) for k, v in items})
+        elif key == "message_expiry_s":
+            h["Ef-Message-Expiry"] = str(int(value))
+        else:
+            h["Ef-" + key.replace("_", "-").title()] = str(value)
+    return h
+
+
+def headers_in(headers: dict[str, str] | None) -> MessageProperties:
+    out: MessageProperties = {}
+    if not headers:
+        return out
+    for name, value in headers.items():
+        if name == "Ef-Correlation-Data":
+            out["correlation_data"] = base64.b64decode(value)
+        elif name == "Ef-User-Properties":
+            out["user_properties"] = dict(json.loads(value))
+        elif name == "Ef-Message-Expiry":
+            out["message_expiry_s"] = int(value)
+        elif name == "Ef-Response-Topic":
+            out["response_topic"] = value
+        elif name == "Ef-Content-Type":
+            out["content_type"] = value
+    return out
+
+
+class Owner(Protocol):
+    """What the link reads from its facade (settings are read at each connection)."""
+
+    servers: list[str]
+    client_id: str
+    username: str | None
+    password: str | None
+    prefix: str
+    will: WillSpec | None
+    max_inflight: int
+    ack_timeout_s: float
+    connect_timeout_s: float
+    live_max_age_s: float
+    live_max_bytes: int
+    create_streams: bool
+    name: str
+
+    def _ssl_context(self) -> Any: ...
+
+    def _notify(self, event: ConnectionEvent) -> None: ...
+
+
+class Link:
+    """The event-loop thread of one NatsTransport and the connection it holds."""
+
+    def __init__(self, owner: Owner, outbox: Outbox, dispatcher: Dispatcher, count: Callable[..., None],
+                 backoff: Backoff) -> None:
+        self.t = owner
+        self.outbox = outbox
+        self.dispatcher = dispatcher
+        self._count = count
+        self.backoff = backoff
+        self.names = StreamNames(owner.prefix)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=f"edgeflow-nats-loop-{owner.name}",
+                                        daemon=True)
+        self._cv = threading.Condition()
+        self.up = False
+        self.ended = False
+        self.fatal: TransportError | None = None
+        self.last_error: TransportError | None = None
+        self.server_max_payload: int | None = None
+        self.nc: Any = None
+        self.js: Any = None
+        self._wake: asyncio.Event | None = None
+        self._inflight: dict[int, NatsFrame] = {}
+        self._retry: list[tuple[int, NatsFrame]] = []
+        self._seq = 0
+        self._denied_subs: set[str] = set()
+        self._main_task: asyncio.Task[None] | None = None
+        self._pending: list[tuple[LocalHandler, Parts]] = []
+        """Subscriptions made while not connected (event-loop thread only)."""
+        self.connected_once = False
+        self._thread_lock = threading.Lock()
+
+    # ---------------------------------------------------------------- threads
+
+    def start_thread(self) -> None:
+        with self._thread_lock:
+            if not self._thread.is_alive() and not self.loop.is_closed():
+                self._thread.start()
+
+    def start(self) -> None:
+        self.start_thread()
+        self._main_task = asyncio.run_coroutine_threadsafe(self._start_main(), self.loop).result()
+
+    async def _start_main(self) -> asyncio.Task[None]:
+        self._wake = asyncio.Event()
+        return asyncio.get_running_loop().create_task(self._main())
+
+    def submit(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+        """Run ``coro`` on the event loop; its result, or TransportError after ``timeout``."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            fut.cancel()
+            raise TransportError(f"NATS operation did not finish within {timeout} s") from None
+
+    def wake(self) -> None:
+        if self._wake is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._wake.set)
+
+    def _set(self, **values: Any) -> None:
+        with self._cv:
+            for k, v in values.items():
+                setattr(self, k, v)
+            self._cv.notify_all()
+
+    def wait(self, predicate: Callable[[Link], bool], timeout: float | None) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: predicate(self), timeout)
+
+    # ------------------------------------------------------------- connection
+
+    async def _main(self) -> None:
+        while not self.ended:
+            try:
+                await self._connect_once()
+                break
+            except TransportError as exc:
+                self._set(last_error=exc)
+                if self._is_fatal(exc):
+                    self._set(fatal=exc)
+                    return
+                await asyncio.sleep(self.backoff.next())
+        if self.ended:
+            return
+        await self._sender()
+
+    @staticmethod
+    def _is_fatal(exc: TransportError) -> bool:
+        text = str(exc).lower()
+        return "authorization" in text or "certificate" in text or "may not create" in text
+
+    async def _connect_once(self) -> None:
+        t = self.t
+        try:
+            nc = await nats.connect(
+                servers=t.servers, name=t.client_id, user=t.username, password=t.password, tls=t._ssl_context(),
+                connect_timeout=max(1, int(t.connect_timeout_s)), allow_reconnect=True, max_reconnect_attempts=-1,
+                reconnect_time_wait=1, error_cb=self._on_error, disconnected_cb=self._on_disconnected,
+                reconnected_cb=self._on_reconnected, inbox_prefix=f"_INBOX.{_inbox_token(t.client_id)}",
+                ping_interval=20, max_outstanding_pings=3,
+            )
+        except nats.errors.NoServersError as exc:
+            raise TransportError(f"could not connect to NATS at {', '.join(t.servers)}: {exc}") from None
+        except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
+            raise TransportError(f"could not connect to NATS at {', '.join(t.servers)}: {exc!r}") from None
+        self.nc = nc
+        self.js = nc.jetstream(timeout=t.ack_timeout_s)
+        self.server_max_payload = int(nc.max_payload)
+        if t.create_streams:
+            try:
+                await ensure_streams(self.js, self.names, live_max_age_s=t.live_max_age_s,
+                                     live_max_bytes=t.live_max_bytes)
+            except TransportError:
+                await nc.close()
+                raise
+            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                await nc.close()
+                raise TransportError(f"JetStream is not available at {', '.join(t.servers)} ({exc!r}); "
+                                     "start nats-server with -js") from None
+        await self._write_will()
+        self.backoff.reset()
+        self.connected_once = True
+        await self._drain_pending()
+        self._set(up=True)
+        self.t._notify(ConnectionEvent(True, False, "connected"))
+        self._count("connects")
+
+    async def _on_error(self, exc: Exception) -> None:
+        m = _PERM.search(str(exc))
+        if m is None:
+            log.info("%s: NATS error: %s", self.t.name, exc)
+            return
+        kind, subject = m.groups()
+        if kind.lower() == "subscription":
+            self._denied_subs.add(subject)
+            return
+        self._count("publish_denied")
+        for frame in list(self._inflight.values()):
+            if subject in (topic_subject(frame.topic, self.t.prefix), retained_subject(frame.topic, self.t.prefix)):
+                if frame.delivery is not None:
+                    frame.delivery._fail(TransportError(
+                        f"publish to {frame.topic} refused: not authorized (NATS subject {subject}); "
+                        "check this user's publish permissions"))
+
+    async def _on_disconnected(self) -> None:
+        if self.up:
+            self._set(up=False)
+            self._count("disconnects")
+            self.t._notify(ConnectionEvent(False, False, "connection lost"))
+
+    async def _on_reconnected(self) -> None:
+        try:
+            await self._write_will()
+        except TransportError as exc:
+            log.warning("%s: will record not written after reconnect: %s", self.t.name, exc)
+        await self._drain_pending()
+        self._set(up=True)
+        self._count("connects")
+        self.t._notify(ConnectionEvent(True, False, "reconnected"))
+        assert self._wake is not None
+        self._wake.set()
+
+    async def _write_will(self) -> None:
+        will = self.t.will
+        if will is None:
+            return
+        payload = will.payload() if callable(will.payload) else will.payload
+        data = payload.encode("utf-8") if isinstance(payload, str) else bytes(payload)
+        record = {"cid": self.nc.client_id, "client_id": self.t.client_id, "user": self.t.username,
+                  "topic": will.topic, "payload": base64.b64encode(data).decode(), "qos": int(will.qos),
+                  "retain": bool(will.retain), "delay_s": int(will.delay_s)}
+        await self._ack(self.js.publish(will_subject(self.t.client_id, self.t.prefix), json.dumps(record).encode()),
+                        f"will record of {self.t.client_id}")
+
+    async def clear_will(self) -> None:
+        """A clean close: delete the will record so it is never published."""
+        if self.t.will is None or self.nc is None or not self.nc.is_connected:
+            return
+        await self._ack(self.js.publish(will_subject(self.t.client_id, self.t.prefix), b""),
+                        f"will record of {self.t.client_id}")
+
+    async def _ack(self, aw: Awaitable[Any], what: str) -> Any:
+        try:
+            return await aw
+        except nats.errors.NoRespondersError:
+            raise TransportError(f"{what}: no JetStream stream captures it (are the edgeflow streams created?)") from None
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            raise TransportError(f"{what} not acknowledged: {exc!r}") from None
+
+    # ----------------------------------------------------------------- sender
+
+    async def _sender(self) -> None:
+        assert self._wake is not None
+        window = asyncio.Semaphore(self.t.max_inflight)
+        while not self.ended:
+            await self._wake.wait()
+            self._wake.clear()
+            while self.up and not self.ended and not self._retry:
+                await window.acquire()
+                frame = self.outbox.pop()
+                if frame is None:
+                    window.release()
+                    break
+                self._seq += 1
+                self._inflight[self._seq] = frame  # type: ignore[assignment]
+                asyncio.get_running_loop().create_task(self._send(self._seq, frame, window))  # type: ignore[arg-type]
+
+    async def _send(self, seq: int, frame: NatsFrame, window: asyncio.Semaphore) -> None:
+        try:
+            ok = await self._publish_frame(frame)
+        finally:
+            window.release()
+            self._inflight.pop(seq, None)
+        if ok:
+            self.outbox.release(frame)
+            if frame.delivery is not None:
+                frame.delivery._ack(frame.index)
+                self._count("acked_frames")
+        elif frame.delivery is not None and frame.delivery.error is not None:
+            self.outbox.release(frame)
+        else:
+            self._retry.append((seq, frame))
+        if not self._inflight and self._retry:
+            self.outbox.push_front([f for _, f in sorted(self._retry, key=lambda x: x[0])])
+            self._count("frames_resent", len(self._retry))
+            self._retry.clear()
+        assert self._wake is not None
+        self._wake.set()
+
+    async def _publish_frame(self, frame: NatsFrame) -> bool:
+        """True when the server acknowledged the frame; False to try again."""
+        if frame.cancelled:
+            return False
+        data = frame.payload()
+        headers = headers_out(frame)
+        subject = topic_subject(frame.topic, self.t.prefix)
+        try:
+            if frame.retain:
+                await self.js.publish(retained_subject(frame.topic, self.t.prefix), data, headers=headers,
+                                      timeout=self.t.ack_timeout_s)
+            if frame.qos == 0:
+                await self.nc.publish(subject, data, headers=headers)
+            else:
+                await self.js.publish(subject, data, headers=headers, timeout=self.t.ack_timeout_s)
+            self._count("published_frames")
+            return True
+        except nats.errors.NoRespondersError:
+            if frame.delivery is not None:
+                frame.delivery._fail(TransportError(
+                    f"publish to {frame.topic}: no JetStream stream captures {subject}; "
+                    f"create the stream {self.names.live} (any transport with stream rights does on connect)"))
+            return False
+        except nats.errors.MaxPayloadError as exc:
+            if frame.delivery is not None:
+                frame.delivery._fail(TransportError(f"publish to {frame.topic}: {exc}; lower max_payload"))
+            return False
+        except (nats.errors.Error, asyncio.TimeoutError, OSError) as exc:
+            self._count("ack_timeouts")
+            log.debug("%s: no ack for %s (%r); it is sent again", self.t.name, frame.topic, exc)
+            return False
+
+    # -------------------------------------------------------------- subscribe
+
+    async def register(self, local: LocalHandler, parts: Parts) -> None:
+        """Subscribe now when connected, else when the connection is (re)made."""
+        if self.connected_once and self.nc is not None and self.nc.is_connected:
+            await self._subscribe_local(local, parts)
+        else:
+            self._pending.append((local, parts))
+
+    async def _subscribe_local(self, local: LocalHandler, parts: Parts) -> None:
+        subs: list[Any] = []
+        try:
+            for subjects, group, retained in parts:
+                subs += await self.subscribe(subjects, group, retained, self.dispatcher.put)
+        except TransportError:
+            await self.unsubscribe(subs)
+            raise
+        if local.removed:
+            await self.unsubscribe(subs)
+            return
+        local.nats_subs = subs
+
+    async def _drain_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for local, parts in pending:
+            if local.removed:
+                continue
+            try:
+                await self._subscribe_local(local, parts)
+            except TransportError as exc:
+                self._count("subscribe_errors")
+                log.warning("%s: subscription to %s not made: %s", self.t.name, local.sub.filter, exc)
+
+    async def subscribe(self, subjects: list[str], group: str | None, retained: bool, deliver: Callable[[Inbound], None]
+                        ) -> list[Any]:
+        """Core subscriptions for ``subjects`` (queue ``group``), then the retained messages of the
+        matching subjects, then what arrived live meanwhile. Raises TransportError when refused."""
+        held: list[Inbound] | None = []
+        prefix = self.t.prefix
+
+        async def on_msg(msg: Any) -> None:
+            topic = subject_topic(msg.subject, prefix)
+            if topic is None:
+                return
+            hdrs = msg.headers or {}
+            item = Inbound(topic, msg.data, 1, False, headers_in(hdrs), hdrs.get("Nats-Msg-Id"))
+            self._count("received_messages")
+            if held is not None:
+                held.append(item)
+            else:
+                deliver(item)
+
+        subs = []
+        for s in subjects:
+            self._denied_subs.discard(s)
+            subs.append(await self.nc.subscribe(s, queue=group or "", cb=on_msg))
+        await self.nc.flush(timeout=max(1, int(self.t.ack_timeout_s)))
+        denied = [s for s in subjects if s in self._denied_subs]
+        if denied:
+            for sub in subs:
+                await sub.unsubscribe()
+            msg = f"subscription to NATS subject {denied[0]} refused: not authorized; check this user's subscribe permissions"
+            raise TransportError(msg)
+        if retained:
+            for s in subjects:
+                for item in await self._retained(s):
+                    deliver(item)
+        pending, held = held, None
+        for item in pending:
+            deliver(item)
+        return subs
+
+    async def _retained(self, subject: str) -> list[Inbound]:
+        """The last retained message of every subject matching ``subject`` (empty ones left out)."""
+        prefix = self.t.prefix
+        rsubject = f"{prefix}_retained." + subject.split(".", 1)[1]
+        name = f"ret_{uuid.uuid4().hex[:16]}"
+        cfg = ConsumerConfig(name=name, filter_subject=rsubject, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+                             ack_policy=AckPolicy.EXPLICIT, inactive_threshold=30.0, mem_storage=True,
+                             max_ack_pending=-1)
+        out: list[Inbound] = []
+        try:
+            info = await self.js.add_consumer(self.names.retained, cfg)
+            pending = info.num_pending
+            psub = await self.js.pull_subscribe_bind(name, self.names.retained) if pending else None
+            while pending and psub is not None:
+                for m in await psub.fetch(min(pending, 256), timeout=self.t.ack_timeout_s):
+                    pending = m.metadata.num_pending
+                    if not m.data:
+                        continue
+                    topic = subject_topic(m.subject, f"{prefix}_retained")
+                    if topic is not None:
+                        hdrs = m.headers or {}
+                        out.append(Inbound(topic, m.data, 1, True, headers_in(hdrs), hdrs.get("Nats-Msg-Id")))
+            if psub is not None:
+                await psub.unsubscribe()
+            await self.js.delete_consumer(self.names.retained, name)
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            msg = f"retained messages of {rsubject} could not be read: {exc!r}; check the user's JetStream permissions"
+            raise TransportError(msg) from None
+        return out
+
+    async def unsubscribe(self, subs: list[Any]) -> None:
+        for sub in subs:
+            try:
+                await sub.unsubscribe()
+            except nats.errors.Error as exc:
+                log.info("%s: unsubscribe: %s (the connection is gone; so is the subscription)", self.t.name, exc)
+
+    # ------------------------------------------------------------------ close
+
+    async def shutdown(self, *, abort: bool) -> None:
+        """Stop sending; a clean close deletes the will record first, an abort leaves it."""
+        self.ended = True
+        if self._wake is not None:
+            self._wake.set()
+        nc = self.nc
+        if nc is None:
+            if self._main_task is not None:
+                self._main_task.cancel()
+            return
+        if not abort:
+            try:
+                await self.clear_will()
+            except TransportError as exc:
+                log.warning("%s: will record not deleted on close (%s): the will may be published", self.t.name, exc)
+        if abort:
+            writer = getattr(getattr(nc, "_transport", None), "_io_writer", None)
+            if writer is not None:
+                writer.transport.abort()
+        try:
+            await nc.close()
+        except (nats.errors.Error, OSError) as exc:
+            log.info("%s: NATS close: %r", self.t.name, exc)
+        if self._main_task is not None:
+            self._main_task.cancel()
+
+    def fail_inflight(self) -> None:
+        for frame in list(self._inflight.values()) + [f for _, f in self._retry]:
+            if frame.delivery is not None:
+                frame.delivery._fail(TransportError(f"transport closed before {frame.topic} was acknowledged"))
+        self._inflight.clear()
+        self._retry.clear()
+
+    def stop_loop(self, timeout: float) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+def _inbox_token(client_id: str) -> str:
+    return encode_level(client_id)
