@@ -58,6 +58,7 @@ class GatewayConfig:
     fleet: str | None = None
     state: str = "gateway.sqlite"
     model: str | None = None
+    initial_parameters: str | None = None  # .npz of the first global parameters, instead of model (docs/flower.md)
     eval: str | None = None
     metrics: str | None = "metrics.jsonl"
     client_id: str | None = None
@@ -227,7 +228,8 @@ def _min_payload() -> int:
 
 SCHEMA: dict[str, dict[str, _Rule]] = {
     "gateway": {
-        "fleet_dir": _OPT_STR, "fleet": _OPT_STR, "state": _STR, "model": _OPT_STR, "eval": _OPT_STR,
+        "fleet_dir": _OPT_STR, "fleet": _OPT_STR, "state": _STR, "model": _OPT_STR, "initial_parameters": _OPT_STR,
+        "eval": _OPT_STR,
         "metrics": _OPT_STR, "client_id": _OPT_STR, "broker": _Rule("url", optional=True, schemes=_MQTT),
         "max_payload": _int(_min_payload(), 268_435_455, optional=True), "role": _choice(_roles),
     },
@@ -478,9 +480,21 @@ def load_eval(path: Path | None) -> tuple[np.ndarray, np.ndarray] | None:
 
 
 def _initial_model(config: GatewayConfig) -> onnx.ModelProto:
-    mp = config.path(config.model)
+    """The first global model: ``[gateway] model`` (ONNX: OTA and on-device inference too) or
+    ``[gateway] initial_parameters`` (an .npz of arrays, for Flower-style apps that bring their own model)."""
+    mp, pp = config.path(config.model), config.path(config.initial_parameters)
+    if mp is not None and pp is not None:
+        raise ConfigError("[gateway] model and initial_parameters both give the first global model; keep one "
+                          "(model: an ONNX file; initial_parameters: an .npz for Flower-style apps, docs/flower.md)")
+    if pp is not None:
+        from .global_model import load_initial_parameters, parameters_model
+
+        what = "[gateway] initial_parameters"
+        return parameters_model(load_initial_parameters(pp, what=what), source=f"{what} {pp}")
     if mp is None:
-        raise ConfigError("[gateway] model: the initial global model is needed on first start")
+        raise ConfigError("[gateway] model: the initial global model is needed on first start (an ONNX model; or "
+                          "[gateway] initial_parameters / --initial-parameters FILE.npz for Flower-style apps that "
+                          "bring their own model, docs/flower.md)")
     from edgeflow.runtime.model import load_model
 
     return load_model(mp)

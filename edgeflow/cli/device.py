@@ -23,6 +23,11 @@ def register(sub) -> None:
     p.add_argument("--backend", choices=["ort", "numpy"], help="force a backend")
     p.add_argument("--train-data", help=".npz with arrays x and y: take part in federated rounds on them (from the "
                    "first deployed model on, no command needed)")
+    p.add_argument("--app", metavar="FILE_OR_MODULE:client_fn",
+                   help="take part in federated rounds with your own Flower-style client: client_fn(context) returns "
+                   "an object with get_parameters/fit/evaluate (docs/flower.md); no deployed model needed")
+    p.add_argument("--node-config", metavar="'K=V ...'",
+                   help="with --app: context.node_config, as Flower's, e.g. 'partition-id=0 num-partitions=2'")
     p.add_argument("--no-train", action="store_true",
                    help="never take part in federated rounds (no command can change that; not with --train-data)")
     p.set_defaults(func=cmd)
@@ -44,6 +49,47 @@ def _participant_factory(path: str):
     return make
 
 
+def parse_node_config(text: str | None) -> dict:
+    """Flower's ``--node-config 'partition-id=0 num-partitions=2'``: integers, numbers and text by key."""
+    from ..errors import ConfigError
+
+    out: dict = {}
+    for item in (text or "").split():
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise ConfigError(f"--node-config: {item!r} is not KEY=VALUE; e.g. --node-config 'partition-id=0 "
+                              "num-partitions=2'")
+        try:
+            out[k] = int(v)
+        except ValueError:
+            try:
+                out[k] = float(v)
+            except ValueError:
+                out[k] = v.strip('"\'')
+    return out
+
+
+def _app_factory(ref: str, node_config: dict, device_id: str):
+    """The user's client, built once now (a bad reference or a client_fn that raises stops the start with one
+    line), and a participant factory that needs no deployed model."""
+    import hashlib
+
+    from ..federated.app import Context, load_client_fn, make_client
+
+    node_id = int.from_bytes(hashlib.sha256(device_id.encode()).digest()[:8], "big") >> 1
+    app = make_client(load_client_fn(ref), Context(node_id=node_id, node_config=node_config), ref)
+
+    def make(agent):
+        from ..federated import Client
+
+        return Client(agent.transport, fleet=agent.fleet, device_id=agent.device_id, signer=agent.signer,
+                      fleet_key=agent.fleet_key, app=app, profile=agent.profile,
+                      epoch_file=agent.slots.root / "gateway_epoch.json")
+
+    make.needs_model = False  # type: ignore[attr-defined]  # read by the agent's TrainingService
+    return make
+
+
 def cmd(args) -> int:
     import signal
     import sys
@@ -62,6 +108,12 @@ def cmd(args) -> int:
         raise ConfigError(f"--memory-budget-mb {args.memory_budget_mb}: give megabytes, 1 or more")
     if args.no_train and args.train_data:
         raise ConfigError("--no-train and --train-data contradict each other: drop one")
+    if args.app and (args.train_data or args.no_train):
+        raise ConfigError(f"--app and {'--train-data' if args.train_data else '--no-train'} contradict each other: "
+                          "--app brings its own data and training; drop one")
+    if args.node_config and not args.app:
+        raise ConfigError("--node-config is the context of a Flower-style client: give --app FILE:client_fn too")
+    node_config = parse_node_config(args.node_config)
     if args.battery_file:
         opts.battery_file = args.battery_file
     if args.memory_budget_mb is not None:
@@ -72,6 +124,8 @@ def cmd(args) -> int:
     factory = _participant_factory(args.train_data) if args.train_data else None
     agent = DeviceAgent.from_credentials(args.credentials, broker=args.broker, profile=args.profile,
                                          state_dir=args.state, options=opts, make_participant=factory)
+    if args.app:
+        agent.make_participant = _app_factory(args.app, node_config, agent.device_id)
     done = threading.Event()
 
     def on_signal(signum, frame) -> None:  # noqa: ARG001
@@ -92,11 +146,14 @@ def cmd(args) -> int:
     code, detail = agent.train_status()
     if code == "training":
         print("  federated rounds: taking part", file=sys.stderr, flush=True)
-    elif code == "no_model" and args.train_data and not args.no_train:
+    elif code == "no_model" and (args.train_data or args.app) and not args.no_train:
         print("  federated rounds: taking part once a model is deployed", file=sys.stderr, flush=True)
     else:
         print(f"  federated rounds: not taking part: {detail}", file=sys.stderr, flush=True)
     while not done.wait(0.5):
-        pass
+        if getattr(agent.transport, "gave_up", None) is not None:  # e.g. its client id is taken: one line, exit 2
+            break
     agent.stop()
+    if getattr(agent.transport, "gave_up", None) is not None:
+        raise agent.transport.gave_up
     return 0

@@ -89,7 +89,8 @@ log = logging.getLogger("edgeflow.device")
 ParticipantFactory = Callable[["DeviceAgent"], Participant]
 """``make_participant(agent)``: build a participant for the agent's current model
 (``agent.model_path``, ``agent.transport``, ``agent.signer``...). Called again after every
-model change, since a participant trains one model."""
+model change, since a participant trains one model. A factory whose ``needs_model`` attribute is False
+(``edgeflow device --app``: a Flower-style client brings its own model) takes part with no model deployed."""
 
 
 @dataclass

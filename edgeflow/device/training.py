@@ -100,6 +100,8 @@ class TrainingService:
         if a.make_participant is None:
             return "no_data", ("this agent has no training participant: no training data (start `edgeflow device` "
                                "with --train-data x_y.npz holding arrays x and y)")
+        if not getattr(a.make_participant, "needs_model", True):
+            return None  # a Flower-style app (edgeflow device --app) brings its own model
         m = a._model
         if m is None:
             return "no_model", "no model is deployed yet; deploy one (`edgeflow fleet deploy MODEL --to ...`)"
