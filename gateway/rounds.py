@@ -1014,7 +1014,7 @@ class RoundManager:
             mean_client_loss=float(np.mean(got.losses)) if got.losses else None,
             accuracy=acc, eval_loss=eval_loss,
             extra={**{k: float(v) for k, v in (result.metrics.items() if result else ())
-                      if k.startswith("dp_") or k in _ROBUST_METRICS},
+                      if k.startswith(("dp_", "strategy_")) or k in _ROBUST_METRICS},  # strategy_: a custom one's
                    **{f"eval_{k}": v for k, v in evaluated.items()},
                    **self._client_metrics(got)},
         )

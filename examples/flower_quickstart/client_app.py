@@ -1,6 +1,7 @@
 """Flower's quickstart client, numpy edition, run unchanged in shape by edgeflow (docs/flower.md).
 
     edgeflow simulate --app examples/flower_quickstart/client_app.py:client_fn --devices 4 --rounds 5
+    edgeflow simulate --app ... --strategy examples/flower_quickstart/strategy.py:TrimmedFedAvg
 
 A softmax regression on scikit-learn's 8x8 digits, each node training on its own slice
 (``context.node_config["partition-id"]`` of ``["num-partitions"]``). Parameters travel as a list of
