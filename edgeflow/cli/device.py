@@ -49,26 +49,6 @@ def _participant_factory(path: str):
     return make
 
 
-def parse_node_config(text: str | None) -> dict:
-    """Flower's ``--node-config 'partition-id=0 num-partitions=2'``: integers, numbers and text by key."""
-    from ..errors import ConfigError
-
-    out: dict = {}
-    for item in (text or "").split():
-        k, sep, v = item.partition("=")
-        if not sep or not k:
-            raise ConfigError(f"--node-config: {item!r} is not KEY=VALUE; e.g. --node-config 'partition-id=0 "
-                              "num-partitions=2'")
-        try:
-            out[k] = int(v)
-        except ValueError:
-            try:
-                out[k] = float(v)
-            except ValueError:
-                out[k] = v.strip('"\'')
-    return out
-
-
 def _app_factory(ref: str, node_config: dict, device_id: str):
     """The user's client, built once now (a bad reference or a client_fn that raises stops the start with one
     line), and a participant factory that needs no deployed model."""
@@ -113,7 +93,9 @@ def cmd(args) -> int:
                           "--app brings its own data and training; drop one")
     if args.node_config and not args.app:
         raise ConfigError("--node-config is the context of a Flower-style client: give --app FILE:client_fn too")
-    node_config = parse_node_config(args.node_config)
+    from ..federated.app import parse_config_text
+
+    node_config = parse_config_text(args.node_config, "--node-config")
     if args.battery_file:
         opts.battery_file = args.battery_file
     if args.memory_budget_mb is not None:

@@ -80,6 +80,8 @@ def register(sub) -> None:
                    help="codec option, e.g. ratio=0.05 (repeatable)")
     p.add_argument("--strategy-param", action="append", default=[], metavar="K=V",
                    help="strategy parameter, e.g. proportion=0.2 or num_byzantine=4 (repeatable)")
+    p.add_argument("--run-config", metavar="'K=V ...'", help="with --app: context.run_config, as Flower's "
+                   "--run-config, e.g. 'local-epochs=2 lr=0.05'")
     p.add_argument("--dp-clip", type=float, help="central DP: clip each update to this L2 norm")
     p.add_argument("--dp-noise", type=float, help="central DP: noise multiplier")
     p.add_argument("--dp-delta", type=float, default=1e-5, help="central DP: delta for the reported epsilon")
@@ -138,7 +140,7 @@ def build_config(args):
                             if k in known and not isinstance(v, dict)), "rounds = 10")
             raise ConfigError(f"{args.config}: simulate's TOML has no tables ({', '.join(f'[{k}]' for k in stray)}): "
                               f"put the settings at the top level, e.g. {example}, not under a [section] "
-                              "(only codec_opts, strategy_params, dp and secagg take tables)")
+                              "(only codec_opts, strategy_params, dp, secagg and run_config take tables)")
         unknown = sorted(set(settings) - known)
         if unknown:
             raise ConfigError(f"{args.config}: unknown setting(s) {unknown}; known: {sorted(known)}")
@@ -150,6 +152,10 @@ def build_config(args):
         settings["codec_opts"] = {**settings.get("codec_opts", {}), **_kv(args.codec_opt)}
     if args.strategy_param:
         settings["strategy_params"] = {**settings.get("strategy_params", {}), **_kv(args.strategy_param)}
+    if args.run_config:
+        from ..federated.app import parse_config_text
+
+        settings["run_config"] = {**settings.get("run_config", {}), **parse_config_text(args.run_config, "--run-config")}
     if args.dp_clip is not None or args.dp_noise is not None:
         if args.dp_clip is None or args.dp_noise is None:
             raise ConfigError("central DP needs both --dp-clip and --dp-noise")

@@ -35,7 +35,7 @@ from ..errors import ConfigError, EdgeflowError
 from .numpy_client import Metrics, NumPyClient, Parameters
 
 __all__ = ["Context", "ListClient", "load_client_fn", "load_reference", "make_client", "natural_order",
-           "positional_names"]
+           "parse_config_text", "positional_names"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,25 @@ class Context:
     node_config: Mapping[str, Any] = field(default_factory=dict)
     run_config: Mapping[str, Any] = field(default_factory=dict)
     state: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_config_text(text: str | None, flag: str) -> dict[str, Any]:
+    """Flower's ``--node-config`` / ``--run-config`` text, ``'partition-id=0 num-partitions=2'``: space-separated
+    KEY=VALUE, each value an integer, a number or text."""
+    out: dict[str, Any] = {}
+    for item in (text or "").split():
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            example = "'partition-id=0 num-partitions=2'" if "node" in flag else "'local-epochs=2 lr=0.05'"
+            raise ConfigError(f"{flag}: {item!r} is not KEY=VALUE; e.g. {flag} {example}")
+        try:
+            out[k] = int(v)
+        except ValueError:
+            try:
+                out[k] = float(v)
+            except ValueError:
+                out[k] = v.strip("\"'")
+    return out
 
 
 def _import_file(path: Path, ref: str, what: str) -> Any:

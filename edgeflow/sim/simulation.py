@@ -90,6 +90,7 @@ class SimConfig(_Knobs):
     fleet: str = ""
     app: str = ""  # FILE_OR_MODULE:client_fn - the devices run the user's Flower-style clients (docs/flower.md)
     initial_parameters: str = ""  # with app: an .npz of the first global parameters (default: one client's)
+    run_config: dict[str, Any] = field(default_factory=dict)  # with app: context.run_config (Flower's)
 
     def __post_init__(self) -> None:
         if isinstance(self.profiles, str):
@@ -254,7 +255,7 @@ def make_apps(cfg: SimConfig) -> list[Any]:
     from ..federated.app import Context, load_client_fn, make_client
 
     client_fn = load_client_fn(cfg.app)
-    run_config = {"seed": cfg.seed, "rounds": cfg.rounds}
+    run_config = {"seed": cfg.seed, "rounds": cfg.rounds, **cfg.run_config}
     return [make_client(client_fn, Context(node_id=i, node_config={"partition-id": i, "num-partitions": cfg.devices},
                                            run_config=run_config), cfg.app)
             for i in range(cfg.devices)]
