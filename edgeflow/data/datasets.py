@@ -37,8 +37,9 @@ def load_digits(*, test_fraction: float = 0.25, seed: int = 0) -> Split:
     """scikit-learn's digits, shuffled with ``seed`` and split stratified by class."""
     try:
         from sklearn.datasets import load_digits as _load
-    except ImportError as exc:  # pragma: no cover - scikit-learn is a dependency
-        raise InputError("scikit-learn is needed for the digits data set: pip install scikit-learn") from exc
+    except ImportError as exc:  # the sim extra (pyproject.toml): not in a device runtime's install
+        raise InputError("scikit-learn is needed for the digits data set (edgeflow demo/simulate): "
+                         "pip install 'edgeflow[sim]' (from a checkout: pip install '.[sim]')") from exc
     if not 0.0 < test_fraction < 1.0:
         raise InputError(f"test_fraction must be in (0, 1), got {test_fraction}")
     d = _load()
