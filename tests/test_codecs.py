@@ -279,7 +279,7 @@ def test_each_rejection_is_counted_and_logged(caplog: pytest.LogCaptureFixture) 
         "oversized": (good, {"max_bytes": 100}),
         "truncated": (good[:-10], {}),
         "bad_magic": (b"NOPE" + good[4:], {}),
-        "unsupported_version": (good[:4] + b"\x02" + good[5:], {}),
+        "unsupported_version": (good[:4] + b"\x09" + good[5:], {}),
         "unknown_codec": (good[:6] + b"\x63" + good[7:], {}),
         "checksum": (good[:-1] + bytes([good[-1] ^ 0xFF]), {}),
         "shape_mismatch": (good, {"expected_shapes": {"conv.weight": (8, 3, 3, 3)}}),

@@ -22,6 +22,24 @@ the CRC: the signed message is ``signing_message("update/v1",
 SHA-256(envelope[:crc_end]))``, so signing cost does not grow with the update
 and an update signature cannot be confused with an OTA signature.
 
+Version 2 (the compact envelope) carries the same fields for small models,
+where version 1's fixed-width header (about 0.4 KB for a 6-tensor MLP)
+outweighs a sparse update: every integer of the header is an unsigned
+LEB128 varint and sections follow each other without padding::
+
+    prefix  7 B   magic "EFUP" | version 2 u8 | flags u8 | codec id u8
+    header        varint header length (bytes after it, up to the first section)
+                  varint round id | varint seq | varint device id length | device id
+                  varint metadata length | metadata (UTF-8 JSON object) | varint tensor count
+                  per tensor: varint name length | name | dtype u8 | ndim u8 | ndim x varint dims
+                              | varint section length
+    body          the codec sections, back to back
+    crc32   4 B   and [signature 72 B] as in version 1, signed with context "update/v2"
+
+Which version a sender writes is the codec's (:attr:`Codec.envelope_version`):
+codecs a version-1 receiver knows keep version 1; newer codecs, unknown to
+such a receiver anyway, use version 2. Every bound of version 1 holds.
+
 Version policy: a receiver refuses versions it does not know (it cannot
 guess a new layout), and says which side to upgrade.
 """
@@ -37,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from edgeflow.codecs.packing import varint
 from edgeflow.codecs.rejects import codec_error
 from edgeflow.codecs.untrusted import loads_untrusted
 from edgeflow.errors import CodecError
@@ -45,6 +64,8 @@ from edgeflow.signing import KEY_ID_SIZE, SIGNATURE_SIZE, Signer, signing_messag
 __all__ = [
     "MAGIC",
     "VERSION",
+    "VERSIONS",
+    "VERSION_COMPACT",
     "EnvelopeHeader",
     "TensorSpec",
     "build_envelope",
@@ -56,11 +77,17 @@ __all__ = [
 
 MAGIC = b"EFUP"
 VERSION = 1
+VERSION_COMPACT = 2
+VERSIONS = (VERSION, VERSION_COMPACT)
 FLAG_SIGNED = 0x01
 KNOWN_FLAGS = FLAG_SIGNED
 SIGN_CONTEXT = "update/v1"
+SIGN_CONTEXTS = {VERSION: SIGN_CONTEXT, VERSION_COMPACT: "update/v2"}
 
 _PREFIX = struct.Struct("<4sBBBBI")
+_PREFIX2 = struct.Struct("<4sBBB")
+_MAX_VARINT = 10  # a u64 needs up to 10 LEB128 bytes
+_U64 = (1 << 64) - 1
 _FIXED = struct.Struct("<QQHHI")
 _TENSOR = struct.Struct("<HBBQ")
 _CRC = struct.Struct("<I")
@@ -140,8 +167,12 @@ def build_envelope(
     metadata_json: bytes,
     sections: Sequence[SectionInput],
     signer: Signer | None = None,
+    version: int = VERSION,
 ) -> bytes:
-    """Assemble the envelope with a single copy of the section data."""
+    """Assemble the envelope with a single copy of the section data (``version`` 1 or 2)."""
+    if version == VERSION_COMPACT:
+        pieces = _compact_pieces(codec_id, round_id, seq, device_id, metadata_json, sections, signer)
+        return _seal(pieces, signer, SIGN_CONTEXTS[VERSION_COMPACT])
     dev = device_id.encode("utf-8")
     head = [_FIXED.pack(round_id, seq, len(dev), len(sections), len(metadata_json)), dev, metadata_json]
     lengths = []
@@ -163,6 +194,33 @@ def build_envelope(
             pieces.append(b"\0" * pad)
         pieces.extend(s.parts)
         pos += pad + length
+    return _seal(pieces, signer, SIGN_CONTEXT)
+
+
+def _part_len(p: Any) -> int:
+    return len(p) if isinstance(p, (bytes, bytearray)) else memoryview(p).nbytes
+
+
+def _compact_pieces(codec_id: int, round_id: int, seq: int, device_id: str, metadata_json: bytes,
+                    sections: Sequence[SectionInput], signer: Signer | None) -> list[Any]:
+    dev = device_id.encode("utf-8")
+    head = [varint(round_id), varint(seq), varint(len(dev)), dev, varint(len(metadata_json)), metadata_json,
+            varint(len(sections))]
+    for s in sections:
+        name = s.name.encode("utf-8")
+        head += [varint(len(name)), name, bytes((s.dtype_code, len(s.shape)))]
+        head += [varint(d) for d in s.shape]
+        head.append(varint(sum(_part_len(p) for p in s.parts)))
+    header = b"".join(head)
+    flags = FLAG_SIGNED if signer is not None else 0
+    pieces: list[Any] = [_PREFIX2.pack(MAGIC, VERSION_COMPACT, flags, codec_id), varint(len(header)), header]
+    for s in sections:
+        pieces.extend(s.parts)
+    return pieces
+
+
+def _seal(pieces: list[Any], signer: Signer | None, context: str) -> bytes:
+    """Append the CRC-32 and, when signing, the key id and the signature over the SHA-256 of it all."""
     crc = 0
     digest = hashlib.sha256() if signer is not None else None
     for p in pieces:
@@ -174,7 +232,7 @@ def build_envelope(
     if signer is not None and digest is not None:
         digest.update(crc_bytes)
         pieces.append(signer.key_id)
-        pieces.append(signer.sign(signing_message(SIGN_CONTEXT, digest.digest())))
+        pieces.append(signer.sign(signing_message(context, digest.digest())))
     return b"".join(pieces)
 
 
@@ -195,6 +253,16 @@ class _Cursor:
     def unpack(self, st: struct.Struct, what: str) -> tuple[Any, ...]:
         return st.unpack(self.take(st.size, what))
 
+    def varint(self, what: str) -> int:
+        value = shift = 0
+        for _ in range(_MAX_VARINT):
+            (byte,) = self.take(1, what)
+            value |= (byte & 0x7F) << shift
+            if byte < 0x80:
+                return value
+            shift += 7
+        raise codec_error("malformed", f"envelope header holds a varint longer than {_MAX_VARINT} bytes in {what}")
+
 
 def _text(raw: memoryview, what: str) -> str:
     try:
@@ -211,6 +279,8 @@ def parse_envelope(data: bytes | bytearray | memoryview, *, max_elements: int) -
     """
     mv = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
     n = len(mv)
+    if n >= 5 and bytes(mv[:4]) == MAGIC and mv[4] == VERSION_COMPACT and mv[4] != VERSION:
+        return _parse_compact(mv, max_elements=max_elements)
     if n < _PREFIX.size:
         raise codec_error("truncated", f"envelope is {n} bytes, shorter than its {_PREFIX.size}-byte prefix")
     magic, version, flags, codec_id, reserved, header_len = _PREFIX.unpack_from(mv, 0)
@@ -218,8 +288,9 @@ def parse_envelope(data: bytes | bytearray | memoryview, *, max_elements: int) -
         msg = f"not an edgeflow update envelope (magic {bytes(magic)!r}, expected {MAGIC!r})"
         raise codec_error("bad_magic", msg)
     if version != VERSION:
-        side = "receiver" if version > VERSION else "sender"
-        msg = f"envelope version {version} is not supported (this edgeflow reads version {VERSION}); upgrade the {side}"
+        side = "receiver" if version > max(VERSIONS) else "sender"
+        msg = (f"envelope version {version} is not supported (this edgeflow reads versions "
+               f"{', '.join(map(str, VERSIONS))}); upgrade the {side}")
         raise codec_error("unsupported_version", msg)
     if flags & ~KNOWN_FLAGS or reserved:
         msg = f"envelope has unknown flags 0x{flags:02x}/reserved byte {reserved}; upgrade the receiver"
@@ -229,6 +300,67 @@ def parse_envelope(data: bytes | bytearray | memoryview, *, max_elements: int) -
         raise codec_error("truncated", f"envelope is {n} bytes but its header alone claims {header_end}")
     cur = _Cursor(mv, _PREFIX.size, header_end)
     round_id, seq, dev_len, n_tensors, meta_len = cur.unpack(_FIXED, "the fixed fields")
+    device_id, metadata = _identity(cur, dev_len, meta_len)
+    tensors = _Tensors(n, header_end, max_elements, align=8)
+    for _ in range(n_tensors):
+        name_len, code, ndim, length = cur.unpack(_TENSOR, "a tensor entry")
+        name = _text(cur.take(name_len, "a tensor name"), "tensor name")
+        if ndim > MAX_NDIM:
+            raise codec_error("malformed", f"tensor {name!r} declares {ndim} dimensions (max {MAX_NDIM})")
+        shape = struct.unpack(f"<{ndim}Q", cur.take(8 * ndim, "a tensor shape"))
+        tensors.add(name, code, shape, length)
+    if cur.pos != header_end:
+        raise codec_error("malformed", f"envelope header has {header_end - cur.pos} unexplained trailing bytes")
+    return _header(mv, version, flags, codec_id, round_id, seq, device_id, metadata, tensors)
+
+
+def _parse_compact(mv: memoryview, *, max_elements: int) -> EnvelopeHeader:
+    """Version 2: the same fields as version 1, as varints, sections unpadded."""
+    n = len(mv)
+    if n < _PREFIX2.size:
+        raise codec_error("truncated", f"envelope is {n} bytes, shorter than its {_PREFIX2.size}-byte prefix")
+    _, version, flags, codec_id = _PREFIX2.unpack_from(mv, 0)
+    if flags & ~KNOWN_FLAGS:
+        raise codec_error("unsupported_version", f"envelope has unknown flags 0x{flags:02x}; upgrade the receiver")
+    length_cur = _Cursor(mv, _PREFIX2.size, min(n, _PREFIX2.size + _MAX_VARINT))
+    try:
+        header_len = length_cur.varint("the header length")
+    except CodecError:
+        if n < _PREFIX2.size + _MAX_VARINT:
+            raise codec_error("truncated", f"envelope is {n} bytes and ends inside its header length") from None
+        raise
+    header_end = length_cur.pos + header_len
+    if header_end > n:
+        raise codec_error("truncated", f"envelope is {n} bytes but its header alone claims {header_end}")
+    cur = _Cursor(mv, length_cur.pos, header_end)
+    round_id = cur.varint("the round id")
+    seq = cur.varint("the seq")
+    if round_id > _U64 or seq > _U64:
+        raise codec_error("malformed", "envelope round id or seq exceeds 64 bits")
+    dev_len = cur.varint("the device id length")
+    if dev_len > MAX_DEVICE_ID:
+        raise codec_error("malformed", f"device id is {dev_len} bytes, more than {MAX_DEVICE_ID}")
+    device_id = _text(cur.take(dev_len, "the device id"), "device id")
+    meta_len = cur.varint("the metadata length")
+    _, metadata = _identity(cur, 0, meta_len)
+    n_tensors = cur.varint("the tensor count")
+    if n_tensors > 0xFFFF:
+        raise codec_error("malformed", f"envelope declares {n_tensors} tensors (max 65535)")
+    tensors = _Tensors(n, header_end, max_elements, align=1)
+    for _ in range(n_tensors):
+        name = _text(cur.take(cur.varint("a tensor name length"), "a tensor name"), "tensor name")
+        code, ndim = cur.take(2, "a tensor entry")
+        if ndim > MAX_NDIM:
+            raise codec_error("malformed", f"tensor {name!r} declares {ndim} dimensions (max {MAX_NDIM})")
+        shape = tuple(cur.varint("a tensor shape") for _ in range(ndim))
+        tensors.add(name, code, shape, cur.varint("a section length"))
+    if cur.pos != header_end:
+        raise codec_error("malformed", f"envelope header has {header_end - cur.pos} unexplained trailing bytes")
+    return _header(mv, version, flags, codec_id, round_id, seq, device_id, metadata, tensors)
+
+
+def _identity(cur: _Cursor, dev_len: int, meta_len: int) -> tuple[str, dict[str, Any]]:
+    """The device id (``dev_len`` bytes) and the metadata JSON object (``meta_len`` bytes) at the cursor."""
     if dev_len > MAX_DEVICE_ID:
         raise codec_error("malformed", f"device id is {dev_len} bytes, more than {MAX_DEVICE_ID}")
     if meta_len > MAX_METADATA:
@@ -242,39 +374,47 @@ def parse_envelope(data: bytes | bytearray | memoryview, *, max_elements: int) -
             raise codec_error("malformed", str(exc)) from None
         if not isinstance(metadata, dict):
             raise codec_error("malformed", "metadata must be a JSON object")
-    specs: list[TensorSpec] = []
-    names: set[str] = set()
-    pos = header_end
-    total_elements = 0
-    for _ in range(n_tensors):
-        name_len, code, ndim, length = cur.unpack(_TENSOR, "a tensor entry")
-        name = _text(cur.take(name_len, "a tensor name"), "tensor name")
-        if not name or name in names:
+    return device_id, metadata
+
+
+class _Tensors:
+    """The tensor table being read: names unique, dtypes known, elements bounded before any
+    allocation, sections inside the envelope (each at a multiple of ``align``)."""
+
+    def __init__(self, n: int, body_at: int, max_elements: int, align: int) -> None:
+        self.n, self.pos, self.max_elements, self.align = n, body_at, max_elements, align
+        self.specs: list[TensorSpec] = []
+        self.names: set[str] = set()
+        self.total = 0
+
+    def add(self, name: str, code: int, shape: Sequence[int], length: int) -> None:
+        if not name or name in self.names:
             raise codec_error("malformed", f"tensor name {name!r} is empty or repeated")
-        names.add(name)
+        self.names.add(name)
         dtype = _DTYPES.get(code)
         if dtype is None:
             raise codec_error("malformed", f"tensor {name!r} declares unknown dtype code {code}")
-        if ndim > MAX_NDIM:
-            raise codec_error("malformed", f"tensor {name!r} declares {ndim} dimensions (max {MAX_NDIM})")
-        shape = struct.unpack(f"<{ndim}Q", cur.take(8 * ndim, "a tensor shape"))
         size = 1
         for d in shape:
             size *= d
-        total_elements += size
-        if total_elements > max_elements:
+        self.total += size
+        if self.total > self.max_elements:
             msg = (
-                f"envelope declares more than {max_elements} elements (tensor {name!r} has shape {shape}); "
-                "refused before allocating; raise max_elements if this model is really that large"
+                f"envelope declares more than {self.max_elements} elements (tensor {name!r} has shape "
+                f"{tuple(shape)}); refused before allocating; raise max_elements if this model is really that large"
             )
             raise codec_error("too_large", msg)
-        offset = _align8(pos)
-        if offset + length > n:
+        offset = (self.pos + self.align - 1) // self.align * self.align
+        if offset + length > self.n:
             raise codec_error("truncated", f"envelope ends inside the section of tensor {name!r}")
-        specs.append(TensorSpec(name, dtype, tuple(int(d) for d in shape), size, offset, int(length)))
-        pos = offset + length
-    if cur.pos != header_end:
-        raise codec_error("malformed", f"envelope header has {header_end - cur.pos} unexplained trailing bytes")
+        self.specs.append(TensorSpec(name, dtype, tuple(int(d) for d in shape), size, offset, int(length)))
+        self.pos = offset + length
+
+
+def _header(mv: memoryview, version: int, flags: int, codec_id: int, round_id: int, seq: int, device_id: str,
+            metadata: dict[str, Any], tensors: _Tensors) -> EnvelopeHeader:
+    """Check the declared end against the real one; read the key id and signature."""
+    n, pos = len(mv), tensors.pos
     signed = bool(flags & FLAG_SIGNED)
     total = pos + _CRC.size + (SIG_BLOCK if signed else 0)
     if n < total:
@@ -293,7 +433,7 @@ def parse_envelope(data: bytes | bytearray | memoryview, *, max_elements: int) -
         seq=seq,
         device_id=device_id,
         metadata=metadata,
-        tensors=tuple(specs),
+        tensors=tuple(tensors.specs),
         crc_at=pos,
         total_size=total,
         key_id=key_id,
@@ -310,4 +450,4 @@ def check_crc(data: memoryview, header: EnvelopeHeader) -> None:
 def signed_message(data: memoryview, header: EnvelopeHeader) -> bytes:
     """The message the device signed: context + SHA-256 of the envelope up to the signature."""
     digest = hashlib.sha256(data[: header.crc_at + _CRC.size]).digest()
-    return signing_message(SIGN_CONTEXT, digest)
+    return signing_message(SIGN_CONTEXTS[header.version], digest)

@@ -53,6 +53,9 @@ class Codec:
     option_names: ClassVar[tuple[str, ...]] = ()
     uses_feedback: ClassVar[bool] = False
     lossless: ClassVar[bool] = False
+    envelope_version: ClassVar[int] = 1
+    """The envelope a sender writes with this codec: 1, or 2 (compact, docs/wire-format.md) for codecs
+    newer than version 1 receivers (which could not decode them anyway)."""
 
     def check_options(self, options: dict[str, Any]) -> dict[str, Any]:
         unknown = sorted(set(options) - set(self.option_names))

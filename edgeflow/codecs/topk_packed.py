@@ -106,6 +106,7 @@ class TopKPackedCodec(Codec):
     codec_id = 6
     option_names = ("ratio", "k", "bits")
     uses_feedback = True
+    envelope_version = 2  # the compact envelope: this codec exists for updates where every byte counts
 
     def check_options(self, options: dict[str, Any]) -> dict[str, Any]:
         return check_packed_options(self.name, options)

@@ -173,6 +173,7 @@ def encode_update(
         metadata_json=meta_json,
         sections=sections,
         signer=signer,
+        version=impl.envelope_version,
     )
     if use_state and state is not None:
         state.commit(new_residuals)
