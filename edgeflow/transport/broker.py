@@ -681,7 +681,8 @@ class EmbeddedBroker(_BrokerBase):
         try:
             import amqtt.broker  # noqa: F401
         except ImportError as exc:
-            msg = "amqtt is not installed: pip install amqtt (or install mosquitto, or pass a broker URL)"
+            msg = ("amqtt is not installed: pip install 'edgeflow[sim]' (from a checkout: pip install '.[sim]'), "
+                   "or install mosquitto, or pass a broker URL")
             raise TransportError(msg) from exc
         if self._auto_port:
             self.port = free_port(self.host)
@@ -753,7 +754,7 @@ def start_broker(url: str | None = None, **mosquitto_options: Any) -> ExternalBr
     except ImportError:
         msg = (
             "no MQTT broker available: install mosquitto (apt install mosquitto), "
-            "pip install amqtt for an embedded one, or pass a broker URL"
+            "pip install 'edgeflow[sim]' for an embedded one (amqtt), or pass a broker URL"
         )
         raise TransportError(msg) from None
     return EmbeddedBroker().start()
