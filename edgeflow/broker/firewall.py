@@ -62,7 +62,8 @@ class ConnectionLimits:
     @classmethod
     def for_source(cls, fleet: str, ports: Iterable[int], per_source: int) -> ConnectionLimits:
         """``per_source`` open connections per address; new ones at ``4 x per_source`` a minute after a burst of
-        ``2 x per_source`` (a fleet command or reconnect never waits; a flood is cut at once)."""
+        ``2 x per_source`` (every operator user and a few boards reconnecting at once fit in the burst; a flood
+        is cut after it)."""
         return cls(fleet, tuple(ports), int(per_source), RATE_PER_SOURCE * int(per_source), 2 * int(per_source))
 
     def validate(self) -> ConnectionLimits:
