@@ -504,6 +504,10 @@ class Client:
                     log.warning("device %s: round %d failed: %s", self.device_id, ann.round_id, exc)
                     self._report_error(exc)
 
+    def _app_name(self) -> str:
+        """The user's class, as messages name it (a Flower-shaped client's own, not its ListClient wrapper)."""
+        return type(self.app.inner if isinstance(self.app, ListClient) else self.app).__name__
+
     def _report_error(self, exc: EdgeflowError) -> None:
         """Tell ``on_error`` (a simulation stops at once on it; a device shows it in its state)."""
         if self.app is not None:
@@ -556,13 +560,15 @@ class Client:
     def _train_app(self, weights: dict[str, np.ndarray], cfg: TrainConfig,
                    round_id: int) -> tuple[dict[str, np.ndarray] | None, int, float | None]:
         """One round through the user's NumPyClient: evaluate the global model (if it can), fit, delta."""
-        app, name = self.app, type(self.app).__name__
+        app, name = self.app, self._app_name()
         config = {**cfg.__dict__, "codec_opts": dict(cfg.codec_opts), "round_id": round_id,
                   "model_version": self._version}
         meta: dict[str, Any] = {}
         if app.evaluates:
             try:
                 result = app.evaluate({k: v.copy() for k, v in weights.items()}, dict(config))
+            except EdgeflowError:  # edgeflow's own check of the app's result (ListClient): already one line
+                raise
             except Exception as exc:
                 raise EdgeflowError(f"{name}.evaluate raised {type(exc).__name__}: {exc}") from exc
             loss, n_eval, metrics = check_evaluate(result, f"{name}.evaluate")
@@ -571,6 +577,8 @@ class Client:
         t0 = time.perf_counter()
         try:
             result = app.fit({k: v.copy() for k, v in weights.items()}, dict(config))
+        except EdgeflowError:  # edgeflow's own check of the app's result (ListClient): already one line
+            raise
         except Exception as exc:
             raise EdgeflowError(f"{name}.fit raised {type(exc).__name__}: {exc}") from exc
         params, n, metrics = check_fit(result, weights, f"{name}.fit")
@@ -660,7 +668,7 @@ class Client:
         """(loss, examples, metrics) of ``weights`` on the local data: the app's ``evaluate``, or the
         trainer's loss and accuracy."""
         if self.app is not None:
-            app, name = self.app, type(self.app).__name__
+            app, name = self.app, self._app_name()
             if not app.evaluates:
                 raise EdgeflowError(f"{name} has no evaluate(): it cannot take part in evaluate rounds "
                                     "(fraction_evaluate); define evaluate(parameters, config)")
@@ -668,6 +676,8 @@ class Client:
                       "model_version": ann.model_version}
             try:
                 result = app.evaluate({k: v.copy() for k, v in weights.items()}, config)
+            except EdgeflowError:  # edgeflow's own check of the app's result (ListClient): already one line
+                raise
             except Exception as exc:
                 raise EdgeflowError(f"{name}.evaluate raised {type(exc).__name__}: {exc}") from exc
             loss, n, metrics = check_evaluate(result, f"{name}.evaluate")

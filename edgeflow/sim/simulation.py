@@ -435,8 +435,8 @@ class SimulatedFleet:
         done = self.rounds.run(rounds)
         if self.app_error is not None:
             device_id, exc = self.app_error
-            raise EdgeflowError(f"device {device_id} ({self.cfg.app}): {exc}; the run stopped at once (round "
-                                f"{len(done) + 1}, nothing of it was sent)")
+            raise EdgeflowError(f"device {device_id} ({self.cfg.app}): {exc}; the run stopped there, without "
+                                "waiting for the round's deadline")
         return done
 
     def close(self) -> None:
