@@ -1,8 +1,9 @@
 """The dashboard in a real browser: headless Chromium (Debian's ``chromium``, driven by playwright without its
 own browser download) loads the page of a running loopback fleet and sees its devices, rounds, rollout and a
 device's telemetry; a device id carrying HTML and script is shown as text and never runs; the page logs no
-error (a CSP violation would be one). Screenshots go to $EDGEFLOW_SCREENSHOT_DIR (CI keeps them) or tmp_path;
-their paths are printed.
+error (a CSP violation would be one). Over HTTPS with the fleet's operators, an operator logs in through the
+form, sends a device command and deploys a global model version by pressing the buttons, and the fleet runs it.
+Screenshots go to $EDGEFLOW_SCREENSHOT_DIR (CI keeps them) or tmp_path; their paths are printed.
 
 CI installs the browser and playwright (.ci/run): ``apt-get install -y chromium`` and ``pip install playwright``
 (never ``playwright install``). $EDGEFLOW_CHROMIUM names another executable.
@@ -138,5 +139,71 @@ def test_a_thousand_devices_in_chromium(tmp_path):
             shot = shots / "dashboard-1000-devices.png"
             page.screenshot(path=str(shot))
             print(f"screenshot: {shot}")
+        finally:
+            browser.close()
+
+
+def test_an_operator_logs_in_and_acts_in_chromium(tmp_path):
+    """HTTPS (a fleet-CA certificate), the fleet directory's admin: log in through the form, send `status` from a
+    device's page, deploy the newest global model from the fleet page; the devices run it and the audit names admin."""
+    from playwright.sync_api import expect, sync_playwright
+
+    from edgeflow.broker.mosquitto import FleetDir, make_fleet_ca
+
+    shots = _shots(tmp_path)
+    fd = FleetDir(tmp_path / "fleet").init("lab")
+    (tmp_path / "tls").mkdir()
+    _, cert, key = make_fleet_ca(tmp_path / "tls", ["localhost", "127.0.0.1"])
+    with web_fleet(tmp_path, tls_cert=cert, tls_key=key, operators=fd.path) as wf, sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True)
+        try:
+            ctx = browser.new_context(viewport={"width": 1280, "height": 900}, ignore_https_errors=True)
+            page = ctx.new_page()
+            problems: list[str] = []
+            page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+            page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+            page.goto(wf.url, wait_until="domcontentloaded")
+            expect(page.locator("#login-form")).to_be_visible(timeout=20_000)
+            expect(page.locator("#actions")).to_be_hidden()
+            page.fill("#login-user", "admin")
+            page.fill("#login-password", fd.operator("admin")["password"])
+            page.click("#login-button")
+            expect(page.locator("#actions")).to_be_visible(timeout=10_000)
+            assert page.locator("#operator-name").text_content() == "admin"
+            expect(page.locator("#login-form")).to_be_hidden()
+            assert page.evaluate("document.cookie") == ""  # HttpOnly: the page's script cannot read the session
+
+            # a device's page: send `status`, read the ack
+            page.locator(f"#devices tbody tr[data-device='{wf.agents[0]}'] a").click()
+            expect(page.locator("#command-form")).to_be_visible(timeout=10_000)
+            page.select_option("#command-name", "status")
+            page.click("#command-button")
+            expect(page.locator("#action-result")).to_contain_text("status ok", timeout=30_000)
+            shot = shots / "dashboard-action-command.png"
+            page.screenshot(path=str(shot), full_page=True)
+            print(f"screenshot: {shot}")
+
+            # the fleet page: deploy the newest global model to every device
+            latest = wf.store.model_versions()[-1]["version"]
+            page.goto(wf.url + "#/")
+            page.wait_for_selector("#deploy-form")
+            assert page.locator("#deploy-version option").first.text_content() == f"v{latest}"
+            page.click("#deploy-button")
+            expect(page.locator("#action-result")).to_contain_text("as artifact v2", timeout=30_000)
+            assert wf.server.actions.wait_deploy(timeout=120)
+            assert {wf.fm.device(d).model_version for d in wf.agents} == {2}
+            page.goto(wf.url + "#/rollouts")
+            expect(page.locator("#rollouts .rollout").first).to_contain_text("artifact v2", timeout=20_000)
+            expect(page.locator("#rollouts .rollout").first).to_contain_text("completed")
+            shot = shots / "dashboard-action-deploy.png"
+            page.screenshot(path=str(shot), full_page=True)
+            print(f"screenshot: {shot}")
+
+            done = {(e["operator"], e["action"], e["outcome"]) for e in wf.server.audit.list()}
+            assert {("admin", "login", "ok"), ("admin", "command", "ok"), ("admin", "deploy", "completed")} <= done
+            page.click("#logout-button")
+            expect(page.locator("#login-form")).to_be_visible(timeout=10_000)
+            expect(page.locator("#actions")).to_be_hidden()
+            assert not problems, problems
         finally:
             browser.close()

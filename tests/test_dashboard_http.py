@@ -1,5 +1,6 @@
-"""The dashboard's rules over plain HTTP (urllib): read-only (no method but GET/HEAD does anything, no action
-endpoint exists), loopback binding answers only loopback Host names, every response carries a strict CSP,
+"""The dashboard's rules over plain HTTP (urllib): a server started without operators is read-only (no method
+but GET/HEAD does anything, no action endpoint exists; the actions' own rules are tests/test_dashboard_actions.py),
+loopback binding answers only loopback Host names, every response carries a strict CSP,
 and device strings leave only as JSON data (the page sets them with textContent; its script is checked for
 the HTML sinks)."""
 

@@ -231,15 +231,15 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _session_info(self) -> None:
         srv = self.server
-        if srv.actions is None:
-            self._json(200, {"actions": False, "why": "read-only: this server was started without operators"})
+        if srv.actions is None:  # read-only: the page shows no operator panel
+            self._json(200, {"actions": False})
             return
         if not self._tls:
             self._json(200, {"actions": False, "why": NEED_TLS})
             return
         session = self._session()
-        if session is None:
-            self._json(401, {"actions": True, "operator": None})
+        if session is None:  # 200, not 401: the page asks this on every load, before any log-in
+            self._json(200, {"actions": True, "operator": None})
             return
         self._json(200, {"actions": True, "operator": session.operator, "csrf": session.csrf,
                          "models": srv.actions.models(), "commands": list(DASHBOARD_COMMANDS)})

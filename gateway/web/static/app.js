@@ -1,5 +1,6 @@
-// edgeflow's read-only dashboard. Every string shown may come from a device: it is set with
-// textContent / createTextNode only (no HTML parsing of data), links are built with encodeURIComponent.
+// edgeflow's dashboard: read-only for everyone; an operator who logs in (HTTPS only) can deploy, roll back and send
+// commands. Every string shown may come from a device: it is set with textContent / createTextNode only (no HTML
+// parsing of data), links are built with encodeURIComponent. Every POST carries the session's CSRF token.
 "use strict";
 
 const POLL_MS = 2000;
@@ -145,7 +146,7 @@ function renderRollouts(st) {
     const bar = el("span", { class: "bar" }, fill);
     const counts = Object.entries(r.counts).map(([k, v]) => `${k} ${v}`).join(", ");
     const div = el("div", { class: "rollout card" },
-      el("h3", {}, `model v${r.version} — `, el("span", { class: "st-" + String(r.state) }, r.state)),
+      el("h3", {}, `artifact v${r.version} — `, el("span", { class: "st-" + String(r.state) }, r.state)),
       el("p", {}, bar, ` ${r.done}/${r.targets} devices (${pct}%)`),
       el("p", {}, `canary: ${r.canary.length ? r.canary.join(", ") : "-"}; waves ${r.waves}; failure rate ${fmt(r.failure_rate, 3)}; rolled back ${r.rolled_back}`),
       el("p", { class: "muted" }, counts),
@@ -219,16 +220,104 @@ async function refresh() {
     renderRollouts(state);
     const dev = route();
     if (dev !== null) await renderDevice(dev);
+    document.getElementById("command-form").hidden = !(session && session.operator && dev !== null);
     document.body.setAttribute("data-loaded", "1");
   } catch (e) {
     status.textContent = `cannot reach the gateway (${e.message || e}); retrying`;
   }
 }
 
+// ---- actions: the operator's session, log-in, deploy, rollback, commands ----
+let session = null;
+
+function say(text, isError) {
+  const p = document.getElementById("action-result");
+  p.textContent = text;
+  p.className = isError ? "error" : "muted";
+}
+
+async function loadSession() {
+  const box = document.getElementById("operator");
+  let info;
+  try {
+    const resp = await fetch("/api/session", { cache: "no-store" });
+    info = await resp.json();
+  } catch (e) { return; }
+  session = info.operator ? info : null;
+  box.hidden = !info.actions && !info.why;
+  const why = document.getElementById("operator-why");
+  why.hidden = !!info.actions || !info.why;
+  why.textContent = info.why || "";
+  document.getElementById("login-form").hidden = !info.actions || !!session;
+  document.getElementById("actions").hidden = !session;
+  if (!session) return;
+  document.getElementById("operator-name").textContent = session.operator;
+  const sel = document.getElementById("deploy-version");
+  clear(sel);
+  for (const m of session.models.slice().reverse()) sel.appendChild(el("option", { value: m.version }, `v${m.version}`));
+  const names = document.getElementById("command-name");
+  clear(names);
+  for (const c of session.commands) names.appendChild(el("option", { value: c }, c));
+}
+
+async function post(path, body) {
+  const headers = { "Content-Type": "application/json" };
+  if (session) headers["X-CSRF-Token"] = session.csrf;
+  const resp = await fetch(path, { method: "POST", headers, body: JSON.stringify(body), cache: "no-store",
+                                   credentials: "same-origin" });
+  let out = {};
+  try { out = await resp.json(); } catch (e) { out = { error: resp.statusText }; }
+  if (resp.status === 401 && path !== "/api/login") { session = null; loadSession(); }
+  if (!resp.ok) throw new Error(out.error || resp.statusText);
+  return out;
+}
+
+function onSubmit(id, fn) {
+  document.getElementById(id).addEventListener("submit", async ev => {
+    ev.preventDefault();
+    try { await fn(); } catch (e) { say(String(e.message || e), true); }
+  });
+}
+
+function setupActions() {
+  onSubmit("login-form", async () => {
+    const user = document.getElementById("login-user").value;
+    const password = document.getElementById("login-password").value;
+    await post("/api/login", { user, password });
+    document.getElementById("login-password").value = "";
+    say(`logged in as ${user}`);
+    await loadSession();
+    refresh();
+  });
+  document.getElementById("logout-button").addEventListener("click", async () => {
+    try { await post("/api/logout", {}); say("logged out"); } catch (e) { say(String(e.message || e), true); }
+    await loadSession();
+    refresh();
+  });
+  onSubmit("deploy-form", async () => {
+    const v = Number(document.getElementById("deploy-version").value);
+    const to = document.getElementById("deploy-to").value;
+    const out = await post("/api/deploy", { model_version: v, to });
+    say(`deploying global model v${out.model_version} as artifact v${out.artifact_version} to ${out.targets} device(s): progress under rollouts`);
+  });
+  onSubmit("rollback-form", async () => {
+    const out = await post("/api/rollback", { to: document.getElementById("rollback-to").value });
+    say(Object.entries(out.results).map(([d, a]) => `${d}: ${a.ok ? "ok" : a.code} ${a.error || ""}`).join("\n"));
+  });
+  onSubmit("command-form", async () => {
+    let args;
+    try { args = JSON.parse(document.getElementById("command-args").value || "{}"); }
+    catch (e) { throw new Error("args must be a JSON object, e.g. {}"); }
+    const out = await post("/api/command", { device: route(), name: document.getElementById("command-name").value, args });
+    say(`${out.device}: ${out.name} ${out.ack.ok ? "ok" : out.ack.code + " " + out.ack.error}\n${JSON.stringify(out.ack.result)}`, !out.ack.ok);
+  });
+}
+
 window.addEventListener("hashchange", () => { route(); refresh(); });
 document.addEventListener("DOMContentLoaded", () => {
   document.getElementById("filter").addEventListener("input", () => { if (state) renderDevices(state); });
+  setupActions();
   route();
-  refresh();
+  loadSession().then(refresh);
   setInterval(refresh, POLL_MS);
 });
