@@ -73,3 +73,38 @@ def test_wheel_contains_and_imports_everything(tmp_path):
                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}, timeout=120)
     assert run.returncode == 0, run.stderr
     assert str(site) in run.stdout
+
+
+def _requirement_names(reqs: list[str]) -> set[str]:
+    import re
+
+    return {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].strip().lower() for r in reqs}
+
+
+def test_a_device_runtime_installs_without_the_demo_and_simulation_dependencies():
+    """`pip install .` is the device runtime on every machine: scikit-learn (and with it scipy) and amqtt
+    serve only `edgeflow demo`/`simulate` and come with the `sim` extra; `dev` still brings everything the
+    test suite needs (README: pip install -e '.[dev]'). Sizes per extra: benchmarks/install_sizes.py."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = _requirement_names(project["dependencies"])
+    extras = {k: _requirement_names(v) for k, v in project["optional-dependencies"].items()}
+    assert not core & {"scikit-learn", "scipy", "amqtt"}, core
+    assert {"scikit-learn", "amqtt"} <= extras["sim"] and extras["demo"] == extras["sim"]
+    for needed in ("sim", "gateway", "web", "postgres"):
+        assert extras[needed] - {"psycopg"} <= extras["dev"], (needed, extras[needed] - extras["dev"])
+    assert "edgeflow" not in extras["dev"], "PyPI's unrelated 'edgeflow' must never be asked for"
+    readme = (ROOT / "README.md").read_text()
+    assert "pip install '.[sim]' && edgeflow demo" in readme
+    assert "pip install -e '.[dev]'" in readme
+
+
+def test_the_demo_without_its_extra_says_which_extra_in_one_line(tmp_path):
+    """A device install (no scikit-learn) running `edgeflow demo`: one line naming the extra, exit 2.
+    scikit-learn is made unimportable the way a missing package is (None in sys.modules)."""
+    code = ("import sys; sys.modules['sklearn'] = None; from edgeflow.cli.main import main; "
+            "sys.exit(main(['demo', '--broker', 'mqtt://127.0.0.1:1']))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr and "a bug in edgeflow" not in out.stderr, out.stderr
+    lines = [x for x in out.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "pip install 'edgeflow[sim]'" in lines[0] and "'.[sim]'" in lines[0], out.stderr
