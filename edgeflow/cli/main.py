@@ -100,6 +100,27 @@ def command_name(parser: argparse.ArgumentParser, args: argparse.Namespace) -> s
         p = subs[0].choices[chosen]
 
 
+OPTIONAL_MODULES = {
+    # top-level module: (distribution, extra of pyproject.toml that brings it)
+    "sklearn": ("scikit-learn", "sim"), "scipy": ("scipy", "sim"), "amqtt": ("amqtt", "sim"),
+    "onnx": ("onnx", "gateway"), "cryptography": ("cryptography", "gateway"),
+    "psycopg": ("psycopg 3", "postgres"), "prometheus_client": ("prometheus_client", "web"),
+    "nats": ("nats-py", "nats"), "torch": ("torch", "bench"), "flwr": ("flwr", "bench"),
+    "psutil": ("psutil", "bench"), "matplotlib": ("matplotlib", "report"),
+}
+"""The optional dependencies: a command that needs one that is missing names the extra to install."""
+
+
+def missing_extra(exc: ImportError) -> str | None:
+    """One line for an optional dependency that is not installed (None: not one of them, a bug)."""
+    top = (exc.name or "").split(".")[0]
+    if top not in OPTIONAL_MODULES:
+        return None
+    dist, extra = OPTIONAL_MODULES[top]
+    return (f"this command needs {dist}, which is not installed: pip install 'edgeflow[{extra}]' "
+            f"(from a checkout: pip install '.[{extra}]')")
+
+
 def line_buffered_output() -> None:
     """stdout line by line also into a pipe or a log (``edgeflow gateway | tee log``): a round's
     line, a progress line or a JSON line shows up when it is printed, not when the command ends."""
@@ -130,6 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         if verbose:
             traceback.print_exc()
         print(f"edgeflow {name}: error: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        line = missing_extra(exc)
+        if line is None or verbose:
+            raise
+        print(f"edgeflow {name}: error: {line}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         # `edgeflow ... --json | head`: the reader left. Silence the interpreter's own flush at exit.
