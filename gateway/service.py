@@ -71,6 +71,9 @@ class GatewayConfig:
     store_url: str | None = None  # [store] url: sqlite:///PATH or postgresql://... (instead of [gateway] state)
     telemetry_keep: int = 500  # [store] telemetry_keep: rows of telemetry history kept per device
     http_listen: str | None = None  # [http] listen: HOST:PORT of the dashboard and /metrics (gateway/web)
+    http_tls_cert: str | None = None  # [http] tls_cert, tls_key: serve the dashboard over HTTPS
+    http_tls_key: str | None = None
+    http_actions: bool = False  # [http] actions: the fleet's operators may log in and deploy/roll back/command
     base_dir: Path = field(default_factory=Path.cwd)
 
     def store_target(self) -> StoreTarget:
@@ -271,7 +274,7 @@ SCHEMA: dict[str, dict[str, _Rule]] = {
         "forward_margin_s": _num(0), "sites": _Rule("strlist"),
     },
     "store": {"url": _STR, "telemetry_keep": _int(1, 1_000_000)},
-    "http": {"listen": _STR},
+    "http": {"listen": _STR, "tls_cert": _STR, "tls_key": _STR, "actions": _BOOL},
 }
 """Every key of gateway.toml (``rounds.train`` is the ``[rounds.train]`` table, ``rounds.dp`` the ``[rounds] dp``
 table, ...); tests/test_gateway_config_schema.py checks it against the dataclasses' fields."""
@@ -360,6 +363,10 @@ def _check_semantics(data: dict[str, Any], base: Path, problems: list[str]) -> N
             parse_listen(web["listen"], "http.listen")
         except ConfigError as exc:
             problems.append(str(exc))
+    if ("tls_cert" in web) != ("tls_key" in web):
+        problems.append("http.tls_cert and http.tls_key go together: a PEM certificate and its private key")
+    if web.get("actions") and "tls_cert" not in web:
+        problems.append("http.actions = true needs http.tls_cert and http.tls_key: the dashboard acts only over HTTPS")
     lo, hi_n = rounds.get("min_clients", 2), rounds.get("max_clients")
     if hi_n is not None and hi_n < lo:
         problems.append(f"rounds.max_clients ({hi_n}) must be >= rounds.min_clients ({lo}): no round could start")
@@ -466,8 +473,10 @@ def load_config(source: str | Path | Mapping[str, Any]) -> GatewayConfig:
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
     store = _store_section(dict(data.get("store", {})), gw, where, base)
+    web = dict(data.get("http", {}))
     return GatewayConfig(**gw, fleet_options=FleetOptions(**fo), rounds=rounds, hierarchy=hierarchy, base_dir=base,
-                         http_listen=dict(data.get("http", {})).get("listen"), **store)
+                         http_listen=web.get("listen"), http_tls_cert=web.get("tls_cert"),
+                         http_tls_key=web.get("tls_key"), http_actions=bool(web.get("actions", False)), **store)
 
 
 def load_eval(path: Path | None) -> tuple[np.ndarray, np.ndarray] | None:
