@@ -99,7 +99,7 @@ import json, socket, sys
 host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 held, reset, other = [], 0, []
 for _ in range(n):
-    s = socket.socket()
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     s.settimeout(5)
     try:
         s.connect((host, port))
@@ -166,12 +166,28 @@ def rule_counters(host, table: str) -> dict[str, int]:
     return got
 
 
+def _ipv6_addresses(net, hosts) -> dict[str, str]:
+    """``fd00:231:K::/64`` on the test network (the bridge ``::1``, each host ``::<its IPv4 host part>``, no
+    duplicate address detection so they work at once); returns {host name: address}."""
+    prefix = f"fd00:231:{net.k}::"
+    subprocess.run(["ip", "-6", "addr", "add", f"{prefix}1/64", "dev", net.bridge, "nodad"], check=True, timeout=30)
+    out = {}
+    for h in hosts:
+        links = h.run(["ip", "-o", "link", "show"], timeout=30, check=True).stdout.splitlines()
+        ifname = next(ln.split(":")[1].strip().split("@")[0] for ln in links if ": lo:" not in ln)
+        out[h.name] = f"{prefix}{h.ip.rsplit('.', 1)[1]}"
+        h.run(["ip", "-6", "addr", "add", f"{out[h.name]}/64", "dev", ifname, "nodad"], timeout=30, check=True)
+    return out
+
+
 @pytest.mark.integration
-def test_one_address_of_idle_sockets_no_longer_locks_a_device_out(tmp_path, testnet) -> None:  # noqa: F811
+@pytest.mark.parametrize("family", ["ipv4", "ipv6"])
+def test_one_address_of_idle_sockets_no_longer_locks_a_device_out(tmp_path, testnet, family) -> None:  # noqa: F811
     """The broker in its own namespace (max_connections 16). Without the ruleset one attacker address with
     20 idle sockets holds every slot and the device's TLS connection is refused; with broker/nftables.conf
     loaded, the same address gets per_source sockets (the rest reset at once: rate and count rules
-    both fire) and the device, from another address, connects and publishes at once."""
+    both fire) and the device, from another address, connects and publishes at once. Over IPv4 and IPv6
+    (the ruleset counts each family in its own set)."""
     why = nft_unavailable()
     if why is not None:
         pytest.skip(why)
@@ -179,43 +195,47 @@ def test_one_address_of_idle_sockets_no_longer_locks_a_device_out(tmp_path, test
     if binary is None:
         pytest.skip("mosquitto is not installed")
     broker, attacker = testnet.host("broker"), testnet.host("attacker")
+    if family == "ipv6":
+        target, bind = _ipv6_addresses(testnet, [broker, attacker])["broker"], "::"
+    else:
+        target, bind = broker.ip, "0.0.0.0"
     fd = FleetDir(tmp_path / "fleet").init("lab")
     fd.provision("pi-1", profile=PROFILE)
     limit, port = 16, 8883  # the namespace's own port space: the default port is free there
-    files = fd.write_broker_config(ListenerSettings(port=port, max_connections=limit, log_file=str(tmp_path / "m.log"),
-                                                    user=BROKER_USER), tls_hosts=[broker.ip])
+    files = fd.write_broker_config(ListenerSettings(host=bind, port=port, max_connections=limit, user=BROKER_USER,
+                                                    log_file=str(tmp_path / "m.log")), tls_hosts=[target])
     per_source = files.per_source
     assert per_source == per_source_limit(len(OPERATORS)) < limit
     proc = broker.popen([binary, "-c", str(files.config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                         stdin=subprocess.DEVNULL)
-    assert wait_for_port(broker.ip, port, 10, alive=lambda: proc.poll() is None), (tmp_path / "m.log").read_text()
+    assert wait_for_port(target, port, 10, alive=lambda: proc.poll() is None), (tmp_path / "m.log").read_text()
 
     # 1. the attack as it was: one address fills the listener, the device is refused
-    flood = Attacker(attacker, broker.ip, port, limit + 4)
+    flood = Attacker(attacker, target, port, limit + 4)
     try:
         assert flood.result["held"] == limit + 4, flood.result  # accepted; Mosquitto closes those past 16
         with pytest.raises(TransportError):
-            device_transport(fd, "pi-1", broker.ip, port, 3).connect()
+            device_transport(fd, "pi-1", target, port, 3).connect()
     finally:
         flood.stop()
 
     # 2. the generated ruleset loaded in the broker's namespace
     loaded = broker.run(["nft", "-f", str(files.firewall)], timeout=30)
     assert loaded.returncode == 0, loaded.stderr
-    flood = Attacker(attacker, broker.ip, port, 3 * per_source)
+    flood = Attacker(attacker, target, port, 3 * per_source)
     try:
         assert flood.result == {"held": per_source, "reset": 2 * per_source, "other": []}, flood.result
         counters = rule_counters(broker, table_name("lab"))
         assert counters.get("new_rate", 0) > 0 and counters.get("per_source", 0) > 0, counters
         t0 = time.monotonic()
-        dev = device_transport(fd, "pi-1", broker.ip, port, 10)
+        dev = device_transport(fd, "pi-1", target, port, 10)
         try:
             dev.connect()
             dev.publish(device_topic("lab", "pi-1", "telemetry").value, b"{}").wait(5)
         finally:
             dev.close(timeout=1)
         seconds = time.monotonic() - t0
-        print(f"device connected and published in {seconds:.2f} s with {per_source} idle sockets held by the "
+        print(f"{family}: device connected and published in {seconds:.2f} s with {per_source} idle sockets held by the "
               f"attacker and {2 * per_source} refused; counters {counters}")
         assert flood.proc.poll() is None and proc.poll() is None, "the attack still holds its sockets, the broker is up"
     finally:
