@@ -40,6 +40,7 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "bulyan": {"strategy": "bulyan", "strategy_params": {"num_byzantine": 1}},
     "multi-krum-weighted": {"strategy": "multi-krum", "strategy_params": {"num_byzantine": 1, "weighted": True}},
     "fedavg-krum": {"strategy": "fedavg-krum", "strategy_params": {"num_byzantine": 1}},
+    "fedavg-krum-project": {"strategy": "fedavg-krum", "strategy_params": {"num_byzantine": 1, "dropped": "project"}},
 }
 TRIGGER = [54, 55, 62, 63]  # the 2x2 bottom-right corner of the 8x8 digit
 
