@@ -868,6 +868,8 @@ class RoundManager:
         else:
             self._fold_stored(closed)
         n_reported = len(self.open.snapshot().reported)
+        if n_reported == 0 and self._stop.is_set():
+            return self.fail_round(ann, t_start, "the gateway was stopped before any update arrived", 0)
         if n_reported == 0:
             return self.fail_round(ann, t_start, f"no update arrived from the {len(ann.selected)} selected "
                                                   f"device(s): {self._explain_missing(ann)}", 0)

@@ -200,6 +200,7 @@ def cmd(args) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from ..errors import EdgeflowError
     from ..sim.demo import describe_broker, select_broker
     from ..sim.report import make_plots, write_jsonl, write_report
     from ..sim.simulation import SimulatedFleet
@@ -207,6 +208,12 @@ def cmd(args) -> int:
     from ._common import console
 
     cfg, broker_spec = build_config(args)
+    apps = initial = None
+    if cfg.app:  # the user's clients, built and checked before any broker starts: a mistake is one line
+        from ..sim.simulation import initial_model, make_apps
+
+        apps = make_apps(cfg)
+        initial = initial_model(cfg, apps)
     if args.http:
         from ..gateway.web import parse_listen
         from ..gateway.web.metrics import require_prometheus
@@ -247,7 +254,7 @@ def cmd(args) -> int:
                 progress.update(task, advance=1, description=f"rounds (accuracy {acc})")
 
             (out / "metrics.jsonl").write_text("")
-            fleet = SimulatedFleet(cfg, broker.url, on_round=on_round,
+            fleet = SimulatedFleet(cfg, broker.url, on_round=on_round, apps=apps, initial=initial,
                                    protocol=getattr(broker, "protocol", "auto") or "auto")
             web = None
             try:
@@ -256,7 +263,11 @@ def cmd(args) -> int:
 
                     web = WebServer(fleet, args.http).start()
                     say(f"dashboard {web.url}  metrics {web.url}metrics")
-                fleet.run()
+                try:
+                    fleet.run()
+                except EdgeflowError:
+                    progress.live.transient = True  # the error's line alone, not a half-drawn bar above it
+                    raise
                 save_final_model(fleet, out)
                 devices = [{
                     "device": d.device_id, "profile": d.profile, "samples": _samples(d.client),

@@ -141,7 +141,7 @@ def make_client(client_fn: Callable[[Context], Any], context: Context, ref: str 
         return client
     missing = [m for m in ("get_parameters", "fit") if not callable(getattr(client, m, None))]
     if missing:
-        raise ConfigError(f"--app {ref}: client_fn returned a {type(client).__name__}, which has no "
+        raise ConfigError(f"--app {ref}: client_fn returned an object of type {type(client).__name__}, which has no "
                           f"{' and no '.join(missing)}; return a client with get_parameters(config), "
                           "fit(parameters, config) and evaluate(parameters, config) (Flower's NumPyClient shape; "
                           "drop Flower's .to_client())")

@@ -501,7 +501,9 @@ class Client:
                     self._run_round(ann)
                 except EdgeflowError as exc:
                     self.stats.errors.append(f"round {ann.round_id}: {exc}")
-                    log.warning("device %s: round %d failed: %s", self.device_id, ann.round_id, exc)
+                    # with on_error its owner reports it (a simulation ends with it as its one line)
+                    log.log(logging.DEBUG if self.on_error else logging.WARNING, "device %s: round %d failed: %s",
+                            self.device_id, ann.round_id, exc)
                     self._report_error(exc)
 
     def _app_name(self) -> str:

@@ -308,7 +308,10 @@ class SimulatedFleet:
     """Gateway + devices on one broker; ``run()`` returns per-round metrics."""
 
     def __init__(self, cfg: SimConfig, broker_url: str, *, state_path: str = ":memory:",
-                 on_round: Callable | None = None, protocol: str = "auto") -> None:
+                 on_round: Callable | None = None, protocol: str = "auto", apps: list[Any] | None = None,
+                 initial: onnx.ModelProto | None = None) -> None:
+        """``apps``/``initial``: with ``cfg.app``, the clients and first model already built by
+        :func:`make_apps` and :func:`initial_model` (built here when not given)."""
         from ..gateway.rounds import RoundManager
         from ..gateway.store import GatewayStore
         from ..transport.factory import transport_from_url
@@ -319,11 +322,12 @@ class SimulatedFleet:
         rng = np.random.default_rng(cfg.seed)
         self.apps: list[Any] | None = None
         self.app_error: tuple[str, EdgeflowError] | None = None
+        self._gateway_log_level: int | None = None
         """The first device whose round failed in an app run (the run stops on it)."""
         if cfg.app:
             self.split, parts = None, [None] * cfg.devices
-            self.apps = make_apps(cfg)
-            self.model = initial_model(cfg, self.apps)
+            self.apps = apps if apps is not None else make_apps(cfg)
+            self.model = initial if initial is not None else initial_model(cfg, self.apps)
         else:
             self.split, parts = shard_data(cfg)
             self.model = build_model(cfg.model, cfg.seed, cfg.input_size)
@@ -388,6 +392,10 @@ class SimulatedFleet:
         if self.apps is None or self.app_error is not None:
             return
         self.app_error = (device_id, exc)
+        # the run ends with this error as its one line; the round the gateway now abandons would only repeat it
+        gw_log = logging.getLogger("edgeflow.gateway.rounds")
+        self._gateway_log_level = gw_log.level  # restored by close()
+        gw_log.setLevel(logging.CRITICAL)
         self.rounds.stop()
 
     @property
@@ -441,6 +449,8 @@ class SimulatedFleet:
 
     def close(self) -> None:
         self.rounds.stop()
+        if self._gateway_log_level is not None:
+            logging.getLogger("edgeflow.gateway.rounds").setLevel(self._gateway_log_level)
         for d in self.devices:
             d.client.stop(timeout=2)
             if not d.vanished:
