@@ -338,3 +338,52 @@ def test_a_read_only_server_still_has_no_action(tmp_path):
             code, headers, out = c.request(path, body)
             assert code == 405 and "edgeflow fleet deploy|rollback|cmd" in out["error"]
         assert c.request("api/session")[2]["actions"] is False
+
+
+def _gateway_cli(*args: str, cwd: Path):
+    import subprocess
+
+    return subprocess.run([sys.executable, "-m", "edgeflow", "gateway", *args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd)
+
+
+@pytest.mark.parametrize("http,words", [
+    ('tls_cert = "c.pem"\n', "go together"),
+    ('actions = true\n', "needs http.tls_cert"),
+    ('tls_cert = "junk.pem"\ntls_key = "junk.pem"\nactions = true\n', "not a PEM certificate"),
+    ('tls_cert = "missing.pem"\ntls_key = "k.pem"\n', "no such file"),
+    ('actions = "yes"\n', "http.actions"),
+])
+def test_gateway_toml_http_settings_that_cannot_work_are_one_line(tmp_path, http, words):
+    (tmp_path / "junk.pem").write_text("not a certificate\n")
+    (tmp_path / "k.pem").write_text("x\n")
+    (tmp_path / "gateway.toml").write_text(f'[gateway]\nfleet_dir = "fleet"\n[http]\nlisten = "127.0.0.1:0"\n{http}')
+    r = _gateway_cli("--config", "gateway.toml", cwd=tmp_path)
+    assert r.returncode == 2 and words in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_gateway_toml_turns_on_https_and_the_fleet_operators(tmp_path, site):
+    from edgeflow.gateway.service import load_config
+    from edgeflow.gateway.web import WebServer, web_options
+
+    (tmp_path / "gateway.toml").write_text(
+        f'[gateway]\nfleet_dir = "{site.fd.path}"\n[http]\nlisten = "127.0.0.1:0"\n'
+        f'tls_cert = "{site.cert}"\ntls_key = "{site.key}"\nactions = true\n')
+    cfg = load_config(tmp_path / "gateway.toml")
+    kw = web_options(cfg)
+    assert Path(kw["operators"]) == Path(site.fd.path) and Path(kw["tls_cert"]) == Path(site.cert)
+    srv = WebServer(site.server.view._target, cfg.http_listen, **kw).start()
+    try:
+        c = Client(srv.url, site.ca)
+        assert srv.url.startswith("https://") and c.login("admin", site.admin)[0] == 200
+        code, _, out = c.request("api/command", {"device": site.agents[0], "name": "status"})
+        assert code == 200 and out["ack"]["ok"]
+    finally:
+        srv.stop()
+    (tmp_path / "gateway.toml").write_text(f'[gateway]\nfleet_dir = "{tmp_path / "nothing"}"\n[http]\n'
+                                           f'tls_cert = "{site.cert}"\ntls_key = "{site.key}"\nactions = true\n')
+    from edgeflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not a fleet directory"):
+        web_options(load_config(tmp_path / "gateway.toml"))

@@ -398,6 +398,29 @@ def tls_context(cert: str | Path, key: str | Path, what: str = "[http]") -> ssl.
     return ctx
 
 
+def web_options(config: Any, fleet_dir: str | Path | None = None) -> dict[str, Any]:
+    """:class:`WebServer` keyword arguments from gateway.toml's ``[http]`` (a ``GatewayConfig``): ``tls_cert`` and
+    ``tls_key`` resolved against the config's folder; with ``actions = true`` the operators of the fleet directory
+    (``fleet_dir``, i.e. ``--dir``, else ``[gateway] fleet_dir``). Everything is checked now, before the gateway
+    connects: a bad file is one ConfigError line."""
+    kw: dict[str, Any] = {}
+    if config.http_tls_cert or config.http_tls_key:
+        kw["tls_cert"], kw["tls_key"] = config.path(config.http_tls_cert), config.path(config.http_tls_key)
+        if kw["tls_cert"] is None or kw["tls_key"] is None:
+            raise ConfigError("[http] tls_cert and tls_key go together: a PEM certificate and its private key")
+        tls_context(kw["tls_cert"], kw["tls_key"], "[http]")
+    if config.http_actions:
+        if "tls_cert" not in kw:
+            raise ConfigError("[http] actions = true needs tls_cert and tls_key: the dashboard acts only over HTTPS")
+        fd = fleet_dir or (config.path(config.fleet_dir) if config.fleet_dir else None)
+        if fd is None:
+            raise ConfigError("[http] actions = true: the operators who may log in are the fleet directory's; pass "
+                              "--dir or set [gateway] fleet_dir")
+        OperatorCredentials(fd)
+        kw["operators"] = fd
+    return kw
+
+
 class WebServer:
     """``WebServer(target, "127.0.0.1:9100").start()``; ``url``; ``stop()``. ``target``: a Gateway, a
     SimulatedFleet, a RoundManager/FleetManager, or a function returning one once it exists.
