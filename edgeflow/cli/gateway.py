@@ -66,7 +66,8 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print each round's metrics as one JSON line (only JSON on "
                    "stdout)")
     p.add_argument("--http", metavar="ADDR", help="serve the dashboard (/) and Prometheus metrics (/metrics) on "
-                   "HOST:PORT, e.g. 127.0.0.1:9100 (default: [http] listen; read-only; docs/operations.md)")
+                   "HOST:PORT, e.g. 127.0.0.1:9100 (default: [http] listen; read-only unless [http] actions with "
+                   "tls_cert/tls_key; docs/operations.md)")
     p.add_argument("--export-model", metavar="PATH", help="write the newest global model from the state to PATH "
                    "(.onnx) and exit, e.g. to deploy what the rounds trained with `edgeflow fleet deploy`")
     p.set_defaults(func=cmd)
@@ -129,11 +130,12 @@ def cmd(args) -> int:
                     f"{m.bytes_in / 1024:.1f} KiB in, accuracy {acc}, {m.round_s:.1f} s")
 
     listen = args.http or cfg.http_listen
-    web = None
+    web, web_kw = None, {}
     if listen:
-        from edgeflow.gateway.web import WebServer, parse_listen
+        from edgeflow.gateway.web import WebServer, parse_listen, web_options
 
         parse_listen(listen, "--http" if args.http else "[http] listen")  # a bad address before connecting
+        web_kw = web_options(cfg, args.dir)  # [http] tls_cert/tls_key/actions: checked before connecting
     # one gateway per state: a second one stops here, before it opens the state or takes the broker
     # session of the first (same client id); readers (rounds, fleet status/history) take no lease
     lease = take_gateway_lease(cfg.store_target())
@@ -149,7 +151,7 @@ def cmd(args) -> int:
         if _nothing_to_do(cfg, args, gw, wanted):
             return _rounds_done(cfg, args, closed_before)
         if listen:
-            web = WebServer(gw, listen, what="--http" if args.http else "[http] listen").start()
+            web = WebServer(gw, listen, what="--http" if args.http else "[http] listen", **web_kw).start()
             _say(args, c, f"dashboard {web.url}  metrics {web.url}metrics")
         gw.start()
         if not args.json:
