@@ -199,6 +199,13 @@ class MqttTransport:
         return self._link.last_error
 
     @property
+    def gave_up(self) -> TransportError | None:
+        """The error for which the transport stopped reconnecting for good, e.g. a
+        :class:`~edgeflow.errors.ClientIdTakenError` (another connection holds this client id);
+        None while it still connects or retries."""
+        return self._net.gave_up
+
+    @property
     def queued_bytes(self) -> int:
         return self._outbox.queued_bytes
 

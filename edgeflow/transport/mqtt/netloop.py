@@ -43,7 +43,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from edgeflow.errors import ConfigError, TransportError
+from edgeflow.errors import ClientIdTakenError, ConfigError, TransportError
 from edgeflow.transport.backoff import Backoff
 from edgeflow.transport.base import WillSpec
 from edgeflow.transport.message import ConnectionEvent, TlsConfig
@@ -53,6 +53,9 @@ from edgeflow.transport.mqtt.options import (
     FATAL_CONNACK,
     PUBACK_HINTS,
     RETRY_RC,
+    SESSION_TAKEN_OVER,
+    TAKEOVER_LIMIT,
+    TAKEOVER_SHORT_S,
     V5,
     V5_PROBE_S,
     V311,
@@ -141,6 +144,11 @@ class NetLoop:
         """After a protocol error: frames go out one at a time (see _requeue_inflight)."""
         self._client_used = False
         self._paho_error: str | None = None
+        self._connected_at: float | None = None
+        self._takeovers = 0
+        """Session takeovers in a row (see options.TAKEOVER_LIMIT)."""
+        self.gave_up: TransportError | None = None
+        """Set when the loop stopped reconnecting for good (the client id is taken: ClientIdTakenError)."""
 
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -261,6 +269,9 @@ class NetLoop:
             sock = client.socket()
             now = time.monotonic()
             if sock is None:
+                if self.gave_up is not None:  # no more attempts; close() ends the loop
+                    self._idle(0.5)
+                    continue
                 if now < link.next_attempt:
                     self._idle(link.next_attempt - now)
                     continue
@@ -447,6 +458,7 @@ class NetLoop:
             self._count("reconnects")
         link.ever_connected = True
         link.last_error = None
+        self._connected_at = time.monotonic()
         self._resubscribe = True
         link.to(ConnState.CONNECTED)
         log.info(
@@ -490,12 +502,40 @@ class NetLoop:
                 return
             self._attempt_failed(TransportError(f"broker at {url} closed the connection before CONNACK ({detail})"))
             return
+        value = rc_value(reason)
+        # 0x8E: the broker says another connection took the session; 128 with no socket error: the broker
+        # closed the connection without a word, as Mosquitto 2.0 does to the older of two same-id clients
+        if (value == SESSION_TAKEN_OVER or (value == 128 and self._paho_error is None)) and self._taken_over(url):
+            return
         delay = self.backoff.next()
         link.next_attempt = time.monotonic() + delay
         link.last_error = TransportError(f"connection to {url} lost: {fmt_reason(reason)}")
         link.notify()
         log.warning("%s: connection lost (%s); reconnecting in %.1f s", self.t.name, fmt_reason(reason), delay)
         self.t._notify(ConnectionEvent(False, False, fmt_reason(reason)))
+
+    def _taken_over(self, url: str) -> bool:
+        """The broker ended an accepted connection: told "session taken over" (0x8E) or closed it
+        without a reason. Count it if the connection was short-lived (one that ran
+        :data:`TAKEOVER_SHORT_S` or longer starts the count again); at :data:`TAKEOVER_LIMIT` in a row
+        stop reconnecting for good (True): two processes with one client id would take it from each
+        other forever, and the one that came second (whose connections never last) is the one that stops."""
+        up_for = time.monotonic() - self._connected_at if self._connected_at is not None else 0.0
+        self._takeovers = self._takeovers + 1 if up_for < TAKEOVER_SHORT_S else 0
+        self._count("short_sessions")
+        if self._takeovers < TAKEOVER_LIMIT:
+            return False
+        err = ClientIdTakenError(
+            f"client id {self.t.client_id!r} is in use by another connection to {url}: the broker ended this "
+            f"client's session {TAKEOVER_LIMIT} times in a row within {TAKEOVER_SHORT_S:g} s of accepting it "
+            "(MQTT reason 0x8E, session taken over; Mosquitto 2.0 closes without a reason); the same device or "
+            "gateway runs twice: stop the other process (or give each its own credentials)")
+        self.gave_up = err
+        self.link.last_error = err
+        self.link.fail(err)
+        log.error("%s: %s", self.t.name, err)
+        self.t._notify(ConnectionEvent(False, False, str(err)))
+        return True
 
     def _on_log(self, client: paho.Client, userdata: object, level: int, buf: str) -> None:
         """Keep paho's last error (e.g. a TLS alert it swallowed) to explain the next disconnect."""

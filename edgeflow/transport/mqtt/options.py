@@ -21,6 +21,9 @@ __all__ = [
     "FATAL_CONNACK",
     "PUBACK_HINTS",
     "RETRY_RC",
+    "SESSION_TAKEN_OVER",
+    "TAKEOVER_LIMIT",
+    "TAKEOVER_SHORT_S",
     "V311",
     "V5",
     "V5_PROBE_S",
@@ -46,6 +49,15 @@ PUBACK_HINTS = {
     151: "the broker's quota is exceeded: publish less often",
     153: "the broker rejected the payload format",
 }
+SESSION_TAKEN_OVER = 0x8E
+"""DISCONNECT reason: another connection with this client id took the session (MQTT 5)."""
+TAKEOVER_LIMIT = 5
+"""Session takeovers (or silent closes of a fresh connection by the broker) in a row after which the transport stops reconnecting (ClientIdTakenError)."""
+TAKEOVER_SHORT_S = 10.0
+"""A takeover counts towards :data:`TAKEOVER_LIMIT` only if its connection was up less than this:
+two processes with one client id take the session from each other within a reconnect delay, so a
+connection that ran for a while before it was taken over (the first one, when a second process
+starts) starts the count again, and the newcomer is the one that stops."""
 V5_PROBE_S = 2.0
 """How long a first MQTT 5 CONNECT waits for CONNACK before falling back to 3.1.1 (protocol="auto")."""
 V5 = paho.MQTTv5
