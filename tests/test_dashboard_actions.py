@@ -387,3 +387,32 @@ def test_gateway_toml_turns_on_https_and_the_fleet_operators(tmp_path, site):
 
     with pytest.raises(ConfigError, match="not a fleet directory"):
         web_options(load_config(tmp_path / "gateway.toml"))
+
+
+def test_a_hostile_user_name_stays_one_audit_line(site, caplog):
+    c = _client(site)
+    name = 'x\ndashboard action: operator="admin" action=deploy outcome="completed"\x1b[2J'
+    with caplog.at_level("INFO", logger="edgeflow.gateway.web.audit"):
+        assert c.request("api/login", {"user": name, "password": "x"})[0] == 401
+    lines = [r.getMessage() for r in caplog.records if r.name == "edgeflow.gateway.web.audit"]
+    assert lines and all("\n" not in m and "\x1b" not in m for m in lines), lines
+    assert site.server.audit.list()[-1]["operator"] == name[:64]  # kept as data, shown escaped
+
+
+def test_the_log_in_limit_holds_under_a_spray_of_names_and_addresses():
+    from edgeflow.gateway.web.auth import LoginLimiter
+
+    clock = Clock()
+    lim = LoginLimiter(attempts=3, window_s=300, clock=clock, max_keys=50)
+    for _ in range(3):
+        lim.failed("10.0.0.1", "admin")
+    for i in range(20):  # other names from other addresses: admin's count is kept
+        lim.failed(f"10.1.0.{i}", f"user{i}")
+    assert lim.retry_after("10.9.9.9", "admin") > 0 and lim.retry_after("10.0.0.1", "someone") > 0
+    for i in range(1000):  # a spray past the bound: memory stays bounded, the newest sprayers are still counted
+        for _ in range(3):
+            lim.failed(f"10.2.{i // 250}.{i % 250}", f"spray{i}")
+    assert lim.retry_after("10.2.3.249", "other") > 0 and lim.retry_after("10.8.8.8", "spray999") > 0
+    assert lim.retry_after("10.8.8.8", "fresh-user") == 0
+    clock.t += 301
+    assert lim.retry_after("10.2.3.249", "spray999") == 0

@@ -64,8 +64,9 @@ class Audit:
                  **detail}
         with self._lock:
             self.entries.append(entry)
-        audit_log.info("dashboard action: operator=%s action=%s outcome=%s client=%s %s", operator, action, outcome,
-                       client, json.dumps(detail, default=str, sort_keys=True)[:1000])
+        # operator (a refused log-in's name is whatever was sent) and outcome as JSON strings: one line, always
+        audit_log.info("dashboard action: operator=%s action=%s outcome=%s client=%s %s", json.dumps(operator),
+                       action, json.dumps(outcome), client, json.dumps(detail, default=str, sort_keys=True)[:1000])
         return entry
 
     def list(self) -> list[dict[str, Any]]:

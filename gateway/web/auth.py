@@ -145,9 +145,11 @@ class Sessions:
 class LoginLimiter:
     """At most ``attempts`` failed log-ins per client address and per user name in ``window_s``."""
 
-    def __init__(self, *, attempts: int = 5, window_s: float = 300.0, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, *, attempts: int = 5, window_s: float = 300.0, clock: Callable[[], float] = time.time,
+                 max_keys: int = 100_000) -> None:
         self.attempts = attempts
         self.window_s = window_s
+        self.max_keys = max_keys
         self.clock = clock
         self._failures: dict[str, deque[float]] = {}
         self._lock = threading.Lock()
@@ -171,7 +173,12 @@ class LoginLimiter:
     def failed(self, client: str, user: Any) -> None:
         now = self.clock()
         with self._lock:
-            if len(self._failures) > 10_000:  # bounded memory under a spray of addresses/names
-                self._failures.clear()
             for k in self._keys(client, user):
-                self._failures.setdefault(k, deque(maxlen=self.attempts)).append(now)
+                q = self._failures.pop(k, None) or deque(maxlen=self.attempts)
+                q.append(now)
+                self._failures[k] = q  # re-inserted: the dict's order is the order of the last failure
+            if len(self._failures) > self.max_keys:  # bounded memory under a spray of addresses and names:
+                for k in [k for k, q in self._failures.items() if now - q[-1] > self.window_s]:
+                    del self._failures[k]  # first what has expired anyway,
+                while len(self._failures) > self.max_keys:  # then the keys whose last failure is the oldest
+                    del self._failures[next(iter(self._failures))]
