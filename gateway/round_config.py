@@ -128,6 +128,11 @@ class RoundConfig:
         if self.fraction_evaluate > 0 and self.mode != "sync":
             problems.append("fraction_evaluate needs mode 'sync' (an asynchronous session has no round ends to "
                             "evaluate after)")
+        if self.strategy.strip().lower().replace("_", "-") == "fedavg-krum":
+            f = self.strategy_params.get("num_byzantine", 1)
+            if isinstance(f, int) and not isinstance(f, bool) and f >= 0 and self.min_clients < 2 * f + 3:
+                problems.append(f"strategy 'fedavg-krum' with num_byzantine {f} needs rounds of at least {2 * f + 3} "
+                                f"updates: set min_clients >= {2 * f + 3} (it is {self.min_clients})")
         if self.secagg is not None:
             if self.dp:
                 problems.append("secagg and central dp cannot be combined (dp clips each update in the clear)")

@@ -1,5 +1,6 @@
-"""benchmarks/backdoor.py as a user runs it (--quick): the trigger backdoor passes default FedAvg and Krum
-holds it, the measurement behind docs/security.md section 14 (a defence that breaks either claim shows here)."""
+"""benchmarks/backdoor.py as a user runs it (--quick): the trigger backdoor passes default FedAvg, Krum holds it
+and so does fedavg-krum (FedAvg's bounds over a Multi-Krum selection) without Krum's cost in clean accuracy, the
+measurement behind docs/security.md section 14 (a defence that breaks any of these claims shows here)."""
 
 from __future__ import annotations
 
@@ -20,4 +21,6 @@ def test_the_backdoor_benchmark_measures_what_the_docs_say(tmp_path):
     assert mean["fedavg attacked"]["backdoor_success"] >= 0.3  # 1 of 10 devices, 8 rounds: it passes FedAvg
     assert mean["fedavg clean"]["backdoor_success"] <= 0.1  # the clean model's own rate
     assert mean["krum attacked"]["backdoor_success"] <= 0.1
+    assert mean["fedavg-krum attacked"]["backdoor_success"] <= 0.1  # 0.022 measured
+    assert mean["fedavg-krum attacked"]["clean_accuracy"] >= mean["fedavg attacked"]["clean_accuracy"] - 0.05
     assert 0.3 <= mean["fedavg attacked"]["clean_accuracy"] <= 1.0

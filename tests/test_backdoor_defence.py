@@ -235,3 +235,15 @@ def test_the_projecting_strategy_keeps_its_basis_across_a_restart_and_refuses_a_
         make_aggregator("fedavg-krum", num_byzantine=1).load_state_dict(state)
     with pytest.raises(ConfigError, match="dropped must be"):
         make_aggregator("fedavg-krum", dropped="keep")
+
+
+def test_the_round_configuration_refuses_fedavg_krum_below_its_update_count_and_under_secure_aggregation():
+    from edgeflow.gateway.round_config import RoundConfig
+
+    with pytest.raises(ConfigError, match="needs rounds of at least 5 updates: set min_clients >= 5"):
+        RoundConfig(strategy="fedavg-krum", min_clients=2)
+    with pytest.raises(ConfigError, match="at least 7 updates"):
+        RoundConfig(strategy="fedavg_krum", strategy_params={"num_byzantine": 2}, min_clients=6)
+    with pytest.raises(ConfigError, match="secagg reveals only the sum: strategy 'fedavg-krum' needs each update"):
+        RoundConfig(strategy="fedavg-krum", min_clients=5, secagg={})
+    assert RoundConfig(strategy="fedavg-krum", min_clients=5).min_clients == 5
