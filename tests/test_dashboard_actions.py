@@ -416,3 +416,48 @@ def test_the_log_in_limit_holds_under_a_spray_of_names_and_addresses():
     assert lim.retry_after("10.8.8.8", "fresh-user") == 0
     clock.t += 301
     assert lim.retry_after("10.2.3.249", "spray999") == 0
+
+
+@pytest.mark.integration
+def test_actions_on_a_real_mosquitto_fleet(tmp_path_factory):
+    """Nothing in-process: Mosquitto with the config broker-config generates (TLS, passwords, ACL), the gateway's
+    FleetManager and two device agents on real MQTT connections, the dashboard on a certificate of the same fleet
+    CA, and the fleet directory's own admin password. Deploy global model v1, then `status` to a board."""
+    import hashlib
+    from types import SimpleNamespace
+
+    from _fleet import FLEET, make_fleet_env, mlp_bytes, wait_until
+
+    from edgeflow.gateway.store import GatewayStore
+    from edgeflow.gateway.web import WebServer
+
+    env = make_fleet_env(tmp_path_factory.mktemp("realfleet"), pool=4)
+    srv = None
+    try:
+        store = GatewayStore(":memory:")
+        model = mlp_bytes(3)
+        assert store.add_model(model, hashlib.sha256(model).hexdigest()) == 1
+        fm = env.gateway(store=store)
+        agents = [env.agent() for _ in range(2)]
+        ids = [a.device_id for a in agents]
+        assert fm.wait_online(ids, timeout=30), "the agents did not come online"
+        broker = env.fleet_dir.broker_dir
+        srv = WebServer(SimpleNamespace(fleet=fm, store=store, transport=fm.transport, fleet_id=FLEET),
+                        "127.0.0.1:0", tls_cert=broker / "server.crt", tls_key=broker / "server.key",
+                        operators=env.fleet_dir.path, command_timeout_s=20).start()
+        c = Client(srv.url, Path(env.ca))
+        assert c.login("admin", "not-the-password")[0] == 401
+        assert c.login("admin", env.fleet_dir.operator("admin")["password"])[0] == 200
+        code, _, out = c.request("api/deploy", {"model_version": 1, "to": "all"})
+        assert code == 202 and out["artifact_version"] == 1, out
+        assert srv.actions.wait_deploy(timeout=120)
+        assert wait_until(lambda: all(fm.device(d).model_version == 1 for d in ids), 20)
+        assert store.rollouts()[-1]["state"] == "completed"
+        code, _, out = c.request("api/command", {"device": ids[0], "name": "status"})
+        assert code == 200 and out["ack"]["ok"] and out["ack"]["result"]["model_version"] == 1
+        assert {("admin", "deploy", "completed"), ("admin", "command", "ok")} <= {
+            (e["operator"], e["action"], e["outcome"]) for e in srv.audit.list()}
+    finally:
+        if srv is not None:
+            srv.stop()
+        env.close()
