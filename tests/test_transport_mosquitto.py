@@ -54,7 +54,7 @@ def test_round_trip_of_every_codec(mosquitto_factory, transport_factory) -> None
     signer = Signer.generate("pi-7")
     ring, guard = KeyRing({"pi-7": signer.public_key}), ReplayGuard()
     sent = {}
-    for seq, codec in enumerate(available_codecs()):
+    for seq, codec in enumerate(c for c in available_codecs() if c != "auto"):  # auto sends one of the others
         data = encode_update(weights, codec, round_id=1, device_id="pi-7", seq=seq, signer=signer, rng=seq,
                              num_samples=32)
         sent[codec] = data
