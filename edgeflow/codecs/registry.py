@@ -53,6 +53,9 @@ class Codec:
     option_names: ClassVar[tuple[str, ...]] = ()
     uses_feedback: ClassVar[bool] = False
     lossless: ClassVar[bool] = False
+    selector: ClassVar[bool] = False
+    """True for a name that picks a real codec per update (``auto``): in the name registry only, with
+    ``resolve(sizes, options, overhead)``; never on the wire."""
     envelope_version: ClassVar[int] = 1
     """The envelope a sender writes with this codec: 1, or 2 (compact, docs/wire-format.md) for codecs
     newer than version 1 receivers (which could not decode them anyway)."""
@@ -79,6 +82,9 @@ _BY_ID: dict[int, Codec] = {}
 
 
 def register_codec(codec: Codec) -> Codec:
+    if codec.selector and codec.name:
+        _BY_NAME[codec.name] = codec
+        return codec
     if not codec.name or not 0 < codec.codec_id < 256:
         msg = f"codec {codec!r} needs a name and a wire id in 1..255"
         raise ValueError(msg)
@@ -92,7 +98,7 @@ def register_codec(codec: Codec) -> Codec:
 
 
 def available_codecs() -> list[str]:
-    return sorted(_BY_NAME, key=lambda n: _BY_NAME[n].codec_id)
+    return sorted(_BY_NAME, key=lambda n: (_BY_NAME[n].selector, _BY_NAME[n].codec_id))
 
 
 def get_codec(name: str) -> Codec:

@@ -22,6 +22,7 @@ from edgeflow.codecs.envelope import (
     MAX_DEVICE_ID,
     MAX_METADATA,
     MAX_NDIM,
+    SIG_BLOCK,
     EnvelopeHeader,
     SectionInput,
     build_envelope,
@@ -155,6 +156,9 @@ def encode_update(
             raise _encode_error("out_of_range", msg)
         flat.append((name, code, tuple(int(d) for d in arr.shape), x))
 
+    if impl.selector:  # "auto": pick the real codec from the tensors' sizes (edgeflow.codecs.auto)
+        impl, options = impl.resolve([x.size for *_, x in flat], options, lambda version: _overhead(
+            version, impl.codec_id, round_id, seq, device_id, meta_json, flat, signer))
     use_state = state is not None and impl.uses_feedback
     ctx = EncodeContext(rng=_as_rng(rng), options=options, feedback=use_state)
     sections: list[SectionInput] = []
@@ -178,6 +182,15 @@ def encode_update(
     if use_state and state is not None:
         state.commit(new_residuals)
     return data
+
+
+def _overhead(version: int, codec_id: int, round_id: int, seq: int, device_id: str, meta_json: bytes,
+              flat: Sequence[tuple[str, int, tuple[int, ...], np.ndarray]], signer: Signer | None) -> int:
+    """Bytes of an envelope of this ``version`` for these tensors with empty sections (signature included)."""
+    empty = [SectionInput(name, code, shape, []) for name, code, shape, _ in flat]
+    data = build_envelope(codec_id=codec_id, round_id=round_id, seq=seq, device_id=device_id,
+                          metadata_json=meta_json, sections=empty, version=version)
+    return len(data) + (SIG_BLOCK if signer is not None else 0)
 
 
 def peek_update(
