@@ -22,6 +22,10 @@ What happens here:
 - subscribe: the core subscription first, then the retained messages of
   the matching subjects (a short-lived consumer on the retained stream,
   last message per subject), then the live messages that came meanwhile;
+- resume: after a reconnect, what the live stream got for each unshared
+  subscription since the drop is replayed (a consumer from that moment,
+  minus :data:`GAP_MARGIN_S`), then the live messages held meanwhile; the
+  worker's id memory drops the ones handled before the drop;
 - the last will: on every connection the transport writes its will record
   (with the server's id for this connection) to the wills stream; a clean
   close deletes it first. :mod:`.will` publishes it when the server reports
@@ -32,10 +36,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import datetime
 import json
 import logging
 import re
 import threading
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -52,6 +58,7 @@ from edgeflow.transport.base import WillSpec
 from edgeflow.transport.message import ConnectionEvent, MessageProperties
 from edgeflow.transport.nats.dispatch import Dispatcher, Inbound, LocalHandler
 from edgeflow.transport.nats.subjects import (
+    StreamNames,
     encode_level,
     retained_subject,
     subject_topic,
@@ -66,6 +73,8 @@ log = logging.getLogger("edgeflow.transport")
 T = TypeVar("T")
 Parts = list[tuple[list[str], "str | None", bool]]
 """What one handler subscribes: (subjects, queue group, replay retained) per part."""
+GAP_MARGIN_S = 10.0
+"""How far before the moment a connection dropped the gap replay starts (clocks of client and server differ)."""
 _PERM = re.compile(r'permissions violation for (publish|subscription) to "([^"]+)"', re.IGNORECASE)
 
 
@@ -74,25 +83,6 @@ class NatsFrame(Frame):
     """An outbox frame with the id that makes its resends recognisable."""
 
     msg_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-
-
-@dataclass(frozen=True)
-class StreamNames:
-    """The JetStream streams of one subject prefix."""
-
-    prefix: str
-
-    @property
-    def live(self) -> str:
-        return f"{self.prefix.upper().replace('-', '_')}_LIVE"
-
-    @property
-    def retained(self) -> str:
-        return f"{self.prefix.upper().replace('-', '_')}_RETAINED"
-
-    @property
-    def wills(self) -> str:
-        return f"{self.prefix.upper().replace('-', '_')}_WILLS"
 
 
 async def ensure_streams(js: Any, names: StreamNames, *, live_max_age_s: float, live_max_bytes: int) -> None:
@@ -206,6 +196,11 @@ class Link:
         """Subscriptions made while not connected (event-loop thread only)."""
         self.connected_once = False
         self._thread_lock = threading.Lock()
+        self._active: list[tuple[LocalHandler, Parts]] = []
+        """Subscriptions the server has (event-loop thread only): their gaps are replayed after a reconnect."""
+        self._hold: list[tuple[Callable[[Inbound], None], Inbound]] | None = None
+        """While reconnecting: live messages held back until the gap's messages were delivered."""
+        self._down_since: float | None = None
 
     # ---------------------------------------------------------------- threads
 
@@ -321,6 +316,9 @@ class Link:
                         "check this user's publish permissions"))
 
     async def _on_disconnected(self) -> None:
+        if self._down_since is None:
+            self._down_since = time.time()
+            self._hold = []
         if self.up:
             self._set(up=False)
             self._count("disconnects")
@@ -331,6 +329,7 @@ class Link:
             await self._write_will()
         except TransportError as exc:
             log.warning("%s: will record not written after reconnect: %s", self.t.name, exc)
+        await self._replay_gaps()
         await self._drain_pending()
         self._set(up=True)
         self._count("connects")
@@ -458,6 +457,7 @@ class Link:
             await self.unsubscribe(subs)
             return
         local.nats_subs = subs
+        self._active = [a for a in self._active if not a[0].removed] + [(local, parts)]
 
     async def _drain_pending(self) -> None:
         pending, self._pending = self._pending, []
@@ -486,6 +486,8 @@ class Link:
             self._count("received_messages")
             if held is not None:
                 held.append(item)
+            elif self._hold is not None:
+                self._hold.append((deliver, item))
             else:
                 deliver(item)
 
@@ -511,31 +513,65 @@ class Link:
 
     async def _retained(self, subject: str) -> list[Inbound]:
         """The last retained message of every subject matching ``subject`` (empty ones left out)."""
-        prefix = self.t.prefix
-        rsubject = f"{prefix}_retained." + subject.split(".", 1)[1]
-        name = f"ret_{uuid.uuid4().hex[:16]}"
-        cfg = ConsumerConfig(name=name, filter_subject=rsubject, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+        rsubject = f"{self.t.prefix}_retained." + subject.split(".", 1)[1]
+        return await self._fetch(self.names.retained, rsubject, f"{self.t.prefix}_retained", True,
+                                 DeliverPolicy.LAST_PER_SUBJECT, None)
+
+    async def _replay_gaps(self) -> None:
+        """After a reconnect: what the live stream holds for our (unshared) subscriptions since the
+        connection dropped (minus a margin for clock differences), then the messages held meanwhile.
+        The ids of messages delivered before the drop are remembered, so those are not handled twice."""
+        since, self._down_since = self._down_since, None
+        hold, self._hold = self._hold, None
+        if since is not None:
+            start = datetime.datetime.fromtimestamp(since - GAP_MARGIN_S, tz=datetime.timezone.utc)
+            for local, parts in list(self._active):
+                if local.removed:
+                    continue
+                for subjects, group, _retained in parts:
+                    if group is not None:
+                        continue
+                    for s in subjects:
+                        try:
+                            items = await self._fetch(self.names.live, s, self.t.prefix, False,
+                                                      DeliverPolicy.BY_START_TIME, start)
+                        except TransportError as exc:
+                            self._count("gap_replay_errors")
+                            log.warning("%s: messages missed on %s while disconnected not replayed: %s",
+                                        self.t.name, s, exc)
+                            continue
+                        self._count("gap_replayed", len(items))
+                        for item in items:
+                            self.dispatcher.put(item)
+        for deliver, item in hold or []:
+            deliver(item)
+
+    async def _fetch(self, stream: str, subject: str, prefix: str, retain: bool, policy: DeliverPolicy,
+                     start: datetime.datetime | None) -> list[Inbound]:
+        """Every message a short-lived consumer on ``stream`` with ``policy`` gives for ``subject``."""
+        name = f"ef_{uuid.uuid4().hex[:16]}"
+        cfg = ConsumerConfig(name=name, filter_subject=subject, deliver_policy=policy, opt_start_time=start,
                              ack_policy=AckPolicy.EXPLICIT, inactive_threshold=30.0, mem_storage=True,
                              max_ack_pending=-1)
         out: list[Inbound] = []
         try:
-            info = await self.js.add_consumer(self.names.retained, cfg)
+            info = await self.js.add_consumer(stream, cfg)
             pending = info.num_pending
-            psub = await self.js.pull_subscribe_bind(name, self.names.retained) if pending else None
+            psub = await self.js.pull_subscribe_bind(name, stream) if pending else None
             while pending and psub is not None:
                 for m in await psub.fetch(min(pending, 256), timeout=self.t.ack_timeout_s):
                     pending = m.metadata.num_pending
-                    if not m.data:
+                    if retain and not m.data:
                         continue
-                    topic = subject_topic(m.subject, f"{prefix}_retained")
+                    topic = subject_topic(m.subject, prefix)
                     if topic is not None:
                         hdrs = m.headers or {}
-                        out.append(Inbound(topic, m.data, 1, True, headers_in(hdrs), hdrs.get("Nats-Msg-Id")))
+                        out.append(Inbound(topic, m.data, 1, retain, headers_in(hdrs), hdrs.get("Nats-Msg-Id")))
             if psub is not None:
                 await psub.unsubscribe()
-            await self.js.delete_consumer(self.names.retained, name)
+            await self.js.delete_consumer(stream, name)
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
-            msg = f"retained messages of {rsubject} could not be read: {exc!r}; check the user's JetStream permissions"
+            msg = f"stream {stream} could not be read for {subject}: {exc!r}; check the user's JetStream permissions"
             raise TransportError(msg) from None
         return out
 

@@ -22,11 +22,14 @@ Retained messages live under ``<prefix>_retained.<...>`` and last wills under
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from edgeflow.errors import ConfigError
 from edgeflow.transport.topics import TopicFilter, match_filter, shared_group
 
 __all__ = [
     "DEFAULT_PREFIX",
+    "StreamNames",
     "decode_level",
     "encode_level",
     "filter_subjects",
@@ -38,6 +41,25 @@ __all__ = [
 
 DEFAULT_PREFIX = "ef"
 _ESCAPE = {c: f"%{ord(c):02X}" for c in "%.*> \t\r\n\f\v"}
+
+
+@dataclass(frozen=True)
+class StreamNames:
+    """The JetStream streams of one subject prefix: ``<PREFIX>_LIVE``, ``_RETAINED``, ``_WILLS``."""
+
+    prefix: str
+
+    @property
+    def live(self) -> str:
+        return f"{self.prefix.upper().replace('-', '_')}_LIVE"
+
+    @property
+    def retained(self) -> str:
+        return f"{self.prefix.upper().replace('-', '_')}_RETAINED"
+
+    @property
+    def wills(self) -> str:
+        return f"{self.prefix.upper().replace('-', '_')}_WILLS"
 
 
 def check_prefix(prefix: str) -> str:
@@ -63,7 +85,7 @@ def decode_level(token: str) -> str:
     i = 0
     while i < len(token):
         c = token[i]
-        if c == "%" and i + 2 < len(token) + 0 and _is_hex(token[i + 1:i + 3]):
+        if c == "%" and _is_hex(token[i + 1:i + 3]):
             out.append(chr(int(token[i + 1:i + 3], 16)))
             i += 3
         else:
