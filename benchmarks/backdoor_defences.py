@@ -3,6 +3,9 @@
     python benchmarks/backdoor_defences.py                 # every rule below, 3 seeds, 15 rounds
     python benchmarks/backdoor_defences.py --only flame --seeds 1
 
+The rule kept as a strategy, ``fedavg-krum`` (FedAvg's bounds over a Multi-Krum selection, with
+``dropped = "project"`` as an option), is measured by benchmarks/backdoor.py itself.
+
 The same fleet, attack and measures as benchmarks/backdoor.py (10 devices, Dirichlet 0.5, device 0 trains
 "7 + a 2x2 trigger -> 1"), with these rules as gateway aggregators (experiments, kept so that the figures in
 docs/security.md section 14 can be rerun; they are not registered in the product):
@@ -15,6 +18,21 @@ docs/security.md section 14 can be rerun; they are not registered in the product
   update is weighted by ReLU(cosine with that root update) and rescaled to the root update's norm.
 - ``centered-clip``: centered clipping (Karimireddy et al., ICML 2021): 3 iterations of
   v += mean(clip(x_i - v, tau x median distance)), starting from the previous round's step.
+
+The rules below all start from default FedAvg's bounds taken from the round itself (norm 1.5x the robust
+median norm, claims 3x the robust median claim) and end with the claim-weighted mean of what they keep:
+
+- ``coord-clip`` / ``coord-clip-2x``: each coordinate of each update clipped to 1x / 2x the round's median
+  |value| of that coordinate (bounds the influence on weights that honest devices barely move, such as the
+  trigger pixels' input weights);
+- ``coord-clip-second``: clipped to the second-largest |value| of the coordinate instead (one device alone
+  cannot push a coordinate further than the next one does); ``coord-clip-second-prev``: the same bound taken
+  from the previous round (the streaming form, O(P) state);
+- ``noise``: FLAME's adaptive noise step: N(0, (0.01 x median norm)^2) on every coordinate of the mean;
+- ``krum-downweight``: the Krum-farthest update (f = 1) counts 0.25 of its claim instead of being dropped;
+- ``residual-project``: the update with the largest share outside the span of the round's other updates and
+  the previous round's (its own past excluded: what no one else pushed) enters as its projection onto that
+  span.
 """
 
 from __future__ import annotations
@@ -119,11 +137,105 @@ class CenteredClip(strategies._Holding):
         return self._as_tensors(v), {}
 
 
+class _Bounded(strategies._Holding):
+    """FedAvg's bounds from the round itself, then :meth:`_rule` on the bounded rows, then the claim-weighted mean."""
+
+    def _rule(self, x: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - abstract
+        raise NotImplementedError("need _rule")
+
+    def _reduce(self):
+        x = np.stack(self._held).astype(np.float64)
+        n = len(x)
+        s = np.asarray(self._samples, dtype=np.float64)
+        s = np.minimum(s, 3.0 * np.sort(s)[(n - 1) // 2])
+        norms = np.linalg.norm(x, axis=1)
+        self.median_norm = float(np.sort(norms)[(n - 1) // 2])
+        x *= np.minimum(1.0, 1.5 * self.median_norm / np.maximum(norms, 1e-30))[:, None]
+        x, s = self._rule(x, s)
+        return self._as_tensors((x * s[:, None]).sum(0) / s.sum()), {}
+
+
+class CoordinateClip(_Bounded):
+    name = "coord-clip"
+
+    def __init__(self, k: float = 1.0, stat: str = "median", previous: bool = False, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.k, self.stat, self.previous, self.last = k, stat, previous, None
+
+    def _rule(self, x, s):
+        a = np.sort(np.abs(x), axis=0)
+        ref = a[(len(x) - 1) // 2] if self.stat == "median" else a[-2]
+        if self.previous:
+            ref, self.last = (np.full(x.shape[1], np.inf) if self.last is None else self.last), ref
+        return np.clip(x, -self.k * ref, self.k * ref), s
+
+
+class AdaptiveNoise(_Bounded):
+    name = "noise"
+
+    def __init__(self, lam: float = 0.01, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.lam, self.rng = lam, np.random.default_rng(0)
+
+    def _reduce(self):
+        mean, metrics = super()._reduce()
+        return {k: v + self.rng.normal(0.0, self.lam * self.median_norm, v.shape) for k, v in mean.items()}, metrics
+
+    def _rule(self, x, s):
+        return x, s
+
+
+class KrumDownweight(_Bounded):
+    name = "krum-downweight"
+
+    def __init__(self, weight: float = 0.25, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.weight = weight
+
+    def _rule(self, x, s):
+        from edgeflow.gateway.aggregate import krum_scores, pairwise_sq_distances
+
+        far = int(np.argmax(krum_scores(pairwise_sq_distances(list(x)), 1)))
+        s = s.copy()
+        s[far] *= self.weight
+        return x, s
+
+
+class ResidualProject(_Bounded):
+    name = "residual-project"
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.previous: list[tuple[str, np.ndarray]] = []
+
+    def _rule(self, x, s):
+        from edgeflow.gateway.aggregate import project_onto_span
+
+        ids = list(self._client_ids)
+        proj, share = [], []
+        for i in range(len(x)):
+            basis = [x[j] for j in range(len(x)) if j != i] + [v for c, v in self.previous if c != ids[i]]
+            proj.append(project_onto_span(x[i], basis))
+            share.append(np.linalg.norm(x[i] - proj[-1]) / max(np.linalg.norm(x[i]), 1e-30))
+        self.previous = [(c, v.copy()) for c, v in zip(ids, x)]
+        top = int(np.argmax(share))
+        x = x.copy()
+        x[top] = proj[top]
+        return x, s
+
+
 RULES: dict[str, dict[str, Any]] = {
     "rlr": {"strategy": "rlr", "strategy_params": {"theta": 4}},
     "flame": {"strategy": "flame"},
     "fltrust": {"strategy": "fltrust"},
     "centered-clip": {"strategy": "centered-clip", "strategy_params": {"tau": 1.0}},
+    "coord-clip": {"strategy": "coord-clip", "strategy_params": {"k": 1.0}},
+    "coord-clip-2x": {"strategy": "coord-clip", "strategy_params": {"k": 2.0}},
+    "coord-clip-second": {"strategy": "coord-clip", "strategy_params": {"stat": "second"}},
+    "coord-clip-second-prev": {"strategy": "coord-clip", "strategy_params": {"stat": "second", "previous": True}},
+    "noise": {"strategy": "noise", "strategy_params": {"lam": 0.01}},
+    "krum-downweight": {"strategy": "krum-downweight", "strategy_params": {"weight": 0.25}},
+    "residual-project": {"strategy": "residual-project"},
 }
 
 
@@ -135,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the figures as JSON to this path")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
-    for cls in (RobustLearningRate, Flame, FLTrust, CenteredClip):
+    for cls in (RobustLearningRate, Flame, FLTrust, CenteredClip, CoordinateClip, AdaptiveNoise, KrumDownweight,
+                ResidualProject):
         strategies.register_aggregator(cls.name, cls)
     backdoor.STRATEGIES.update(RULES)
     rows = []
