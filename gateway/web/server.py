@@ -292,23 +292,11 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self.close_connection = True  # an unread body must not be taken for the next request
         try:
-            if not self._tls:
-                srv.audit.record(None, path.rsplit("/", 1)[-1], "refused", self._client(), why="plain http")
-                raise ActionError(403, NEED_TLS)
-            if not self._same_origin():
-                srv.audit.record(None, path.rsplit("/", 1)[-1], "refused", self._client(), why="cross-origin",
-                                 origin=str(self.headers.get("Origin"))[:200])
-                raise ActionError(403, "cross-origin request refused: actions are taken only from this server's own "
-                                       "page (Origin must be this server's https:// address)")
+            self._check_channel(path)
             if path == "/api/login":
                 self._login(self._body())
                 return
-            session = self._session()
-            if session is None:
-                raise ActionError(401, "log in first (POST /api/login): no session, or it expired or was ended")
-            if not srv.sessions.csrf_ok(session, self.headers.get("X-CSRF-Token")):
-                srv.audit.record(session.operator, path.rsplit("/", 1)[-1], "refused", self._client(), why="csrf")
-                raise ActionError(403, "missing or wrong X-CSRF-Token: reload the dashboard and try again")
+            session = self._operator_session(path)
             if path == "/api/logout":
                 srv.sessions.end(self._cookie())
                 srv.audit.record(session.operator, "logout", "ok", self._client())
@@ -325,6 +313,28 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception:  # noqa: BLE001 - a bug in an action must not stop the server
             log.exception("web view: POST %s failed", path)
             self._error(500, "internal error (see the gateway's log)")
+
+    def _check_channel(self, path: str) -> None:
+        """Step 1 of every POST: over TLS, from this server's own page (ActionError 403 otherwise, audited)."""
+        what = path.rsplit("/", 1)[-1]
+        if not self._tls:
+            self.server.audit.record(None, what, "refused", self._client(), why="plain http")
+            raise ActionError(403, NEED_TLS)
+        if not self._same_origin():
+            self.server.audit.record(None, what, "refused", self._client(), why="cross-origin",
+                                     origin=str(self.headers.get("Origin"))[:200])
+            raise ActionError(403, "cross-origin request refused: actions are taken only from this server's own "
+                                   "page (Origin must be this server's https:// address)")
+
+    def _operator_session(self, path: str) -> Any:
+        """Step 2 (all but log-in): a live session (401) whose CSRF token the request carries (403, audited)."""
+        session = self._session()
+        if session is None:
+            raise ActionError(401, "log in first (POST /api/login): no session, or it expired or was ended")
+        if not self.server.sessions.csrf_ok(session, self.headers.get("X-CSRF-Token")):
+            self.server.audit.record(session.operator, path.rsplit("/", 1)[-1], "refused", self._client(), why="csrf")
+            raise ActionError(403, "missing or wrong X-CSRF-Token: reload the dashboard and try again")
+        return session
 
     def _cookie_header(self, token: str, max_age: int) -> str:
         return f"{SESSION_COOKIE}={token}; Path=/; Max-Age={max_age}; Secure; HttpOnly; SameSite=Strict"
