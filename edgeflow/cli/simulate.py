@@ -254,8 +254,12 @@ def cmd(args) -> int:
                 progress.update(task, advance=1, description=f"rounds (accuracy {acc})")
 
             (out / "metrics.jsonl").write_text("")
-            fleet = SimulatedFleet(cfg, broker.url, on_round=on_round, apps=apps, initial=initial,
-                                   protocol=getattr(broker, "protocol", "auto") or "auto")
+            try:
+                fleet = SimulatedFleet(cfg, broker.url, on_round=on_round, apps=apps, initial=initial,
+                                       protocol=getattr(broker, "protocol", "auto") or "auto")
+            except EdgeflowError:
+                progress.live.transient = True  # the error's line alone (an app that does not fit its model)
+                raise
             web = None
             try:
                 if args.http:

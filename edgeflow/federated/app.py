@@ -124,7 +124,8 @@ def load_client_fn(ref: str) -> Callable[[Context], Any]:
     """The user's ``client_fn`` from ``FILE_OR_MODULE:NAME``, checked to be callable."""
     fn = load_reference(ref, "--app")
     if not callable(fn):
-        raise ConfigError(f"--app {ref!r}: {ref.rpartition(':')[2]} is a {type(fn).__name__}, not a function; name "
+        raise ConfigError(f"--app {ref!r}: {ref.rpartition(':')[2]} is an object of type {type(fn).__name__}, not a "
+                          "function; name "
                           "the function that returns your client (client_fn(context))")
     return fn
 
