@@ -122,8 +122,8 @@ def test_the_hand_built_envelope_is_valid() -> None:
     ({"tensors": b"\x01\xff\x02\x01\x04\x10"}, "malformed", "not valid UTF-8"),
     ({"dev": varint(300) + b"x" * 300}, "malformed", "more than 256"),
     ({"meta": varint(70_000)}, "too_large", "metadata is 70000 bytes"),
-    ({"meta": varint(200) + b"[" * 200}, "malformed", "deeper than 64"),
-    ({"meta": b"\x02[]"}, "malformed", "JSON object"),
+    ({"meta": varint(146) + b"\x0a\x01\x00\x01k" + b"\x09\x01" * 70 + b"\x00"}, "malformed", "deeper than 64"),
+    ({"meta": b"\x02\x09\x00"}, "malformed", "must be an object"),
     ({"flags": 0x80}, "unsupported_version", "unknown flags"),
     ({"flags": 0x01}, "truncated", "its header declares"),
 ])

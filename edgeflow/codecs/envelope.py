@@ -30,7 +30,7 @@ LEB128 varint and sections follow each other without padding::
     prefix  7 B   magic "EFUP" | version 2 u8 | flags u8 | codec id u8
     header        varint header length (bytes after it, up to the first section)
                   varint round id | varint seq | varint device id length | device id
-                  varint metadata length | metadata (UTF-8 JSON object) | varint tensor count
+                  varint metadata length | metadata (binary, edgeflow.codecs.metadata) | varint tensor count
                   per tensor: varint name length | name | dtype u8 | ndim u8 | ndim x varint dims
                               | varint section length
     body          the codec sections, back to back
@@ -55,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from edgeflow.codecs.metadata import unpack_metadata
 from edgeflow.codecs.packing import varint
 from edgeflow.codecs.rejects import codec_error
 from edgeflow.codecs.untrusted import loads_untrusted
@@ -169,7 +170,10 @@ def build_envelope(
     signer: Signer | None = None,
     version: int = VERSION,
 ) -> bytes:
-    """Assemble the envelope with a single copy of the section data (``version`` 1 or 2)."""
+    """Assemble the envelope with a single copy of the section data (``version`` 1 or 2).
+
+    ``metadata_json`` is the metadata as the version writes it: JSON text for version 1, the binary
+    form of :func:`edgeflow.codecs.metadata.pack_metadata` for version 2."""
     if version == VERSION_COMPACT:
         pieces = _compact_pieces(codec_id, round_id, seq, device_id, metadata_json, sections, signer)
         return _seal(pieces, signer, SIGN_CONTEXTS[VERSION_COMPACT])
@@ -342,7 +346,9 @@ def _parse_compact(mv: memoryview, *, max_elements: int) -> EnvelopeHeader:
         raise codec_error("malformed", f"device id is {dev_len} bytes, more than {MAX_DEVICE_ID}")
     device_id = _text(cur.take(dev_len, "the device id"), "device id")
     meta_len = cur.varint("the metadata length")
-    _, metadata = _identity(cur, 0, meta_len)
+    if meta_len > MAX_METADATA:
+        raise codec_error("too_large", f"metadata is {meta_len} bytes, more than {MAX_METADATA}")
+    metadata = unpack_metadata(cur.take(meta_len, "the metadata"))
     n_tensors = cur.varint("the tensor count")
     if n_tensors > 0xFFFF:
         raise codec_error("malformed", f"envelope declares {n_tensors} tensors (max 65535)")

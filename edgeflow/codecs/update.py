@@ -33,6 +33,7 @@ from edgeflow.codecs.envelope import (
 )
 from edgeflow.codecs.dense import MAX_VALUE
 from edgeflow.codecs.feedback import ErrorFeedback
+from edgeflow.codecs.metadata import pack_metadata
 from edgeflow.codecs.registry import EncodeContext, codec_by_id, get_codec
 from edgeflow.codecs.rejects import RejectStats, codec_error, reason_of, rejections
 from edgeflow.errors import CodecError, SignatureError
@@ -156,9 +157,12 @@ def encode_update(
             raise _encode_error("out_of_range", msg)
         flat.append((name, code, tuple(int(d) for d in arr.shape), x))
 
+    meta_bytes = {1: meta_json, 2: pack_metadata(meta)}
+    if len(meta_bytes[2]) > MAX_METADATA:
+        raise _encode_error("too_large", f"metadata is {len(meta_bytes[2])} bytes in binary; keep it under {MAX_METADATA}")
     if impl.selector:  # "auto": pick the real codec from the tensors' sizes (edgeflow.codecs.auto)
         impl, options = impl.resolve([x.size for *_, x in flat], options, lambda version: _overhead(
-            version, impl.codec_id, round_id, seq, device_id, meta_json, flat, signer))
+            version, impl.codec_id, round_id, seq, device_id, meta_bytes[version], flat, signer))
     use_state = state is not None and impl.uses_feedback
     ctx = EncodeContext(rng=_as_rng(rng), options=options, feedback=use_state)
     sections: list[SectionInput] = []
@@ -174,7 +178,7 @@ def encode_update(
         round_id=round_id,
         seq=seq,
         device_id=device_id,
-        metadata_json=meta_json,
+        metadata_json=meta_bytes[impl.envelope_version],
         sections=sections,
         signer=signer,
         version=impl.envelope_version,
