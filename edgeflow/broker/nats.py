@@ -103,7 +103,9 @@ def _device_permissions(fleet: str, device: str, prefix: str) -> tuple[list[str]
     sub_live, sub_ret = _levels(fleet, device, False, own_r, prefix)
     gw_live, gw_ret = _levels(fleet, GATEWAY, False, GATEWAY_CHANNEL_SPECS, prefix)
     readable_live = sub_live + gw_live
-    readable_ret = sub_ret + gw_ret
+    # the retained store is read like the live subjects (MQTT's ACL read covers retained messages too)
+    readable_ret = [f"{prefix}_retained." + s.split(".", 1)[1] for s in readable_live]
+    del sub_ret, gw_ret
     api = "$JS.API"
     publish = pub_live + pub_ret + [
         f"{prefix}_will.{encode_level(device)}",

@@ -103,8 +103,8 @@ async def ensure_streams(js: Any, names: StreamNames, *, live_max_age_s: float, 
             pass
         try:
             await js.add_stream(cfg)
-        except nats.js.errors.APIError as exc:
-            msg = (f"JetStream stream {cfg.name} is missing and this user may not create it ({exc}); "
+        except (nats.js.errors.APIError, nats.errors.TimeoutError, asyncio.TimeoutError) as exc:  # denied: no answer
+            msg = (f"JetStream stream {cfg.name} is missing and this user may not create it ({exc!r}); "
                    "start the gateway (or any transport with stream rights) once, or create it with the nats CLI")
             raise TransportError(msg) from None
 
@@ -267,7 +267,9 @@ class Link:
         try:
             nc = await nats.connect(
                 servers=t.servers, name=t.client_id, user=t.username, password=t.password, tls=t._ssl_context(),
-                connect_timeout=max(1, int(t.connect_timeout_s)), allow_reconnect=True, max_reconnect_attempts=-1,
+                # allow_reconnect off for the first connection: nats-py would otherwise retry a refusal
+                # (bad password, untrusted certificate) for ever; on once connected (options are read per drop)
+                connect_timeout=max(1, int(t.connect_timeout_s)), allow_reconnect=False, max_reconnect_attempts=-1,
                 reconnect_time_wait=1, error_cb=self._on_error, disconnected_cb=self._on_disconnected,
                 reconnected_cb=self._on_reconnected, inbox_prefix=f"_INBOX.{_inbox_token(t.client_id)}",
                 ping_interval=20, max_outstanding_pings=3,
@@ -276,6 +278,7 @@ class Link:
             raise TransportError(f"could not connect to NATS at {', '.join(t.servers)}: {exc}") from None
         except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
             raise TransportError(f"could not connect to NATS at {', '.join(t.servers)}: {exc!r}") from None
+        nc.options["allow_reconnect"] = True
         self.nc = nc
         self.js = nc.jetstream(timeout=t.ack_timeout_s)
         self.server_max_payload = int(nc.max_payload)
