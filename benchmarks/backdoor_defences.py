@@ -2,6 +2,7 @@
 
     python benchmarks/backdoor_defences.py                 # every rule below, 3 seeds, 15 rounds
     python benchmarks/backdoor_defences.py --only flame --seeds 1
+    python benchmarks/backdoor_defences.py --shares        # why: who is least contradicted, per round
 
 The rule kept as a strategy, ``fedavg-krum`` (FedAvg's bounds over a Multi-Krum selection, with
 ``dropped = "project"`` as an option), is measured by benchmarks/backdoor.py itself.
@@ -203,6 +204,8 @@ class KrumDownweight(_Bounded):
 
 class ResidualProject(_Bounded):
     name = "residual-project"
+    log: list[tuple[list[str], list[float]]] = []
+    """(client ids, their shares outside the others' span) per round, for ``--shares``."""
 
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
@@ -218,6 +221,7 @@ class ResidualProject(_Bounded):
             proj.append(project_onto_span(x[i], basis))
             share.append(np.linalg.norm(x[i] - proj[-1]) / max(np.linalg.norm(x[i]), 1e-30))
         self.previous = [(c, v.copy()) for c, v in zip(ids, x)]
+        ResidualProject.log.append((ids, share))
         top = int(np.argmax(share))
         x = x.copy()
         x[top] = proj[top]
@@ -239,18 +243,44 @@ RULES: dict[str, dict[str, Any]] = {
 }
 
 
+def shares(seeds: int, rounds: int) -> None:
+    """Per seed, with the attacker: in how many rounds the poisoner's update has the largest share outside the
+    span of the others' (this round's and the previous round's), its shares and the rounds' medians; and how
+    bright the trigger's pixels are in honest training digits, per class."""
+    from edgeflow.data.datasets import load_digits
+
+    for seed in range(seeds):
+        ResidualProject.log.clear()
+        backdoor.one_run("residual-project", seed, rounds, True)
+        ranks = [sorted(share).index(share[ids.index("d0")]) + 1 for ids, share in ResidualProject.log]
+        mine = [share[ids.index("d0")] for ids, share in ResidualProject.log]
+        med = [float(np.median(share)) for _, share in ResidualProject.log]
+        print(json.dumps({"seed": seed, "poisoner_least_contradicted_rounds": sum(r == len(ResidualProject.log[0][0])
+                                                                                  for r in ranks),
+                          "rounds": len(ranks), "poisoner_share": [round(x, 2) for x in (min(mine), max(mine))],
+                          "round_median_share": [round(x, 2) for x in (min(med), max(med))]}), flush=True)
+    split = load_digits(seed=0).flat()
+    corner = {int(c): [round(float(v), 2) for v in split.x_train[split.y_train == c][:, backdoor.TRIGGER].mean(0)]
+              for c in range(10)}
+    print(json.dumps({"trigger_pixels_mean_intensity_by_class": corner}))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--only", choices=sorted(RULES), action="append")
     ap.add_argument("--json", help="write the figures as JSON to this path")
+    ap.add_argument("--shares", action="store_true", help="print who is least contradicted per round, then exit")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     for cls in (RobustLearningRate, Flame, FLTrust, CenteredClip, CoordinateClip, AdaptiveNoise, KrumDownweight,
                 ResidualProject):
         strategies.register_aggregator(cls.name, cls)
     backdoor.STRATEGIES.update(RULES)
+    if args.shares:
+        shares(args.seeds, args.rounds)
+        return 0
     rows = []
     for name in args.only or list(RULES):
         for attack in (False, True):
