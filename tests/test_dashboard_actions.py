@@ -461,3 +461,64 @@ def test_actions_on_a_real_mosquitto_fleet(tmp_path_factory):
         if srv is not None:
             srv.stop()
         env.close()
+
+
+@pytest.mark.integration
+def test_edgeflow_gateway_serves_the_actions_from_gateway_toml(tmp_path_factory):
+    """The whole path through the CLI: `edgeflow gateway --serve` with [http] tls_cert/tls_key/actions on a real
+    Mosquitto fleet; an operator logs in with the fleet directory's admin password, deploys the gateway's global
+    model to a board over MQTT and asks it for its status."""
+    import re
+    import signal
+    import subprocess
+    import threading
+
+    from _fleet import make_fleet_env, mlp_bytes, wait_until
+
+    root = tmp_path_factory.mktemp("cli-actions")
+    env = make_fleet_env(root, pool=2)
+    gw = None
+    try:
+        (root / "model.onnx").write_bytes(mlp_bytes(5))
+        broker = env.fleet_dir.broker_dir
+        (root / "gw.toml").write_text(
+            '[gateway]\nstate = "gw.sqlite"\nmodel = "model.onnx"\n[rounds]\nrounds = 1\nmin_clients = 1\n'
+            f'[http]\nlisten = "127.0.0.1:0"\ntls_cert = "{broker / "server.crt"}"\n'
+            f'tls_key = "{broker / "server.key"}"\nactions = true\n')
+        board = env.agent()
+        gw = subprocess.Popen([sys.executable, "-m", "edgeflow", "gateway", "--config", str(root / "gw.toml"),
+                               "--dir", str(env.fleet_dir.path), "--broker", env.url, "--rounds", "0", "--serve"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root)
+        lines: list[str] = []
+        found = threading.Event()
+
+        def read() -> None:
+            assert gw.stdout is not None
+            for line in gw.stdout:
+                lines.append(line)
+                if "dashboard https://" in line:
+                    found.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        assert found.wait(90), "".join(lines)
+        url = re.search(r"dashboard (https://\S+/)", "".join(lines)).group(1)
+        c = Client(url, Path(env.ca))
+        assert c.login("admin", env.fleet_dir.operator("admin")["password"])[0] == 200
+        assert wait_until(lambda: board.device_id in {d["device_id"] for d in c.request("api/state")[2]["devices"]
+                                                      if d["online"]}, 30), "the board never showed as online"
+        models = c.request("api/session")[2]["models"]
+        assert models, "the gateway's store holds no global model"
+        code, _, out = c.request("api/deploy", {"model_version": models[-1]["version"], "to": "all"})
+        assert code == 202 and out["targets"] == 1 and out["artifact_version"] == 1, out  # the board ran none before
+        assert wait_until(lambda: any(r["state"] == "completed" for r in c.request("api/state")[2]["rollouts"]), 90)
+        code, _, out = c.request("api/command", {"device": board.device_id, "name": "status"})
+        assert code == 200 and out["ack"]["ok"] and out["ack"]["result"]["model_version"] == 1, out
+    finally:
+        if gw is not None and gw.poll() is None:
+            gw.send_signal(signal.SIGINT)
+            try:
+                gw.wait(20)
+            except subprocess.TimeoutExpired:
+                gw.kill()
+                gw.wait()
+        env.close()
