@@ -3,7 +3,8 @@
     nice -n 10 python benchmarks/fl_vs_flower.py [--models mlp,cnn,finetune] [--alphas 0.3,0.1]
         [--clients 20] [--rounds 30] [--epochs 2] [--batch-size 16] [--lr 0.1] [--momentum 0]
         [--codecs int8,dense] [--seed 0] [--flower-python /work/venvs/flwr/bin/python]
-        [--out runs/fl_vs_flower] [--svg-dir DIR] [--sanity-seeds 3] [--json]
+        [--out runs/fl_vs_flower] [--svg-dir DIR] [--sanity-seeds 3] [--target-accuracy 0.9] [--json]
+    python benchmarks/fl_vs_flower.py --render runs/fl_vs_flower/results.json [--target-accuracy 0.9] [--svg-dir DIR]
 
 For each model and Dirichlet alpha the benchmark computes the data split
 once (edgeflow's ``shard_data``: scikit-learn's digits, label skew by
@@ -256,8 +257,26 @@ def ratios(edge: dict, flower: dict) -> dict:
             "peak_rss": r("peak_rss_mib"), "final_accuracy_points": diff}
 
 
-def first_round_at(rows: list[dict], target: float) -> int | None:
-    return next((r["round"] for r in rows if (r.get("accuracy") or 0) >= target), None)
+def reach(rows: list[dict], target: float) -> tuple[int | None, int | None]:
+    """The first round whose test accuracy is >= ``target``, and the bytes all clients uploaded until then."""
+    total = 0
+    for r in rows:
+        total += r.get("bytes_up", 0)
+        if (r.get("accuracy") or 0) >= target:
+            return r["round"], total
+    return None, None
+
+
+def add_reach(result: dict) -> None:
+    """Each side's round and cumulative upload to ``target_accuracy``, and edgeflow/Flower's ratio of the bytes."""
+    target = result["target_accuracy"]
+    for c in result["cases"]:
+        for name, s in c["sides"].items():
+            s["round_to_target"], s["bytes_up_to_target"] = reach(c["per_round"][name], target)
+        f = c["sides"]["flower"]["bytes_up_to_target"]
+        for codec, r in c["ratios"].items():
+            e = c["sides"][f"edgeflow-{codec}"]["bytes_up_to_target"]
+            r["bytes_up_to_target"] = round(e / f, 3) if e and f else None
 
 
 def markdown(result: dict) -> str:
@@ -277,12 +296,16 @@ def markdown(result: dict) -> str:
                 f"{s['same_order']['max_weight_difference']:.1e}, test accuracy edgeflow "
                 f"{s['same_order']['edgeflow_accuracy']:.3f} vs Flower's client {s['same_order']['flower_client_accuracy']:.3f}",
                 ""]
-    out += ["| model | alpha | side | final acc | best acc | bytes up/round | bytes down/round | rounds s | wall s | peak RSS MiB |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    t = result["target_accuracy"]
+    out += [f"| model | alpha | side | final acc | best acc | round to {t:g} | bytes up to {t:g} | bytes up/round | "
+            "bytes down/round | rounds s | wall s | peak RSS MiB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in result["cases"]:
         for name, s in c["sides"].items():
             out.append(f"| {c['model']} | {c['alpha']} | {name} | {_acc(s['final_accuracy'])} | "
-                       f"{_acc(s['best_accuracy'])} | {s['bytes_up_per_round']:,} | {s['bytes_down_per_round']:,} | "
+                       f"{_acc(s['best_accuracy'])} | {s['round_to_target'] or 'not reached'} | "
+                       f"{'n/a' if s['bytes_up_to_target'] is None else format(s['bytes_up_to_target'], ',')} | "
+                       f"{s['bytes_up_per_round']:,} | {s['bytes_down_per_round']:,} | "
                        f"{s['rounds_s']:.1f} | {s['wall_s']:.1f} | {s['peak_rss_mib']:.0f} |")
     same = [c["same_order"] for c in result["cases"] if c.get("same_order")]
     for m in {s["model"]: s for s in same}.values():
@@ -290,11 +313,13 @@ def markdown(result: dict) -> str:
                 f"({result['epochs']} epochs, no shuffling): weights differ by at most {m['max_weight_difference']:.1e}; "
                 f"test accuracy {m['edgeflow_accuracy']:.3f} vs {m['flower_client_accuracy']:.3f}"]
     out += ["", "edgeflow / Flower (ratios; accuracy as edgeflow minus Flower, in points):", "",
-            "| model | alpha | edgeflow codec | bytes up | bytes down | wall time | peak RSS | final accuracy |",
-            "|---|---|---|---|---|---|---|---|"]
+            f"| model | alpha | edgeflow codec | bytes up/round | bytes up to {t:g} | bytes down/round | wall time | "
+            "peak RSS | final accuracy |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for c in result["cases"]:
         for codec, r in c["ratios"].items():
-            out.append(f"| {c['model']} | {c['alpha']} | {codec} | {_x(r['bytes_up'])} | {_x(r['bytes_down'])} | "
+            out.append(f"| {c['model']} | {c['alpha']} | {codec} | {_x(r['bytes_up'])} | {_x(r['bytes_up_to_target'])} | "
+                       f"{_x(r['bytes_down'])} | "
                        f"{_x(r['wall_s'])} | {_x(r['peak_rss'])} | {r['final_accuracy_points']:+.1f} |")
     return "\n".join(out) + "\n"
 
@@ -455,7 +480,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--momentum", type=float, default=0.0)
     ap.add_argument("--codecs", default="int8,dense", help="edgeflow codecs to run (default int8,dense)")
     ap.add_argument("--train-mode", default="bias", help="finetune: head or bias (default bias)")
-    ap.add_argument("--input-size", type=int, default=32, help="finetune: digits resized to this size (default 32)")
+    ap.add_argument("--input-size", type=int, default=48, help="finetune: digits resized to this size (default 48)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--flower-python", default=DEFAULT_FLOWER_PYTHON)
     ap.add_argument("--ray-cpus", type=int, default=os.cpu_count() or 1, help="CPUs Ray may use (default: all)")
@@ -463,6 +488,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--svg-dir", help="where the bytes-to-accuracy SVGs go (default --out)")
     ap.add_argument("--sanity-seeds", type=int, default=3,
                     help="seeds of the 1-client/1-round agreement check; 0 skips it (default 3)")
+    ap.add_argument("--target-accuracy", type=float, default=0.9,
+                    help="report the round and the bytes uploaded until the test accuracy first reaches this "
+                    "(default 0.9)")
+    ap.add_argument("--render", metavar="RESULTS_JSON", help="only rewrite results.md (and with --svg-dir the charts) from an earlier run's results.json")
     ap.add_argument("--json", action="store_true", help="print only the results JSON")
     ap.add_argument("--edgeflow-side", nargs=4, metavar=("SPEC", "DATA", "CODEC", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -484,10 +513,39 @@ def main(argv: list[str] | None = None) -> int:
             result = edgeflow_side(json.loads(Path(spec_path).read_text()), data, codec)
             Path(out).write_text(json.dumps(result, indent=1))
             return 0
+        if args.render:
+            return render(Path(args.render), args.target_accuracy, args.svg_dir)
         return compare(args)
     except BenchmarkError as exc:
         print(f"fl_vs_flower: error: {exc}", file=sys.stderr)
         return 1
+
+
+def write_svg(case: dict, folder: Path, clients: int) -> str:
+    tag = case["model"] if case["model"] != "finetune" else f"finetune-{case['spec']['train_mode']}"
+    path = folder / f"fl_vs_flower_{tag}_alpha{case['alpha']:g}.svg"
+    path.write_text(bytes_to_accuracy_svg(f"{tag}, Dirichlet {case['alpha']:g}, {clients} clients: accuracy per byte "
+                                          "uploaded", [(k, curve(v)) for k, v in case["per_round"].items()]))
+    return str(path)
+
+
+def render(path: Path, target: float, svg_dir: str | None) -> int:
+    """Tables (and with ``svg_dir`` the charts) of an earlier run's results.json again, next to it."""
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise BenchmarkError(f"--render {path}: cannot read a results.json: {exc}") from exc
+    result["target_accuracy"] = target
+    add_reach(result)
+    if svg_dir:
+        Path(svg_dir).mkdir(parents=True, exist_ok=True)
+        for case in result["cases"]:
+            case["svg"] = write_svg(case, Path(svg_dir), result["clients"])
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    md = markdown(result)
+    (path.parent / "results.md").write_text(md)
+    print(md)
+    return 0
 
 
 def compare(args: argparse.Namespace) -> int:
@@ -515,11 +573,9 @@ def compare(args: argparse.Namespace) -> int:
                 case = run_case(spec, codecs, args.flower_python, Path(tmp) / f"{model}-{alpha}", say)
                 case["spec"].pop("onnx", None)
                 result["cases"].append(case)
-                name = f"fl_vs_flower_{model}_alpha{alpha:g}.svg"
-                (svg_dir / name).write_text(bytes_to_accuracy_svg(
-                    f"{model}, Dirichlet {alpha:g}, {args.clients} clients: accuracy per byte uploaded",
-                    [(k, curve(v)) for k, v in case["per_round"].items()]))
-                case["svg"] = str(svg_dir / name)
+                case["svg"] = write_svg(case, svg_dir, args.clients)
+    result["target_accuracy"] = args.target_accuracy
+    add_reach(result)
     (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
     md = markdown(result)
     (out / "results.md").write_text(md)
