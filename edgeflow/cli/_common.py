@@ -132,6 +132,19 @@ def check_output_path(path: str, flag: str = "--output") -> None:
         raise ConfigError(f"{flag} {path}: folder {parent} is not writable")
 
 
+def count_arg(text: str) -> int:
+    """An argparse ``type`` for counts (threads, runs): a whole number, 1 or more."""
+    import argparse
+
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give a whole number, 1 or more, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"give 1 or more, got {n}")
+    return n
+
+
 SHAPE_HELP = ("fix an input's dims, e.g. --shape x=1x3x320x320 (repeatable; '?' keeps a dim as the model "
               "has it; NAME may also be a symbolic dim such as batch=4)")
 

@@ -8,6 +8,7 @@ asks the profile for a backend name.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -17,6 +18,8 @@ import onnx
 from ...errors import InputError, ShapeError
 from ..limits import RunLimits, run_budget
 from ..model import TensorInfo
+
+log = logging.getLogger("edgeflow.runtime")
 
 
 @dataclass(frozen=True)
@@ -45,13 +48,15 @@ class Session:
         self.inputs = inputs
         self.outputs = outputs
         self.limits: RunLimits | None = RunLimits()
+        self.casts_noted: set[tuple[str, str]] = set()
+        """(input, dtype) casts already logged: a lossy cast is said once per session, not per run."""
 
     def io(self) -> dict[str, list[TensorInfo]]:
         return {"inputs": list(self.inputs), "outputs": list(self.outputs)}
 
     def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Run the model; returns the requested outputs (all by default) by name."""
-        checked = check_feeds(self.inputs, feeds)
+        checked = check_feeds(self.inputs, feeds, noted=self.casts_noted)
         names = list(output_names) if output_names else [o.name for o in self.outputs]
         known = {o.name for o in self.outputs}
         bad = [n for n in names if n not in known]
@@ -82,10 +87,16 @@ class Backend:
         raise NotImplementedError("need load")
 
 
-def check_feeds(inputs: list[TensorInfo], feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Validate names, dtypes, ranks and fixed dims of the inputs; cast losslessly.
+def check_feeds(inputs: list[TensorInfo], feeds: Mapping[str, np.ndarray], *,
+                noted: set[tuple[str, str]] | None = None) -> dict[str, np.ndarray]:
+    """Validate names, dtypes, ranks and fixed dims of the inputs; cast to the model's dtypes.
 
     Every problem is reported at once, naming the input and what was expected.
+    A cast that loses precision (float64 to float32) is logged as one warning
+    per input and dtype (once per ``noted`` set: a session says it once); an
+    integer cast whose values do not fit (int64 2**40 into int32) is refused,
+    never wrapped. NaN and Inf pass here (models such as IsNaN take them):
+    :func:`check_finite` refuses them where the data is the user's (``edgeflow run``).
     """
     if not isinstance(feeds, Mapping):
         raise InputError("inputs must be a mapping of input name -> array")
@@ -120,7 +131,7 @@ def check_feeds(inputs: list[TensorInfo], feeds: Mapping[str, np.ndarray]) -> di
         if value is None:
             problems.append(f"input {name!r} is a tensor: None is only an empty optional input")
             continue
-        a = _tensor(name, value, t.dtype, t.shape, problems)
+        a = _tensor(name, value, t.dtype, t.shape, problems, noted)
         if a is not None:
             out[name] = a
     if problems:
@@ -129,8 +140,9 @@ def check_feeds(inputs: list[TensorInfo], feeds: Mapping[str, np.ndarray]) -> di
     return out
 
 
-def _tensor(name: str, value, dtype: str, shape: tuple, problems: list[str]) -> np.ndarray | None:
-    """One fed tensor, cast losslessly to ``dtype`` and checked against ``shape``; None (and a line in
+def _tensor(name: str, value, dtype: str, shape: tuple, problems: list[str],
+            noted: set[tuple[str, str]] | None = None) -> np.ndarray | None:
+    """One fed tensor, cast to ``dtype`` and checked against ``shape``; None (and a line in
     ``problems``) when it does not fit."""
     try:
         a = np.asarray(value)
@@ -142,6 +154,15 @@ def _tensor(name: str, value, dtype: str, shape: tuple, problems: list[str]) -> 
         if np.can_cast(a.dtype, want, casting="same_kind") and not (
             np.issubdtype(a.dtype, np.floating) and np.issubdtype(want, np.integer)
         ):
+            why = _narrowing(name, a, want)
+            if why:
+                problems.append(why)
+                return None
+            if not np.can_cast(a.dtype, want, casting="safe") and (noted is None or (name, str(a.dtype)) not in noted):
+                if noted is not None:
+                    noted.add((name, str(a.dtype)))
+                log.warning("input %r is %s, the model takes %s: cast, precision beyond %s is lost (save the "
+                            "array as %s to say so yourself)", name, a.dtype, want, want, want)
             a = a.astype(want)
         else:
             problems.append(f"input {name!r} has dtype {a.dtype}, expected {want}")
@@ -154,3 +175,41 @@ def _tensor(name: str, value, dtype: str, shape: tuple, problems: list[str]) -> 
             problems.append(f"input {name!r} has shape {a.shape}, expected {list(shape)} (dim {i})")
             return None
     return a
+
+
+def _narrowing(name: str, a: np.ndarray, want: np.dtype) -> str | None:
+    """Why ``a`` cannot be cast to the narrower ``want`` without changing values (None: it can):
+    integers out of ``want``'s range would wrap, finite floats beyond it would become Inf."""
+    if a.size == 0 or np.can_cast(a.dtype, want, casting="safe"):
+        return None
+    if np.issubdtype(want, np.integer):
+        info = np.iinfo(want)
+        lo, hi = a.min(), a.max()
+        if lo < info.min or hi > info.max:
+            return (f"input {name!r} is {a.dtype} with values {lo}..{hi} outside {want}'s range "
+                    f"{info.min}..{info.max}: they would wrap; give values that fit, or an array of {want}")
+    elif np.issubdtype(want, np.floating) and np.issubdtype(a.dtype, np.floating):
+        finite = np.abs(a[np.isfinite(a)])
+        limit = np.finfo(want).max
+        if finite.size and finite.max() > limit:
+            return (f"input {name!r} is {a.dtype} with values up to {finite.max():.3g}, beyond {want}'s "
+                    f"largest {limit:.3g}: they would become Inf; scale the data")
+    return None
+
+
+def check_finite(feeds: Mapping[str, np.ndarray], *, fix: str = "") -> None:
+    """Refuse float inputs that hold NaN or Inf, naming the input, the count and the first position
+    (one :class:`ShapeError` line; ``fix`` is appended as the way out, e.g. a command-line flag)."""
+    problems = []
+    for name, value in feeds.items():
+        a = np.asarray(value) if value is not None and not isinstance(value, (list, tuple)) else None
+        if a is None or not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.complexfloating)):
+            continue
+        bad = ~np.isfinite(a)
+        if bad.any():
+            first = tuple(int(i) for i in np.argwhere(bad)[0])
+            nan = int(np.isnan(a).sum())
+            problems.append(f"input {name!r} holds {nan} NaN and {int(bad.sum()) - nan} Inf value(s) "
+                            f"(first at index {list(first)})")
+    if problems:
+        raise ShapeError("; ".join(problems) + "; clean the data (e.g. numpy.nan_to_num)" + (f" {fix}" if fix else ""))
