@@ -46,8 +46,17 @@ def _commands():
     return mods
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A parser whose mistakes are one line: the problem and where the flags are explained
+    (argparse's own prints the whole usage block first). Subcommands' parsers are of this class too
+    (``add_subparsers`` makes them of the parent's class)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="edgeflow",
         description=__doc__.split("\n\n")[0],
         epilog=EPILOG,
