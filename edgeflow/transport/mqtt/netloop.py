@@ -52,6 +52,7 @@ from edgeflow.transport.topics import CHUNK_LEVEL, retained_chunks_allowed
 from edgeflow.transport.mqtt.options import (
     FATAL_CONNACK,
     PUBACK_HINTS,
+    REFUSAL_LIMIT,
     RETRY_RC,
     SESSION_TAKEN_OVER,
     TAKEOVER_LIMIT,
@@ -147,8 +148,11 @@ class NetLoop:
         self._connected_at: float | None = None
         self._takeovers = 0
         """Session takeovers in a row (see options.TAKEOVER_LIMIT)."""
+        self._refusals = 0
+        """Refusals no retry can fix (bad password, TLS verification) before the first connection."""
         self.gave_up: TransportError | None = None
-        """Set when the loop stopped reconnecting for good (the client id is taken: ClientIdTakenError)."""
+        """Set when the loop stopped reconnecting for good: the client id is taken (ClientIdTakenError), or
+        the broker refused the first connection :data:`REFUSAL_LIMIT` times in a way no retry fixes."""
 
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -342,12 +346,7 @@ class NetLoop:
         try:
             client.reconnect()
         except ssl.SSLCertVerificationError as exc:
-            msg = (
-                f"TLS certificate of {url} failed verification: {exc.verify_message}; "
-                "set TlsConfig.ca_file to the CA that signed the broker certificate and connect by the host "
-                "name in that certificate"
-            )
-            self._attempt_failed(TransportError(msg), fatal=True)
+            self._attempt_failed(TransportError(self._verify_failed(url, exc)), fatal=True)
         except ssl.SSLError as exc:
             if "ALERT" in str(exc).upper():
                 # Over websockets paho reads the HTTP upgrade reply inside reconnect(), so the server's
@@ -370,6 +369,23 @@ class NetLoop:
             msg = f"cannot connect to {url}: {exc}"
             self._attempt_failed(TransportError(msg))
 
+    def _verify_failed(self, url: str, exc: ssl.SSLCertVerificationError) -> str:
+        """The line for a broker certificate that did not verify: it names the CA file used, or says
+        that none was given (the system's trust store was used), and where the fleet's CA lives."""
+        tls = self.t.tls
+        ca = getattr(tls, "ca_file", None)
+        if ca:
+            which = f"against the CA file {ca}"
+            fix = ("give the CA that signed the broker certificate (the fleet directory's broker/ca.crt from "
+                   "`edgeflow broker-config`; TlsConfig(ca_file=...) in Python)")
+        else:
+            which = "against the system's trust store: no CA file was given"
+            fix = ("give the CA that signed the broker certificate: the fleet directory's broker/ca.crt from "
+                   "`edgeflow broker-config` (a device's credentials folder gets a copy as ca.crt; "
+                   "TlsConfig(ca_file=...) in Python)")
+        return (f"TLS certificate of {url} failed verification {which} ({exc.verify_message}); {fix}, and "
+                "connect by a host name in that certificate")
+
     def _attempt_failed(self, err: TransportError, *, fatal: bool = False) -> None:
         link = self.link
         if not link.connecting:
@@ -379,6 +395,13 @@ class NetLoop:
         self._count("connect_failures")
         if fatal and not link.ever_connected:
             link.fatal = err
+            self._refusals += 1
+            if self._refusals >= REFUSAL_LIMIT:  # a refusal no retry fixes: say it once more and stop trying
+                self.gave_up = err
+                link.attempt_started = None
+                link.to(ConnState.BACKING_OFF)
+                log.debug("%s: giving up after %d refusals: %s", self.t.name, self._refusals, err)
+                return
         delay = self.backoff.next()
         link.next_attempt = time.monotonic() + delay
         link.to(ConnState.BACKING_OFF)

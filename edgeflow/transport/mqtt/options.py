@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_MAX_PAYLOAD",
     "FATAL_CONNACK",
     "PUBACK_HINTS",
+    "REFUSAL_LIMIT",
     "RETRY_RC",
     "SESSION_TAKEN_OVER",
     "TAKEOVER_LIMIT",
@@ -49,6 +50,10 @@ PUBACK_HINTS = {
     151: "the broker's quota is exceeded: publish less often",
     153: "the broker rejected the payload format",
 }
+REFUSAL_LIMIT = 3
+"""Refusals no retry fixes (bad password, not authorized, TLS verification) before any connection was
+made, after which a transport that connects in the background (``connect(wait=False)``: a device) stops
+trying; ``connect()`` that waits raises at the first."""
 SESSION_TAKEN_OVER = 0x8E
 """DISCONNECT reason: another connection with this client id took the session (MQTT 5)."""
 TAKEOVER_LIMIT = 5
