@@ -1,11 +1,12 @@
-"""edgeflow.transport: MQTT for devices and the gateway.
+"""edgeflow.transport: MQTT (and NATS) for devices and the gateway.
 
 :class:`Transport` (:mod:`.base`) is the seam everything above the transport
 is written against. Pure modules import nothing heavy: :mod:`.base`,
 :mod:`.topics` (the topic scheme), :mod:`.chunking` (split/reassemble),
 :mod:`.url`, :mod:`.backoff`, :mod:`.outbox`, :mod:`.message`.
 :class:`MqttTransport` (package :mod:`.mqtt`, the only code that imports
-paho), the in-process :class:`LoopbackBroker`/:class:`LoopbackTransport`
+paho), :class:`NatsTransport` (package :mod:`.nats`, the only code that
+imports nats-py; ``nats://``/``tls://`` URLs), the in-process :class:`LoopbackBroker`/:class:`LoopbackTransport`
 (:mod:`.loopback`) and the broker launchers in :mod:`.broker` are imported
 lazily, on first attribute access, so ``import edgeflow.transport.topics``
 stays cheap.
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from edgeflow.transport.broker import EmbeddedBroker, ExternalBroker, MosquittoBroker, start_broker
     from edgeflow.transport.loopback import LoopbackBroker, LoopbackTransport
     from edgeflow.transport.mqtt import MqttTransport
+    from edgeflow.transport.nats import NatsTransport
 
 __all__ = [
     "BrokerAddress",
@@ -43,6 +45,7 @@ __all__ = [
     "Message",
     "MosquittoBroker",
     "MqttTransport",
+    "NatsTransport",
     "Subscription",
     "TlsConfig",
     "Topic",
@@ -59,6 +62,7 @@ __all__ = [
 
 _LAZY = {
     "MqttTransport": "edgeflow.transport.mqtt",
+    "NatsTransport": "edgeflow.transport.nats",
     "LoopbackBroker": "edgeflow.transport.loopback",
     "LoopbackTransport": "edgeflow.transport.loopback",
     "MosquittoBroker": "edgeflow.transport.broker",
