@@ -155,3 +155,13 @@ def test_varint_and_bit_packing_round_trip() -> None:
         packed = pack_bits(codes, bits)
         assert len(packed) == (77 * bits + 7) // 8
         assert np.array_equal(unpack_bits(memoryview(packed), 77, bits, "t"), codes)
+
+
+def test_min_k_keeps_small_tensors_moving() -> None:
+    t = {"bias": np.arange(1, 11, dtype=np.float32), "weight": np.ones(1000, np.float32)}
+    plain = decode_update(encode(t, ratio=0.02))
+    floor = decode_update(encode(t, ratio=0.02, min_k=8))
+    assert np.count_nonzero(plain.tensors["bias"]) == 1 and np.count_nonzero(floor.tensors["bias"]) == 8
+    assert np.count_nonzero(floor.tensors["weight"]) == 20  # the ratio's 20 already exceed min_k
+    with pytest.raises(CodecError, match="min_k must be an integer >= 1"):
+        encode(t, min_k=0)

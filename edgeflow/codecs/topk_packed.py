@@ -13,6 +13,9 @@ not send and adds it next round). The bytes per kept entry are what change:
   feedback, Karimireddy et al. 2019). The quantization error of the kept
   entries goes back into the residual like the dropped entries.
 
+``min_k`` (default 1) keeps at least that many entries of every tensor: a
+ratio of 2% leaves a 10-value bias one entry per round.
+
 Section layout: varint k | u8 bits | ``<f4`` scale | k varint gaps | the k
 codes packed LSB-first in ``ceil(k * bits / 8)`` bytes. Gap i is
 ``index[i] - index[i-1]`` (``index[-1] = -1``), so a gap of 0 would be a
@@ -74,10 +77,14 @@ def dequantize_bits(scale: float, codes: np.ndarray, bits: int) -> np.ndarray:
 def check_packed_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
     opts = dict(options)
     bits = opts.pop("bits", DEFAULT_BITS)
+    min_k = opts.pop("min_k", 1)
     out = check_topk_options(name, opts)
     if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 1 <= int(bits) <= 8:
         raise codec_error("bad_option", f"codec {name!r}: bits must be an integer in 1..8, got {bits!r}")
+    if isinstance(min_k, bool) or not isinstance(min_k, (int, np.integer)) or int(min_k) < 1:
+        raise codec_error("bad_option", f"codec {name!r}: min_k must be an integer >= 1, got {min_k!r}")
     out["bits"] = int(bits)
+    out["min_k"] = int(min_k)
     return out
 
 
@@ -104,7 +111,7 @@ def _indices_from_gaps(gaps: np.ndarray, size: int) -> np.ndarray:
 class TopKPackedCodec(Codec):
     name = "topk-packed"
     codec_id = 6
-    option_names = ("ratio", "k", "bits")
+    option_names = ("ratio", "k", "bits", "min_k")
     uses_feedback = True
     envelope_version = 2  # the compact envelope: this codec exists for updates where every byte counts
 
@@ -114,7 +121,7 @@ class TopKPackedCodec(Codec):
     def encode(self, x: np.ndarray, ctx: EncodeContext, residual: np.ndarray | None = None):
         bits = ctx.options.get("bits", DEFAULT_BITS)
         acc = x + residual if residual is not None else x
-        k = topk_count(acc.size, ctx.options)
+        k = max(topk_count(acc.size, ctx.options), min(acc.size, ctx.options.get("min_k", 1)))
         idx = select_topk(acc, k)
         scale, codes = quantize_bits(acc[idx], bits, ctx.rng)
         gaps = np.diff(idx, prepend=-1)
