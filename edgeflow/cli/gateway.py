@@ -34,8 +34,9 @@ gateway.toml (every key optional except where noted; see docs/gateway.md):
 
   # [store]                      # instead of [gateway] state: PostgreSQL, shared with the
   # url = "postgresql://postgres@127.0.0.1:5432/test?schema=lab"   # ingestion workers (docs/scaling.md)
+"""
 
-One gateway per state: a second `edgeflow gateway` on the same state exits at once (code 2) with
+NOTES = """One gateway per state: a second `edgeflow gateway` on the same state exits at once (code 2) with
 one line naming the first (host, pid, since). Read-only commands (edgeflow rounds, fleet status,
 fleet history) work while a gateway runs.
 
@@ -55,7 +56,7 @@ def register(sub) -> None:
         "updates, aggregate, publish the new global model) and keep the fleet registry, liveness, "
         "telemetry and command channel. State lives in SQLite (or PostgreSQL with [store] url): a restarted gateway resumes the "
         "round it was in.",
-        epilog=EXAMPLE,
+        epilog=EXAMPLE + "\n" + NOTES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", "-c", required=True, help="gateway.toml")
