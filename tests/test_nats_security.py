@@ -7,6 +7,7 @@ server's certificate, a wrong password, a malformed URL.
 
 from __future__ import annotations
 
+import os
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -138,3 +139,25 @@ def test_tls_with_the_fleet_ca(tmp_path: Path) -> None:
             f.transport("dev2", tls=TlsConfig(ca_file=str(other_ca))).connect(10)
     finally:
         f.close()
+
+
+def test_a_device_with_its_generated_rights_can_do_what_the_agent_does(fleet: Fleet) -> None:
+    """Everything the device agent and the federated client subscribe and publish, as user dev1."""
+    gw = fleet.transport("gateway", "gw", max_payload=16 * 1024).connect()
+    model = os.urandom(100 * 1024)
+    gw.publish(f"edgeflow/{FLEET}/gateway/model", model, retain=True).wait(20)  # retained, chunked
+    updates = Inbox()
+    gw.subscribe(f"edgeflow/{FLEET}/+/update", updates)
+    dev = fleet.transport("dev1", max_payload=16 * 1024,
+                          will=Will(f"edgeflow/{FLEET}/dev1/death", b"gone", retain=True)).connect()
+    got = {c: Inbox() for c in ("model", "round", "secagg")}
+    for channel, inbox in got.items():
+        dev.subscribe(f"edgeflow/{FLEET}/gateway/{channel}", inbox)
+    for channel in ("cmd", "ota", "infer"):
+        dev.subscribe(f"edgeflow/{FLEET}/dev1/{channel}", Inbox())
+    assert got["model"].wait(1)[0].payload == model
+    dev.publish(f"edgeflow/{FLEET}/dev1/birth", b"online", retain=True).wait(10)
+    update = os.urandom(60 * 1024)
+    dev.publish(f"edgeflow/{FLEET}/dev1/update", update).wait(20)  # chunked
+    assert updates.wait(1)[0].payload == update
+    assert dev.stats().get("subscribe_errors", 0) == 0
