@@ -218,3 +218,71 @@ def test_a_bad_strategy_reference_is_one_line_at_config_check(tmp_path, strategy
                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
     assert out.returncode == 2
     one_clear_line(out, "edgeflow gateway: error:", "rounds.strategy", *needles)
+
+
+def _signed_update(tensors, metadata):
+    from edgeflow.codecs import encode_update
+    from edgeflow.signing import KeyRing, Signer
+
+    signer = Signer.generate("d1")
+    ring = KeyRing()
+    ring.register("d1", signer.public_key)
+    return ring, encode_update(tensors, "int8", round_id=1, device_id="d1", seq=1, signer=signer, num_samples=5,
+                               metadata=metadata)
+
+
+@pytest.mark.parametrize("tensors, metadata, reason, needle", [
+    ({"p0": np.zeros((10, 64), np.float32), "p1": np.zeros(10, np.float32)}, {}, "shape_mismatch",
+     "'p0' has shape (10, 64), expected (64, 10)"),
+    ({"p0": np.zeros((64, 10), np.float32)}, {}, "shape_mismatch", "p1"),
+    ({"p0": np.zeros((64, 10), np.float32), "p1": np.zeros(10, np.float32)}, {"metrics": {"tag": "x" * 257}},
+     "bad_metadata", "metrics['tag'] is text of 257 characters"),
+    ({"p0": np.zeros((64, 10), np.float32), "p1": np.zeros(10, np.float32)},
+     {"eval": {"loss": 1.0, "num_examples": 3, "metrics": {"tag": "\x1b[2J"}}}, "bad_metadata", "eval.metrics['tag']"),
+])
+def test_the_gateway_intake_refuses_hostile_updates_to_a_parameters_only_model(tensors, metadata, reason, needle):
+    """A device's own check is a convenience: the gateway's one intake (gateway/intake.py) refuses by itself."""
+    from edgeflow.errors import CodecError
+    from edgeflow.gateway.global_model import model_weights, parameters_model
+    from edgeflow.gateway.intake import RoundView, check_update
+
+    like = model_weights(parameters_model({"p0": np.zeros((64, 10)), "p1": np.zeros(10)}))
+    ring, payload = _signed_update(tensors, metadata)
+    with pytest.raises(CodecError) as e:
+        check_update(payload, RoundView(1, 1, frozenset({"d1"})), keyring=ring, like=like, seq_floor=None)
+    assert getattr(e.value, "reason", None) == reason and needle in str(e.value), str(e.value)
+
+
+def test_the_gateway_intake_keeps_text_and_boolean_metrics():
+    from edgeflow.gateway.global_model import model_weights, parameters_model
+    from edgeflow.gateway.intake import RoundView, check_update
+
+    like = model_weights(parameters_model({"p0": np.zeros((64, 10)), "p1": np.zeros(10)}))
+    ring, payload = _signed_update(dict(like), {"metrics": {"tag": "odd", "ok": True, "n": 3},
+                                                "eval": {"loss": 0.5, "num_examples": 4,
+                                                         "metrics": {"accuracy": 0.75, "best": False}}})
+    got = check_update(payload, RoundView(1, 1, frozenset({"d1"})), keyring=ring, like=like, seq_floor=None)
+    assert got.meta.metrics == {"tag": "odd", "ok": True, "n": 3}
+    assert got.meta.evaluation == (0.5, 4, {"accuracy": 0.75, "best": False})
+
+
+def test_a_list_of_more_than_ten_arrays_keeps_its_positions():
+    """p10 and p11 follow p9 (natural order), so a Flower client gets back its own list, position by position."""
+    from edgeflow.federated.app import Context, make_client
+
+    shapes = [(i + 1,) for i in range(12)]
+
+    class Many:
+        def get_parameters(self, config):
+            return [np.full(s, i, np.float32) for i, s in enumerate(shapes)]
+
+        def fit(self, parameters, config):
+            assert [p.shape for p in parameters] == shapes  # position i holds the i-th array
+            return [p + 1 for p in parameters], 3, {}
+
+    client = make_client(lambda context: Many(), Context(node_id=0))
+    offered = client.get_parameters({})
+    assert list(offered) == [f"p{i}" for i in range(12)]
+    shuffled = dict(reversed(list(offered.items())))  # the order names arrive in does not matter
+    new, n, _ = client.fit(shuffled, {})
+    assert n == 3 and all(np.array_equal(new[f"p{i}"], np.full(shapes[i], i + 1)) for i in range(12))
