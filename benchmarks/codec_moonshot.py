@@ -38,6 +38,8 @@ SETTINGS: list[tuple[str, str, dict[str, object]]] = [
     ("topk-packed 1% 2b", "topk-packed", {"ratio": 0.01, "bits": 2}),
     ("topk-packed 2% 1b", "topk-packed", {"ratio": 0.02, "bits": 1}),
     ("topk-packed 2% 2b", "topk-packed", {"ratio": 0.02, "bits": 2}),
+    ("topk-packed 2% 2b min_k 8", "topk-packed", {"ratio": 0.02, "bits": 2, "min_k": 8}),
+    ("topk-packed 3% 1b", "topk-packed", {"ratio": 0.03, "bits": 1}),
     ("topk-packed 3% 2b", "topk-packed", {"ratio": 0.03, "bits": 2}),
     ("topk-packed 5% 4b", "topk-packed", {"ratio": 0.05, "bits": 4}),
     ("auto", "auto", {}),
@@ -103,6 +105,26 @@ def overhead_table(model: str) -> None:
     print(f"| as a share of dense | {v1 / dense:.4f} | {v2 / dense:.4f} |")
 
 
+def print_table(rows: list[dict], args: argparse.Namespace) -> None:
+    """The curve as a markdown table; rows[0] is dense, the reference of every seed."""
+    dense = {s: r["accuracy"] for s, r in zip(args.seeds, rows[0]["runs"])}
+    print(f"{args.model} ({args.params} values, {4 * args.params} B dense), {args.devices} devices, {args.rounds} "
+          f"rounds, seeds {' '.join(map(str, args.seeds))}; target: upload ratio <= {TARGET_RATIO} and final "
+          f"accuracy >= dense's - {TARGET_DROP} on every seed")
+    print("| setting | upload ratio | B/update | final accuracy per seed | mean | vs dense (pt) | accuracy ok | target |")
+    print("| --- | ---: | ---: | --- | ---: | ---: | --- | --- |")
+    for row in rows:
+        runs = row["runs"]
+        ratio = mean(r["ratio"] for r in runs)
+        acc = mean(r["accuracy"] for r in runs)
+        drop = acc - mean(dense.values())
+        acc_ok = all(r["accuracy"] >= dense[s] - TARGET_DROP for s, r in zip(args.seeds, runs))
+        per_seed = " ".join(f"{r['accuracy']:.4f}" for r in runs)
+        print(f"| {row['setting']} | {ratio:.4f} | {mean(r['bytes_per_update'] for r in runs):,.0f} | {per_seed} | "
+              f"{acc:.4f} | {100 * drop:+.2f} | {'yes' if acc_ok else 'no'} | "
+              f"{'met' if acc_ok and ratio <= TARGET_RATIO else 'no'} |")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
@@ -112,7 +134,13 @@ def main() -> int:
     p.add_argument("--only", nargs="*", help="setting labels to run (default: all)")
     p.add_argument("--json", help="write every run here")
     p.add_argument("--overhead", action="store_true", help="only print the per-update bytes before any value")
+    p.add_argument("--table", help="print the table of a --json file again, without running")
     args = p.parse_args()
+    if args.table:
+        with open(args.table, encoding="utf-8") as f:
+            saved = json.load(f)
+        print_table(saved["rows"], argparse.Namespace(**saved["args"]))
+        return 0
     if args.overhead:
         overhead_table(args.model)
         return 0
@@ -124,21 +152,7 @@ def main() -> int:
         runs = [run_one(codec, opts, s, args) for s in args.seeds]
         rows.append({"setting": label, "codec": codec, "options": opts, "runs": runs})
         print(f"  {label}: " + ", ".join(f"{r['accuracy']:.4f}@{r['ratio']:.4f}" for r in runs), file=sys.stderr)
-    dense = {s: r["accuracy"] for s, r in zip(args.seeds, rows[0]["runs"])}
-    print(f"{args.model} ({args.params} values, {4 * args.params} B dense), {args.devices} devices, {args.rounds} "
-          f"rounds, seeds {' '.join(map(str, args.seeds))}; target ratio <= {TARGET_RATIO}, "
-          f"accuracy >= dense - {TARGET_DROP}")
-    print("| setting | upload ratio | B/update | final accuracy per seed | mean | vs dense (pt) | target |")
-    print("| --- | ---: | ---: | --- | ---: | ---: | --- |")
-    for row in rows:
-        runs = row["runs"]
-        ratio = mean(r["ratio"] for r in runs)
-        acc = mean(r["accuracy"] for r in runs)
-        drop = acc - mean(dense.values())
-        ok = ratio <= TARGET_RATIO and all(r["accuracy"] >= dense[s] - TARGET_DROP for s, r in zip(args.seeds, runs))
-        per_seed = " ".join(f"{r['accuracy']:.4f}" for r in runs)
-        print(f"| {row['setting']} | {ratio:.4f} | {mean(r['bytes_per_update'] for r in runs):,.0f} | {per_seed} | "
-              f"{acc:.4f} | {100 * drop:+.2f} | {'met' if ok else 'no'} |")
+    print_table(rows, args)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=1)
