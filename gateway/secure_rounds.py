@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,39 @@ log = logging.getLogger("edgeflow.gateway.rounds")
 DEFAULT_WEIGHT_CAP = 10_000
 """A client's weight (claimed samples) in a secure round is at most ``[rounds.secagg] weight_cap``, else the
 round's ``max_samples``, else this."""
+
+DEFAULT_COMPACT_CLIP = 4.0
+"""Without a norm bound, the compact fixed point holds weighted values ``(w / weight_cap) * x`` within +-this:
+a client at the full weight cap may send delta coordinates up to 4, one with a tenth of it up to 40; a larger
+value is refused by its client, never clipped. Set ``[rounds.secagg] clip`` (or ``ring_bits = 64``) for models
+whose deltas are larger. Each halving of it is one more fractional bit."""
+
+
+def session_config(num_clients: int, secagg: Mapping[str, Any], max_samples: int | None = None,
+                   strategy_clip: Any = None) -> Any:  # SecAggConfig
+    """The SecAggConfig of a session of ``num_clients`` from ``[rounds] secagg``.
+
+    What the gateway can check: each client's weight at most ``weight_cap`` (else the round's sample cap,
+    else :data:`DEFAULT_WEIGHT_CAP`) and, when configured (``norm_bound``, or a fixed ``strategy_params.clip``),
+    each delta within a norm bound; the server checks the unmasked sum against both. The fixed point: with
+    none of ``ring_bits``, ``frac_bits``, ``clip`` set, the compact encoding (issue 34): a 32-bit ring with as
+    many fractional bits as the sum of ``num_clients`` values within +-``clip`` leaves, ``clip`` =
+    ``max(1, norm_bound)`` with a norm bound (exact: no honest value exceeds it) else
+    :data:`DEFAULT_COMPACT_CLIP`; set any of the three for :meth:`SecAggConfig.for_clients` as before.
+    """
+    from edgeflow.protocol.secagg import SecAggConfig
+
+    opts = dict(secagg)
+    opts.pop("phase_timeout_s", None)
+    frac = float(opts.pop("max_dropout_fraction", 0.3))
+    opts.setdefault("weight_cap", float(max_samples or DEFAULT_WEIGHT_CAP))
+    if "norm_bound" not in opts and isinstance(strategy_clip, (int, float)) and not isinstance(strategy_clip, bool):
+        opts["norm_bound"] = float(strategy_clip)
+    if not {"ring_bits", "frac_bits", "clip"} & set(opts):
+        bound = opts.get("norm_bound")
+        clip = max(1.0, float(bound)) if bound is not None else DEFAULT_COMPACT_CLIP
+        return SecAggConfig.compact(num_clients, frac, clip=clip, **opts)
+    return SecAggConfig.for_clients(num_clients, frac, **opts)
 
 
 class SecureRounds:
@@ -112,21 +146,11 @@ class SecureRounds:
         """
         if not ann.config.secagg:
             return
-        from edgeflow.protocol.secagg import SecAggConfig
-
         from .secagg import SecAggServer
 
-        opts = dict(self.rm.config.secagg or {})
-        opts.pop("phase_timeout_s", None)
-        frac = float(opts.pop("max_dropout_fraction", 0.3))
-        # what the gateway can check: each client's weight at most the round's sample cap, and (when
-        # configured) each delta within a norm bound; the server checks the unmasked sum against both
-        opts.setdefault("weight_cap", float(ann.config.max_samples or DEFAULT_WEIGHT_CAP))
-        clip = self.rm.config.strategy_params.get("clip")
-        if "norm_bound" not in opts and isinstance(clip, (int, float)) and not isinstance(clip, bool):
-            opts["norm_bound"] = float(clip)
-        server = SecAggServer(SecAggConfig.for_clients(len(ann.selected), frac, **opts), self.rm.weights,
-                              round_id=ann.round_id)
+        config = session_config(len(ann.selected), self.rm.config.secagg or {}, ann.config.max_samples,
+                                self.rm.config.strategy_params.get("clip"))
+        server = SecAggServer(config, self.rm.weights, round_id=ann.round_id)
         with self.rm.open.cv:
             self.server = server
             self.seen = {}

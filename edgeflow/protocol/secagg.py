@@ -31,8 +31,10 @@ Z_(2^k) (k = 32 or 64, numpy's wrapping unsigned integers). A client encodes
 ``v = clip(w * x, -clip, clip)`` as ``round(v * 2^f)``; the server decodes the
 sum as a signed integer over 2^f. The config refuses settings where
 ``max_clients * clip * 2^f`` could overflow 2^(k-1). Error per value <=
-2^-(f+1) per client (deterministic rounding). Default: k = 64, f = 32
-(resolution 2.3e-10), clip = 1024. The weight w itself is appended as one
+2^-(f+1) per client (deterministic rounding). This class's default: k = 64,
+f = 32 (resolution 2.3e-10), clip = 1024; :meth:`SecAggConfig.compact` (the
+gateway's default since issue 34): k = 32 and the most f the session's
+client count and clip leave, half the bytes on the wire. The weight w itself is appended as one
 more masked coordinate, so the server also learns ``sum_u w_u`` and can divide.
 
 **Threat model and limits.** Honest-but-curious server and clients, plus
@@ -158,6 +160,25 @@ class SecAggConfig:
         threshold = num_clients - math.floor(max_dropout_fraction * num_clients)
         kwargs.setdefault("max_clients", max(num_clients, 2))
         return cls(threshold=threshold, **kwargs)
+
+    @classmethod
+    def compact(cls, num_clients: int, max_dropout_fraction: float = 0.3, *, clip: float = 16.0,
+                **kwargs) -> SecAggConfig:
+        """:meth:`for_clients` in the narrowest ring that holds the sum: 32 bits, and the most fractional
+        bits ``f`` with ``num_clients * clip * 2^f < 2^31`` (value bits + log2(n) + sign). A masked vector
+        then costs 4 bytes per parameter, half of the 64-bit default. ``clip`` bounds each weighted value:
+        with a ``weight_cap`` a client masks ``(w / cap) * x`` with ``w / cap <= 1``, so ``clip`` must hold
+        the largest coordinate of an honest delta (with ``norm_bound``, ``max(1, norm_bound)`` does);
+        a client whose value exceeds it refuses to send (SecAggError), it is never clipped."""
+        if not (isinstance(clip, (int, float)) and not isinstance(clip, bool) and math.isfinite(clip) and clip > 0):
+            raise ConfigError(f"clip must be a number > 0, got {clip!r}")
+        n = max(int(num_clients), 2)
+        frac = min(math.ceil(31 - math.log2(n * float(clip))) - 1, 30)
+        if frac < 0:
+            raise ConfigError(f"{n} clients with values up to +-{clip:g} do not fit a 32-bit ring; "
+                              "use ring_bits=64 (for_clients) or a smaller clip")
+        return cls.for_clients(num_clients, max_dropout_fraction, ring_bits=32, frac_bits=frac, clip=float(clip),
+                               **kwargs)
 
     @property
     def fixed_point(self) -> FixedPoint:
