@@ -15,7 +15,8 @@ FLAGS: dict[str, tuple[str, type, str]] = {
     "--input-size": ("input_size", int, "real models: digits resized to this square size (default 48)"),
     "--alpha": ("alpha", float, "Dirichlet label skew: smaller = more non-IID (default 0.3)"),
     "--seed": ("seed", int, "fixes data split, device behaviour and sampling (default 0)"),
-    "--codec": ("codec", str, "update codec: dense fp16 int8 topk topk-int8 (default int8)"),
+    "--codec": ("codec", str, "update codec: dense fp16 int8 topk topk-int8 topk-packed, or auto (picks by "
+                "model size; --codec-opt budget=BYTES caps each update) (default int8)"),
     "--strategy": ("strategy", str, "fedavg fedprox fedavgm fedadam fedyogi fedadagrad median trimmed-mean krum "
                    "multi-krum (default fedavg)"),
     "--fraction": ("fraction", float, "share of online devices selected per round (default 1.0)"),
