@@ -26,7 +26,8 @@ def mlp_delta(seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def test_signed_round_trip_keeps_every_field() -> None:
-    t = {"a": np.arange(12, dtype=np.float64).reshape(3, 4), "b": np.ones(5, np.float16), "s": np.array(2.0, np.float32)}
+    t = {"a": np.arange(12, dtype=np.float64).reshape(3, 4), "b": np.ones(5, np.float16),
+         "s": np.array(2.0, np.float32)}
     data = encode_update(t, "topk-packed", round_id=2**40, device_id="pi-7", seq=2**64 - 1, signer=SIGNER, rng=0,
                          metadata={"loss": 0.5, "base_version": 7}, num_samples=64, ratio=1.0, bits=8)
     head = peek_update(data)

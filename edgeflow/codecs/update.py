@@ -159,7 +159,8 @@ def encode_update(
 
     meta_bytes = {1: meta_json, 2: pack_metadata(meta)}
     if len(meta_bytes[2]) > MAX_METADATA:
-        raise _encode_error("too_large", f"metadata is {len(meta_bytes[2])} bytes in binary; keep it under {MAX_METADATA}")
+        msg = f"metadata is {len(meta_bytes[2])} bytes in binary; keep it under {MAX_METADATA}"
+        raise _encode_error("too_large", msg)
     if impl.selector:  # "auto": pick the real codec from the tensors' sizes (edgeflow.codecs.auto)
         impl, options = impl.resolve([x.size for *_, x in flat], options, lambda version: _overhead(
             version, impl.codec_id, round_id, seq, device_id, meta_bytes[version], flat, signer))
