@@ -234,7 +234,8 @@ class NatsTransport:
             last = self._link.last_error
             self.close(flush=False)
             detail = f": {last}" if last else ""
-            raise TransportError(f"could not connect to NATS at {self.url} within {limit} s{detail}")
+            raise TransportError(f"could not connect to NATS at {self.url} within {limit} s{detail}; "
+                                 "is nats-server running there (with -js for JetStream)?")
         return self
 
     def wait_connected(self, timeout: float | None = None) -> bool:

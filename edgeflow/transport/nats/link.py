@@ -201,6 +201,8 @@ class Link:
         self._hold: list[tuple[Callable[[Inbound], None], Inbound]] | None = None
         """While reconnecting: live messages held back until the gap's messages were delivered."""
         self._down_since: float | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        """The sends in flight (cancelled on close)."""
 
     # ---------------------------------------------------------------- threads
 
@@ -336,6 +338,7 @@ class Link:
         await self._drain_pending()
         self._set(up=True)
         self._count("connects")
+        self._count("reconnects")
         self.t._notify(ConnectionEvent(True, False, "reconnected"))
         assert self._wake is not None
         self._wake.set()
@@ -383,14 +386,20 @@ class Link:
                     break
                 self._seq += 1
                 self._inflight[self._seq] = frame  # type: ignore[assignment]
-                asyncio.get_running_loop().create_task(self._send(self._seq, frame, window))  # type: ignore[arg-type]
+                self._tasks.add(asyncio.get_running_loop().create_task(self._send(self._seq, frame, window)))  # type: ignore[arg-type]
 
     async def _send(self, seq: int, frame: NatsFrame, window: asyncio.Semaphore) -> None:
         try:
             ok = await self._publish_frame(frame)
+        except asyncio.CancelledError:  # close(): the frame's delivery fails, its bytes are released
+            if frame.delivery is not None:
+                frame.delivery._fail(TransportError(f"transport closed before {frame.topic} was acknowledged"))
+            self.outbox.release(frame)
+            raise
         finally:
             window.release()
             self._inflight.pop(seq, None)
+            self._tasks.discard(asyncio.current_task())  # type: ignore[arg-type]
         if ok:
             self.outbox.release(frame)
             if frame.delivery is not None:
@@ -402,7 +411,7 @@ class Link:
             self._retry.append((seq, frame))
         if not self._inflight and self._retry:
             self.outbox.push_front([f for _, f in sorted(self._retry, key=lambda x: x[0])])
-            self._count("frames_resent", len(self._retry))
+            self._count("resent_frames", len(self._retry))
             self._retry.clear()
         assert self._wake is not None
         self._wake.set()
@@ -594,14 +603,14 @@ class Link:
             self._wake.set()
         nc = self.nc
         if nc is None:
-            if self._main_task is not None:
-                self._main_task.cancel()
+            await self._cancel_tasks()
             return
         if not abort:
             try:
                 await self.clear_will()
             except TransportError as exc:
                 log.warning("%s: will record not deleted on close (%s): the will may be published", self.t.name, exc)
+        await self._cancel_tasks()
         if abort:
             writer = getattr(getattr(nc, "_transport", None), "_io_writer", None)
             if writer is not None:
@@ -610,8 +619,13 @@ class Link:
             await nc.close()
         except (nats.errors.Error, OSError) as exc:
             log.info("%s: NATS close: %r", self.t.name, exc)
-        if self._main_task is not None:
-            self._main_task.cancel()
+        await self._cancel_tasks()
+
+    async def _cancel_tasks(self) -> None:
+        tasks = [t for t in (*self._tasks, self._main_task) if t is not None and not t.done()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def fail_inflight(self) -> None:
         for frame in list(self._inflight.values()) + [f for _, f in self._retry]:
