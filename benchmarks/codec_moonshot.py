@@ -95,7 +95,7 @@ def overhead_table(model: str) -> None:
     v2 = len(encode_update(zeros, "topk-packed", k=1, **kw))
     names = sum(len(n) for n in shapes)
     json_meta = len(json.dumps(full, separators=(",", ":"), sort_keys=True))
-    print(f"{model}: {len(shapes)} tensors, dense fp32 {dense} B; 0.5% of it = {dense * 0.005:.0f} B per update")
+    print(f"{model}: {len(shapes)} tensors, dense fp32 {dense} B; 0.5% of it = {dense * 0.005:.0f} B per update\n")
     print("| part | version 1 | version 2 |")
     print("| --- | ---: | ---: |")
     print(f"| whole update with one value per tensor (topk-int8 / topk-packed, k=1) | {v1} | {v2} |")
@@ -110,7 +110,7 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     dense = {s: r["accuracy"] for s, r in zip(args.seeds, rows[0]["runs"])}
     print(f"{args.model} ({args.params} values, {4 * args.params} B dense), {args.devices} devices, {args.rounds} "
           f"rounds, seeds {' '.join(map(str, args.seeds))}; target: upload ratio <= {TARGET_RATIO} and final "
-          f"accuracy >= dense's - {TARGET_DROP} on every seed")
+          f"accuracy >= dense's - {TARGET_DROP} on every seed\n")
     print("| setting | upload ratio | B/update | final accuracy per seed | mean | vs dense (pt) | accuracy ok | target |")
     print("| --- | ---: | ---: | --- | ---: | ---: | --- | --- |")
     for row in rows:
