@@ -353,7 +353,9 @@ class NetLoop:
                 # alert (no or bad client certificate) surfaces here rather than as a disconnect.
                 msg = (
                     f"the TLS listener at {url} rejected this client ({exc}); it probably requires a "
-                    "client certificate signed by its CA: set TlsConfig.cert_file and key_file"
+                    "client certificate signed by its CA: connect to a listener that takes passwords (the one "
+                    "`edgeflow broker-config` writes), or give a client certificate and key "
+                    "(TlsConfig(cert_file=..., key_file=...) in Python)"
                 )
                 self._attempt_failed(TransportError(msg), fatal=True)
                 return
@@ -392,6 +394,7 @@ class NetLoop:
             return  # this attempt's outcome is already known
         link.attempt_started = None
         link.last_error = err
+        self._takeovers = 0  # the broker was away (restart, outage): not a client id taken by another connection
         self._count("connect_failures")
         if fatal and not link.ever_connected:
             link.fatal = err
@@ -510,7 +513,9 @@ class NetLoop:
             if tls_refusal:
                 msg = (
                     f"the TLS listener at {url} rejected this client ({detail}); it probably requires a "
-                    "client certificate signed by its CA: set TlsConfig.cert_file and key_file"
+                    "client certificate signed by its CA: connect to a listener that takes passwords (the one "
+                    "`edgeflow broker-config` writes), or give a client certificate and key "
+                    "(TlsConfig(cert_file=..., key_file=...) in Python)"
                 )
                 self._attempt_failed(TransportError(msg), fatal=True)
                 return
