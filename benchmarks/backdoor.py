@@ -40,8 +40,6 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "bulyan": {"strategy": "bulyan", "strategy_params": {"num_byzantine": 1}},
     "multi-krum-weighted": {"strategy": "multi-krum", "strategy_params": {"num_byzantine": 1, "weighted": True}},
     "fedavg-krum": {"strategy": "fedavg-krum", "strategy_params": {"num_byzantine": 1}, "min_clients": 5},
-    "fedavg-krum-project": {"strategy": "fedavg-krum", "strategy_params": {"num_byzantine": 1, "dropped": "project"},
-                            "min_clients": 5},
 }
 TRIGGER = [54, 55, 62, 63]  # the 2x2 bottom-right corner of the 8x8 digit
 

@@ -33,7 +33,9 @@ median norm, claims 3x the robust median claim) and end with the claim-weighted 
 - ``krum-downweight``: the Krum-farthest update (f = 1) counts 0.25 of its claim instead of being dropped;
 - ``residual-project``: the update with the largest share outside the span of the round's other updates and
   the previous round's (its own past excluded: what no one else pushed) enters as its projection onto that
-  span.
+  span;
+- ``krum-project``: fedavg-krum, but the dropped update enters as its projection onto the span of the round's
+  kept updates and the previous round's.
 """
 
 from __future__ import annotations
@@ -202,6 +204,40 @@ class KrumDownweight(_Bounded):
         return x, s
 
 
+def project_onto_span(vector: np.ndarray, basis: list[np.ndarray]) -> np.ndarray:
+    """The least-squares projection of ``vector`` onto the span of the ``basis`` rows (zeros without a basis)."""
+    if not basis:
+        return np.zeros_like(vector)
+    gram = np.array([[float(a @ b) for b in basis] for a in basis])
+    coef = np.linalg.lstsq(gram, np.array([float(a @ vector) for a in basis]), rcond=1e-12)[0]
+    return sum((c * a for c, a in zip(coef, basis)), np.zeros_like(vector))
+
+
+class KrumProject(_Bounded):
+    """fedavg-krum, but the dropped update enters as its projection onto the span of the round's kept updates and
+    the previous round's (what an honest outlier shares with the fleet's recent directions would come in)."""
+
+    name = "krum-project"
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.previous: list[np.ndarray] = []
+
+    def _reduce(self):
+        from edgeflow.gateway.aggregate import krum_scores, pairwise_sq_distances
+
+        raw = np.stack(self._held).astype(np.float64)  # Krum on the updates as sent, as fedavg-krum
+        self.far = int(np.argmax(krum_scores(pairwise_sq_distances(list(raw)), 1)))
+        return super()._reduce()
+
+    def _rule(self, x, s):
+        kept = [x[i] for i in range(len(x)) if i != self.far]
+        x = x.copy()
+        x[self.far] = project_onto_span(x[self.far], kept + self.previous)
+        self.previous = [v.copy() for v in kept]
+        return x, s
+
+
 class ResidualProject(_Bounded):
     name = "residual-project"
     log: list[tuple[list[str], list[float]]] = []
@@ -212,8 +248,6 @@ class ResidualProject(_Bounded):
         self.previous: list[tuple[str, np.ndarray]] = []
 
     def _rule(self, x, s):
-        from edgeflow.gateway.aggregate import project_onto_span
-
         ids = list(self._client_ids)
         proj, share = [], []
         for i in range(len(x)):
@@ -240,6 +274,7 @@ RULES: dict[str, dict[str, Any]] = {
     "noise": {"strategy": "noise", "strategy_params": {"lam": 0.01}},
     "krum-downweight": {"strategy": "krum-downweight", "strategy_params": {"weight": 0.25}},
     "residual-project": {"strategy": "residual-project"},
+    "krum-project": {"strategy": "krum-project", "min_clients": 5},
 }
 
 
@@ -275,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     for cls in (RobustLearningRate, Flame, FLTrust, CenteredClip, CoordinateClip, AdaptiveNoise, KrumDownweight,
-                ResidualProject):
+                ResidualProject, KrumProject):
         strategies.register_aggregator(cls.name, cls)
     backdoor.STRATEGIES.update(RULES)
     if args.shares:
