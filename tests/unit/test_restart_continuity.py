@@ -27,8 +27,7 @@ STRATEGIES = {
     "fedavgm": {"strategy": "fedavgm", "strategy_params": {"server_momentum": 0.9}},
     "fedyogi": {"strategy": "fedyogi", "strategy_params": {"eta": 0.05}},
     "central dp": {"strategy": "fedavg", "dp": {"clip_norm": 1.0, "noise_multiplier": 0.8, "seed": 7}},
-    "fedavg-krum, dropped=project": {"strategy": "fedavg-krum", "min_clients": 5,
-                                     "strategy_params": {"num_byzantine": 1, "dropped": "project"}},
+    "fedavg-krum": {"strategy": "fedavg-krum", "min_clients": 5, "strategy_params": {"num_byzantine": 1}},
 }
 
 
