@@ -156,7 +156,7 @@ class Runtime:
                 f"(weights {self.plan.weights_bytes / 2**20:.1f} MiB, activations peak at node "
                 f"{self.plan.peak_node}) exceeds profile {self.profile.name!r}'s budget of "
                 f"{self.profile.memory_budget_mb} MiB; use a smaller batch, quantize the model, "
-                "or pass allow_over_budget=True (--allow-over-budget) to run anyway",
+                "or pass --allow-over-budget (allow_over_budget=True in Python) to run anyway",
                 planned_bytes=self.plan.peak_bytes,
                 budget_bytes=self.profile.memory_budget_bytes,
             )
