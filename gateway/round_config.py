@@ -84,9 +84,10 @@ class RoundConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     dp: dict[str, Any] | None = None  # {clip_norm, noise_multiplier, delta}
     secagg: dict[str, Any] | None = None  # {max_dropout_fraction, clip, phase_timeout_s}
-    async_buffer: int = 10
+    async_buffer: int = 15  # issue 34: 10 -> 15 and async_server_lr 1.3 (benchmarks/fedbuff.py, docs/aggregation.md)
     staleness: str = "polynomial"
     max_staleness: int | None = 10
+    async_server_lr: float = 1.3  # FedBuff's server learning rate eta_g: each buffer's step times this
     seed: int = 0
     publish_timeout_s: float = 30.0  # wait this long for the broker's ack before logging and waiting on
     fraction_evaluate: float = 0.0
@@ -115,6 +116,8 @@ class RoundConfig:
             problems.append(f"overselect must be >= 1, got {self.overselect}")
         if self.deadline_s <= 0:
             problems.append(f"deadline_s must be > 0, got {self.deadline_s}")
+        if not self.async_server_lr > 0:
+            problems.append(f"async_server_lr must be > 0, got {self.async_server_lr}")
         if self.rounds < 0:
             problems.append(f"rounds must be >= 0, got {self.rounds}")
         if not self.publish_timeout_s > 0:
@@ -151,7 +154,7 @@ class RoundConfig:
     _INTS = ("rounds", "min_clients", "max_extensions", "async_buffer", "seed", "min_evaluate_clients")
     _OPT_INTS = ("max_clients", "max_staleness")
     _NUMBERS = ("fraction", "overselect", "quorum", "deadline_s", "wait_for_devices_s", "publish_timeout_s",
-                "fraction_evaluate")
+                "fraction_evaluate", "async_server_lr")
     _OPT_NUMBERS = ("min_battery", "evaluate_deadline_s")
     _STRINGS = ("mode", "strategy", "staleness")
 
