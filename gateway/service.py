@@ -250,7 +250,7 @@ SCHEMA: dict[str, dict[str, _Rule]] = {
         "strategy": _Rule("strategy", choices=_strategies), "strategy_params": _TABLE, "profiles": _Rule("strlist", optional=True),
         "min_battery": _num(0, 1, optional=True), "wait_for_devices_s": _num(0), "train": _TABLE,
         "dp": _Rule("table", optional=True), "secagg": _Rule("table", optional=True), "async_buffer": _int(1),
-        "staleness": _choice(_staleness), "max_staleness": _int(0, optional=True), "seed": _int(0),
+        "staleness": _choice(_staleness), "max_staleness": _int(0, optional=True), "async_server_lr": _pos(), "seed": _int(0),
         "publish_timeout_s": _pos(), "fraction_evaluate": _num(0, 1), "min_evaluate_clients": _int(1),
         "evaluate_deadline_s": _pos(optional=True),
     },
