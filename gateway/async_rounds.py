@@ -47,11 +47,12 @@ class AsyncRounds:
         """One FedBuff session: ``versions`` new model versions (fewer if the manager stops)."""
         rm = self.rm
         cfg = rm.config
-        buf = BufferedAggregator(rm.strategy, buffer_size=cfg.async_buffer,
-                                 staleness_fn=make_staleness(cfg.staleness), max_staleness=cfg.max_staleness)
-        buf.start(rm.weights, version=rm.version)
         pool = rm.wait_for_pool()
         selected = rm.select(pool)
+        buf = BufferedAggregator(rm.strategy, buffer_size=self.buffer_size(len(selected)),
+                                 staleness_fn=make_staleness(cfg.staleness), max_staleness=cfg.max_staleness,
+                                 server_lr=cfg.async_server_lr)
+        buf.start(rm.weights, version=rm.version)
         round_id = rm.store.last_round_id() + 1
         ann = RoundAnnouncement(round_id=round_id, model_version=rm.version, deadline=time.time() + 1e9,
                                 selected=tuple(selected), config=cfg.train, mode="async", issued=time.time(),
@@ -89,6 +90,15 @@ class AsyncRounds:
         rm.publish_round(rnd.close())
         rm.store.finish_round(round_id, {"versions": len(out)})
         return out
+
+    def buffer_size(self, selected: int) -> int:
+        """K: ``async_buffer``, at most the session's devices (a buffer takes one update per device, so a
+        larger one could only fill by its deadline)."""
+        k = self.rm.config.async_buffer
+        if k > selected >= 1:
+            log.info("async session: async_buffer %d > the %d devices selected; buffers of %d", k, selected, selected)
+            return selected
+        return k
 
     def adopt(self, result: AggregateResult, round_id: int) -> None:
         """Each buffered aggregate becomes a version at once (the session stays open)."""

@@ -5,7 +5,7 @@ received and reports whenever it is done; waiting for the slowest device of a
 synchronous round is what FedBuff (Nguyen et al., AISTATS 2022) avoids. The
 server buffers updates and, every ``buffer_size`` (K) of them, applies
 
-    w <- w + server_step( sum_i n_i s(tau_i) d_i / sum_i n_i )
+    w <- w + eta_g * server_step( sum_i n_i s(tau_i) d_i / sum_i n_i )
 
 where tau_i = current version - the version client i trained from (its
 *staleness*) and s is a decreasing weight (FedAsync, Xie et al. 2019):
@@ -14,6 +14,11 @@ where tau_i = current version - the version client i trained from (its
 * ``polynomial``:   s = (1 + tau)^-a            (FedBuff uses a = 0.5)
 * ``hinge``:        s = 1 if tau <= b else 1 / (a (tau - b) + 1)
 * ``exponential``:  s = exp(-a tau)
+
+``eta_g`` is ``server_lr`` (FedBuff's server learning rate; 1 here, 1.3 in the
+gateway's async sessions, ``[rounds] async_server_lr``): stale updates shrink
+the step (s < 1), and on the digits benchmark (benchmarks/fedbuff.py) a buffer
+of 15 of 20 devices with eta_g = 1.3 ends where synchronous rounds do.
 
 :class:`BufferedAggregator` wraps any :class:`~edgeflow.gateway.aggregation.Aggregator`
 (FedAvg by default; FedAdam & co. give FedBuff with a server optimizer): each
@@ -145,7 +150,8 @@ class BufferedAggregator:
     with the model, echoed in its update). Updates more than
     ``max_staleness`` versions behind are rejected (counted in the next
     result's ``rejected``), as are those claiming a future version.
-    The wrapper replaces the inner aggregator's ``staleness_fn``.
+    The wrapper replaces the inner aggregator's ``staleness_fn``. ``server_lr``
+    multiplies each buffer's step (after the inner aggregator's server optimizer).
 
     One update per device per buffer: a second update from a client already
     in the current buffer is refused (reason ``buffer_duplicate``, counted as
@@ -158,7 +164,8 @@ class BufferedAggregator:
     """
 
     def __init__(self, inner: Aggregator | None = None, *, buffer_size: int = 10,
-                 staleness_fn: StalenessFn | None = None, max_staleness: int | None = None) -> None:
+                 staleness_fn: StalenessFn | None = None, max_staleness: int | None = None,
+                 server_lr: float = 1.0) -> None:
         if inner is None:
             from edgeflow.gateway.strategies import FedAvg
 
@@ -169,8 +176,12 @@ class BufferedAggregator:
             raise ConfigError(f"buffer_size must be an int >= 1, got {buffer_size!r}")
         if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
             raise ConfigError(f"max_staleness must be an int >= 0 or None, got {max_staleness!r}")
+        if isinstance(server_lr, bool) or not isinstance(server_lr, (int, float)) \
+                or not (math.isfinite(server_lr) and server_lr > 0):
+            raise ConfigError(f"server_lr must be a number > 0, got {server_lr!r}")
         self.inner = inner
         self.buffer_size = buffer_size
+        self.server_lr = float(server_lr)
         self.staleness_fn = staleness_fn or polynomial_staleness(0.5)
         self.max_staleness = max_staleness
         inner.staleness_fn = self.staleness_fn
@@ -243,6 +254,20 @@ class BufferedAggregator:
             return None
         return self._flush()
 
+    def _scaled(self, result: AggregateResult) -> AggregateResult:
+        """The step times ``server_lr`` (FedBuff's eta_g), computed in float64 and cast to each tensor's dtype."""
+        assert self._weights is not None and result.weights is not None
+        delta, weights = {}, dict(result.weights)
+        for name, step in result.delta.items():
+            d = np.asarray(step, dtype=np.float64) * self.server_lr
+            old = self._weights[name]
+            weights[name] = (old.astype(np.float64) + d).astype(old.dtype)
+            delta[name] = d.astype(np.asarray(step).dtype)
+        return AggregateResult(
+            round_id=result.round_id, delta=delta, weights=weights, num_clients=result.num_clients,
+            total_samples=result.total_samples, rejected=result.rejected,
+            metrics={**result.metrics, "server_lr": self.server_lr}, client_ids=result.client_ids)
+
     def _flush(self) -> AggregateResult:
         result = self.inner.finish()
         if self._pending_rejections:
@@ -259,6 +284,8 @@ class BufferedAggregator:
             )
             self._pending_rejections = []
         assert result.weights is not None
+        if self.server_lr != 1.0:
+            result = self._scaled(result)
         self._weights = result.weights
         self._version += 1
         self._members = set()

@@ -29,9 +29,21 @@ def test_fedbuff_publishes_a_version_every_k_updates_in_one_session():
 
 
 def test_a_partial_buffer_becomes_a_version_after_the_deadline():
-    """Fewer devices than the buffer holds: after ``deadline_s`` what the buffer has is flushed."""
-    fleet = LoopbackFleet(2, config={"mode": "async", "async_buffer": 5, "rounds": 1, "deadline_s": 1.0})
+    """A straggler keeps the buffer short of K: after ``deadline_s`` what the buffer has is flushed."""
+    fleet = LoopbackFleet(3, config={"mode": "async", "async_buffer": 3, "rounds": 1, "deadline_s": 1.0})
+    fleet.clients[2].delay_s = 30.0  # trains, then sleeps past the deadline
     with fleet:
         v0 = fleet.rounds.version
         (m,) = fleet.rounds.run()
-        assert m.model_version == v0 + 1 and 1 <= m.participants <= 2
+        assert m.model_version == v0 + 1 and m.participants == 2
+
+
+def test_a_buffer_larger_than_the_fleet_holds_every_device_instead_of_waiting_for_the_deadline():
+    """One update per device per buffer: with K above the devices selected a buffer could only fill by its
+    deadline; the session takes K = the devices selected (the default K of 15 on a fleet of 4)."""
+    fleet = LoopbackFleet(4, config={"mode": "async", "rounds": 2, "deadline_s": 60.0})
+    assert fleet.rounds.config.async_buffer == 15
+    with fleet:
+        history = fleet.rounds.run()
+        assert fleet.rounds.async_rounds.buffer_size(4) == 4 and fleet.rounds.async_rounds.buffer_size(20) == 15
+        assert [m.participants for m in history] == [4, 4]
