@@ -35,7 +35,8 @@ median norm, claims 3x the robust median claim) and end with the claim-weighted 
   the previous round's (its own past excluded: what no one else pushed) enters as its projection onto that
   span;
 - ``krum-project``: fedavg-krum, but the dropped update enters as its projection onto the span of the round's
-  kept updates and the previous round's.
+  kept updates and the previous round's;
+- ``krum-after-bound``: fedavg-krum with Krum choosing among the bounded updates instead of the ones as sent.
 """
 
 from __future__ import annotations
@@ -238,6 +239,19 @@ class KrumProject(_Bounded):
         return x, s
 
 
+class KrumAfterBound(_Bounded):
+    """fedavg-krum with the order swapped: Krum chooses among the bounded updates."""
+
+    name = "krum-after-bound"
+
+    def _rule(self, x, s):
+        from edgeflow.gateway.aggregate import krum_scores, pairwise_sq_distances
+
+        s = s.copy()
+        s[int(np.argmax(krum_scores(pairwise_sq_distances(list(x)), 1)))] = 0.0
+        return x, s
+
+
 class ResidualProject(_Bounded):
     name = "residual-project"
     log: list[tuple[list[str], list[float]]] = []
@@ -275,6 +289,7 @@ RULES: dict[str, dict[str, Any]] = {
     "krum-downweight": {"strategy": "krum-downweight", "strategy_params": {"weight": 0.25}},
     "residual-project": {"strategy": "residual-project"},
     "krum-project": {"strategy": "krum-project", "min_clients": 5},
+    "krum-after-bound": {"strategy": "krum-after-bound", "min_clients": 5},
 }
 
 
@@ -310,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     for cls in (RobustLearningRate, Flame, FLTrust, CenteredClip, CoordinateClip, AdaptiveNoise, KrumDownweight,
-                ResidualProject, KrumProject):
+                ResidualProject, KrumProject, KrumAfterBound):
         strategies.register_aggregator(cls.name, cls)
     backdoor.STRATEGIES.update(RULES)
     if args.shares:
