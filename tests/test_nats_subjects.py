@@ -50,3 +50,18 @@ def test_subjects_outside_the_prefix_are_not_topics() -> None:
 def test_bad_filters_are_config_errors(bad: str) -> None:
     with pytest.raises(ConfigError):
         filter_subjects(bad)
+
+
+def test_generated_rights_keep_a_dotted_device_id_inside_its_own_subjects() -> None:
+    """A device id may contain '.', which in a subject would split a level: 'a.b' must get no right on
+    the subjects of device 'a' (level 'b' under it) and the reverse."""
+    from edgeflow.broker.nats import nats_fleet_config
+
+    cfg = nats_fleet_config("lab", {"a": "pa", "a.b": "pab"}, {"gateway": "pg"}, keeper_password="k")
+    assert cfg.may_publish("a.b", topic_subject("edgeflow/lab/a.b/telemetry"))
+    assert not cfg.may_publish("a.b", topic_subject("edgeflow/lab/a/telemetry"))
+    assert not cfg.may_publish("a", topic_subject("edgeflow/lab/a.b/telemetry"))
+    assert not cfg.may_publish("a", "ef.edgeflow.lab.a.b.telemetry")  # the unescaped form is no one's
+    assert cfg.may_publish("gateway", topic_subject("edgeflow/lab/a.b/cmd"))
+    assert not cfg.may_publish("a", topic_subject("edgeflow/lab/a/cmd"))  # commands are the gateway's to write
+    assert not cfg.may_publish("nobody", topic_subject("edgeflow/lab/a/telemetry"))

@@ -273,7 +273,7 @@ class Link:
                 # (bad password, untrusted certificate) for ever; on once connected (options are read per drop)
                 connect_timeout=max(1, int(t.connect_timeout_s)), allow_reconnect=False, max_reconnect_attempts=-1,
                 reconnect_time_wait=1, error_cb=self._on_error, disconnected_cb=self._on_disconnected,
-                reconnected_cb=self._on_reconnected, inbox_prefix=f"_INBOX.{_inbox_token(t.client_id)}",
+                reconnected_cb=self._on_reconnected, inbox_prefix=f"_INBOX.{_inbox_token(t.username or t.client_id)}",
                 ping_interval=20, max_outstanding_pings=3,
             )
         except nats.errors.NoServersError as exc:
