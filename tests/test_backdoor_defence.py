@@ -59,6 +59,20 @@ def test_a_far_update_is_dropped_and_cannot_move_the_mean():
     assert got.clipped == 1
 
 
+def test_krum_chooses_on_the_updates_as_sent_so_a_long_delta_stays_marked():
+    """A poisoner that trains on more data sends a longer delta; bounded first, it would look ordinary
+    (the benchmark's seeds 4 and 5 let 64% and 9% of the backdoor through that way)."""
+    x = _honest(10, seed=11).astype(np.float64)
+    x[0] = x[1:].mean(0) * 6.0  # the fleet's direction, 6x as long: far as sent, central once bounded
+    got = krum_bounded_mean(x, [120] * 10, 1)
+    assert 0 not in got.chosen
+    bounded_first = x.copy()
+    bounded_first[0] *= got.norm_bound / np.linalg.norm(x[0])
+    from edgeflow.gateway.aggregate import krum_select, pairwise_sq_distances
+
+    assert 0 in krum_select(pairwise_sq_distances(list(bounded_first)), 1, 9)  # what the order guards against
+
+
 def test_a_huge_claim_or_a_long_delta_of_a_chosen_update_buys_no_more_than_the_bounds():
     x = _honest(10)
     claims = [120] * 10
