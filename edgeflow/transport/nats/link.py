@@ -504,10 +504,15 @@ class Link:
                 deliver(item)
 
         subs = []
-        for s in subjects:
-            self._denied_subs.discard(s)
-            subs.append(await self.nc.subscribe(s, queue=group or "", cb=on_msg))
-        await self.nc.flush(timeout=max(1, int(self.t.ack_timeout_s)))
+        try:
+            for s in subjects:
+                self._denied_subs.discard(s)
+                subs.append(await self.nc.subscribe(s, queue=group or "", cb=on_msg))
+            await self.nc.flush(timeout=max(1, int(self.t.ack_timeout_s)))
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            await self.unsubscribe(subs)
+            msg = f"subscription to {', '.join(subjects)} not confirmed by the server: {exc!r}"
+            raise TransportError(msg) from None
         denied = [s for s in subjects if s in self._denied_subs]
         if denied:
             for sub in subs:
