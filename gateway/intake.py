@@ -35,8 +35,11 @@ from edgeflow.signing import KeyRing, ReplayGuard
 
 from .store import MAX_SEQ
 
-__all__ = ["CheckedUpdate", "RoundView", "check_evaluation", "check_update", "partial_clients", "refusal",
-           "screen"]
+__all__ = ["CheckedUpdate", "RoundView", "check_evaluation", "check_offer", "check_update", "partial_clients",
+           "refusal", "screen"]
+
+MAX_OFFERED_TENSORS = 4096
+"""The most tensors a device's offer of first parameters may hold (gateway.global_model.MAX_PARAMETERS)."""
 
 
 @dataclass(frozen=True)
@@ -166,3 +169,26 @@ def check_evaluation(payload: bytes, rnd: RoundView | None, sender: str | None, 
         raise refusal("wrong_version", f"the report evaluates v{rep.model_version}, the round asked for "
                                        f"v{rnd.model_version}")
     return rep
+
+
+def check_offer(payload: bytes, *, keyring: KeyRing, device: str, nonce: str, source: str = "") -> dict[str, np.ndarray]:
+    """A device's offer of the first global parameters (Flower's "ask one client for get_parameters"), answering
+    the gateway's signed request (announcement mode "parameters") to exactly this ``device`` with this ``nonce``:
+    signed by that device, bounded finite float tensors (the codecs), at most :data:`MAX_OFFERED_TENSORS`.
+    Refusals are CodecError with a ``reason``, as every update's."""
+    upd = decode_update(payload, verifier=keyring, require_signature=True, source=source)
+    if upd.device_id != device:
+        raise refusal("not_selected", f"parameters offered by {upd.device_id!r}; {device!r} was asked")
+    meta = upd.metadata if isinstance(upd.metadata, dict) else {}
+    if meta.get("round_nonce") != nonce or meta.get("offer") is not True:
+        raise refusal("wrong_round", f"parameters from {device!r} do not answer this request (nonce "
+                                     f"{str(meta.get('round_nonce'))[:16]}, asked {nonce[:16]})")
+    if not upd.tensors or len(upd.tensors) > MAX_OFFERED_TENSORS:
+        raise refusal("bad_metadata", f"{device!r} offered {len(upd.tensors)} tensors; 1 to {MAX_OFFERED_TENSORS}")
+    out = {}
+    for name, arr in upd.tensors.items():
+        a = np.asarray(arr)
+        if a.dtype.kind != "f" or not np.isfinite(a).all():
+            raise refusal("non_finite", f"{device!r} offered {name!r} with non-float or non-finite values")
+        out[name] = a.astype(np.float32)
+    return out

@@ -100,6 +100,7 @@ from .aggregate import weighted_metrics
 from .aggregation import AggregateResult, decode_state, encode_state
 from .async_rounds import AsyncRounds
 from .evaluate_rounds import EvaluateRounds, aggregate_metrics, metric_value
+from .first_parameters import FirstParameters
 from .global_model import classification_metrics, model_weights, model_with_weights
 from .intake import CheckedUpdate, RoundView, check_update, screen
 from .open_round import OpenRound
@@ -197,7 +198,7 @@ class RoundManager:
         fleet: str,
         fleet_key: PrivateKey,
         keyring: KeyRing,
-        model: onnx.ModelProto,
+        model: onnx.ModelProto | None,
         config: RoundConfig,
         candidates: Callable[[], list[Candidate]],
         eval_data: tuple[np.ndarray, np.ndarray] | None = None,
@@ -264,10 +265,18 @@ class RoundManager:
         self._staged: _Staged | None = None
         # global model
         latest = store.latest_model()
-        if latest is None:
+        self.first_parameters = FirstParameters(self)
+        """Asks one device for the first parameters when there is no model yet (gateway/first_parameters.py)."""
+        if latest is None and model is None:
+            if weight_names is not None:
+                raise ConfigError("weight_names need a model; without one the first parameters come from a device")
+            self.version, self.weights = 0, {}  # run() asks a device first (Flower's get_parameters)
+        elif latest is None:
             self.version = store.add_model(model.SerializeToString(), hashlib.sha256(model.SerializeToString()).hexdigest())
             self.weights = model_weights(model)
         else:
+            if model is None:
+                self.base_model = onnx.load_model_from_string(latest[1])
             self.version = latest[0]
             try:
                 self.weights = model_weights(onnx.load_model_from_string(latest[1]))
@@ -649,6 +658,8 @@ class RoundManager:
         """An update arriving on the transport: screened, checked, stored, counted (gateway/intake.py)."""
         info = parse_topic(msg.topic)
         sender = info.device if info else None
+        if self.first_parameters.take(sender, msg.payload):
+            return  # the asked device's offer of first parameters
         try:
             head = peek_update(msg.payload)
         except CodecError as exc:
@@ -718,6 +729,8 @@ class RoundManager:
         rounds are done — counting those a previous gateway process completed,
         and finishing first the round it left open."""
         self.start()
+        if self.base_model is None and not self.first_parameters.adopt():
+            return []  # stopped before a device offered its parameters
         self.publish_model()
         if rounds is None:
             finished = sum(1 for r in self.store.rounds() if r.state == "closed")

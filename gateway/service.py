@@ -488,9 +488,10 @@ def load_eval(path: Path | None) -> tuple[np.ndarray, np.ndarray] | None:
     return ds.x, ds.y
 
 
-def _initial_model(config: GatewayConfig) -> onnx.ModelProto:
+def _initial_model(config: GatewayConfig) -> onnx.ModelProto | None:
     """The first global model: ``[gateway] model`` (ONNX: OTA and on-device inference too) or
-    ``[gateway] initial_parameters`` (an .npz of arrays, for Flower-style apps that bring their own model)."""
+    ``[gateway] initial_parameters`` (an .npz of arrays, for Flower-style apps that bring their own model);
+    None for a flat gateway with neither: its rounds ask one device for its parameters first, as Flower does."""
     mp, pp = config.path(config.model), config.path(config.initial_parameters)
     if mp is not None and pp is not None:
         raise ConfigError("[gateway] model and initial_parameters both give the first global model; keep one "
@@ -500,10 +501,11 @@ def _initial_model(config: GatewayConfig) -> onnx.ModelProto:
 
         what = "[gateway] initial_parameters"
         return parameters_model(load_initial_parameters(pp, what=what), source=f"{what} {pp}")
+    if mp is None and config.role == "flat":
+        return None  # the rounds ask one device for its parameters first (gateway/first_parameters.py)
     if mp is None:
-        raise ConfigError("[gateway] model: the initial global model is needed on first start (an ONNX model; or "
-                          "[gateway] initial_parameters / --initial-parameters FILE.npz for Flower-style apps that "
-                          "bring their own model, docs/flower.md)")
+        raise ConfigError(f"[gateway] model: a {config.role} gateway needs its initial global model on first start (an "
+                          "ONNX model, or [gateway] initial_parameters = FILE.npz for Flower-style apps, docs/flower.md)")
     from edgeflow.runtime.model import load_model
 
     return load_model(mp)
@@ -520,7 +522,7 @@ class Gateway:
         fleet: str,
         fleet_key: PrivateKey,
         keyring: KeyRing,
-        model: onnx.ModelProto,
+        model: onnx.ModelProto | None,
         rounds: RoundConfig,
         fleet_options: FleetOptions | None = None,
         eval_data: tuple[np.ndarray, np.ndarray] | None = None,

@@ -286,3 +286,41 @@ def test_a_list_of_more_than_ten_arrays_keeps_its_positions():
     shuffled = dict(reversed(list(offered.items())))  # the order names arrive in does not matter
     new, n, _ = client.fit(shuffled, {})
     assert n == 3 and all(np.array_equal(new[f"p{i}"], np.full(shapes[i], i + 1)) for i in range(12))
+
+
+def _offer(tensors, metadata, device="d1", signer=None):
+    from edgeflow.codecs import encode_update
+    from edgeflow.signing import Signer
+
+    signer = signer or Signer.generate(device)
+    return signer, encode_update(tensors, "dense", round_id=0, device_id=device, seq=1, signer=signer, num_samples=1,
+                                 metadata=metadata)
+
+
+def test_a_devices_offer_of_first_parameters_is_checked_by_the_intake():
+    """The gateway asks one device for its parameters (no model yet): only that device's signed answer to that
+    request is taken (gateway/intake.py check_offer), each hostile variant refused with its reason."""
+    from edgeflow.errors import CodecError, SignatureError
+    from edgeflow.gateway.intake import check_offer
+    from edgeflow.signing import KeyRing, Signer
+
+    good = {"p0": np.ones((4, 3), np.float32), "p1": np.zeros(3, np.float32)}
+    d1, d2 = Signer.generate("d1"), Signer.generate("d2")
+    ring = KeyRing()
+    ring.register("d1", d1.public_key)
+    ring.register("d2", d2.public_key)
+    ok = {"round_nonce": "abcd", "offer": True}
+    got = check_offer(_offer(good, ok, signer=d1)[1], keyring=ring, device="d1", nonce="abcd")
+    assert set(got) == {"p0", "p1"} and np.array_equal(got["p0"], good["p0"])
+    hostile = [
+        (_offer(good, ok, "d2", d2)[1], "not_selected"),  # another device answers in its place
+        (_offer(good, {**ok, "round_nonce": "ffff"}, signer=d1)[1], "wrong_round"),  # a replay of an older request
+        (_offer(good, {"round_nonce": "abcd"}, signer=d1)[1], "wrong_round"),  # an update, not an offer
+        (_offer(good, ok, signer=Signer.generate("d1"))[1], None),  # d1's name, not d1's key
+        (b"\x00" * 64, None),
+    ]
+    for payload, reason in hostile:
+        with pytest.raises((CodecError, SignatureError)) as e:
+            check_offer(payload, keyring=ring, device="d1", nonce="abcd")
+        if reason is not None:
+            assert getattr(e.value, "reason", None) == reason, str(e.value)

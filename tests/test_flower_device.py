@@ -6,6 +6,7 @@ Also `edgeflow device --app` mistakes as a board's owner meets them: one line, e
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -44,13 +45,8 @@ def fresh_dir() -> Path:
     return work
 
 
-def test_the_boards_block_of_docs_flower_runs_as_written():
-    if find_mosquitto() is None:
-        pytest.skip("mosquitto is not installed")
-    block = boards_block()
-    assert re.search(r"^PORT=8883\b", block, re.M) and re.search(r"^APP=examples/flower_quickstart\b", block, re.M)
-    script = re.sub(r"^PORT=8883\b", f"PORT={free_port()}", block, count=1, flags=re.M)
-    script = re.sub(r"^APP=examples/flower_quickstart\b", f"APP={EXAMPLE}", script, count=1, flags=re.M)
+def run_block(script: str) -> tuple[list[dict], subprocess.CompletedProcess, Path]:
+    """The block run by bash in a fresh directory: the rounds' metrics from the gateway's state."""
     work = fresh_dir()
     wrapped = "set -eu -o pipefail\ntrap 'kill $(jobs -p) 2>/dev/null || true' EXIT\nset -x\n" + script
     (work / "boards.sh").write_text(wrapped)
@@ -65,16 +61,46 @@ def test_the_boards_block_of_docs_flower_runs_as_written():
         rows = db.execute("SELECT round_id, state, metrics FROM rounds ORDER BY round_id").fetchall()
         db.close()
         assert [(r[0], r[1]) for r in rows] == [(1, "closed"), (2, "closed"), (3, "closed")], rows
-        metrics = [json.loads(r[2]) for r in rows]
-        assert all(m["participants"] == 2 for m in metrics), metrics
-        acc = [m["fed_eval_accuracy"] for m in metrics]  # the boards' evaluate, stored per round
-        assert acc[-1] > acc[0] + 0.4, acc
-        assert all(m["fed_eval_partition"] in ("part-0", "part-1") and "fed_eval_above_half" in m for m in metrics)
-        assert all(m["strategy_trimmed_per_side"] == 0.0 for m in metrics), metrics  # the custom strategy ran
         jsonl = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
-        assert [m["fed_eval_accuracy"] for m in jsonl] == acc
+        metrics = [json.loads(r[2]) for r in rows]
+        assert [m["fed_eval_accuracy"] for m in jsonl] == [m["fed_eval_accuracy"] for m in metrics]
+        return metrics, out, work
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def the_block() -> str:
+    if find_mosquitto() is None:
+        pytest.skip("mosquitto is not installed")
+    block = boards_block()
+    assert re.search(r"^PORT=8883\b", block, re.M) and re.search(r"^APP=examples/flower_quickstart\b", block, re.M)
+    script = re.sub(r"^PORT=8883\b", f"PORT={free_port()}", block, count=1, flags=re.M)
+    return re.sub(r"^APP=examples/flower_quickstart\b", f"APP={EXAMPLE}", script, count=1, flags=re.M)
+
+
+def test_the_boards_block_of_docs_flower_runs_as_written():
+    script = the_block()
+    assert "model =" not in script and "initial_parameters" not in script  # the gateway asks a board
+    metrics, out, _ = run_block(script)
+    assert all(m["participants"] == 2 for m in metrics), metrics
+    # round 1 evaluates what a board offered: its own small random init (loss ln 10), model v1
+    assert metrics[0]["fed_eval_loss"] == pytest.approx(math.log(10), abs=0.05), metrics[0]
+    acc = [m["fed_eval_accuracy"] for m in metrics]  # the boards' evaluate, stored per round
+    assert acc[-1] > acc[0] + 0.4, acc
+    assert all(m["fed_eval_partition"] in ("part-0", "part-1") and "fed_eval_above_half" in m for m in metrics)
+    assert all(m["strategy_trimmed_per_side"] == 0.0 for m in metrics), metrics  # the custom strategy ran
+    assert "round 1: model v2," in out.stdout, out.stdout  # v1 = the offered parameters
+
+
+def test_the_gateway_starts_from_initial_parameters_when_given():
+    script = the_block()
+    init = ("python -c \"import numpy as np; b = np.zeros(10, np.float32); b[0] = 30; "
+            "np.savez('init.npz', np.zeros((64, 10), np.float32), b)\"\n")
+    script = script.replace("cp $APP/strategy.py .\n", "cp $APP/strategy.py .\n" + init, 1)
+    script = script.replace('state = "gateway.sqlite"\n', 'state = "gateway.sqlite"\ninitial_parameters = "init.npz"\n', 1)
+    assert script.count("init.npz") == 2
+    metrics, _, _ = run_block(script)
+    assert metrics[0]["fed_eval_loss"] > 20, metrics[0]  # every digit predicted a 0 by the given bias
 
 
 @pytest.fixture(scope="module")

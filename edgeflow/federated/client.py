@@ -491,7 +491,10 @@ class Client:
             ann = self._rounds.get()
             if ann is None:
                 return
-            if ann.mode == "async":
+            if ann.mode == "parameters":
+                if ("parameters", ann.round_id, ann.nonce) not in self._done:
+                    self._offer_parameters(ann)
+            elif ann.mode == "async":
                 self._run_async(ann)
             elif ann.mode == "evaluate":
                 if ("evaluate", ann.round_id, ann.nonce) not in self._done:
@@ -505,6 +508,34 @@ class Client:
                     log.log(logging.DEBUG if self.on_error else logging.WARNING, "device %s: round %d failed: %s",
                             self.device_id, ann.round_id, exc)
                     self._report_error(exc)
+
+    def _offer_parameters(self, ann: RoundAnnouncement) -> None:
+        """The gateway has no model yet and asks this device for its parameters (Flower's get_parameters): send the
+        app's, signed, as a dense update echoing the request's nonce (gateway/first_parameters.py)."""
+        self._done.add(("parameters", ann.round_id, ann.nonce))
+        if self.app is None:
+            log.info("device %s: asked for first parameters, but it trains a deployed model", self.device_id)
+            return
+        try:
+            params = self.app.get_parameters({})
+        except EdgeflowError as exc:
+            self._report_error(exc)
+            return
+        except Exception as exc:  # user code: one line, the gateway asks another device
+            log.warning("device %s: %s.get_parameters raised %s: %s; no parameters offered", self.device_id,
+                        self._app_name(), type(exc).__name__, exc)
+            self._report_error(EdgeflowError(f"{self._app_name()}.get_parameters raised {type(exc).__name__}: {exc}"))
+            return
+        if not params:
+            self._report_error(EdgeflowError(f"{self._app_name()}.get_parameters returned nothing, so this device "
+                                             "cannot offer the first parameters"))
+            return
+        self._seq += 1
+        payload = encode_update({k: np.asarray(v, dtype=np.float32) for k, v in params.items()}, "dense",
+                                round_id=ann.round_id, device_id=self.device_id, seq=self._seq, signer=self.signer,
+                                num_samples=1, metadata={"round_nonce": ann.nonce, "offer": True})
+        self.transport.publish(str(device_topic(self.fleet, self.device_id, "update")), payload, qos=1)
+        log.info("device %s: offered its %d parameters as the first global model", self.device_id, len(params))
 
     def _app_name(self) -> str:
         """The user's class, as messages name it (a Flower-shaped client's own, not its ListClient wrapper)."""
