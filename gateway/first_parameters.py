@@ -100,7 +100,8 @@ class FirstParameters:
                     log.warning("parameters from %s refused (%s): %s", device, getattr(exc, "reason", "invalid"), exc)
                     return None
             if not m.stopping.is_set():
-                log.warning("%s offered no parameters within deadline_s = %g s; asking another device",
+                log.warning("%s offered no parameters within deadline_s = %g s; asking another device (boards "
+                            "running `edgeflow device --app` offer them; an ONNX fleet needs [gateway] model)",
                             device, m.config.deadline_s)
             return None
         finally:

@@ -616,6 +616,10 @@ class Gateway:
         store = GatewayStore(target, telemetry_keep=config.telemetry_keep)
         if store.latest_model() is None:
             model = initial if initial is not None else _initial_model(config)
+            if model is None:
+                log.warning("no [gateway] model nor initial_parameters: before round 1 the gateway asks a board "
+                            "running `edgeflow device --app` for its parameters (docs/flower.md); an ONNX fleet needs "
+                            "[gateway] model")
         else:
             model = onnx.load_model_from_string(store.latest_model()[1])
         site: dict[str, Any] = {}
