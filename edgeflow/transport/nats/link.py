@@ -513,20 +513,28 @@ class Link:
             await self.unsubscribe(subs)
             msg = f"subscription to {', '.join(subjects)} not confirmed by the server: {exc!r}"
             raise TransportError(msg) from None
-        denied = [s for s in subjects if s in self._denied_subs]
-        if denied:
-            for sub in subs:
-                await sub.unsubscribe()
-            msg = f"subscription to NATS subject {denied[0]} refused: not authorized; check this user's subscribe permissions"
-            raise TransportError(msg)
+        await self._refuse_denied(subjects, subs)
         if retained:
-            for s in subjects:
-                for item in await self._retained(s):
-                    deliver(item)
+            try:
+                replay = [item for s in subjects for item in await self._retained(s)]
+            except TransportError:
+                # the server's refusal of the subscription may come after an unrelated PONG ended the
+                # flush above; when it has come by now, it is the reason
+                await self._refuse_denied(subjects, subs)
+                raise
+            for item in replay:
+                deliver(item)
         pending, held = held, None
         for item in pending:
             deliver(item)
         return subs
+
+    async def _refuse_denied(self, subjects: list[str], subs: list[Any]) -> None:
+        denied = [s for s in subjects if s in self._denied_subs]
+        if denied:
+            await self.unsubscribe(subs)
+            msg = f"subscription to NATS subject {denied[0]} refused: not authorized; check this user's subscribe permissions"
+            raise TransportError(msg)
 
     async def _retained(self, subject: str) -> list[Inbound]:
         """The last retained message of every subject matching ``subject`` (empty ones left out)."""
