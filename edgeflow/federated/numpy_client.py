@@ -22,8 +22,11 @@ ONNX model, by name); ``fit`` returns weights with the same names and shapes.
 dict (``epochs``, ``batch_size``, ``lr``, ...) plus ``round_id`` and
 ``model_version``. ``evaluate``, when the subclass defines it, runs on the
 global model before each local training; its loss, example count and metrics
-travel to the gateway in the update's metadata (``eval``). A worked PyTorch
-example: docs/training.md, "Your own training loop".
+travel to the gateway in the update's metadata (``eval``). Metrics are numbers,
+true/false or short text (:func:`clean_metrics`). A worked PyTorch example:
+docs/training.md, "Your own training loop". A Flower-shaped client (parameters as a
+list, no subclassing) is wrapped by :class:`edgeflow.federated.app.ListClient`
+(``edgeflow simulate --app`` / ``edgeflow device --app``, docs/flower.md).
 """
 
 from __future__ import annotations
