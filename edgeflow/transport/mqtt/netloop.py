@@ -52,6 +52,7 @@ from edgeflow.transport.topics import CHUNK_LEVEL, retained_chunks_allowed
 from edgeflow.transport.mqtt.options import (
     FATAL_CONNACK,
     PUBACK_HINTS,
+    LOST_QUIET_S,
     REFUSAL_LIMIT,
     RETRY_RC,
     SESSION_TAKEN_OVER,
@@ -148,6 +149,10 @@ class NetLoop:
         self._connected_at: float | None = None
         self._takeovers = 0
         """Session takeovers in a row (see options.TAKEOVER_LIMIT)."""
+        self._lost_at: float | None = None
+        """monotonic() when an established connection was lost (None: connected)."""
+        self._lost_reason = ""
+        self._lost_warned = False
         self._refusals = 0
         """Refusals no retry can fix (bad password, TLS verification) before the first connection."""
         self.gave_up: TransportError | None = None
@@ -276,6 +281,7 @@ class NetLoop:
                 if self.gave_up is not None:  # no more attempts; close() ends the loop
                     self._idle(0.5)
                     continue
+                self._warn_if_still_lost()
                 if now < link.next_attempt:
                     self._idle(link.next_attempt - now)
                     continue
@@ -408,8 +414,20 @@ class NetLoop:
         delay = self.backoff.next()
         link.next_attempt = time.monotonic() + delay
         link.to(ConnState.BACKING_OFF)
-        level = logging.ERROR if fatal else logging.WARNING
+        level = logging.ERROR if fatal else logging.INFO if self._lost_recently() else logging.WARNING
         log.log(level, "%s: %s (retrying in %.1f s)", self.t.name, err, delay)
+
+    def _lost_recently(self) -> bool:
+        """An established connection is lost and not back yet: its retries are logged at INFO, so a
+        device stopped together with its broker (``kill $(jobs -p)``) stops without warnings; a loss
+        that lasts :data:`LOST_QUIET_S` is warned about once (:meth:`_warn_if_still_lost`), not per retry."""
+        return self._lost_at is not None
+
+    def _warn_if_still_lost(self) -> None:
+        if self._lost_at is not None and not self._lost_warned and time.monotonic() - self._lost_at >= LOST_QUIET_S:
+            self._lost_warned = True
+            log.warning("%s: connection to %s lost %.0f s ago (%s); still reconnecting (last: %s)", self.t.name,
+                        self.t.url, time.monotonic() - self._lost_at, self._lost_reason, self.link.last_error)
 
     def _drop_socket(self, client: paho.Client) -> None:
         """Close the TCP connection without DISCONNECT (paho then reports connection lost)."""
@@ -486,6 +504,7 @@ class NetLoop:
         link.last_error = None
         self._connected_at = time.monotonic()
         self._resubscribe = True
+        self._lost_at = None
         link.to(ConnState.CONNECTED)
         log.info(
             "%s: connected to %s (MQTT %s, session %s)", self.t.name, self.t.url, self.t.protocol_version,
@@ -539,7 +558,8 @@ class NetLoop:
         link.next_attempt = time.monotonic() + delay
         link.last_error = TransportError(f"connection to {url} lost: {fmt_reason(reason)}")
         link.notify()
-        log.warning("%s: connection lost (%s); reconnecting in %.1f s", self.t.name, fmt_reason(reason), delay)
+        self._lost_at, self._lost_reason, self._lost_warned = time.monotonic(), fmt_reason(reason), False
+        log.info("%s: connection lost (%s); reconnecting in %.1f s", self.t.name, fmt_reason(reason), delay)
         self.t._notify(ConnectionEvent(False, False, fmt_reason(reason)))
 
     def _taken_over(self, url: str) -> bool:

@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_MAX_PAYLOAD",
     "FATAL_CONNACK",
     "PUBACK_HINTS",
+    "LOST_QUIET_S",
     "REFUSAL_LIMIT",
     "RETRY_RC",
     "SESSION_TAKEN_OVER",
@@ -50,6 +51,9 @@ PUBACK_HINTS = {
     151: "the broker's quota is exceeded: publish less often",
     153: "the broker rejected the payload format",
 }
+LOST_QUIET_S = 3.0
+"""A lost connection (and its retries) is logged at INFO; if it is still lost after this long, one warning
+says so: a process stopped together with its broker stops quietly, an outage is still a warning."""
 REFUSAL_LIMIT = 3
 """Refusals no retry fixes (bad password, not authorized, TLS verification) before any connection was
 made, after which a transport that connects in the background (``connect(wait=False)``: a device) stops
