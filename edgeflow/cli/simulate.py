@@ -71,7 +71,9 @@ def register(sub) -> None:
         help="federated learning at scale: many devices, faults, attacks, strategies",
         description=description,
         epilog="example (faults and attacks):\n  edgeflow simulate --devices 200 --rounds 30 --codec int8 "
-        "--dropout 0.2 \\\n      --byzantine 0.1 --strategy trimmed-mean --deadline 10\n\n" + hint,
+        "--dropout 0.2 \\\n      --byzantine 0.1 --strategy trimmed-mean --deadline 10\n\n"
+        "example (your Flower-style client, docs/flower.md):\n  edgeflow simulate --app "
+        "examples/flower_quickstart/client_app.py:client_fn --devices 4 --rounds 5\n\n" + hint,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", help="TOML file with any of the settings below (flags override it)")
