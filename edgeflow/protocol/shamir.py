@@ -1,10 +1,16 @@
-"""Shamir t-of-n secret sharing over the prime field GF(2^521 - 1).
+"""Shamir t-of-n secret sharing over the prime field GF(2^256 + 297).
 
 Secure aggregation shares two 32-byte secrets per client (its mask key and
 its self-mask seed) so that the server can finish a round when clients drop
-out. Why this field: 2^521 - 1 is a Mersenne prime larger than any 64-byte
-secret, so a secret is one field element (no chunking) and Python's big
-integers do the arithmetic exactly. A share is 66 bytes.
+out. Why this field: 2^256 + 297 is the smallest prime above 2^256, so any
+32-byte secret is one field element (no chunking), a share is 33 bytes (the
+narrowest that holds the field), and Python's big integers do the arithmetic
+exactly. Secrecy does not depend on the field's size beyond holding the
+secret: fewer than ``threshold`` shares are uniformly distributed whatever
+the secret. (Before issue 34 the field was GF(2^521 - 1) with 66-byte shares:
+every client sends each peer one share pair and answers the unmasking round
+with one share per peer, so the shares were a third of a 20-device round's
+overhead.)
 
 Shamir's scheme gives no integrity: fewer than ``threshold`` shares, or a
 corrupted share, silently reconstruct garbage. :func:`combine_shares`
@@ -22,9 +28,9 @@ from edgeflow.errors import AggregationError, ConfigError
 
 __all__ = ["PRIME", "SHARE_BYTES", "Share", "combine_shares", "split_secret"]
 
-PRIME = (1 << 521) - 1
-SHARE_BYTES = 66
-MAX_SECRET_BYTES = 65
+PRIME = (1 << 256) + 297
+SHARE_BYTES = 33
+MAX_SECRET_BYTES = 32
 
 
 @dataclass(frozen=True)

@@ -72,3 +72,66 @@ def test_a_secure_round_uploads_at_most_1_5x_a_plain_round():
             assert m.participants == 5
             sent[mode] = sum(c.stats.bytes_sent for c in fleet.clients) / 5
     assert sent["secure"] <= 1.5 * sent["plain"], sent
+
+
+# ---- Shamir shares over GF(2^256 + 297): 33 bytes each ----------------------------------------
+
+
+def test_shares_are_33_bytes_and_hostile_ones_are_refused():
+    from edgeflow.errors import AggregationError
+    from edgeflow.protocol.shamir import PRIME, SHARE_BYTES, Share, combine_shares, split_secret
+
+    secret = bytes(range(32))
+    shares = split_secret(b"\xff" * 32, 3, 5)  # the largest secret is a field element
+    assert combine_shares(shares[1:4], 3) == b"\xff" * 32
+    assert SHARE_BYTES == 33 and all(len(s.y_bytes()) == 33 for s in split_secret(secret, 3, 5))
+    with pytest.raises(AggregationError, match="not a field element"):
+        Share.from_y_bytes(1, (PRIME).to_bytes(33, "big"))  # y = p: outside the field
+    with pytest.raises(AggregationError, match="not a field element"):
+        Share.from_y_bytes(1, b"\xff" * 33)
+    with pytest.raises(AggregationError, match="a Shamir share is 33 bytes, got 66"):
+        Share.from_y_bytes(1, b"\x00" * 66)  # a share of the old GF(2^521 - 1) format
+    with pytest.raises(ConfigError, match="at most 32 bytes"):
+        split_secret(b"\x01" * 33, 2, 3)
+
+
+def test_a_20_client_session_uploads_at_most_1_3x_the_dense_update_per_client():
+    """Every message a client sends in a 20-client session (key advert, 19 encrypted share pairs, share check,
+    masked vector, unmask response with 20 shares), sealed as the orchestrators seal them, against 4 bytes per
+    parameter of the demo model. Before issue 34: 2.4x (64-bit ring, 66-byte shares); 32-bit ring alone: 1.40x."""
+    from edgeflow import zoo
+    from edgeflow.federated.secagg_client import SecAggClient
+    from edgeflow.gateway.global_model import model_weights
+    from edgeflow.gateway.secagg import SecAggServer
+    from edgeflow.protocol import secagg_wire as wire
+    from edgeflow.signing import Signer
+
+    layout = model_weights(zoo.digits_mlp(seed=0))
+    dense = 4 * sum(v.size for v in layout.values())
+    server = SecAggServer(session_config(20, {}), layout, round_id=1)
+    clients = [SecAggClient(f"dev{i:03d}") for i in range(20)]
+    signer = Signer.generate("t")
+    sent = {c.client_id: 0 for c in clients}
+
+    def send(msg):
+        sent[msg.client_id] += len(wire.seal(wire.encode(msg), signer))
+        return wire.decode(wire.encode(msg))
+
+    for c in clients:
+        server.receive_advertise(send(c.advertise()))
+    directory = server.key_directory()
+    for c in clients:
+        server.receive_share_keys(send(c.share_keys(directory)))
+    bundles = server.share_bundles()
+    for c in clients:
+        server.receive_share_check(send(c.check_bundle(bundles[c.client_id])))
+    final = server.final_holders()
+    rng = np.random.default_rng(0)
+    for c in clients:
+        update = {k: (0.01 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in layout.items()}
+        server.receive_masked_input(send(c.masked_input(final, update, weight=60.0)))
+    request = server.unmask_request()
+    for c in clients:
+        server.receive_unmask(send(c.unmask(request)))
+    assert server.finish().num_clients == 20
+    assert max(sent.values()) <= 1.3 * dense, (max(sent.values()), dense)
