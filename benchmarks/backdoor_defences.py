@@ -36,7 +36,9 @@ median norm, claims 3x the robust median claim) and end with the claim-weighted 
   span;
 - ``krum-project``: fedavg-krum, but the dropped update enters as its projection onto the span of the round's
   kept updates and the previous round's;
-- ``krum-after-bound``: fedavg-krum with Krum choosing among the bounded updates instead of the ones as sent.
+- ``krum-after-bound``: fedavg-krum with Krum choosing among the bounded updates instead of the ones as sent;
+- ``krum-threshold-1.4`` / ``-1.5``: fedavg-krum that drops the Krum-farthest only when its score is at least
+  1.4x / 1.5x the round's median score.
 """
 
 from __future__ import annotations
@@ -252,6 +254,31 @@ class KrumAfterBound(_Bounded):
         return x, s
 
 
+class KrumThreshold(_Bounded):
+    """fedavg-krum that drops the Krum-farthest update (chosen as sent) only when its score is at least ``t`` x the
+    round's median score (an honest round then keeps every update)."""
+
+    name = "krum-threshold"
+
+    def __init__(self, t: float = 1.4, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.t = t
+
+    def _reduce(self):
+        from edgeflow.gateway.aggregate import krum_scores, pairwise_sq_distances
+
+        scores = krum_scores(pairwise_sq_distances([np.asarray(h, np.float64) for h in self._held]), 1)
+        far = int(np.argmax(scores))
+        self.far = far if scores[far] >= self.t * np.median(scores) else None
+        return super()._reduce()
+
+    def _rule(self, x, s):
+        s = s.copy()
+        if self.far is not None:
+            s[self.far] = 0.0
+        return x, s
+
+
 class ResidualProject(_Bounded):
     name = "residual-project"
     log: list[tuple[list[str], list[float]]] = []
@@ -290,6 +317,8 @@ RULES: dict[str, dict[str, Any]] = {
     "residual-project": {"strategy": "residual-project"},
     "krum-project": {"strategy": "krum-project", "min_clients": 5},
     "krum-after-bound": {"strategy": "krum-after-bound", "min_clients": 5},
+    "krum-threshold-1.4": {"strategy": "krum-threshold", "strategy_params": {"t": 1.4}, "min_clients": 5},
+    "krum-threshold-1.5": {"strategy": "krum-threshold", "strategy_params": {"t": 1.5}, "min_clients": 5},
 }
 
 
@@ -325,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     for cls in (RobustLearningRate, Flame, FLTrust, CenteredClip, CoordinateClip, AdaptiveNoise, KrumDownweight,
-                ResidualProject, KrumProject, KrumAfterBound):
+                ResidualProject, KrumProject, KrumAfterBound, KrumThreshold):
         strategies.register_aggregator(cls.name, cls)
     backdoor.STRATEGIES.update(RULES)
     if args.shares:
