@@ -49,7 +49,7 @@ class Share:
             raise AggregationError(f"a Shamir share is {SHARE_BYTES} bytes, got {len(data)}")
         y = int.from_bytes(data, "big")
         if y >= PRIME:
-            raise AggregationError("a Shamir share is not a field element (value >= 2^521 - 1)")
+            raise AggregationError("a Shamir share is not a field element (value >= p = 2^256 + 297)")
         return cls(x, y)
 
 
