@@ -13,7 +13,8 @@ the seconds until the accuracy first reaches 0.84 (sum of the versions' ``round_
 used; then per async arm the mean over seeds of final - sync's final (points) and time-to-0.84 / sync's.
 
 ``--async K=..,lr=..,a=..,max_staleness=..``: an async arm (``async_buffer``, ``async_server_lr``,
-polynomial staleness exponent, ``max_staleness``); unset keys keep the gateway's defaults. Timings
+staleness exponent: 0 for ``constant`` or 0.5 for ``polynomial``, the two ``[rounds] staleness`` gives,
+``max_staleness`` or ``none``); unset keys keep the gateway's defaults. Timings
 depend on the machine's load (a shared 2-core machine here): compare arms of the same run.
 """
 
@@ -36,6 +37,8 @@ def _arm(spec: str) -> dict[str, Any]:
         if k not in ("K", "lr", "a", "max_staleness"):
             raise SystemExit(f"--async: unknown key {k!r}; use K, lr, a, max_staleness")
         out[k] = None if v == "none" else (int(v) if k in ("K", "max_staleness") else float(v))
+    if out.get("a", 0.5) not in (0.0, 0.5):
+        raise SystemExit("--async: a must be 0 (staleness = \"constant\") or 0.5 (\"polynomial\", FedBuff's)")
     return out
 
 
