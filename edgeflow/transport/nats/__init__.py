@@ -5,8 +5,9 @@
 
 - :mod:`.facade`: :class:`NatsTransport`, the public API (a
   :class:`~edgeflow.transport.base.Transport`);
-- :mod:`.link`: the event-loop thread (nats-py, JetStream streams, sender,
-  subscriptions with retained replay, will records);
+- :mod:`.link`: the event-loop thread (nats-py connection, sender,
+  subscriptions with retained and gap replay, will records);
+- :mod:`.jetstream`: the streams, outgoing frames, headers and properties;
 - :mod:`.dispatch`: the worker thread (duplicate suppression, reassembly,
   handlers in arrival order);
 - :mod:`.subjects`: topics and filters as subjects (pure, no nats-py: the

@@ -37,7 +37,8 @@ from edgeflow.transport.message import (
     check_properties,
 )
 from edgeflow.transport.nats.dispatch import Counters, Dispatcher, HandlerTable, LocalHandler
-from edgeflow.transport.nats.link import Link, NatsFrame
+from edgeflow.transport.nats.jetstream import NatsFrame
+from edgeflow.transport.nats.link import Link
 from edgeflow.transport.nats.subjects import DEFAULT_PREFIX, check_prefix, filter_subjects
 from edgeflow.transport.outbox import Outbox
 from edgeflow.transport.topics import Topic, TopicFilter, chunk_filter, chunk_topic, has_reserved_level, match_filter

@@ -9,7 +9,7 @@ What happens here:
 - connect, with retries and backoff until the first connection; afterwards
   nats-py reconnects by itself and restores the core subscriptions, and
   the connection listeners hear every change;
-- the JetStream streams are made sure of (:func:`ensure_streams`): the
+- the JetStream streams are made sure of (:func:`.jetstream.ensure_streams`): the
   *live* stream (``<prefix>.>``, bounded in age and bytes) gives every QoS 1
   publish a PubAck, the *retained* stream keeps the last message per
   subject, the *wills* stream one record per connected client;
@@ -44,19 +44,19 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import nats
 import nats.errors
 import nats.js.errors
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, DiscardPolicy, StorageType, StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from edgeflow.errors import TransportError
 from edgeflow.transport.backoff import Backoff
 from edgeflow.transport.base import WillSpec
-from edgeflow.transport.message import ConnectionEvent, MessageProperties
+from edgeflow.transport.message import ConnectionEvent
 from edgeflow.transport.nats.dispatch import Dispatcher, Inbound, LocalHandler
+from edgeflow.transport.nats.jetstream import NatsFrame, ensure_streams, headers_in, headers_out
 from edgeflow.transport.nats.subjects import (
     StreamNames,
     encode_level,
@@ -65,9 +65,9 @@ from edgeflow.transport.nats.subjects import (
     topic_subject,
     will_subject,
 )
-from edgeflow.transport.outbox import Frame, Outbox
+from edgeflow.transport.outbox import Outbox
 
-__all__ = ["Link", "NatsFrame", "StreamNames", "ensure_streams", "headers_in", "headers_out"]
+__all__ = ["Link"]
 
 log = logging.getLogger("edgeflow.transport")
 T = TypeVar("T")
@@ -76,70 +76,6 @@ Parts = list[tuple[list[str], "str | None", bool]]
 GAP_MARGIN_S = 10.0
 """How far before the moment a connection dropped the gap replay starts (clocks of client and server differ)."""
 _PERM = re.compile(r'permissions violation for (publish|subscription) to "([^"]+)"', re.IGNORECASE)
-
-
-@dataclass
-class NatsFrame(Frame):
-    """An outbox frame with the id that makes its resends recognisable."""
-
-    msg_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-
-
-async def ensure_streams(js: Any, names: StreamNames, *, live_max_age_s: float, live_max_bytes: int) -> None:
-    """Create the three streams when missing (an existing stream is left as its operator set it)."""
-    p = names.prefix
-    wanted = [
-        StreamConfig(name=names.live, subjects=[f"{p}.>"], max_age=live_max_age_s, max_bytes=live_max_bytes,
-                     discard=DiscardPolicy.OLD, storage=StorageType.FILE, duplicate_window=120.0),
-        StreamConfig(name=names.retained, subjects=[f"{p}_retained.>"], max_msgs_per_subject=1,
-                     storage=StorageType.FILE, duplicate_window=120.0),
-        StreamConfig(name=names.wills, subjects=[f"{p}_will.>"], max_msgs_per_subject=1, storage=StorageType.FILE),
-    ]
-    for cfg in wanted:
-        try:
-            await js.stream_info(cfg.name)
-            continue
-        except nats.js.errors.NotFoundError:
-            pass
-        try:
-            await js.add_stream(cfg)
-        except (nats.js.errors.APIError, nats.errors.TimeoutError, asyncio.TimeoutError) as exc:  # denied: no answer
-            msg = (f"JetStream stream {cfg.name} is missing and this user may not create it ({exc!r}); "
-                   "start the gateway (or any transport with stream rights) once, or create it with the nats CLI")
-            raise TransportError(msg) from None
-
-
-def headers_out(frame: NatsFrame) -> dict[str, str]:
-    h = {"Nats-Msg-Id": frame.msg_id}
-    for key, value in (frame.properties or {}).items():
-        if key == "correlation_data":
-            h["Ef-Correlation-Data"] = base64.b64encode(bytes(value)).decode()
-        elif key == "user_properties":
-            items = value.items() if isinstance(value, dict) else value
-            h["Ef-User-Properties"] = json.dumps({str(k): str(v) for k, v in items})
-        elif key == "message_expiry_s":
-            h["Ef-Message-Expiry"] = str(int(value))
-        else:
-            h["Ef-" + key.replace("_", "-").title()] = str(value)
-    return h
-
-
-def headers_in(headers: dict[str, str] | None) -> MessageProperties:
-    out: MessageProperties = {}
-    if not headers:
-        return out
-    for name, value in headers.items():
-        if name == "Ef-Correlation-Data":
-            out["correlation_data"] = base64.b64decode(value)
-        elif name == "Ef-User-Properties":
-            out["user_properties"] = dict(json.loads(value))
-        elif name == "Ef-Message-Expiry":
-            out["message_expiry_s"] = int(value)
-        elif name == "Ef-Response-Topic":
-            out["response_topic"] = value
-        elif name == "Ef-Content-Type":
-            out["content_type"] = value
-    return out
 
 
 class Owner(Protocol):
