@@ -39,7 +39,7 @@ FLAGS: dict[str, tuple[str, type, str]] = {
     "--stragglers": ("stragglers", float, "share of slow devices (default 0)"),
     "--straggler-delay": ("straggler_delay_s", float, "extra seconds a straggler takes (default 0)"),
     "--mode": ("mode", str, "sync or async (FedBuff) (default sync)"),
-    "--async-buffer": ("async_buffer", int, "async: aggregate every K updates (default 10)"),
+    "--async-buffer": ("async_buffer", int, "async: aggregate every K updates (default 15; at most the devices)"),
     "--app": ("app", str, "FILE.py:client_fn or module:client_fn: each device runs the client your Flower-style "
               "client_fn(context) returns, on its own data (docs/flower.md); --model is then unused"),
     "--initial-parameters": ("initial_parameters", str, "with --app: .npz holding the first global parameters "
