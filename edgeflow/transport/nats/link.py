@@ -138,6 +138,7 @@ class Link:
         """While reconnecting: live messages held back until the gap's messages were delivered."""
         self._down_since: float | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._probing = False
         """The sends in flight (cancelled on close)."""
 
     # ---------------------------------------------------------------- threads
@@ -382,7 +383,26 @@ class Link:
         except (nats.errors.Error, asyncio.TimeoutError, OSError) as exc:
             self._count("ack_timeouts")
             log.debug("%s: no ack for %s (%r); it is sent again", self.t.name, frame.topic, exc)
+            await self._probe()
             return False
+
+    async def _probe(self) -> None:
+        """After an ack timeout: is the server still answering? A silent link (a partition: no FIN,
+        no RST) would otherwise be noticed only by nats-py's pings (minutes) while every frame in the
+        window is resent each ``ack_timeout_s``; with no PONG either, the connection is dropped and
+        remade, and the frames wait in the outbox for it."""
+        if self._probing or self.nc is None or not self.nc.is_connected:
+            return
+        self._probing = True
+        try:
+            await self.nc.flush(timeout=max(1, int(self.t.ack_timeout_s)))
+        except (nats.errors.Error, asyncio.TimeoutError):
+            self._count("stale_connections")
+            log.info("%s: no PONG within %s s after an ack timeout; reconnecting", self.t.name, self.t.ack_timeout_s)
+            await self._on_disconnected()
+            await self.nc.force_reconnect()
+        finally:
+            self._probing = False
 
     # -------------------------------------------------------------- subscribe
 
