@@ -324,3 +324,18 @@ def test_a_devices_offer_of_first_parameters_is_checked_by_the_intake():
             check_offer(payload, keyring=ring, device="d1", nonce="abcd")
         if reason is not None:
             assert getattr(e.value, "reason", None) == reason, str(e.value)
+
+
+def test_federated_evaluate_rounds_aggregate_text_and_boolean_metrics():
+    """fraction_evaluate's reports (gateway/evaluate_rounds.py) take the same metric types as updates."""
+    from edgeflow.gateway.evaluate_rounds import aggregate_evaluations
+    from edgeflow.protocol.rounds import EvaluationReport
+
+    reports = [EvaluationReport(1, "n", 2, 1.0, 10, {"accuracy": 0.5, "site": "north", "ok": True}),
+               EvaluationReport(1, "n", 2, 3.0, 30, {"accuracy": 0.9, "site": "south", "ok": False})]
+    out = aggregate_evaluations(reports)
+    assert out["dist_eval_loss"] == pytest.approx(2.5) and out["dist_eval_accuracy"] == pytest.approx(0.8)
+    assert out["dist_eval_site"] == "south" and out["dist_eval_ok"] == pytest.approx(0.25)
+    signed = EvaluationReport.from_body({"round_id": 1, "nonce": "n", "model_version": 2, "loss": 1.0,
+                                         "num_examples": 3, "metrics": {"site": "north", "ok": True}})
+    assert signed.metrics == {"site": "north", "ok": True}
