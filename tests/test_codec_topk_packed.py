@@ -165,3 +165,32 @@ def test_min_k_keeps_small_tensors_moving() -> None:
     assert np.count_nonzero(floor.tensors["weight"]) == 20  # the ratio's 20 already exceed min_k
     with pytest.raises(CodecError, match="min_k must be an integer >= 1"):
         encode(t, min_k=0)
+
+
+def test_long_sections_decode_block_by_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 16-byte blocks: varints straddle block ends, codes span blocks, padding sits in the last one;
+    # the same bytes must decode the same, and every refusal must still happen
+    import edgeflow.codecs.packing as packing
+
+    rng = np.random.default_rng(5)
+    values = rng.integers(0, 1 << 30, 300, dtype=np.uint64)
+    raw = varint_bytes(values)
+    for bits in (1, 3, 4, 7):
+        codes = rng.integers(0, 1 << bits, 101).astype(np.uint8)
+        packed = pack_bits(codes, bits)
+        monkeypatch.setattr(packing, "BLOCK", 16)
+        got, used = read_varints(memoryview(raw), values.size, "t")
+        assert used == len(raw) and np.array_equal(got, values)
+        assert np.array_equal(unpack_bits(memoryview(packed), 101, bits, "t"), codes)
+        with pytest.raises(CodecError, match="ends inside its varints"):
+            read_varints(memoryview(raw[:-1]), values.size, "t")
+        if (101 * bits) % 8:
+            with pytest.raises(CodecError, match="non-zero padding bits"):
+                unpack_bits(memoryview(packed[:-1] + bytes([packed[-1] | 0x80])), 101, bits, "t")
+        monkeypatch.undo()
+    t = delta(7)
+    monkeypatch.setattr(packing, "BLOCK", 16)
+    state = ErrorFeedback()
+    up = decode_update(encode(t, state, ratio=0.3, bits=3))
+    for n, x in t.items():
+        np.testing.assert_allclose(up.tensors[n].reshape(-1) + state.get(n), x.reshape(-1), atol=1e-5)

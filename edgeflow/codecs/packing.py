@@ -18,10 +18,13 @@ import numpy as np
 
 from edgeflow.codecs.rejects import codec_error
 
-__all__ = ["MAX_VARINT_BYTES", "pack_bits", "read_varints", "unpack_bits", "varint", "varint_bytes"]
+__all__ = ["BLOCK", "MAX_VARINT_BYTES", "pack_bits", "read_varints", "unpack_bits", "varint", "varint_bytes"]
 
 MAX_VARINT_BYTES = 9
 """Longest varint read: 63 bits, more than any element count an envelope may declare."""
+
+BLOCK = 1 << 20
+"""Bytes (varints) or values (bit fields) decoded per step: bounds the temporaries, not the input."""
 
 
 def varint(value: int) -> bytes:
@@ -57,36 +60,48 @@ def varint_bytes(values: np.ndarray) -> bytes:
     return out.tobytes()
 
 
+def _incomplete(what: str, got: int, count: int) -> Exception:
+    msg = (f"{what} ends inside its varints or holds one longer than {MAX_VARINT_BYTES} bytes "
+           f"({got} of {count} complete)")
+    return codec_error("malformed", msg)
+
+
 def read_varints(buf: memoryview, count: int, what: str) -> tuple[np.ndarray, int]:
     """Parse ``count`` varints from the start of ``buf``; return (uint64 values, bytes used).
 
     Refuses a ``count`` larger than ``buf`` could hold (one byte per varint at
-    least) before allocating anything sized by it.
+    least) before allocating anything sized by it, and decodes :data:`BLOCK`
+    bytes at a time, so the temporaries stay a few tens of MB however long
+    the (hostile) input is; the result is 8 bytes per varint.
     """
     if count == 0:
         return np.zeros(0, dtype=np.uint64), 0
     if count > len(buf):
         raise codec_error("malformed", f"{what} declares {count} varints but only {len(buf)} bytes follow")
-    raw = np.frombuffer(buf, dtype=np.uint8, count=min(len(buf), count * MAX_VARINT_BYTES))
-    ends = np.flatnonzero(raw < 0x80)
-    if ends.size < count:
-        msg = (f"{what} ends inside its varints or holds one longer than {MAX_VARINT_BYTES} bytes "
-               f"({ends.size} of {count} complete)")
-        raise codec_error("malformed", msg)
-    ends = ends[:count]
-    used = int(ends[-1]) + 1
-    starts = np.empty(count, dtype=np.int64)
-    starts[0] = 0
-    starts[1:] = ends[:-1] + 1
-    lengths = ends - starts + 1
-    if int(lengths.max()) > MAX_VARINT_BYTES:
-        raise codec_error("malformed", f"{what} holds a varint longer than {MAX_VARINT_BYTES} bytes")
-    body = raw[:used]
-    owner = np.repeat(np.arange(count), lengths)
-    shift = (np.arange(used) - starts[owner]).astype(np.uint64) * np.uint64(7)
-    parts = (body & 0x7F).astype(np.uint64) << shift
-    values = np.add.reduceat(parts, starts)
-    return values, used
+    values = np.empty(count, dtype=np.uint64)
+    got = pos = 0
+    while got < count:
+        raw = np.frombuffer(buf, dtype=np.uint8, count=min(len(buf) - pos, BLOCK), offset=pos)
+        ends = np.flatnonzero(raw < 0x80)[: count - got]
+        if ends.size == 0:
+            raise _incomplete(what, got, count)
+        n = ends.size
+        starts = np.empty(n, dtype=np.int64)
+        starts[0] = 0
+        starts[1:] = ends[:-1] + 1
+        lengths = ends - starts + 1
+        if int(lengths.max()) > MAX_VARINT_BYTES:
+            raise codec_error("malformed", f"{what} holds a varint longer than {MAX_VARINT_BYTES} bytes")
+        used = int(ends[-1]) + 1
+        owner = np.repeat(np.arange(n), lengths)
+        shift = (np.arange(used) - starts[owner]).astype(np.uint64) * np.uint64(7)
+        parts = (raw[:used] & 0x7F).astype(np.uint64) << shift
+        values[got : got + n] = np.add.reduceat(parts, starts)
+        got += n
+        pos += used
+        if got < count and pos >= len(buf):
+            raise _incomplete(what, got, count)
+    return values, pos
 
 
 def pack_bits(u: np.ndarray, bits: int) -> bytes:
@@ -100,16 +115,20 @@ def pack_bits(u: np.ndarray, bits: int) -> bytes:
 
 def unpack_bits(buf: memoryview, count: int, bits: int, what: str) -> np.ndarray:
     """Inverse of :func:`pack_bits`: ``buf`` must be exactly ``ceil(count * bits / 8)`` bytes with
-    zero padding bits; returns ``count`` uint8 values."""
+    zero padding bits; returns ``count`` uint8 values (unpacked :data:`BLOCK` values at a time)."""
     need = (count * bits + 7) // 8
     if len(buf) != need:
         raise codec_error("malformed", f"{what} packs {len(buf)} bytes of values, expected {need} for {count}")
     raw = np.frombuffer(buf, dtype=np.uint8, count=need)
     if bits == 8:
         return raw.copy()
-    flat = np.unpackbits(raw, bitorder="little")
-    if flat[count * bits :].any():
-        raise codec_error("malformed", f"{what} has non-zero padding bits after its values")
-    planes = flat[: count * bits].reshape(count, bits)
+    out = np.empty(count, dtype=np.uint8)
     weights = (1 << np.arange(bits)).astype(np.uint8)
-    return (planes * weights).sum(axis=1, dtype=np.uint16).astype(np.uint8)
+    for first in range(0, count, BLOCK):  # BLOCK is a multiple of 8: every block starts on a byte
+        n = min(BLOCK, count - first)
+        at = first * bits // 8
+        flat = np.unpackbits(raw[at : at + (n * bits + 7) // 8], bitorder="little")
+        if first + n == count and flat[n * bits :].any():
+            raise codec_error("malformed", f"{what} has non-zero padding bits after its values")
+        out[first : first + n] = (flat[: n * bits].reshape(n, bits) * weights).sum(axis=1, dtype=np.uint16)
+    return out
