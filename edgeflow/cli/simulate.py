@@ -308,7 +308,9 @@ def cmd(args) -> int:
     if args.json:
         print(json.dumps({**summary, "ok": not failed, "run_folder": str(out), "report": str(report)}, indent=2))
     else:
-        acc = ("none (no round completed)" if failed else "not reported (no 'accuracy' in the clients' evaluate)"
+        unseen = ("not reported (secure aggregation sends no client metrics)" if cfg.secagg else
+                  "not reported (no 'accuracy' in the clients' evaluate)")
+        acc = ("none (no round completed)" if failed else unseen
                if summary["final_accuracy"] is None else f"{summary['final_accuracy']:.3f}")
         c.print(f"{summary['rounds_completed']} rounds on {cfg.devices} devices in {wall:.1f} s, peak RSS "
                 f"{summary['peak_rss_mb']} MiB; final accuracy {acc}; uploaded "
