@@ -51,3 +51,18 @@ def test_publish_while_offline_queues_and_close_fails_the_delivery() -> None:
     t.close(timeout=1.0)
     with pytest.raises(TransportError, match="closed before"):
         d.wait(1)
+
+
+def test_a_nats_url_without_nats_py_names_the_extra() -> None:
+    """The module made unimportable, as a missing one is: a ConfigError naming the extra, not an ImportError."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['nats'] = None\n"
+            "from edgeflow.errors import ConfigError\n"
+            "from edgeflow.transport.factory import transport_from_url\n"
+            "try:\n    transport_from_url('nats://127.0.0.1:4222')\n"
+            "except ConfigError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "needs nats-py" in out.stdout and "pip install 'edgeflow[nats]'" in out.stdout

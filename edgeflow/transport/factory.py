@@ -36,6 +36,10 @@ _BY_SCHEME: dict[str, str] = {
 }
 
 
+_EXTRAS = {"nats": ("nats-py", "nats")}
+"""Client libraries a transport needs that are not core dependencies: module -> (distribution, extra)."""
+
+
 def register_transport(scheme: str, target: str) -> None:
     """Make URLs with ``scheme`` open ``target`` (``"package.module:Class"``, imported on first use)."""
     if ":" not in target:
@@ -64,7 +68,16 @@ def transport_class(url: str) -> type:
                f"expected one of {', '.join(s + '://' for s in registered_schemes())}")
         raise ConfigError(msg)
     module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError as exc:
+        missing = (exc.name or "").split(".")[0]
+        if missing not in _EXTRAS:
+            raise
+        dist, extra = _EXTRAS[missing]
+        msg = (f"broker URL {url!r} needs {dist}, which is not installed: pip install 'edgeflow[{extra}]' "
+               f"(from a checkout: pip install -e '.[{extra}]')")
+        raise ConfigError(msg) from None
 
 
 def transport_from_url(url: str, **kwargs: Any) -> Transport:
