@@ -34,6 +34,7 @@ import onnx
 from edgeflow.errors import ConfigError, EdgeflowError
 from edgeflow.signing import KeyRing, PrivateKey, PublicKey, Signer
 from edgeflow.transport.base import Transport
+from edgeflow.transport.url import parse_broker_url
 
 from .fleet import FleetManager, FleetOptions
 from .hierarchy import HierarchyOptions, SiteGateway, Uplink, root_manager, site_manager
@@ -597,7 +598,7 @@ class Gateway:
         creds = fd.operator("gateway")
         ca = fd.ca_file()
         kwargs: dict[str, Any] = {}
-        if url.startswith(("mqtts://", "wss://")) and ca is not None:
+        if parse_broker_url(url).tls and ca is not None:  # mqtts://, wss://, NATS tls://
             kwargs["tls"] = TlsConfig(ca_file=str(ca))
         if config.max_payload:
             kwargs["max_payload"] = int(config.max_payload)
@@ -730,7 +731,7 @@ def _site_material(config: GatewayConfig, fd: Any, fleet: str, transport_kwargs:
 
         kw = {k: v for k, v in transport_kwargs.items() if k != "tls"}
         ca = fd.ca_file()
-        if h.uplink.startswith(("mqtts://", "wss://")) and ca is not None:
+        if parse_broker_url(h.uplink).tls and ca is not None:
             kw["tls"] = TlsConfig(ca_file=str(ca))
         out["uplink_transport"] = transport_from_url(
             h.uplink, client_id=creds.get("username", h.site_id), username=creds.get("username"),

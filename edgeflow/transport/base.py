@@ -2,17 +2,20 @@
 
 Everything above the transport (the device agent, the federated client, the
 gateway's rounds, fleet, OTA and ingestion) talks to a :class:`Transport`,
-never to a concrete class. Two implementations exist:
+never to a concrete class (:func:`edgeflow.transport.factory.transport_from_url`
+picks one by the URL's scheme). Three implementations exist:
 
 - :class:`edgeflow.transport.mqtt.MqttTransport`: MQTT over TCP, TLS or
   websockets to a real broker (the only code that imports paho-mqtt);
+- :class:`edgeflow.transport.nats.NatsTransport`: NATS with JetStream
+  (``nats://``, ``tls://``; the only code that imports nats-py; what differs
+  from MQTT is listed in docs/transport.md);
 - :class:`edgeflow.transport.loopback.LoopbackTransport`: an in-process
   broker hub with the MQTT semantics edgeflow relies on, for fast tests
   without a broker (in the spirit of httpx's ``MockTransport``).
 
-The contract, which both keep (tests/unit/test_transport_protocol.py checks
-the signatures, tests/unit/test_loopback.py and the Mosquitto tests the
-behaviour):
+The contract, which all three keep (tests/unit/test_transport_protocol.py checks
+the signatures, tests/test_transport_contract.py the behaviour of each):
 
 - ``publish`` queues a message and returns a :class:`Delivery` at once
   (online or not); ``Delivery.wait`` blocks until the broker acknowledged

@@ -12,10 +12,11 @@ from edgeflow.transport.base import Transport, WillSpec
 from edgeflow.transport.loopback import LoopbackBroker, LoopbackTransport
 from edgeflow.transport.message import Will
 from edgeflow.transport.mqtt import MqttTransport
+from edgeflow.transport.nats import NatsTransport
 
 METHODS = [name for name, value in vars(Transport).items()
            if callable(value) and not name.startswith("_")]
-IMPLEMENTATIONS = [MqttTransport, LoopbackTransport]
+IMPLEMENTATIONS = [MqttTransport, NatsTransport, LoopbackTransport]
 
 
 def test_the_protocol_has_the_methods_edgeflow_uses():
