@@ -472,19 +472,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                  epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="mlp", help="comma-separated: mlp, cnn, finetune (default mlp)")
     ap.add_argument("--alphas", default="0.3,0.1", help="Dirichlet label skews (default 0.3,0.1)")
-    ap.add_argument("--clients", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=0.1)
-    ap.add_argument("--momentum", type=float, default=0.0)
+    ap.add_argument("--clients", type=int, default=20, help="clients (edgeflow: devices), all in every round (default 20)")
+    ap.add_argument("--rounds", type=int, default=30, help="federated rounds (default 30)")
+    ap.add_argument("--epochs", type=int, default=2, help="local epochs per round (default 2)")
+    ap.add_argument("--batch-size", type=int, default=16, help="local batch size (default 16)")
+    ap.add_argument("--lr", type=float, default=0.1, help="local SGD learning rate (default 0.1)")
+    ap.add_argument("--momentum", type=float, default=0.0, help="local SGD momentum (default 0)")
     ap.add_argument("--codecs", default="int8,dense", help="edgeflow codecs to run (default int8,dense)")
     ap.add_argument("--train-mode", default="bias", help="finetune: head or bias (default bias)")
     ap.add_argument("--input-size", type=int, default=48, help="finetune: digits resized to this size (default 48)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--flower-python", default=DEFAULT_FLOWER_PYTHON)
+    ap.add_argument("--seed", type=int, default=0, help="fixes the split, the initial model and the shuffles (default 0)")
+    ap.add_argument("--flower-python", default=DEFAULT_FLOWER_PYTHON,
+                    help=f"an interpreter that imports flwr and ray (default {DEFAULT_FLOWER_PYTHON})")
     ap.add_argument("--ray-cpus", type=int, default=os.cpu_count() or 1, help="CPUs Ray may use (default: all)")
-    ap.add_argument("--out", default="runs/fl_vs_flower")
+    ap.add_argument("--out", default="runs/fl_vs_flower", help="results.json and results.md go here "
+                    "(default runs/fl_vs_flower)")
     ap.add_argument("--svg-dir", help="where the bytes-to-accuracy SVGs go (default --out)")
     ap.add_argument("--sanity-seeds", type=int, default=3,
                     help="seeds of the 1-client/1-round agreement check; 0 skips it (default 3)")
@@ -502,6 +504,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = set(args.models.split(",")) - {"mlp", "cnn", "finetune"}
     if bad:
         ap.error(f"--models: unknown {sorted(bad)}; choose from mlp, cnn, finetune")
+    try:
+        alphas = [float(a) for a in args.alphas.split(",")]
+    except ValueError:
+        ap.error(f"--alphas takes comma-separated numbers, e.g. 0.3,0.1; got {args.alphas!r}")
+    if not all(a > 0 for a in alphas):
+        ap.error(f"--alphas must be > 0 (Dirichlet concentration), got {args.alphas!r}")
+    from edgeflow.codecs import available_codecs
+
+    unknown = [c for c in args.codecs.split(",") if c and c not in available_codecs()]
+    if unknown or not args.codecs.strip(","):
+        ap.error(f"--codecs: unknown {unknown or '(none)'}; choose from {', '.join(available_codecs())}")
+    if args.train_mode not in ("head", "bias"):
+        ap.error(f"--train-mode must be head or bias, got {args.train_mode!r}")
     return args
 
 

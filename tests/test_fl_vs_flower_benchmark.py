@@ -46,6 +46,22 @@ def test_a_missing_flower_venv_is_one_line_that_says_how_to_make_it(tmp_path):
     assert not (tmp_path / "out" / "results.json").exists()
 
 
+@pytest.mark.parametrize("flag, value, says", [
+    ("--codecs", "int8,int9", "--codecs: unknown ['int9']"),
+    ("--alphas", "0.3,x", "--alphas takes comma-separated numbers"),
+    ("--alphas", "0", "--alphas must be > 0"),
+    ("--models", "mlp,resnet", "--models: unknown ['resnet']"),
+    ("--train-mode", "full", "--train-mode must be head or bias"),
+    ("--clients", "0", "--clients must be >= 1"),
+])
+def test_bad_settings_are_one_line_before_anything_runs(tmp_path, flag, value, says):
+    proc = subprocess.run([sys.executable, str(BENCH), flag, value, "--flower-python", str(tmp_path / "none"),
+                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2
+    assert says in proc.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
 def test_an_interpreter_without_flower_is_refused_with_the_fix(tmp_path):
     proc = subprocess.run([sys.executable, str(BENCH), "--flower-python", sys.executable, "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT,
