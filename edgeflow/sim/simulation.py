@@ -142,7 +142,7 @@ def _type_problems(cfg: SimConfig) -> list[str]:
 
 
 def _range_problems(cfg: SimConfig) -> list[str]:
-    from ..codecs import available_codecs
+    from ..codecs import available_codecs, get_codec
     from ..gateway.strategies import available_aggregators
     from ..profiles import list_profiles
 
@@ -191,6 +191,11 @@ def _range_problems(cfg: SimConfig) -> list[str]:
         out.append(f"mode must be 'sync' or 'async', got {cfg.mode!r}")
     if cfg.codec not in available_codecs():
         out.append(f"codec {cfg.codec!r} is unknown; choose one of {', '.join(available_codecs())}")
+    else:  # the options too (ratio=5, budget=40...): every device would fail to encode, round after round
+        try:
+            get_codec(cfg.codec).check_options(dict(cfg.codec_opts))
+        except EdgeflowError as exc:  # CodecError: one line naming the option and what is valid
+            out.append(str(exc))
     if cfg.strategy not in available_aggregators() and ":" not in cfg.strategy:
         out.append(f"strategy {cfg.strategy!r} is unknown; choose one of {', '.join(available_aggregators())}")
     known = set(list_profiles())
