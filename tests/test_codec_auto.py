@@ -68,14 +68,15 @@ def test_a_large_budget_picks_int8_and_a_large_model_goes_sparse_to_fit() -> Non
 def test_the_smallest_budget_the_error_names_works() -> None:
     t = tensors(4096, 64, 2048, 32, 320, 10)
     with pytest.raises(CodecError) as err:
-        send(t, budget=100)
+        send(t, budget=128)
     floor = int(str(err.value).rsplit(" ", 1)[-1])
     assert len(send(t, ErrorFeedback(), budget=floor)) <= floor
 
 
 @pytest.mark.parametrize(("opts", "match"), [
-    ({"budget": 50}, r"a budget of 50 bytes cannot hold this update.*at least \d+"),
-    ({"budget": 0}, "budget must be a whole number of bytes >= 1"),
+    ({"budget": 130}, r"a budget of 130 bytes cannot hold this update.*at least \d+"),
+    ({"budget": 127}, "budget must be a whole number of bytes >= 128"),
+    ({"budget": 0}, "budget must be a whole number of bytes >= 128"),
     ({"budget": 1.5}, "budget must be a whole number"),
     ({"budget": True}, "budget must be a whole number"),
     ({"ratio": 0.1}, "unknown option.*valid options: budget"),

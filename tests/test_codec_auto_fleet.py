@@ -32,3 +32,15 @@ def test_every_auto_update_is_accepted_counted_and_within_its_budget(mosquitto_f
         assert up / (8 * 4) <= max_update
     accuracy = [m.accuracy for m in metrics]
     assert accuracy[-1] > accuracy[0] + 0.15, accuracy  # it learns (10 classes)
+
+
+@pytest.mark.parametrize(("codec", "opts", "match"), [
+    ("auto", {"budget": 40}, "budget must be a whole number of bytes >= 128"),
+    ("topk-packed", {"bits": 12}, "bits must be an integer in 1..8"),
+])
+def test_bad_codec_options_stop_the_simulation_before_it_starts(codec, opts, match) -> None:
+    # before: every device failed to encode, round after round, until the deadline ran out
+    from edgeflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        SimulatedFleet(SimConfig(devices=2, rounds=1, codec=codec, codec_opts=opts), "mqtt://127.0.0.1:9")

@@ -34,6 +34,9 @@ __all__ = ["SMALL_BITS", "SMALL_MODEL", "SMALL_RATIO", "AutoCodec", "choose_code
 SMALL_MODEL = 1 << 16
 """Largest model (values) that auto sends sparse without a budget: 256 KB of fp32."""
 SMALL_RATIO = 0.03
+MIN_BUDGET = 128
+"""Smallest budget accepted when the options are checked (before the model is known): a signed compact
+envelope with one tiny tensor and no metadata is about 100 bytes; the real floor is reported per update."""
 SMALL_BITS = 2
 BUDGET_BITS = 2
 _SECTION_HEAD = 12  # topk-packed: varint k (<= 5 B) + bits + f32 scale, plus the section-length varint
@@ -95,8 +98,10 @@ class AutoCodec(Codec):
         out = super().check_options(options)
         if "budget" in out:
             b = out["budget"]
-            if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-                raise codec_error("bad_option", f"codec 'auto': budget must be a whole number of bytes >= 1, got {b!r}")
+            if isinstance(b, bool) or not isinstance(b, int) or b < MIN_BUDGET:
+                msg = (f"codec 'auto': budget must be a whole number of bytes >= {MIN_BUDGET} (a signed update's "
+                       f"envelope alone is about 100 B), got {b!r}")
+                raise codec_error("bad_option", msg)
         return out
 
     def resolve(self, sizes: Sequence[int], options: dict[str, Any],
