@@ -49,6 +49,12 @@ def test_a_large_model_without_budget_stays_int8() -> None:
     assert up.codec == "int8"
 
 
+def test_many_small_tensors_without_budget_stay_int8() -> None:
+    # a fine-tune of biases: 37 tensors of ~112 values; 3% top-k of each lost accuracy there
+    assert decode_update(send(tensors(*[112] * 37))).codec == "int8"
+    assert decode_update(send(tensors(*[112] * 37), ErrorFeedback(), budget=1_500)).codec == "topk-packed"
+
+
 @pytest.mark.parametrize("budget", [400, 600, 1_000, 3_000])
 def test_a_budget_is_never_exceeded_and_mostly_used(budget: int) -> None:
     t = tensors(4096, 64, 2048, 32, 320, 10)

@@ -9,15 +9,19 @@ names that codec:
   signature) given: ``int8`` if it fits (the most faithful cheap codec),
   else ``topk-packed`` at 2 bits with as many entries as fit. A budget the
   envelope alone exceeds is refused with the smallest budget that would do.
-- no budget, a small model (at most :data:`SMALL_MODEL` values): the
+- no budget, a small model (at most :data:`SMALL_MODEL` values, at least
+  :data:`MIN_MEAN_TENSOR` values per tensor on average): the
   envelope's fixed cost dominates a dense or int8 update, so
   ``topk-packed`` (ratio :data:`SMALL_RATIO`, :data:`SMALL_BITS` bits) with
   error feedback. On the 20-device/30-round digits run (seeds 0-2) it ends
   within 0.5 point of dense's accuracy with 2.0% of dense's bytes, 1/13 of
   int8's (docs/codecs.md, benchmarks/codec_moonshot.py).
-- no budget, a larger model: ``int8``. Sparse updates of large models and
-  fine-tunes were not measured against dense here, so auto does not gamble
-  accuracy on them; ask for ``topk-packed`` or give a budget.
+- no budget, anything else: ``int8``. Sparse updates of large models were
+  not measured against dense here, and on a fine-tune of many small tensors
+  (PP-OCR's MobileNetV3, biases + head: 37 tensors of 112 values on
+  average) 3% top-k ended far below dense (0.416 vs 0.671 after 12 rounds,
+  one seed, docs/codecs.md), so auto does not gamble accuracy on them; ask
+  for ``topk-packed`` or give a budget.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ __all__ = ["SMALL_BITS", "SMALL_MODEL", "SMALL_RATIO", "AutoCodec", "choose_code
 SMALL_MODEL = 1 << 16
 """Largest model (values) that auto sends sparse without a budget: 256 KB of fp32."""
 SMALL_RATIO = 0.03
+MIN_MEAN_TENSOR = 512
+"""Fewest values per tensor, on average, for auto to go sparse without a budget: the digits MLP (1,095) and
+CNN (1,713) held dense's accuracy at 3%; the 37-tensor fine-tune (112) did not."""
 MIN_BUDGET = 128
 """Smallest budget accepted when the options are checked (before the model is known): a signed compact
 envelope with one tiny tensor and no metadata is about 100 bytes; the real floor is reported per update."""
@@ -65,7 +72,7 @@ def choose_codec(sizes: Sequence[int], options: dict[str, Any],
     n = sum(sizes)
     budget = options.get("budget")
     if budget is None:
-        if n <= SMALL_MODEL:
+        if n <= SMALL_MODEL and n >= MIN_MEAN_TENSOR * len(sizes):
             return "topk-packed", {"ratio": SMALL_RATIO, "bits": SMALL_BITS}
         return "int8", {}
     if overhead(get_codec("int8").envelope_version) + n + _INT8_SECTION_HEAD * len(sizes) <= budget:
