@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-__all__ = ["Host", "PgCluster", "TestNet", "netns_unavailable", "pg_cluster", "testnet"]
+__all__ = ["Host", "PgCluster", "TestNet", "Wire", "netns_unavailable", "pg_cluster", "testnet"]
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -150,6 +150,19 @@ class TestNet:
         _ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
         return h
 
+    def wire(self, a: Host, b: Host) -> "Wire":
+        """A direct veth link between two hosts, apart from the bridge (``10.232.K.1`` on ``a``,
+        ``.2`` on ``b``): a WAN link a test can cut (:meth:`Wire.set_up`) while both hosts stay
+        reachable over the bridge. It goes with the namespaces."""
+        ends = (f"efw{self.tag}a"[:15], f"efw{self.tag}b"[:15])
+        ips = (f"10.232.{self.k}.1", f"10.232.{self.k}.2")
+        _ip("link", "add", ends[0], "type", "veth", "peer", "name", ends[1])
+        for host, end, ip in zip((a, b), ends, ips):
+            _ip("link", "set", end, "netns", host.ns)
+            _ip("netns", "exec", host.ns, "ip", "addr", "add", f"{ip}/24", "dev", end)
+            _ip("netns", "exec", host.ns, "ip", "link", "set", end, "up")
+        return Wire(a, b, ips[0], ips[1], ends)
+
     def close(self) -> None:
         """Kill every host's processes, delete the namespaces and the bridge (idempotent)."""
         hosts, self.hosts = list(self.hosts.values()), {}
@@ -160,6 +173,19 @@ class TestNet:
         if self.bridge:
             _ip("link", "del", self.bridge, check=False)
             self.bridge = ""
+
+
+class Wire:
+    """A direct veth link between two hosts (:meth:`TestNet.wire`)."""
+
+    def __init__(self, a: Host, b: Host, a_ip: str, b_ip: str, ends: tuple[str, str]) -> None:
+        self.a, self.b, self.a_ip, self.b_ip, self.ends = a, b, a_ip, b_ip, ends
+
+    def set_up(self, up: bool) -> None:
+        """Bring both ends up or down (down: nothing passes, like a cut cable; TCP connections stay
+        open on both sides until their own timers give up)."""
+        for host, end in ((self.a, self.ends[0]), (self.b, self.ends[1])):
+            _ip("netns", "exec", host.ns, "ip", "link", "set", end, "up" if up else "down")
 
 
 def free_port(host: str) -> int:
