@@ -243,7 +243,8 @@ def summarise(run: dict) -> dict:
             "bytes_up_per_round": round(sum(r.get("bytes_up", 0) for r in rows) / n),
             "bytes_down_per_round": round(sum(r.get("bytes_down", 0) for r in rows) / n),
             "rounds_s": round(rows[-1]["t_s"], 2) if rows else None,
-            "wall_s": run["wall_s"], "peak_rss_mib": run["peak_rss_mib"]}
+            "wall_s": run["wall_s"], "peak_rss_mib": run["peak_rss_mib"],
+            **({"downlink_by_topic": run["downlink_by_topic"]} if "downlink_by_topic" in run else {})}
 
 
 def ratios(edge: dict, flower: dict) -> dict:
