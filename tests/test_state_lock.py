@@ -28,6 +28,8 @@ from _fleet import mlp_bytes
 from _stores import pg_url, store_target  # noqa: F401
 
 from edgeflow.broker.mosquitto import FleetDir
+from edgeflow.gateway.store import parse_store_url
+from edgeflow.transport.mqtt.options import TAKEOVER_SHORT_S
 
 pytestmark = pytest.mark.integration
 CLI = [sys.executable, "-m", "edgeflow"]
@@ -139,3 +141,26 @@ def test_a_gateway_whose_rounds_are_all_done_says_so_and_exits_3(tmp_path, store
     assert out.returncode == 3, (out.returncode, line)
     more = subprocess.run(argv + ["--rounds", "0"], capture_output=True, text=True, timeout=60)
     assert more.returncode == 0, more.stderr  # asking for it explicitly is not a mistake
+
+
+def test_two_gateways_of_one_fleet_on_two_states_the_second_stops_naming_the_client_id(tmp_path,
+                                                                                       mosquitto_factory):  # noqa: F811
+    """The lease cannot see this one (two states), the broker can: both connect as <fleet>-gateway and
+    take the session from each other, until the newcomer's transport gives up (ClientIdTakenError)."""
+    broker = mosquitto_factory()
+    argv = _setup(tmp_path, parse_store_url(str(tmp_path / "a.sqlite")), broker)
+    first = _Serving(argv)
+    try:
+        first.wait_up()
+        time.sleep(TAKEOVER_SHORT_S + 1)  # a gateway that ran that long keeps its session; the newcomer stops
+        (tmp_path / "gw2.toml").write_text((tmp_path / "gw.toml").read_text().replace("a.sqlite", "b.sqlite"))
+        second = subprocess.run([a if a != str(tmp_path / "gw.toml") else str(tmp_path / "gw2.toml") for a in argv]
+                                + ["--rounds", "0", "--serve"], capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr
+        last = second.stderr.strip().splitlines()[-1]
+        assert last.startswith("edgeflow gateway: error: client id 'lab-gateway' is in use by another connection"), \
+            second.stderr
+        assert first.proc.poll() is None, "the first gateway keeps running"
+    finally:
+        first.stop()
+    assert first.proc.returncode == 0, first.proc.stderr.read()

@@ -154,6 +154,7 @@ def cmd(args) -> int:
         if listen:
             web = WebServer(gw, listen, what="--http" if args.http else "[http] listen", **web_kw).start()
             _say(args, c, f"dashboard {web.url}  metrics {web.url}metrics")
+        _stop_when_transport_gives_up(gw)
         gw.start()
         if not args.json:
             c.print(f"gateway for fleet {gw.fleet_id} on {getattr(gw.transport, 'url', gw.transport)}: "
@@ -170,7 +171,28 @@ def cmd(args) -> int:
             web.stop()
         gw.stop()
         lease.release()
+    gave_up = getattr(gw.transport, "gave_up", None)
+    if gave_up is not None:  # e.g. another gateway process uses this client id: its one line, exit 2
+        raise gave_up
     return rc
+
+
+def _stop_when_transport_gives_up(gw) -> None:
+    """Stop the gateway (from a thread of its own, not the transport's) once its transport stopped
+    reconnecting for good, e.g. because another gateway of the fleet took its client id."""
+    import threading
+
+    def stop() -> None:
+        gw.transport.close(timeout=1.0, flush=False)  # nothing more goes out: stop() does not wait on the broker
+        gw.stop()
+
+    def on_event(event) -> None:  # noqa: ARG001 - the transport's state says what happened
+        if getattr(gw.transport, "gave_up", None) is not None:
+            threading.Thread(target=stop, name="edgeflow-gateway-gave-up", daemon=True).start()
+
+    add = getattr(gw.transport, "add_connection_listener", None)
+    if add is not None:
+        add(on_event)
 
 
 ROUNDS_DONE = 3
