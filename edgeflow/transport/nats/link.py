@@ -380,6 +380,12 @@ class Link:
             if frame.delivery is not None:
                 frame.delivery._fail(TransportError(f"publish to {frame.topic}: {exc}; lower max_payload"))
             return False
+        except nats.js.errors.NoStreamResponseError:  # what js.publish raises for "no responders" (not the above)
+            # nothing captures the subject right now (a leaf node's uplink is down: the hub's stream is out of
+            # reach); the server answered at once, so without a pause this would resend thousands of times a second
+            self._count("no_stream_retries")
+            await asyncio.sleep(min(1.0, self.t.ack_timeout_s))
+            return False
         except (nats.errors.Error, asyncio.TimeoutError, OSError) as exc:
             self._count("ack_timeouts")
             log.debug("%s: no ack for %s (%r); it is sent again", self.t.name, frame.topic, exc)
