@@ -28,13 +28,25 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from urllib.parse import quote
 
 from edgeflow.broker.mosquitto import OPERATORS, operator_namespace
 from edgeflow.errors import ConfigError
 from edgeflow.transport.nats.subjects import DEFAULT_PREFIX, StreamNames, encode_level, topic_subject
 from edgeflow.transport.topics import DEVICE_CHANNEL_SPECS, GATEWAY, GATEWAY_CHANNEL_SPECS, validate_id
 
-__all__ = ["NatsFleetConfig", "NatsTls", "nats_fleet_config", "subject_matches"]
+__all__ = [
+    "DEFAULT_LEAF_PORT",
+    "UPLINK_ACCOUNT",
+    "NatsFleetConfig",
+    "NatsTls",
+    "jetstream_domain",
+    "nats_fleet_config",
+    "nats_hub_leafnodes",
+    "nats_jetstream_block",
+    "nats_site_config",
+    "subject_matches",
+]
 
 SYSTEM_ACCOUNT = "SYS"
 KEEPER_USER = "will-keeper"
@@ -95,7 +107,7 @@ def _wild(topic: str, prefix: str) -> str:
     return ".".join([prefix, *("*" if x == "+" else encode_level(x) for x in topic.split("/"))])
 
 
-def _device_permissions(fleet: str, device: str, prefix: str) -> tuple[list[str], list[str]]:
+def _device_permissions(fleet: str, device: str, prefix: str, api: str = "$JS.API") -> tuple[list[str], list[str]]:
     names = StreamNames(prefix)
     own_w = [s for s in DEVICE_CHANNEL_SPECS if s.writer == "device"]
     own_r = [s for s in DEVICE_CHANNEL_SPECS if s.writer != "device"]
@@ -106,7 +118,6 @@ def _device_permissions(fleet: str, device: str, prefix: str) -> tuple[list[str]
     # the retained store is read like the live subjects (MQTT's ACL read covers retained messages too)
     readable_ret = [f"{prefix}_retained." + s.split(".", 1)[1] for s in readable_live]
     del sub_ret, gw_ret
-    api = "$JS.API"
     publish = pub_live + pub_ret + [
         f"{prefix}_will.{encode_level(device)}",
         f"{api}.INFO", f"{api}.STREAM.INFO.{names.live}", f"{api}.STREAM.INFO.{names.retained}",
@@ -120,33 +131,30 @@ def _device_permissions(fleet: str, device: str, prefix: str) -> tuple[list[str]
     return publish, subscribe
 
 
-def nats_fleet_config(
-    fleet: str,
-    devices: Mapping[str, str],
-    operators: Mapping[str, str],
-    *,
-    keeper_password: str,
-    prefix: str = DEFAULT_PREFIX,
-    tls: NatsTls | None = None,
-    max_payload: int | None = None,
-) -> NatsFleetConfig:
-    """The accounts/users block of a nats-server config for ``fleet`` (append to ``jetstream``/``port``).
+def _fleet_account(fleet: str, devices: Mapping[str, str], operators: Mapping[str, str], prefix: str,
+                   sites: Mapping[str, str] | None = None,
+                   hub_domain: str = "") -> tuple[str, list[str], dict[str, tuple[str, ...]]]:
+    """(account name, the account block's lines, user -> publish allow list) of ``fleet``.
 
-    ``devices`` and ``operators`` map user names to passwords (nats-server also takes bcrypt hashes
-    there: ``nats server passwd``). A device id in the operators' name space is refused, as in
-    :func:`~edgeflow.broker.mosquitto.fleet_acl`.
+    ``sites``: leaf users, a device's rights with the JetStream API under ``$JS.<hub_domain>.API``
+    (the subject a site's uplink account maps its API calls to).
     """
     validate_id(fleet, "fleet id")
     owned = operator_namespace(list(operators) or list(OPERATORS))
     publish: dict[str, tuple[str, ...]] = {}
     users: list[str] = []
-    for dev in sorted(devices):
-        validate_id(dev, "device id")
+    sites = sites or {}
+    for dev in sorted({*devices, *sites}):
+        validate_id(dev, "device id" if dev in devices else "site id")
         if owned(dev):
             raise ConfigError(f"device id {dev!r} is in the operators' name space; provision the board under another id")
-        pub, sub = _device_permissions(fleet, dev, prefix)
+        if dev in devices and dev in sites:
+            raise ConfigError(f"{dev!r} is both a device and a site; give each its own id")
+        api = f"$JS.{hub_domain}.API" if dev in sites else "$JS.API"
+        pub, sub = _device_permissions(fleet, dev, prefix, api)
         publish[dev] = tuple(pub)
-        users.append(f"      {{user: {json.dumps(dev)}, password: {json.dumps(devices[dev])}, "
+        password = devices[dev] if dev in devices else sites[dev]
+        users.append(f"      {{user: {json.dumps(dev)}, password: {json.dumps(password)}, "
                      f"permissions: {{publish: {{allow: {_q(pub)}}}, subscribe: {{allow: {_q(sub)}}}}}}}")
     root = topic_subject(f"edgeflow/{fleet}", prefix)
     rroot = topic_subject(f"edgeflow/{fleet}", f"{prefix}_retained")
@@ -157,20 +165,155 @@ def nats_fleet_config(
         users.append(f"      {{user: {json.dumps(op)}, password: {json.dumps(operators[op])}, "
                      f"permissions: {{publish: {{allow: {_q(pub)}}}, subscribe: {{allow: {_q(sub)}}}}}}}")
     account = fleet.upper().replace(".", "_").replace("-", "_")
-    lines = [f"# edgeflow fleet {fleet}: generated by edgeflow.broker.nats; do not edit by hand",
-             "accounts {",
-             f"  {account}: {{",
+    lines = [f"  {account}: {{",
              "    jetstream: enabled",
              "    users: [",
              ",\n".join(users),
              "    ]",
-             "  }",
-             f"  {SYSTEM_ACCOUNT}: {{ users: [ {{user: {json.dumps(KEEPER_USER)}, password: {json.dumps(keeper_password)}}} ] }}",
-             "}",
+             "  }"]
+    return account, lines, publish
+
+
+def _system_account(keeper_password: str) -> list[str]:
+    return [f"  {SYSTEM_ACCOUNT}: {{ users: [ {{user: {json.dumps(KEEPER_USER)}, "
+            f"password: {json.dumps(keeper_password)}}} ] }}"]
+
+
+def _tls_block(name: str, tls: NatsTls, indent: str = "") -> list[str]:
+    return [f"{indent}{name} {{", f"{indent}  cert_file: {json.dumps(tls.certfile)}",
+            f"{indent}  key_file: {json.dumps(tls.keyfile)}", f"{indent}  ca_file: {json.dumps(tls.cafile)}",
+            f"{indent}  verify: {'true' if tls.verify_clients else 'false'}", f"{indent}}}"]
+
+
+def nats_fleet_config(
+    fleet: str,
+    devices: Mapping[str, str],
+    operators: Mapping[str, str],
+    *,
+    keeper_password: str,
+    prefix: str = DEFAULT_PREFIX,
+    tls: NatsTls | None = None,
+    max_payload: int | None = None,
+    sites: Mapping[str, str] | None = None,
+    hub_domain: str = "hub",
+) -> NatsFleetConfig:
+    """The accounts/users block of a nats-server config for ``fleet`` (append to ``jetstream``/``port``).
+
+    ``devices`` and ``operators`` map user names to passwords (nats-server also takes bcrypt hashes
+    there: ``nats server passwd``). A device id in the operators' name space is refused, as in
+    :func:`~edgeflow.broker.mosquitto.fleet_acl`. ``sites``: on a hub, the sites' leaf users
+    (:func:`nats_hub_leafnodes`); ``hub_domain``: this server's JetStream domain then.
+    """
+    _, account, publish = _fleet_account(fleet, devices, operators, prefix, sites, hub_domain)
+    lines = [f"# edgeflow fleet {fleet}: generated by edgeflow.broker.nats; do not edit by hand",
+             "accounts {", *account, *_system_account(keeper_password), "}",
              f"system_account: {SYSTEM_ACCOUNT}"]
     if max_payload:
         lines.append(f"max_payload: {int(max_payload)}")
     if tls is not None:
-        lines += ["tls {", f"  cert_file: {json.dumps(tls.certfile)}", f"  key_file: {json.dumps(tls.keyfile)}",
-                  f"  ca_file: {json.dumps(tls.cafile)}", f"  verify: {'true' if tls.verify_clients else 'false'}", "}"]
+        lines += _tls_block("tls", tls)
+    return NatsFleetConfig("\n".join(lines) + "\n", publish)
+
+
+# ------------------------------------------------------------------ leaf nodes
+
+UPLINK_ACCOUNT = "UPLINK"
+DEFAULT_LEAF_PORT = 7422
+HUB_DOMAIN = "hub"
+
+
+def jetstream_domain(site_id: str) -> str:
+    """The JetStream domain of a site's leaf server: its streams live there, apart from the hub's."""
+    validate_id(site_id, "site id")
+    return site_id.replace(".", "_")
+
+
+def nats_jetstream_block(store_dir: str, domain: str | None = None) -> str:
+    """``jetstream { store_dir, domain }``: the hub's domain (``hub``) or a site's (:func:`jetstream_domain`)."""
+    if domain is not None and (not domain or not all(c.isalnum() or c in "_-" for c in domain)):
+        raise ConfigError(f"JetStream domain {domain!r} must be letters, digits, '_' or '-'")
+    inner = f"store_dir: {json.dumps(store_dir)}" + (f", domain: {json.dumps(domain)}" if domain else "")
+    return f"jetstream {{ {inner} }}\n"
+
+
+def nats_hub_leafnodes(*, port: int = DEFAULT_LEAF_PORT, host: str = "0.0.0.0", tls: NatsTls | None = None) -> str:
+    """The hub's ``leafnodes`` block (append to its :func:`nats_fleet_config` text).
+
+    No ``authorization`` block of its own: a site's leaf connection logs in as the site's user in
+    the fleet account, made like any device's (pass the site among ``devices`` to
+    :func:`nats_fleet_config`; ``edgeflow fleet provision <site>``: a site is a device of the
+    root). nats-server then applies that user's permissions to the leaf connection: what it may
+    publish is what the site may send into the hub (its own ``update``/``telemetry``/... subjects,
+    its will record, the few JetStream API calls), what it may subscribe to is what the hub lets
+    through to the site (the gateway's channels, the site's own commands, replies to its inbox).
+    """
+    if not 0 < int(port) < 65536:
+        raise ConfigError(f"leaf node port must be in 1..65535, got {port}")
+    lines = ["leafnodes {", f"  host: {json.dumps(host)}", f"  port: {int(port)}"]
+    if tls is not None:
+        lines += _tls_block("tls", tls, "  ")
+    return "\n".join([*lines, "}"]) + "\n"
+
+
+def nats_site_config(
+    fleet: str,
+    site_id: str,
+    devices: Mapping[str, str],
+    operators: Mapping[str, str],
+    *,
+    keeper_password: str,
+    uplink_password: str,
+    hub_host: str,
+    hub_password: str,
+    hub_port: int = DEFAULT_LEAF_PORT,
+    hub_ca: str | None = None,
+    hub_domain: str = HUB_DOMAIN,
+    prefix: str = DEFAULT_PREFIX,
+    tls: NatsTls | None = None,
+) -> NatsFleetConfig:
+    """A site's leaf nats-server: the site's fleet account local, an uplink account bridged to the hub.
+
+    Two accounts, the NATS form of the Mosquitto bridge's ``_uplink`` prefix
+    (:mod:`edgeflow.broker.bridge`):
+
+    - the fleet account (``devices`` and the site gateway among ``operators``) with JetStream
+      enabled here: its streams live in this server's domain (:func:`jetstream_domain`, give
+      :func:`nats_jetstream_block` the same site id), so devices and the site gateway keep
+      publishing, acknowledging and replaying while the uplink is down. It is not bridged: the
+      site gateway's own ``gateway/round`` and ``gateway/model`` never meet the root's;
+    - ``UPLINK``: one user, named like the site (the site gateway's uplink transport connects
+      here with ``client_id=<site>``), without JetStream of its own, bound by the leaf ``remotes``
+      entry to the hub's fleet account as the site's user there (``hub_password``). Its JetStream
+      requests therefore go to the hub: a partial is acknowledged only once the hub's stream holds
+      it; while the uplink is down the transport keeps it and sends it again (same
+      ``Nats-Msg-Id``) when the leaf connection is back.
+
+    ``hub_ca``: the fleet CA when the hub's leaf port has TLS (:func:`nats_hub_leafnodes` with
+    ``tls``); ``tls``: this server's own client-facing TLS.
+    """
+    validate_id(site_id, "site id")
+    if site_id == GATEWAY:
+        raise ConfigError(f"site id {GATEWAY!r} is reserved")
+    if site_id in devices or site_id in operators:
+        raise ConfigError(f"site id {site_id!r} is also a device or operator of the site; the uplink user needs it")
+    if not hub_host or any(c in hub_host for c in " \t\r\n/@:"):
+        raise ConfigError(f"hub host {hub_host!r} is not a host name")
+    if not 0 < int(hub_port) < 65536:
+        raise ConfigError(f"hub leaf node port must be in 1..65535, got {hub_port}")
+    _, account, publish = _fleet_account(fleet, devices, operators, prefix)
+    uplink = [f"  {UPLINK_ACCOUNT}: {{ users: [ {{user: {json.dumps(site_id)}, "
+              f"password: {json.dumps(uplink_password)}}} ],",
+              f"    mappings: {{ \"$JS.API.>\": {json.dumps(f'$JS.{hub_domain}.API.>')} }} }}"]
+    url = f"nats-leaf://{quote(site_id, safe='')}:{quote(hub_password, safe='')}@{hub_host}:{int(hub_port)}"
+    remote = [f"    {{ url: {json.dumps(url)}, account: {UPLINK_ACCOUNT}"]
+    if hub_ca is not None:
+        remote[0] += f", tls: {{ ca_file: {json.dumps(hub_ca)} }}"
+    remote[0] += " }"
+    lines = [f"# edgeflow fleet {fleet}, site {site_id}: leaf node of the hub {hub_host}:{int(hub_port)};",
+             "# generated by edgeflow.broker.nats; regenerate instead of editing",
+             "accounts {", *account, *uplink, *_system_account(keeper_password), "}",
+             f"system_account: {SYSTEM_ACCOUNT}",
+             "leafnodes {", "  reconnect: 1", "  remotes = [", *remote, "  ]", "}"]
+    if tls is not None:
+        lines += _tls_block("tls", tls)
     return NatsFleetConfig("\n".join(lines) + "\n", publish)

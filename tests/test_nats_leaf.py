@@ -1,0 +1,344 @@
+"""A site's leaf nats-server bridged to a hub (config from edgeflow/broker/nats.py), and a 30 s uplink cut.
+
+- The generated configs, checked on their text, with the hostile inputs themselves (a password
+  that would move the leaf URL's host, a site id that is a device's, a host with a path).
+- On real servers on loopback: the site's uplink reaches the hub's JetStream (a partial is
+  acknowledged by the hub's stream), and may not write another site's subjects there.
+- In network namespaces (tests/_netns.py): the hub's nats-server on one host, the site's leaf
+  server on another, joined by a direct veth link (the WAN) besides the test bridge (the LAN
+  the devices and both gateways reach their servers over). The site runs rounds with its
+  devices (announce, each device answers with its update, the site sends one partial up per
+  round); the WAN link goes down for 30 s; the site keeps running rounds; after the link is
+  back the hub holds every round's partial once.
+
+Run: ``python -m pytest -q tests/test_nats_leaf.py`` (root and ``ip netns`` for the partition
+test; it skips with the reason otherwise). ``-s`` prints the measured figures.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import subprocess
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("nats", reason="nats-py is not installed (pip install -e '.[nats]')")
+
+from _brokers import Inbox, stays, wait_until  # noqa: E402
+from _netns import testnet  # noqa: E402, F401
+from edgeflow.broker.nats import (  # noqa: E402
+    UPLINK_ACCOUNT,
+    NatsTls,
+    jetstream_domain,
+    nats_fleet_config,
+    nats_hub_leafnodes,
+    nats_jetstream_block,
+    nats_site_config,
+)
+from edgeflow.errors import ConfigError, TransportError  # noqa: E402
+from edgeflow.transport.broker import find_nats_server, free_port, wait_for_port  # noqa: E402
+from edgeflow.transport.nats import NatsTransport  # noqa: E402
+
+FLEET, SITE = "lab", "site-a"
+DEVICES = ("dev-0", "dev-1", "dev-2")
+CUT_S = 30.0
+
+
+# ------------------------------------------------------------------ generated text
+
+def _site(**kw: Any) -> str:
+    args: dict[str, Any] = dict(devices={"dev-0": "d0"}, operators={"gateway": "g"}, keeper_password="k",
+                                uplink_password="u", hub_host="hub.example", hub_password="s")
+    args.update(kw)
+    return nats_site_config(FLEET, SITE, **args).text
+
+
+def test_site_config_bridges_only_the_uplink_account_and_maps_its_jetstream_api_to_the_hub() -> None:
+    text = _site(hub_port=7423)
+    assert 'url: "nats-leaf://site-a:s@hub.example:7423", account: UPLINK' in text
+    assert text.count(", account: ") == 1  # the fleet account has no leaf remote: its traffic stays at the site
+    assert '"$JS.API.>": "$JS.hub.API.>"' in text  # the uplink's JetStream is the hub's
+    assert "LAB: {\n    jetstream: enabled" in text  # the devices' streams live at the site
+    assert f"{UPLINK_ACCOUNT}: {{ users: [ {{user: \"site-a\"" in text
+    assert nats_jetstream_block("/var/lib/js", jetstream_domain(SITE)) == \
+        'jetstream { store_dir: "/var/lib/js", domain: "site-a" }\n'
+
+
+def test_a_password_cannot_move_the_leaf_url_to_another_host() -> None:
+    text = _site(hub_password="x@evil.example:99/")
+    assert 'nats-leaf://site-a:x%40evil.example%3A99%2F@hub.example:7422"' in text
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"hub_host": "hub.example/x"}, "not a host name"),
+    ({"hub_host": "a@b"}, "not a host name"),
+    ({"hub_host": ""}, "not a host name"),
+    ({"hub_port": 70000}, "1..65535"),
+    ({"devices": {SITE: "d"}}, "also a device or operator"),
+])
+def test_site_config_refuses(kw: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        _site(**kw)
+
+
+def test_site_id_gateway_and_bad_domain_are_refused() -> None:
+    with pytest.raises(ConfigError, match="reserved"):
+        nats_site_config(FLEET, "gateway", {}, {"gw": "g"}, keeper_password="k", uplink_password="u",
+                         hub_host="h", hub_password="p")
+    with pytest.raises(ConfigError, match="JetStream domain"):
+        nats_jetstream_block("/x", "a.b")
+
+
+def test_hub_tls_goes_to_both_ends() -> None:
+    tls = NatsTls("/c/hub.crt", "/c/hub.key", "/c/ca.crt")
+    hub = nats_hub_leafnodes(port=7422, tls=tls)
+    assert 'leafnodes {\n  host: "0.0.0.0"\n  port: 7422\n  tls {\n    cert_file: "/c/hub.crt"' in hub
+    assert 'tls: { ca_file: "/c/ca.crt" }' in _site(hub_ca="/c/ca.crt")
+    assert "tls" not in _site()
+
+
+def test_a_site_at_the_hub_has_a_devices_rights_with_the_hubs_api_prefix() -> None:
+    cfg = nats_fleet_config(FLEET, {"dev-0": "d"}, {"gateway": "g"}, keeper_password="k", sites={SITE: "s"})
+    assert cfg.may_publish(SITE, "ef.edgeflow.lab.site-a.update")
+    assert cfg.may_publish(SITE, "$JS.hub.API.STREAM.INFO.EF_LIVE")
+    assert not cfg.may_publish(SITE, "$JS.API.STREAM.INFO.EF_LIVE")
+    assert not cfg.may_publish(SITE, "ef.edgeflow.lab.site-b.update")
+    assert not cfg.may_publish(SITE, "ef.edgeflow.lab.gateway.round")
+    assert cfg.may_publish("dev-0", "$JS.API.STREAM.INFO.EF_LIVE")
+    with pytest.raises(ConfigError, match="both a device and a site"):
+        nats_fleet_config(FLEET, {SITE: "d"}, {"gateway": "g"}, keeper_password="k", sites={SITE: "s"})
+
+
+# ------------------------------------------------------------------ real servers
+
+needs_server = pytest.mark.skipif(find_nats_server() is None, reason="nats-server is not installed")
+
+
+class Deployment:
+    """A hub and a site's leaf server: configs, passwords and the commands to start them."""
+
+    def __init__(self, workdir: Path, *, hub_wan_ip: str, leaf_port: int = 7422, ping_s: int | None = None) -> None:
+        self.workdir = workdir
+        self.pw = {u: secrets.token_hex(8) for u in (*DEVICES, "gateway", "site-gateway", SITE, "uplink")}
+        pings = f"ping_interval: \"{ping_s}s\"\nping_max: 2\n" if ping_s else ""
+        self.leaf_port = leaf_port
+        hub = nats_fleet_config(FLEET, {}, {"gateway": self.pw["gateway"]}, keeper_password=secrets.token_hex(8),
+                                sites={SITE: self.pw[SITE]})
+        site = nats_site_config(FLEET, SITE, {d: self.pw[d] for d in DEVICES}, {"gateway": self.pw["site-gateway"]},
+                                keeper_password=secrets.token_hex(8), uplink_password=self.pw["uplink"],
+                                hub_host=hub_wan_ip, hub_port=self.leaf_port, hub_password=self.pw[SITE])
+        self.hub_conf, self.site_conf = workdir / "hub.conf", workdir / "site.conf"
+        self.hub_log, self.site_log = workdir / "hub.log", workdir / "site.log"
+        self.hub_conf.write_text("server_name: hub\nport: {port}\n" + pings
+                                 + nats_jetstream_block(str(workdir / "hub-js"), "hub") + hub.text
+                                 + nats_hub_leafnodes(port=self.leaf_port, host=hub_wan_ip), encoding="utf-8")
+        self.site_conf.write_text(f"server_name: {SITE}\nport: {{port}}\n" + pings
+                                  + nats_jetstream_block(str(workdir / "site-js"), jetstream_domain(SITE))
+                                  + site.text, encoding="utf-8")
+
+    def conf(self, which: str, host: str, port: int) -> list[str]:
+        path = self.hub_conf if which == "hub" else self.site_conf
+        text = path.read_text(encoding="utf-8").replace("port: {port}", f"host: {host}\nport: {port}", 1)
+        path.write_text(text, encoding="utf-8")
+        return [find_nats_server() or "nats-server", "-c", str(path)]
+
+    def transport(self, host: str, port: int, user: str, *, client_id: str, password_of: str | None = None,
+                  **kw: Any) -> NatsTransport:
+        return NatsTransport(host, port, client_id=client_id, username=user, password=self.pw[password_of or user],
+                             reconnect_min_s=0.2, reconnect_max_s=1.0, connect_timeout_s=10.0, **kw)
+
+
+def _pick(stats: dict[str, int], *names: str) -> str:
+    return " ".join(f"{n}={stats.get(n, 0)}" for n in names)
+
+
+def _log(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+@needs_server
+def test_the_uplink_reaches_the_hubs_jetstream_and_only_its_own_subjects(tmp_path: Path) -> None:
+    """Loopback: a partial from the site's uplink account is acknowledged by the hub's stream and heard
+    by the root; a partial forged for another site is not let through by the hub (the leaf user's rights)."""
+    d = Deployment(tmp_path, hub_wan_ip="127.0.0.1", leaf_port=free_port("127.0.0.1"))
+    hp, sp = free_port("127.0.0.1"), free_port("127.0.0.1")
+    procs = [subprocess.Popen(d.conf("hub", "127.0.0.1", hp), stdout=open(d.hub_log, "wb"), stderr=subprocess.STDOUT),
+             subprocess.Popen(d.conf("site", "127.0.0.1", sp), stdout=open(d.site_log, "wb"),
+                              stderr=subprocess.STDOUT)]
+    made: list[NatsTransport] = []
+    try:
+        assert wait_for_port("127.0.0.1", hp, 10) and wait_for_port("127.0.0.1", sp, 10), _log(d.site_log)
+        root = d.transport("127.0.0.1", hp, "gateway", client_id="root")
+        made.append(root.connect())
+        got = Inbox()
+        root.subscribe(f"edgeflow/{FLEET}/+/update/#", got)
+        assert wait_until(lambda: "Leafnode connection created" in _log(d.site_log), 10), _log(d.site_log)
+        up = d.transport("127.0.0.1", sp, SITE, client_id=SITE, password_of="uplink", ack_timeout_s=1.0)
+        made.append(up.connect())
+        up.publish(f"edgeflow/{FLEET}/{SITE}/update", b"partial-1").wait(10)  # the hub's stream acknowledged it
+        assert wait_until(lambda: [m.payload for m in got.messages] == [b"partial-1"], 10)
+        forged = up.publish(f"edgeflow/{FLEET}/site-b/update", b"forged")
+        with pytest.raises(TransportError):
+            forged.wait(5)
+        stays(lambda: len(got.messages), for_s=0.5, reason="the hub let a forged partial for another site through")
+    finally:
+        for t in made:
+            t.close(timeout=1.0, flush=False)
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+
+
+# ------------------------------------------------------------------ the partition
+
+class SiteRounds:
+    """The site's side of the test: rounds with its devices, one partial per round up to the hub.
+
+    Each round: the site gateway announces it (``gateway/round``), every device answers with its
+    update (``<device>/update``: round and a value), and when all have answered the site publishes
+    the round's partial (the sum, the count) through its uplink transport and starts the next
+    round. Rounds are paced ``period_s`` apart; each is stamped with whether the WAN was up.
+    """
+
+    def __init__(self, local: NatsTransport, uplink: NatsTransport, devices: list[NatsTransport],
+                 period_s: float) -> None:
+        self.local, self.uplink, self.devices, self.period_s = local, uplink, devices, period_s
+        self.round = 0
+        self.answers: dict[int, dict[str, int]] = {}
+        self.closed: list[tuple[int, bool]] = []
+        self.deliveries: list[Any] = []
+        self.wan_up = True
+        self.stop = threading.Event()
+        self._next = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="site-rounds", daemon=True)
+
+    def start(self) -> None:
+        for dev in self.devices:
+            dev.subscribe(f"edgeflow/{FLEET}/gateway/round", self._device_handler(dev))
+        self.local.subscribe(f"edgeflow/{FLEET}/+/update", self._on_update)
+        self._thread.start()
+
+    def _device_handler(self, dev: NatsTransport) -> Any:
+        def on_round(msg: Any) -> None:
+            r = json.loads(msg.payload)["round"]
+            value = r * 10 + int(dev.client_id.rsplit("-", 1)[1])  # this device's "training" result
+            dev.publish(f"edgeflow/{FLEET}/{dev.client_id}/update", json.dumps({"round": r, "value": value}).encode())
+        return on_round
+
+    def _on_update(self, msg: Any) -> None:
+        device = msg.topic.split("/")[2]
+        body = json.loads(msg.payload)
+        with self._lock:
+            answers = self.answers.setdefault(body["round"], {})
+            answers[device] = body["value"]
+            done = body["round"] == self.round and len(answers) == len(self.devices)
+        if done:
+            self._close_round(body["round"], answers)
+
+    def _close_round(self, r: int, answers: dict[str, int]) -> None:
+        partial = {"round": r, "n": len(answers), "sum": sum(answers.values()), "wan_up": self.wan_up}
+        self.deliveries.append(self.uplink.publish(f"edgeflow/{FLEET}/{SITE}/update", json.dumps(partial).encode()))
+        self.closed.append((r, self.wan_up))
+        self._next.set()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            self._next.clear()
+            with self._lock:
+                self.round += 1
+                r = self.round
+            self.local.publish(f"edgeflow/{FLEET}/gateway/round", json.dumps({"round": r}).encode())
+            if not self._next.wait(20):
+                return  # a round did not close: the test's assertions say which
+            self.stop.wait(self.period_s)
+
+
+def test_a_site_keeps_running_rounds_through_a_30s_uplink_cut_and_the_hub_gets_every_partial_once(
+        testnet, tmp_path: Path) -> None:  # noqa: F811
+    """The leaf deployment in network namespaces, the WAN link cut for 30 s (see the module docstring)."""
+    if find_nats_server() is None:
+        pytest.skip("nats-server is not installed")
+    net = testnet
+    hub, site = net.host("hub"), net.host("site")
+    wan = net.wire(hub, site)
+    d = Deployment(tmp_path, hub_wan_ip=wan.a_ip, ping_s=2)
+    hub.popen(d.conf("hub", "0.0.0.0", 4222), stdout=open(d.hub_log, "wb"), stderr=subprocess.STDOUT)
+    site.popen(d.conf("site", "0.0.0.0", 4222), stdout=open(d.site_log, "wb"), stderr=subprocess.STDOUT)
+    logs = lambda: f"--- hub\n{_log(d.hub_log)[-3000:]}\n--- site\n{_log(d.site_log)[-3000:]}"  # noqa: E731
+    assert wait_for_port(hub.ip, 4222, 20) and wait_for_port(site.ip, 4222, 20), logs()
+    assert wait_until(lambda: "Leafnode connection created" in _log(d.site_log), 20), logs()
+    made: list[NatsTransport] = []
+
+    def connect(t: NatsTransport) -> NatsTransport:
+        made.append(t)
+        return t.connect()
+
+    rounds = None
+    try:
+        root = connect(d.transport(hub.ip, 4222, "gateway", client_id="root"))
+        partials = Inbox()
+        root.subscribe(f"edgeflow/{FLEET}/{SITE}/update", partials)
+        local = connect(d.transport(site.ip, 4222, "gateway", client_id="site-gateway", password_of="site-gateway"))
+        uplink = connect(d.transport(site.ip, 4222, SITE, client_id=SITE, password_of="uplink", ack_timeout_s=2.0))
+        devices = [connect(d.transport(site.ip, 4222, dev, client_id=dev)) for dev in DEVICES]
+        rounds = SiteRounds(local, uplink, devices, period_s=0.25)
+        rounds.start()
+        assert wait_until(lambda: len(rounds.closed) >= 5, 30), (rounds.closed, logs())
+
+        rounds.wan_up = False
+        wan.set_up(False)
+        cut_at = time.monotonic()
+        before = len(rounds.closed)
+        # the leaf connection is seen gone (pings: 2 s, 2 missed) while the site goes on
+        assert wait_until(lambda: "Leafnode connection closed" in _log(d.site_log), 15), logs()
+        rounds.stop.wait(max(0.0, CUT_S - (time.monotonic() - cut_at)))
+        during = len(rounds.closed) - before
+        wan.set_up(True)
+        rounds.wan_up = True
+        up_at = time.monotonic()
+        queued = len(rounds.closed)  # the rounds closed before the link came back: their partials are due
+        assert wait_until(lambda: len(partials.messages) >= queued, 60), (len(partials.messages), queued, logs())
+        caught_up_s = time.monotonic() - up_at
+        assert _log(d.site_log).count("Leafnode connection created") >= 2, logs()  # the leaf reconnected
+        assert wait_until(lambda: len(rounds.closed) >= queued + 5, 30), (rounds.closed, logs())
+        rounds.stop.set()
+        rounds._thread.join(30)
+        closed = [r for r, _ in rounds.closed]
+        assert wait_until(lambda: len(partials.messages) >= len(closed), 30), \
+            (len(partials.messages), len(closed), logs())
+        for dlv in rounds.deliveries:
+            dlv.wait(30)  # every partial acknowledged by the hub's stream
+        stays(lambda: len(partials.messages), for_s=1.0, reason="more partials than rounds reached the hub")
+
+        got = [json.loads(m.payload) for m in partials.messages]
+        counts = Counter(p["round"] for p in got)
+        assert sorted(counts) == closed and set(counts.values()) == {1}, counts  # 0 lost, 0 double-counted
+        want_sum = {r: sum(r * 10 + i for i in range(len(DEVICES))) for r in closed}
+        assert all(p["sum"] == want_sum[p["round"]] and p["n"] == len(DEVICES) for p in got)
+        offline = [r for r, up in rounds.closed if not up]
+        assert during >= 20 and len(offline) >= 20, (during, offline)  # rounds went on at the site
+        # the uplink kept its partials without spinning: a hot loop resent ~7,000 frames a second of the cut
+        assert uplink.stats().get("resent_frames", 0) < 100 * CUT_S, uplink.stats()
+        print(f"\nNATS leaf partition: {len(closed)} site rounds, {len(offline)} during the {CUT_S:.0f} s cut; "
+              f"hub got {len(got)} partials ({sum(v - 1 for v in counts.values())} duplicates, "
+              f"{len(closed) - len(counts)} lost); the queued ones all at the hub {caught_up_s:.1f} s after the "
+              f"link came back; uplink {_pick(uplink.stats(), 'ack_timeouts', 'resent_frames', 'reconnects')}, "
+              f"root {_pick(root.stats(), 'duplicates_dropped', 'gap_replayed')}")
+    finally:
+        if rounds is not None:
+            rounds.stop.set()
+        for t in made:
+            t.close(timeout=1.0, flush=False)
+        net.close()
+        shutil.rmtree(tmp_path / "hub-js", ignore_errors=True)
