@@ -491,23 +491,29 @@ class Client:
             ann = self._rounds.get()
             if ann is None:
                 return
-            if ann.mode == "parameters":
-                if ("parameters", ann.round_id, ann.nonce) not in self._done:
-                    self._offer_parameters(ann)
-            elif ann.mode == "async":
-                self._run_async(ann)
-            elif ann.mode == "evaluate":
-                if ("evaluate", ann.round_id, ann.nonce) not in self._done:
-                    self._run_evaluate(ann)
-            elif (ann.round_id, ann.nonce) not in self._done:
-                try:
-                    self._run_round(ann)
-                except EdgeflowError as exc:
-                    self.stats.errors.append(f"round {ann.round_id}: {exc}")
-                    # with on_error its owner reports it (a simulation ends with it as its one line)
-                    log.log(logging.DEBUG if self.on_error else logging.WARNING, "device %s: round %d failed: %s",
-                            self.device_id, ann.round_id, exc)
-                    self._report_error(exc)
+            try:
+                self._dispatch(ann)
+            except EdgeflowError as exc:
+                if self._stop.is_set():  # stopped mid-round (the transport closed under it): nothing to report
+                    log.debug("device %s: round %d ended by stop: %s", self.device_id, ann.round_id, exc)
+                    return
+                self.stats.errors.append(f"round {ann.round_id}: {exc}")
+                # with on_error its owner reports it (a simulation ends with it as its one line)
+                log.log(logging.DEBUG if self.on_error else logging.WARNING, "device %s: round %d failed: %s",
+                        self.device_id, ann.round_id, exc)
+                self._report_error(exc)
+
+    def _dispatch(self, ann: RoundAnnouncement) -> None:
+        if ann.mode == "parameters":
+            if ("parameters", ann.round_id, ann.nonce) not in self._done:
+                self._offer_parameters(ann)
+        elif ann.mode == "async":
+            self._run_async(ann)
+        elif ann.mode == "evaluate":
+            if ("evaluate", ann.round_id, ann.nonce) not in self._done:
+                self._run_evaluate(ann)
+        elif (ann.round_id, ann.nonce) not in self._done:
+            self._run_round(ann)
 
     def _offer_parameters(self, ann: RoundAnnouncement) -> None:
         """The gateway has no model yet and asks this device for its parameters (Flower's get_parameters): send the
