@@ -30,9 +30,10 @@ Reported per round: test accuracy (450 held-out digits), bytes up and down,
 seconds since the rounds began; per run: wall time of the process, peak
 RSS of the process tree (sampled every 0.2 s; Flower's includes Ray's
 processes, edgeflow's the broker's). A sanity row first: 1 client, 1 round,
-edgeflow's dense codec vs Flower's numpy MLP over a few seeds (mean accuracy
-within 2 standard errors?), and both trainers over the same batches in the
-same order (weights equal to float32 rounding?).
+edgeflow's dense codec vs Flower's numpy MLP over a few seeds (are the mean
+accuracies within 2 standard errors?), and for the MLP and the CNN both
+trainers over the same batches in the same order (how far apart do the
+weights end?).
 Writes results.json and results.md to ``--out`` and bytes-to-accuracy SVG
 charts (one per model and alpha) to ``--svg-dir`` (default: ``--out``).
 """
@@ -177,6 +178,10 @@ def count_deliveries(transport, counter: dict, lock: threading.Lock) -> None:
 
 # --------------------------------------------------- processes and memory
 
+SIDE_TIMEOUT_S = 3600.0
+"""A side still running after this long is stopped (with its whole process tree) and the run fails."""
+
+
 def run_measured(cmd: list[str], out_json: Path, *, label: str) -> dict:
     """Run one side; its wall time and the peak RSS of its whole process tree (sampled every 0.2 s)."""
     import psutil
@@ -202,11 +207,23 @@ def run_measured(cmd: list[str], out_json: Path, *, label: str) -> dict:
                 except psutil.NoSuchProcess:
                     continue  # ended between listing and reading: its memory is gone too
             peak = max(peak, total)
+            if time.perf_counter() - t0 > SIDE_TIMEOUT_S:
+                for p in tree:
+                    try:
+                        p.kill()
+                    except psutil.NoSuchProcess:
+                        continue  # already gone
+                proc.wait()
+                raise BenchmarkError(f"{label} side ran past {SIDE_TIMEOUT_S:.0f} s and was stopped; its log is "
+                                     f"{log_path}; lower --clients or --rounds")
             time.sleep(0.2)
     wall = time.perf_counter() - t0
     for p in seen.values():  # what the side left running (Ray daemons) is ended: it was started by this run
         if p.pid != proc.pid and p.is_running():
-            p.terminate()
+            try:
+                p.terminate()
+            except psutil.NoSuchProcess:
+                continue  # ended between the check and the signal
     if proc.returncode != 0 or not out_json.exists():
         tail = log_path.read_text(errors="replace").strip().splitlines()[-15:]
         raise BenchmarkError(f"{label} side failed (exit {proc.returncode}); its log {log_path} ends:\n  "
