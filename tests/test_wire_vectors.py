@@ -83,7 +83,9 @@ def test_manifest_lists_every_file_with_its_hash(stored) -> None:
     kinds = {v["kind"] for v in manifest["vectors"]}
     assert {"envelope", "chunk", "chunked_transfer", "signed_json", "secagg", "ota_artifact", "ota_offer"} <= kinds
     codecs = {v["envelope"]["codec"] for v in manifest["vectors"] if v["kind"] == "envelope"}
-    assert codecs == {"dense", "fp16", "int8", "topk", "topk-int8"}, "one vector per codec at least"
+    assert codecs == {"dense", "fp16", "int8", "topk", "topk-int8", "topk-packed"}, "one vector per codec at least"
+    versions = {v["envelope"]["version"] for v in manifest["vectors"] if v["kind"] == "envelope"}
+    assert versions == {1, 2}, "both envelope versions have vectors"
     assert any(v["kind"] == "envelope" and v["envelope"]["signed_by"] for v in manifest["vectors"])
 
 
@@ -100,7 +102,10 @@ def test_edgeflow_decodes_every_envelope_vector(stored) -> None:
                             require_signature=bool(e["signed_by"]))
         assert (upd.round_id, upd.seq, upd.device_id, upd.codec) == (e["round_id"], e["seq"], e["device_id"],
                                                                      e["codec"]), v["name"]
-        assert upd.metadata == (json.loads(e["metadata_json"]) if e["metadata_json"] else {})
+        if e["version"] == 1:
+            assert upd.metadata == (json.loads(e["metadata_json"]) if e["metadata_json"] else {}), v["name"]
+        else:
+            assert upd.metadata == e["metadata"], v["name"]
         assert [t["name"] for t in e["tensors"]] == list(upd.tensors)
         for t in e["tensors"]:
             got = upd.tensors[t["name"]]
@@ -121,9 +126,75 @@ def test_edgeflow_rejects_every_altered_signed_vector(stored) -> None:
         with pytest.raises(SignatureError):
             decode_update(bytes(data), verifier=ring)
         data = bytearray(files[v["file"]])
-        data[20] ^= 0x01  # the round id: the CRC catches it before the signature is even checked
+        # the round id (version 1: u64 at 12; version 2: the varint after the header length's varint at 7):
+        # the CRC catches it before the signature is even checked
+        e = v["envelope"]
+        data[20 if e["version"] == 1 else 7 + (e["header_length"].bit_length() + 6) // 7] ^= 0x01
         with pytest.raises(CodecError, match="CRC"):
             decode_update(bytes(data), verifier=ring)
+
+
+def test_the_compact_vectors_pin_down_every_metadata_tag_and_packed_field(stored) -> None:
+    """Binary metadata (docs §7.6) and topk-packed sections (§8.6) as the manifest lists them."""
+    from edgeflow.codecs.metadata import pack_metadata, unpack_metadata
+
+    files, manifest = stored
+    compact = [v for v in manifest["vectors"] if v["kind"] == "envelope" and v["envelope"]["version"] == 2]
+    assert {"envelope-topk-packed", "envelope-topk-packed-signed", "envelope-topk-packed-edge"} <= {
+        v["name"] for v in compact}
+    tags, bits, ks = set(), set(), set()
+    for v in compact:
+        e = v["envelope"]
+        raw = bytes.fromhex(e["metadata_hex"])
+        assert unpack_metadata(raw) == e["metadata"] and pack_metadata(e["metadata"]) == raw, v["name"]
+        assert raw in files[v["file"]]
+        tags |= _metadata_tags(raw) if raw else set()
+        for t in e["tensors"]:
+            p = t["topk_packed"]
+            assert p["k"] == len(p["indices"]) == len(p["gaps"]) == len(p["codes"]), (v["name"], t["name"])
+            assert [sum(p["gaps"][: i + 1]) - 1 for i in range(p["k"])] == p["indices"]
+            bits.add(p["bits"])
+            ks.add(p["k"])
+    assert tags == set(range(12)), f"metadata tags without a vector: {sorted(set(range(12)) - tags)}"
+    assert {1, 2, 3, 4, 5, 8} <= bits and 0 in ks
+
+
+def _metadata_tags(raw: bytes) -> set[int]:
+    """Every tag in a binary metadata value (a walk written from docs §7.6, independent of the reader)."""
+    seen: set[int] = set()
+
+    def varint(pos: int) -> tuple[int, int]:
+        value = shift = 0
+        while True:
+            byte = raw[pos]
+            value, shift, pos = value | (byte & 0x7F) << shift, shift + 7, pos + 1
+            if byte < 0x80:
+                return value, pos
+
+    def value(pos: int) -> int:
+        tag = raw[pos]
+        seen.add(tag)
+        pos += 1
+        if tag in (3, 4):
+            return varint(pos)[1]
+        if tag in (5, 6):
+            return pos + (4 if tag == 5 else 8)
+        if tag in (7, 8, 11):
+            n, pos = varint(pos)
+            return pos + n
+        if tag in (9, 10):
+            n, pos = varint(pos)
+            for _ in range(n):
+                if tag == 10:
+                    key, pos = varint(pos)
+                    if key == 0:
+                        n_key, pos = varint(pos)
+                        pos += n_key
+                pos = value(pos)
+        return pos
+
+    assert value(0) == len(raw)
+    return seen
 
 
 def test_edgeflow_reassembles_the_chunked_vector_in_any_order(stored) -> None:
@@ -224,7 +295,7 @@ def test_the_generator_is_deterministic() -> None:
 
 
 @pytest.mark.parametrize("change", ["codec id", "envelope layout", "chunk byte order", "fp16 rounding",
-                                    "signed json", "round body"])
+                                    "signed json", "round body", "packed scale byte order", "metadata key table"])
 def test_the_guard_catches_a_format_change_without_a_version_bump(stored, monkeypatch, change) -> None:
     from edgeflow.codecs import envelope, fp16
     from edgeflow.codecs.dense import DenseCodec
@@ -251,9 +322,23 @@ def test_the_guard_catches_a_format_change_without_a_version_bump(stored, monkey
     elif change == "signed json":
         real_dumps = json.dumps
         monkeypatch.setattr(signed_json.json, "dumps", lambda obj, **kw: real_dumps(obj, **{**kw, "separators": (", ", ": ")}))
+    elif change == "packed scale byte order":
+        from edgeflow.codecs import topk_packed
+
+        monkeypatch.setattr(topk_packed, "_BITS_SCALE", struct.Struct(">Bf"))
+    elif change == "metadata key table":
+        from edgeflow.codecs import metadata
+
+        swapped = (metadata.KEYS[1], metadata.KEYS[0], *metadata.KEYS[2:])  # num_samples <-> loss
+        monkeypatch.setattr(metadata, "KEYS", swapped)
+        monkeypatch.setattr(metadata, "_KEY_INDEX", {k: i + 1 for i, k in enumerate(swapped)})
     elif change == "round body":
         real_body = messages.RoundAnnouncement.to_body
         monkeypatch.setattr(messages.RoundAnnouncement, "to_body", lambda self: {**real_body(self), "extra": 1})
+    if change == "packed scale byte order":  # the generator's step-by-step reference of §8.6 catches it first
+        with pytest.raises(AssertionError, match="topk-packed reference layout disagrees"):
+            gen.build_all()
+        return
     files, manifest = gen.build_all()
     with pytest.raises(pytest.fail.Exception, match="the wire format changed without bumping the version"):
         guard(files, manifest, *stored)
@@ -266,12 +351,15 @@ def test_the_guard_asks_for_regeneration_after_a_version_bump(stored, monkeypatc
 
     if bump == "envelope":
         old = envelope.VERSION
-        monkeypatch.setattr(envelope, "VERSION", old + 1)
+        new = 3  # the next free envelope version: 2 is the compact envelope (§7.6)
+        monkeypatch.setattr(envelope, "VERSION", new)
+        monkeypatch.setitem(envelope.SIGN_CONTEXTS, new, envelope.SIGN_CONTEXT)
     else:
         old = gen.SPEC_REVISION
-        monkeypatch.setattr(gen, "SPEC_REVISION", old + 1)
+        new = old + 1
+        monkeypatch.setattr(gen, "SPEC_REVISION", new)
     files, manifest = gen.build_all()
-    with pytest.raises(pytest.fail.Exception, match=rf"(?s)version was bumped.*{bump} {old} -> {old + 1}.*generate\.py") as err:
+    with pytest.raises(pytest.fail.Exception, match=rf"(?s)version was bumped.*{bump} {old} -> {new}.*generate\.py") as err:
         guard(files, manifest, *stored)
     assert "without bumping" not in str(err.value)
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from edgeflow.codecs import decode_update, encode_update, peek_update
 from edgeflow.codecs import envelope as envelope_mod
+from edgeflow.codecs.metadata import pack_metadata
 from edgeflow.protocol import fleet as device_messages
 from edgeflow.protocol import ota as ota_messages
 from edgeflow.protocol.fleet import Ack, Birth, Command, Death
@@ -89,6 +90,8 @@ def current_versions() -> dict[str, Any]:
         "spec": SPEC_REVISION,
         "envelope": envelope_mod.VERSION,
         "update_context": envelope_mod.SIGN_CONTEXT,
+        "envelope_compact": envelope_mod.VERSION_COMPACT,
+        "update_compact_context": envelope_mod.SIGN_CONTEXTS[envelope_mod.VERSION_COMPACT],
         "chunk": chunking.VERSION,
         "signed_json": probe["v"],
         "round_context": round_messages.ROUND_CONTEXT,
@@ -322,6 +325,167 @@ def build_envelopes(b: Builder) -> None:
               signer=Signer("gateway", fleet_key()), signed_by="fleet")
 
 
+# ---------------------------------------------------------------- compact envelopes (version 2) and topk-packed
+
+
+def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _leb128(value: int) -> bytes:
+    """An unsigned LEB128 varint, written out here so the vectors do not trust edgeflow's packer."""
+    out = bytearray()
+    while True:
+        low, value = value & 0x7F, value >> 7
+        out.append(low | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _pack_lsb_first(codes: list[int], bits: int) -> bytes:
+    acc = nbits = 0
+    out = bytearray()
+    for c in codes:
+        acc |= c << nbits
+        nbits += bits
+        while nbits >= 8:
+            out.append(acc & 0xFF)
+            acc >>= 8
+            nbits -= 8
+    if nbits:
+        out.append(acc)
+    return bytes(out)
+
+
+def _packed_reference(vals: np.ndarray, bits: int, u: np.ndarray) -> tuple[np.float32, list[int]]:
+    """topk-packed's quantizer written out in float32 as docs/wire-format.md §8.6 states it."""
+    if vals.size == 0:
+        return np.float32(0.0), []
+    if bits == 1:
+        return np.float32(np.abs(vals).astype(np.float64).sum() / vals.size), [int(v >= 0) for v in vals]
+    qmax = (1 << (bits - 1)) - 1
+    amax = max(float(vals.max()), -float(vals.min()))
+    scale = np.float32(amax / qmax)
+    if amax == 0.0 or scale == 0.0:
+        return np.float32(0.0), [qmax] * vals.size
+    t = (vals * (np.float32(1.0) / scale)) + u
+    return scale, [int(c) + qmax for c in np.clip(np.floor(t), -qmax, qmax)]
+
+
+def _packed_count(n: int, options: dict[str, Any]) -> int:
+    if n == 0:
+        return 0
+    k = min(n, options["k"]) if "k" in options else max(1, min(n, int(np.ceil(options["ratio"] * n))))
+    return max(k, min(n, options.get("min_k", 1)))
+
+
+def _describe_compact(data: bytes, tensors: dict[str, np.ndarray], metadata: dict[str, Any], *,
+                      seed: int | None, options: dict[str, Any], signed_by: str | None) -> dict[str, Any]:
+    head = peek_update(data)
+    mv = memoryview(data)
+    header_len, pos = _read_varint(data, 7)
+    for _ in range(2):  # round id, seq
+        _, pos = _read_varint(data, pos)
+    dev_len, pos = _read_varint(data, pos)
+    meta_len, pos = _read_varint(data, pos + dev_len)
+    meta_raw = data[pos:pos + meta_len]
+    if meta_raw != pack_metadata(metadata):
+        raise AssertionError("the compact envelope's metadata is not pack_metadata of the input")
+    bits = options.get("bits", 4)
+    out: dict[str, Any] = {
+        "version": head.version, "flags": head.flags, "codec": "topk-packed", "codec_id": head.codec_id,
+        "round_id": head.round_id, "seq": head.seq, "device_id": head.device_id,
+        "metadata": metadata, "metadata_hex": meta_raw.hex(),
+        "header_length": header_len, "crc_offset": head.crc_at,
+        "crc32": f"{struct.unpack_from('<I', data, head.crc_at)[0]:08x}",
+        "signed_by": signed_by,
+        "key_id": head.key_id.hex() if head.key_id else None,
+        "signature": head.signature.hex() if head.signature else None,
+        "signing_message": (envelope_mod.signed_message(mv, head).hex() if head.signed else None),
+        "rng_seed": seed, "options": options, "tensors": [],
+    }
+    decoded = decode_update(data).tensors
+    rng = VectorUniforms(seed or 0)
+    for spec in head.tensors:
+        x = np.ascontiguousarray(tensors[spec.name], dtype=np.float32).reshape(-1)
+        sel = _topk_indices(x, _packed_count(x.size, options))
+        vals = x[sel]
+        draws = bits > 1 and vals.size and np.abs(vals).max() > 0
+        u = rng.random(vals.size, dtype=np.float32) if draws else np.zeros(0, np.float32)
+        scale, codes = _packed_reference(vals, bits, u)
+        gaps = np.diff(sel, prepend=-1).tolist()
+        expect = _leb128(sel.size) + struct.pack("<Bf", bits, scale) + b"".join(_leb128(g) for g in gaps)
+        expect += _pack_lsb_first(codes, bits)
+        section = bytes(mv[spec.offset:spec.offset + spec.length])
+        if expect != section:
+            raise AssertionError(f"topk-packed reference layout disagrees with the codec on {spec.name}")
+        out["tensors"].append({
+            "name": spec.name, "dtype": np.dtype(spec.dtype).name,
+            "dtype_code": envelope_mod.dtype_code(spec.dtype), "shape": list(spec.shape),
+            "offset": spec.offset, "length": spec.length,
+            "input": _values(x),
+            "decoded": _values(np.asarray(decoded[spec.name], dtype=np.float32)),
+            "topk_packed": {"k": int(sel.size), "bits": bits, "scale": f32_hex(scale), "indices": sel.tolist(),
+                            "gaps": gaps, "codes": codes, "uniform": f32_hex(u)},
+        })
+    return out
+
+
+def _compact(b: Builder, name: str, description: str, tensors: dict[str, np.ndarray], *, round_id: int,
+             seq: int, metadata: dict[str, Any], options: dict[str, Any], seed: int | None = None,
+             signer: Signer | None = None, signed_by: str | None = None) -> bytes:
+    data = encode_update(tensors, "topk-packed", round_id=round_id, device_id=DEVICE, seq=seq, signer=signer,
+                         metadata=metadata, rng=VectorUniforms(seed or 0), **options)
+    deps = ["envelope_compact"] + (["update_compact_context"] if signer is not None else [])
+    b.add(name, data, "envelope", deps, description,
+          envelope=_describe_compact(data, tensors, metadata, seed=seed, options=options, signed_by=signed_by))
+    return data
+
+
+def build_compact(b: Builder) -> None:
+    meta = {"base_version": 3, "loss": 0.25, "num_samples": 32}
+    base = _base_tensors()
+    _compact(b, "envelope-topk-packed", "topk-packed (codec 6) in the compact envelope (version 2): k=2, "
+             "4-bit codes, stochastic rounding with the listed uniforms", base, round_id=7, seq=1101,
+             metadata=meta, options={"k": 2, "bits": 4}, seed=21)
+    _compact(b, "envelope-topk-packed-1bit", "topk-packed at 1 bit: signs, scale = mean |x| (no draws)", base,
+             round_id=7, seq=1102, metadata=meta, options={"k": 2, "bits": 1})
+    _compact(b, "envelope-topk-packed-3bit", "topk-packed at 3 bits: codes cross byte boundaries", base,
+             round_id=7, seq=1103, metadata=meta, options={"k": 3, "bits": 3}, seed=23)
+    _compact(b, "envelope-topk-packed-8bit", "topk-packed at 8 bits: one byte per code, qmax 127", base,
+             round_id=7, seq=1104, metadata=meta, options={"k": 2, "bits": 8}, seed=24)
+    _compact(b, "envelope-topk-packed-min-k", "topk-packed with ratio 0.01 and min_k 3: min_k wins on small "
+             "tensors", base, round_id=7, seq=1105, metadata=meta, options={"ratio": 0.01, "min_k": 3, "bits": 2},
+             seed=25)
+    gap = np.zeros(300, np.float32)
+    gap[[5, 290, 299]] = [0.75, -1.0, 0.125]
+    edge = {
+        "gap": gap,
+        "empty": np.zeros((0, 4), np.float32),
+        "zeros": np.zeros(2, np.float64),
+        "step": np.array(3.0, np.float16),
+    }
+    _compact(b, "envelope-topk-packed-edge", "topk-packed edge cases at 5 bits: a 2-byte gap (285), an empty "
+             "tensor (k 0), an all-zero float64 tensor (scale 0, codes qmax), a 0-d float16 scalar, no metadata",
+             edge, round_id=300, seq=2**40, metadata={}, options={"k": 2, "bits": 5}, seed=26)
+    tags = {
+        "num_samples": 12, "loss": 0.1, "round_nonce": "9f3c00ff", "accuracy": 0.75, "none": None,
+        "no": False, "yes": True, "neg": -5, "min64": -(2**64), "big": 2**70, "tiny": -(2**70),
+        "name": "dev-1 \u00e9", "odd_hex": "abc", "upper": "9F3C", "list": [1, -1, 0.5, "x", []],
+        "metrics": {"eval": {"accuracy": 0.5}, "n": 0}, "empty": {},
+    }
+    _compact(b, "envelope-topk-packed-signed", "topk-packed signed by the device test key (context update/v2), "
+             "binary metadata with every tag (0-11), known and literal keys", base, round_id=7, seq=1106,
+             metadata=tags, options={"k": 2, "bits": 4}, seed=27, signer=device_signer(), signed_by="device")
+
+
 # ---------------------------------------------------------------- chunking
 
 
@@ -443,7 +607,7 @@ def build_ota(b: Builder) -> None:
           artifact_file="ota-artifact.bin")
 
 
-BUILDERS: tuple[Callable[[Builder], None], ...] = (build_envelopes, build_chunked, build_control, build_secagg, build_ota)
+BUILDERS: tuple[Callable[[Builder], None], ...] = (build_envelopes, build_compact, build_chunked, build_control, build_secagg, build_ota)
 
 
 def build_all() -> tuple[dict[str, bytes], dict[str, Any]]:
