@@ -55,6 +55,10 @@ MISTAKES = [
     ("gateway-bad-toml", "gateway --config {d}/bad.toml", ["bad.toml", "not valid TOML", "line 1"]),
     ("gateway-missing-fleet-dir", "gateway --config {d}/gw.toml --dir {d}/nofleet",
      ["not a fleet directory", "edgeflow broker-config"]),
+    ("gateway-initial-parameters-missing", "gateway --config {d}/gw.toml --dir {d}/fleet --initial-parameters "
+     "{d}/missing.npz", ["--initial-parameters", "missing.npz", "file not found"]),
+    ("gateway-initial-parameters-not-npz", "gateway --config {d}/gw.toml --dir {d}/fleet --initial-parameters "
+     "{d}/bad.toml", ["--initial-parameters", "bad.toml", "not a numpy .npz file"]),
     ("gateway-bad-http", "gateway --config {d}/gw.toml --dir {d}/fleet --http nonsense", ["--http", "HOST:PORT"]),
     ("rounds-missing-state", "rounds --state {d}/missing.sqlite", ["no such file", "never created"]),
     ("rounds-state-not-sqlite", "rounds --state {d}/gw.toml", ["not an SQLite file"]),

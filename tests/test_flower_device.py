@@ -92,12 +92,18 @@ def test_the_boards_block_of_docs_flower_runs_as_written():
     assert "round 1: model v2," in out.stdout, out.stdout  # v1 = the offered parameters
 
 
-def test_the_gateway_starts_from_initial_parameters_when_given():
+@pytest.mark.parametrize("given_by", ["gateway.toml", "--initial-parameters"])
+def test_the_gateway_starts_from_initial_parameters_when_given(given_by):
     script = the_block()
     init = ("python -c \"import numpy as np; b = np.zeros(10, np.float32); b[0] = 30; "
             "np.savez('init.npz', np.zeros((64, 10), np.float32), b)\"\n")
     script = script.replace("cp $APP/strategy.py .\n", "cp $APP/strategy.py .\n" + init, 1)
-    script = script.replace('state = "gateway.sqlite"\n', 'state = "gateway.sqlite"\ninitial_parameters = "init.npz"\n', 1)
+    if given_by == "gateway.toml":
+        script = script.replace('state = "gateway.sqlite"\n', 'state = "gateway.sqlite"\ninitial_parameters = "init.npz"\n', 1)
+    else:
+        assert script.count("edgeflow gateway --config gateway.toml\n") == 1
+        script = script.replace("edgeflow gateway --config gateway.toml\n",
+                                "edgeflow gateway --config gateway.toml --initial-parameters init.npz\n")
     assert script.count("init.npz") == 2
     metrics, _, _ = run_block(script)
     assert metrics[0]["fed_eval_loss"] > 20, metrics[0]  # every digit predicted a 0 by the given bias

@@ -69,6 +69,9 @@ def register(sub) -> None:
     p.add_argument("--http", metavar="ADDR", help="serve the dashboard (/) and Prometheus metrics (/metrics) on "
                    "HOST:PORT, e.g. 127.0.0.1:9100 (default: [http] listen; read-only unless [http] actions with "
                    "tls_cert/tls_key; docs/operations.md)")
+    p.add_argument("--initial-parameters", metavar="FILE.npz", help="start the rounds from these arrays instead of "
+                   "[gateway] model (Flower-style apps that bring their own model, docs/flower.md; used only while the "
+                   "state holds no model yet; replaces [gateway] model and initial_parameters)")
     p.add_argument("--export-model", metavar="PATH", help="write the newest global model from the state to PATH "
                    "(.onnx) and exit, e.g. to deploy what the rounds trained with `edgeflow fleet deploy`")
     p.set_defaults(func=cmd)
@@ -116,6 +119,15 @@ def cmd(args) -> int:
     from ._common import console
 
     cfg = load_config(args.config)
+    if args.initial_parameters:
+        import dataclasses
+        from pathlib import Path
+
+        from edgeflow.gateway.global_model import load_initial_parameters
+
+        npz = Path(args.initial_parameters).expanduser().resolve()
+        load_initial_parameters(npz, what="--initial-parameters")  # a bad file is one line before connecting
+        cfg = dataclasses.replace(cfg, model=None, initial_parameters=str(npz))
     c = console()
     if args.export_model:
         return _export(cfg, args)
