@@ -29,6 +29,7 @@ from _brokers import mosquitto_factory  # noqa: F401
 from edgeflow.protocol.rounds import TrainConfig
 from edgeflow.gateway.rounds import Candidate, RoundConfig, RoundManager
 from edgeflow.gateway.store import GatewayStore
+from edgeflow.errors import SignatureError
 from edgeflow.signing import KeyRing, PrivateKey
 from edgeflow.transport import MqttTransport
 
@@ -103,6 +104,111 @@ def test_the_client_notices_a_wrong_vector(tmp_path: Path) -> None:
     failures = "\n".join(result["failures"])
     assert "envelope-int8 encoded from the inputs" in failures
     assert "envelope-dense-signed: WireError: bad envelope signature" in failures
+
+
+PACKED_CASES = [  # (bits, options): every bit width the codec has a distinct path for, ratio and min_k
+    (1, {"k": 5}), (2, {"ratio": 0.05}), (3, {"ratio": 0.1, "min_k": 4}), (4, {"k": 7}), (5, {"ratio": 0.3}),
+    (8, {"k": 40}),
+]
+
+
+def _interop_tensors(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Update-like tensors: a weight matrix (gaps over 127 at low ratios), a bias, an empty and a 0-d tensor."""
+    return {"fc1.weight": (rng.standard_normal((24, 20)) * 0.05).astype(np.float32),
+            "fc1.bias": (rng.standard_normal(20) * 0.01).astype(np.float32),
+            "none": np.zeros((0, 3), np.float32), "scale": np.array(0.5, np.float32)}
+
+
+def test_independent_topk_packed_updates_are_accepted_by_edgeflow(tmp_path: Path) -> None:
+    """The independent encoder's signed compact envelopes decode in edgeflow to exactly what it sent."""
+    from edgeflow.codecs import decode_update
+
+    seed = bytes([5]) * 32
+    device_key = PrivateKey.from_bytes(seed)
+    rng = np.random.default_rng(34)
+    jobs, inputs = [], {}
+    for bits, options in PACKED_CASES:
+        tensors = _interop_tensors(rng)
+        name = f"ind-{bits}bit"
+        inputs[name] = tensors
+        jobs.append({"name": name, "codec": "topk-packed", "round_id": 40 + bits, "seq": 2**33 + bits,
+                     "device_id": "ind-x", "options": {"bits": bits, **options}, "rng_seed": bits, "seed": seed.hex(),
+                     "metadata": {"num_samples": 17, "loss": 0.3, "round_nonce": "0badc0de", "note": "x"},
+                     "tensors": [{"name": n, "dtype_code": 2, "shape": list(a.shape),
+                                  "f32": a.astype("<f4").tobytes().hex()} for n, a in tensors.items()]})
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    rc, result, out = run_client("encode-updates", str(tmp_path / "jobs.json"), str(tmp_path), cwd=tmp_path)
+    assert rc == 0, out
+    ring = KeyRing({"ind-x": device_key.public_key})
+    for bits, options in PACKED_CASES:
+        name = f"ind-{bits}bit"
+        data = (tmp_path / f"{name}.bin").read_bytes()
+        assert data[4] == 2 and data[6] == 6, "a compact envelope (version 2) with codec 6"
+        upd = decode_update(data, verifier=ring, require_signature=True)
+        assert (upd.codec, upd.round_id, upd.seq, upd.device_id) == ("topk-packed", 40 + bits, 2**33 + bits, "ind-x")
+        assert upd.metadata == jobs[0]["metadata"]
+        for tname, x in inputs[name].items():
+            got = upd.tensors[tname].reshape(-1)
+            sent = np.frombuffer(bytes.fromhex(result["encoded"][name]["decoded"][tname]), "<f4")
+            np.testing.assert_array_equal(got, sent, err_msg=f"{name}/{tname}")
+            assert upd.tensors[tname].shape == x.shape
+            _assert_packed_approximates(x.reshape(-1), got, bits, options)
+        forged = bytearray(data)
+        forged[-1] ^= 0x01
+        with pytest.raises(SignatureError):
+            decode_update(bytes(forged), verifier=ring, require_signature=True)
+
+
+def _assert_packed_approximates(x: np.ndarray, got: np.ndarray, bits: int, options: dict) -> None:
+    """Zero outside the k largest |x| (k from §8.6's options), within one quantization step on them."""
+    if x.size == 0:
+        return
+    k = min(x.size, options["k"]) if "k" in options else max(1, int(np.ceil(options["ratio"] * x.size)))
+    k = max(k, min(x.size, options.get("min_k", 1)))
+    top = np.argsort(-np.abs(x), kind="stable")[:k]
+    assert set(np.flatnonzero(got).tolist()) <= set(top.tolist())
+    amax = float(np.abs(x[top]).max())
+    step = amax if bits == 1 else amax / ((1 << (bits - 1)) - 1)
+    assert float(np.abs(got[top] - x[top]).max()) <= step * (1 + 1e-5)
+
+
+def test_edgeflow_topk_packed_updates_are_read_by_the_independent_client(tmp_path: Path) -> None:
+    """edgeflow's signed compact envelopes (NumPy's RNG, error feedback state) decode identically in the
+    independent client, which verifies the update/v2 signature; a tampered copy is refused."""
+    from edgeflow.codecs import ErrorFeedback, decode_update, encode_update
+    from edgeflow.signing import Signer
+
+    key = PrivateKey.from_bytes(bytes([6]) * 32)
+    signer = Signer("ef-dev", key)
+    rng = np.random.default_rng(43)
+    state = ErrorFeedback()
+    files, want = [], {}
+    for bits, options in PACKED_CASES:
+        tensors = _interop_tensors(rng)
+        data = encode_update(tensors, "topk-packed", round_id=bits, device_id="ef-dev", seq=100 + bits, signer=signer,
+                             state=state, metadata={"base_version": bits, "metrics": {"acc": 0.5}, "big": 2**70},
+                             rng=bits, bits=bits, **options)
+        path = tmp_path / f"ef-{bits}bit.bin"
+        path.write_bytes(data)
+        files.append(str(path))
+        want[path.name] = decode_update(data)
+    tampered = bytearray(Path(files[0]).read_bytes())
+    tampered[len(tampered) // 2] ^= 0x10
+    (tmp_path / "tampered.bin").write_bytes(bytes(tampered))
+    rc, result, out = run_client("decode-updates", key.public_key.hex, *files, str(tmp_path / "tampered.bin"),
+                                 cwd=tmp_path)
+    assert rc == 1 and set(result["refused"]) == {"tampered.bin"}, out
+    assert set(result["decoded"]) == set(want)
+    for fname, upd in want.items():
+        got = result["decoded"][fname]
+        assert (got["version"], got["codec"], got["round_id"], got["seq"], got["device_id"]) == (
+            2, "topk-packed", upd.round_id, upd.seq, "ef-dev")
+        assert got["metadata"] == upd.metadata
+        for tname, arr in upd.tensors.items():
+            t = got["tensors"][tname]
+            assert t["shape"] == list(arr.shape) and t["dtype"] == "float32"
+            np.testing.assert_array_equal(np.frombuffer(bytes.fromhex(t["f32"]), "<f4"), arr.reshape(-1),
+                                          err_msg=f"{fname}/{tname}")
 
 
 def softmax_regression(dim_in: int, dim_out: int, seed: int) -> onnx.ModelProto:

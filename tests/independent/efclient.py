@@ -2,6 +2,8 @@
 
     python -I -S efclient.py selfcheck
     python -I -S efclient.py vectors tests/vectors
+    python -I -S efclient.py encode-updates jobs.json OUT_DIR     # envelope files from float32 inputs
+    python -I -S efclient.py decode-updates <public key hex> FILE...
     python -I -S efclient.py join --host 127.0.0.1 --port 1883 --fleet lab --device ind-a \\
         --seed <64 hex> --fleet-key <64 hex> [--codec int8] [--max-payload 256]
 
@@ -79,7 +81,9 @@ def vector_uniform(seed: int, i: int) -> float:
 def check_envelope(v: dict, data: bytes, keys: dict, c: Check) -> None:
     e = v["envelope"]
     env = w.parse_envelope(data)
-    for field in ("version", "flags", "codec", "codec_id", "round_id", "seq", "device_id", "metadata_json",
+    compact = e["version"] == w.VERSION_COMPACT
+    meta_field = "metadata_hex" if compact else "metadata_json"
+    for field in ("version", "flags", "codec", "codec_id", "round_id", "seq", "device_id", meta_field,
                   "header_length", "crc_offset"):
         c.eq(f"{v['name']} {field}", env[field], e[field])
     c.eq(f"{v['name']} crc32", f"{env['crc32']:08x}", e["crc32"])
@@ -98,19 +102,36 @@ def check_envelope(v: dict, data: bytes, keys: dict, c: Check) -> None:
         c.eq(f"{v['name']}/{want['name']} decoded values", w.f32_bytes(t["values"]),
              w.f32_bytes(_values_from(want["decoded"])))
         rebuilt.append((t["name"], t["dtype_code"], t["shape"], w.encode_section(env["codec"], t["fields"])))
-        extra = want.get("int8") or want.get("topk_int8")
-        fields = w.encode_values(env["codec"], _values_from(want["input"]), uniforms=_uniforms(extra), k=e["k"])
+        extra = want.get("int8") or want.get("topk_int8") or want.get("topk_packed")
+        if compact:
+            _check_packed_fields(f"{v['name']}/{want['name']}", t["fields"], want["topk_packed"], c)
+        fields = w.encode_values(env["codec"], _values_from(want["input"]), uniforms=_uniforms(extra),
+                                 k=e.get("k"), options=e.get("options"))
         from_inputs.append((t["name"], t["dtype_code"], t["shape"], w.encode_section(env["codec"], fields)))
-    listed = b"".join(bytes.fromhex((t.get("int8") or t.get("topk_int8") or {}).get("uniform", ""))
-                      for t in e["tensors"])
+    listed = b"".join(bytes.fromhex((t.get("int8") or t.get("topk_int8") or t.get("topk_packed") or {})
+                                    .get("uniform", "")) for t in e["tensors"])
     if e["rng_seed"] is not None:  # §8.3: the vectors' uniforms come from a SHA-256 counter
         derived = [vector_uniform(e["rng_seed"], i) for i in range(len(listed) // 4)]
         c.eq(f"{v['name']} uniforms follow §8.3", w.f32_bytes(derived), listed)
-    meta = w.metadata_json(json.loads(e["metadata_json"])) if e["metadata_json"] else b""
-    c.eq(f"{v['name']} metadata is canonical", meta.decode(), e["metadata_json"])
+    if compact:  # §7.6: binary metadata, members in the sender's order (the manifest keeps it)
+        c.eq(f"{v['name']} metadata decoded", env["metadata"], e["metadata"])
+        meta = w.pack_metadata(e["metadata"])
+        c.eq(f"{v['name']} metadata re-encoded", meta.hex(), e["metadata_hex"])
+        build = w.build_compact_envelope
+    else:
+        meta = w.metadata_json(json.loads(e["metadata_json"])) if e["metadata_json"] else b""
+        c.eq(f"{v['name']} metadata is canonical", meta.decode(), e["metadata_json"])
+        build = w.build_envelope
     for label, parts in (("re-encoded from its fields", rebuilt), ("encoded from the inputs", from_inputs)):
-        out = w.build_envelope(env["codec"], env["round_id"], env["seq"], env["device_id"], meta, parts, secret)
+        out = build(env["codec"], env["round_id"], env["seq"], env["device_id"], meta, parts, secret)
         c.eq(f"{v['name']} {label}", out.hex(), data.hex())
+
+
+def _check_packed_fields(what: str, got: dict, want: dict, c: Check) -> None:
+    """§8.6 field by field: k, bits, scale, indices (from the gaps) and codes."""
+    for field in ("k", "bits", "indices", "codes"):
+        c.eq(f"{what} {field}", got[field], want[field])
+    c.eq(f"{what} scale", w.f32_bytes([got["scale"]]).hex(), want["scale"])
 
 
 def check_vectors(directory: str) -> dict:
@@ -380,6 +401,59 @@ def send_update(mq: mqtt311.Client, args: argparse.Namespace, secret: bytes, ann
             "delta": sent_values}
 
 
+# ------------------------------------------------------------------ interop: encode and decode update files
+
+
+def encode_updates(spec_file: str, out_dir: str) -> dict:
+    """Encode each job of a JSON file into ``out_dir/<name>.bin``; report what a receiver must decode.
+
+    A job: name, codec, round_id, seq, device_id, metadata, options, rng_seed, seed (hex secret or null),
+    tensors: [{name, dtype_code, shape, f32 (hex)}]. Uniforms come from SplitMix64(rng_seed)."""
+    with open(spec_file, encoding="utf-8") as fh:
+        jobs = json.load(fh)
+    report = {}
+    for job in jobs:
+        uniforms = iter(SplitMix64(job["rng_seed"]).uniform, None)
+        sections, decoded = [], {}
+        for t in job["tensors"]:
+            x = w.f32_list(bytes.fromhex(t["f32"]))
+            fields = w.encode_values(job["codec"], x, uniforms=uniforms, options=job.get("options"))
+            sections.append((t["name"], t["dtype_code"], t["shape"], w.encode_section(job["codec"], fields)))
+            decoded[t["name"]] = w.f32_bytes(w.section_values(job["codec"], fields, len(x))).hex()
+        secret = bytes.fromhex(job["seed"]) if job.get("seed") else None
+        if job["codec"] in w.COMPACT_ONLY:
+            data = w.build_compact_envelope(job["codec"], job["round_id"], job["seq"], job["device_id"],
+                                            w.pack_metadata(job.get("metadata") or {}), sections, secret)
+        else:
+            data = w.build_envelope(job["codec"], job["round_id"], job["seq"], job["device_id"],
+                                    w.metadata_json(job.get("metadata") or {}), sections, secret)
+        with open(os.path.join(out_dir, job["name"] + ".bin"), "wb") as fh:
+            fh.write(data)
+        report[job["name"]] = {"bytes": len(data), "decoded": decoded}
+    return {"encoded": report}
+
+
+def decode_updates(public_key: str, paths: list[str]) -> dict:
+    """Parse, check and verify (with ``public_key``, hex) each envelope file; the values as f32 hex."""
+    pub = bytes.fromhex(public_key)
+    out, refused = {}, {}
+    for path in paths:
+        with open(path, "rb") as fh:
+            data = fh.read()
+        try:
+            env = w.parse_envelope(data)
+            w.verify_envelope(env, pub)
+        except (w.WireError, ValueError) as exc:
+            refused[os.path.basename(path)] = f"{type(exc).__name__}: {exc}"
+            continue
+        out[os.path.basename(path)] = {
+            "version": env["version"], "codec": env["codec"], "round_id": env["round_id"], "seq": env["seq"],
+            "device_id": env["device_id"], "metadata": env["metadata"],
+            "tensors": {t["name"]: {"shape": t["shape"], "dtype": t["dtype"], "f32": w.f32_bytes(t["values"]).hex()}
+                        for t in env["tensors"]}}
+    return {"decoded": out, "refused": refused}
+
+
 # ------------------------------------------------------------------ CLI
 
 
@@ -400,6 +474,12 @@ def main(argv: list[str]) -> int:
     sub.add_parser("selfcheck")
     pv = sub.add_parser("vectors")
     pv.add_argument("directory")
+    pe = sub.add_parser("encode-updates", help="encode the jobs of a JSON file into envelope files")
+    pe.add_argument("jobs")
+    pe.add_argument("out_dir")
+    pd = sub.add_parser("decode-updates", help="decode and verify envelope files with a device's public key")
+    pd.add_argument("public_key")
+    pd.add_argument("files", nargs="+")
     pj = sub.add_parser("join")
     pj.add_argument("--host", default="127.0.0.1")
     pj.add_argument("--port", type=int, default=1883)
@@ -420,6 +500,12 @@ def main(argv: list[str]) -> int:
     elif args.cmd == "vectors":
         result = check_vectors(args.directory)
         ok = not result["failures"]
+    elif args.cmd == "encode-updates":
+        result = encode_updates(args.jobs, args.out_dir)
+        ok = True
+    elif args.cmd == "decode-updates":
+        result = decode_updates(args.public_key, args.files)
+        ok = not result["refused"]
     else:
         result = join(args)
         ok = result["ok"]

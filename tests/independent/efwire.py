@@ -20,8 +20,10 @@ import ed25519
 # §7 envelope ---------------------------------------------------------------
 MAGIC = b"EFUP"
 VERSION = 1
+VERSION_COMPACT = 2  # §7.6
 FLAG_SIGNED = 0x01
-CODECS = {1: "dense", 2: "fp16", 3: "int8", 4: "topk", 5: "topk-int8"}
+CODECS = {1: "dense", 2: "fp16", 3: "int8", 4: "topk", 5: "topk-int8", 6: "topk-packed"}
+COMPACT_ONLY = {"topk-packed"}  # §8.6: travels in the compact envelope only
 CODEC_IDS = {v: k for k, v in CODECS.items()}
 DTYPES = {1: "float16", 2: "float32", 3: "float64"}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
@@ -29,6 +31,7 @@ MAX_NDIM = 32
 MAX_METADATA = 65536
 MAX_DEVICE_ID = 256
 UPDATE_CONTEXT = "update/v1"
+UPDATE_COMPACT_CONTEXT = "update/v2"
 
 # §5 chunks -----------------------------------------------------------------
 CHUNK_MAGIC = b"EFCK"
@@ -73,6 +76,35 @@ def align8(n: int) -> int:
 
 def align4(n: int) -> int:
     return (n + 3) & ~3
+
+
+def varint(value: int) -> bytes:
+    """§7.6: unsigned LEB128, 7 bits per byte, least significant first, high bit on all bytes but the last."""
+    if value < 0:
+        raise WireError("a varint cannot be negative")
+    out = bytearray()
+    while True:
+        low, value = value & 0x7F, value >> 7
+        out.append(low | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def read_varint(data: bytes, pos: int, end: int, max_bytes: int = 10) -> tuple[int, int]:
+    """(value, next position); refuses a varint running past ``end`` or longer than ``max_bytes``."""
+    value = shift = 0
+    for _ in range(max_bytes):
+        if pos >= end:
+            raise WireError("data ends inside a varint")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            if value >= 1 << 64:
+                raise WireError("varint beyond 64 bits")
+            return value, pos
+        shift += 7
+    raise WireError(f"varint longer than {max_bytes} bytes")
 
 
 # ------------------------------------------------------------------ §8 codec sections
@@ -149,7 +181,93 @@ def decode_section(codec: str, section: bytes, size: int) -> dict:
             if out["q"] and min(out["q"]) < -127:
                 raise WireError("int8 value -128 never appears on the wire")
         return out
+    if codec == "topk-packed":
+        return _decode_packed(section, size)
     raise WireError(f"unknown codec {codec!r}")
+
+
+def packed_qmax(bits: int) -> int:
+    """§8.6: 2^(b-1) - 1, and 1 for b = 1."""
+    return 1 if bits == 1 else (1 << (bits - 1)) - 1
+
+
+def _decode_packed(section: bytes, size: int) -> dict:
+    n = len(section)
+    k, pos = read_varint(section, 0, n, 9)
+    if k > size:
+        raise WireError(f"k={k} > size={size}")
+    if pos + 5 > n:
+        raise WireError("topk-packed section shorter than its header")
+    bits, scale = struct.unpack_from("<Bf", section, pos)
+    pos += 5
+    if not 1 <= bits <= 8:
+        raise WireError(f"topk-packed bits {bits} not in 1..8")
+    _check_scale(scale)
+    if packed_qmax(bits) * scale > 1e9 * (1 + 1e-6):
+        raise WireError("topk-packed scale beyond 10^9 / qmax")
+    indices, last = [], -1
+    for _ in range(k):
+        gap, pos = read_varint(section, pos, n, 9)
+        if gap == 0:
+            raise WireError("topk-packed gap of 0 repeats an index")
+        last += gap
+        if last >= size:
+            raise WireError("topk-packed index out of range")
+        indices.append(last)
+    need = (k * bits + 7) // 8
+    if n - pos != need:
+        raise WireError(f"topk-packed codes take {n - pos} bytes, expected {need}")
+    bitstring = int.from_bytes(section[pos:], "little")
+    mask = (1 << bits) - 1
+    codes = [(bitstring >> (i * bits)) & mask for i in range(k)]
+    if bitstring >> (k * bits):
+        raise WireError("topk-packed padding bits are not zero")
+    if bits > 1 and any(c > 2 * packed_qmax(bits) for c in codes):
+        raise WireError("topk-packed code above 2 qmax")
+    return {"k": k, "bits": bits, "scale": scale, "indices": indices, "codes": codes}
+
+
+def _encode_packed(fields: dict) -> bytes:
+    k, bits = fields["k"], fields["bits"]
+    out = varint(k) + struct.pack("<Bf", bits, fields["scale"])
+    last = -1
+    for i in fields["indices"]:
+        out += varint(i - last)
+        last = i
+    bitstring = 0
+    for i, c in enumerate(fields["codes"]):
+        bitstring |= c << (i * bits)
+    return out + bitstring.to_bytes((k * bits + 7) // 8, "little")
+
+
+def quantize_packed(x: list[float], bits: int, uniforms) -> tuple[float, list[int]]:
+    """§8.6 in binary32 arithmetic (b >= 2: §8.3 with qmax; b = 1: signs and the mean magnitude)."""
+    if not x:
+        return 0.0, []
+    if bits == 1:
+        return f32(sum(abs(v) for v in x) / len(x)), [1 if v >= 0 else 0 for v in x]
+    qmax = packed_qmax(bits)
+    amax = max(max(x), -min(x))
+    scale = f32(amax / qmax)
+    if amax == 0.0 or scale == 0.0:
+        return 0.0, [qmax] * len(x)
+    inv = f32(1.0 / scale)
+    codes = []
+    for v in x:
+        t = f32(f32(v * inv) + next(uniforms))
+        codes.append(max(-qmax, min(qmax, math.floor(t))) + qmax)
+    return scale, codes
+
+
+def packed_count(n: int, options: dict) -> int:
+    """§8.6 selection: k from §8.4 (``k`` or ``ratio``, default 0.01), at least min(n, min_k)."""
+    if n == 0:
+        return 0
+    if options.get("k") is not None:
+        k = min(n, int(options["k"]))
+    else:
+        k = max(1, min(n, math.ceil(float(options.get("ratio", 0.01)) * n)))
+    return max(k, min(n, int(options.get("min_k", 1))))
 
 
 def _check_scale(scale: float) -> None:
@@ -175,6 +293,8 @@ def encode_section(codec: str, fields: dict) -> bytes:
         if codec == "topk":
             return out + f32_bytes(fields["values"])
         return out + struct.pack(f"<{k}b", *fields["q"])
+    if codec == "topk-packed":
+        return _encode_packed(fields)
     raise WireError(f"unknown codec {codec!r}")
 
 
@@ -189,7 +309,14 @@ def section_values(codec: str, fields: dict, size: int) -> list[float]:
     if codec == "int8":
         return dequantize(fields["scale"], fields["q"])
     out = [0.0] * size
-    vals = fields["values"] if codec == "topk" else dequantize(fields["scale"], fields["q"])
+    if codec == "topk-packed":
+        scale, bits = fields["scale"], fields["bits"]
+        if bits == 1:
+            vals = [scale if c else -scale for c in fields["codes"]]
+        else:
+            vals = [f32((c - packed_qmax(bits)) * scale) for c in fields["codes"]]
+    else:
+        vals = fields["values"] if codec == "topk" else dequantize(fields["scale"], fields["q"])
     for i, v in zip(fields["indices"], vals):
         out[i] = v
     return out
@@ -219,8 +346,17 @@ def topk_select(x: list[float], k: int) -> list[int]:
     return sorted(order[:k])
 
 
-def encode_values(codec: str, x: list[float], *, uniforms=None, k: int | None = None) -> dict:
-    """Section fields for float32 values ``x`` (already rounded to binary32)."""
+def encode_values(codec: str, x: list[float], *, uniforms=None, k: int | None = None,
+                  options: dict | None = None) -> dict:
+    """Section fields for float32 values ``x`` (already rounded to binary32); ``options`` for topk-packed."""
+    if codec == "topk-packed":
+        opts = dict(options or {})
+        if k is not None:
+            opts.setdefault("k", k)
+        bits = int(opts.get("bits", 4))
+        idx = topk_select(x, packed_count(len(x), opts))
+        scale, codes = quantize_packed([x[i] for i in idx], bits, uniforms)
+        return {"k": len(idx), "bits": bits, "scale": scale, "indices": idx, "codes": codes}
     if codec == "dense":
         return {"values": list(x)}
     if codec == "fp16":
@@ -249,6 +385,8 @@ def encode_values(codec: str, x: list[float], *, uniforms=None, k: int | None = 
 def parse_envelope(data: bytes, *, max_elements: int = 1 << 28) -> dict:
     """Header, tensor sections and signature block of an envelope; checks structure and CRC."""
     n = len(data)
+    if n >= 7 and data[:4] == MAGIC and data[4] == VERSION_COMPACT:
+        return parse_compact_envelope(data, max_elements=max_elements)
     if n < 12:
         raise WireError("shorter than the 12-byte prefix")
     magic, version, flags, codec_id, reserved, header_len = struct.unpack_from("<4sBBBBI", data, 0)
@@ -258,8 +396,8 @@ def parse_envelope(data: bytes, *, max_elements: int = 1 << 28) -> dict:
         raise WireError(f"envelope version {version} unknown")
     if flags & ~FLAG_SIGNED or reserved:
         raise WireError("unknown flags or non-zero reserved byte")
-    if codec_id not in CODECS:
-        raise WireError(f"unknown codec id {codec_id}")
+    if codec_id not in CODECS or CODECS[codec_id] in COMPACT_ONLY:
+        raise WireError(f"unknown codec id {codec_id} in a version-1 envelope")
     header_end = 12 + header_len
     if header_end > n or header_len < 24:
         raise WireError("header longer than the envelope")
@@ -328,6 +466,248 @@ def parse_envelope(data: bytes, *, max_elements: int = 1 << 28) -> dict:
         t["fields"] = decode_section(out["codec"], t["section"], t["size"])
         t["values"] = section_values(out["codec"], t["fields"], t["size"])
     return out
+
+
+def _finish(data: bytes, out: dict, body: int) -> dict:
+    """§7.4: exact total size, CRC-32, signature block; then decode every section (§8)."""
+    signed = bool(out["flags"] & FLAG_SIGNED)
+    total = body + 4 + (72 if signed else 0)
+    if len(data) != total:
+        raise WireError(f"envelope is {len(data)} bytes, its header declares {total}")
+    (crc,) = struct.unpack_from("<I", data, body)
+    if zlib.crc32(data[:body]) != crc:
+        raise WireError("CRC-32 mismatch")
+    out.update({"crc_offset": body, "crc32": crc, "key_id": None, "signature": None, "signing_message": None})
+    if signed:
+        context = UPDATE_COMPACT_CONTEXT if out["version"] == VERSION_COMPACT else UPDATE_CONTEXT
+        out["key_id"] = data[body + 4:body + 12]
+        out["signature"] = data[body + 12:body + 76]
+        out["signing_message"] = signing_message(context, hashlib.sha256(data[:body + 4]).digest())
+    for t in out["tensors"]:
+        t["fields"] = decode_section(out["codec"], t["section"], t["size"])
+        t["values"] = section_values(out["codec"], t["fields"], t["size"])
+    return out
+
+
+def parse_compact_envelope(data: bytes, *, max_elements: int = 1 << 28) -> dict:
+    """§7.6: the version-2 envelope (varint header, unpadded sections, binary metadata)."""
+    n = len(data)
+    magic, version, flags, codec_id = struct.unpack_from("<4sBBB", data, 0)
+    if magic != MAGIC or version != VERSION_COMPACT:
+        raise WireError("not a version-2 envelope")
+    if flags & ~FLAG_SIGNED:
+        raise WireError("unknown flags")
+    if codec_id not in CODECS:
+        raise WireError(f"unknown codec id {codec_id}")
+    header_len, pos = read_varint(data, 7, n)
+    header_end = pos + header_len
+    if header_end > n:
+        raise WireError("header longer than the envelope")
+    round_id, pos = read_varint(data, pos, header_end)
+    seq, pos = read_varint(data, pos, header_end)
+    dev_len, pos = read_varint(data, pos, header_end)
+    if dev_len > MAX_DEVICE_ID or pos + dev_len > header_end:
+        raise WireError("device id too long")
+    device_id = data[pos:pos + dev_len].decode("utf-8")
+    pos += dev_len
+    meta_len, pos = read_varint(data, pos, header_end)
+    if meta_len > MAX_METADATA or pos + meta_len > header_end:
+        raise WireError("metadata too long")
+    meta_raw = data[pos:pos + meta_len]
+    pos += meta_len
+    metadata = unpack_metadata(meta_raw)
+    count, pos = read_varint(data, pos, header_end)
+    if count > 0xFFFF:
+        raise WireError("more than 65535 tensors")
+    tensors, names, elements, body = [], set(), 0, header_end
+    for _ in range(count):
+        name_len, pos = read_varint(data, pos, header_end)
+        if pos + name_len + 2 > header_end:
+            raise WireError("header ends inside a tensor entry")
+        name = data[pos:pos + name_len].decode("utf-8")
+        pos += name_len
+        if not name or name in names:
+            raise WireError("empty or repeated tensor name")
+        names.add(name)
+        dtype_code, ndim = data[pos], data[pos + 1]
+        pos += 2
+        if dtype_code not in DTYPES or ndim > MAX_NDIM:
+            raise WireError("bad dtype code or too many dimensions")
+        shape = []
+        for _ in range(ndim):
+            d, pos = read_varint(data, pos, header_end)
+            shape.append(d)
+        length, pos = read_varint(data, pos, header_end)
+        size = 1
+        for d in shape:
+            size *= d
+        elements += size
+        if elements > max_elements:
+            raise WireError("too many elements")
+        if body + length > n:
+            raise WireError("section beyond the end")
+        tensors.append({"name": name, "dtype_code": dtype_code, "dtype": DTYPES[dtype_code], "shape": shape,
+                        "size": size, "offset": body, "length": length, "section": data[body:body + length]})
+        body += length
+    if pos != header_end:
+        raise WireError("header length disagrees with its contents")
+    out = {"version": version, "flags": flags, "codec_id": codec_id, "codec": CODECS[codec_id],
+           "round_id": round_id, "seq": seq, "device_id": device_id, "metadata": metadata,
+           "metadata_hex": meta_raw.hex(), "tensors": tensors, "header_length": header_len}
+    return _finish(data, out, body)
+
+
+def build_compact_envelope(codec: str, round_id: int, seq: int, device_id: str, metadata_bin: bytes,
+                           tensors: list[tuple[str, int, list[int], bytes]], secret: bytes | None = None) -> bytes:
+    """§7.6: ``tensors`` are (name, dtype code, shape, section bytes); ``metadata_bin`` from :func:`pack_metadata`."""
+    dev = device_id.encode("utf-8")
+    head = [varint(round_id), varint(seq), varint(len(dev)), dev, varint(len(metadata_bin)), metadata_bin,
+            varint(len(tensors))]
+    for name, dtype_code, shape, section in tensors:
+        nb = name.encode("utf-8")
+        head += [varint(len(nb)), nb, bytes([dtype_code, len(shape)])] + [varint(d) for d in shape]
+        head.append(varint(len(section)))
+    header = b"".join(head)
+    out = bytearray(struct.pack("<4sBBB", MAGIC, VERSION_COMPACT, FLAG_SIGNED if secret else 0, CODEC_IDS[codec]))
+    out += varint(len(header)) + header
+    for *_, section in tensors:
+        out += section
+    out += struct.pack("<I", zlib.crc32(bytes(out)))
+    if secret is not None:
+        msg = signing_message(UPDATE_COMPACT_CONTEXT, hashlib.sha256(bytes(out)).digest())
+        out += key_id(ed25519.public_key(secret)) + ed25519.sign(secret, msg)
+    return bytes(out)
+
+
+# §7.6 binary metadata: the table of known keys (append only)
+METADATA_KEYS = ["num_samples", "loss", "base_version", "round_nonce", "eval", "metrics", "num_examples", "train_s",
+                 "clock_skew_s", "accuracy"]
+_HEX_DIGITS = set("0123456789abcdef")
+
+
+def _meta_text(text: str) -> bytes:
+    raw = text.encode("utf-8")
+    return varint(len(raw)) + raw
+
+
+def _meta_value(v) -> bytes:
+    if v is None:
+        return b"\x00"
+    if v is True or v is False:
+        return b"\x02" if v else b"\x01"
+    if isinstance(v, int):
+        if 0 <= v < 1 << 64:
+            return b"\x03" + varint(v)
+        if -(1 << 64) <= v < 0:
+            return b"\x04" + varint(-1 - v)
+        return b"\x0b" + _meta_text(str(v))
+    if isinstance(v, float):
+        if v != v or v in (math.inf, -math.inf):
+            raise WireError("metadata cannot hold NaN or Infinity")
+        try:
+            single = struct.pack("<f", v)
+        except OverflowError:
+            single = b""
+        if single and struct.unpack("<f", single)[0] == v:
+            return b"\x05" + single
+        return b"\x06" + struct.pack("<d", v)
+    if isinstance(v, str):
+        if v and len(v) % 2 == 0 and set(v) <= _HEX_DIGITS:
+            return b"\x08" + varint(len(v) // 2) + bytes.fromhex(v)
+        return b"\x07" + _meta_text(v)
+    if isinstance(v, list):
+        return b"\x09" + varint(len(v)) + b"".join(_meta_value(item) for item in v)
+    if isinstance(v, dict):
+        out = b"\x0a" + varint(len(v))
+        for key, item in v.items():
+            out += varint(METADATA_KEYS.index(key) + 1) if key in METADATA_KEYS else b"\x00" + _meta_text(key)
+            out += _meta_value(item)
+        return out
+    raise WireError(f"metadata cannot hold {type(v).__name__}")
+
+
+def pack_metadata(metadata: dict) -> bytes:
+    """§7.6: the binary form of a JSON object, members in the given order; nothing for an empty object."""
+    return _meta_value(dict(metadata)) if metadata else b""
+
+
+def unpack_metadata(raw: bytes) -> dict:
+    if not raw:
+        return {}
+    value, pos = _meta_read(raw, 0, 1)
+    if not isinstance(value, dict):
+        raise WireError("metadata must be an object")
+    if pos != len(raw):
+        raise WireError("bytes after the metadata value")
+    return value
+
+
+def _meta_count(raw: bytes, pos: int) -> tuple[int, int]:
+    count, pos = read_varint(raw, pos, len(raw))
+    if count > len(raw) - pos:
+        raise WireError("metadata count larger than the bytes left")
+    return count, pos
+
+
+def _meta_str(raw: bytes, pos: int) -> tuple[str, int]:
+    count, pos = _meta_count(raw, pos)
+    return raw[pos:pos + count].decode("utf-8"), pos + count
+
+
+def _meta_read(raw: bytes, pos: int, depth: int):
+    if depth > 64:
+        raise WireError("metadata nests deeper than 64")
+    if pos >= len(raw):
+        raise WireError("metadata ends inside a value")
+    tag = raw[pos]
+    pos += 1
+    if tag <= 2:
+        return (None, False, True)[tag], pos
+    if tag in (3, 4):
+        v, pos = read_varint(raw, pos, len(raw))
+        return (v if tag == 3 else -1 - v), pos
+    if tag in (5, 6):
+        width = 4 if tag == 5 else 8
+        if pos + width > len(raw):
+            raise WireError("metadata ends inside a float")
+        (v,) = struct.unpack_from("<f" if tag == 5 else "<d", raw, pos)
+        if v != v or v in (math.inf, -math.inf):
+            raise WireError("metadata holds NaN or Infinity")
+        return float(v), pos + width
+    if tag == 7:
+        return _meta_str(raw, pos)
+    if tag == 8:
+        count, pos = _meta_count(raw, pos)
+        return raw[pos:pos + count].hex(), pos + count
+    if tag == 9:
+        count, pos = _meta_count(raw, pos)
+        items = []
+        for _ in range(count):
+            item, pos = _meta_read(raw, pos, depth + 1)
+            items.append(item)
+        return items, pos
+    if tag == 10:
+        count, pos = _meta_count(raw, pos)
+        obj: dict = {}
+        for _ in range(count):
+            index, pos = read_varint(raw, pos, len(raw))
+            if index == 0:
+                key, pos = _meta_str(raw, pos)
+            elif index <= len(METADATA_KEYS):
+                key = METADATA_KEYS[index - 1]
+            else:
+                raise WireError(f"unknown metadata key index {index}")
+            if key in obj:
+                raise WireError("repeated metadata key")
+            obj[key], pos = _meta_read(raw, pos, depth + 1)
+        return obj, pos
+    if tag == 11:
+        text, pos = _meta_str(raw, pos)
+        value = json.loads(text)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise WireError("metadata tag 11 must hold an integer")
+        return value, pos
+    raise WireError(f"unknown metadata tag {tag}")
 
 
 def verify_envelope(env: dict, public_key: bytes) -> None:
