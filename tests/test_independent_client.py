@@ -15,6 +15,7 @@ import ast
 import hashlib
 import json
 import shutil
+import struct
 import subprocess
 import sys
 import threading
@@ -97,6 +98,10 @@ def test_the_client_notices_a_wrong_vector(tmp_path: Path) -> None:
     data[-1] ^= 0x01  # last byte of the Ed25519 signature
     (d / signed["file"]).write_bytes(bytes(data))
 
+    packed = by_name["envelope-topk-packed"]["envelope"]["tensors"][0]["topk_packed"]
+    packed["codes"][0] ^= 1  # an expectation the section does not hold
+    by_name["envelope-topk-packed-signed"]["envelope"]["metadata"]["loss"] = 0.5
+
     signed["sha256"] = hashlib.sha256(bytes(data)).hexdigest()
     (d / "manifest.json").write_text(json.dumps(manifest))
     rc, result, out = run_client("vectors", str(d), cwd=tmp_path)
@@ -104,6 +109,8 @@ def test_the_client_notices_a_wrong_vector(tmp_path: Path) -> None:
     failures = "\n".join(result["failures"])
     assert "envelope-int8 encoded from the inputs" in failures
     assert "envelope-dense-signed: WireError: bad envelope signature" in failures
+    assert "envelope-topk-packed/fc.weight codes" in failures
+    assert "envelope-topk-packed-signed metadata decoded" in failures
 
 
 PACKED_CASES = [  # (bits, options): every bit width the codec has a distinct path for, ratio and min_k
@@ -209,6 +216,63 @@ def test_edgeflow_topk_packed_updates_are_read_by_the_independent_client(tmp_pat
             assert t["shape"] == list(arr.shape) and t["dtype"] == "float32"
             np.testing.assert_array_equal(np.frombuffer(bytes.fromhex(t["f32"]), "<f4"), arr.reshape(-1),
                                           err_msg=f"{fname}/{tname}")
+
+
+def _hostile_compact_envelopes() -> dict[str, tuple[bytes, str]]:
+    """name -> (a compact envelope breaking one rule of §7.6/§8.6, what the independent client must say)."""
+    from edgeflow.codecs.envelope import SectionInput, build_envelope
+
+    def env(section: bytes, size: int = 4, meta: bytes = b"") -> bytes:
+        return build_envelope(codec_id=6, round_id=1, seq=1, device_id="bad", metadata_json=meta,
+                              sections=[SectionInput("w", 2, (size,), [section])], version=2)
+
+    head = struct.pack("<Bf", 4, 0.1)
+    ok = env(b"\x01" + head + b"\x01\x07")
+    return {
+        "gap-zero": (env(b"\x02" + head + b"\x01\x00\x77"), "gap of 0"),
+        "index-past-end": (env(b"\x01" + head + b"\x05\x07"), "index out of range"),
+        "padding-bits": (env(b"\x01" + head + b"\x01\xf7"), "padding bits"),
+        "all-ones-code": (env(b"\x01" + head + b"\x01\x0f"), "code above 2 qmax"),
+        "codes-short": (env(b"\x02" + head + b"\x01\x01"), "codes take 0 bytes"),
+        "k-past-size": (env(b"\x05" + head + b"\x01" * 5 + b"\x77\x77\x07"), "k=5 > size=4"),
+        "ten-byte-k": (env(b"\x80" * 9 + b"\x00" + head), "varint longer than 9"),
+        "nan-scale": (env(b"\x01" + struct.pack("<Bf", 4, float("nan")) + b"\x01\x07"), "not finite"),
+        "huge-scale": (env(b"\x01" + struct.pack("<Bf", 4, 1e9) + b"\x01\x07"), "beyond 10^9"),
+        "zero-bits": (env(b"\x01" + struct.pack("<Bf", 0, 0.1) + b"\x01"), "bits 0 not in 1..8"),
+        "meta-unknown-tag": (env(b"\x00" + head, meta=b"\x0a\x01\x01\x0c"), "unknown metadata tag 12"),
+        "meta-unknown-key": (env(b"\x00" + head, meta=b"\x0a\x01\x0b\x00"), "unknown metadata key index 11"),
+        "meta-repeated-key": (env(b"\x00" + head, meta=b"\x0a\x02\x01\x00\x01\x00"), "repeated metadata key"),
+        "meta-nan": (env(b"\x00" + head, meta=b"\x0a\x01\x02\x05" + struct.pack("<f", float("nan"))), "NaN"),
+        "meta-array": (env(b"\x00" + head, meta=b"\x09\x00"), "must be an object"),
+        "meta-trailing": (env(b"\x00" + head, meta=b"\x0a\x00\x00"), "bytes after the metadata"),
+        "trailing-byte": (ok + b"\x00", "its header declares"),
+        "bad-crc": (ok[:-1] + bytes([ok[-1] ^ 1]), "CRC-32 mismatch"),
+        # §8.6: senders write codec 6 only in version 2; this client refuses it in version 1, and edgeflow
+        # (which may, §8.6) decodes it: see the test below
+        "v1-with-codec-6": (build_envelope(codec_id=6, round_id=1, seq=1, device_id="bad", metadata_json=b"",
+                                           sections=[SectionInput("w", 2, (4,), [b"\x01" + head + b"\x01\x07"])]),
+                            "unknown codec id 6 in a version-1 envelope"),
+    }
+
+
+def test_both_decoders_refuse_each_hostile_compact_envelope(tmp_path: Path) -> None:
+    """Each rule of §7.6/§8.6 broken once: the independent client and edgeflow both refuse it."""
+    from edgeflow.codecs import decode_update
+    from edgeflow.errors import CodecError
+
+    cases = _hostile_compact_envelopes()
+    for name, (data, _) in cases.items():
+        (tmp_path / f"{name}.bin").write_bytes(data)
+        if name == "v1-with-codec-6":
+            assert decode_update(data).codec == "topk-packed"  # receivers MAY accept it (§8.6)
+            continue
+        with pytest.raises(CodecError):
+            decode_update(data)
+    rc, result, out = run_client("decode-updates", "00" * 32, *(str(tmp_path / f"{n}.bin") for n in cases),
+                                 cwd=tmp_path)
+    assert rc == 1 and not result["decoded"], out
+    for name, (_, why) in cases.items():
+        assert why in result["refused"].get(f"{name}.bin", ""), (name, result["refused"].get(f"{name}.bin"))
 
 
 def softmax_regression(dim_in: int, dim_out: int, seed: int) -> onnx.ModelProto:
