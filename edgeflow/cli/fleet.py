@@ -843,6 +843,14 @@ def cmd_cmd(args) -> int:
         if not isinstance(extra, dict):
             raise ConfigError("--args must be a JSON object")
         cmd_args.update(extra)
+    known = _fleet_dir(args).devices()
+    if args.device not in known:  # one line now, not a 30 s wait for an ack that cannot come
+        import difflib
+
+        close = difflib.get_close_matches(args.device, known, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"device '{_shown(args.device)}' is not provisioned in this fleet; {hint}"
+                          "`edgeflow fleet status` lists the devices, `edgeflow fleet provision` adds one")
     s = _Session(args, purpose="cmd")
     try:
         ack = s.fm.command(args.device, args.name, cmd_args, timeout_s=args.timeout)
