@@ -296,11 +296,12 @@ def _f32(hex_text: str, shape: tuple[int, ...]) -> np.ndarray:
 
 @pytest.mark.integration
 def test_the_client_joins_a_federated_round_against_the_real_gateway(mosquitto_factory, tmp_path):  # noqa: F811
-    """Two independent clients (int8 with a chunked update, and dense) take part in one round."""
+    """Three independent clients (int8 with a chunked update, dense, and topk-packed in a compact envelope)
+    take part in one round."""
     broker = mosquitto_factory()
     fleet = "indep"
     fleet_key = PrivateKey.from_bytes(bytes(range(32)))
-    seeds = {"ind-a": bytes([7]) * 32, "ind-b": bytes([9]) * 32}
+    seeds = {"ind-a": bytes([7]) * 32, "ind-b": bytes([9]) * 32, "ind-c": bytes([11]) * 32}
     ring = KeyRing({d: PrivateKey.from_bytes(s).public_key for d, s in seeds.items()})
     model = softmax_regression(32, 10, seed=3)
     # max_payload 1104 (the transport's minimum): the 1.3 KB global model travels as chunks.
@@ -308,7 +309,7 @@ def test_the_client_joins_a_federated_round_against_the_real_gateway(mosquitto_f
                                 reconnect_min_s=0.05, reconnect_max_s=0.5)
     rm = RoundManager(
         gw, GatewayStore(tmp_path / "gw.sqlite"), fleet=fleet, fleet_key=fleet_key, keyring=ring, model=model,
-        config=RoundConfig(rounds=1, min_clients=2, deadline_s=40, strategy="fedavg",
+        config=RoundConfig(rounds=1, min_clients=3, deadline_s=40, strategy="fedavg",
                            strategy_params={"stage": 0}, wait_for_devices_s=5,
                            train=TrainConfig(epochs=2, batch_size=16, lr=0.5, codec="int8")),
         candidates=lambda: [Candidate(d) for d in seeds],
@@ -328,6 +329,10 @@ def test_the_client_joins_a_federated_round_against_the_real_gateway(mosquitto_f
         "ind-b": subprocess.Popen([sys.executable, "-I", "-S", str(CLIENT), *common, "--device", "ind-b",
                                    "--seed", seeds["ind-b"].hex(), "--samples", "24", "--codec", "dense"],
                                   cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+        "ind-c": subprocess.Popen([sys.executable, "-I", "-S", str(CLIENT), *common, "--device", "ind-c",
+                                   "--seed", seeds["ind-c"].hex(), "--samples", "32", "--codec", "topk-packed",
+                                   "--codec-opts", json.dumps({"ratio": 0.2, "bits": 3, "min_k": 2})],
+                                  cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
     }
     reports = {}
     try:
@@ -345,23 +350,27 @@ def test_the_client_joins_a_federated_round_against_the_real_gateway(mosquitto_f
             if proc.poll() is None:
                 proc.kill()
     (metrics,) = results
-    assert metrics.selected == 2 and metrics.participants == 2 and metrics.rejected == 0, metrics
-    a, b = reports["ind-a"], reports["ind-b"]
+    assert metrics.selected == 3 and metrics.participants == 3 and metrics.rejected == 0, metrics
+    a, b, c = reports["ind-a"], reports["ind-b"], reports["ind-c"]
+    assert c["codec"] == "topk-packed" and c["update_chunks"] == 0, c
     assert a["codec"] == "int8" and a["update_chunks"] >= 2, a  # announced codec; chunked update
     assert b["codec"] == "dense" and b["update_chunks"] == 0, b
     assert a["model_chunks"] >= 2, "the global model should have arrived in chunks"
     # FedAvg (exact float64 fold, stage=0): new = old + (n_a d_a + n_b d_b) / (n_a + n_b), where d is what
     # each client's envelope decodes to (int8: q * scale).
-    n_a, n_b = a["num_samples"], b["num_samples"]
+    n_a, n_b, n_c = a["num_samples"], b["num_samples"], c["num_samples"]
     for name, old in before.items():
         d_a = _f32(a["delta"][name], old.shape).astype(np.float64)
         d_b = _f32(b["delta"][name], old.shape).astype(np.float64)
+        d_c = _f32(c["delta"][name], old.shape).astype(np.float64)
         assert np.abs(d_a).max() > 1e-3 and np.abs(d_b).max() > 1e-3, "the clients must really train"
         assert not np.allclose(d_a, d_b), "the two clients should send different deltas"
-        expected = (old.astype(np.float64) + (n_a * d_a + n_b * d_b) / (n_a + n_b)).astype(np.float32)
+        # topk-packed at ratio 0.2 (min_k 2): at most a fifth of the entries, and some of them
+        assert 0 < np.count_nonzero(d_c) <= max(2, int(np.ceil(0.2 * d_c.size))), name
+        expected = (old.astype(np.float64) + (n_a * d_a + n_b * d_b + n_c * d_c) / (n_a + n_b + n_c)).astype(np.float32)
         # the gateway adds the float32 mean delta to the float32 weights: within an ulp of the float64 value
         np.testing.assert_allclose(rm.weights[name], expected, rtol=1e-6, atol=1e-7)
         # and both clients decoded the new global model the gateway published
-        for r in (a, b):
+        for r in (a, b, c):
             assert r["new_model_version"] == rm.version
             np.testing.assert_array_equal(_f32(r["new_model"][name], old.shape), rm.weights[name])

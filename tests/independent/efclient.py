@@ -377,16 +377,22 @@ def send_update(mq: mqtt311.Client, args: argparse.Namespace, secret: bytes, ann
     codec = args.codec or cfg.get("codec", "dense")
     rng = SplitMix64(args.rng_seed)
     uniforms = iter(rng.uniform, None)
+    options = {**(cfg.get("codec_opts") or {}), **json.loads(args.codec_opts or "{}")}
     sections, sent_values = [], {}
     for name in tensors:  # the envelope lists tensors in the order the model has them
         x = delta.get(name, [0.0] * tensors[name]["size"])
-        fields = w.encode_values(codec, x, uniforms=uniforms, k=(cfg.get("codec_opts") or {}).get("k"))
+        fields = w.encode_values(codec, x, uniforms=uniforms, k=options.get("k"), options=options)
         t = tensors[name]
         sections.append((name, t["dtype_code"], t["shape"], w.encode_section(codec, fields)))
         sent_values[name] = w.f32_bytes(w.section_values(codec, fields, t["size"])).hex()
     seq = args.seq if args.seq is not None else int(time.time() * 1000)
-    meta = w.metadata_json({"base_version": model["version"], "loss": round(loss, 6), "num_samples": len(data)})
-    envelope = w.build_envelope(codec, int(ann["round_id"]), seq, args.device, meta, sections, secret)
+    meta_obj = {"base_version": model["version"], "loss": round(loss, 6), "num_samples": len(data)}
+    if codec in w.COMPACT_ONLY:  # §8.6: topk-packed travels in the compact envelope (§7.6)
+        envelope = w.build_compact_envelope(codec, int(ann["round_id"]), seq, args.device,
+                                            w.pack_metadata(meta_obj), sections, secret)
+    else:
+        envelope = w.build_envelope(codec, int(ann["round_id"]), seq, args.device, w.metadata_json(meta_obj),
+                                    sections, secret)
     if len(envelope) <= args.max_payload:
         mq.publish(topic, envelope, qos=1)
         chunks = 0
@@ -487,7 +493,8 @@ def main(argv: list[str]) -> int:
     pj.add_argument("--device", required=True)
     pj.add_argument("--seed", required=True, help="32-byte Ed25519 secret key, hex")
     pj.add_argument("--fleet-key", required=True, help="the fleet's Ed25519 public key, hex")
-    pj.add_argument("--codec", help="override the announced codec (dense, fp16, int8, topk, topk-int8)")
+    pj.add_argument("--codec", help="override the announced codec (dense, fp16, int8, topk, topk-int8, topk-packed)")
+    pj.add_argument("--codec-opts", help='codec options as JSON over the announced ones, e.g. \'{"ratio": 0.1, "bits": 3}\'')
     pj.add_argument("--samples", type=int, default=48)
     pj.add_argument("--max-payload", type=int, default=256 * 1024, help="chunk updates above this many bytes")
     pj.add_argument("--rng-seed", type=int, default=1)
