@@ -51,7 +51,7 @@ from edgeflow.transport.topics import chunk_topic, device_topic, gateway_topic
 HERE = Path(__file__).resolve().parent
 MANIFEST = "manifest.json"
 
-SPEC_REVISION = 2
+SPEC_REVISION = 3
 """The revision of docs/wire-format.md these vectors belong to. Bump it (and say
 what changed in the document's change log) when a format that has no version
 field of its own changes, e.g. the JSON of a death message."""
