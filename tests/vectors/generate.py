@@ -455,8 +455,10 @@ def build_compact(b: Builder) -> None:
     _compact(b, "envelope-topk-packed", "topk-packed (codec 6) in the compact envelope (version 2): k=2, "
              "4-bit codes, stochastic rounding with the listed uniforms", base, round_id=7, seq=1101,
              metadata=meta, options={"k": 2, "bits": 4}, seed=21)
-    _compact(b, "envelope-topk-packed-1bit", "topk-packed at 1 bit: signs, scale = mean |x| (no draws)", base,
-             round_id=7, seq=1102, metadata=meta, options={"k": 2, "bits": 1})
+    _compact(b, "envelope-topk-packed-1bit", "topk-packed at 1 bit: signs, scale = mean |x| (no draws); an "
+             "all-zero tensor has scale 0 and code 1 (x >= 0), so it decodes to +0.0, not -0.0",
+             {**base, "zeros": np.zeros(2, np.float32)}, round_id=7, seq=1102, metadata=meta,
+             options={"k": 2, "bits": 1})
     _compact(b, "envelope-topk-packed-3bit", "topk-packed at 3 bits: codes cross byte boundaries", base,
              round_id=7, seq=1103, metadata=meta, options={"k": 3, "bits": 3}, seed=23)
     _compact(b, "envelope-topk-packed-8bit", "topk-packed at 8 bits: one byte per code, qmax 127", base,
