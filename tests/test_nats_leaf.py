@@ -342,3 +342,142 @@ def test_a_site_keeps_running_rounds_through_a_30s_uplink_cut_and_the_hub_gets_e
             t.close(timeout=1.0, flush=False)
         net.close()
         shutil.rmtree(tmp_path / "hub-js", ignore_errors=True)
+
+
+def test_the_site_gateway_on_a_leaf_finishes_the_root_round_it_trained_through_a_30s_cut(
+        testnet, tmp_path: Path) -> None:  # noqa: F811
+    """The real hierarchy (gateway/hierarchy.py) on the leaf deployment: a root gateway on the hub, a
+    SiteGateway at the site (its devices' rounds on the site's fleet account, its uplink on the
+    UPLINK account), 3 federated devices. The WAN is cut right after the site opened root round 2:
+    the devices train and the site closes its round during the cut; its partial reaches the root
+    after the link is back, and the three root rounds equal flat FedAvg over the devices."""
+    if find_nats_server() is None:
+        pytest.skip("nats-server is not installed")
+    import numpy as np
+
+    from edgeflow import zoo
+    from edgeflow.data.datasets import dirichlet_partition, load_digits
+    from edgeflow.federated import Client
+    from edgeflow.gateway.hierarchy import SiteGateway, Uplink, root_manager, site_manager
+    from edgeflow.gateway.rounds import Candidate, RoundConfig
+    from edgeflow.gateway.store import GatewayStore
+    from edgeflow.protocol.rounds import RoundAnnouncement, TrainConfig
+    from edgeflow.signing import KeyRing, PrivateKey, Signer
+
+    net = testnet
+    hub, site = net.host("hub"), net.host("site")
+    wan = net.wire(hub, site)
+    d = Deployment(tmp_path, hub_wan_ip=wan.a_ip, ping_s=2)
+    hub.popen(d.conf("hub", "0.0.0.0", 4222), stdout=open(d.hub_log, "wb"), stderr=subprocess.STDOUT)
+    site.popen(d.conf("site", "0.0.0.0", 4222), stdout=open(d.site_log, "wb"), stderr=subprocess.STDOUT)
+    logs = lambda: f"--- hub\n{_log(d.hub_log)[-3000:]}\n--- site\n{_log(d.site_log)[-3000:]}"  # noqa: E731
+    assert wait_for_port(hub.ip, 4222, 20) and wait_for_port(site.ip, 4222, 20), logs()
+    assert wait_until(lambda: "Leafnode connection created" in _log(d.site_log), 20), logs()
+
+    fleet_key = PrivateKey.generate()
+    model = zoo.digits_mlp(seed=3)
+    split = load_digits(seed=0).flat()
+    parts = dirichlet_partition(split.y_train, len(DEVICES), alpha=1.0, seed=0)
+    made: list[NatsTransport] = []
+
+    def transport(host: str, user: str, client_id: str, password_of: str | None = None) -> NatsTransport:
+        t = d.transport(host, 4222, user, client_id=client_id, password_of=password_of, ack_timeout_s=2.0)
+        made.append(t)
+        return t
+
+    ring = KeyRing()
+    clients: list[Client] = []
+    for i, dev in enumerate(DEVICES):
+        signer = Signer.generate(dev)
+        ring.register(dev, signer.public_key)
+        clients.append(Client(transport(site.ip, dev, dev), fleet=FLEET, device_id=dev, signer=signer,
+                              fleet_key=fleet_key.public_key, model=model,
+                              data=(split.x_train[parts[i]], split.y_train[parts[i]]), seed=i))
+    site_signer = Signer.generate(SITE)
+    uplink = Uplink(transport(site.ip, SITE, SITE, password_of="uplink"), FLEET, bridged=False)
+    site_closed: dict[int, float] = {}
+    rm = site_manager(transport(site.ip, "gateway", "site-gateway", password_of="site-gateway"), GatewayStore(),
+                      fleet=FLEET, fleet_key=fleet_key, keyring=ring, model=model,
+                      config=RoundConfig(min_clients=len(DEVICES), deadline_s=60, strategy="fedavg"),
+                      candidates=lambda: [Candidate(dev) for dev in ring.devices()], uplink=uplink,
+                      signer=site_signer, on_round=lambda m: site_closed.setdefault(m.round_id, time.monotonic()))
+    sg = SiteGateway(rm, uplink, site_id=SITE, root_key=fleet_key.public_key, forward_margin_s=3.0)
+    rt = transport(hub.ip, "gateway", "root")
+    root = root_manager(rt, GatewayStore(), fleet=FLEET, fleet_key=fleet_key,
+                        site_keys=KeyRing({SITE: site_signer.public_key}), model=model, sites=[SITE],
+                        config=RoundConfig(rounds=3, min_clients=1, deadline_s=120, strategy="fedavg",
+                                           strategy_params={"stage": 0},
+                                           train=TrainConfig(epochs=3, batch_size=16, lr=0.1, codec="dense")))
+    cut: dict[str, float] = {}
+
+    def cut_after_round_1(msg: Any) -> None:  # the site announced a round to its devices: the WAN goes at round 2
+        if not msg.payload:
+            return
+        ann = RoundAnnouncement.verify(msg.payload, fleet_key.public_key)
+        if ann.round_id == 2 and ann.state == "open" and "at" not in cut:
+            wan.set_up(False)
+            cut["at"] = time.monotonic()
+
+    root_closed: dict[int, float] = {}
+    expected: list[dict[str, Any]] = []
+    befores = [dict(root.weights)]
+
+    def on_root_round(m: Any) -> None:
+        root_closed[m.round_id] = time.monotonic()
+        n = np.array([len(c.x) for c in clients], dtype=np.float64)
+        expected.append({name: w.astype(np.float64) + np.tensordot(
+            n / n.sum(), np.stack([c.last_delta[name].astype(np.float64) for c in clients]), axes=1)
+            for name, w in befores[-1].items()})
+        befores.append(dict(root.weights))
+
+    root.on_round = on_root_round
+    thread = threading.Thread(target=sg.run, name="site-gateway", daemon=True)
+    history: list[Any] = []
+    runner = threading.Thread(target=lambda: history.extend(root.run()), name="root", daemon=True)
+    try:
+        root.start()
+        rt.connect(timeout=20)  # first: the root's transport makes the hub's streams
+        sg.start()
+        rm.transport.connect(timeout=20)  # the site gateway's transport makes the site's streams
+        uplink.transport.connect(timeout=20)
+        for c in clients:
+            c.start()
+            c.transport.connect(timeout=20)
+        watcher = transport(site.ip, "gateway", "watcher", password_of="site-gateway").connect(20)
+        watcher.subscribe(f"edgeflow/{FLEET}/gateway/round", cut_after_round_1)
+        thread.start()
+        runner.start()
+        assert wait_until(lambda: "at" in cut, 90), (root_closed, site_closed, logs())
+        # the devices got round 2 from the site gateway and trained it, the WAN down
+        assert wait_until(lambda: all(c.stats.updates_sent >= 2 for c in clients), 30), \
+            [(c._version, c.stats) for c in clients]
+        trained_at = time.monotonic()
+        rest = CUT_S - (time.monotonic() - cut["at"])
+        threading.Event().wait(max(0.0, rest))
+        assert 2 not in root_closed, root_closed  # the partial waited for the link
+        wan.set_up(True)
+        up_at = time.monotonic()
+        runner.join(120)
+        assert not runner.is_alive(), (root_closed, site_closed, logs())
+        assert [m.participants for m in history] == [len(DEVICES)] * 3, history
+        assert cut["at"] < trained_at < up_at < root_closed[2], (cut, trained_at, up_at, root_closed)
+        assert site_closed[2] > up_at  # the site's round ends when the hub's stream has its partial
+        assert rm.sink.forwarded == [1, 2, 3]
+        for got, want in zip(befores[1:], expected):
+            for name in want:
+                np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+        print(f"\nNATS leaf, real hierarchy: the devices had trained round 2 {trained_at - cut['at']:.1f} s into the "
+              f"{CUT_S:.0f} s cut; root round 2 closed {root_closed[2] - up_at:.1f} s after the link came back; "
+              f"uplink {_pick(uplink.transport.stats(), 'resent_frames', 'no_stream_retries')}")
+    finally:
+        wan.set_up(True)
+        sg.stop()
+        root.stop()
+        for th in (thread, runner):
+            if th.is_alive():
+                th.join(10)
+        for c in clients:
+            c.stop(timeout=2)
+        for t in made:
+            t.close(timeout=1.0, flush=False)
+        net.close()
