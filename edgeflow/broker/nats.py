@@ -21,6 +21,12 @@ cannot drift apart:
 TLS: give ``tls`` (server certificate, key and the fleet CA, from
 :func:`edgeflow.broker.mosquitto.make_fleet_ca`) and clients connect with
 ``tls://``.
+
+Leaf nodes (a site's own nats-server, bridged to the hub's; docs/transport.md,
+"NATS leaf nodes"): :func:`nats_site_config` (the site's fleet account local, in
+the site's JetStream domain; an ``UPLINK`` account bridged to the hub),
+:func:`nats_hub_leafnodes` (the hub's leaf port; the sites log in as their
+users from :func:`nats_fleet_config`'s ``sites``), :func:`nats_jetstream_block`.
 """
 
 from __future__ import annotations
