@@ -568,6 +568,10 @@ def render(path: Path, target: float, svg_dir: str | None) -> int:
         result = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise BenchmarkError(f"--render {path}: cannot read a results.json: {exc}") from exc
+    if not (isinstance(result, dict) and isinstance(result.get("cases"), list)
+            and all(isinstance(c, dict) and {"sides", "per_round", "ratios"} <= set(c) for c in result["cases"])):
+        raise BenchmarkError(f"--render {path}: not a results.json of this benchmark (no cases with sides, "
+                             "per_round and ratios); point it at the results.json a run wrote")
     result["target_accuracy"] = target
     add_reach(result)
     if svg_dir:

@@ -114,6 +114,30 @@ def test_both_sides_run_on_one_split_with_bytes_each_way(tmp_path):
     md = (out / "results.md").read_text()
     assert "| mlp | 0.3 | flower |" in md and "| mlp | 0.3 | int8 |" in md
 
+    # --render: the tables again at another target, from results.json alone (no training)
+    again = subprocess.run([sys.executable, str(BENCH), "--render", str(out / "results.json"), "--target-accuracy",
+                            "0.01"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert again.returncode == 0, again.stderr
+    redone = json.loads((out / "results.json").read_text())["cases"][0]
+    for side, rows in case["per_round"].items():  # every side is above 1% after round 1
+        assert redone["sides"][side]["round_to_target"] == 1
+        assert redone["sides"][side]["bytes_up_to_target"] == rows[0]["bytes_up"]
+    assert "round to 0.01" in (out / "results.md").read_text()
+
+
+@pytest.mark.parametrize("text, says", [("{not json", "cannot read a results.json"),
+                                         ("{}", "not a results.json of this benchmark"),
+                                         ('{"cases": [{"sides": {}}]}', "not a results.json of this benchmark"),
+                                         ("[1, 2]", "not a results.json of this benchmark")])
+def test_render_of_something_else_is_one_line(tmp_path, text, says):
+    bad = tmp_path / "results.json"
+    bad.write_text(text)
+    proc = subprocess.run([sys.executable, str(BENCH), "--render", str(bad)], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert says in proc.stderr and "Traceback" not in proc.stderr
+    assert bad.read_text() == text and not (tmp_path / "results.md").exists()
+
 
 def _npy(a: np.ndarray) -> bytes:
     buf = io.BytesIO()
