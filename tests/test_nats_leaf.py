@@ -124,7 +124,8 @@ needs_server = pytest.mark.skipif(find_nats_server() is None, reason="nats-serve
 class Deployment:
     """A hub and a site's leaf server: configs, passwords and the commands to start them."""
 
-    def __init__(self, workdir: Path, *, hub_wan_ip: str, leaf_port: int = 7422, ping_s: int | None = None) -> None:
+    def __init__(self, workdir: Path, *, hub_wan_ip: str, leaf_port: int = 7422, ping_s: int | None = None,
+                 leaf_tls: NatsTls | None = None, hub_ca: str | None = None) -> None:
         self.workdir = workdir
         self.pw = {u: secrets.token_hex(8) for u in (*DEVICES, "gateway", "site-gateway", SITE, "uplink")}
         pings = f"ping_interval: \"{ping_s}s\"\nping_max: 2\n" if ping_s else ""
@@ -133,12 +134,14 @@ class Deployment:
                                 sites={SITE: self.pw[SITE]})
         site = nats_site_config(FLEET, SITE, {d: self.pw[d] for d in DEVICES}, {"gateway": self.pw["site-gateway"]},
                                 keeper_password=secrets.token_hex(8), uplink_password=self.pw["uplink"],
-                                hub_host=hub_wan_ip, hub_port=self.leaf_port, hub_password=self.pw[SITE])
+                                hub_host=hub_wan_ip, hub_port=self.leaf_port, hub_password=self.pw[SITE],
+                                hub_ca=hub_ca)
         self.hub_conf, self.site_conf = workdir / "hub.conf", workdir / "site.conf"
         self.hub_log, self.site_log = workdir / "hub.log", workdir / "site.log"
         self.hub_conf.write_text("server_name: hub\nport: {port}\n" + pings
                                  + nats_jetstream_block(str(workdir / "hub-js"), "hub") + hub.text
-                                 + nats_hub_leafnodes(port=self.leaf_port, host=hub_wan_ip), encoding="utf-8")
+                                 + nats_hub_leafnodes(port=self.leaf_port, host=hub_wan_ip, tls=leaf_tls),
+                                 encoding="utf-8")
         self.site_conf.write_text(f"server_name: {SITE}\nport: {{port}}\n" + pings
                                   + nats_jetstream_block(str(workdir / "site-js"), jetstream_domain(SITE))
                                   + site.text, encoding="utf-8")
@@ -191,6 +194,49 @@ def test_the_uplink_reaches_the_hubs_jetstream_and_only_its_own_subjects(tmp_pat
         with pytest.raises(TransportError):
             forged.wait(5)
         stays(lambda: len(got.messages), for_s=0.5, reason="the hub let a forged partial for another site through")
+    finally:
+        for t in made:
+            t.close(timeout=1.0, flush=False)
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+
+
+@needs_server
+@pytest.mark.parametrize("trusted", [True, False], ids=["fleet-ca", "other-ca"])
+def test_a_tls_leaf_port_connects_a_site_that_trusts_the_fleet_ca_only(tmp_path: Path, trusted: bool) -> None:
+    """The hub's leaf port with TLS (a server certificate from the fleet CA): a site given the fleet CA
+    connects and its partial is acknowledged by the hub; a site given another CA never connects
+    (and its uplink finds no JetStream)."""
+    from edgeflow.broker.mosquitto import make_fleet_ca
+
+    ca, cert, key = make_fleet_ca(tmp_path / "ca", ["127.0.0.1"])
+    other_ca, _c, _k = make_fleet_ca(tmp_path / "other", ["127.0.0.1"])
+    d = Deployment(tmp_path, hub_wan_ip="127.0.0.1", leaf_port=free_port("127.0.0.1"),
+                   leaf_tls=NatsTls(str(cert), str(key), str(ca)), hub_ca=str(ca if trusted else other_ca))
+    hp, sp = free_port("127.0.0.1"), free_port("127.0.0.1")
+    procs = [subprocess.Popen(d.conf("hub", "127.0.0.1", hp), stdout=open(d.hub_log, "wb"), stderr=subprocess.STDOUT),
+             subprocess.Popen(d.conf("site", "127.0.0.1", sp), stdout=open(d.site_log, "wb"),
+                              stderr=subprocess.STDOUT)]
+    made: list[NatsTransport] = []
+    try:
+        assert wait_for_port("127.0.0.1", hp, 10) and wait_for_port("127.0.0.1", sp, 10), _log(d.site_log)
+        root = d.transport("127.0.0.1", hp, "gateway", client_id="root")
+        made.append(root.connect())
+        got = Inbox()
+        root.subscribe(f"edgeflow/{FLEET}/{SITE}/update", got)
+        up = d.transport("127.0.0.1", sp, SITE, client_id=SITE, password_of="uplink")
+        made.append(up)
+        if trusted:
+            assert wait_until(lambda: "Adding JetStream Domain Mapping" in _log(d.site_log), 10), _log(d.site_log)
+            up.connect()
+            up.publish(f"edgeflow/{FLEET}/{SITE}/update", b"partial-1").wait(10)
+            assert wait_until(lambda: [m.payload for m in got.messages] == [b"partial-1"], 10)
+        else:
+            assert wait_until(lambda: "TLS leafnode handshake error" in _log(d.site_log), 10), _log(d.site_log)
+            assert "Adding JetStream Domain Mapping" not in _log(d.site_log)  # the leaf never came up
+            with pytest.raises(TransportError, match="JetStream is not available"):
+                up.connect(3)
     finally:
         for t in made:
             t.close(timeout=1.0, flush=False)
