@@ -493,7 +493,25 @@ def write_results(path: Path, figures: list[Figure], details: dict[str, tuple[st
     for name, (log, wall, rc) in details.items():
         lines += [f"### {name} ({wall:.0f} s{'' if rc == 0 else f', exit code {rc}'})", "", "```",
                   log.strip() or "(no text output)", "```", ""]
+    lines += _kept_sections(path)
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+KEPT_MARK = "Not produced by run_all.py"
+
+
+def _kept_sections(path: Path) -> list[str]:
+    """The ``## `` sections of the existing file that another benchmark wrote (their first paragraph starts
+    with :data:`KEPT_MARK`, e.g. fl_vs_flower.py's, which needs Flower's own venv): kept, so a rerun of
+    run_all does not erase figures it cannot reproduce itself."""
+    if not path.exists():
+        return []
+    kept: list[str] = []
+    for block in ("\n" + path.read_text(encoding="utf-8")).split("\n## ")[1:]:
+        head, _, body = block.partition("\n")
+        if body.lstrip().startswith(KEPT_MARK):
+            kept += ["", f"## {head}", *body.rstrip("\n").split("\n")]
+    return kept
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,3 +68,17 @@ def test_a_speedup_timed_off_the_board_is_not_judged_against_the_boards_target()
     assert pi.ok is None and "not on the board" in pi.what and pi.target == ">= 2.0 (on the board)"
     x86 = next(f for k, f in medians.items() if "x86-gateway" in k)
     assert x86.ok is not None and x86.target == ">= 2.0"
+
+
+def test_a_rerun_keeps_the_sections_other_benchmarks_wrote(tmp_path):
+    """fl_vs_flower.py's section (it needs Flower's own venv) is not run_all's to erase; its own sections are
+    rewritten, not doubled."""
+    ra = _run_all()
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# old\n\n## Summary\n\nold rows\n\n## edgeflow vs Flower\n\n"
+                    f"{ra.KEPT_MARK}: rerun fl_vs_flower.py.\n\n| a | b |\n\n## Stale\n\nold text\n")
+    for _ in range(2):
+        ra.write_results(path, [], {}, {"cpu": "x"}, False, "2026-12-05 21:00 UTC", 60.0)
+    text = path.read_text()
+    assert text.count("## edgeflow vs Flower") == 1 and "| a | b |" in text
+    assert "old rows" not in text and "## Stale" not in text
