@@ -170,6 +170,7 @@ def _log(path: Path) -> str:
 
 
 @needs_server
+@pytest.mark.integration
 def test_the_uplink_reaches_the_hubs_jetstream_and_only_its_own_subjects(tmp_path: Path) -> None:
     """Loopback: a partial from the site's uplink account is acknowledged by the hub's stream and heard
     by the root; a partial forged for another site is not let through by the hub (the leaf user's rights)."""
@@ -203,6 +204,7 @@ def test_the_uplink_reaches_the_hubs_jetstream_and_only_its_own_subjects(tmp_pat
 
 
 @needs_server
+@pytest.mark.integration
 @pytest.mark.parametrize("trusted", [True, False], ids=["fleet-ca", "other-ca"])
 def test_a_tls_leaf_port_connects_a_site_that_trusts_the_fleet_ca_only(tmp_path: Path, trusted: bool) -> None:
     """The hub's leaf port with TLS (a server certificate from the fleet CA): a site given the fleet CA
@@ -310,6 +312,8 @@ class SiteRounds:
             self.stop.wait(self.period_s)
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_a_site_keeps_running_rounds_through_a_30s_uplink_cut_and_the_hub_gets_every_partial_once(
         testnet, tmp_path: Path) -> None:  # noqa: F811
     """The leaf deployment in network namespaces, the WAN link cut for 30 s (see the module docstring)."""
@@ -390,6 +394,8 @@ def test_a_site_keeps_running_rounds_through_a_30s_uplink_cut_and_the_hub_gets_e
         shutil.rmtree(tmp_path / "hub-js", ignore_errors=True)
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_the_site_gateway_on_a_leaf_finishes_the_root_round_it_trained_through_a_30s_cut(
         testnet, tmp_path: Path) -> None:  # noqa: F811
     """The real hierarchy (gateway/hierarchy.py) on the leaf deployment: a root gateway on the hub, a
@@ -508,7 +514,7 @@ def test_the_site_gateway_on_a_leaf_finishes_the_root_round_it_trained_through_a
         assert [m.participants for m in history] == [len(DEVICES)] * 3, history
         assert cut["at"] < trained_at < up_at < root_closed[2], (cut, trained_at, up_at, root_closed)
         assert site_closed[2] > up_at  # the site's round ends when the hub's stream has its partial
-        assert rm.sink.forwarded == [1, 2, 3]
+        assert wait_until(lambda: rm.sink.forwarded == [1, 2, 3], 10), rm.sink.forwarded  # its ack may come after
         for got, want in zip(befores[1:], expected):
             for name in want:
                 np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
@@ -531,6 +537,8 @@ def test_the_site_gateway_on_a_leaf_finishes_the_root_round_it_trained_through_a
 
 @pytest.mark.xfail(strict=True, reason="known gap: the uplink transport's connection to the site's server never "
                    "drops, so nothing replays what the hub published during the cut (docs/transport.md)")
+@pytest.mark.integration
+@pytest.mark.slow
 def test_what_the_root_publishes_during_a_cut_reaches_the_site_after_it(testnet, tmp_path: Path) -> None:  # noqa: F811
     """The hub-to-site direction: the root's retained ``gateway/state`` and a live ``gateway/round``
     published while the WAN is down, heard by the site's uplink once the leaf connection is back."""
