@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -164,7 +165,8 @@ def run(args) -> dict:
                     input_size=args.input_size, alpha=args.alpha, seed=args.seed, codec=args.codec,
                     epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,
                     deadline_s=args.deadline, quorum=1.0, min_clients=args.devices, strategy=args.strategy,
-                    strategy_params=args.strategy_params, proximal_mu=args.proximal_mu, fraction=args.fraction)
+                    strategy_params=args.strategy_params, proximal_mu=args.proximal_mu, fraction=args.fraction,
+                    fleet=f"finetune{os.getpid()}x{time.time_ns() % 10**9}")  # runs side by side share a broker
     with SimulatedFleet(cfg, args.broker) as fleet:
         metrics = fleet.run()
         up, dense = fleet.upload_bytes()
