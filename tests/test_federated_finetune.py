@@ -91,6 +91,7 @@ def test_label_skew_counts_the_classes_that_hold_90_percent_of_a_shard():
     (["--strategy", "nope"], "strategy 'nope' is unknown"),
     (["--strategy-param", "server_lr"], "--strategy-param expects KEY=VALUE"),
     (["--strategy", "fedavgm", "--strategy-param", "server_lr=-1"], "server_lr must be > 0"),
+    (["--recommended", "--strategy", "fedadam"], "drop --strategy fedadam or --recommended"),
 ])
 def test_bad_strategy_settings_are_one_line_and_exit_2(args, names, mosquitto_factory):  # noqa: F811
     if "server_lr=-1" in args and not ms.cached(NAME):
@@ -101,6 +102,16 @@ def test_bad_strategy_settings_are_one_line_and_exit_2(args, names, mosquitto_fa
     assert names in r.stderr
     assert "Traceback" not in r.stderr
     assert r.stdout == ""
+
+
+def test_recommended_is_fedavgm_with_nesterov_and_explicit_params_win():
+    parse = _bench().parse_args
+    args = parse(["--recommended", "--strategy-param", "server_momentum=0.95"])
+    assert (args.strategy, args.strategy_params) == ("fedavgm", {"nesterov": True, "server_momentum": 0.95})
+    args = parse(["--recommended", "--strategy-param", "nesterov=false"])
+    assert args.strategy_params == {"nesterov": False}
+    plain = parse([])
+    assert (plain.strategy, plain.strategy_params) == ("fedavg", {})  # the benchmark's default stays FedAvg
 
 
 def test_strategy_and_drift_reach_the_run(mosquitto_factory):  # noqa: F811
