@@ -56,6 +56,8 @@ from edgeflow.transport.mqtt.options import (
     REFUSAL_LIMIT,
     RETRY_RC,
     SESSION_TAKEN_OVER,
+    TAKEOVER_INCUMBENT_FACTOR,
+    TAKEOVER_INCUMBENT_S,
     TAKEOVER_LIMIT,
     TAKEOVER_SHORT_S,
     V5,
@@ -149,6 +151,8 @@ class NetLoop:
         self._connected_at: float | None = None
         self._takeovers = 0
         """Session takeovers in a row (see options.TAKEOVER_LIMIT)."""
+        self._incumbent = False
+        """This process once held a connection TAKEOVER_INCUMBENT_S or longer (see options)."""
         self._lost_at: float | None = None
         """monotonic() when an established connection was lost (None: connected)."""
         self._lost_reason = ""
@@ -569,9 +573,10 @@ class NetLoop:
         stop reconnecting for good (True): two processes with one client id would take it from each
         other forever, and the one that came second (whose connections never last) is the one that stops."""
         up_for = time.monotonic() - self._connected_at if self._connected_at is not None else 0.0
+        self._incumbent = self._incumbent or up_for >= TAKEOVER_INCUMBENT_S
         self._takeovers = self._takeovers + 1 if up_for < TAKEOVER_SHORT_S else 0
         self._count("short_sessions")
-        if self._takeovers < TAKEOVER_LIMIT:
+        if self._takeovers < TAKEOVER_LIMIT * (TAKEOVER_INCUMBENT_FACTOR if self._incumbent else 1):
             return False
         err = ClientIdTakenError(
             f"client id {self.t.client_id!r} is in use by another connection to {url}: the broker ended this "

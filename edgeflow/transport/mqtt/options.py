@@ -24,6 +24,8 @@ __all__ = [
     "REFUSAL_LIMIT",
     "RETRY_RC",
     "SESSION_TAKEN_OVER",
+    "TAKEOVER_INCUMBENT_FACTOR",
+    "TAKEOVER_INCUMBENT_S",
     "TAKEOVER_LIMIT",
     "TAKEOVER_SHORT_S",
     "V311",
@@ -67,6 +69,12 @@ TAKEOVER_SHORT_S = 10.0
 two processes with one client id take the session from each other within a reconnect delay, so a
 connection that ran for a while before it was taken over (the first one, when a second process
 starts) starts the count again, and the newcomer is the one that stops."""
+TAKEOVER_INCUMBENT_S = 5.0
+"""A process that once held a connection this long held the client id first (the incumbent): it stops
+only after ``TAKEOVER_INCUMBENT_FACTOR`` times as many takeovers in a row, so in a war of two processes
+the newcomer (whose connections last one reconnect delay) always gives up first, also when a failed
+attempt restarted its count or the incumbent's first connection was younger than TAKEOVER_SHORT_S."""
+TAKEOVER_INCUMBENT_FACTOR = 4
 V5_PROBE_S = 2.0
 """How long a first MQTT 5 CONNECT waits for CONNACK before falling back to 3.1.1 (protocol="auto")."""
 V5 = paho.MQTTv5
