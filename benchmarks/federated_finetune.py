@@ -120,12 +120,14 @@ def report(args: argparse.Namespace, result: dict) -> None:
         f, c = result["federated"], result.get("central")
         print(f"{args.model}, mode {args.mode}, {args.devices} devices (alpha {args.alpha}), {args.rounds} rounds "
               f"x {args.epochs} epoch(s), codec {args.codec}: {result['trainable_tensors']} tensors "
-              f"({result['trainable_values']:,} values) federated")
+              f"({result['trainable_values']:,} values) federated; strategy {args.strategy} {args.strategy_params or ''}")
         print(f"  federated accuracy {100 * f['accuracy']:.1f}% (per round: "
               f"{', '.join(f'{100 * a:.1f}' for a in f['accuracy_per_round'])})")
         if c:
             print(f"  central accuracy   {100 * c['accuracy']:.1f}% (same tensors, lr, batch, {c['epochs']} epochs; "
                   f"per epoch: {', '.join(f'{100 * a:.1f}' for a in c['accuracy_per_epoch'])})")
+            print(f"  gap to central     {result['gap_points']:.1f} points at {result['data_passes']:.2f} data passes; "
+                  f"central reached the federated accuracy after {c['passes_to_federated_accuracy']} pass(es)")
         b = result["bytes"]
         print(f"  uploaded per round {b['uploaded_per_round']:,} B; whole model {b['whole_model_per_round']:,} B "
               f"({b['ratio_vs_whole_model']:.4f}x); dense fp32 of the federated tensors "
