@@ -34,7 +34,7 @@ import paho.mqtt.client as paho
 from edgeflow.errors import ConfigError, TransportError
 from edgeflow.transport.backoff import Backoff
 from edgeflow.transport.base import Payload, WillSpec
-from edgeflow.transport.chunking import HEADER_SIZE, Reassembler, Splitter
+from edgeflow.transport.chunking import HEADER_SIZE, Reassembler
 from edgeflow.transport.message import (
     ConnectionEvent,
     ConnectionListener,
@@ -43,7 +43,6 @@ from edgeflow.transport.message import (
     MessageProperties,
     Subscription,
     TlsConfig,
-    check_properties,
 )
 from edgeflow.transport.mqtt.dispatch import Dispatcher
 from edgeflow.transport.mqtt.netloop import NetLoop
@@ -51,8 +50,9 @@ from edgeflow.transport.mqtt.options import DEFAULT_MAX_PAYLOAD, V5, V311, check
 from edgeflow.transport.mqtt.state import ConnState, Counters, Link
 from edgeflow.transport.mqtt.subscriptions import SubscriptionTable
 from edgeflow.transport.outbox import Frame, Outbox
-from edgeflow.transport.topics import Topic, TopicFilter, chunk_topic, has_reserved_level
+from edgeflow.transport.topics import TopicFilter
 from edgeflow.transport.url import parse_broker_url
+from edgeflow.transport.framing import RetainedChunks, check_publish, publish_frames
 
 __all__ = ["MqttTransport"]
 
@@ -138,7 +138,7 @@ class MqttTransport:
 
         self._lock = threading.Lock()
         self._listeners: list[ConnectionListener] = []
-        self._retained_chunks: dict[str, int] = {}
+        self._retained_chunks = RetainedChunks()
         self._counters = Counters()
         self._link = Link()
         self._outbox = Outbox(max_queued_bytes)
@@ -356,49 +356,15 @@ class MqttTransport:
         """
         if self._link.ended:
             raise TransportError("cannot publish: this transport is closed")
-        if qos not in (0, 1):
-            raise ConfigError(f"qos must be 0 or 1, got {qos!r} (edgeflow deduplicates QoS 1 instead of using QoS 2)")
-        Topic(topic)
-        if not raw and has_reserved_level(topic):
-            msg = f"topic {topic!r}: the level '_chunk' is reserved for edgeflow's chunked transfers; rename the topic"
-            raise ConfigError(msg)
-        if properties:
-            check_properties(properties)
+        check_publish(topic, qos, raw=raw, properties=properties)
         data = payload.encode("utf-8") if isinstance(payload, str) else bytes(payload)
-        limit = self._effective_max_payload(topic)
-        frames: list[Frame] = []
-        if raw or len(data) <= limit:
-            delivery = Delivery(topic, 1, len(data), qos)
-            if retain and not raw:
-                with self._lock:
-                    previous = self._retained_chunks.pop(topic, 0)
-                frames.extend(self._clear_frames(topic, 0, min(previous, 1)))
-            frames.append(Frame(topic, qos, retain, len(data), 0, delivery, data=data, properties=properties))  # type: ignore[arg-type]
-        else:
-            splitter = Splitter(data, limit)
-            delivery = Delivery(topic, splitter.count, len(data), 1, transfer_id=splitter.transfer_id.hex())
-            if retain:
-                frames.append(Frame(topic, 1, True, 0, 0, None, data=b""))
-            for i in range(splitter.count):
-                frames.append(
-                    Frame(
-                        chunk_topic(topic, i), 1, retain, splitter.frame_size(i), i, delivery,
-                        build=(lambda s=splitter, i=i: s.frame(i)), properties=properties,  # type: ignore[arg-type]
-                    )
-                )
-            if retain:
-                with self._lock:
-                    previous = self._retained_chunks.get(topic, 0)
-                    self._retained_chunks[topic] = splitter.count
-                frames.extend(self._clear_frames(topic, splitter.count, previous))
+        delivery, frames = publish_frames(topic, data, qos=qos, retain=retain, properties=properties, raw=raw,
+                                          limit=self._effective_max_payload(topic), frame=Frame,
+                                          retained=self._retained_chunks)
         self._outbox.put(frames, online=self._link.up)
         self._counters.add("published_messages")
         self._net.wake()
         return delivery
-
-    def _clear_frames(self, topic: str, start: int, stop: int) -> list[Frame]:
-        """Empty retained messages that delete retained chunks ``start..stop-1`` (best effort)."""
-        return [Frame(chunk_topic(topic, i), 1, True, 0, i, None, data=b"") for i in range(start, max(start, stop))]
 
     # -------------------------------------------------------------- subscribe
 
