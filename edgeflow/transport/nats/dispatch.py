@@ -14,16 +14,14 @@ JetStream's duplicate window drops the same resend from the streams.
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
-import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from edgeflow.errors import CodecError
 from edgeflow.transport.chunking import Reassembler
+from edgeflow.transport.dispatching import STOP, deliver, queue_listeners, reassemble, run_worker
 from edgeflow.transport.message import (
     ConnectionEvent,
     ConnectionListener,
@@ -34,9 +32,7 @@ from edgeflow.transport.message import (
 )
 from edgeflow.transport.topics import TopicFilter, split_chunk_topic
 
-__all__ = ["Counters", "Dispatcher", "HandlerTable", "Inbound", "LocalHandler"]
-
-log = logging.getLogger("edgeflow.transport")
+__all__ = ["Dispatcher", "HandlerTable", "Inbound", "LocalHandler"]
 
 
 @dataclass
@@ -62,22 +58,6 @@ class LocalHandler:
     """The client's subscriptions that feed this handler (owned by the event-loop thread)."""
     removed: bool = False
     """Unsubscribed: a subscription still waiting for the connection is not made."""
-
-
-class Counters:
-    """The transport's counters (``stats()``), safe to bump from any thread."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._c: Counter[str] = Counter()
-
-    def add(self, key: str, n: int = 1) -> None:
-        with self._lock:
-            self._c[key] += n
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._c)
 
 
 class HandlerTable:
@@ -109,9 +89,6 @@ class HandlerTable:
             return [h for h in self._handlers if h.filter.matches(topic)]
 
 
-_STOP = object()
-
-
 class Dispatcher:
     def __init__(self, name: str, handlers: HandlerTable, reassembler: Reassembler,
                  count: Callable[..., None], accept_transfer: Callable[[str], bool] | None,
@@ -132,7 +109,7 @@ class Dispatcher:
 
     def stop(self, timeout: float) -> None:
         if self._thread is not None:
-            self.queue.put(_STOP)
+            self.queue.put(STOP)
             if self._thread is not threading.current_thread():
                 self._thread.join(timeout)
 
@@ -140,37 +117,11 @@ class Dispatcher:
         self.queue.put(item)
 
     def notify(self, listeners: list[ConnectionListener], event: ConnectionEvent) -> None:
-        for fn in listeners:
-            self.queue.put(lambda fn=fn: fn(event))
+        queue_listeners(self.queue, listeners, event)
 
     def _loop(self) -> None:
-        last_expire = time.monotonic()
-        while True:
-            try:
-                item = self.queue.get(timeout=1.0)
-            except queue.Empty:
-                item = None
-            now = time.monotonic()
-            if now - last_expire >= 1.0:
-                last_expire = now
-                expired = self.reassembler.expire(now)
-                if expired:
-                    self._count("transfers_expired", len(expired))
-            if item is None:
-                continue
-            if item is _STOP:
-                return
-            if isinstance(item, Inbound):
-                try:
-                    self._handle(item)
-                except Exception:  # noqa: BLE001 - a bug here must not stop the worker thread
-                    self._count("worker_errors")
-                    log.exception("%s: failed to process a message on %s", self.name, item.topic)
-            else:
-                try:
-                    item()  # type: ignore[operator]
-                except Exception:  # noqa: BLE001 - a listener's bug must not stop the transport
-                    log.exception("%s: connection listener failed", self.name)
+        run_worker(self.queue, inbound=Inbound, handle=self._handle,  # type: ignore[arg-type]
+                   reassembler=self.reassembler, count=self._count, name=self.name)
 
     def _duplicate(self, msg_id: str | None) -> bool:
         if not msg_id:
@@ -192,38 +143,11 @@ class Dispatcher:
             self.dispatch(Message(raw.topic, raw.payload, raw.qos, raw.retain, raw.properties))
             return
         base, _index = split
-        if not raw.payload:
-            self._count("empty_skipped")
-            return
-        if self.accept_transfer is not None and not self.accept_transfer(base):
-            self._count("chunks_refused_sender")
-            return
-        try:
-            done = self.reassembler.add(base, raw.payload, retain=raw.retain, meta=raw.properties)
-        except CodecError as exc:
-            self._count("chunks_bad")
-            log.warning("%s: dropped chunk on %s: %s", self.name, raw.topic, exc)
-            return
-        if done is None:
-            return
-        self._count("transfers_completed")
-        self.dispatch(Message(base, done.payload, raw.qos, done.retain, done.meta or {}, done.chunks,
-                              done.transfer_id.hex()))
+        msg = reassemble(raw.topic, base, raw.payload, qos=raw.qos, retain=raw.retain, properties=raw.properties,
+                         reassembler=self.reassembler, accept_transfer=self.accept_transfer, count=self._count,
+                         name=self.name)
+        if msg is not None:
+            self.dispatch(msg)
 
     def dispatch(self, msg: Message) -> None:
-        handlers = self._handlers.matching(msg.topic)
-        if not msg.payload:
-            handlers = [h for h in handlers if h.include_empty]
-            if not handlers:
-                self._count("empty_skipped")
-                return
-        if not handlers:
-            self._count("unhandled")
-            return
-        self._count("delivered_messages")
-        for h in handlers:
-            try:
-                h.handler(msg)
-            except Exception:  # noqa: BLE001 - one handler's bug must not stop delivery
-                self._count("handler_errors")
-                log.exception("%s: handler %r failed on %s", self.name, h.handler, msg.topic)
+        deliver(msg, ((h.handler, h.include_empty) for h in self._handlers.matching(msg.topic)), self._count, self.name)

@@ -35,7 +35,8 @@ from edgeflow.transport.message import (
     Subscription,
     TlsConfig,
 )
-from edgeflow.transport.nats.dispatch import Counters, Dispatcher, HandlerTable, LocalHandler
+from edgeflow.transport.dispatching import Counters, check_subscribe
+from edgeflow.transport.nats.dispatch import Dispatcher, HandlerTable, LocalHandler
 from edgeflow.transport.nats.jetstream import NatsFrame
 from edgeflow.transport.nats.link import Link
 from edgeflow.transport.nats.subjects import DEFAULT_PREFIX, check_prefix, filter_subjects
@@ -317,10 +318,7 @@ class NatsTransport:
         """
         if self._closed:
             raise TransportError("cannot subscribe: this transport is closed")
-        if qos not in (0, 1):
-            raise ConfigError(f"qos must be 0 or 1, got {qos!r}")
-        if not callable(handler):
-            raise ConfigError("handler must be callable: handler(message)")
+        check_subscribe(qos, handler)
         f = filter if isinstance(filter, TopicFilter) else TopicFilter(filter)
         match = match_filter(f)
         group, subjects = filter_subjects(f, self.prefix)
