@@ -23,36 +23,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def scratch(d: Path) -> None:
-    """The files the table's rows name (as the test's fixture makes them)."""
-    import numpy as np
-    import onnx
-    from onnx import TensorProto, helper
-
-    from edgeflow.broker.mosquitto import FleetDir
-
-    def model(op: str, dtype: int, path: str) -> None:
-        x = helper.make_tensor_value_info("x", dtype, [1, 4])
-        y = helper.make_tensor_value_info("y", dtype, [1, 4])
-        onnx.save(helper.make_model(helper.make_graph([helper.make_node(op, ["x"], ["y"])], "g", [x], [y]),
-                                    opset_imports=[helper.make_opsetid("", 13)]), str(d / path))
-
-    model("Relu", TensorProto.FLOAT, "relu.onnx")
-    model("Neg", TensorProto.INT32, "neg_i32.onnx")
-    np.save(d / "f32.npy", np.ones((1, 4), np.float32))
-    np.save(d / "f64.npy", np.ones((1, 4)))
-    nan = np.ones((1, 4), np.float32)
-    nan[0, 2] = np.nan
-    np.save(d / "nan.npy", nan)
-    np.save(d / "big_i64.npy", np.array([[1, 2, 3, 2**40]], dtype=np.int64))
-    np.save(d / "shape.npy", np.ones((2, 3), np.float32))
-    (d / "notonnx.onnx").write_text("hello")
-    (d / "x.txt").write_text("1 2 3")
-    (d / "bad.toml").write_text("[gateway\nstate=")
-    (d / "gw.toml").write_text('[gateway]\nstate = "gw.sqlite"\nmodel = "relu.onnx"\n[rounds]\nrounds = 1\n')
-    FleetDir(d / "fleet").init("lab").provision("dev-a", profile="x86-gateway")
-
-
 def classify(rc: int | None, err: str, needles: list[str]) -> str:
     lines = [x for x in err.splitlines() if x.strip()]
     if rc == 0:
@@ -69,13 +39,13 @@ def main() -> int:
     ap.add_argument("--checkout", default=str(ROOT), help="the checkout whose edgeflow/ runs (default: this one)")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "tests"))
-    from test_cli_mistakes import MISTAKES
+    from test_cli_mistakes import MISTAKES, make_scratch
 
     env = {**os.environ, "PYTHONPATH": args.checkout}
     counts: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="edgeflow-mistakes-") as tmp:
         d = Path(tmp)
-        scratch(d)
+        make_scratch(d)
         for mid, argv, needles in MISTAKES:
             try:
                 out = subprocess.run([sys.executable, "-m", "edgeflow"] + argv.format(d=d).split(), capture_output=True,

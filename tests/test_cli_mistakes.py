@@ -84,12 +84,10 @@ MISTAKES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def scratch(tmp_path_factory) -> Path:
-    """Models, arrays and files of the wrong kind; a fleet directory with one device."""
+def make_scratch(d: Path) -> Path:
+    """Models, arrays and files of the wrong kind; a fleet directory with one device (the rows' {d};
+    benchmarks/cli_mistakes_tally.py makes its folder with this too)."""
     from edgeflow.broker.mosquitto import FleetDir
-
-    d = tmp_path_factory.mktemp("mistakes")
 
     def model(op: str, dtype: int, path: str) -> None:
         x = helper.make_tensor_value_info("x", dtype, [1, 4])
@@ -110,9 +108,13 @@ def scratch(tmp_path_factory) -> Path:
     (d / "x.txt").write_text("1 2 3")
     (d / "bad.toml").write_text("[gateway\nstate=")
     (d / "gw.toml").write_text('[gateway]\nstate = "gw.sqlite"\nmodel = "relu.onnx"\n[rounds]\nrounds = 1\n')
-    fd = FleetDir(d / "fleet").init("lab")
-    fd.provision("dev-a", profile="x86-gateway")
+    FleetDir(d / "fleet").init("lab").provision("dev-a", profile="x86-gateway")
     return d
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory) -> Path:
+    return make_scratch(tmp_path_factory.mktemp("mistakes"))
 
 
 @pytest.mark.parametrize("argv, needles", [m[1:] for m in MISTAKES], ids=[m[0] for m in MISTAKES])
