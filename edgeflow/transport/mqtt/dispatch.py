@@ -16,25 +16,20 @@ deduplicated by the application.
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from edgeflow.errors import CodecError
 from edgeflow.transport.chunking import Reassembler
+from edgeflow.transport.dispatching import STOP, Counters, deliver, queue_listeners, reassemble, run_worker
 from edgeflow.transport.message import ConnectionEvent, ConnectionListener, Delivery, Message, MessageProperties
-from edgeflow.transport.mqtt.state import Counters
 from edgeflow.transport.mqtt.subscriptions import SubscriptionTable
 from edgeflow.transport.topics import split_chunk_topic
 
 __all__ = ["Dispatcher", "Inbound"]
-
-log = logging.getLogger("edgeflow.transport")
-
 
 @dataclass
 class Inbound:
@@ -62,9 +57,6 @@ class Owner(Protocol):
                 raw: bool = False) -> Delivery: ...
 
 
-_STOP = object()
-
-
 class Dispatcher:
     def __init__(self, owner: Owner, subs: SubscriptionTable, reassembler: Reassembler, counters: Counters) -> None:
         self._owner = owner
@@ -83,7 +75,7 @@ class Dispatcher:
 
     def stop(self, timeout: float) -> None:
         if self._thread is not None:
-            self.queue.put(_STOP)
+            self.queue.put(STOP)
             self._thread.join(timeout)
 
     def qsize(self) -> int:
@@ -93,86 +85,35 @@ class Dispatcher:
         self.queue.put(item)
 
     def notify(self, listeners: list[ConnectionListener], event: ConnectionEvent) -> None:
-        for fn in listeners:
-            self.queue.put(lambda fn=fn: fn(event))
+        queue_listeners(self.queue, listeners, event)
 
     def _loop(self) -> None:
-        last_expire = time.monotonic()
-        while True:
-            try:
-                item = self.queue.get(timeout=1.0)
-            except queue.Empty:
-                item = None
-            now = time.monotonic()
-            if now - last_expire >= 1.0:
-                last_expire = now
-                expired = self.reassembler.expire(now)
-                if expired:
-                    self._count("transfers_expired", len(expired))
-            if item is None:
-                continue
-            if item is _STOP:
-                return
-            if isinstance(item, Inbound):
-                try:
-                    self._handle(item)
-                except Exception:  # noqa: BLE001 - a bug here must not stop the worker thread
-                    self._count("worker_errors")
-                    log.exception("%s: failed to process a message on %s", self._owner.name, item.topic)
-                finally:
-                    if item.qos:
-                        self.ack(item)
-            else:
-                try:
-                    item()  # type: ignore[operator]
-                except Exception:  # noqa: BLE001 - a listener's bug must not stop the transport
-                    log.exception("%s: connection listener failed", self._owner.name)
+        run_worker(self.queue, inbound=Inbound, handle=self._handle, after=self._ack_handled,  # type: ignore[arg-type]
+                   reassembler=self.reassembler, count=self._count, name=self._owner.name)
+
+    def _ack_handled(self, item: Inbound) -> None:
+        if item.qos:
+            self.ack(item)
 
     def _handle(self, raw: Inbound) -> None:
         split = split_chunk_topic(raw.topic)
-        if split is not None:
-            base, _index = split
-            if not raw.payload:
-                self._count("empty_skipped")
-                return
-            accept = self._owner.accept_transfer
-            if accept is not None and not accept(base):
-                self._count("chunks_refused_sender")
-                return
-            try:
-                done = self.reassembler.add(base, raw.payload, retain=raw.retain, meta=raw.properties)
-            except CodecError as exc:
-                self._count("chunks_bad")
-                log.warning("%s: dropped chunk on %s: %s", self._owner.name, raw.topic, exc)
-                if raw.retain and getattr(exc, "reason", "") == "retained" and not self._owner.closing:
-                    # a retained chunk where none belongs (a device's junk kept by the broker): clear it
-                    # at the broker, once, so it stops costing every subscriber that connects
-                    self._count("retained_cleared")
-                    self._owner.publish(raw.topic, b"", qos=1, retain=True, raw=True)
-                return
-            if done is None:
-                return
-            self._count("transfers_completed")
-            self.dispatch(
-                Message(base, done.payload, raw.qos, done.retain, done.meta or {}, done.chunks, done.transfer_id.hex())
-            )
+        if split is None:
+            self.dispatch(Message(raw.topic, raw.payload, raw.qos, raw.retain, raw.properties))
             return
-        self.dispatch(Message(raw.topic, raw.payload, raw.qos, raw.retain, raw.properties))
+        base, _index = split
+        msg = reassemble(raw.topic, base, raw.payload, qos=raw.qos, retain=raw.retain, properties=raw.properties,
+                         reassembler=self.reassembler, accept_transfer=self._owner.accept_transfer,
+                         count=self._count, name=self._owner.name, on_bad=lambda exc: self._clear_junk(raw, exc))
+        if msg is not None:
+            self.dispatch(msg)
+
+    def _clear_junk(self, raw: Inbound, exc: CodecError) -> None:
+        if raw.retain and getattr(exc, "reason", "") == "retained" and not self._owner.closing:
+            # a retained chunk where none belongs (a device's junk kept by the broker): clear it
+            # at the broker, once, so it stops costing every subscriber that connects
+            self._count("retained_cleared")
+            self._owner.publish(raw.topic, b"", qos=1, retain=True, raw=True)
 
     def dispatch(self, msg: Message) -> None:
-        handlers = self._subs.matching(msg.topic)
-        if not msg.payload:
-            handlers = [h for h in handlers if h.include_empty]
-            if not handlers:
-                self._count("empty_skipped")
-                return
-        if not handlers:
-            self._count("unhandled")
-            return
-        self._count("delivered_messages")
-        for h in handlers:
-            try:
-                h.handler(msg)
-            except Exception:  # noqa: BLE001 - one handler's bug must not stop delivery
-                self._count("handler_errors")
-                log.exception("%s: handler %r failed on %s", self._owner.name, h.handler, msg.topic)
+        deliver(msg, ((h.handler, h.include_empty) for h in self._subs.matching(msg.topic)), self._count,
+                self._owner.name)

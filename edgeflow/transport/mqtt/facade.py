@@ -31,7 +31,7 @@ from typing import Any
 
 import paho.mqtt.client as paho
 
-from edgeflow.errors import ConfigError, TransportError
+from edgeflow.errors import TransportError
 from edgeflow.transport.backoff import Backoff
 from edgeflow.transport.base import Payload, WillSpec
 from edgeflow.transport.chunking import HEADER_SIZE, Reassembler
@@ -47,7 +47,8 @@ from edgeflow.transport.message import (
 from edgeflow.transport.mqtt.dispatch import Dispatcher
 from edgeflow.transport.mqtt.netloop import NetLoop
 from edgeflow.transport.mqtt.options import DEFAULT_MAX_PAYLOAD, V5, V311, check_options
-from edgeflow.transport.mqtt.state import ConnState, Counters, Link
+from edgeflow.transport.dispatching import Counters, check_subscribe
+from edgeflow.transport.mqtt.state import ConnState, Link
 from edgeflow.transport.mqtt.subscriptions import SubscriptionTable
 from edgeflow.transport.outbox import Frame, Outbox
 from edgeflow.transport.topics import TopicFilter
@@ -397,10 +398,7 @@ class MqttTransport:
         """
         if self._link.ended:
             raise TransportError("cannot subscribe: this transport is closed")
-        if qos not in (0, 1):
-            raise ConfigError(f"qos must be 0 or 1, got {qos!r}")
-        if not callable(handler):
-            raise ConfigError("handler must be callable: handler(message)")
+        check_subscribe(qos, handler)
         f = filter if isinstance(filter, TopicFilter) else TopicFilter(filter)
         sub, new, waiter = self._subs.add(f, handler, qos, include_empty)
         if not new:

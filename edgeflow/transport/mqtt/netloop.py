@@ -68,7 +68,8 @@ from edgeflow.transport.mqtt.options import (
     props_out,
     rc_value,
 )
-from edgeflow.transport.mqtt.state import ConnState, Counters, Link
+from edgeflow.transport.dispatching import Counters
+from edgeflow.transport.mqtt.state import ConnState, Link
 from edgeflow.transport.mqtt.subscriptions import SubscriptionTable
 from edgeflow.transport.outbox import Frame, Outbox
 

@@ -1,4 +1,4 @@
-"""The connection's state, as one enum instead of a handful of booleans, and the counters.
+"""The connection's state, as one enum instead of a handful of booleans (the counters: transport/dispatching.py).
 
 Only the network thread moves the state, except :meth:`Link.close`, which any
 thread may call; every other thread reads it and waits on it::
@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections import Counter
 from collections.abc import Callable
 
 from edgeflow.errors import TransportError
 
-__all__ = ["ConnState", "Counters", "Link"]
+__all__ = ["ConnState", "Link"]
 
 
 class ConnState(enum.Enum):
@@ -130,19 +129,3 @@ class Link:
     def wait_change(self, timeout: float) -> None:
         with self._cv:
             self._cv.wait(timeout)
-
-
-class Counters:
-    """The transport's counters (``stats()``), safe to bump from any thread."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._c: Counter[str] = Counter()
-
-    def add(self, key: str, n: int = 1) -> None:
-        with self._lock:
-            self._c[key] += n
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._c)
