@@ -147,11 +147,12 @@ def reassemble(topic: str, base: str, payload: bytes, *, qos: int, retain: bool,
     return Message(base, done.payload, qos, done.retain, done.meta or {}, done.chunks, done.transfer_id.hex())
 
 
-def deliver(msg: Message, targets: Iterable[tuple[Handler, bool]], count: Count, name: str) -> None:
+def deliver(msg: Message, targets: Iterable[tuple[Handler, bool]], count: Count, name: str,
+            logger: logging.Logger = log) -> None:
     """Call each ``(handler, include_empty)`` of the subscriptions matching ``msg.topic`` in order.
 
     An empty payload (a cleared retained message) goes only to ``include_empty`` handlers; one
-    handler's exception is counted and logged, and the others still run."""
+    handler's exception is counted and logged (on ``logger``), and the others still run."""
     handlers = list(targets)
     if not msg.payload:
         handlers = [t for t in handlers if t[1]]
@@ -167,4 +168,4 @@ def deliver(msg: Message, targets: Iterable[tuple[Handler, bool]], count: Count,
             handler(msg)
         except Exception:  # noqa: BLE001 - one handler's bug must not stop delivery
             count("handler_errors")
-            log.exception("%s: handler %r failed on %s", name, handler, msg.topic)
+            logger.exception("%s: handler %r failed on %s", name, handler, msg.topic)

@@ -74,6 +74,8 @@ from dataclasses import dataclass, field
 
 from edgeflow.errors import ConfigError, TransportError
 from edgeflow.transport.base import Payload, WillSpec
+from edgeflow.transport.dispatching import check_subscribe, deliver, queue_listeners
+from edgeflow.transport.framing import check_publish
 from edgeflow.transport.message import (
     ConnectionEvent,
     ConnectionListener,
@@ -82,9 +84,8 @@ from edgeflow.transport.message import (
     Message,
     MessageProperties,
     Subscription,
-    check_properties,
 )
-from edgeflow.transport.topics import Topic, TopicFilter, has_reserved_level, match_filter, shared_group
+from edgeflow.transport.topics import TopicFilter, match_filter, shared_group
 
 __all__ = ["DEFAULT_MAX_PAYLOAD", "Fault", "LoopbackBridge", "LoopbackBroker", "LoopbackTransport"]
 
@@ -681,14 +682,7 @@ class LoopbackTransport:
         """Queue a message for the hub; the :class:`Delivery` completes once the hub took it."""
         if self.state is LinkState.CLOSED:
             raise TransportError("cannot publish: this transport is closed")
-        if qos not in (0, 1):
-            raise ConfigError(f"qos must be 0 or 1, got {qos!r} (edgeflow deduplicates QoS 1 instead of using QoS 2)")
-        Topic(topic)
-        if not raw and has_reserved_level(topic):
-            msg = f"topic {topic!r}: the level '_chunk' is reserved for edgeflow's chunked transfers; rename the topic"
-            raise ConfigError(msg)
-        if properties:
-            check_properties(properties)
+        check_publish(topic, qos, raw=raw, properties=properties)
         data = payload.encode("utf-8") if isinstance(payload, str) else bytes(payload)
         chunks, transfer = 1, None
         if not raw and len(data) > self.max_payload:
@@ -734,10 +728,7 @@ class LoopbackTransport:
         """Call ``handler(message)`` on the worker thread for every message matching ``filter``."""
         if self.state is LinkState.CLOSED:
             raise TransportError("cannot subscribe: this transport is closed")
-        if qos not in (0, 1):
-            raise ConfigError(f"qos must be 0 or 1, got {qos!r}")
-        if not callable(handler):
-            raise ConfigError("handler must be callable: handler(message)")
+        check_subscribe(qos, handler)
         f = filter if isinstance(filter, TopicFilter) else TopicFilter(filter)
         match = match_filter(f)
         sub = Subscription(f.value, handler, qos)
@@ -785,8 +776,7 @@ class LoopbackTransport:
         with self._lock:
             listeners = list(self._listeners)
             self._busy += len(listeners)
-        for fn in listeners:
-            self._work.put(lambda fn=fn: fn(event))
+        queue_listeners(self._work, listeners, event)
 
     def _idle(self) -> bool:
         with self._lock:
@@ -828,22 +818,8 @@ class LoopbackTransport:
 
     def _dispatch(self, msg: Message) -> None:
         with self._lock:
-            handlers = [h for h in self._handlers if h[0].matches(msg.topic)]
-        if not msg.payload:
-            handlers = [h for h in handlers if h[2]]
-            if not handlers:
-                self._count("empty_skipped")
-                return
-        if not handlers:
-            self._count("unhandled")
-            return
-        self._count("delivered_messages")
-        for _f, handler, _empty, _sub in handlers:
-            try:
-                handler(msg)
-            except Exception:  # noqa: BLE001 - one handler's bug must not stop delivery (as MqttTransport)
-                self._count("handler_errors")
-                log.exception("%s: handler %r failed on %s", self.name, handler, msg.topic)
+            targets = [(h[1], h[2]) for h in self._handlers if h[0].matches(msg.topic)]
+        deliver(msg, targets, self._count, self.name, log)
 
 
 _STOP = object()
