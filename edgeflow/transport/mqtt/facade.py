@@ -34,7 +34,7 @@ import paho.mqtt.client as paho
 from edgeflow.errors import TransportError
 from edgeflow.transport.backoff import Backoff
 from edgeflow.transport.base import Payload, WillSpec
-from edgeflow.transport.chunking import HEADER_SIZE, Reassembler
+from edgeflow.transport.chunking import Reassembler
 from edgeflow.transport.message import (
     ConnectionEvent,
     ConnectionListener,
@@ -47,6 +47,7 @@ from edgeflow.transport.message import (
 from edgeflow.transport.mqtt.dispatch import Dispatcher
 from edgeflow.transport.mqtt.netloop import NetLoop
 from edgeflow.transport.mqtt.options import DEFAULT_MAX_PAYLOAD, V5, V311, check_options
+from edgeflow.transport.limits import MIN_PAYLOAD
 from edgeflow.transport.dispatching import Counters, check_subscribe
 from edgeflow.transport.mqtt.state import ConnState, Link
 from edgeflow.transport.mqtt.subscriptions import SubscriptionTable
@@ -330,7 +331,7 @@ class MqttTransport:
         if server_max:
             overhead = len(topic.encode("utf-8")) + 32 + 512  # topic, fixed header, chunk suffix, properties
             limit = min(limit, server_max - overhead)
-        return max(limit, HEADER_SIZE + 1024)
+        return max(limit, MIN_PAYLOAD)
 
     def publish(
         self,

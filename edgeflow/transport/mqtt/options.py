@@ -13,7 +13,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
 from edgeflow.errors import ConfigError
-from edgeflow.transport.chunking import HEADER_SIZE
+from edgeflow.transport.limits import check_limits
 from edgeflow.transport.message import MessageProperties
 
 __all__ = [
@@ -90,14 +90,7 @@ def check_options(*, protocol: str, max_payload: int, max_inflight: int, port: i
     if protocol not in ("auto", "5", "3.1.1"):
         msg = f"protocol must be 'auto', '5' or '3.1.1', got {protocol!r}"
         raise ConfigError(msg)
-    if max_payload < HEADER_SIZE + 1024:
-        msg = f"max_payload {max_payload} is too small; use at least {HEADER_SIZE + 1024} bytes"
-        raise ConfigError(msg)
-    if max_inflight < 1:
-        raise ConfigError("max_inflight must be >= 1")
-    if not 0 < int(port) < 65536:
-        msg = f"broker port must be in 1..65535, got {port!r}"
-        raise ConfigError(msg)
+    check_limits(max_payload=max_payload, max_inflight=max_inflight, port=port, server="broker")
     check_ws_options(ws_path, ws_headers)
 
 

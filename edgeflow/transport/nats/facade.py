@@ -25,7 +25,7 @@ from typing import Any
 from edgeflow.errors import ConfigError, TransportError
 from edgeflow.transport.backoff import Backoff
 from edgeflow.transport.base import Payload, WillSpec
-from edgeflow.transport.chunking import HEADER_SIZE, Reassembler
+from edgeflow.transport.chunking import Reassembler
 from edgeflow.transport.message import (
     ConnectionEvent,
     ConnectionListener,
@@ -35,6 +35,7 @@ from edgeflow.transport.message import (
     Subscription,
     TlsConfig,
 )
+from edgeflow.transport.limits import MIN_PAYLOAD, check_limits
 from edgeflow.transport.dispatching import Counters, check_subscribe
 from edgeflow.transport.nats.dispatch import Dispatcher, HandlerTable, LocalHandler
 from edgeflow.transport.nats.jetstream import NatsFrame
@@ -100,13 +101,7 @@ class NatsTransport:
             raise ConfigError(msg)
         if mqtt_options.get("websockets"):
             raise ConfigError("websockets are an MQTT option; NATS URLs are nats:// or tls://")
-        if max_payload < HEADER_SIZE + 1024:
-            msg = f"max_payload {max_payload} is too small; use at least {HEADER_SIZE + 1024} bytes"
-            raise ConfigError(msg)
-        if max_inflight < 1:
-            raise ConfigError("max_inflight must be >= 1")
-        if not 0 < int(port) < 65536:
-            raise ConfigError(f"NATS port must be in 1..65535, got {port!r}")
+        check_limits(max_payload=max_payload, max_inflight=max_inflight, port=port, server="NATS")
         self.host = host
         self.port = int(port)
         self.client_id = client_id or f"edgeflow-{uuid.uuid4().hex[:12]}"
@@ -284,7 +279,7 @@ class NatsTransport:
         if server:
             overhead = len(topic.encode("utf-8")) * 2 + 1024  # subject, headers (ids, properties), chunk suffix
             limit = min(limit, server - overhead)
-        return max(limit, HEADER_SIZE + 1024)
+        return max(limit, MIN_PAYLOAD)
 
     def publish(self, topic: str, payload: Payload, *, qos: int = 1, retain: bool = False,
                 properties: MessageProperties | None = None, raw: bool = False) -> Delivery:
