@@ -52,7 +52,7 @@ import time
 import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from edgeflow.errors import CodecError
