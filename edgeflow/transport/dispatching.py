@@ -8,8 +8,8 @@ The rules of that side live here, once:
 
 - :func:`check_subscribe`: the arguments of ``subscribe`` (QoS 0 or 1, a
   callable handler);
-- :func:`queue_listeners`: connection listeners run on the worker, in order
-  with the messages;
+- :class:`ConnectionListeners` and :func:`queue_listeners`: connection
+  listeners run on the worker, in order with the messages;
 - :func:`run_worker`: the worker loop (expire stale transfers once a second,
   handle messages, call listeners; a bug in either never stops the thread);
 - :func:`reassemble`: one received chunk into the reassembler, a complete
@@ -36,7 +36,7 @@ from edgeflow.errors import CodecError, ConfigError
 from edgeflow.transport.chunking import Reassembler
 from edgeflow.transport.message import ConnectionEvent, ConnectionListener, Handler, Message, MessageProperties
 
-__all__ = ["STOP", "Counters", "check_subscribe", "deliver", "queue_listeners", "reassemble", "run_worker"]
+__all__ = ["STOP", "ConnectionListeners", "Counters", "check_subscribe", "deliver", "queue_listeners", "reassemble", "run_worker"]
 
 log = logging.getLogger("edgeflow.transport")
 
@@ -75,6 +75,25 @@ def queue_listeners(work: queue.Queue[object], listeners: list[ConnectionListene
     """Queue one call per listener on the worker's queue (they run in order with the messages)."""
     for fn in listeners:
         work.put(lambda fn=fn: fn(event))
+
+
+class ConnectionListeners:
+    """A transport's connection listeners; :meth:`notify` queues one call of each on the worker's
+    queue. Thread-safe."""
+
+    def __init__(self, work: queue.Queue[object]) -> None:
+        self._work = work
+        self._lock = threading.Lock()
+        self._listeners: list[ConnectionListener] = []
+
+    def add(self, listener: ConnectionListener) -> None:
+        with self._lock:
+            self._listeners.append(listener)
+
+    def notify(self, event: ConnectionEvent) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        queue_listeners(self._work, listeners, event)
 
 
 def run_worker(work: queue.Queue[object], *, inbound: type, handle: Callable[[object], None],

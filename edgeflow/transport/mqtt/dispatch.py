@@ -24,8 +24,8 @@ from typing import Protocol
 
 from edgeflow.errors import CodecError
 from edgeflow.transport.chunking import Reassembler
-from edgeflow.transport.dispatching import STOP, Counters, deliver, queue_listeners, reassemble, run_worker
-from edgeflow.transport.message import ConnectionEvent, ConnectionListener, Delivery, Message, MessageProperties
+from edgeflow.transport.dispatching import STOP, Counters, deliver, reassemble, run_worker
+from edgeflow.transport.message import Delivery, Message, MessageProperties
 from edgeflow.transport.mqtt.subscriptions import SubscriptionTable
 from edgeflow.transport.topics import split_chunk_topic
 
@@ -83,9 +83,6 @@ class Dispatcher:
 
     def put(self, item: Inbound) -> None:
         self.queue.put(item)
-
-    def notify(self, listeners: list[ConnectionListener], event: ConnectionEvent) -> None:
-        queue_listeners(self.queue, listeners, event)
 
     def _loop(self) -> None:
         run_worker(self.queue, inbound=Inbound, handle=self._handle, after=self._ack_handled,  # type: ignore[arg-type]

@@ -48,7 +48,7 @@ from edgeflow.transport.mqtt.dispatch import Dispatcher
 from edgeflow.transport.mqtt.netloop import NetLoop
 from edgeflow.transport.mqtt.options import DEFAULT_MAX_PAYLOAD, V5, V311, check_options
 from edgeflow.transport.limits import MIN_PAYLOAD
-from edgeflow.transport.dispatching import Counters, check_subscribe
+from edgeflow.transport.dispatching import ConnectionListeners, Counters, check_subscribe
 from edgeflow.transport.mqtt.state import ConnState, Link
 from edgeflow.transport.mqtt.subscriptions import SubscriptionTable
 from edgeflow.transport.outbox import Frame, Outbox
@@ -139,7 +139,6 @@ class MqttTransport:
         memory. Chunks of a refused topic are dropped before any buffer is allocated."""
 
         self._lock = threading.Lock()
-        self._listeners: list[ConnectionListener] = []
         self._retained_chunks = RetainedChunks()
         self._counters = Counters()
         self._link = Link()
@@ -150,6 +149,7 @@ class MqttTransport:
             max_sender_bytes=max_sender_bytes,
         )
         self._dispatch = Dispatcher(self, self._subs, self._reassembler, self._counters)
+        self._listeners = ConnectionListeners(self._dispatch.queue)
         self._net = NetLoop(self, self._link, self._outbox, self._subs, self._dispatch, self._counters,
                             Backoff(reconnect_min_s, max(reconnect_min_s, reconnect_max_s)),
                             V311 if protocol == "3.1.1" else V5)
@@ -225,13 +225,10 @@ class MqttTransport:
 
         Devices use it to publish their birth message after each reconnect.
         """
-        with self._lock:
-            self._listeners.append(listener)
+        self._listeners.add(listener)
 
     def _notify(self, event: ConnectionEvent) -> None:
-        with self._lock:
-            listeners = list(self._listeners)
-        self._dispatch.notify(listeners, event)
+        self._listeners.notify(event)
 
     def _make_client(self) -> paho.Client:
         """The paho client for the next connection attempt (a seam for tests that wrap it)."""

@@ -21,10 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from edgeflow.transport.chunking import Reassembler
-from edgeflow.transport.dispatching import STOP, deliver, queue_listeners, reassemble, run_worker
+from edgeflow.transport.dispatching import STOP, deliver, reassemble, run_worker
 from edgeflow.transport.message import (
-    ConnectionEvent,
-    ConnectionListener,
     Handler,
     Message,
     MessageProperties,
@@ -115,9 +113,6 @@ class Dispatcher:
 
     def put(self, item: Inbound) -> None:
         self.queue.put(item)
-
-    def notify(self, listeners: list[ConnectionListener], event: ConnectionEvent) -> None:
-        queue_listeners(self.queue, listeners, event)
 
     def _loop(self) -> None:
         run_worker(self.queue, inbound=Inbound, handle=self._handle,  # type: ignore[arg-type]

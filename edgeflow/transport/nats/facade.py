@@ -36,7 +36,7 @@ from edgeflow.transport.message import (
     TlsConfig,
 )
 from edgeflow.transport.limits import MIN_PAYLOAD, check_limits
-from edgeflow.transport.dispatching import Counters, check_subscribe
+from edgeflow.transport.dispatching import ConnectionListeners, Counters, check_subscribe
 from edgeflow.transport.nats.dispatch import Dispatcher, HandlerTable, LocalHandler
 from edgeflow.transport.nats.jetstream import NatsFrame
 from edgeflow.transport.nats.link import Link
@@ -123,7 +123,6 @@ class NatsTransport:
         self.servers = [f"{scheme}://{host_part}:{self.port}"]
 
         self._lock = threading.Lock()
-        self._listeners: list[ConnectionListener] = []
         self._retained_chunks = RetainedChunks()
         self._counters = Counters()
         self._outbox = Outbox(max_queued_bytes)
@@ -131,6 +130,7 @@ class NatsTransport:
         self._reassembler = Reassembler(timeout_s=chunk_timeout_s, max_transfer_bytes=max_transfer_bytes,
                                         max_total_bytes=max_reassembly_bytes, max_sender_bytes=max_sender_bytes)
         self._dispatch = Dispatcher(self.name, self._handlers, self._reassembler, self._counters.add, accept_transfer)
+        self._listeners = ConnectionListeners(self._dispatch.queue)
         self._link = Link(self, self._outbox, self._dispatch, self._counters.add,
                           Backoff(reconnect_min_s, max(reconnect_min_s, reconnect_max_s)))
         self._started = False
@@ -198,13 +198,10 @@ class NatsTransport:
         return out
 
     def add_connection_listener(self, listener: ConnectionListener) -> None:
-        with self._lock:
-            self._listeners.append(listener)
+        self._listeners.add(listener)
 
     def _notify(self, event: ConnectionEvent) -> None:
-        with self._lock:
-            listeners = list(self._listeners)
-        self._dispatch.notify(listeners, event)
+        self._listeners.notify(event)
 
     # -------------------------------------------------------------- lifecycle
 
