@@ -125,6 +125,12 @@ class Outbox:
                 self._release_locked(f)
             return frames
 
+    def abandon(self) -> None:
+        """On close: remove every waiting frame and fail its delivery ("transport closed before ...")."""
+        for frame in self.drain():
+            if frame.delivery is not None:
+                frame.delivery._fail(TransportError(f"transport closed before {frame.topic} was delivered"))
+
     def wait_empty(self, timeout: float | None) -> bool:
         with self._lock:
             return self._empty.wait_for(lambda: self._bytes == 0, timeout)

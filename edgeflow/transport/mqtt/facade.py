@@ -304,9 +304,7 @@ class MqttTransport:
         if self._net_thread is not None:
             self._net.wake()
             self._net_thread.join(timeout)
-        for frame in self._outbox.drain():
-            if frame.delivery is not None:
-                frame.delivery._fail(TransportError(f"transport closed before {frame.topic} was delivered"))
+        self._outbox.abandon()
         self._net.fail_inflight()
         self._dispatch.stop(timeout)
         link.to(ConnState.CLOSED)

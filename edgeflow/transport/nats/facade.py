@@ -253,9 +253,7 @@ class NatsTransport:
                 self._counters.add("close_errors")
                 self._link.last_error = exc
             self._link.stop_loop(timeout)
-        for frame in self._outbox.drain():
-            if frame.delivery is not None:
-                frame.delivery._fail(TransportError(f"transport closed before {frame.topic} was delivered"))
+        self._outbox.abandon()
         self._link.fail_inflight()
         self._dispatch.stop(timeout)
         self._link._set(up=False)
