@@ -3,7 +3,9 @@
 :class:`Transport` (:mod:`.base`) is the seam everything above the transport
 is written against. Pure modules import nothing heavy: :mod:`.base`,
 :mod:`.topics` (the topic scheme), :mod:`.chunking` (split/reassemble),
-:mod:`.url`, :mod:`.backoff`, :mod:`.outbox`, :mod:`.message`.
+:mod:`.url`, :mod:`.backoff`, :mod:`.outbox`, :mod:`.message`, and the rules every
+transport shares: :mod:`.framing` (publish), :mod:`.dispatching` (receive),
+:mod:`.limits` (option checks).
 :class:`MqttTransport` (package :mod:`.mqtt`, the only code that imports
 paho), :class:`NatsTransport` (package :mod:`.nats`, the only code that
 imports nats-py; ``nats://``/``tls://`` URLs), the in-process :class:`LoopbackBroker`/:class:`LoopbackTransport`
