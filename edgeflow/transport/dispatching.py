@@ -12,8 +12,8 @@ The rules of that side live here, once:
   listeners run on the worker, in order with the messages;
 - :func:`run_worker`: the worker loop (expire stale transfers once a second,
   handle messages, call listeners; a bug in either never stops the thread);
-- :func:`reassemble`: one received chunk into the reassembler, a complete
-  transfer out as one :class:`Message`;
+- :func:`receive`: one received message as the :class:`Message` handlers
+  see (a chunk goes into the reassembler, a complete transfer comes out);
 - :func:`deliver`: a message to the matching handlers (empty payloads only to
   ``include_empty`` ones, a failing handler never stops the others);
 - :class:`Counters`: the ``stats()`` counters, safe from any thread.
@@ -35,8 +35,9 @@ from collections.abc import Callable, Iterable
 from edgeflow.errors import CodecError, ConfigError
 from edgeflow.transport.chunking import Reassembler
 from edgeflow.transport.message import ConnectionEvent, ConnectionListener, Handler, Message, MessageProperties
+from edgeflow.transport.topics import split_chunk_topic
 
-__all__ = ["STOP", "ConnectionListeners", "Counters", "check_subscribe", "deliver", "queue_listeners", "reassemble", "run_worker"]
+__all__ = ["STOP", "ConnectionListeners", "Counters", "check_subscribe", "deliver", "queue_listeners", "receive", "run_worker"]
 
 log = logging.getLogger("edgeflow.transport")
 
@@ -139,13 +140,17 @@ def _handle_one(item: object, handle: Callable[[object], None], count: Count, na
             after(item)
 
 
-def reassemble(topic: str, base: str, payload: bytes, *, qos: int, retain: bool, properties: MessageProperties,
-               reassembler: Reassembler, accept_transfer: Callable[[str], bool] | None, count: Count, name: str,
-               on_bad: Callable[[CodecError], None] | None = None) -> Message | None:
-    """One chunk received on ``topic`` (``<base>/_chunk/<i>``) into the reassembler; the whole
-    payload as one :class:`Message` once its transfer is complete, else None. Empty chunks (a
-    cleared retained chunk), chunks from a refused sender and bad chunks are counted and dropped;
-    ``on_bad`` runs after a bad chunk was counted and logged."""
+def receive(topic: str, payload: bytes, *, qos: int, retain: bool, properties: MessageProperties,
+            reassembler: Reassembler, accept_transfer: Callable[[str], bool] | None, count: Count, name: str,
+            on_bad: Callable[[CodecError], None] | None = None) -> Message | None:
+    """What one received message means for the handlers: itself as a :class:`Message`, or, for a
+    chunk on ``<base>/_chunk/<i>``, the whole payload once its transfer is complete (else None).
+    Empty chunks (a cleared retained chunk), chunks from a refused sender and bad chunks are
+    counted and dropped; ``on_bad`` runs after a bad chunk was counted and logged."""
+    split = split_chunk_topic(topic)
+    if split is None:
+        return Message(topic, payload, qos, retain, properties)
+    base, _index = split
     if not payload:
         count("empty_skipped")
         return None

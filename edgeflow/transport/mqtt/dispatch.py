@@ -24,12 +24,12 @@ from typing import Protocol
 
 from edgeflow.errors import CodecError
 from edgeflow.transport.chunking import Reassembler
-from edgeflow.transport.dispatching import STOP, Counters, deliver, reassemble, run_worker
+from edgeflow.transport.dispatching import STOP, Counters, deliver, receive, run_worker
 from edgeflow.transport.message import Delivery, Message, MessageProperties
 from edgeflow.transport.mqtt.subscriptions import SubscriptionTable
-from edgeflow.transport.topics import split_chunk_topic
 
 __all__ = ["Dispatcher", "Inbound"]
+
 
 @dataclass
 class Inbound:
@@ -93,14 +93,9 @@ class Dispatcher:
             self.ack(item)
 
     def _handle(self, raw: Inbound) -> None:
-        split = split_chunk_topic(raw.topic)
-        if split is None:
-            self.dispatch(Message(raw.topic, raw.payload, raw.qos, raw.retain, raw.properties))
-            return
-        base, _index = split
-        msg = reassemble(raw.topic, base, raw.payload, qos=raw.qos, retain=raw.retain, properties=raw.properties,
-                         reassembler=self.reassembler, accept_transfer=self._owner.accept_transfer,
-                         count=self._count, name=self._owner.name, on_bad=lambda exc: self._clear_junk(raw, exc))
+        msg = receive(raw.topic, raw.payload, qos=raw.qos, retain=raw.retain, properties=raw.properties,
+                      reassembler=self.reassembler, accept_transfer=self._owner.accept_transfer,
+                      count=self._count, name=self._owner.name, on_bad=lambda exc: self._clear_junk(raw, exc))
         if msg is not None:
             self.dispatch(msg)
 

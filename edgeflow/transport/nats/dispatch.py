@@ -21,14 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from edgeflow.transport.chunking import Reassembler
-from edgeflow.transport.dispatching import STOP, deliver, reassemble, run_worker
+from edgeflow.transport.dispatching import STOP, deliver, receive, run_worker
 from edgeflow.transport.message import (
     Handler,
     Message,
     MessageProperties,
     Subscription,
 )
-from edgeflow.transport.topics import TopicFilter, split_chunk_topic
+from edgeflow.transport.topics import TopicFilter
 
 __all__ = ["Dispatcher", "HandlerTable", "Inbound", "LocalHandler"]
 
@@ -133,14 +133,9 @@ class Dispatcher:
         if not raw.retain and self._duplicate(raw.msg_id):
             self._count("duplicates_dropped")
             return
-        split = split_chunk_topic(raw.topic)
-        if split is None:
-            self.dispatch(Message(raw.topic, raw.payload, raw.qos, raw.retain, raw.properties))
-            return
-        base, _index = split
-        msg = reassemble(raw.topic, base, raw.payload, qos=raw.qos, retain=raw.retain, properties=raw.properties,
-                         reassembler=self.reassembler, accept_transfer=self.accept_transfer, count=self._count,
-                         name=self.name)
+        msg = receive(raw.topic, raw.payload, qos=raw.qos, retain=raw.retain, properties=raw.properties,
+                      reassembler=self.reassembler, accept_transfer=self.accept_transfer, count=self._count,
+                      name=self.name)
         if msg is not None:
             self.dispatch(msg)
 
