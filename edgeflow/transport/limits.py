@@ -11,7 +11,7 @@ from __future__ import annotations
 from edgeflow.errors import ConfigError
 from edgeflow.transport.chunking import HEADER_SIZE
 
-__all__ = ["MIN_PAYLOAD", "check_limits"]
+__all__ = ["MIN_PAYLOAD", "check_limits", "payload_limit"]
 
 MIN_PAYLOAD = HEADER_SIZE + 1024
 """The smallest ``max_payload`` a transport accepts or derives, in bytes."""
@@ -28,3 +28,13 @@ def check_limits(*, max_payload: int, max_inflight: int, port: int | str, server
     if not 0 < int(port) < 65536:
         msg = f"{server} port must be in 1..65535, got {port!r}"
         raise ConfigError(msg)
+
+
+def payload_limit(max_payload: int, server_max: int | None, overhead: int) -> int:
+    """The largest payload (or chunk) to send as one message: ``max_payload``, lowered to fit the
+    server's announced maximum less the transport's ``overhead`` for this topic, never below
+    :data:`MIN_PAYLOAD`."""
+    limit = max_payload
+    if server_max:
+        limit = min(limit, server_max - overhead)
+    return max(limit, MIN_PAYLOAD)

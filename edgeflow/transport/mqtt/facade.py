@@ -47,7 +47,7 @@ from edgeflow.transport.message import (
 from edgeflow.transport.mqtt.dispatch import Dispatcher
 from edgeflow.transport.mqtt.netloop import NetLoop
 from edgeflow.transport.mqtt.options import DEFAULT_MAX_PAYLOAD, V5, V311, check_options
-from edgeflow.transport.limits import MIN_PAYLOAD
+from edgeflow.transport.limits import payload_limit
 from edgeflow.transport.dispatching import ConnectionListeners, Counters, check_subscribe
 from edgeflow.transport.mqtt.state import ConnState, Link
 from edgeflow.transport.mqtt.subscriptions import SubscriptionTable
@@ -321,12 +321,8 @@ class MqttTransport:
     # ---------------------------------------------------------------- publish
 
     def _effective_max_payload(self, topic: str) -> int:
-        limit = self.max_payload
-        server_max = self._net.server_max_packet
-        if server_max:
-            overhead = len(topic.encode("utf-8")) + 32 + 512  # topic, fixed header, chunk suffix, properties
-            limit = min(limit, server_max - overhead)
-        return max(limit, MIN_PAYLOAD)
+        overhead = len(topic.encode("utf-8")) + 32 + 512  # topic, fixed header, chunk suffix, properties
+        return payload_limit(self.max_payload, self._net.server_max_packet, overhead)
 
     def publish(
         self,

@@ -35,7 +35,7 @@ from edgeflow.transport.message import (
     Subscription,
     TlsConfig,
 )
-from edgeflow.transport.limits import MIN_PAYLOAD, check_limits
+from edgeflow.transport.limits import check_limits, payload_limit
 from edgeflow.transport.dispatching import ConnectionListeners, Counters, check_subscribe
 from edgeflow.transport.nats.dispatch import Dispatcher, HandlerTable, LocalHandler
 from edgeflow.transport.nats.jetstream import NatsFrame
@@ -269,12 +269,8 @@ class NatsTransport:
     # ---------------------------------------------------------------- publish
 
     def _limit(self, topic: str) -> int:
-        limit = self.max_payload
-        server = self._link.server_max_payload
-        if server:
-            overhead = len(topic.encode("utf-8")) * 2 + 1024  # subject, headers (ids, properties), chunk suffix
-            limit = min(limit, server - overhead)
-        return max(limit, MIN_PAYLOAD)
+        overhead = len(topic.encode("utf-8")) * 2 + 1024  # subject, headers (ids, properties), chunk suffix
+        return payload_limit(self.max_payload, self._link.server_max_payload, overhead)
 
     def publish(self, topic: str, payload: Payload, *, qos: int = 1, retain: bool = False,
                 properties: MessageProperties | None = None, raw: bool = False) -> Delivery:
