@@ -1,10 +1,11 @@
 """The receive side every transport shares: subscribe checks, the worker loop, chunks, delivery to handlers.
 
-MQTT, NATS and the loopback transport receive the same way: a network (or
-hub) thread queues what arrives, and one worker thread per transport runs,
-in arrival order, the reassembly of chunked payloads and the user's handlers
-and connection listeners, so a slow handler never stalls the connection.
-The rules of that side live here, once:
+MQTT and NATS receive the same way: a network thread queues what arrives,
+and one worker thread per transport runs, in arrival order, the reassembly of
+chunked payloads and the user's handlers and connection listeners, so a slow
+handler never stalls the connection. The loopback transport (no real chunks,
+its own idle bookkeeping) shares the subscribe checks, listener queueing and
+delivery. The rules of that side live here, once:
 
 - :func:`check_subscribe`: the arguments of ``subscribe`` (QoS 0 or 1, a
   callable handler);
