@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import threading
-import time
 from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 from typing import Any, Callable
 
@@ -102,7 +102,7 @@ class SimConfig(_Knobs):
         if problems:
             raise ConfigError("simulation: " + "; ".join(problems))
         if not self.fleet:
-            self.fleet = f"sim{int(time.time() * 1000) % 10**9}"
+            self.fleet = f"sim{secrets.token_hex(5)}"  # unique: two runs on one broker never share client ids
 
     def train_config(self) -> TrainConfig:
         knobs = {n: getattr(self, n) for n in TRAIN_KNOBS}

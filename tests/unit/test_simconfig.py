@@ -48,3 +48,12 @@ def test_settings_flow_into_the_round_and_training_config():
 def test_a_bad_setting_is_one_line():
     with pytest.raises(ConfigError, match="simulation: rounds must be an integer, got 'three'"):
         SimConfig(rounds="three")
+
+
+def test_two_simulations_get_different_fleets_and_so_different_client_ids():
+    """Client ids are fleet-device: two runs started in the same millisecond on one broker used to share
+    a fleet name (milliseconds since the epoch) and took each other's sessions."""
+    from edgeflow.sim.simulation import SimConfig
+
+    names = {SimConfig().fleet for _ in range(50)}
+    assert len(names) == 50
