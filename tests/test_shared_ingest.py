@@ -161,3 +161,19 @@ def test_shared_filter_names_the_update_channel():
     assert shared_filter("lab", "g1") == "$share/g1/edgeflow/lab/+/update"
     with pytest.raises(ConfigError):
         shared_filter("lab", "bad group")
+
+
+@pytest.mark.parametrize("strategy, params", [("median", {}), ("fedavg-krum", {"num_byzantine": 1})])
+def test_a_strategy_that_needs_each_update_is_refused_with_workers_at_start(tmp_path, strategy, params):
+    """The workers hand the coordinator partial sums: a strategy that holds every update (median,
+    Krum-based) would fail at the first merge; it is refused when the manager starts, in one line."""
+    from edgeflow.transport.loopback import LoopbackBroker
+
+    fleet_key = PrivateKey.generate()
+    gt = LoopbackBroker().transport(client_id=f"{FLEET}-gateway")
+    rm = RoundManager(gt, GatewayStore(tmp_path / "gw.sqlite"), fleet=FLEET, fleet_key=fleet_key, keyring=KeyRing(),
+                      model=zoo.digits_mlp(seed=5),
+                      config=RoundConfig(rounds=1, min_clients=5, strategy=strategy, strategy_params=params),
+                      candidates=lambda: [], ingest=SharedIngest())
+    with pytest.raises(ConfigError, match=f"strategy '{strategy}' needs each update.*ingestion workers"):
+        rm.start()
