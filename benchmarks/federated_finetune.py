@@ -49,6 +49,7 @@ import time
 import numpy as np
 
 from edgeflow.errors import EdgeflowError
+from edgeflow.cli._common import parse_key_values
 
 
 RECOMMENDED = ("--strategy", "fedavgm", "--strategy-param", "nesterov=true")
@@ -100,7 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     try:
-        args.strategy_params = _kv(args.strategy_param)
+        args.strategy_params = parse_key_values(args.strategy_param, "--strategy-param")
     except ValueError as exc:
         ap.error(str(exc))
     if args.recommended:
@@ -139,20 +140,6 @@ def report(args: argparse.Namespace, result: dict) -> None:
                   f"their weighted mean {100 * d['mean_model_accuracy']:.1f}%; classes per shard "
                   f"holding 90% of its samples: {d['classes_for_90pct']}")
         print(f"  {result['seconds']:.0f} s")
-
-
-def _kv(items: list[str]) -> dict:
-    """``["server_lr=3", "clip=off"]`` -> ``{"server_lr": 3, "clip": "off"}`` (values as JSON, else strings)."""
-    out = {}
-    for item in items:
-        k, sep, v = item.partition("=")
-        if not sep or not k:
-            raise ValueError(f"--strategy-param expects KEY=VALUE, got {item!r}")
-        try:
-            out[k] = json.loads(v)
-        except ValueError:
-            out[k] = v
-    return out
 
 
 def label_skew(shards: list[tuple], classes: int = 10) -> list[int]:

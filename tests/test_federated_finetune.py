@@ -89,7 +89,7 @@ def test_label_skew_counts_the_classes_that_hold_90_percent_of_a_shard():
 
 @pytest.mark.parametrize("args, names", [
     (["--strategy", "nope"], "strategy 'nope' is unknown"),
-    (["--strategy-param", "server_lr"], "--strategy-param expects KEY=VALUE"),
+    (["--strategy-param", "server_lr"], "--strategy-param: 'server_lr' is not KEY=VALUE"),
     (["--strategy", "fedavgm", "--strategy-param", "server_lr=-1"], "server_lr must be > 0"),
     (["--recommended", "--strategy", "fedadam"], "drop --strategy fedadam or --recommended"),
 ])

@@ -149,6 +149,23 @@ SHAPE_HELP = ("fix an input's dims, e.g. --shape x=1x3x320x320 (repeatable; '?' 
               "has it; NAME may also be a symbolic dim such as batch=4)")
 
 
+def parse_key_values(items: list[str] | None, flag: str) -> dict[str, Any]:
+    """``["lr=0.1", "mode=off"]`` (a flag given as KEY=VALUE, repeated) -> ``{"lr": 0.1, "mode": "off"}``: each value
+    read as JSON (numbers, true/false, lists), else kept as text. A missing ``=`` or key is one ConfigError line."""
+    from ..errors import ConfigError
+
+    out: dict[str, Any] = {}
+    for item in items or ():
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise ConfigError(f"{flag}: {item!r} is not KEY=VALUE")
+        try:
+            out[k] = json.loads(v)
+        except ValueError:
+            out[k] = v
+    return out
+
+
 def add_shape_arg(p) -> None:
     p.add_argument("--shape", action="append", default=[], metavar="NAME=DIMS", help=SHAPE_HELP)
 

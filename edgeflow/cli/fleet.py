@@ -815,26 +815,11 @@ def cmd_rollback(args) -> int:
     return 0 if all(a["ok"] for a in results.values()) else 1
 
 
-def _parse_kv(items: list[str]) -> dict[str, Any]:
-    from ..errors import ConfigError
-
-    out: dict[str, Any] = {}
-    for item in items:
-        k, sep, v = item.partition("=")
-        if not sep or not k:
-            raise ConfigError(f"argument {item!r} is not KEY=VALUE")
-        try:
-            out[k] = json.loads(v)
-        except ValueError:
-            out[k] = v
-    return out
-
-
 def cmd_cmd(args) -> int:
     from ..errors import ConfigError
-    from ._common import console, emit_json
+    from ._common import console, emit_json, parse_key_values
 
-    cmd_args = _parse_kv(args.kv)
+    cmd_args = parse_key_values(args.kv, "fleet cmd")
     if args.args:
         try:
             extra = json.loads(args.args)

@@ -98,26 +98,11 @@ def register(sub) -> None:
     p.set_defaults(func=cmd)
 
 
-def _kv(items: list[str]) -> dict:
-    import json
-
-    out = {}
-    for item in items:
-        k, sep, v = item.partition("=")
-        if not sep:
-            from ..errors import ConfigError
-
-            raise ConfigError(f"expected KEY=VALUE, got {item!r}")
-        try:
-            out[k] = json.loads(v)
-        except ValueError:
-            out[k] = v
-    return out
-
-
 def build_config(args):
     import dataclasses
     import sys
+
+    from ._common import parse_key_values
 
     from ..errors import ConfigError
     from ..sim.simulation import SimConfig
@@ -152,9 +137,9 @@ def build_config(args):
         if v is not None:
             settings[field] = v
     if args.codec_opt:
-        settings["codec_opts"] = {**settings.get("codec_opts", {}), **_kv(args.codec_opt)}
+        settings["codec_opts"] = {**settings.get("codec_opts", {}), **parse_key_values(args.codec_opt, "--codec-opt")}
     if args.strategy_param:
-        settings["strategy_params"] = {**settings.get("strategy_params", {}), **_kv(args.strategy_param)}
+        settings["strategy_params"] = {**settings.get("strategy_params", {}), **parse_key_values(args.strategy_param, "--strategy-param")}
     if args.run_config:
         from ..federated.app import parse_config_text
 
