@@ -65,6 +65,8 @@ MISTAKES = [
     ("rounds-sqlite-url-two-slashes", "rounds --state sqlite:/x", ["three slashes"]),
     ("rounds-postgres-down", "rounds --state postgresql://postgres@127.0.0.1:1/x",
      ["cannot connect to PostgreSQL", "host, port"]),
+    ("simulate-codec-opt-not-kv", "simulate --devices 2 --rounds 1 --codec-opt ratio",
+     ["--codec-opt: 'ratio' is not KEY=VALUE"]),
     ("fleet-cmd-unknown-device", "fleet cmd dev-b status --dir {d}/fleet --broker mqtt://127.0.0.1:1",
      ["device 'dev-b' is not provisioned", "did you mean 'dev-a'", "fleet provision"]),
     ("fleet-status-missing-dir", "fleet status --dir {d}/nofleet", ["not a fleet directory"]),
