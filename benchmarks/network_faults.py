@@ -73,6 +73,7 @@ class _Recorded:
         self._device = device
         self.round_of_next: int | None = None
         self.models: list[dict[str, Any]] = []
+        self.update_sent: dict[int, threading.Event] = {}  # round -> set when this device sends its update
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._t, name)
@@ -95,6 +96,7 @@ class _Recorded:
         d = self._t.publish(topic, payload, **kw)
         if topic.endswith("/update") and self.round_of_next is not None:
             r = self.round_of_next
+            self.update_sent.setdefault(r, threading.Event()).set()
 
             def done(dl: Any, r: int = r) -> None:
                 if dl.succeeded:
@@ -150,6 +152,7 @@ def run_scenario(scenario: str, *, devices: int = 10, rounds: int = 10, target: 
                              "duplicates": st.get("reassembly_duplicates", 0)}
     deltas: dict[tuple[str, int], dict[str, np.ndarray]] = {}
     clients: list[Client] = []
+    recorders: list[_Recorded] = []
     site_of: dict[str, str] = {}
     for i, idx in enumerate(parts):
         did = f"d{i:02d}"
@@ -160,6 +163,7 @@ def run_scenario(scenario: str, *, devices: int = 10, rounds: int = 10, target: 
         t = MqttTransport("127.0.0.1", ports[site], client_id=f"{FLEET}-{did}", clean_start=False,
                           max_payload=max_payload, name=did, **FAST)
         rec = _Recorded(t, acks, did)
+        recorders.append(rec)
         t.add_connection_listener(lambda ev, did=did, t=t: on_connection(did, t, ev))
 
         def hook(delta: dict, round_id: int, did: str = did, rec: _Recorded = rec) -> dict:
@@ -226,18 +230,25 @@ def run_scenario(scenario: str, *, devices: int = 10, rounds: int = 10, target: 
 
     fault_log: list[str] = []
     fault_error: list[BaseException] = []  # the fault itself failed (a broker that did not come back)
+    fault_at: dict[str, Any] = {}  # when the fault fired: the round, the gateway's partial update then
     t_start = [time.time()]
     stop = threading.Event()
 
     def faults() -> None:
         # wait for round 2 to open (its announcement is what the devices follow)
         # mid-round 2, mid-transfer: the gateway holds a partly reassembled update (chunks on their way)
-        while not stop.is_set():
-            if gt.stats().get("reassembly_bytes", 0) > 0 and any(r.round_id == 2 for r in gstore.open_rounds()):
-                break
-            time.sleep(0.001)
+        # The trigger is an event (a device hands its round-2 update to its transport), not a poll of the
+        # gateway: a poll could miss a short round on a loaded machine and report a run with no fault
+        # in it as the fault's result. Then up to 0.5 s for the gateway to hold a partial update.
+        sent = [rec.update_sent.setdefault(2, threading.Event()) for rec in recorders]
+        while not stop.is_set() and not any(e.wait(0.05) for e in sent):
+            pass
         if stop.is_set():
             return
+        t_sent = time.monotonic()
+        while gt.stats().get("reassembly_bytes", 0) == 0 and time.monotonic() - t_sent < 0.5:
+            time.sleep(0.001)
+        fault_at.update(round=2, gateway_partial_bytes=gt.stats().get("reassembly_bytes", 0))
         if scenario == "partition":
             fault_log.append(f"{time.time() - t_start[0]:.2f} s: site-a partitioned for {partition_s:g} s")
             proxy.partition("site-a", True)
@@ -272,6 +283,9 @@ def run_scenario(scenario: str, *, devices: int = 10, rounds: int = 10, target: 
         ft.join(partition_s + 10)
         if fault_error:
             raise fault_error[0]
+        if scenario in ("partition", "broker_restart") and not fault_at:
+            raise RuntimeError(f"{scenario}: the fault was never injected (no device sent a round-2 update); "
+                               "run at least 2 rounds")
         if scenario == "model_cut":
             time.sleep(1.0)  # whatever the broker still re-sends after the model (duplicates) is counted
         # -- accounting ----------------------------------------------------------------------
@@ -318,6 +332,7 @@ def run_scenario(scenario: str, *, devices: int = 10, rounds: int = 10, target: 
             "transfers_completed_devices": sum(s.get("transfers_completed", 0) for s in dev_stats),
             "proxy": dict(proxy.stats),
             "faults": fault_log,
+            "fault_at": fault_at,
         })
         if scenario == "model_cut":
             out["model_cut"] = _model_cut_report(cut, cut_seen, clients, counted, dev_stats)
