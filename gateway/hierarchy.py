@@ -65,7 +65,7 @@ from edgeflow.transport.topics import ROOT, validate_id
 from .aggregation import AggregateResult, Schema
 from .rounds import GATEWAY_ID, Candidate, RoundConfig, RoundManager, RoundMetrics, model_with_weights
 from .store import GatewayStore
-from .strategies import FedAvg
+from .strategies import FedAvg, folds_partials, partial_folding_strategies
 
 log = logging.getLogger("edgeflow.gateway.hierarchy")
 
@@ -85,8 +85,6 @@ __all__ = [
 ]
 
 ROLES = ("flat", "site", "root")
-
-_PARTIAL_CAPABLE = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
 
 
 @dataclass(frozen=True)
@@ -174,9 +172,9 @@ def check_root_config(config: RoundConfig) -> None:
     problems = []
     if config.mode != "sync":
         problems.append("hierarchical rounds need mode 'sync'")
-    if config.strategy not in _PARTIAL_CAPABLE:
+    if not folds_partials(config.strategy):
         problems.append(f"strategy {config.strategy!r} needs each device update; a root only receives site sums "
-                        f"(use one of {', '.join(_PARTIAL_CAPABLE)})")
+                        f"(use one of {', '.join(partial_folding_strategies())})")
     if config.dp:
         problems.append("central DP clips each device update: it cannot run at the root")
     if config.secagg is not None:
@@ -192,7 +190,7 @@ def check_site_config(config: RoundConfig) -> None:
         problems.append("hierarchical rounds need mode 'sync'")
     if config.dp:
         problems.append("central DP is not supported in hierarchical rounds")
-    if config.strategy not in _PARTIAL_CAPABLE:
+    if not folds_partials(config.strategy):
         problems.append(f"strategy {config.strategy!r} cannot be split across sites")
     if problems:
         raise ConfigError("site gateway: " + "; ".join(problems))

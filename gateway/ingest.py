@@ -321,11 +321,9 @@ class SharedIngest:
         self.db: IngestStore | None = None
         self.last_merge: dict[str, Any] = {}
 
+    folds_partials = True  # the workers hand over partial sums, never each update (RoundManager checks)
+
     def attach(self, rounds: RoundManager) -> None:
-        if not hasattr(rounds.strategy, "add_partial"):  # the workers hand over partial sums, never each update
-            raise ConfigError(f"strategy {rounds.config.strategy!r} needs each update (it holds them to compare); "
-                              "ingestion workers send the coordinator partial sums: use fedavg (or another "
-                              "summing strategy) with workers, or run without them")
         self.db = IngestStore(rounds.store.url)
 
     def poll(self, rounds: RoundManager, ann: RoundAnnouncement) -> None:

@@ -13,6 +13,8 @@ from edgeflow.codecs import available_codecs
 from edgeflow.errors import ConfigError
 from edgeflow.protocol.rounds import TrainConfig
 
+from .strategies import folds_partials
+
 __all__ = ["Candidate", "RoundConfig"]
 
 
@@ -141,7 +143,7 @@ class RoundConfig:
                 problems.append("secagg and central dp cannot be combined (dp clips each update in the clear)")
             if self.mode != "sync":
                 problems.append("secagg needs mode 'sync'")
-            if self.strategy not in ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad"):
+            if not folds_partials(self.strategy):
                 problems.append(f"secagg reveals only the sum: strategy {self.strategy!r} needs each update")
             unknown = set(self.secagg) - {"max_dropout_fraction", "clip", "phase_timeout_s", "ring_bits", "frac_bits",
                                           "weight_cap", "norm_bound"}

@@ -107,7 +107,7 @@ from .open_round import OpenRound
 from .round_config import Candidate, RoundConfig
 from .secure_rounds import SecureRounds
 from .store import GatewayStore, StoreError
-from .strategies import make_aggregator
+from .strategies import folds_partials, make_aggregator
 
 log = logging.getLogger("edgeflow.gateway.rounds")
 
@@ -177,7 +177,9 @@ class UpdateSource(Protocol):
     0.1 s with the open round's lock held); ``merge`` runs once the round
     closed, before ``finish``: it must leave the open round's aggregator
     (``rounds.open.agg``) holding every accepted update exactly once, and its
-    intake (``rounds.open.replace_intake``) saying what was taken in.
+    intake (``rounds.open.replace_intake``) saying what was taken in. A source whose
+    ``folds_partials`` is true hands over pre-added sums: the manager then refuses a
+    strategy that cannot fold them.
     """
 
     def attach(self, rounds: "RoundManager") -> None: ...
@@ -292,11 +294,25 @@ class RoundManager:
             self.weights = {n: self.weights[n] for n in names}
         self.epoch = self._new_epoch()
         self._strategy = aggregator if aggregator is not None else self._make_strategy()
-        if contributions == "partials" and not hasattr(self._strategy, "add_partial"):
-            raise ConfigError(f"strategy {config.strategy!r} cannot fold partial aggregates (it needs each update)")
+        self._require_partial_folding(contributions, ingest)
         self._restore_run()
 
     # -- plumbing -----------------------------------------------------------
+    def _require_partial_folding(self, contributions: str, ingest: UpdateSource | None) -> None:
+        """One rule for both ways sums arrive pre-added (site gateways' partial aggregates, ingestion
+        workers' partial sums): the strategy must fold them (``add_partial``); one holding each update
+        to compare (median, Krum-based) is refused here, before anything connects."""
+        if folds_partials(self._strategy):
+            return
+        if contributions == "partials":
+            who = "site gateways send partial aggregates"
+        elif getattr(ingest, "folds_partials", False):
+            who = "ingestion workers send the coordinator partial sums"
+        else:
+            return
+        raise ConfigError(f"strategy {self.config.strategy!r} needs each update (it holds them to compare); "
+                          f"{who}: use fedavg (or another summing strategy) with them, or run without them")
+
     def _new_epoch(self) -> int:
         """This process's epoch: now in ms, and above every epoch the state saw before."""
         prev = self.store.get_meta("epoch")

@@ -1064,6 +1064,27 @@ def make_aggregator(name: str, **params: Any) -> Aggregator:
         raise ConfigError(f"aggregator {key!r}: {exc}") from exc
 
 
+def folds_partials(strategy: Any) -> bool:
+    """The one rule for pre-added sums (site gateways' partial aggregates, ingestion workers' partial
+    sums, a secure-aggregation total): a strategy -- an aggregator, its class or its registered
+    name -- can take them only if it has ``add_partial``; one that holds each update to compare
+    (median, Krum-based, Bulyan) cannot."""
+    if isinstance(strategy, str):
+        key = strategy.strip().lower().replace("_", "-")
+        cls = _REGISTRY.get(key)
+        if cls is None and ":" in strategy:
+            from .custom_strategy import load_strategy
+
+            cls = load_strategy(strategy)
+        strategy = cls
+    return callable(getattr(strategy, "add_partial", None))
+
+
+def partial_folding_strategies() -> list[str]:
+    """Registered names that :func:`folds_partials`, for messages."""
+    return [k for k, cls in sorted(_REGISTRY.items()) if folds_partials(cls)]
+
+
 def _accepted_params(cls: type) -> set[str]:
     out: set[str] = set()
     for klass in cls.__mro__:

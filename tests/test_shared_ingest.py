@@ -171,9 +171,8 @@ def test_a_strategy_that_needs_each_update_is_refused_with_workers_at_start(tmp_
 
     fleet_key = PrivateKey.generate()
     gt = LoopbackBroker().transport(client_id=f"{FLEET}-gateway")
-    rm = RoundManager(gt, GatewayStore(tmp_path / "gw.sqlite"), fleet=FLEET, fleet_key=fleet_key, keyring=KeyRing(),
-                      model=zoo.digits_mlp(seed=5),
-                      config=RoundConfig(rounds=1, min_clients=5, strategy=strategy, strategy_params=params),
-                      candidates=lambda: [], ingest=SharedIngest())
     with pytest.raises(ConfigError, match=f"strategy '{strategy}' needs each update.*ingestion workers"):
-        rm.start()
+        RoundManager(gt, GatewayStore(tmp_path / "gw.sqlite"), fleet=FLEET, fleet_key=fleet_key, keyring=KeyRing(),
+                     model=zoo.digits_mlp(seed=5),
+                     config=RoundConfig(rounds=1, min_clients=5, strategy=strategy, strategy_params=params),
+                     candidates=lambda: [], ingest=SharedIngest())
