@@ -85,3 +85,25 @@ def test_an_outage_is_still_a_warning_once_it_lasts(tmp_path, mosquitto_factory,
     err = dev.wait(start)
     warnings = [line for line in err.splitlines() if line.startswith("WARNING")]
     assert len(warnings) == 1 and "lost" in warnings[0] and "still reconnecting" in warnings[0], err
+
+
+def test_a_broker_that_is_not_there_yet_is_one_warning_not_one_per_retry(caplog):
+    """A gateway or device started before its broker: the first refusal is a warning, the same refusal
+    on each retry is INFO (before: a warning per retry, 7 lines in the 30 s a gateway waits)."""
+    import logging
+    import socket
+
+    from edgeflow.errors import TransportError
+    from edgeflow.transport import MqttTransport
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t = MqttTransport("127.0.0.1", port, client_id="lab-gateway", name="lab-gateway")
+    with caplog.at_level(logging.INFO, logger="edgeflow.transport"):
+        with pytest.raises(TransportError, match="connection refused"):
+            t.connect(timeout=4.0)
+    t.close(timeout=1)
+    refused = [r for r in caplog.records if "connection refused" in r.getMessage()]
+    assert len(refused) >= 3, [r.getMessage() for r in caplog.records]  # it did retry
+    assert [r.levelno for r in refused].count(logging.WARNING) == 1, [(r.levelname, r.getMessage()) for r in refused]

@@ -158,6 +158,9 @@ class NetLoop:
         """monotonic() when an established connection was lost (None: connected)."""
         self._lost_reason = ""
         self._lost_warned = False
+        self._warned_error = ""
+        """The last failed attempt's error that was warned about: the same error again is logged at INFO
+        (a gateway started before its broker says "connection refused" once, not once per retry)."""
         self._refusals = 0
         """Refusals no retry can fix (bad password, TLS verification) before the first connection."""
         self.gave_up: TransportError | None = None
@@ -420,6 +423,10 @@ class NetLoop:
         link.next_attempt = time.monotonic() + delay
         link.to(ConnState.BACKING_OFF)
         level = logging.ERROR if fatal else logging.INFO if self._lost_recently() else logging.WARNING
+        if level == logging.WARNING:
+            if str(err) == self._warned_error:
+                level = logging.INFO
+            self._warned_error = str(err)
         log.log(level, "%s: %s (retrying in %.1f s)", self.t.name, err, delay)
 
     def _lost_recently(self) -> bool:
@@ -510,6 +517,7 @@ class NetLoop:
         self._connected_at = time.monotonic()
         self._resubscribe = True
         self._lost_at = None
+        self._warned_error = ""
         link.to(ConnState.CONNECTED)
         log.info(
             "%s: connected to %s (MQTT %s, session %s)", self.t.name, self.t.url, self.t.protocol_version,
