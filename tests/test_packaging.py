@@ -98,13 +98,16 @@ def test_a_device_runtime_installs_without_the_demo_and_simulation_dependencies(
     assert "pip install -e '.[dev]'" in readme
 
 
-def test_the_demo_without_its_extra_says_which_extra_in_one_line(tmp_path):
-    """A device install (no scikit-learn) running `edgeflow demo`: one line naming the extra, exit 2.
+@pytest.mark.parametrize("command", ["demo", "simulate"])
+def test_the_demo_without_its_extra_says_which_extra_in_one_line(tmp_path, command):
+    """A device install (no scikit-learn) running `edgeflow demo` or `simulate`: one line naming the extra,
+    exit 2, and nothing else -- no broker started, no blank line from a progress bar (both before).
     scikit-learn is made unimportable the way a missing package is (None in sys.modules)."""
     code = ("import sys; sys.modules['sklearn'] = None; from edgeflow.cli.main import main; "
-            "sys.exit(main(['demo', '--broker', 'mqtt://127.0.0.1:1']))")
+            f"sys.exit(main([{command!r}]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, (out.stdout, out.stderr)
     assert "Traceback" not in out.stderr and "a bug in edgeflow" not in out.stderr, out.stderr
-    lines = [x for x in out.stderr.splitlines() if x.strip()]
+    lines = out.stderr.splitlines()
     assert len(lines) == 1 and "pip install 'edgeflow[sim]'" in lines[0] and "'.[sim]'" in lines[0], out.stderr
+    assert out.stdout == "", out.stdout

@@ -57,9 +57,11 @@ def cmd(args) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from ..data.datasets import require_digits
     from ..sim.demo import Demo, DemoConfig
     from ._common import console
 
+    require_digits()  # one line, before a broker or the progress bar starts
     c = console()
     cfg = DemoConfig(devices=args.devices, rounds=args.rounds, seed=args.seed, model=args.model, codec=args.codec,
                      ratio=args.ratio, broker=args.broker, workdir=args.keep)

@@ -17,6 +17,9 @@ FLAGS: dict[str, tuple[str, type, str]] = {
     "--seed": ("seed", int, "fixes data split, device behaviour and sampling (default 0)"),
     "--codec": ("codec", str, "update codec: dense fp16 int8 topk topk-int8 topk-packed, or auto (picks by "
                 "model size; --codec-opt budget=BYTES caps each update) (default int8)"),
+    "--downlink": ("downlink", str, "what devices receive of each new model: full, or delta-int8 (a signed int8 delta "
+                   "from the previous version; the full model stays retained for devices that missed one) "
+                   "(default full)"),
     "--strategy": ("strategy", str, "fedavg fedprox fedavgm fedadam fedyogi fedadagrad median trimmed-mean krum "
                    "multi-krum (default fedavg)"),
     "--fraction": ("fraction", float, "share of online devices selected per round (default 1.0)"),
@@ -188,6 +191,7 @@ def cmd(args) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from ..data.datasets import require_digits
     from ..errors import EdgeflowError
     from ..sim.demo import describe_broker, select_broker
     from ..sim.report import make_plots, write_jsonl, write_report
@@ -196,6 +200,8 @@ def cmd(args) -> int:
     from ._common import console
 
     cfg, broker_spec = build_config(args)
+    if not cfg.app:
+        require_digits()  # the stock clients' data: one line, before a broker or the progress bar starts
     apps = initial = None
     if cfg.app:  # the user's clients, built and checked before any broker starts: a mistake is one line
         from ..sim.simulation import initial_model, make_apps

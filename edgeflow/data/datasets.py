@@ -33,13 +33,21 @@ class Split:
         )
 
 
+def require_digits() -> None:
+    """InputError naming the extra when scikit-learn (the digits data set) is not installed: commands
+    call it before they start a broker or a progress bar, so the line is all they print."""
+    import importlib.util
+
+    if importlib.util.find_spec("sklearn") is None:  # the sim extra (pyproject.toml): not in a device's install
+        raise InputError("scikit-learn is needed for the digits data set (edgeflow demo/simulate): "
+                         "pip install 'edgeflow[sim]' (from a checkout: pip install '.[sim]')")
+
+
 def load_digits(*, test_fraction: float = 0.25, seed: int = 0) -> Split:
     """scikit-learn's digits, shuffled with ``seed`` and split stratified by class."""
-    try:
-        from sklearn.datasets import load_digits as _load
-    except ImportError as exc:  # the sim extra (pyproject.toml): not in a device runtime's install
-        raise InputError("scikit-learn is needed for the digits data set (edgeflow demo/simulate): "
-                         "pip install 'edgeflow[sim]' (from a checkout: pip install '.[sim]')") from exc
+    require_digits()
+    from sklearn.datasets import load_digits as _load
+
     if not 0.0 < test_fraction < 1.0:
         raise InputError(f"test_fraction must be in (0, 1), got {test_fraction}")
     d = _load()
