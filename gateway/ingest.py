@@ -553,13 +553,18 @@ class IngestWorker:
                 time.sleep(wait)
                 wait = min(wait * 2, 1.0)
             except Exception:  # noqa: BLE001 - one message must never take the transport's worker thread down
-                self.stats["rejected"] += 1
+                self._refuse("internal")
                 log.exception("worker %s: update on %s dropped after an unexpected failure (a bug: please report "
                               "it)", self.cfg.name, msg.topic)
                 return
 
-    _SCREEN_STATS = {"late": "late", "rejected_spoofed": "rejected", "not_selected": "not_selected",
-                     "duplicates": "duplicate"}
+    _SCREEN_STATS = {"late": "late", "not_selected": "not_selected", "duplicates": "duplicate"}
+
+    def _refuse(self, reason: str) -> None:
+        """An update refused: ``rejected`` and ``rejected_<reason>``, the coordinator's reason codes (the
+        heartbeat stores them; the web view's /metrics sums them over the workers)."""
+        self.stats["rejected"] += 1
+        self.stats["rejected_" + reason] = self.stats.get("rejected_" + reason, 0) + 1
 
     def _on_update(self, msg: Any) -> None:
         """The coordinator's rulebook (gateway/intake.py) against the round as the store has it, then the claim."""
@@ -568,21 +573,24 @@ class IngestWorker:
         try:
             head = peek_update(msg.payload)
         except CodecError:
-            self.stats["rejected"] += 1
+            self._refuse("malformed")
             return
         rnd = self.db.open_round(head.round_id)
         view = None if rnd is None else rnd.view()
         # a redelivery, or a chunked update another worker took, has a stored claim
         why = screen(head, sender, view, lambda d: self.db.has_update(head.round_id, d))
         if why is not None:
-            self.stats[self._SCREEN_STATS[why]] += 1
+            if why.startswith("rejected_"):
+                self._refuse(why[len("rejected_"):])
+            else:
+                self.stats[self._SCREEN_STATS[why]] += 1
             return
         assert rnd is not None and view is not None
         try:
             upd = check_update(bytes(msg.payload), view, keyring=self.keyring, like=self._like(rnd.model_version),
                                seq_floor=self.db.seq_floor(head.device_id), source=f"ingest {self.cfg.name}<-{sender}")
         except (CodecError, SignatureError) as exc:
-            self.stats["rejected"] += 1
+            self._refuse(getattr(exc, "reason", "invalid"))
             log.warning("worker %s: update from %s refused (rejected_%s): %s", self.cfg.name, sender,
                         getattr(exc, "reason", "invalid"), exc)
             return
