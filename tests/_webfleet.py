@@ -5,7 +5,9 @@ device agents, one OTA rollout, and a hostile device record, all on one loopback
 
 ``web_fleet(tmp_path)`` yields a :class:`WebFleet`: ``server`` (a started WebServer on 127.0.0.1, any port),
 ``rounds`` (2 closed rounds, with eval data so accuracy is reported), ``fm`` (the FleetManager, 2 agents
-online with telemetry, one completed rollout of model v1), ``store`` (shared by both, as in a Gateway).
+online with telemetry, one completed rollout of model v1), ``store`` (shared by both, as in a Gateway),
+``heard`` (a :class:`Heard`: what a client of the hub received, live, on the topics the gateway writes, from
+just after the server attached: the figure ``edgeflow_published_bytes`` must match).
 ``server_kw`` goes to the WebServer (``tls_cert``, ``tls_key``, ``operators``... for the dashboard's actions).
 """
 
@@ -32,6 +34,29 @@ class WebFleet(SimpleNamespace):
     pass
 
 
+class Heard:
+    """Payload bytes and messages heard live (not from the retained store) by channel, as a subscriber gets them."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.bytes: dict[str, int] = {}
+        self.messages: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, msg: Any) -> None:
+        if msg.retain:
+            return  # sent before this subscriber came
+        kind = msg.topic.split("/", 3)[3].replace("/", "_")
+        with self._lock:
+            self.bytes[kind] = self.bytes.get(kind, 0) + len(msg.payload)
+            self.messages[kind] = self.messages.get(kind, 0) + 1
+
+    def snapshot(self) -> tuple[dict[str, int], dict[str, int]]:
+        with self._lock:
+            return dict(self.bytes), dict(self.messages)
+
+
 @contextlib.contextmanager
 def web_fleet(tmp_path: Path, *, rounds: int = 2, agents: int = 2, listen: str = "127.0.0.1:0",
               **server_kw: Any) -> Iterator[Any]:
@@ -41,7 +66,7 @@ def web_fleet(tmp_path: Path, *, rounds: int = 2, agents: int = 2, listen: str =
     lb = LoopbackFleet(3, fleet=FLEET, config={"rounds": rounds}, eval_data=(split.x_test, split.y_test))
     env = LoopbackFleetEnv(tmp_path, hub=lb.hub)
     store = lb.rounds.store
-    server = None
+    server = ear = None
     try:
         lb.start()
         fm = env.gateway(store=store)
@@ -53,14 +78,21 @@ def web_fleet(tmp_path: Path, *, rounds: int = 2, agents: int = 2, listen: str =
         target = SimpleNamespace(rounds=lb.rounds, fleet=fm, store=store, transport=lb.gateway_transport,
                                  fleet_id=FLEET)
         server = WebServer(target, listen, **server_kw).start()
+        heard = Heard()
+        ear = lb.hub.transport(f"{FLEET}-ear")
+        ear.connect()
+        for channel in ("gateway/#", "+/ota", "+/cmd"):
+            ear.subscribe(f"edgeflow/{FLEET}/{channel}", heard)
         report = fm.deploy({PROFILE: artifact(env, 1)}, to="all")
         assert report.state == "completed", report.to_dict()
         lb.rounds.run(rounds)
         assert wait_until(lambda: all(fm.latest_telemetry(d) for d in ids), 20), "no telemetry from the agents"
         yield WebFleet(server=server, url=server.url, rounds=lb.rounds, fm=fm, store=store, agents=ids, lb=lb,
-                       env=env, report=report)
+                       env=env, report=report, heard=heard)
     finally:
         if server is not None:
             server.stop()
+        if ear is not None:
+            ear.close(timeout=1)
         env.close()
         lb.close()

@@ -82,6 +82,28 @@ def test_the_figures_are_what_the_gateway_recorded(scraped):
     assert reads[0] >= 1
 
 
+def test_bytes_out_are_what_a_subscriber_of_the_hub_heard(scraped):
+    """edgeflow_published_bytes{kind}: the payloads the gateway's two transports (the rounds', the fleet
+    manager's) sent since the view attached, by channel, equal what a client of the hub heard live on the
+    topics the gateway writes: the rollout's OTA offers, the two rounds' announcements and models."""
+    wf = scraped[0]
+    wf.lb.hub.settle()
+    _, fams = _scrape(wf.url)
+    wf.lb.hub.settle()
+    heard_bytes, heard_messages = wf.heard.snapshot()
+    sent = {s.labels["kind"]: int(s.value) for s in fams["edgeflow_published_bytes"].samples
+            if s.name.endswith("_total") and s.value}
+    count = {s.labels["kind"]: int(s.value) for s in fams["edgeflow_published_payloads"].samples
+             if s.name.endswith("_total") and s.labels["kind"] in sent}
+    assert {"model", "round", "ota"} <= set(heard_bytes), heard_bytes
+    assert sent == heard_bytes
+    assert count == heard_messages
+    # the model when the run starts and after each round; an offer per agent
+    assert count["model"] == len(wf.rounds.history) + 1 and count["ota"] == len(wf.agents)
+    model = wf.lb.hub.retained(f"edgeflow/{wf.lb.fleet}/gateway/model")
+    assert sent["model"] >= len(next(iter(model.values()))) > 1000  # the dense model, not a header
+
+
 def test_no_device_id_or_device_string_is_a_label(scraped):
     wf, text, fams, _ = scraped
     for fam in fams.values():

@@ -5,7 +5,8 @@ counters end in ``_total``; labels have bounded values (a state, a profile name 
 or "other", a reason code, a codec): never a device id. The list with meanings is docs/operations.md.
 
 Round figures are counted as rounds close (the ``on_round`` callback, through the view); fleet and rollout
-figures are read at scrape time (the registry, ``FleetManager.stats()``, the rollout reports). Each server
+figures are read at scrape time (the registry, ``FleetManager.stats()``, the rollout reports), and so are the
+bytes the gateway published (the view's :class:`~.view.PublishLog`) and the ingestion workers' refusals. Each server
 has its own :class:`prometheus_client.CollectorRegistry`, so several gateways in one process (tests) do not
 collide.
 """
@@ -158,6 +159,8 @@ class _ScrapeCollector:
         yield from self._devices(view)
         yield from self._fleet(view)
         yield from self._rollouts(view)
+        yield from self._published(view)
+        yield from self._ingest(view)
         yield from self._transport(view)
 
     def _devices(self, view: WebView) -> Iterator[Any]:
@@ -235,6 +238,33 @@ class _ScrapeCollector:
             m = GaugeMetricFamily(name, doc)
             m.add_metric([], float(value))
             yield m
+
+    def _published(self, view: WebView) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily
+
+        sent, count = view.publish_log.snapshot()
+        b = CounterMetricFamily("edgeflow_published_bytes", "Payload bytes the gateway published (chunk headers "
+                                "included), by channel: model, round, state, secagg, ota, cmd, update",
+                                labels=["kind"])
+        for kind, n in sorted(sent.items()):
+            b.add_metric([kind], float(n))
+        yield b
+        m = CounterMetricFamily("edgeflow_published_payloads", "Payloads the gateway published, by channel",
+                                labels=["kind"])
+        for kind, n in sorted(count.items()):
+            m.add_metric([kind], float(n))
+        yield m
+
+    def _ingest(self, view: WebView) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily
+
+        refused = view.ingest_refusals()
+        c = CounterMetricFamily("edgeflow_ingest_refused_updates", "Updates the ingestion workers refused before "
+                                "the round manager saw them, by reason code (late, not_selected included)",
+                                labels=["reason"])
+        for reason, n in sorted((refused or {}).items()):
+            c.add_metric([reason], float(n))
+        yield c
 
     def _transport(self, view: WebView) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily

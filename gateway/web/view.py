@@ -11,7 +11,12 @@ function that returns one once it exists (``edgeflow demo`` builds its gateway i
 - the fleet: the registry (``store.devices()``), the newest telemetry, ``FleetManager.stats()``;
 - rollouts: the :class:`~edgeflow.gateway.ota.RolloutReport` of every ``fleet.deploy`` (the deploy method of
   the one FleetManager instance is wrapped to pass an ``on_progress`` beside the caller's);
-- the transport's counters (``stats()``: reconnects).
+- the transport's counters (``stats()``: reconnects);
+- what the gateway publishes: the ``publish`` method of each of its transport objects (the rounds', the fleet
+  manager's, a site's uplink) is wrapped, as ``deploy`` is, to add each payload's bytes by channel
+  (:class:`PublishLog`);
+- ingestion workers' refusals: their ``rejected_<reason>`` counters, which each worker stores with its
+  heartbeat (``RoundManager.ingest``'s store, read at scrape time).
 
 Store reads are cached for ``ttl_s`` (1 s) so that many browsers and a scraper cost one query a second.
 Every string here may come from a device: the dashboard shows it with ``textContent`` only.
@@ -101,6 +106,66 @@ class RolloutLog:
         return [summarize_rollout(r, n) for r, n in items]
 
 
+class PublishLog:
+    """Bytes the gateway handed to its transports since the view attached, by channel (``model``, ``round``,
+    ``state``, ``secagg``, ``ota``, ``cmd``, ``update`` for a site's partials, ``other``). A payload the
+    transport splits counts whole plus each chunk's header (``total`` frames of its Delivery, MQTT and NATS);
+    a publish made again (``publish_reliably`` after a failed delivery) counts again: it is sent again.
+    MQTT/NATS packet headers and the transport's own resends after a reconnect are not counted."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = {}
+        self.messages: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._wrapped: list[Any] = []
+
+    def hook(self, transport: Any) -> None:
+        """Wrap ``transport.publish`` (once per transport object; the caller's publish is unchanged)."""
+        if transport is None or not callable(getattr(transport, "publish", None)):
+            return
+        if any(t is transport for t in self._wrapped):
+            return
+        self._wrapped.append(transport)
+        inner = transport.publish
+
+        def publish(topic: Any, payload: Any, *args: Any, **kw: Any) -> Any:
+            delivery = inner(topic, payload, *args, **kw)
+            try:
+                self.add(str(topic), delivery)
+            except Exception:  # noqa: BLE001 - the web view must never break a publish
+                log.exception("web view: counting a publish on %s failed", topic)
+            return delivery
+
+        transport.publish = publish
+
+    def add(self, topic: str, delivery: Any) -> None:
+        from edgeflow.transport.chunking import HEADER_SIZE
+
+        size = int(getattr(delivery, "size", 0) or 0)
+        frames = int(getattr(delivery, "total", 1) or 1)
+        n = size + (HEADER_SIZE * frames if frames > 1 else 0)
+        kind = publish_kind(topic)
+        with self._lock:
+            self.bytes[kind] = self.bytes.get(kind, 0) + n
+            self.messages[kind] = self.messages.get(kind, 0) + 1
+
+    def snapshot(self) -> tuple[dict[str, int], dict[str, int]]:
+        with self._lock:
+            return dict(self.bytes), dict(self.messages)
+
+
+def publish_kind(topic: str) -> str:
+    """The channel of an edgeflow topic (bounded: the topic scheme's channel names), else ``other``."""
+    from edgeflow.transport.topics import parse_topic, split_chunk_topic
+
+    base = split_chunk_topic(topic)
+    info = parse_topic(base[0] if isinstance(base, tuple) else topic)
+    if info is None:
+        levels = topic.split("/")  # a site's partial through a bridge: edgeflow/<fleet>/_uplink/<site>/update
+        return "update" if len(levels) == 5 and levels[2] == "_uplink" and levels[4] == "update" else "other"
+    return bounded_label(info.channel.replace("/", "_"))
+
+
 def summarize_rollout(report: Any, targets: int = 0) -> dict[str, Any]:
     """A RolloutReport as the dashboard shows it: counts by state, canary wave, failures, rollbacks."""
     for _ in range(5):  # the rollout thread may add a device while this reads: try again
@@ -141,6 +206,7 @@ class WebView:
         self.fleet_id = ""
         self.round_log = RoundLog()
         self.rollout_log = RolloutLog()
+        self.publish_log = PublishLog()
         self.started = time.time()
         self._lock = threading.Lock()
         self._cache: dict[str, tuple[float, Any]] = {}
@@ -188,6 +254,9 @@ class WebView:
             self._hook_rounds(rounds)
         if fleet is not None:
             self._hook_deploy(fleet)
+        for t in (self.transport, getattr(rounds, "transport", None), getattr(fleet, "transport", None),
+                  getattr(obj, "uplink_transport", None)):
+            self.publish_log.hook(t)
 
     def _hook_rounds(self, rounds: Any) -> None:
         codec = bounded_label(getattr(getattr(getattr(rounds, "config", None), "train", None), "codec", "unknown"))
@@ -319,6 +388,29 @@ class WebView:
         if self.fleet is None:
             return {}
         return self._cached("fleet_stats", self.fleet.stats)
+
+    def ingest_refusals(self) -> dict[str, int] | None:
+        """Updates the ingestion workers refused before the round manager saw them, by reason (their
+        ``rejected_<reason>`` counters, and ``late`` and ``not_selected``, summed over the workers as of each
+        one's last heartbeat; a restarted worker starts again from 0); None without workers. Duplicates are
+        left out: every worker reassembles a chunked update and all but the one that claims it count one."""
+        db = getattr(getattr(self.rounds, "ingest", None), "db", None)
+        if db is None or not hasattr(db, "workers"):
+            return None
+
+        def read() -> dict[str, int]:
+            out: dict[str, int] = {}
+            for w in db.workers().values():
+                stats = w.get("stats") if isinstance(w, dict) else None
+                for k, v in (stats or {}).items() if isinstance(stats, dict) else ():
+                    if k.startswith("rejected_") and isinstance(v, int) and not isinstance(v, bool):
+                        reason = bounded_label(k[len("rejected_"):])
+                        out[reason] = out.get(reason, 0) + v
+                    elif k in ("late", "not_selected") and isinstance(v, int) and not isinstance(v, bool):
+                        out[k] = out.get(k, 0) + v
+            return out
+
+        return self._cached("ingest_refusals", read)
 
     def transport_stats(self) -> dict[str, Any]:
         fn = getattr(self.transport, "stats", None)
