@@ -535,13 +535,13 @@ def test_the_site_gateway_on_a_leaf_finishes_the_root_round_it_trained_through_a
         net.close()
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: the uplink transport's connection to the site's server never "
-                   "drops, so nothing replays what the hub published during the cut (docs/transport.md)")
 @pytest.mark.integration
 @pytest.mark.slow
 def test_what_the_root_publishes_during_a_cut_reaches_the_site_after_it(testnet, tmp_path: Path) -> None:  # noqa: F811
     """The hub-to-site direction: the root's retained ``gateway/state`` and a live ``gateway/round``
-    published while the WAN is down, heard by the site's uplink once the leaf connection is back."""
+    published while the WAN is down are heard by the site's uplink once the leaf connection is back,
+    each once and before what the root publishes after the cut (the uplink's own connection to the site's
+    server never drops: its link notices the hub's JetStream gone and back, and replays the gap)."""
     if find_nats_server() is None:
         pytest.skip("nats-server is not installed")
     net = testnet
@@ -550,8 +550,9 @@ def test_what_the_root_publishes_during_a_cut_reaches_the_site_after_it(testnet,
     d = Deployment(tmp_path, hub_wan_ip=wan.a_ip, ping_s=2)
     hub.popen(d.conf("hub", "0.0.0.0", 4222), stdout=open(d.hub_log, "wb"), stderr=subprocess.STDOUT)
     site.popen(d.conf("site", "0.0.0.0", 4222), stdout=open(d.site_log, "wb"), stderr=subprocess.STDOUT)
-    assert wait_for_port(hub.ip, 4222, 20) and wait_for_port(site.ip, 4222, 20)
-    assert wait_until(lambda: "Leafnode connection created" in _log(d.site_log), 20)
+    logs = lambda: f"--- hub\n{_log(d.hub_log)[-3000:]}\n--- site\n{_log(d.site_log)[-3000:]}"  # noqa: E731
+    assert wait_for_port(hub.ip, 4222, 20) and wait_for_port(site.ip, 4222, 20), logs()
+    assert wait_until(lambda: "Leafnode connection created" in _log(d.site_log), 20), logs()
     made: list[NatsTransport] = []
     try:
         root = d.transport(hub.ip, 4222, "gateway", client_id="root")
@@ -559,18 +560,36 @@ def test_what_the_root_publishes_during_a_cut_reaches_the_site_after_it(testnet,
         uplink = d.transport(site.ip, 4222, SITE, client_id=SITE, password_of="uplink")
         made.append(uplink.connect())
         heard = Inbox()
-        uplink.subscribe(f"edgeflow/{FLEET}/gateway/round", heard)  # what a device (the site, at the hub) may read
-        uplink.subscribe(f"edgeflow/{FLEET}/gateway/state", heard)
+        at: dict[bytes, float] = {}
+
+        def on_msg(msg: Any) -> None:
+            at.setdefault(msg.payload, time.monotonic())
+            heard(msg)
+
+        uplink.subscribe(f"edgeflow/{FLEET}/gateway/round", on_msg)  # what a device (the site, at the hub) may read
+        uplink.subscribe(f"edgeflow/{FLEET}/gateway/state", on_msg)
         root.publish(f"edgeflow/{FLEET}/gateway/round", b"r1").wait(10)
         assert wait_until(lambda: [m.payload for m in heard.messages] == [b"r1"], 10)
         wan.set_up(False)
-        assert wait_until(lambda: "Leafnode connection closed" in _log(d.site_log), 15)
+        assert wait_until(lambda: "Leafnode connection closed" in _log(d.site_log), 15), logs()
         root.publish(f"edgeflow/{FLEET}/gateway/state", b"s2", retain=True).wait(10)
         root.publish(f"edgeflow/{FLEET}/gateway/round", b"r2").wait(10)
+        assert wait_until(lambda: uplink.stats().get("upstream_lost", 0) == 1, 10), uplink.stats()
         wan.set_up(True)
-        assert wait_until(lambda: _log(d.site_log).count("Leafnode connection created") >= 2, 30)
-        assert wait_until(lambda: {b"s2", b"r2"} <= {m.payload for m in heard.messages}, 15), \
-            [m.payload for m in heard.messages]
+        up_at = time.monotonic()
+        assert wait_until(lambda: _log(d.site_log).count("Leafnode connection created") >= 2, 30), logs()
+        leaf_at = time.monotonic()
+        assert wait_until(lambda: len(heard.messages) >= 3, 15), [m.payload for m in heard.messages]
+        root.publish(f"edgeflow/{FLEET}/gateway/round", b"r3").wait(10)  # live again, after the replay
+        assert wait_until(lambda: len(heard.messages) >= 4, 10), [m.payload for m in heard.messages]
+        stays(lambda: len(heard.messages), for_s=1.0, reason="a message reached the site twice")
+        got = [m.payload for m in heard.messages]  # each once; the gap before what came live after it
+        assert got[0] == b"r1" and sorted(got[1:3]) == [b"r2", b"s2"] and got[3] == b"r3", got
+        stats = uplink.stats()
+        assert stats.get("upstream_back", 0) == 1 and stats.get("reconnects", 0) == 0, stats
+        print(f"\nNATS leaf, hub to site: s2 and r2 (published during the cut) heard {at[b'r2'] - up_at:.1f} s "
+              f"after the WAN came back ({at[b'r2'] - leaf_at:.1f} s after the site logged its leaf connection); "
+              f"uplink {_pick(stats, 'upstream_lost', 'upstream_back', 'gap_replayed', 'duplicates_dropped')}")
     finally:
         for t in made:
             t.close(timeout=1.0, flush=False)

@@ -64,6 +64,11 @@ class NatsTransport:
     MQTT session options the callers pass to every transport (``protocol``,
     ``clean_start``, ``session_expiry_s``, ``keepalive``) have no NATS
     meaning and are accepted and ignored; websockets options are refused.
+
+    ``upstream_check_s``: where the JetStream is another server's (a site's uplink account on a leaf
+    node, its API mapped to the hub's domain; detected on connect), how often the link asks it for
+    its account info, to notice the leaf connection gone and replay the hub's messages after it
+    (docs/transport.md, "NATS leaf nodes"); 0 turns that off. Unused on a direct connection.
     """
 
     def __init__(
@@ -92,6 +97,7 @@ class NatsTransport:
         create_streams: bool = True,
         live_max_age_s: float = 3600.0,
         live_max_bytes: int = 1 << 30,
+        upstream_check_s: float = 1.0,
         name: str | None = None,
         **mqtt_options: Any,
     ) -> None:
@@ -117,6 +123,7 @@ class NatsTransport:
         self.create_streams = create_streams
         self.live_max_age_s = float(live_max_age_s)
         self.live_max_bytes = int(live_max_bytes)
+        self.upstream_check_s = float(upstream_check_s)
         self.name = name or self.client_id
         scheme = "tls" if tls is not None else "nats"
         host_part = f"[{host}]" if ":" in host else host

@@ -26,6 +26,13 @@ What happens here:
   subscription since the drop is replayed (a consumer from that moment,
   minus :data:`GAP_MARGIN_S`), then the live messages held meanwhile; the
   worker's id memory drops the ones handled before the drop;
+- a JetStream out of this server's reach (a site's uplink account on a leaf node, whose API calls
+  are mapped to the hub's domain: the server's own domain differs from the JetStream's): the
+  client's connection to its server does not drop when the leaf connection does, so nothing
+  above would replay what the hub published meanwhile. The link asks the JetStream for its
+  account info every ``upstream_check_s`` (one small request) and marks the upstream lost when it
+  gets no answer (or a publish finds no stream); the first answer after that replays the gap
+  exactly as after a reconnect (:meth:`Link._watch_upstream`);
 - the last will: on every connection the transport writes its will record
   (with the server's id for this connection) to the wills stream; a clean
   close deletes it first. :mod:`.will` publishes it when the server reports
@@ -93,6 +100,7 @@ class Owner(Protocol):
     live_max_age_s: float
     live_max_bytes: int
     create_streams: bool
+    upstream_check_s: float
     name: str
 
     def _ssl_context(self) -> Any: ...
@@ -139,7 +147,12 @@ class Link:
         self._down_since: float | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._probing = False
-        """The sends in flight (cancelled on close)."""
+        self.remote_jetstream = False
+        """The JetStream is behind a leaf connection (its domain is not the server's): see _watch_upstream."""
+        self._upstream_lost: float | None = None
+        self._upstream_ok_at = time.time()
+        """When the remote JetStream last answered a check (sent time)."""
+        """When the remote JetStream was last known reachable, while it is not (event-loop thread only)."""
 
     # ---------------------------------------------------------------- threads
 
@@ -239,6 +252,9 @@ class Link:
         self._set(up=True)
         self.t._notify(ConnectionEvent(True, False, "connected"))
         self._count("connects")
+        if await self._jetstream_is_remote() and t.upstream_check_s > 0:
+            self.remote_jetstream = True
+            self._tasks.add(asyncio.get_running_loop().create_task(self._watch_upstream()))
 
     async def _on_error(self, exc: Exception) -> None:
         m = _PERM.search(str(exc))
@@ -260,7 +276,8 @@ class Link:
     async def _on_disconnected(self) -> None:
         if self._down_since is None:
             self._down_since = time.time()
-            self._hold = []
+            if self._hold is None:
+                self._hold = []
         if self.up:
             self._set(up=False)
             self._count("disconnects")
@@ -271,6 +288,9 @@ class Link:
             await self._write_will()
         except TransportError as exc:
             log.warning("%s: will record not written after reconnect: %s", self.t.name, exc)
+        if self._upstream_lost is not None:  # the leaf went first: its gap is the older one
+            lost, self._upstream_lost = self._upstream_lost, None
+            self._down_since = lost if self._down_since is None else min(lost, self._down_since)
         await self._replay_gaps()
         await self._drain_pending()
         self._set(up=True)
@@ -384,6 +404,7 @@ class Link:
             # nothing captures the subject right now (a leaf node's uplink is down: the hub's stream is out of
             # reach); the server answered at once, so without a pause this would resend thousands of times a second
             self._count("no_stream_retries")
+            self._lose_upstream()
             await asyncio.sleep(min(1.0, self.t.ack_timeout_s))
             return False
         except (nats.errors.Error, asyncio.TimeoutError, OSError) as exc:
@@ -509,7 +530,6 @@ class Link:
         connection dropped (minus a margin for clock differences), then the messages held meanwhile.
         The ids of messages delivered before the drop are remembered, so those are not handled twice."""
         since, self._down_since = self._down_since, None
-        hold, self._hold = self._hold, None
         if since is not None:
             start = datetime.datetime.fromtimestamp(since - GAP_MARGIN_S, tz=datetime.timezone.utc)
             for local, parts in list(self._active):
@@ -524,14 +544,79 @@ class Link:
                                                       DeliverPolicy.BY_START_TIME, start)
                         except TransportError as exc:
                             self._count("gap_replay_errors")
+                            if self.remote_jetstream:  # out of reach again: the next answer replays it
+                                self._lose_upstream(since)
+                                continue
                             log.warning("%s: messages missed on %s while disconnected not replayed: %s",
                                         self.t.name, s, exc)
                             continue
                         self._count("gap_replayed", len(items))
                         for item in items:
                             self.dispatcher.put(item)
+        hold, self._hold = self._hold, None
         for deliver, item in hold or []:
             deliver(item)
+
+    # ------------------------------------------------------ remote JetStream
+
+    async def _jetstream_is_remote(self) -> bool:
+        """Whether the JetStream this connection uses is another server's (a leaf node's account whose
+        API calls are mapped to the hub's domain): its domain differs from the server's own."""
+        try:
+            info = await self.js.account_info()
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            log.info("%s: JetStream account info not read (%r); no upstream checks", self.t.name, exc)
+            return False
+        here = (self.nc._server_info or {}).get("domain") or ""
+        return (info.domain or "") != here
+
+    def _lose_upstream(self, since: float | None = None) -> None:
+        """The remote JetStream is out of reach; what it got since ``since`` (default: its last answer to
+        a check) is replayed once it answers again."""
+        if not self.remote_jetstream:
+            return
+        when = self._upstream_ok_at if since is None else since
+        if self._upstream_lost is None:
+            self._upstream_lost = when
+            self._count("upstream_lost")
+            log.info("%s: the JetStream behind the leaf connection does not answer; its messages are "
+                     "replayed when it does", self.t.name)
+        else:
+            self._upstream_lost = min(self._upstream_lost, when)
+
+    async def _watch_upstream(self) -> None:
+        """Ask the remote JetStream for its account info every ``upstream_check_s``. No answer: the
+        leaf connection is down (the client's own connection to the leaf server is not), so the hub's
+        messages for this client's subscriptions stop; the first answer after that replays what the
+        hub's live stream got for them since the last answer before (the gap replay of a reconnect:
+        the ids already handled are dropped, live messages wait until the gap's are delivered).
+
+        A leaf connection that dropped and came back between two checks, unseen, is not replayed;
+        the leaf server's own reconnect delay (``reconnect``, 1 s in
+        :func:`edgeflow.broker.nats.nats_site_config`) and its ping timeout make that short."""
+        self._upstream_ok_at = time.time()
+        while not self.ended:
+            await asyncio.sleep(self.t.upstream_check_s)
+            if not self.up or self.nc is None or not self.nc.is_connected:
+                continue  # the connection itself is down: its reconnect replays the gap
+            asked = time.time()
+            try:
+                await self.js.account_info()
+            except (nats.errors.Error, asyncio.TimeoutError):
+                self._lose_upstream()
+                continue
+            self._upstream_ok_at = asked
+            if self._upstream_lost is None or not self.up:
+                continue
+            lost, self._upstream_lost = self._upstream_lost, None
+            self._count("upstream_back")
+            if self._down_since is not None:  # a reconnect is replaying already; it takes the older gap
+                self._down_since = min(self._down_since, lost)
+                continue
+            self._down_since = lost
+            if self._hold is None:
+                self._hold = []
+            await self._replay_gaps()
 
     async def _fetch(self, stream: str, subject: str, prefix: str, retain: bool, policy: DeliverPolicy,
                      start: datetime.datetime | None) -> list[Inbound]:
