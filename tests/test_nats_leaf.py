@@ -247,6 +247,103 @@ def test_a_tls_leaf_port_connects_a_site_that_trusts_the_fleet_ca_only(tmp_path:
             p.wait(10)
 
 
+# ------------------------------------------------------------------ edgeflow broker-config
+
+def _fleet_dirs(tmp_path: Path) -> tuple[Any, Any]:
+    from edgeflow.broker.mosquitto import FleetDir
+
+    hub = FleetDir(tmp_path / "hub")
+    hub.init(FLEET)
+    hub.provision(SITE)
+    site = FleetDir(tmp_path / "site")
+    site.init(FLEET)
+    site.provision("pi-7")
+    return hub, site
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--leaf-of", "http://hub.example:7422"], "is not one; use nats://HUB:7422"),
+    (["--leaf-of", "nats://site-a:pw@hub.example:7422"], "holds a user name or password"),
+    (["--leaf-of", "nats://hub.example:99999"], "bad port"),
+    (["--leaf-of", "nats://hub.example:7422/x"], "is not one"),
+    (["--leaf-of", "nats://hub.example:7422"], "needs --hub-credentials"),
+    (["--leaf-of", "tls://hub.example", "--hub-credentials", "{creds}"], "pass --hub-ca"),
+    (["--leaf-of", "nats://hub.example", "--hub-credentials", "{missing}"], "not found"),
+    (["--leaf-port", "7422"], "needs at least one --leaf-site"),
+    (["--leaf-port", "7422", "--leaf-site", "site-b"], "'site-b' is not provisioned"),
+    (["--leaf-port", "7422", "--leaf-of", "nats://hub.example"], "give one"),
+    (["--leaf-site", SITE], "--leaf-site goes with --leaf-port"),
+])
+def test_broker_config_leaf_mistakes_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                   args: list[str], says: str) -> None:
+    from edgeflow.cli.main import main
+
+    hub, site = _fleet_dirs(tmp_path)
+    creds = tmp_path / "site-a.json"  # copied without its ca.crt
+    creds.write_bytes((hub.device_dir(SITE) / "device.json").read_bytes())
+    args = [a.format(creds=creds, missing=tmp_path / "nope.json") for a in args]
+    target = hub if "--leaf-port" in args else site
+    capsys.readouterr()
+    assert main(["broker-config", "--dir", str(target.path), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err and "Traceback" not in err, err
+    assert not list(target.broker_dir.glob("nats-*.conf")) if target.broker_dir.exists() else True
+
+
+@needs_server
+@pytest.mark.integration
+def test_broker_config_writes_a_hub_and_a_site_that_run_as_its_leaf(tmp_path: Path) -> None:
+    """`edgeflow broker-config --leaf-port` in the hub's fleet directory and `--leaf-of` in the site's:
+    the two nats-servers run on them, the site's uplink (with the credentials the site's config
+    made) gets a partial acknowledged by the hub's stream, and hears the hub's round announcement."""
+    from edgeflow.cli.main import main
+
+    hub, site = _fleet_dirs(tmp_path)
+    hp, sp, lp = (free_port("127.0.0.1") for _ in range(3))
+    assert main(["broker-config", "--dir", str(hub.path), "--leaf-port", str(lp), "--leaf-site", SITE,
+                 "--host", "127.0.0.1", "--port", str(hp)]) == 0
+    assert main(["broker-config", "--dir", str(site.path), "--leaf-of", f"nats://127.0.0.1:{lp}", "--hub-credentials",
+                 str(hub.device_dir(SITE) / "device.json"), "--host", "127.0.0.1", "--port", str(sp)]) == 0
+    hub_log, site_log = tmp_path / "hub.log", tmp_path / "site.log"
+    procs = [subprocess.Popen([find_nats_server() or "nats-server", "-c", str(hub.broker_dir / "nats-hub.conf")],
+                              stdout=open(hub_log, "wb"), stderr=subprocess.STDOUT),
+             subprocess.Popen([find_nats_server() or "nats-server", "-c", str(site.broker_dir / "nats-leaf.conf")],
+                              stdout=open(site_log, "wb"), stderr=subprocess.STDOUT)]
+    made: list[NatsTransport] = []
+    try:
+        assert wait_for_port("127.0.0.1", hp, 10) and wait_for_port("127.0.0.1", sp, 10), _log(site_log)
+        assert wait_until(lambda: "Leafnode connection created" in _log(site_log), 10), _log(site_log)
+        gw = hub.operator("gateway")
+        root = NatsTransport("127.0.0.1", hp, client_id="root", username=gw["username"], password=gw["password"])
+        made.append(root.connect())
+        got = Inbox()
+        root.subscribe(f"edgeflow/{FLEET}/+/update", got)
+        creds = json.loads((site.broker_dir / "nats-uplink.json").read_text(encoding="utf-8"))
+        up = NatsTransport("127.0.0.1", sp, client_id=SITE, username=creds["username"], password=creds["password"])
+        made.append(up.connect())
+        heard = Inbox()
+        up.subscribe(f"edgeflow/{FLEET}/gateway/round", heard)
+        up.publish(f"edgeflow/{FLEET}/{SITE}/update", b"partial-1").wait(10)
+        assert wait_until(lambda: [m.payload for m in got.messages] == [b"partial-1"], 10)
+        root.publish(f"edgeflow/{FLEET}/gateway/round", b"r1").wait(10)
+        assert wait_until(lambda: [m.payload for m in heard.messages] == [b"r1"], 10)
+        dev = json.loads((site.device_dir("pi-7") / "device.json").read_text(encoding="utf-8"))
+        local = NatsTransport("127.0.0.1", sp, client_id="pi-7", username="pi-7", password=dev["password"],
+                              create_streams=False)
+        sgw = site.operator("gateway")
+        made.append(NatsTransport("127.0.0.1", sp, client_id="site-gw", username="gateway",
+                                  password=sgw["password"]).connect())  # makes the site's own streams
+        made.append(local.connect())
+        local.publish(f"edgeflow/{FLEET}/pi-7/update", b"u").wait(10)  # acknowledged by the site's stream
+        stays(lambda: len(got.messages), for_s=0.5, reason="a device's update left the site")
+    finally:
+        for t in made:
+            t.close(timeout=1.0, flush=False)
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+
+
 # ------------------------------------------------------------------ the partition
 
 class SiteRounds:

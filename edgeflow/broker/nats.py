@@ -51,7 +51,10 @@ __all__ = [
     "nats_hub_leafnodes",
     "nats_jetstream_block",
     "nats_site_config",
+    "parse_leaf_url",
     "subject_matches",
+    "write_hub_config",
+    "write_site_config",
 ]
 
 SYSTEM_ACCOUNT = "SYS"
@@ -323,3 +326,161 @@ def nats_site_config(
     if tls is not None:
         lines += _tls_block("tls", tls)
     return NatsFleetConfig("\n".join(lines) + "\n", publish)
+
+
+# ------------------------------------------------------------------ from a fleet directory
+
+HUB_CONFIG = "nats-hub.conf"
+LEAF_CONFIG = "nats-leaf.conf"
+UPLINK_CREDENTIALS = "nats-uplink.json"
+"""At a site: the UPLINK user's name and password (the site gateway's uplink transport logs in with them)."""
+_KEEPER_CREDENTIALS = "nats-keeper.json"
+
+
+def parse_leaf_url(url: str) -> tuple[str, int, bool]:
+    """A hub's leaf port as ``nats://HUB[:PORT]`` or ``tls://HUB[:PORT]`` -> (host, port, tls).
+
+    The port defaults to 7422 (nats-server's leaf port, not the client port 4222). No user name or
+    password in it: the site logs in with the credentials the hub's fleet directory made for it.
+    """
+    from urllib.parse import urlsplit
+
+    fix = "use nats://HUB:7422, or tls://HUB:7422 for a TLS leaf port"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise ConfigError(f"hub leaf URL {url!r} has a bad port; {fix}") from None
+    scheme = parts.scheme.lower()
+    if scheme not in ("nats", "tls") or not parts.hostname or parts.path not in ("", "/") or parts.query:
+        raise ConfigError(f"hub leaf URL {url!r} is not one; {fix}")
+    if parts.username is not None or parts.password is not None:
+        raise ConfigError(f"hub leaf URL {url!r} holds a user name or password; leave them out: the site's "
+                          "password comes from its credentials file (--hub-credentials)")
+    port = DEFAULT_LEAF_PORT if port is None else port
+    if not 0 < port < 65536:
+        raise ConfigError(f"hub leaf URL {url!r}: port must be in 1..65535; {fix}")
+    return parts.hostname, port, scheme == "tls"
+
+
+def _server_head(name: str, host: str, port: int) -> str:
+    if not 0 < int(port) < 65536:
+        raise ConfigError(f"nats-server client port must be in 1..65535, got {port}")
+    return f"server_name: {json.dumps(name)}\nhost: {json.dumps(host)}\nport: {int(port)}\n"
+
+
+def _stored_secret(path, user: str) -> str:
+    """The password kept in ``path`` (made once, mode 0600, reused by every rerun)."""
+    import secrets
+    from pathlib import Path
+
+    from edgeflow.broker.mosquitto import _write_secret
+
+    p = Path(path)
+    try:
+        return str(json.loads(p.read_text(encoding="utf-8"))["password"])
+    except FileNotFoundError:
+        pw = secrets.token_urlsafe(24)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        _write_secret(p, (json.dumps({"username": user, "password": pw}) + "\n").encode())
+        return pw
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(f"{p} is not a credentials file ({{\"username\", \"password\"}}); delete it to make a "
+                          "new one") from None
+
+
+def _fleet_users(fd) -> tuple[dict[str, str], dict[str, str]]:
+    """(device -> password, operator -> password) of a fleet directory."""
+    meta = fd.meta()
+    operators = {op: fd.operator(op)["password"] for op in meta.get("operators", OPERATORS)}
+    devices: dict[str, str] = {}
+    for dev in fd.devices():
+        creds = json.loads((fd.device_dir(dev) / "device.json").read_text(encoding="utf-8"))
+        if creds.get("username") != dev:
+            raise ConfigError(f"{fd.device_dir(dev) / 'device.json'}: user name {creds.get('username')!r} is not "
+                              f"the device id {dev!r}; re-provision it (`edgeflow fleet provision {dev} --force`)")
+        devices[dev] = creds["password"]
+    return devices, operators
+
+
+def write_hub_config(fd, sites: Iterable[str], *, leaf_port: int = DEFAULT_LEAF_PORT, host: str = "0.0.0.0",
+                     port: int = 4222, store_dir: str | None = None, leaf_tls: bool = False):
+    """``broker/nats-hub.conf`` (0600) of a hub's fleet directory: its devices and operators, ``sites`` as
+    leaf users (each provisioned like a device: ``edgeflow fleet provision <site>``) and the leaf port.
+
+    ``leaf_tls``: the leaf port with the fleet's server certificate (``broker/server.crt``, made by
+    ``edgeflow broker-config``); the sites then connect with ``tls://``."""
+    from pathlib import Path
+
+    from edgeflow.broker.mosquitto import _write_secret
+
+    sites = sorted(set(sites))
+    devices, operators = _fleet_users(fd)
+    for s in sites:
+        if s not in devices:
+            raise ConfigError(f"site {s!r} is not provisioned in {fd.path}: run `edgeflow fleet provision {s}` "
+                              "first (a site is a device of the hub)")
+    b = fd.broker_dir
+    tls = None
+    if leaf_tls:
+        cert, key, ca = b / "server.crt", b / "server.key", b / "ca.crt"
+        if not (cert.exists() and key.exists() and ca.exists()):
+            raise ConfigError(f"no server certificate in {b} for a TLS leaf port: run `edgeflow broker-config` "
+                              "first (it makes the fleet CA), or leave out --leaf-tls")
+        tls = NatsTls(str(cert), str(key), str(ca))
+    head = _server_head("hub", host, port)
+    store = store_dir or str(Path(b) / "nats-js")
+    cfg = nats_fleet_config(fd.fleet, {d: p for d, p in devices.items() if d not in sites}, operators,
+                            keeper_password=_stored_secret(b / _KEEPER_CREDENTIALS, KEEPER_USER),
+                            sites={s: devices[s] for s in sites}, hub_domain=HUB_DOMAIN)
+    text = head + nats_jetstream_block(store, HUB_DOMAIN) + cfg.text + nats_hub_leafnodes(port=leaf_port, tls=tls)
+    path = b / HUB_CONFIG
+    _write_secret(path, text.encode())
+    return path
+
+
+def write_site_config(fd, hub_url: str, hub_credentials, *, hub_ca: str | None = None, host: str = "0.0.0.0",
+                      port: int = 4222, store_dir: str | None = None):
+    """``broker/nats-leaf.conf`` (0600) of a site's fleet directory: its devices and operators local, the
+    UPLINK account a leaf of the hub at ``hub_url`` (:func:`parse_leaf_url`). ``hub_credentials``:
+    the site's ``device.json`` from the hub's fleet directory (``edgeflow fleet provision <site>``
+    there); the site id is its user name. The UPLINK user's password is kept in
+    ``broker/nats-uplink.json``. Returns (config path, site id)."""
+    from pathlib import Path
+
+    from edgeflow.broker.mosquitto import _write_secret
+
+    hub_host, hub_port, tls = parse_leaf_url(hub_url)
+    cpath = Path(hub_credentials)
+    try:
+        creds = json.loads(cpath.read_text(encoding="utf-8"))
+        site_id, hub_password, fleet = str(creds["username"]), str(creds["password"]), creds.get("fleet")
+    except FileNotFoundError:
+        raise ConfigError(f"hub credentials {cpath} not found: copy the site's device.json from the hub's fleet "
+                          "directory (`edgeflow fleet provision <site>` there makes it)") from None
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(f"{cpath} is not a device.json (username, password) from the hub's fleet "
+                          "directory") from None
+    if fleet is not None and fleet != fd.fleet:
+        raise ConfigError(f"{cpath} is for fleet {fleet!r}, this fleet directory is {fd.fleet!r}; a site's "
+                          "fleet id is the hub's")
+    if tls and hub_ca is None:
+        beside = cpath.parent / "ca.crt"
+        if not beside.exists():
+            raise ConfigError(f"{hub_url} is a TLS leaf port: pass --hub-ca (the hub's fleet CA) or put its ca.crt "
+                              f"next to {cpath}")
+        hub_ca = str(beside.resolve())
+    if not tls and hub_ca is not None:
+        raise ConfigError(f"--hub-ca is for a TLS leaf port: use tls://{hub_host}:{hub_port}")
+    devices, operators = _fleet_users(fd)
+    b = fd.broker_dir
+    head = _server_head(site_id, host, port)
+    store = store_dir or str(Path(b) / "nats-js")
+    cfg = nats_site_config(fd.fleet, site_id, devices, operators,
+                           keeper_password=_stored_secret(b / _KEEPER_CREDENTIALS, KEEPER_USER),
+                           uplink_password=_stored_secret(b / UPLINK_CREDENTIALS, site_id),
+                           hub_host=hub_host, hub_port=hub_port, hub_password=hub_password, hub_ca=hub_ca)
+    text = head + nats_jetstream_block(store, jetstream_domain(site_id)) + cfg.text
+    path = b / LEAF_CONFIG
+    _write_secret(path, text.encode())
+    return path, site_id

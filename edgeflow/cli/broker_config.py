@@ -22,8 +22,10 @@ def register(sub) -> None:
     )
     p.add_argument("--dir", default=None, help="fleet directory (default $EDGEFLOW_FLEET_DIR or ./fleet)")
     p.add_argument("--fleet", help="fleet id (required when creating the directory)")
-    p.add_argument("--host", default=None, help="address the TLS listener binds (default 0.0.0.0)")
-    p.add_argument("--port", type=int, default=None, help="TLS listener port (default 8883)")
+    p.add_argument("--host", default=None, help="address the TLS listener binds (default 0.0.0.0; with "
+                   "--leaf-port/--leaf-of: nats-server's client listener)")
+    p.add_argument("--port", type=int, default=None, help="TLS listener port (default 8883; with "
+                   "--leaf-port/--leaf-of: nats-server's client port, default 4222)")
     p.add_argument("--public-host", action="append", default=None,
                    help="host name or IP devices use to reach the broker (certificate SAN, device URL; repeatable)")
     p.add_argument("--broker-url", help="URL devices are given (default mqtts://PUBLIC-HOST:PORT)")
@@ -47,7 +49,8 @@ def register(sub) -> None:
                    help="connections one source address may hold open on the broker's network listeners, enforced "
                    "by broker/nftables.conf (default: operator users + 4, at least 8; a device uses one). Raise it "
                    "for sites whose boards share one NAT address: docs/fleet.md")
-    p.add_argument("--persistence", metavar="DIR", help="keep sessions and queued messages in DIR")
+    p.add_argument("--persistence", metavar="DIR", help="keep sessions and queued messages in DIR (with "
+                   "--leaf-port/--leaf-of: the JetStream store, default broker/nats-js)")
     p.add_argument("--log-file", help="Mosquitto log file")
     p.add_argument("--broker-user", metavar="USER",
                    help="system user the broker runs as (default: mosquitto when broker-config runs as root, "
@@ -57,8 +60,67 @@ def register(sub) -> None:
                    "fleet's broker; SITE must be provisioned (`edgeflow fleet provision SITE`); docs/scaling.md")
     p.add_argument("--central", metavar="URL", help="with --bridge-site: the central broker's URL "
                    "(default: the fleet directory's broker URL)")
+    p.add_argument("--leaf-port", type=int, metavar="PORT",
+                   help="instead: write broker/nats-hub.conf, a nats-server config for this (hub) fleet with a leaf "
+                   "node port PORT (7422 is nats-server's) for the sites named by --leaf-site; docs/transport.md, "
+                   "'NATS leaf nodes'")
+    p.add_argument("--leaf-site", action="append", default=None, metavar="SITE",
+                   help="with --leaf-port: a site that connects as a leaf node (provisioned: `edgeflow fleet "
+                   "provision SITE`; repeatable)")
+    p.add_argument("--leaf-tls", action="store_true",
+                   help="with --leaf-port: TLS on the leaf port, with the fleet's server certificate")
+    p.add_argument("--leaf-of", metavar="URL",
+                   help="instead: write broker/nats-leaf.conf, a nats-server config for this site's fleet directory "
+                   "that is a leaf node of the hub's leaf port URL (nats://HUB:7422, tls://HUB:7422)")
+    p.add_argument("--hub-credentials", metavar="FILE",
+                   help="with --leaf-of: the site's device.json from the hub's fleet directory")
+    p.add_argument("--hub-ca", metavar="FILE", help="with --leaf-of tls://...: the hub's fleet CA "
+                   "(default: ca.crt next to --hub-credentials)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd)
+
+
+def leaf_cmd(args, fd) -> int:
+    """--leaf-port (the hub) or --leaf-of (a site): a nats-server config from the fleet directory."""
+    from ..broker.nats import parse_leaf_url, write_hub_config, write_site_config
+    from ..errors import ConfigError
+    from ._common import console, emit_json
+
+    if args.leaf_port is not None and args.leaf_of:
+        raise ConfigError("--leaf-port (the hub's config) and --leaf-of (a site's) are for different servers; "
+                          "give one")
+    host, port, store = args.host or "0.0.0.0", args.port or 4222, args.persistence
+    if args.leaf_of:
+        parse_leaf_url(args.leaf_of)  # a bad URL is the first thing said
+        if args.leaf_site or args.leaf_tls:
+            raise ConfigError("--leaf-site and --leaf-tls go with --leaf-port (the hub), not --leaf-of")
+        if not args.hub_credentials:
+            raise ConfigError("--leaf-of needs --hub-credentials FILE: the site's device.json from the hub's fleet "
+                              "directory (`edgeflow fleet provision SITE` there)")
+        path, site = write_site_config(fd, args.leaf_of, args.hub_credentials, hub_ca=args.hub_ca, host=host,
+                                       port=port, store_dir=store)
+        out = {"fleet": fd.fleet, "site": site, "config": str(path), "hub": args.leaf_of,
+               "uplink_credentials": str(fd.broker_dir / "nats-uplink.json")}
+    else:
+        if args.hub_credentials or args.hub_ca:
+            raise ConfigError("--hub-credentials and --hub-ca go with --leaf-of (a site), not --leaf-port")
+        if not args.leaf_site:
+            raise ConfigError("--leaf-port needs at least one --leaf-site SITE (a site provisioned in this "
+                              "fleet directory)")
+        path = write_hub_config(fd, args.leaf_site, leaf_port=args.leaf_port, host=host, port=port, store_dir=store,
+                                leaf_tls=args.leaf_tls)
+        out = {"fleet": fd.fleet, "sites": sorted(set(args.leaf_site)), "config": str(path),
+               "leaf_port": args.leaf_port}
+    if args.json:
+        emit_json(out)
+        return 0
+    c = console()
+    c.print(f"nats-server config for {'site ' + out['site'] if 'site' in out else 'the hub'} of fleet "
+            f"[bold]{out['fleet']}[/]: {path}")
+    if "site" in out:
+        c.print(f"  the site gateway's uplink transport logs in as {out['site']} with {out['uplink_credentials']}")
+    c.print(f"run:  nats-server -c {path}")
+    return 0
 
 
 def bridge_cmd(args, fd) -> int:
@@ -111,6 +173,12 @@ def cmd(args) -> int:
     fd = FleetDir(fleet_dir_arg(args.dir))
     if getattr(args, "bridge_site", None):
         return bridge_cmd(args, fd)
+    if getattr(args, "leaf_of", None) or getattr(args, "leaf_port", None) is not None:
+        return leaf_cmd(args, fd)
+    for flag, mode in (("leaf_site", "--leaf-port"), ("leaf_tls", "--leaf-port"), ("hub_credentials", "--leaf-of"),
+                       ("hub_ca", "--leaf-of")):
+        if getattr(args, flag, None):
+            raise ConfigError(f"--{flag.replace('_', '-')} goes with {mode}")
     if not fd.exists and not args.fleet:
         raise ConfigError(f"{fd.path} is not a fleet directory yet: pass --fleet NAME to create it")
     # everything is checked before anything is written: settings, the broker's user and its access
