@@ -100,6 +100,11 @@ class RoundConfig:
     """An evaluate round needs at least this many devices (fewer online: skipped, and the round says so)."""
     evaluate_deadline_s: float | None = None
     """How long an evaluate round waits for the reports (default: ``deadline_s``)."""
+    downlink: str = "full"
+    """What devices receive of each new global model: ``full`` (the weights, retained), or ``delta-<codec>`` (e.g.
+    ``delta-int8``): first a signed delta from the previous version, encoded with that codec, which devices holding
+    that version apply; the gateway adopts the weights they reconstruct; the full model stays retained for the
+    others (edgeflow/codecs/model_delta.py, docs/wire-format.md)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.train, dict):
@@ -130,6 +135,13 @@ class RoundConfig:
             problems.append(f"min_evaluate_clients must be >= 1, got {self.min_evaluate_clients}")
         if self.evaluate_deadline_s is not None and not self.evaluate_deadline_s > 0:
             problems.append(f"evaluate_deadline_s must be > 0, got {self.evaluate_deadline_s}")
+        if isinstance(self.downlink, str):
+            from edgeflow.codecs.model_delta import delta_codec
+
+            try:
+                delta_codec(self.downlink)
+            except ConfigError as exc:
+                problems.append(str(exc))
         if self.fraction_evaluate > 0 and self.mode != "sync":
             problems.append("fraction_evaluate needs mode 'sync' (an asynchronous session has no round ends to "
                             "evaluate after)")
@@ -158,7 +170,7 @@ class RoundConfig:
     _NUMBERS = ("fraction", "overselect", "quorum", "deadline_s", "wait_for_devices_s", "publish_timeout_s",
                 "fraction_evaluate", "async_server_lr")
     _OPT_NUMBERS = ("min_battery", "evaluate_deadline_s")
-    _STRINGS = ("mode", "strategy", "staleness")
+    _STRINGS = ("mode", "strategy", "staleness", "downlink")
 
     def _check_types(self) -> None:
         """Every setting of the right type before any range check (``rounds = "three"`` in TOML is one clear

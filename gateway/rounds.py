@@ -99,6 +99,7 @@ from edgeflow.transport.topics import device_filter, gateway_topic, parse_topic
 from .aggregate import weighted_metrics
 from .aggregation import AggregateResult, decode_state, encode_state
 from .async_rounds import AsyncRounds
+from .downlink import ModelDownlink
 from .evaluate_rounds import EvaluateRounds, aggregate_metrics, metric_value
 from .first_parameters import FirstParameters
 from .global_model import classification_metrics, model_weights, model_with_weights
@@ -265,6 +266,8 @@ class RoundManager:
         self.async_rounds = AsyncRounds(self)  # FedBuff: the long-running session (gateway/async_rounds.py)
         self.evaluate_rounds = EvaluateRounds(self)  # fraction_evaluate (gateway/evaluate_rounds.py)
         self._staged: _Staged | None = None
+        self.downlink = ModelDownlink(config.downlink)
+        """What devices get of each new version: the full model, and a delta first (gateway/downlink.py)."""
         # global model
         latest = store.latest_model()
         self.first_parameters = FirstParameters(self)
@@ -444,6 +447,8 @@ class RoundManager:
     def publish_model(self) -> bool:
         """Publish the global model (retained, signed, with this gateway's epoch); False only
         when :meth:`stop` ended the wait for the broker's acknowledgement."""
+        if not self.downlink.publish(self):  # the delta from the previous version, when [rounds] downlink asks
+            return False
         payload = encode_update(self.weights, "dense", round_id=self.version, device_id=GATEWAY_ID,
                                 seq=self.version, signer=self.signer,
                                 metadata={"model_version": self.version, "epoch": self.epoch})
@@ -990,8 +995,10 @@ class RoundManager:
             if not np.isfinite(v).all():
                 raise AggregationError(f"round {result.round_id}: tensor {k!r} of the new model is not finite; "
                                        "it is not stored")
+        version = self.store.latest_version() + 1
+        weights = self.downlink.prepare(self, weights, version)  # a delta downlink: what devices reconstruct
         onnx_bytes = model_with_weights(self.base_model, weights).SerializeToString()
-        staged = _Staged(weights, onnx_bytes, hashlib.sha256(onnx_bytes).hexdigest(), self.store.latest_version() + 1)
+        staged = _Staged(weights, onnx_bytes, hashlib.sha256(onnx_bytes).hexdigest(), version)
         if hold:
             self._staged = staged
         return staged

@@ -218,6 +218,10 @@ def _codecs() -> list[str]:
     return list(available_codecs())
 
 
+def _downlinks() -> list[str]:
+    return ["full"] + [f"delta-{c}" for c in _codecs() if c != "auto"]
+
+
 def _optimizers() -> list[str]:
     from edgeflow.train.optim import OPTIMIZERS
 
@@ -253,7 +257,7 @@ SCHEMA: dict[str, dict[str, _Rule]] = {
         "dp": _Rule("table", optional=True), "secagg": _Rule("table", optional=True), "async_buffer": _int(1),
         "staleness": _choice(_staleness), "max_staleness": _int(0, optional=True), "async_server_lr": _pos(), "seed": _int(0),
         "publish_timeout_s": _pos(), "fraction_evaluate": _num(0, 1), "min_evaluate_clients": _int(1),
-        "evaluate_deadline_s": _pos(optional=True),
+        "evaluate_deadline_s": _pos(optional=True), "downlink": _choice(_downlinks),
     },
     "rounds.train": {
         "epochs": _int(1), "batch_size": _int(1), "lr": _pos(), "optimizer": _choice(_optimizers),

@@ -27,6 +27,14 @@ state was wiped or restored from a backup - resets both, so its lower versions
 and repeated round ids are followed, while a model or announcement of an
 older epoch (a replay) is refused. Updates echo the round's nonce.
 
+Model deltas (``[rounds] downlink = "delta-int8"``, :mod:`edgeflow.codecs.model_delta`): the client
+always listens on ``gateway/model_delta`` and takes the full model on ``gateway/model`` only while it
+needs it: from the start until it holds a model, and again after a delta it could not apply (another
+base, a refused message) or an announcement of a version it lacks. Once a delta applied, it leaves the
+full model's topic, so the broker sends it only the small delta of each new version. A delta is applied
+to exactly its base and must give the digest it announces; refusals are counted by reason
+(``delta_refusals``) and logged, and the full model is taken instead.
+
 The client never imports the MQTT library: it gets a transport object with
 ``subscribe(filter, handler)`` and ``publish(topic, payload, qos=1)``
 (:class:`edgeflow.transport.MqttTransport`), so the device agent, the demo
@@ -50,8 +58,9 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from ..codecs import ErrorFeedback, decode_update, encode_update
-from ..errors import CodecError, EdgeflowError, SignatureError
+from ..errors import CodecError, EdgeflowError, SignatureError, TransportError
 from ..signing import KeyRing, PublicKey, Signer
+from ..codecs.model_delta import apply_model_delta, refusal
 from ..protocol.rounds import EvaluationReport, RoundAnnouncement, TrainConfig
 from ..transport.base import Transport
 from ..transport.topics import device_topic, gateway_topic
@@ -77,6 +86,9 @@ class ClientStats:
     skipped_late: int = 0
     evaluations_sent: int = 0
     rejected_messages: int = 0
+    deltas_applied: int = 0
+    deltas_refused: int = 0
+    full_models: int = 0
     last_round: int = -1
     last_loss: float | None = None
     last_train_s: float = 0.0
@@ -187,6 +199,12 @@ class Client:
         self._seq = time.time_ns() // 1_000_000  # monotonic across restarts
         self._weights: dict[str, np.ndarray] | None = None
         self._version = -1
+        self._digest: str | None = None  # weights_digest(self._weights), computed at the first delta
+        self._full_sub: Any = None  # the subscription to the full model while this device needs it
+        self._sub_lock = threading.Lock()
+        self.delta_refusals: dict[str, int] = {}
+        """Model deltas refused, by reason (edgeflow.codecs.model_delta.apply_model_delta)."""
+        self.last_delta_refusal = ""
         self.epoch_file = Path(epoch_file) if epoch_file is not None else None
         self._epoch = self._load_epoch()
         self._weights_cv = threading.Condition()
@@ -216,10 +234,11 @@ class Client:
             return self
         self._stop.clear()
         self._subs = [
-            self.transport.subscribe(str(gateway_topic(self.fleet, "model")), self._on_model),
+            self.transport.subscribe(str(gateway_topic(self.fleet, "model_delta")), self._on_model_delta),
             self.transport.subscribe(str(gateway_topic(self.fleet, "round")), self._on_round),
             self.transport.subscribe(str(gateway_topic(self.fleet, "secagg")), self._on_secagg),
         ]
+        self._want_full("start", timeout=10.0)
         self._thread = threading.Thread(target=self._loop, name=f"fl-client-{self.device_id}", daemon=True)
         self._thread.start()
         return self
@@ -229,12 +248,14 @@ class Client:
         self._rounds.put(None)
         with self._weights_cv:
             self._weights_cv.notify_all()
-        for s in self._subs:
+        with self._sub_lock:
+            subs, self._subs = self._subs + ([self._full_sub] if self._full_sub is not None else []), []
+            self._full_sub = None
+        for s in subs:
             try:
                 self.transport.unsubscribe(s)
             except Exception:  # the transport may already be closed
                 log.debug("device %s: unsubscribe at stop failed (transport closed?)", self.device_id, exc_info=True)
-        self._subs = []
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
@@ -242,7 +263,7 @@ class Client:
     def status(self) -> dict[str, Any]:
         return {"running": self._thread is not None, "model_version": self._version, "gateway_epoch": self._epoch,
                 "state": self.state, "detail": self.state_detail, "clock_skew_s": self.clock_skew_s,
-                **self.stats.to_dict()}
+                "delta_refusals": dict(self.delta_refusals), **self.stats.to_dict()}
 
     def _set_state(self, state: str, detail: str = "") -> None:
         if (state, detail) == (self.state, self.state_detail):
@@ -345,7 +366,65 @@ class Client:
             self._save_epoch()
         return True
 
+    # -- the full model's subscription (model deltas) ------------------------
+    def _want_full(self, why: str, *, timeout: float | None = None) -> None:
+        """Listen to the full model (its retained copy comes at once) until a delta applies again."""
+        with self._sub_lock:
+            if self._full_sub is not None or (self._stop.is_set() and why != "start"):
+                return
+            try:
+                self._full_sub = self.transport.subscribe(str(gateway_topic(self.fleet, "model")), self._on_model,
+                                                          timeout=timeout)
+            except TransportError as exc:
+                log.warning("device %s: cannot subscribe to the full model (%s): %s", self.device_id, why, exc)
+                return
+        log.debug("device %s: taking the full model (%s)", self.device_id, why)
+
+    def _drop_full(self) -> None:
+        """A delta applied: the deltas suffice, the broker need not send this device the full model."""
+        with self._sub_lock:
+            sub, self._full_sub = self._full_sub, None
+            if sub is None:
+                return
+            try:
+                self.transport.unsubscribe(sub, timeout=None)
+            except TransportError as exc:  # retried by the transport on reconnect; the full model is then ignored
+                log.debug("device %s: unsubscribe from the full model: %s", self.device_id, exc)
+
     # -- handlers (transport worker thread: keep them short) ---------------
+    def _on_model_delta(self, msg: Any) -> None:
+        if not msg.payload:
+            return
+        with self._weights_cv:
+            weights, version, epoch, digest = self._weights, self._version, self._epoch, self._digest
+        if weights is None:
+            return  # nothing to apply it to: the full model is subscribed until one is held
+        try:
+            got = apply_model_delta(msg.payload, weights=weights, version=version, epoch=epoch, digest=digest,
+                                    keyring=self.keyring, source=f"{self.device_id}<-gateway/model_delta")
+        except CodecError as exc:
+            reason = refusal(exc)
+            if reason == "held":
+                return  # the full model of that version came first
+            self.stats.deltas_refused += 1
+            self.stats.rejected_messages += 1
+            self.delta_refusals[reason] = self.delta_refusals.get(reason, 0) + 1
+            self.last_delta_refusal = f"{reason}: {exc}"
+            if reason == "replay":  # this device holds a newer model: nothing to fetch
+                log.warning("device %s: model delta refused (%s): %s", self.device_id, reason, exc)
+                return
+            log.warning("device %s: model delta refused (%s): %s; taking the full model", self.device_id, reason, exc)
+            self._want_full(f"delta refused: {reason}")
+            return
+        with self._weights_cv:
+            if self._weights is not weights or self._version != version or self._epoch != epoch:
+                return  # a full model came meanwhile
+            self._weights, self._version, self._digest = got.weights, got.version, got.digest
+            self._weights_cv.notify_all()
+        self.stats.deltas_applied += 1
+        self._drop_full()
+        self._set_state("ready")
+
     def _on_model(self, msg: Any) -> None:
         try:
             upd = decode_update(msg.payload, verifier=self.keyring, require_signature=True,
@@ -376,6 +455,8 @@ class Client:
             if version >= self._version:
                 self._weights = upd.tensors
                 self._version = version
+                self._digest = None
+                self.stats.full_models += 1
                 self._weights_cv.notify_all()
         self._set_state("ready")
 
@@ -391,6 +472,9 @@ class Client:
         with self._weights_cv:
             if not self._follow_epoch(ann.epoch, f"round {ann.round_id} announcement"):
                 return
+            behind = ann.model_version > self._version
+        if behind:  # a version this device missed (no delta came, or one it refused): the full model has it
+            self._want_full(f"round {ann.round_id} names model v{ann.model_version}")
         ann = self._localize(ann)
         self._current = ann
         if ann.state == "open" and (not ann.selected or self.device_id in ann.selected):

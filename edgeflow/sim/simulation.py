@@ -35,7 +35,7 @@ ATTACKS = ("scale", "flip", "noise")
 
 
 ROUND_KNOBS = ("rounds", "mode", "fraction", "min_clients", "overselect", "quorum", "deadline_s", "max_extensions",
-               "strategy", "strategy_params", "dp", "secagg", "async_buffer", "seed")
+               "strategy", "strategy_params", "dp", "secagg", "async_buffer", "seed", "downlink")
 """The :class:`~edgeflow.gateway.rounds.RoundConfig` settings a simulation exposes (``seed`` also seeds its data)."""
 
 TRAIN_KNOBS = ("epochs", "batch_size", "lr", "momentum", "proximal_mu", "codec", "codec_opts", "max_samples")
@@ -196,6 +196,12 @@ def _range_problems(cfg: SimConfig) -> list[str]:
             get_codec(cfg.codec).check_options(dict(cfg.codec_opts))
         except EdgeflowError as exc:  # CodecError: one line naming the option and what is valid
             out.append(str(exc))
+    try:
+        from ..codecs.model_delta import delta_codec
+
+        delta_codec(cfg.downlink)
+    except EdgeflowError as exc:  # one line naming the valid settings
+        out.append(str(exc))
     if cfg.strategy not in available_aggregators() and ":" not in cfg.strategy:
         out.append(f"strategy {cfg.strategy!r} is unknown; choose one of {', '.join(available_aggregators())}")
     known = set(list_profiles())

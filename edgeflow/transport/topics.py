@@ -117,6 +117,7 @@ DEVICE_CHANNEL_SPECS: tuple[ChannelSpec, ...] = (
 )
 GATEWAY_CHANNEL_SPECS: tuple[ChannelSpec, ...] = (
     ChannelSpec("model", "gateway", "devices", True, True, "1", "global model"),
+    ChannelSpec("model_delta", "gateway", "devices", True, True, "1", "global model as a signed delta from the previous version"),
     ChannelSpec("round", "gateway", "devices", True, True, "1", "current round (signed)"),
     ChannelSpec("state", "gateway", "all", True, True, "1", "gateway status"),
     ChannelSpec("secagg", "gateway", "devices", False, True, "1", "secure-aggregation broadcasts"),
