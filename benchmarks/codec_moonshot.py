@@ -43,6 +43,15 @@ SETTINGS: list[tuple[str, str, dict[str, object]]] = [
     ("topk-packed 3% 2b", "topk-packed", {"ratio": 0.03, "bits": 2}),
     ("topk-packed 5% 4b", "topk-packed", {"ratio": 0.05, "bits": 4}),
     ("auto", "auto", {}),
+    ("randk-packed 5% 1b", "randk-packed", {"ratio": 0.05, "bits": 1}),
+    ("randk-packed 10% 1b", "randk-packed", {"ratio": 0.1, "bits": 1}),
+    ("randk-packed 20% 1b", "randk-packed", {"ratio": 0.2, "bits": 1}),
+    ("randk-packed 40% 1b", "randk-packed", {"ratio": 0.4, "bits": 1}),
+    ("randk-packed 10% 2b", "randk-packed", {"ratio": 0.1, "bits": 2}),
+    ("topk-packed 2% 2b digest", "topk-packed", {"ratio": 0.02, "bits": 2, "layout": "digest"}),
+    ("topk-packed 3% 1b digest", "topk-packed", {"ratio": 0.03, "bits": 1, "layout": "digest"}),
+    ("topk-packed 3% 2b digest", "topk-packed", {"ratio": 0.03, "bits": 2, "layout": "digest"}),
+    ("auto digest", "auto", {"layout": "digest"}),
 ]
 
 
@@ -73,46 +82,92 @@ def model_params(model: str) -> int:
 
 
 def overhead_table(model: str) -> None:
-    """Bytes of one signed update of ``model`` with the metadata a simulated device sends, by part:
-    the least a top-k update costs (one value per tensor), in both envelope versions."""
+    """Bytes of one signed update of ``model`` with the metadata a simulated device sends, field by field,
+    in envelope versions 2 (names) and 3 (layout digest): what a top-k update costs before its values."""
     import numpy as np
     from onnx import numpy_helper
 
     from edgeflow import zoo
     from edgeflow.codecs import encode_update
+    from edgeflow.codecs.envelope import SIG_BLOCK, SectionInput, build_envelope
     from edgeflow.codecs.metadata import pack_metadata
+    from edgeflow.codecs.packing import varint
     from edgeflow.signing import Signer
 
     build = {"mlp": zoo.digits_mlp, "cnn": zoo.digits_cnn}[model]
     shapes = {t.name: numpy_helper.to_array(t).shape for t in build(seed=0).graph.initializer}
     zeros = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
     dense = 4 * sum(int(np.prod(s)) for s in shapes.values())
+    budget = dense * TARGET_RATIO
     signer = Signer.generate("sim-007")
-    meta = {"loss": 0.19933363285071554, "base_version": 12, "round_nonce": "9f3c0a1b2c3d4e5f"}
-    full = {**meta, "num_samples": 72}
+    meta = {k: v for k, v in SIM_META.items() if k != "num_samples"}
     kw = {"round_id": 12, "device_id": "sim-007", "seq": 12, "signer": signer, "metadata": meta, "num_samples": 72}
-    v1 = len(encode_update(zeros, "topk-int8", k=1, **kw))
-    v2 = len(encode_update(zeros, "topk-packed", k=1, **kw))
-    names = sum(len(n) for n in shapes)
-    json_meta = len(json.dumps(full, separators=(",", ":"), sort_keys=True))
-    print(f"{model}: {len(shapes)} tensors, dense fp32 {dense} B; 0.5% of it = {dense * 0.005:.0f} B per update\n")
-    print("| part | version 1 | version 2 |")
+    packed_meta = pack_metadata(SIM_META)
+    empty = [SectionInput(n, 2, s, []) for n, s in shapes.items()]
+    bare = {v: len(build_envelope(codec_id=6, round_id=12, seq=12, device_id="sim-007", metadata_json=packed_meta,
+                                  sections=empty, version=v)) for v in (2, 3)}
+    k1 = {v: len(encode_update(zeros, "topk-packed", k=1, layout=lay, **kw)) for v, lay in ((2, "names"), (3, "digest"))}
+    names = sum(len(varint(len(n))) + len(n) + 2 + sum(len(varint(d)) for d in s) for n, s in shapes.items())
+    parts = {
+        "prefix: magic, version, flags, codec id": (7, 7),
+        "device id (length + 7 B)": (1 + len("sim-007"),) * 2,
+        "metadata (loss, base_version, round_nonce, num_samples; binary)": (len(varint(len(packed_meta))) + len(packed_meta),) * 2,
+        "tensor names, dtypes, shapes (v2) / layout digest + one dtype (v3)": (names, 9),
+        "CRC-32": (4, 4),
+        "key id + Ed25519 signature": (SIG_BLOCK, SIG_BLOCK),
+    }
+    rest = tuple(bare[v] + SIG_BLOCK - sum(p[i] for p in parts.values()) for i, v in enumerate((2, 3)))
+    parts["header length, round id, seq, tensor count, section lengths (varints)"] = rest
+    floor = (bare[2] + SIG_BLOCK, bare[3] + SIG_BLOCK)
+    print(f"{model}: {len(shapes)} tensors, dense fp32 {dense} B; 0.5% of it = {budget:.0f} B per update\n")
+    print("| part | version 2 | version 3 |")
     print("| --- | ---: | ---: |")
-    print(f"| whole update with one value per tensor (topk-int8 / topk-packed, k=1) | {v1} | {v2} |")
-    print("| of which Ed25519 signature + key id | 72 | 72 |")
-    print(f"| of which metadata | {json_meta} | {len(pack_metadata(full))} |")
-    print(f"| of which tensor names | {names} | {names} |")
-    print(f"| as a share of dense | {v1 / dense:.4f} | {v2 / dense:.4f} |")
+    for name, (a, b) in parts.items():
+        print(f"| {name} | {a} | {b} |")
+    print(f"| **envelope, no values** | **{floor[0]}** | **{floor[1]}** |")
+    print(f"| whole update with one value per tensor (topk-packed, k=1) | {k1[2]} | {k1[3]} |")
+    print(f"| left for values under the {budget:.0f} B target | {budget - floor[0]:.0f} | {budget - floor[1]:.0f} |")
+    mac = floor[1] - SIG_BLOCK - 4 + 16
+    print(f"\nNot built (a 16-byte HMAC tag instead of key id, signature and CRC): version 3 would be {mac} B "
+          f"before values, leaving {budget - mac:.0f} B of the {budget:.0f}.")
+
+
+SIM_META = {"loss": 0.19933363285071554, "base_version": 12, "round_nonce": "9f3c0a1b2c3d4e5f", "num_samples": 72}
+"""Metadata of the size a simulated device sends (edgeflow/federated/client.py)."""
+
+
+def envelope_bytes(model: str, codec: str, layout: str = "names") -> int:
+    """Bytes of one signed update of ``model`` in ``codec``'s envelope with empty sections (names, shapes,
+    section lengths, metadata of a simulated device, CRC, key id, signature): all but the codec's payload."""
+    from onnx import numpy_helper
+
+    from edgeflow import zoo
+    from edgeflow.codecs.envelope import SIG_BLOCK, SectionInput, build_envelope
+    from edgeflow.codecs.metadata import pack_metadata
+    from edgeflow.codecs.registry import get_codec
+
+    build = {"mlp": zoo.digits_mlp, "cnn": zoo.digits_cnn}[model]
+    version = 3 if layout == "digest" else 2 if codec == "auto" else get_codec(codec).envelope_version
+    meta = pack_metadata(SIM_META) if version == 2 else json.dumps(SIM_META, separators=(",", ":")).encode()
+    empty = [SectionInput(t.name, 2, tuple(numpy_helper.to_array(t).shape), [])
+             for t in build(seed=0).graph.initializer]
+    data = build_envelope(codec_id=1, round_id=12, seq=12, device_id="sim-007", metadata_json=meta,
+                          sections=empty, version=version)
+    return len(data) + SIG_BLOCK
 
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
-    """The curve as a markdown table; rows[0] is dense, the reference of every seed."""
+    """The curve as a markdown table; rows[0] is dense, the reference of every seed. ``payload B``: B/update
+    less :func:`envelope_bytes` (what the codec's sections carry; within a few bytes: device ids, losses
+    and sequence numbers differ in length between updates)."""
     dense = {s: r["accuracy"] for s, r in zip(args.seeds, rows[0]["runs"])}
     print(f"{args.model} ({args.params} values, {4 * args.params} B dense), {args.devices} devices, {args.rounds} "
           f"rounds, seeds {' '.join(map(str, args.seeds))}; target: upload ratio <= {TARGET_RATIO} and final "
           f"accuracy >= dense's - {TARGET_DROP} on every seed\n")
-    print("| setting | upload ratio | B/update | final accuracy per seed | mean | vs dense (pt) | accuracy ok | target |")
-    print("| --- | ---: | ---: | --- | ---: | ---: | --- | --- |")
+    print("| setting | upload ratio | B/update | payload B | final accuracy per seed | mean | vs dense (pt) | "
+          "accuracy ok | target |")
+    print("| --- | ---: | ---: | ---: | --- | ---: | ---: | --- | --- |")
+    envelopes: dict[str, int] = {}
     for row in rows:
         runs = row["runs"]
         ratio = mean(r["ratio"] for r in runs)
@@ -120,7 +175,12 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
         drop = acc - mean(dense.values())
         acc_ok = all(r["accuracy"] >= dense[s] - TARGET_DROP for s, r in zip(args.seeds, runs))
         per_seed = " ".join(f"{r['accuracy']:.4f}" for r in runs)
-        print(f"| {row['setting']} | {ratio:.4f} | {mean(r['bytes_per_update'] for r in runs):,.0f} | {per_seed} | "
+        per_update = mean(r["bytes_per_update"] for r in runs)
+        key = f"{row['codec']} {row['options'].get('layout', 'names')}"
+        if key not in envelopes:
+            envelopes[key] = envelope_bytes(args.model, row["codec"], row["options"].get("layout", "names"))
+        payload = per_update - envelopes[key]
+        print(f"| {row['setting']} | {ratio:.4f} | {per_update:,.0f} | {payload:,.0f} | {per_seed} | "
               f"{acc:.4f} | {100 * drop:+.2f} | {'yes' if acc_ok else 'no'} | "
               f"{'met' if acc_ok and ratio <= TARGET_RATIO else 'no'} |")
 

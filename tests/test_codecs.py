@@ -25,7 +25,7 @@ from edgeflow.codecs import (
 from edgeflow.errors import CodecError, SignatureError
 from edgeflow.signing import KeyRing, ReplayGuard, Signer
 
-ALL = ["dense", "fp16", "int8", "topk", "topk-int8", "topk-packed"]
+ALL = ["dense", "fp16", "int8", "topk", "topk-int8", "topk-packed", "randk-packed"]
 
 
 def model(seed: int = 0) -> dict[str, np.ndarray]:
@@ -54,7 +54,7 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
 
 def test_registry_has_every_codec() -> None:
     assert available_codecs() == [*ALL, "auto"]  # auto picks one of them per update (test_codec_auto.py)
-    assert [get_codec(n).codec_id for n in ALL] == [1, 2, 3, 4, 5, 6]
+    assert [get_codec(n).codec_id for n in ALL] == [1, 2, 3, 4, 5, 6, 7]
     with pytest.raises(CodecError, match="unknown codec 'zip'.*available codecs: dense"):
         get_codec("zip")
 
@@ -62,8 +62,8 @@ def test_registry_has_every_codec() -> None:
 @pytest.mark.parametrize("codec", ALL)
 def test_round_trip_keeps_names_shapes_dtypes_and_header(codec: str) -> None:
     tensors = model()
-    data = encode(tensors, codec, metadata={"loss": 0.25}, num_samples=640, ratio=1.0) if codec.startswith("topk") \
-        else encode(tensors, codec, metadata={"loss": 0.25}, num_samples=640)
+    opts = {"ratio": 1.0} if codec.startswith("topk") else {"ratio": 1.0, "bits": 8} if codec == "randk-packed" else {}
+    data = encode(tensors, codec, metadata={"loss": 0.25}, num_samples=640, **opts)
     up = decode_update(data)
     assert (up.round_id, up.device_id, up.seq, up.codec) == (3, "pi-7", 1, codec)
     assert up.metadata == {"loss": 0.25, "num_samples": 640} and up.num_samples == 640
@@ -72,7 +72,8 @@ def test_round_trip_keeps_names_shapes_dtypes_and_header(codec: str) -> None:
         y = up.tensors[name]
         assert y.shape == x.shape and y.dtype == x.dtype
         assert y.flags.writeable
-        tol = {"dense": 0, "fp16": 1e-3, "int8": 0.02, "topk": 0, "topk-int8": 0.02, "topk-packed": 0.25}[codec]
+        tol = {"dense": 0, "fp16": 1e-3, "int8": 0.02, "topk": 0, "topk-int8": 0.02, "topk-packed": 0.25,
+               "randk-packed": 0.02}[codec]
         assert rel_err(y, x) <= tol, name
 
 
@@ -344,7 +345,7 @@ def test_peek_reads_the_header_only() -> None:
 
 # ------------------------------------------------------------------ fuzzing
 
-_VALID = {c: encode(codec=c, signer=None, **({"ratio": 0.2} if c.startswith("topk") else {})) for c in ALL}
+_VALID = {c: encode(codec=c, signer=None, **({"ratio": 0.2} if "k" in c.split("-")[0] else {})) for c in ALL}
 _SIGNER = Signer.generate("pi-7")
 _RING = KeyRing({"pi-7": _SIGNER.public_key})
 _SIGNED = encode(codec="topk-int8", signer=_SIGNER, ratio=0.2)

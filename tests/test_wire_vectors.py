@@ -351,7 +351,7 @@ def test_the_guard_asks_for_regeneration_after_a_version_bump(stored, monkeypatc
 
     if bump == "envelope":
         old = envelope.VERSION
-        new = 3  # the next free envelope version: 2 is the compact envelope (§7.6)
+        new = 4  # the next free envelope version: 2 is the compact envelope (§7.6), 3 the layout digest
         monkeypatch.setattr(envelope, "VERSION", new)
         monkeypatch.setitem(envelope.SIGN_CONTEXTS, new, envelope.SIGN_CONTEXT)
     else:

@@ -30,7 +30,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from edgeflow.codecs.registry import Codec, get_codec, register_codec
+from edgeflow.codecs.registry import Codec, check_layout, get_codec, register_codec
 from edgeflow.codecs.rejects import codec_error
 
 __all__ = ["SMALL_BITS", "SMALL_MODEL", "SMALL_RATIO", "AutoCodec", "choose_codec"]
@@ -99,10 +99,11 @@ class AutoCodec(Codec):
 
     name = "auto"
     codec_id = 0
-    option_names = ("budget",)
+    option_names = ("budget", "layout")
     selector = True
 
     def check_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        check_layout(self.name, options)
         out = super().check_options(options)
         if "budget" in out:
             b = out["budget"]

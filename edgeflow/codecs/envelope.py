@@ -36,6 +36,24 @@ LEB128 varint and sections follow each other without padding::
     body          the codec sections, back to back
     crc32   4 B   and [signature 72 B] as in version 1, signed with context "update/v2"
 
+Version 3 (``layout="digest"``) drops what a receiver that holds the model
+already knows: the tensor names, dtypes and shapes become an 8-byte digest of
+the model's layout, and the sections follow in the layout's order (tensor
+names sorted)::
+
+    prefix  7 B   magic "EFUP" | version 3 u8 | flags u8 | codec id u8
+    header        varint header length
+                  varint round id | varint seq | varint device id length | device id
+                  varint metadata length | metadata (binary) | layout digest 8 B | dtype u8 (every tensor's)
+                  | varint tensor count | per tensor: varint section length
+    body, crc32, [signature]  as in version 2, signed with context "update/v3"
+
+The digest is :func:`layout_digest`: the first 8 bytes of SHA-256 over the
+sorted names, each with its shape. A receiver decodes version 3 only with
+the model's shapes (``expected_shapes``); without them it can still peek at
+the header (device, round, seq, section lengths), and decoding is refused
+(``shape_mismatch``) rather than guessed.
+
 Which version a sender writes is the codec's (:attr:`Codec.envelope_version`):
 codecs a version-1 receiver knows keep version 1; newer codecs, unknown to
 such a receiver anyway, use version 2. Every bound of version 1 holds.
@@ -46,6 +64,7 @@ guess a new layout), and says which side to upgrade.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import struct
 import zlib
@@ -67,11 +86,13 @@ __all__ = [
     "VERSION",
     "VERSIONS",
     "VERSION_COMPACT",
+    "VERSION_LAYOUT",
     "EnvelopeHeader",
     "TensorSpec",
     "build_envelope",
     "check_crc",
     "dtype_code",
+    "layout_digest",
     "parse_envelope",
     "signed_message",
 ]
@@ -79,11 +100,13 @@ __all__ = [
 MAGIC = b"EFUP"
 VERSION = 1
 VERSION_COMPACT = 2
-VERSIONS = (VERSION, VERSION_COMPACT)
+VERSION_LAYOUT = 3
+VERSIONS = (VERSION, VERSION_COMPACT, VERSION_LAYOUT)
 FLAG_SIGNED = 0x01
 KNOWN_FLAGS = FLAG_SIGNED
 SIGN_CONTEXT = "update/v1"
-SIGN_CONTEXTS = {VERSION: SIGN_CONTEXT, VERSION_COMPACT: "update/v2"}
+SIGN_CONTEXTS = {VERSION: SIGN_CONTEXT, VERSION_COMPACT: "update/v2", VERSION_LAYOUT: "update/v3"}
+LAYOUT_DIGEST_SIZE = 8
 
 _PREFIX = struct.Struct("<4sBBBBI")
 _PREFIX2 = struct.Struct("<4sBBB")
@@ -141,6 +164,10 @@ class EnvelopeHeader:
     total_size: int
     key_id: bytes | None
     signature: bytes | None
+    layout: bytes | None = None
+    """Version 3: the layout digest the sender declared (``tensors`` is empty when it was parsed without
+    the receiver's layout); None for versions 1 and 2."""
+    section_lengths: tuple[int, ...] = ()
 
     @property
     def signed(self) -> bool:
@@ -173,10 +200,14 @@ def build_envelope(
     """Assemble the envelope with a single copy of the section data (``version`` 1 or 2).
 
     ``metadata_json`` is the metadata as the version writes it: JSON text for version 1, the binary
-    form of :func:`edgeflow.codecs.metadata.pack_metadata` for version 2."""
+    form of :func:`edgeflow.codecs.metadata.pack_metadata` for versions 2 and 3. Version 3 writes the
+    sections in the order of the names, sorted."""
     if version == VERSION_COMPACT:
         pieces = _compact_pieces(codec_id, round_id, seq, device_id, metadata_json, sections, signer)
         return _seal(pieces, signer, SIGN_CONTEXTS[VERSION_COMPACT])
+    if version == VERSION_LAYOUT:
+        pieces = _layout_pieces(codec_id, round_id, seq, device_id, metadata_json, sections, signer)
+        return _seal(pieces, signer, SIGN_CONTEXTS[VERSION_LAYOUT])
     dev = device_id.encode("utf-8")
     head = [_FIXED.pack(round_id, seq, len(dev), len(sections), len(metadata_json)), dev, metadata_json]
     lengths = []
@@ -199,6 +230,36 @@ def build_envelope(
         pieces.extend(s.parts)
         pos += pad + length
     return _seal(pieces, signer, SIGN_CONTEXT)
+
+
+def layout_digest(shapes: Sequence[tuple[str, Sequence[int]]]) -> bytes:
+    """The 8-byte digest of a model layout: SHA-256 over the names in sorted order, each as varint length,
+    UTF-8 name, varint ndim and varint dims. Sender and receiver compute it from the same model."""
+    h = hashlib.sha256(b"edgeflow:layout/v1\0")
+    for name, shape in sorted(shapes, key=lambda t: t[0]):
+        raw = name.encode("utf-8")
+        h.update(varint(len(raw)) + raw + varint(len(shape)) + b"".join(varint(int(d)) for d in shape))
+    return h.digest()[:LAYOUT_DIGEST_SIZE]
+
+
+def _layout_pieces(codec_id: int, round_id: int, seq: int, device_id: str, metadata: bytes,
+                   sections: Sequence[SectionInput], signer: Signer | None) -> list[Any]:
+    codes = {s.dtype_code for s in sections}
+    if len(codes) > 1:
+        raise codec_error("bad_input", "layout='digest' sends one dtype for every tensor, but this update mixes "
+                                       "dtypes; convert the tensors to one dtype or use layout='names'")
+    ordered = sorted(sections, key=lambda s: s.name)
+    dev = device_id.encode("utf-8")
+    head = [varint(round_id), varint(seq), varint(len(dev)), dev, varint(len(metadata)), metadata,
+            layout_digest([(s.name, s.shape) for s in ordered]), bytes((codes.pop() if codes else 2,)),
+            varint(len(ordered))]
+    head += [varint(sum(_part_len(p) for p in s.parts)) for s in ordered]
+    header = b"".join(head)
+    flags = FLAG_SIGNED if signer is not None else 0
+    pieces: list[Any] = [_PREFIX2.pack(MAGIC, VERSION_LAYOUT, flags, codec_id), varint(len(header)), header]
+    for s in ordered:
+        pieces.extend(s.parts)
+    return pieces
 
 
 def _part_len(p: Any) -> int:
@@ -275,16 +336,19 @@ def _text(raw: memoryview, what: str) -> str:
         raise codec_error("malformed", f"{what} is not valid UTF-8") from None
 
 
-def parse_envelope(data: bytes | bytearray | memoryview, *, max_elements: int) -> EnvelopeHeader:
+def parse_envelope(data: bytes | bytearray | memoryview, *, max_elements: int,
+                   layout: Sequence[tuple[str, Sequence[int]]] | None = None) -> EnvelopeHeader:
     """Parse and bound-check the structure; no CRC, signature or tensor decoding.
 
     Cheap (microseconds): a gateway can peek at device id and round before
     spending time on the body. Raises CodecError with a ``reason``.
+    ``layout`` ((name, shape) pairs, the receiver's model) names the tensors of a version-3 envelope;
+    without it such an envelope parses with no tensors (``header.layout`` says which layout it needs).
     """
     mv = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
     n = len(mv)
-    if n >= 5 and bytes(mv[:4]) == MAGIC and mv[4] == VERSION_COMPACT and mv[4] != VERSION:
-        return _parse_compact(mv, max_elements=max_elements)
+    if n >= 5 and bytes(mv[:4]) == MAGIC and mv[4] in (VERSION_COMPACT, VERSION_LAYOUT):
+        return _parse_compact(mv, max_elements=max_elements, layout=layout)
     if n < _PREFIX.size:
         raise codec_error("truncated", f"envelope is {n} bytes, shorter than its {_PREFIX.size}-byte prefix")
     magic, version, flags, codec_id, reserved, header_len = _PREFIX.unpack_from(mv, 0)
@@ -318,8 +382,10 @@ def parse_envelope(data: bytes | bytearray | memoryview, *, max_elements: int) -
     return _header(mv, version, flags, codec_id, round_id, seq, device_id, metadata, tensors)
 
 
-def _parse_compact(mv: memoryview, *, max_elements: int) -> EnvelopeHeader:
-    """Version 2: the same fields as version 1, as varints, sections unpadded."""
+def _parse_compact(mv: memoryview, *, max_elements: int,
+                   layout: Sequence[tuple[str, Sequence[int]]] | None = None) -> EnvelopeHeader:
+    """Versions 2 and 3: the fields of version 1 as varints, sections unpadded; version 3 names the
+    layout by its digest."""
     n = len(mv)
     if n < _PREFIX2.size:
         raise codec_error("truncated", f"envelope is {n} bytes, shorter than its {_PREFIX2.size}-byte prefix")
@@ -349,6 +415,9 @@ def _parse_compact(mv: memoryview, *, max_elements: int) -> EnvelopeHeader:
     if meta_len > MAX_METADATA:
         raise codec_error("too_large", f"metadata is {meta_len} bytes, more than {MAX_METADATA}")
     metadata = unpack_metadata(cur.take(meta_len, "the metadata"))
+    if version == VERSION_LAYOUT:
+        return _parse_layout(mv, cur, header_end, flags, codec_id, round_id, seq, device_id, metadata,
+                             max_elements, layout)
     n_tensors = cur.varint("the tensor count")
     if n_tensors > 0xFFFF:
         raise codec_error("malformed", f"envelope declares {n_tensors} tensors (max 65535)")
@@ -363,6 +432,41 @@ def _parse_compact(mv: memoryview, *, max_elements: int) -> EnvelopeHeader:
     if cur.pos != header_end:
         raise codec_error("malformed", f"envelope header has {header_end - cur.pos} unexplained trailing bytes")
     return _header(mv, version, flags, codec_id, round_id, seq, device_id, metadata, tensors)
+
+
+def _parse_layout(mv: memoryview, cur: _Cursor, header_end: int, flags: int, codec_id: int, round_id: int,
+                  seq: int, device_id: str, metadata: dict[str, Any], max_elements: int,
+                  layout: Sequence[tuple[str, Sequence[int]]] | None) -> EnvelopeHeader:
+    """The rest of a version-3 header: layout digest, dtype, section lengths; tensors named from ``layout``."""
+    n = len(mv)
+    digest = bytes(cur.take(LAYOUT_DIGEST_SIZE, "the layout digest"))
+    (code,) = cur.take(1, "the dtype")
+    if code not in _DTYPES:
+        raise codec_error("malformed", f"envelope declares unknown dtype code {code}")
+    n_tensors = cur.varint("the tensor count")
+    if n_tensors > 0xFFFF:
+        raise codec_error("malformed", f"envelope declares {n_tensors} tensors (max 65535)")
+    lengths = [cur.varint("a section length") for _ in range(n_tensors)]
+    if cur.pos != header_end:
+        raise codec_error("malformed", f"envelope header has {header_end - cur.pos} unexplained trailing bytes")
+    tensors = _Tensors(n, header_end, max_elements, align=1)
+    if layout is None:
+        for length in lengths:
+            if tensors.pos + length > n:
+                raise codec_error("truncated", "envelope ends inside a section")
+            tensors.pos += length
+    else:
+        ordered = sorted(((str(name), tuple(int(d) for d in shape)) for name, shape in layout), key=lambda t: t[0])
+        mine = layout_digest(ordered)
+        if mine != digest or len(ordered) != n_tensors:
+            msg = (f"update from {device_id!r} was encoded for another model layout (digest {digest.hex()}, "
+                   f"{n_tensors} tensors; this model's is {mine.hex()}, {len(ordered)} tensors): the device trains "
+                   "a different model version")
+            raise codec_error("shape_mismatch", msg)
+        for (name, shape), length in zip(ordered, lengths):
+            tensors.add(name, code, shape, length)
+    head = _header(mv, VERSION_LAYOUT, flags, codec_id, round_id, seq, device_id, metadata, tensors)
+    return dataclasses.replace(head, layout=digest, section_lengths=tuple(lengths))
 
 
 def _identity(cur: _Cursor, dev_len: int, meta_len: int) -> tuple[str, dict[str, Any]]:

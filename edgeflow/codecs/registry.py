@@ -16,7 +16,22 @@ import numpy as np
 
 from edgeflow.codecs.rejects import codec_error
 
-__all__ = ["Codec", "EncodeContext", "available_codecs", "codec_by_id", "get_codec", "register_codec"]
+__all__ = ["LAYOUTS", "Codec", "EncodeContext", "available_codecs", "check_layout", "codec_by_id", "get_codec",
+           "register_codec"]
+
+LAYOUTS = ("names", "digest")
+"""Values of the envelope option ``layout`` (compact codecs): ``names`` (versions 1/2: names, dtypes and
+shapes in the header) or ``digest`` (version 3: an 8-byte digest of the layout the receiver's model has)."""
+
+
+def check_layout(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` less a valid ``layout`` (put back by the caller); a bad value is one CodecError line."""
+    layout = options.get("layout", "names")
+    if layout not in LAYOUTS:
+        msg = (f"codec {name!r}: layout must be 'names' or 'digest' (the receiver has the model), "
+               f"got {layout!r}")
+        raise codec_error("bad_option", msg)
+    return {k: v for k, v in options.items() if k != "layout"}
 
 
 @dataclass

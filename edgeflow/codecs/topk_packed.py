@@ -32,7 +32,7 @@ import numpy as np
 
 from edgeflow.codecs.dense import MAX_VALUE
 from edgeflow.codecs.packing import pack_bits, read_varints, unpack_bits, varint, varint_bytes
-from edgeflow.codecs.registry import Codec, EncodeContext, register_codec
+from edgeflow.codecs.registry import Codec, EncodeContext, check_layout, register_codec
 from edgeflow.codecs.rejects import codec_error
 from edgeflow.codecs.topk import check_topk_options, select_topk, topk_count
 
@@ -88,11 +88,11 @@ def check_packed_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _check_scale(scale: float, bits: int) -> None:
+def _check_scale(scale: float, bits: int, what: str = "topk-packed") -> None:
     if not np.isfinite(scale) or scale < 0.0:
-        raise codec_error("non_finite", f"topk-packed section has scale {scale!r}; a scale must be finite and >= 0")
+        raise codec_error("non_finite", f"{what} section has scale {scale!r}; a scale must be finite and >= 0")
     if qmax_of(bits) * scale > MAX_VALUE * (1.0 + 1e-6):
-        msg = (f"topk-packed section has scale {scale:.3g} at {bits} bits: its largest value exceeds the "
+        msg = (f"{what} section has scale {scale:.3g} at {bits} bits: its largest value exceeds the "
                f"{MAX_VALUE:g} any update may carry; the sender diverged or is hostile")
         raise codec_error("out_of_range", msg)
 
@@ -111,12 +111,13 @@ def _indices_from_gaps(gaps: np.ndarray, size: int) -> np.ndarray:
 class TopKPackedCodec(Codec):
     name = "topk-packed"
     codec_id = 6
-    option_names = ("ratio", "k", "bits", "min_k")
+    option_names = ("ratio", "k", "bits", "min_k", "layout")
     uses_feedback = True
     envelope_version = 2  # the compact envelope: this codec exists for updates where every byte counts
 
     def check_options(self, options: dict[str, Any]) -> dict[str, Any]:
-        return check_packed_options(self.name, options)
+        out = check_packed_options(self.name, check_layout(self.name, options))
+        return {**out, "layout": options["layout"]} if "layout" in options else out
 
     def encode(self, x: np.ndarray, ctx: EncodeContext, residual: np.ndarray | None = None):
         bits = ctx.options.get("bits", DEFAULT_BITS)

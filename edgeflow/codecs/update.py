@@ -23,6 +23,7 @@ from edgeflow.codecs.envelope import (
     MAX_METADATA,
     MAX_NDIM,
     SIG_BLOCK,
+    VERSION_LAYOUT,
     EnvelopeHeader,
     SectionInput,
     build_envelope,
@@ -115,10 +116,13 @@ def encode_update(
     (ignored by the others). ``rng`` (a Generator or a seed) drives
     stochastic rounding; pass a seed for reproducible bytes. ``num_samples``
     is a shortcut for ``metadata["num_samples"]`` (used to weight the
-    federated average). ``codec_opts`` go to the codec, e.g. ``ratio=0.01``.
+    federated average). ``codec_opts`` go to the codec, e.g. ``ratio=0.01``; ``layout="digest"``
+    (compact codecs and ``auto``) sends an 8-byte digest of the model's layout instead of the tensor
+    names, dtypes and shapes (envelope version 3: the receiver must decode with ``expected_shapes``).
     """
     impl = get_codec(codec)
     options = impl.check_options(codec_opts)
+    by_digest = options.pop("layout", "names") == "digest"
     round_id = _check_int("round_id", round_id)
     seq = _check_int("seq", seq)
     if not isinstance(device_id, str) or not device_id or len(device_id.encode("utf-8")) > MAX_DEVICE_ID:
@@ -158,12 +162,17 @@ def encode_update(
         flat.append((name, code, tuple(int(d) for d in arr.shape), x))
 
     meta_bytes = {1: meta_json, 2: pack_metadata(meta)}
+    meta_bytes[VERSION_LAYOUT] = meta_bytes[2]
     if len(meta_bytes[2]) > MAX_METADATA:
         msg = f"metadata is {len(meta_bytes[2])} bytes in binary; keep it under {MAX_METADATA}"
         raise _encode_error("too_large", msg)
     if impl.selector:  # "auto": pick the real codec from the tensors' sizes (edgeflow.codecs.auto)
-        impl, options = impl.resolve([x.size for *_, x in flat], options, lambda version: _overhead(
-            version, impl.codec_id, round_id, seq, device_id, meta_bytes[version], flat, signer))
+        def overhead(version: int) -> int:
+            v = VERSION_LAYOUT if by_digest else version
+            return _overhead(v, impl.codec_id, round_id, seq, device_id, meta_bytes[v], flat, signer)
+
+        impl, options = impl.resolve([x.size for *_, x in flat], options, overhead)
+    version = VERSION_LAYOUT if by_digest else impl.envelope_version
     use_state = state is not None and impl.uses_feedback
     ctx = EncodeContext(rng=_as_rng(rng), options=options, feedback=use_state)
     sections: list[SectionInput] = []
@@ -179,10 +188,10 @@ def encode_update(
         round_id=round_id,
         seq=seq,
         device_id=device_id,
-        metadata_json=meta_bytes[impl.envelope_version],
+        metadata_json=meta_bytes[version],
         sections=sections,
         signer=signer,
-        version=impl.envelope_version,
+        version=version,
     )
     if use_state and state is not None:
         state.commit(new_residuals)
@@ -248,7 +257,12 @@ def _decode(
         msg = f"envelope is {size} bytes, over the {max_bytes}-byte limit; raise max_bytes if the model is that large"
         raise codec_error("oversized", msg)
     mv = memoryview(data).cast("B")
-    header = parse_envelope(mv, max_elements=max_elements)
+    layout = None if expected_shapes is None else [(n, tuple(s)) for n, s in expected_shapes.items()]
+    header = parse_envelope(mv, max_elements=max_elements, layout=layout)
+    if header.layout is not None and layout is None:
+        msg = (f"update from {header.device_id!r} names its tensors by a layout digest (envelope version 3); "
+               "decode it with expected_shapes (the model's tensor shapes), or have the device send layout='names'")
+        raise codec_error("shape_mismatch", msg)
     impl = codec_by_id(header.codec_id)
     check_crc(mv, header)
     signed_by = None
