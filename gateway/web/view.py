@@ -402,11 +402,15 @@ class WebView:
             out: dict[str, int] = {}
             for w in db.workers().values():
                 stats = w.get("stats") if isinstance(w, dict) else None
-                for k, v in (stats or {}).items() if isinstance(stats, dict) else ():
-                    if k.startswith("rejected_") and isinstance(v, int) and not isinstance(v, bool):
+                if not isinstance(stats, dict):
+                    continue
+                for k, v in stats.items():
+                    if not isinstance(v, int) or isinstance(v, bool):
+                        continue
+                    if k.startswith("rejected_"):
                         reason = bounded_label(k[len("rejected_"):])
                         out[reason] = out.get(reason, 0) + v
-                    elif k in ("late", "not_selected") and isinstance(v, int) and not isinstance(v, bool):
+                    elif k in ("late", "not_selected"):
                         out[k] = out.get(k, 0) + v
             return out
 
