@@ -19,7 +19,9 @@ rule exists once. Imports only numpy, math and :mod:`edgeflow.errors`.
   (:func:`coordinate_median`, :func:`trimmed_mean`, Krum's
   :func:`krum_scores`/:func:`krum_select`, :func:`bulyan`,
   :func:`krum_bounded_mean`: default FedAvg's bounds over a Multi-Krum
-  selection, the backdoor defence of docs/security.md section 14), FedProx's client
+  selection, the backdoor defence of docs/security.md section 14; with
+  :func:`krum_ratios`, :func:`update_suspicion` and :func:`most_suspicious`
+  the per-device reputation over rounds of ``krum-reputation``), FedProx's client
   term (:func:`proximal_term`, :func:`proximal_gradient`), and
   :func:`global_norm`.
 """
@@ -44,8 +46,10 @@ __all__ = [
     "coordinate_median",
     "global_norm",
     "iter_chunks",
+    "most_suspicious",
     "KrumBounded",
     "krum_bounded_mean",
+    "krum_ratios",
     "krum_scores",
     "krum_select",
     "next_reference",
@@ -54,6 +58,7 @@ __all__ = [
     "proximal_term",
     "robust_median",
     "trimmed_mean",
+    "update_suspicion",
     "weighted_average",
     "weighted_metrics",
 ]
@@ -287,7 +292,8 @@ def _round_bounds(norms: np.ndarray, samples: np.ndarray, clip_multiplier: float
 
 def krum_bounded_mean(stack: np.ndarray, samples: Sequence[float], num_byzantine: int, *,
                       clip_multiplier: float = 1.5, sample_multiplier: float = 3.0,
-                      sample_cap: float | None = None, weighted: bool = True) -> KrumBounded:
+                      sample_cap: float | None = None, weighted: bool = True,
+                      drop: Sequence[int] | None = None) -> KrumBounded:
     """Default FedAvg's bounded mean over a Multi-Krum selection, all from one round's updates.
 
     ``stack``: (n clients x P coordinates) deltas; ``samples``: their claimed sample counts.
@@ -307,7 +313,11 @@ def krum_bounded_mean(stack: np.ndarray, samples: Sequence[float], num_byzantine
     often enough that dropping the farthest f every round holds it (docs/security.md section 14);
     the bounds keep what Multi-Krum alone lets through: a chosen update's claimed sample count
     buying weight, a long delta. Needs n >= 2f + 3 updates; NaN/Inf, a non-2-D stack or
-    a sample count that is not finite and >= 1 raise AggregationError (nothing is computed)."""
+    a sample count that is not finite and >= 1 raise AggregationError (nothing is computed).
+
+    ``drop``: the row indices to leave out instead of Multi-Krum's choice (``krum-reputation`` drops the
+    most suspicious devices over rounds, :func:`most_suspicious`); any number of rows >= 1 then, as long as
+    one is kept."""
     x = np.asarray(stack)
     if x.ndim != 2 or not np.issubdtype(x.dtype, np.floating):
         raise AggregationError(f"krum_bounded_mean needs a 2-D float array (clients x coordinates), got "
@@ -316,8 +326,12 @@ def krum_bounded_mean(stack: np.ndarray, samples: Sequence[float], num_byzantine
     if isinstance(num_byzantine, bool) or not isinstance(num_byzantine, (int, np.integer)) or num_byzantine < 0:
         raise ConfigError(f"num_byzantine must be an int >= 0, got {num_byzantine!r}")
     f = int(num_byzantine)
-    if n < 2 * f + 3:
+    if drop is None and n < 2 * f + 3:
         raise AggregationError(f"krum_bounded_mean with f={f} Byzantine needs at least {2 * f + 3} updates, got {n}")
+    if drop is not None:
+        gone = {int(i) for i in drop}
+        if any(not 0 <= i < n for i in gone) or len(gone) >= n:
+            raise AggregationError(f"krum_bounded_mean: drop {sorted(gone)} must name rows of the {n} and keep one")
     s = np.asarray(samples, dtype=np.float64)
     if s.shape != (n,) or not np.isfinite(s).all() or (s < 1).any():
         raise AggregationError(f"krum_bounded_mean needs one finite sample count >= 1 per update, got {samples!r}")
@@ -329,12 +343,67 @@ def krum_bounded_mean(stack: np.ndarray, samples: Sequence[float], num_byzantine
     bound, cap = _round_bounds(norms, s, clip_multiplier, sample_multiplier, sample_cap)
     bounded = [bound_update(float(m), float(c), bound, cap) for m, c in zip(norms, s)]
     scaled = [r * (b.weight / b.counted) for r, b in zip(rows, bounded)]
-    chosen = np.sort(krum_select(pairwise_sq_distances(rows), f, n - f))  # on the updates as sent: see above
+    if drop is None:
+        chosen = np.sort(krum_select(pairwise_sq_distances(rows), f, n - f))  # on the updates as sent: see above
+    else:
+        chosen = np.array([i for i in range(n) if i not in gone], dtype=np.int64)
     w = np.array([bounded[i].counted if weighted else 1.0 for i in chosen], dtype=np.float64)
     mean = np.zeros(x.shape[1], dtype=np.float64)
     for i, wi in zip(chosen, w):
         mean += scaled[i] * (wi / w.sum())
     return KrumBounded(mean, chosen, bound, cap, sum(b.clipped for b in bounded), sum(b.capped for b in bounded))
+
+
+def krum_ratios(stack: np.ndarray, num_byzantine: int) -> np.ndarray:
+    """Each row's Krum score (:func:`krum_scores` on the rows as sent) over the round's median score: 1 is a
+    typical update, 2 one twice as far from its n - f - 2 nearest neighbours. Scale-free, so ratios of rounds
+    whose updates shrink as training converges can be averaged. Needs n - f - 2 >= 1 rows; a round whose
+    median score is 0 (identical updates) gives 1 for every row at distance 0 and inf for the others."""
+    x = np.asarray(stack)
+    if x.ndim != 2 or not np.issubdtype(x.dtype, np.floating):
+        raise AggregationError(f"krum_ratios needs a 2-D float array (clients x coordinates), got {x.dtype} of "
+                               f"shape {x.shape}")
+    scores = krum_scores(pairwise_sq_distances([np.asarray(r, dtype=np.float64) for r in x]), num_byzantine)
+    if not np.isfinite(scores).all():
+        raise AggregationError("krum_ratios: an update holds NaN or Inf (or overflows)")
+    med = float(np.median(scores))
+    if med <= 0.0:
+        return np.where(scores <= 0.0, 1.0, np.inf)
+    return scores / med
+
+
+def update_suspicion(previous: Mapping[str, float], client_ids: Sequence[str], ratios: Sequence[float],
+                     memory: float) -> dict[str, float]:
+    """Each device's suspicion after a round: ``memory * previous + (1 - memory) * ratio`` for the devices in
+    the round (a device seen for the first time starts at its ratio, so one round decides for it), the others'
+    unchanged. An exponential average of :func:`krum_ratios` over the rounds a device took part in: a device
+    that is far from the rest round after round (a poisoner whose update keeps pushing what no one else
+    pushes) stays the most suspicious through the rounds where an honest device is farther. Returns a new
+    dict; ``previous`` is not changed. Updates without a client id (``""``) are not remembered."""
+    if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not 0.0 <= memory < 1.0:
+        raise ConfigError(f"memory must be a number in [0, 1), got {memory!r}")
+    r = np.asarray(ratios, dtype=np.float64)
+    if r.shape != (len(client_ids),):
+        raise AggregationError(f"update_suspicion: {len(client_ids)} client ids but ratios of shape {r.shape}")
+    out = dict(previous)
+    for cid, ratio in zip(client_ids, r):
+        if cid:
+            ratio = float(min(ratio, _SUSPICION_MAX))  # an inf ratio (median score 0) stays a finite maximum
+            out[cid] = memory * out.get(cid, ratio) + (1.0 - memory) * ratio
+    return out
+
+
+_SUSPICION_MAX = 1e6
+"""A ratio counts for at most this much (an identical-update round gives inf; the stored state stays finite)."""
+
+
+def most_suspicious(suspicion: Sequence[float], num_dropped: int) -> np.ndarray:
+    """Indices of the ``num_dropped`` highest suspicions (ties: lowest index first), ascending."""
+    s = np.asarray(suspicion, dtype=np.float64)
+    if isinstance(num_dropped, bool) or not isinstance(num_dropped, (int, np.integer)) \
+            or not 0 <= num_dropped < max(1, len(s)):
+        raise AggregationError(f"cannot drop {num_dropped!r} of {len(s)} updates and keep one")
+    return np.sort(np.argsort(-s, kind="stable")[:num_dropped])
 
 
 def proximal_term(weights: Weights, global_weights: Weights, mu: float) -> float:
