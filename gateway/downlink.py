@@ -81,7 +81,9 @@ class ModelDownlink:
                 self.deltas_published += 1
                 self.delta_bytes += len(pending.payload)
                 digest = pending.digest
-            else:
+            else:  # no delta for this version: clear the retained one (another epoch's, or an older base)
+                ok = rm.publish_reliably(str(gateway_topic(rm.fleet, "model_delta")), b"",
+                                         f"model v{rm.version}: no delta")
                 digest = weights_digest(rm.weights)
             self._published = (rm.version, rm.epoch, rm.weights, digest)
         return ok

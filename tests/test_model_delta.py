@@ -252,3 +252,40 @@ def test_a_fleet_on_delta_int8_holds_the_gateways_model_bit_for_bit(mosquitto_fa
         stored = model_weights(onnx.load_model_from_string(rm.store.latest_model()[1]))
         for k, v in rm.weights.items():
             np.testing.assert_array_equal(_bits(stored[k]), _bits(v), err_msg=k)
+
+
+@pytest.mark.integration
+def test_after_a_gateway_restart_devices_following_deltas_take_the_new_epochs_full_model(mosquitto_factory,  # noqa: F811
+                                                                                          tmp_path):
+    """A restarted gateway (new epoch) publishes its model whole and no delta (the retained one is cleared):
+    devices that had left the full model's topic take it again from the announcement, then follow deltas."""
+    from edgeflow.gateway.rounds import RoundManager
+    from edgeflow.sim.simulation import SimConfig, SimulatedFleet
+    from edgeflow.transport.factory import transport_from_url
+
+    broker = mosquitto_factory()
+    cfg = SimConfig(devices=3, rounds=3, downlink="delta-int8", quorum=1.0, min_clients=3, deadline_s=60)
+    with SimulatedFleet(cfg, broker.url, state_path=str(tmp_path / "state.db")) as fleet:
+        fleet.run(2)
+        old = fleet.rounds
+        assert all(d.client._full_sub is None for d in fleet.devices)
+        old.stop()
+        fleet.gateway_transport.close(timeout=5)
+        fleet.gateway_transport = transport_from_url(broker.url, client_id=f"{cfg.fleet}-gateway2")
+        rm = fleet.rounds = RoundManager(fleet.gateway_transport, fleet.store, fleet=cfg.fleet,
+                                         fleet_key=fleet.fleet_key, keyring=fleet.keyring, model=fleet.model,
+                                         config=cfg.round_config(wait_for_devices_s=10.0),
+                                         candidates=fleet.candidates)
+        assert rm.epoch > old.epoch and rm.version == old.version
+        rm.start()
+        fleet.gateway_transport.connect(timeout=30)
+        (m,) = rm.run(1)
+        assert m.participants == 3 and rm.downlink.deltas_published == 1
+        assert wait_until(lambda: all(d.client._version == rm.version for d in fleet.devices)), \
+            [d.client.status() for d in fleet.devices]
+        for d in fleet.devices:
+            st = d.client.stats
+            assert (st.deltas_applied, st.full_models) == (3, 2), d.client.status()
+            assert d.client.delta_refusals == {}, d.client.delta_refusals
+            for k, v in rm.weights.items():
+                np.testing.assert_array_equal(_bits(d.client._weights[k]), _bits(v), err_msg=k)

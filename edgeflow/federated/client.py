@@ -233,12 +233,18 @@ class Client:
         if self._thread is not None:
             return self
         self._stop.clear()
+        with self._sub_lock:  # the full model until a delta applies (module docstring)
+            self._full_sub = self.transport.subscribe(str(gateway_topic(self.fleet, "model")), self._on_model)
         self._subs = [
-            self.transport.subscribe(str(gateway_topic(self.fleet, "model_delta")), self._on_model_delta),
             self.transport.subscribe(str(gateway_topic(self.fleet, "round")), self._on_round),
             self.transport.subscribe(str(gateway_topic(self.fleet, "secagg")), self._on_secagg),
         ]
-        self._want_full("start", timeout=10.0)
+        try:
+            self._subs.append(self.transport.subscribe(str(gateway_topic(self.fleet, "model_delta")),
+                                                       self._on_model_delta))
+        except TransportError as exc:  # a broker ACL written before model deltas: the full model still comes
+            log.warning("device %s: cannot subscribe to model deltas (%s); taking full models only", self.device_id,
+                        exc)
         self._thread = threading.Thread(target=self._loop, name=f"fl-client-{self.device_id}", daemon=True)
         self._thread.start()
         return self
@@ -367,14 +373,14 @@ class Client:
         return True
 
     # -- the full model's subscription (model deltas) ------------------------
-    def _want_full(self, why: str, *, timeout: float | None = None) -> None:
+    def _want_full(self, why: str) -> None:
         """Listen to the full model (its retained copy comes at once) until a delta applies again."""
         with self._sub_lock:
-            if self._full_sub is not None or (self._stop.is_set() and why != "start"):
+            if self._full_sub is not None or self._stop.is_set():
                 return
             try:
                 self._full_sub = self.transport.subscribe(str(gateway_topic(self.fleet, "model")), self._on_model,
-                                                          timeout=timeout)
+                                                          timeout=None)
             except TransportError as exc:
                 log.warning("device %s: cannot subscribe to the full model (%s): %s", self.device_id, why, exc)
                 return
