@@ -1,7 +1,8 @@
 """Does a backdoor pass the aggregation? One of 10 devices trains "7 + a 2x2 trigger -> 1".
 
     python benchmarks/backdoor.py                  # 10 devices, 15 rounds, 3 seeds, every strategy
-    python benchmarks/backdoor.py --quick          # 1 seed, 8 rounds, fedavg, krum and fedavg-krum
+    python benchmarks/backdoor.py --quick          # 1 seed, 8 rounds, fedavg, krum, fedavg-krum, krum-reputation
+    python benchmarks/backdoor.py --only fedavg --only fedavgm --only krum-reputation --seeds 6
     python benchmarks/backdoor.py --json out.json
 
 A real RoundManager and 10 real federated Clients (the digits MLP on Dirichlet 0.5 shards of
@@ -40,6 +41,8 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "bulyan": {"strategy": "bulyan", "strategy_params": {"num_byzantine": 1}},
     "multi-krum-weighted": {"strategy": "multi-krum", "strategy_params": {"num_byzantine": 1, "weighted": True}},
     "fedavg-krum": {"strategy": "fedavg-krum", "strategy_params": {"num_byzantine": 1}, "min_clients": 5},
+    "fedavgm": {"strategy": "fedavgm", "strategy_params": {"server_momentum": 0.9}},
+    "krum-reputation": {"strategy": "krum-reputation", "strategy_params": {"num_byzantine": 1}},
 }
 TRIGGER = [54, 55, 62, 63]  # the 2x2 bottom-right corner of the 8x8 digit
 
@@ -88,11 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--only", choices=sorted(STRATEGIES), action="append")
-    ap.add_argument("--quick", action="store_true", help="1 seed, 8 rounds, fedavg, krum and fedavg-krum")
+    ap.add_argument("--quick", action="store_true", help="1 seed, 8 rounds, fedavg, krum, fedavg-krum, krum-reputation")
     ap.add_argument("--json", help="write the figures as JSON to this path")
     args = ap.parse_args(argv)
     if args.quick:
-        args.seeds, args.rounds, args.only = 1, 8, args.only or ["fedavg", "krum", "fedavg-krum"]
+        args.seeds, args.rounds, args.only = 1, 8, args.only or ["fedavg", "krum", "fedavg-krum", "krum-reputation"]
     logging.basicConfig(level=logging.ERROR)
     rows = []
     for name in args.only or list(STRATEGIES):

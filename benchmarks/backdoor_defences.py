@@ -39,6 +39,17 @@ median norm, claims 3x the robust median claim) and end with the claim-weighted 
 - ``krum-after-bound``: fedavg-krum with Krum choosing among the bounded updates instead of the ones as sent;
 - ``krum-threshold-1.4`` / ``-1.5``: fedavg-krum that drops the Krum-farthest only when its score is at least
   1.4x / 1.5x the round's median score.
+
+Variants of the rule kept as ``krum-reputation`` (measured with the kept one by benchmarks/backdoor.py):
+
+- ``krum-momentum``: fedavg-krum with FedAvgM's server momentum 0.9 (``krum-reputation`` with memory 0: the
+  suspicion is this round's Krum ratio alone, so the Krum-farthest is dropped);
+- ``reputation-no-momentum`` / ``reputation-momentum-0.5``: the suspicion over rounds without momentum / with 0.5;
+- ``flame-full``: FLAME's whole recipe: the HDBSCAN filter, clipping to the median norm, then Gaussian noise of
+  ``lam`` x the median norm per coordinate (lam 0.001, the paper's value for image classification);
+- ``dnc``: Divide-and-Conquer (Shejwalkar and Houmansadr, NDSS 2021): 5 times, on 1000 random coordinates of
+  the centred updates, the f updates with the largest squared projection on the top singular vector are
+  flagged; the unflagged ones enter FedAvg's bounded mean (bounds from the round).
 """
 
 from __future__ import annotations
@@ -303,6 +314,43 @@ class ResidualProject(_Bounded):
         return x, s
 
 
+class FlameFull(Flame):
+    name = "flame-full"
+
+    def __init__(self, lam: float = 0.001, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.lam, self.rng = lam, np.random.default_rng(0)
+
+    def _reduce(self):
+        out, metrics = super()._reduce()
+        med = float(np.median(np.linalg.norm(np.stack(self._held).astype(np.float64), axis=1)))
+        return {k: v + self.rng.normal(0.0, self.lam * med, v.shape) for k, v in out.items()}, metrics
+
+
+class DivideAndConquer(_Bounded):
+    name = "dnc"
+
+    def __init__(self, num_byzantine: int = 1, iters: int = 5, dims: int = 1000, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.f, self.iters, self.dims, self.rng = num_byzantine, iters, dims, np.random.default_rng(0)
+
+    def _reduce(self):
+        x = np.stack(self._held).astype(np.float64)
+        good = set(range(len(x)))
+        for _ in range(self.iters):
+            idx = self.rng.choice(x.shape[1], min(self.dims, x.shape[1]), replace=False)
+            z = x[:, idx] - x[:, idx].mean(0)
+            top = np.linalg.svd(z, full_matrices=False)[2][0]
+            good &= set(np.argsort((z @ top) ** 2)[: len(x) - self.f].tolist())
+        self.good = sorted(good)
+        return super()._reduce()
+
+    def _rule(self, x, s):
+        s = s.copy()
+        s[[i for i in range(len(x)) if i not in self.good]] = 0.0
+        return x, s
+
+
 RULES: dict[str, dict[str, Any]] = {
     "rlr": {"strategy": "rlr", "strategy_params": {"theta": 4}},
     "flame": {"strategy": "flame"},
@@ -319,6 +367,11 @@ RULES: dict[str, dict[str, Any]] = {
     "krum-after-bound": {"strategy": "krum-after-bound", "min_clients": 5},
     "krum-threshold-1.4": {"strategy": "krum-threshold", "strategy_params": {"t": 1.4}, "min_clients": 5},
     "krum-threshold-1.5": {"strategy": "krum-threshold", "strategy_params": {"t": 1.5}, "min_clients": 5},
+    "krum-momentum": {"strategy": "krum-reputation", "strategy_params": {"memory": 0.0}},
+    "reputation-no-momentum": {"strategy": "krum-reputation", "strategy_params": {"server_momentum": 0.0}},
+    "reputation-momentum-0.5": {"strategy": "krum-reputation", "strategy_params": {"server_momentum": 0.5}},
+    "flame-full": {"strategy": "flame-full", "strategy_params": {"lam": 0.001}},
+    "dnc": {"strategy": "dnc", "min_clients": 5},
 }
 
 
@@ -354,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     for cls in (RobustLearningRate, Flame, FLTrust, CenteredClip, CoordinateClip, AdaptiveNoise, KrumDownweight,
-                ResidualProject, KrumProject, KrumAfterBound, KrumThreshold):
+                ResidualProject, KrumProject, KrumAfterBound, KrumThreshold, FlameFull, DivideAndConquer):
         strategies.register_aggregator(cls.name, cls)
     backdoor.STRATEGIES.update(RULES)
     if args.shares:

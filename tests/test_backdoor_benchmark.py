@@ -1,5 +1,6 @@
 """benchmarks/backdoor.py as a user runs it (--quick): the trigger backdoor passes default FedAvg, Krum holds it
-and so does fedavg-krum (FedAvg's bounds over a Multi-Krum selection) without Krum's cost in clean accuracy, the
+and so does fedavg-krum (FedAvg's bounds over a Multi-Krum selection) without Krum's cost in clean accuracy, and
+krum-reputation (the most suspicious device over rounds dropped, server momentum) above FedAvg's clean accuracy, the
 measurement behind docs/security.md section 14 (a defence that breaks any of these claims shows here)."""
 
 from __future__ import annotations
@@ -24,3 +25,5 @@ def test_the_backdoor_benchmark_measures_what_the_docs_say(tmp_path):
     assert mean["fedavg-krum attacked"]["backdoor_success"] <= 0.1  # 0.022 measured
     assert mean["fedavg-krum attacked"]["clean_accuracy"] >= mean["fedavg attacked"]["clean_accuracy"] - 0.05
     assert 0.3 <= mean["fedavg attacked"]["clean_accuracy"] <= 1.0
+    assert mean["krum-reputation attacked"]["backdoor_success"] <= 0.1  # 0.022 measured, the clean model's rate
+    assert mean["krum-reputation clean"]["clean_accuracy"] >= mean["fedavg clean"]["clean_accuracy"] - 0.005  # 0.864 / 0.816
