@@ -55,10 +55,12 @@ def register(sub) -> None:
                     "machine (the figures are then this host's, and the report says so)")
     gg.add_argument("--no-gate", action="store_true",
                     help="write static int8 without checking its loss or speed against fp32 (the report says so)")
-    gg.add_argument("--loss", choices=["auto", "cosine", "top1", "sequence", "ctc"], default="auto",
+    gg.add_argument("--loss", choices=["auto", "cosine", "top1", "sequence", "ctc", "boxes", "yolox"], default="auto",
                     help="how --max-loss is measured: auto (as above), cosine, top1, sequence (100 - %% of samples "
-                    "whose per-step argmax over the last axis equals fp32's) or ctc (100 - %% of samples whose greedy "
-                    "CTC decoding, blank 0, gives fp32's text: for text recognizers)")
+                    "whose per-step argmax over the last axis equals fp32's), ctc (100 - %% of samples whose greedy "
+                    "CTC decoding, blank 0, gives fp32's text: for text recognizers), boxes (detectors whose output is "
+                    "(N, anchors, cx cy w h objectness classes...) in pixels: 100 - %% of boxes matched to fp32's at "
+                    "IoU >= 0.5) or yolox (the same on YOLOX's raw head, grid-decoded first)")
     gg.add_argument("--fallback", choices=["weight-only", "fp32"], default="weight-only",
                     help="what to write when int8 does not pay: weight-only int8 (4x smaller weights, fp32 "
                     "arithmetic and speed) or the fp32 model (default: weight-only)")

@@ -19,6 +19,7 @@ either backend.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from ..data.preprocess import AudioPrep, ImagePrep
 from .analysis import (QUANTIZABLE, QuantPlan, activations_after, clamps_as_clip, name_nodes, plan_quantization,
                        pool_before_relu)
+from .boxes import BOX_MEASURES, box_agreement
 from .calibration import METHODS as CALIBRATION_METHODS
 from .calibration import collect_ranges
 from .data import CalibrationSet, DataSource, as_calibration_set, fixed_batch, full_batches
@@ -394,7 +396,12 @@ def _evidence(ref, got, max_loss: float, loss_measure: str, strip) -> "Evidence 
     from .gate import agreement_evidence, changed_samples
 
     changed = changed_samples(ref, got, loss_measure, strip)
-    return None if changed is None else agreement_evidence(len(ref), changed, max_loss)
+    if changed is None:
+        return None
+    ev = agreement_evidence(len(ref), changed, max_loss)
+    if loss_measure in BOX_MEASURES:  # say what the boxes did: the share kept and how well they sit
+        ev = dataclasses.replace(ev, detail=box_agreement(ref, got, loss_measure).format())
+    return ev
 
 
 def _fallback(fp32, decision, targets, prof, backend, evaluator, ev, labels, *, max_loss, fallback, per_channel,
@@ -528,7 +535,8 @@ def quantize(
     set can show (:class:`.gate.Evidence`). ``max_loss=None`` writes static
     int8 unchecked (a note says so). ``loss`` is how the loss is measured
     (:data:`.gate.LOSS_MEASURES`: "auto", "cosine", "top1", "sequence" or
-    "ctc" for per-step class scores such as a CTC recognizer's).
+    "ctc" for per-step class scores such as a CTC recognizer's, "boxes" or
+    "yolox" for a detector's boxes: :mod:`.boxes`).
 
     ``bias_correction`` (static int8 in QDQ format, evaluated on onnxruntime):
     each int8 conv's mean output error on the calibration data (at most

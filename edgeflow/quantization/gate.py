@@ -39,18 +39,20 @@ names the measure instead: "cosine", "top1", "sequence" (100 - % of samples
 whose per-step argmax sequence equals fp32's) or "ctc" (100 - % of samples whose
 greedy CTC decoding, blank 0, equals fp32's: the same text, a PaddleOCR model's
 space ignored at either end as its text is stripped; a cosine of 0.99 can
-still change a character, and "sequence" also counts flips that decode alike).
+still change a character, and "sequence" also counts flips that decode alike); "boxes" / "yolox"
+(detectors: 100 - % of boxes matched one to one with fp32's at IoU >= 0.5, see :mod:`.boxes`).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import onnx
 
 from ..errors import QuantizationError
+from .boxes import BOX_MEASURES, box_agreement
 from .report import accuracy, output_error
 
 FALLBACKS = ("weight-only", "fp32")
@@ -153,12 +155,15 @@ class Evidence:
     upper_pct: float
     max_loss: float
     needed: int
+    detail: str = ""  # what the measure saw besides the count (boxes: kept share and mean IoU)
 
     @property
     def enough(self) -> bool:
         return self.upper_pct <= self.max_loss
 
     def format(self) -> str:
+        if self.detail:
+            return f"{self.detail}; {Evidence(*astuple(self)[:5]).format()}"
         if self.enough:
             return (f"{self.samples} evaluation samples, {self.failed} changed: the true loss is below "
                     f"{self.upper_pct:.2f}% with 95% confidence")
@@ -200,7 +205,7 @@ def _binom_cdf(k: int, n: int, p: float) -> float:
     return float(np.exp(logc + i * np.log(p) + (n - i) * np.log1p(-p)).sum())
 
 
-LOSS_MEASURES = ("auto", "cosine", "top1", "sequence", "ctc")
+LOSS_MEASURES = ("auto", "cosine", "top1", "sequence", "ctc", "boxes", "yolox")
 """How the gate measures loss against fp32 (``--loss``); "auto" is the module docstring's rule."""
 
 
@@ -249,6 +254,8 @@ def loss_percent(ref: np.ndarray, got: np.ndarray, labels: np.ndarray | None = N
     classes that "ctc" ignores at either end of the text (:func:`ctc_space_class`)."""
     if labels is not None and measure in ("auto", "top1"):
         return accuracy(ref, labels) - accuracy(got, labels)
+    if measure in BOX_MEASURES:
+        return box_agreement(ref, got, measure).loss
     if measure in ("sequence", "ctc"):
         if ref.ndim < 3:
             raise QuantizationError(f"--loss {measure} needs per-step class scores (N, T, C); the output is {ref.shape}")
@@ -269,7 +276,10 @@ def loss_percent(ref: np.ndarray, got: np.ndarray, labels: np.ndarray | None = N
 def changed_samples(ref: np.ndarray, got: np.ndarray, measure: str = "auto",
                     ctc_strip: Iterable[int] = ()) -> int | None:
     """How many samples the quantized model decides differently from fp32 (the count behind an
-    agreement loss: top-1 class, argmax sequence or CTC text), or None where the loss is a cosine."""
+    agreement loss: top-1 class, argmax sequence or CTC text, detected boxes), or None where the loss is a
+    cosine."""
+    if measure in BOX_MEASURES:
+        return box_agreement(ref, got, measure).samples_changed
     if measure in ("sequence", "ctc") and ref.ndim >= 3:
         if measure == "ctc":
             return sum(a != b for a, b in zip(ctc_greedy(ref, strip=ctc_strip), ctc_greedy(got, strip=ctc_strip)))
