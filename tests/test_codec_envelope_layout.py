@@ -180,3 +180,31 @@ def test_peek_without_the_model_still_bounds_the_sections() -> None:
     for kw in ({"lengths": varint(1 << 40)}, {"body": b"\0" * 15}, {"tail": b"\0"}):
         with pytest.raises(CodecError):
             peek_update(v3(**kw))
+
+
+def test_the_gateways_rulebook_takes_it_with_the_model_and_refuses_forgeries_and_replays() -> None:
+    # gateway/intake.check_update: the round's weights name the layout; a forged signature, a replay and a
+    # check without the model (an ingestion worker rebuilding from the store) are refused, never guessed
+    from edgeflow.signing import ReplayGuard
+    from gateway.intake import RoundView, check_update
+
+    like = {n: np.zeros(s, np.float32) for n, s in SHAPES.items()}
+    rnd = RoundView(5, 4, frozenset({"pi-7"}))
+    data = encode(mlp_delta(), ratio=0.05, bits=2)
+    guard = ReplayGuard()
+    got = check_update(data, rnd, keyring=RING, like=like, seq_floor=None, replay_guard=guard)
+    assert sorted(got.tensors) == sorted(SHAPES) and got.tensors["fc0.weight"].shape == (64, 64)
+    with pytest.raises(CodecError) as err:
+        check_update(data, rnd, keyring=RING, like=like, seq_floor=None, replay_guard=guard)
+    assert err.value.reason == "replay"  # type: ignore[attr-defined]
+    with pytest.raises(CodecError) as err:
+        check_update(data, rnd, keyring=RING, like=like, seq_floor=9)
+    assert err.value.reason == "replay"  # type: ignore[attr-defined]
+    other = Signer.generate("pi-7")  # same device id, not its registered key
+    forged = encode(mlp_delta(), ratio=0.05, bits=2, signer=other, seq=10)
+    with pytest.raises(CodecError) as err:
+        check_update(forged, rnd, keyring=RING, like=like, seq_floor=None)
+    assert err.value.reason in ("wrong_key", "bad_signature")  # type: ignore[attr-defined]
+    with pytest.raises(CodecError) as err:
+        check_update(encode(mlp_delta(), k=1, seq=11), rnd, keyring=RING, like=None, seq_floor=None)
+    assert err.value.reason == "shape_mismatch"  # type: ignore[attr-defined]
