@@ -252,8 +252,7 @@ class Link:
         self._set(up=True)
         self.t._notify(ConnectionEvent(True, False, "connected"))
         self._count("connects")
-        if await self._jetstream_is_remote() and t.upstream_check_s > 0:
-            self.remote_jetstream = True
+        if t.upstream_check_s > 0:  # in the background: the sender starts now
             self._tasks.add(asyncio.get_running_loop().create_task(self._watch_upstream()))
 
     async def _on_error(self, exc: Exception) -> None:
@@ -530,32 +529,34 @@ class Link:
         connection dropped (minus a margin for clock differences), then the messages held meanwhile.
         The ids of messages delivered before the drop are remembered, so those are not handled twice."""
         since, self._down_since = self._down_since, None
-        if since is not None:
-            start = datetime.datetime.fromtimestamp(since - GAP_MARGIN_S, tz=datetime.timezone.utc)
-            for local, parts in list(self._active):
-                if local.removed:
-                    continue
-                for subjects, group, _retained in parts:
-                    if group is not None:
+        try:
+            if since is not None:
+                start = datetime.datetime.fromtimestamp(since - GAP_MARGIN_S, tz=datetime.timezone.utc)
+                for local, parts in list(self._active):
+                    if local.removed:
                         continue
-                    for s in subjects:
-                        try:
-                            items = await self._fetch(self.names.live, s, self.t.prefix, False,
-                                                      DeliverPolicy.BY_START_TIME, start)
-                        except TransportError as exc:
-                            self._count("gap_replay_errors")
-                            if self.remote_jetstream:  # out of reach again: the next answer replays it
-                                self._lose_upstream(since)
-                                continue
-                            log.warning("%s: messages missed on %s while disconnected not replayed: %s",
-                                        self.t.name, s, exc)
+                    for subjects, group, _retained in parts:
+                        if group is not None:
                             continue
-                        self._count("gap_replayed", len(items))
-                        for item in items:
-                            self.dispatcher.put(item)
-        hold, self._hold = self._hold, None
-        for deliver, item in hold or []:
-            deliver(item)
+                        for s in subjects:
+                            try:
+                                items = await self._fetch(self.names.live, s, self.t.prefix, False,
+                                                          DeliverPolicy.BY_START_TIME, start)
+                            except TransportError as exc:
+                                self._count("gap_replay_errors")
+                                if self.remote_jetstream:  # out of reach again: the next answer replays it
+                                    self._lose_upstream(since)
+                                    continue
+                                log.warning("%s: messages missed on %s while disconnected not replayed: %s",
+                                            self.t.name, s, exc)
+                                continue
+                            self._count("gap_replayed", len(items))
+                            for item in items:
+                                self.dispatcher.put(item)
+        finally:  # whatever happened, the live messages held back go on
+            hold, self._hold = self._hold, None
+            for deliver, item in hold or []:
+                deliver(item)
 
     # ------------------------------------------------------ remote JetStream
 
@@ -593,8 +594,12 @@ class Link:
 
         A leaf connection that dropped and came back between two checks, unseen, is not replayed;
         the leaf server's own reconnect delay (``reconnect``, 1 s in
-        :func:`edgeflow.broker.nats.nats_site_config`) and its ping timeout make that short."""
+        :func:`edgeflow.broker.nats.nats_site_config`) and its ping timeout make that short.
+        On a JetStream of the server's own (a direct connection) it returns at once."""
         self._upstream_ok_at = time.time()
+        if not await self._jetstream_is_remote():
+            return
+        self.remote_jetstream = True
         while not self.ended:
             await asyncio.sleep(self.t.upstream_check_s)
             if not self.up or self.nc is None or not self.nc.is_connected:
