@@ -208,3 +208,20 @@ def test_the_gateways_rulebook_takes_it_with_the_model_and_refuses_forgeries_and
     with pytest.raises(CodecError) as err:
         check_update(encode(mlp_delta(), k=1, seq=11), rnd, keyring=RING, like=None, seq_floor=None)
     assert err.value.reason == "shape_mismatch"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("budget", [250, 400, 600])
+def test_auto_budget_counts_the_smaller_envelope_and_is_never_exceeded(budget: int) -> None:
+    t = mlp_delta()
+    by_digest = encode(t, "auto", budget=budget)
+    assert len(by_digest) <= budget and peek_update(by_digest).version == 3
+    entries = np.count_nonzero(np.concatenate([v.ravel() for v in decode_update(
+        by_digest, expected_shapes=SHAPES).tensors.values()]))
+    if budget >= 300:  # names fit too: the digest leaves room for more entries
+        by_names = encode(t, "auto", layout="names", budget=budget)
+        assert len(by_names) <= budget
+        fewer = np.count_nonzero(np.concatenate([v.ravel() for v in decode_update(by_names).tensors.values()]))
+        assert entries > fewer
+    else:
+        with pytest.raises(CodecError, match="raise budget to at least"):
+            encode(t, "auto", layout="names", budget=budget)

@@ -22,6 +22,10 @@ names that codec:
   average) 3% top-k ended far below dense (0.416 vs 0.671 after 12 rounds,
   one seed, docs/codecs.md), so auto does not gamble accuracy on them; ask
   for ``topk-packed`` or give a budget.
+
+``layout="digest"`` is passed through to the envelope (version 3: a layout digest instead of tensor names;
+a budget is then counted against that smaller envelope). auto does not choose it by itself: the receiver
+must hold the model, which one gateway path (an ingestion worker rebuilding from its store) does not.
 """
 
 from __future__ import annotations
