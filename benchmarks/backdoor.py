@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds FIRST .. FIRST + SEEDS - 1 (default 0)")
     ap.add_argument("--only", choices=sorted(STRATEGIES), action="append")
     ap.add_argument("--quick", action="store_true", help="1 seed, 8 rounds, fedavg, krum, fedavg-krum, krum-reputation")
     ap.add_argument("--json", help="write the figures as JSON to this path")
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.ERROR)
     rows = []
     for name in args.only or list(STRATEGIES):
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             for attack in (False, True):
                 row = one_run(name, seed, args.rounds, attack)
                 rows.append(row)

@@ -2,7 +2,9 @@
 
     python benchmarks/backdoor_defences.py                 # every rule below, 3 seeds, 15 rounds
     python benchmarks/backdoor_defences.py --only flame --seeds 1
-    python benchmarks/backdoor_defences.py --shares        # why: who is least contradicted, per round
+    python benchmarks/backdoor_defences.py --drops         # who krum-reputation drops, per seed
+    python benchmarks/backdoor_defences.py --shares        # why: who is least contradicted, per round; each
+                                                           # device's cosine to its own previous update
 
 The rule kept as a strategy, ``fedavg-krum`` (FedAvg's bounds over a Multi-Krum selection, with
 ``dropped = "project"`` as an option), is measured by benchmarks/backdoor.py itself.
@@ -294,6 +296,8 @@ class ResidualProject(_Bounded):
     name = "residual-project"
     log: list[tuple[list[str], list[float]]] = []
     """(client ids, their shares outside the others' span) per round, for ``--shares``."""
+    self_cosines: list[dict[str, float]] = []
+    """Per round, each device's cosine to its own previous (bounded) update, for ``--shares``."""
 
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
@@ -306,6 +310,9 @@ class ResidualProject(_Bounded):
             basis = [x[j] for j in range(len(x)) if j != i] + [v for c, v in self.previous if c != ids[i]]
             proj.append(project_onto_span(x[i], basis))
             share.append(np.linalg.norm(x[i] - proj[-1]) / max(np.linalg.norm(x[i]), 1e-30))
+        own = dict(self.previous)
+        ResidualProject.self_cosines.append({c: float(v @ own[c] / max(np.linalg.norm(v) * np.linalg.norm(own[c]),
+                                                                       1e-30)) for c, v in zip(ids, x) if c in own})
         self.previous = [(c, v.copy()) for c, v in zip(ids, x)]
         ResidualProject.log.append((ids, share))
         top = int(np.argmax(share))
@@ -383,18 +390,51 @@ def shares(seeds: int, rounds: int) -> None:
 
     for seed in range(seeds):
         ResidualProject.log.clear()
+        ResidualProject.self_cosines.clear()
         backdoor.one_run("residual-project", seed, rounds, True)
+        mine_cos = [r["d0"] for r in ResidualProject.self_cosines if "d0" in r]
+        honest_cos = [v for r in ResidualProject.self_cosines for c, v in r.items() if c != "d0"]
         ranks = [sorted(share).index(share[ids.index("d0")]) + 1 for ids, share in ResidualProject.log]
         mine = [share[ids.index("d0")] for ids, share in ResidualProject.log]
         med = [float(np.median(share)) for _, share in ResidualProject.log]
         print(json.dumps({"seed": seed, "poisoner_least_contradicted_rounds": sum(r == len(ResidualProject.log[0][0])
                                                                                   for r in ranks),
                           "rounds": len(ranks), "poisoner_share": [round(x, 2) for x in (min(mine), max(mine))],
-                          "round_median_share": [round(x, 2) for x in (min(med), max(med))]}), flush=True)
+                          "round_median_share": [round(x, 2) for x in (min(med), max(med))],
+                          "poisoner_cosine_to_own_previous": [round(min(mine_cos), 2), round(max(mine_cos), 2)],
+                          "honest_cosine_to_own_previous_p10_median": [
+                              round(float(np.percentile(honest_cos, 10)), 2), round(float(np.median(honest_cos)), 2)]}),
+              flush=True)
     split = load_digits(seed=0).flat()
     corner = {int(c): [round(float(v), 2) for v in split.x_train[split.y_train == c][:, backdoor.TRIGGER].mean(0)]
               for c in range(10)}
     print(json.dumps({"trigger_pixels_mean_intensity_by_class": corner}))
+
+
+class ReputationLog(strategies.KrumReputation):
+    """krum-reputation, recording who it dropped in each round (for ``--drops``)."""
+
+    name = "krum-reputation-log"
+    dropped: list[list[str]] = []
+
+    def _reduce(self):
+        out = super()._reduce()
+        ReputationLog.dropped.append([c for c in self._client_ids if c not in self.selected_clients])
+        return out
+
+
+def drops(seeds: int, rounds: int) -> None:
+    """Per seed, with and without the attacker: how many rounds krum-reputation dropped each device."""
+    from collections import Counter
+
+    backdoor.STRATEGIES["krum-reputation-log"] = {"strategy": "krum-reputation-log"}
+    for seed in range(seeds):
+        for attack in (False, True):
+            ReputationLog.dropped.clear()
+            row = backdoor.one_run("krum-reputation-log", seed, rounds, attack)
+            print(json.dumps({"seed": seed, "attack": attack, "clean_accuracy": round(row["clean_accuracy"], 3),
+                              "rounds_dropped": dict(Counter(c for r in ReputationLog.dropped for c in r))}),
+                  flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -404,14 +444,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", choices=sorted(RULES), action="append")
     ap.add_argument("--json", help="write the figures as JSON to this path")
     ap.add_argument("--shares", action="store_true", help="print who is least contradicted per round, then exit")
+    ap.add_argument("--drops", action="store_true", help="print who krum-reputation drops per seed, then exit")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     for cls in (RobustLearningRate, Flame, FLTrust, CenteredClip, CoordinateClip, AdaptiveNoise, KrumDownweight,
-                ResidualProject, KrumProject, KrumAfterBound, KrumThreshold, FlameFull, DivideAndConquer):
+                ResidualProject, KrumProject, KrumAfterBound, KrumThreshold, FlameFull, DivideAndConquer,
+                ReputationLog):
         strategies.register_aggregator(cls.name, cls)
     backdoor.STRATEGIES.update(RULES)
     if args.shares:
         shares(args.seeds, args.rounds)
+        return 0
+    if args.drops:
+        drops(args.seeds, args.rounds)
         return 0
     rows = []
     for name in args.only or list(RULES):
