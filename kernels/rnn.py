@@ -252,6 +252,10 @@ def lstm(
     c0 = _initial(initial_c, n_dirs, batch, hs, wd, "initial_c", "LSTM")
     if p is not None and p.shape != (n_dirs, 3 * hs):
         raise OpError(f"LSTM: P must be ({n_dirs}, {3 * hs}), got {p.shape}")
+    if (clip is None and p is None and not input_forget and lens is None and seq > 0
+            and all(a[0] is _sigmoid and a[1] is np.tanh and a[2] is np.tanh for a in acts)):
+        y, h_n, c_n = _lstm_plain(x, w, r, b, h0, c0, d, n_dirs, seq, batch, hs, wd)
+        return _outputs(y, [(h_n[k], c_n[k]) for k in range(n_dirs)], layout, x.dtype, n_outputs, 2)
     xproj, rt, peep = [], [], []
     for k in range(n_dirs):
         bw = None if b is None else b[k, : 4 * hs] + b[k, 4 * hs:]
@@ -289,6 +293,58 @@ def lstm(
 
     y, finals = _run_directions(step, n_dirs, d, xproj, lens, seq, batch, [(h0[k], c0[k]) for k in range(n_dirs)])
     return _outputs(y, finals, layout, x.dtype, n_outputs, 2)
+
+
+def _lstm_plain(x, w, r, b, h0, c0, direction, n_dirs, seq, batch, hs, wd):
+    """The default LSTM (sigmoid/tanh/tanh; no clip, peepholes, input_forget or ragged
+    sequence_lens) with both directions in one step: per time step one batched
+    matmul of (dirs, B, H) by (dirs, H, 4H) and each elementwise op once over both
+    directions, into buffers allocated once. The per-direction loop of the general
+    path made every call twice, and its per-step Python (closures, tuples, a state
+    per direction) was most of a batch-1 step (thai2rom's bidirectional encoder:
+    9 steps, 128 hidden). The arithmetic is the general path's, op for op.
+
+    Returns Y (seq, dirs, B, H) and the final H and C (dirs, B, H)."""
+    g4 = 4 * hs
+    # the input projection of every step and direction: one GEMM, written W @ X^T: OpenBLAS
+    # is ~1.7x faster on it than on X @ W^T with W^T a transposed view (9x128 @ 128x1024:
+    # 54 vs 90 us); xs below copies it into step order anyway
+    xp = np.matmul(w.reshape(n_dirs * g4, -1).astype(wd, copy=False),
+                   x.astype(wd, copy=False).reshape(seq * batch, -1).T).T
+    xp = xp.reshape(seq, batch, n_dirs, g4)
+    if b is not None:
+        xp += (b[:, :g4] + b[:, g4:]).astype(wd, copy=False)
+    rev = [direction == "reverse" or (direction == "bidirectional" and k == 1) for k in range(n_dirs)]
+    xs = np.empty((seq, n_dirs, batch, g4), wd)  # step t of each direction in its processing order
+    for k in range(n_dirs):
+        xs[:, k] = xp[::-1, :, k] if rev[k] else xp[:, :, k]
+    rt = np.swapaxes(r, 1, 2).astype(wd, copy=False)  # (dirs, H, 4H): BLAS reads the transpose in place
+    h = h0
+    c = c0.copy()
+    gates = np.empty((n_dirs, batch, g4), wd)
+    tmp = np.empty((n_dirs, batch, hs), wd)
+    ys = np.empty((seq, n_dirs, batch, hs), wd)
+    sig = gates[..., : 3 * hs]  # i, o, f
+    si, so, sf = sig[..., :hs], sig[..., hs:2 * hs], sig[..., 2 * hs:]
+    gc = gates[..., 3 * hs:]
+    with np.errstate(over="ignore"):
+        for t in range(seq):
+            np.matmul(h, rt, out=gates)
+            gates += xs[t]
+            _sigmoid_(sig)
+            np.tanh(gc, out=gc)
+            c *= sf
+            np.multiply(si, gc, out=tmp)
+            c += tmp
+            h = ys[t]
+            np.tanh(c, out=h)
+            h *= so
+    h_n = h.copy()
+    if any(rev):
+        for k in range(n_dirs):
+            if rev[k]:
+                ys[:, k] = ys[::-1, k].copy()
+    return ys, h_n, c
 
 
 @lstm.workspace

@@ -161,3 +161,30 @@ def test_bad_shapes_name_the_problem():
         k(x, w, r, activations=["Sigmoid", "Swish", "Tanh"])
     with pytest.raises(KernelError, match="hidden_size=7"):
         k(x, w, r, hidden_size=7)
+
+
+@pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
+@pytest.mark.parametrize("layout", [0, 1])
+def test_lstm_plain_path_with_initial_states(direction, layout):
+    """The default LSTM (no peepholes, clip, input_forget, ragged lengths) takes the
+    both-directions-per-step path; with initial states too it matches onnxruntime."""
+    check("LSTM", direction=direction, layout=layout, init=True, peep=False)
+
+
+@pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
+def test_lstm_plain_path_is_the_general_path_bit_for_bit(direction):
+    """Zero peepholes send the same LSTM down the general per-direction loop; adding 0 is
+    exact, so the two paths must agree to the last bit, every output."""
+    dirs = 2 if direction == "bidirectional" else 1
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((7, 2, 5)).astype(F)
+    w = (rng.standard_normal((dirs, 4 * HID, 5)) * 0.5).astype(F)
+    r = (rng.standard_normal((dirs, 4 * HID, HID)) * 0.5).astype(F)
+    b = (rng.standard_normal((dirs, 8 * HID)) * 0.3).astype(F)
+    h0 = rng.standard_normal((dirs, 2, HID)).astype(F)
+    c0 = rng.standard_normal((dirs, 2, HID)).astype(F)
+    lstm = get_kernel("LSTM", opset=14, dtype="float32").forward
+    plain = lstm(x, w, r, b, None, h0, c0, None, direction=direction, hidden_size=HID)
+    general = lstm(x, w, r, b, None, h0, c0, np.zeros((dirs, 3 * HID), F), direction=direction, hidden_size=HID)
+    for p, g in zip(plain, general):
+        np.testing.assert_array_equal(p, g)
