@@ -1,0 +1,49 @@
+"""Squeeze, Unsqueeze and Slice work out their output shape / index once per (input
+shape, constant inputs) and reuse it: a reused answer must never leak into a call
+with another shape or other constants, and bad axes must still be refused each call."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgeflow.kernels import get_kernel
+
+squeeze = get_kernel("Squeeze", opset=13).forward
+unsqueeze = get_kernel("Unsqueeze", opset=13).forward
+slice_ = get_kernel("Slice", opset=13).forward
+
+
+def test_unsqueeze_and_squeeze_follow_each_call_shape():
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    b = np.arange(4, dtype=np.float32).reshape(4, 1)
+    for _ in range(2):  # the second round answers from the memo
+        assert unsqueeze(a, np.array([0, -1])).shape == (1, 2, 3, 1)
+        assert unsqueeze(b, np.array([0, -1])).shape == (1, 4, 1, 1)
+        assert unsqueeze(a, np.array([1])).shape == (2, 1, 3)
+        assert squeeze(b, np.array([1])).shape == (4,)
+        assert squeeze(b[None], None).shape == (4,)
+        assert squeeze(b[None], np.array([0])).shape == (4, 1)
+    np.testing.assert_array_equal(unsqueeze(a, np.array([1]))[:, 0], a)
+    assert np.shares_memory(squeeze(b, np.array([1])), b)  # a view, as np.squeeze gives
+
+
+def test_bad_axes_are_refused_on_every_call():
+    b = np.zeros((4, 1), np.float32)
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            squeeze(b, np.array([0]))  # dim 0 is 4, not 1
+        with pytest.raises(ValueError):
+            unsqueeze(b, np.array([1, 1]))  # repeated axis
+
+
+def test_slice_follows_each_call_shape_and_constants():
+    x = np.arange(2 * 5 * 4).reshape(2, 5, 4)
+    y = np.arange(3 * 7 * 4).reshape(3, 7, 4)
+    big = np.iinfo(np.int64).max
+    for _ in range(2):
+        np.testing.assert_array_equal(slice_(x, np.array([1]), np.array([big]), np.array([1])), x[:, 1:])
+        np.testing.assert_array_equal(slice_(y, np.array([1]), np.array([big]), np.array([1])), y[:, 1:])
+        np.testing.assert_array_equal(slice_(y, np.array([-1]), np.array([-big]), np.array([1]), np.array([-2])),
+                                      y[:, ::-2])
+        np.testing.assert_array_equal(slice_(x, np.array([0, 1]), np.array([1, 3])), x[0:1, 1:3])
