@@ -255,6 +255,8 @@ def lstm(
     if (clip is None and p is None and not input_forget and lens is None and seq > 0
             and all(a[0] is _sigmoid and a[1] is np.tanh and a[2] is np.tanh for a in acts)):
         y, h_n, c_n = _lstm_plain(x, w, r, b, h0, c0, d, n_dirs, seq, batch, hs, wd)
+        if not layout and x.dtype == wd:  # already the outputs, contiguous (no per-state stack/copy)
+            return (y, h_n, c_n)[:n_outputs] if n_outputs > 1 else y
         return _outputs(y, [(h_n[k], c_n[k]) for k in range(n_dirs)], layout, x.dtype, n_outputs, 2)
     xproj, rt, peep = [], [], []
     for k in range(n_dirs):
