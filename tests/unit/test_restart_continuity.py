@@ -28,6 +28,7 @@ STRATEGIES = {
     "fedyogi": {"strategy": "fedyogi", "strategy_params": {"eta": 0.05}},
     "central dp": {"strategy": "fedavg", "dp": {"clip_norm": 1.0, "noise_multiplier": 0.8, "seed": 7}},
     "fedavg-krum": {"strategy": "fedavg-krum", "min_clients": 5, "strategy_params": {"num_byzantine": 1}},
+    "krum-reputation": {"strategy": "krum-reputation", "strategy_params": {"num_byzantine": 1}},  # suspicions + momentum
 }
 
 
