@@ -77,3 +77,22 @@ def ctc_text(logits: np.ndarray, charset: list[str]) -> str:
             out.append(charset[i])
         prev = i
     return "".join(out)
+
+
+def digits_page(sample: int) -> tuple[np.ndarray, np.ndarray]:
+    """Five digits 50-70 px high drawn dark on a light 416x416 page, as ddddocr's detector takes it
+    (BGR, 0..255 float, (1, 3, 416, 416)), and the digits' boxes (5, 4) x1, y1, x2, y2."""
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(sample)
+    img = Image.new("RGB", (416, 416), (235, 235, 225))
+    draw = ImageDraw.Draw(img)
+    boxes = []
+    for k in range(5):
+        x, y = 15 + 80 * k + int(rng.integers(0, 20)), int(rng.integers(30, 330))
+        font = ms._font(int(rng.integers(50, 70)))
+        ch = "0123456789"[int(rng.integers(10))]
+        boxes.append(draw.textbbox((x, y), ch, font=font))
+        draw.text((x, y), ch, fill=(20, 20, 20), font=font)
+    x = np.asarray(img, np.float32)[..., ::-1].transpose(2, 0, 1)[None].copy()
+    return x, np.array(boxes, np.float64)
