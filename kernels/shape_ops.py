@@ -107,18 +107,33 @@ def _split_points(length: int, split, num_outputs: int) -> list[int]:
     return list(np.cumsum(sizes)[:-1])
 
 
+@functools.lru_cache(maxsize=4096)
+def _split_index(shape: tuple, axis: int, split: tuple | None, n: int) -> tuple:
+    """One index per part, for these shapes and constants (np.split's parts, as slices)."""
+    probe = _probe(shape)
+    np.split(probe, _split_points(probe.shape[axis], split, n), axis=axis)  # refuses what np.split refuses
+    ax = axis % len(shape)
+    cuts = [0, *(int(c) for c in _split_points(shape[ax], split, n)), shape[ax]]
+    head = (slice(None),) * ax
+    return tuple(head + (slice(a, b),) for a, b in zip(cuts[:-1], cuts[1:]))
+
+
+def _split(x: np.ndarray, axis: int, split, n: int) -> tuple[np.ndarray, ...]:
+    key = None if split is None else _key(split)
+    return tuple(x[i] for i in _split_index(x.shape, int(axis), key, n))
+
+
 @register("Split", dtypes=ANY_TYPE, since=13)
 def split(
     x: np.ndarray, split: np.ndarray | None = None, *, axis: int = 0,
     num_outputs: int | None = None, n_outputs: int = 1,
 ) -> tuple[np.ndarray, ...]:
-    n = num_outputs or n_outputs
-    return tuple(np.split(x, _split_points(x.shape[axis], split, n), axis=axis))
+    return _split(x, axis, split, num_outputs or n_outputs)
 
 
 @register("Split", dtypes=ANY_TYPE, since=2)
 def split_v2(x: np.ndarray, *, axis: int = 0, split: list[int] | None = None, n_outputs: int = 1):
-    return tuple(np.split(x, _split_points(x.shape[axis], split, n_outputs), axis=axis))
+    return _split(x, axis, split, n_outputs)
 
 
 @register("Slice", dtypes=ANY_TYPE, since=10)

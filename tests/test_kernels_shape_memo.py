@@ -47,3 +47,20 @@ def test_slice_follows_each_call_shape_and_constants():
         np.testing.assert_array_equal(slice_(y, np.array([-1]), np.array([-big]), np.array([1]), np.array([-2])),
                                       y[:, ::-2])
         np.testing.assert_array_equal(slice_(x, np.array([0, 1]), np.array([1, 3])), x[0:1, 1:3])
+
+
+def test_split_follows_each_call_shape_and_constants():
+    split13 = get_kernel("Split", opset=13).forward
+    split11 = get_kernel("Split", opset=11).forward
+    a = np.arange(2 * 12, dtype=np.float32).reshape(2, 12)
+    b = np.arange(3 * 9, dtype=np.float32).reshape(3, 9)
+    for _ in range(2):
+        for x in (a, b):
+            for got, want in zip(split13(x, axis=1, n_outputs=3), np.array_split(x, 3, axis=1)):
+                np.testing.assert_array_equal(got, want)
+            got = split13(x, np.array([2, x.shape[1] - 2]), axis=-1, n_outputs=2)
+            assert [g.shape[1] for g in got] == [2, x.shape[1] - 2]
+            assert [g.shape for g in split11(x, axis=0, split=[1, x.shape[0] - 1], n_outputs=2)] == [
+                (1, x.shape[1]), (x.shape[0] - 1, x.shape[1])]
+        with pytest.raises(IndexError):
+            split13(a, axis=2, n_outputs=2)
