@@ -104,3 +104,28 @@ def test_outputs_that_are_not_detections_are_refused_in_one_line(measure, out, w
     with pytest.raises(QuantizationError) as ei:
         loss_percent(out, out, measure=measure)
     assert words in str(ei.value) and "\n" not in str(ei.value)
+
+
+def test_the_cli_refuses_boxes_on_a_classifier_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from _cli import one_clear_line
+
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((10, 16)).astype(np.float32), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 10])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 16])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    onnx.save(m, tmp_path / "m.onnx")
+    np.save(tmp_path / "cal.npy", rng.standard_normal((12, 10)).astype(np.float32))
+    out = subprocess.run([sys.executable, "-m", "edgeflow", "quantize", str(tmp_path / "m.onnx"), "--profile",
+                          "raspberry-pi-4", "--calibration", str(tmp_path / "cal.npy"), "--loss", "boxes",
+                          "-o", str(tmp_path / "q.onnx")], capture_output=True, text=True, timeout=600)
+    one_clear_line(out, "--loss boxes needs detections (N, anchors, 5 + classes)", "(2, 16)")
+    assert not (tmp_path / "q.onnx").exists()
