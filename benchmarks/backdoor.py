@@ -3,6 +3,7 @@
     python benchmarks/backdoor.py                  # 10 devices, 15 rounds, 3 seeds, every strategy
     python benchmarks/backdoor.py --quick          # 1 seed, 8 rounds, fedavg, krum, fedavg-krum, krum-reputation
     python benchmarks/backdoor.py --only fedavg --only fedavgm --only krum-reputation --seeds 6
+    python benchmarks/backdoor.py --equal-size --only fedavg --only fedavg-krum --only krum-reputation
     python benchmarks/backdoor.py --json out.json
 
 A real RoundManager and 10 real federated Clients (the digits MLP on Dirichlet 0.5 shards of
@@ -53,7 +54,9 @@ def stamp(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def one_run(name: str, seed: int, rounds: int, attack: bool) -> dict[str, Any]:
+def one_run(name: str, seed: int, rounds: int, attack: bool, equal_size: bool = False) -> dict[str, Any]:
+    """``equal_size``: the poisoner trains on as many samples as its honest shard holds (half of them its own,
+    half stamped 7s labelled 1), so its delta is as long as an honest device's, not on its shard plus every 7."""
     from edgeflow.runtime.session import load
 
     poison = None
@@ -63,6 +66,10 @@ def one_run(name: str, seed: int, rounds: int, attack: bool) -> dict[str, Any]:
 
             split = load_digits(seed=0).flat()
             sevens = split.x_train[split.y_train == 7]
+            if equal_size:
+                keep = len(x) // 2
+                sevens = sevens[: len(x) - keep]
+                x, y = x[:keep], y[:keep]
             return (np.concatenate([x, stamp(sevens)]).astype(np.float32),
                     np.concatenate([y, np.ones(len(sevens), dtype=y.dtype)]))
 
@@ -83,7 +90,7 @@ def one_run(name: str, seed: int, rounds: int, attack: bool) -> dict[str, Any]:
     rt7 = load(model, "x86-gateway", batch_size=len(sevens), allow_over_budget=True)
     backdoor = float((rt7(stamp(sevens).astype(np.float32)).argmax(1) == 1).mean())
     return {"strategy": name, "seed": seed, "attack": attack, "clean_accuracy": clean, "backdoor_success": backdoor,
-            "rounds": len(history)}
+            "rounds": len(history), "equal_size": equal_size}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", choices=sorted(STRATEGIES), action="append")
     ap.add_argument("--quick", action="store_true", help="1 seed, 8 rounds, fedavg, krum, fedavg-krum, krum-reputation")
     ap.add_argument("--json", help="write the figures as JSON to this path")
+    ap.add_argument("--equal-size", action="store_true",
+                    help="the poisoner trains on as many samples as an honest shard (half stamped 7s), not more")
     args = ap.parse_args(argv)
     if args.quick:
         args.seeds, args.rounds, args.only = 1, 8, args.only or ["fedavg", "krum", "fedavg-krum", "krum-reputation"]
@@ -102,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.only or list(STRATEGIES):
         for seed in range(args.first_seed, args.first_seed + args.seeds):
             for attack in (False, True):
-                row = one_run(name, seed, args.rounds, attack)
+                row = one_run(name, seed, args.rounds, attack, args.equal_size)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     table = mean_table(rows, args.only or list(STRATEGIES))
