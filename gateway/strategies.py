@@ -5,26 +5,26 @@ pure function on arrays (easy to test against a reference), then a
 :class:`~edgeflow.gateway.aggregation.Aggregator` that applies it to
 updates arriving one at a time.
 
-=================  =============================================  ==========================
-name               rule                                           server memory
-=================  =============================================  ==========================
-``fedavg``         sum_i n_i d_i / sum_i n_i  (streaming)         O(P): float64 accumulator
-``fedprox``        FedAvg on the server; mu sent to clients       O(P)
-``fedavgm``        FedAvg + server momentum                       O(P) + momentum (8 B/param)
-``fedadam``        FedAvg + Adam on the pseudo-gradient           O(P) + m, v (16 B/param)
-``fedyogi``        FedAvg + Yogi                                  O(P) + m, v
-``fedadagrad``     FedAvg + Adagrad                               O(P) + m, v
-``median``         coordinate-wise median                         holds n x P updates
-``trimmed-mean``   coordinate-wise beta-trimmed mean              holds n x P updates
-``krum``           the update with the lowest Krum score          holds n x P + n x n
-``multi-krum``     mean of the m lowest-score updates             holds n x P + n x n
-``bulyan``         Krum-chosen n - 2f, then a trimmed mean         holds n x P + n x n
-``fedavg-krum``    FedAvg's bounds, Multi-Krum's n - f, their     holds n x P + n x n
-                   bounded mean (backdoor defence)
-``krum-reputation`` fedavg-krum dropping the f most suspicious    holds n x P + n x n,
-                   devices over rounds, with server momentum      momentum, one float
-                   (backdoor defence, docs/security.md s. 14)     per device
-=================  =============================================  ==========================
+===================  =============================================  ==========================
+name                 rule                                           server memory
+===================  =============================================  ==========================
+``fedavg``           sum_i n_i d_i / sum_i n_i  (streaming)         O(P): float64 accumulator
+``fedprox``          FedAvg on the server; mu sent to clients       O(P)
+``fedavgm``          FedAvg + server momentum                       O(P) + momentum (8 B/param)
+``fedadam``          FedAvg + Adam on the pseudo-gradient           O(P) + m, v (16 B/param)
+``fedyogi``          FedAvg + Yogi                                  O(P) + m, v
+``fedadagrad``       FedAvg + Adagrad                               O(P) + m, v
+``median``           coordinate-wise median                         holds n x P updates
+``trimmed-mean``     coordinate-wise beta-trimmed mean              holds n x P updates
+``krum``             the update with the lowest Krum score          holds n x P + n x n
+``multi-krum``       mean of the m lowest-score updates             holds n x P + n x n
+``bulyan``           Krum-chosen n - 2f, then a trimmed mean         holds n x P + n x n
+``fedavg-krum``      FedAvg's bounds, Multi-Krum's n - f, their     holds n x P + n x n
+                     bounded mean (backdoor defence)
+``krum-reputation``  fedavg-krum dropping the f most suspicious    holds n x P + n x n,
+                     devices over rounds, with server momentum      momentum, one float
+                     (backdoor defence, docs/security.md s. 14)     per device
+===================  =============================================  ==========================
 
 (P parameters, n clients, d_i client i's delta, n_i its sample count.)
 All server optimizers follow Reddi et al., "Adaptive Federated Optimization"
