@@ -35,6 +35,13 @@ machine falls on both. Per fleet:
   burst's); from the first publish to the last message handled. On NATS each is a JetStream
   publish (stored on disk, PubAck); on MQTT a PUBLISH/PUBACK with Mosquitto.
 
+A NATS device subscribes after it connects (a core subscription, then a read of the retained stream);
+a fleet waits until every device's subscriptions are made. One that was refused or timed out (the
+transport counts ``subscribe_errors``, logs "subscription ... not made" and does not try again: at
+1,000 devices connecting at once this happened with the default 5 s ``ack_timeout_s``, which is also
+the JetStream API timeout) leaves that device deaf to rounds, so the fleet runs no round and is
+reported as failed (exit 1). ``--nats-ack-timeout S`` sets ``ack_timeout_s`` on every NATS connection.
+
 ``--faults clean partition broker_restart model_cut lossy`` instead runs the scenarios of
 benchmarks/network_faults.py (the real gateway and real federated devices, two sites behind
 fault-injecting TCP proxies) with NATS in Mosquitto's place: its ``run_scenario`` is called with
