@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import numpy as np
 import onnx
@@ -29,6 +30,7 @@ class NumpySession(Session):
         self.options = options
         self._threads = max(1, int(options.threads))
         graph.plan()  # built at load: the first run pays nothing extra
+        _keep_freed_memory()
 
     def _run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
         _set_blas_threads(self._threads)
@@ -94,6 +96,37 @@ def _set_blas_threads(threads: int) -> None:
         _CONTROLLER = ThreadpoolController()
     _CONTROLLER.limit(limits=threads, user_api="blas")
     _BLAS_THREADS = threads
+
+
+@functools.lru_cache(maxsize=1)
+def _keep_freed_memory() -> bool:
+    """glibc only, once per process: keep freed blocks under 32 MiB for reuse (mallopt
+    M_MMAP_THRESHOLD 32 MiB, M_TRIM_THRESHOLD 256 MiB) instead of unmapping them.
+
+    Every run allocates the same activations and temporaries; with glibc's defaults
+    a block over 128 KiB (until its dynamic threshold has grown) is mmap'ed fresh and
+    unmapped when freed, and the top of the heap is trimmed back to the kernel, so
+    each run page-faults its working set in again. Measured per run, one process, one
+    thread: mtcnn-pnet 36.9 -> 27.4 ms, face-centerface 203 -> 176 ms,
+    layout-picodet 216 -> 185 ms, table-slanet 115 -> 108 ms. The heap then stays at
+    the run's peak between runs (the peak itself is what it was). Not done when the
+    user set glibc's MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ themselves, or with
+    EDGEFLOW_NUMPY_MALLOPT=0. Returns whether it was set."""
+    if os.environ.get("EDGEFLOW_NUMPY_MALLOPT", "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        if not hasattr(libc, "gnu_get_libc_version"):  # musl and others: their mallopt is not glibc's
+            return False
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        ok = libc.mallopt(m_mmap_threshold, 32 << 20) == 1
+        return libc.mallopt(m_trim_threshold, 256 << 20) == 1 and ok
+    except (OSError, AttributeError):  # no C library to ask: run with its defaults
+        return False
 
 
 @functools.lru_cache(maxsize=1)
