@@ -100,25 +100,26 @@ def overhead_table(model: str) -> None:
     zeros = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
     dense = 4 * sum(int(np.prod(s)) for s in shapes.values())
     budget = dense * TARGET_RATIO
-    signer = Signer.generate("sim-007")
+    signer = Signer.generate(SIM_DEVICE)
     meta = {k: v for k, v in SIM_META.items() if k != "num_samples"}
-    kw = {"round_id": 12, "device_id": "sim-007", "seq": 12, "signer": signer, "metadata": meta, "num_samples": 72}
+    kw = {"round_id": 12, "device_id": SIM_DEVICE, "seq": SIM_SEQ, "signer": signer, "metadata": meta,
+          "num_samples": SIM_META["num_samples"]}
     packed_meta = pack_metadata(SIM_META)
     empty = [SectionInput(n, 2, s, []) for n, s in shapes.items()]
-    bare = {v: len(build_envelope(codec_id=6, round_id=12, seq=12, device_id="sim-007", metadata_json=packed_meta,
-                                  sections=empty, version=v)) for v in (2, 3)}
+    bare = {v: len(build_envelope(codec_id=6, round_id=12, seq=SIM_SEQ, device_id=SIM_DEVICE,
+                                  metadata_json=packed_meta, sections=empty, version=v)) for v in (2, 3)}
     k1 = {v: len(encode_update(zeros, "topk-packed", k=1, layout=lay, **kw)) for v, lay in ((2, "names"), (3, "digest"))}
     names = sum(len(varint(len(n))) + len(n) + 2 + sum(len(varint(d)) for d in s) for n, s in shapes.items())
     parts = {
         "prefix: magic, version, flags, codec id": (7, 7),
-        "device id (length + 7 B)": (1 + len("sim-007"),) * 2,
-        "metadata (loss, base_version, round_nonce, num_samples; binary)": (len(varint(len(packed_meta))) + len(packed_meta),) * 2,
+        f"device id (length + {len(SIM_DEVICE)} B)": (1 + len(SIM_DEVICE),) * 2,
+        f"metadata ({', '.join(SIM_META)}; binary)": (len(varint(len(packed_meta))) + len(packed_meta),) * 2,
         "tensor names, dtypes, shapes (v2) / layout digest + one dtype (v3)": (names, 9),
         "CRC-32": (4, 4),
         "key id + Ed25519 signature": (SIG_BLOCK, SIG_BLOCK),
     }
     rest = tuple(bare[v] + SIG_BLOCK - sum(p[i] for p in parts.values()) for i, v in enumerate((2, 3)))
-    parts["header length, round id, seq, tensor count, section lengths (varints)"] = rest
+    parts["header length, round id, seq (from the clock), tensor count, section lengths (varints)"] = rest
     floor = (bare[2] + SIG_BLOCK, bare[3] + SIG_BLOCK)
     print(f"{model}: {len(shapes)} tensors, dense fp32 {dense} B; 0.5% of it = {budget:.0f} B per update\n")
     print("| part | version 2 | version 3 |")
@@ -150,8 +151,11 @@ def overhead_table(model: str) -> None:
           f"before values, leaving {budget - mac:.0f} B of the {budget:.0f}.")
 
 
-SIM_META = {"loss": 0.19933363285071554, "base_version": 12, "round_nonce": "9f3c0a1b2c3d4e5f", "num_samples": 72}
-"""Metadata of the size a simulated device sends (edgeflow/federated/client.py)."""
+SIM_META = {"loss": 1.1944174921315018, "base_version": 1, "train_s": 0.0389, "clock_skew_s": 0.036,
+            "round_nonce": "b8a8c04ec6b23ccc", "num_samples": 362}
+"""What a simulated device sends (edgeflow/federated/client.py ``_send``, read off a real run): its metadata,
+device id and a sequence number started from the clock."""
+SIM_DEVICE, SIM_SEQ = "dev002", 1796515999907
 
 
 def envelope_bytes(model: str, codec: str, layout: str = "names") -> int:
@@ -166,10 +170,10 @@ def envelope_bytes(model: str, codec: str, layout: str = "names") -> int:
 
     build = {"mlp": zoo.digits_mlp, "cnn": zoo.digits_cnn}[model]
     version = 3 if layout == "digest" else 2 if codec == "auto" else get_codec(codec).envelope_version
-    meta = pack_metadata(SIM_META) if version == 2 else json.dumps(SIM_META, separators=(",", ":")).encode()
+    meta = pack_metadata(SIM_META) if version >= 2 else json.dumps(SIM_META, separators=(",", ":")).encode()
     empty = [SectionInput(t.name, 2, tuple(numpy_helper.to_array(t).shape), [])
              for t in build(seed=0).graph.initializer]
-    data = build_envelope(codec_id=1, round_id=12, seq=12, device_id="sim-007", metadata_json=meta,
+    data = build_envelope(codec_id=1, round_id=12, seq=SIM_SEQ, device_id=SIM_DEVICE, metadata_json=meta,
                           sections=empty, version=version)
     return len(data) + SIG_BLOCK
 
