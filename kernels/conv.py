@@ -107,6 +107,8 @@ def _plan(x_shape, w_shape, group, auto_pad, dilations, kernel_shape, pads, stri
     g = conv_geometry(x_shape, w_shape, auto_pad=auto_pad, dilations=dilations, kernel_shape=kernel_shape,
                       pads=pads, strides=strides)
     if len(x_shape) == 4 and x_shape[0] * x_shape[1] and not all(k == 1 for k in g.kernel):
+        if _toeplitz_applies(x_shape, w_shape, group, g):
+            return g, "depthwise_toeplitz"
         if _depthwise_stride1(x_shape, w_shape, group, g):
             return g, "depthwise_columns"
         if _shifted_applies(x_shape, w_shape, group, g):
@@ -145,6 +147,67 @@ def _depthwise_columns(x: np.ndarray, w: np.ndarray, g: spatial.WindowGeometry) 
                           strides=(sn, sc, dh * wp * se, dw * se, se))
         np.matmul(wr[c0:c1], view.reshape(n, c1 - c0, kh * kw, length), out=y[:, c0:c1])
     return np.ascontiguousarray(y.reshape(n, c, oh, wp)[:, :, :, :ow])
+
+
+def _toeplitz_applies(x_shape, w_shape, group: int, g: spatial.WindowGeometry) -> bool:
+    """A 2-d depthwise conv on a narrow image: padded width at most 4x the kernel's."""
+    kh, kw = g.kernel
+    wp = x_shape[3] + g.pads_begin[1] + g.pads_end[1]
+    return (group == x_shape[1] == w_shape[0] and w_shape[1] == 1 and g.dilations[0] == 1
+            and min(g.out_shape) > 0 and kw > 1 and wp <= 4 * kw)
+
+
+_TOEPLITZ: dict = {}  # (id(w), geometry, padded width) -> (copy of w, matrices): rebuilt if w's values change
+
+
+def _toeplitz_weights(w: np.ndarray, g: spatial.WindowGeometry, wp: int, dtype) -> np.ndarray:
+    """(C, kh * Wp, out_w) per channel: column x holds the kernel's row i at padded
+    columns x * s_w + j * d_w of block i, zeros elsewhere (a banded Toeplitz matrix).
+    Built once per weight and geometry; kept while the weight's values are the same
+    (compared on every call: ~1 us for a model's depthwise kernels, against a rebuild
+    that would cost a Python loop over the kernel)."""
+    key = (id(w), g, wp, np.dtype(dtype).str)
+    hit = _TOEPLITZ.get(key)
+    if hit is not None and hit[0].shape == w.shape and np.array_equal(hit[0], w):
+        return hit[1]
+    c = w.shape[0]
+    kh, kw = g.kernel
+    ow = g.out_shape[1]
+    sw, dw = g.strides[1], g.dilations[1]
+    t = np.zeros((c, kh, wp, ow), dtype)
+    cols = np.arange(ow)
+    wk = w.reshape(c, kh, kw).astype(dtype, copy=False)
+    for i in range(kh):
+        for j in range(kw):
+            t[:, i, cols * sw + j * dw, cols] = wk[:, i, j][:, None]
+    t = t.reshape(c, kh * wp, ow)
+    if len(_TOEPLITZ) >= 256:
+        _TOEPLITZ.clear()
+    _TOEPLITZ[key] = (w.copy(), t)
+    return t
+
+
+def _depthwise_toeplitz(x: np.ndarray, w: np.ndarray, g: spatial.WindowGeometry) -> np.ndarray:
+    """Depthwise conv on a narrow image as one batched GEMM per call.
+
+    Output row r of channel c is the kh padded input rows from r * s_h on, laid end to
+    end (kh * Wp values: one contiguous run of the flattened padded image), times that
+    channel's banded Toeplitz matrix (:func:`_toeplitz_weights`). The rows are copied
+    once (kh times the image instead of im2col's kh * kw) and each channel is a small
+    GEMM instead of a GEMV over kh * kw times the image: 1.6-1.7x faster where the
+    padded width is at most 4x the kernel's (PP-LCNet's 256x14x14 and 512x7x7 5x5:
+    0.29 -> 0.18 ms); on wider images the zeros of the band cost more than that saves.
+    The sums run in another order than the columns' GEMV (rounding: ~1e-7 relative)."""
+    n, c = x.shape[:2]
+    kh = g.kernel[0]
+    oh, ow = g.out_shape
+    flat, wp, _ = _flat_padded(x, g)
+    dtype = np.result_type(x, w)
+    t = _toeplitz_weights(w, g, wp, dtype)
+    sn, sc, se = flat.strides
+    rows = np.ndarray((n, c, oh, kh * wp), flat.dtype, buffer=flat,
+                      strides=(sn, sc, g.strides[0] * wp * se, se))
+    return np.matmul(np.ascontiguousarray(rows, dtype=dtype), t).reshape(n, c, oh, ow)
 
 
 _DW_BAND_BYTES = 1 << 20
@@ -231,6 +294,11 @@ def conv(
                         _hashable(pads), _hashable(strides))
     if mode == "check":
         check_conv_shapes(x, w, group)
+    if mode == "depthwise_toeplitz":
+        y = _depthwise_toeplitz(x, w, g)
+        if b is not None:
+            y += b.reshape(1, -1, 1, 1).astype(y.dtype, copy=False)
+        return y
     if mode == "shifted" or mode == "depthwise_columns":
         y = _conv2d_shifted(x, w, group, g) if mode == "shifted" else _depthwise_columns(x, w, g)
         if b is not None:
@@ -379,8 +447,8 @@ def _(x, w, b=None, *, group=1, **attrs):
              for k, v in attrs.items()}
         g, mode = _plan(x.shape, w.shape, group, t.get("auto_pad", "NOTSET"), t.get("dilations"),
                         t.get("kernel_shape"), t.get("pads"), t.get("strides"))
-        if mode == "depthwise_columns":
-            y = _depthwise_columns(x, w, g)
+        if mode == "depthwise_columns" or mode == "depthwise_toeplitz":
+            y = _depthwise_columns(x, w, g) if mode == "depthwise_columns" else _depthwise_toeplitz(x, w, g)
             if b is not None:
                 y += b.reshape(1, -1, 1, 1).astype(y.dtype, copy=False)
             return y, None

@@ -53,3 +53,47 @@ def test_the_plans_are_taken():
     assert not plan((1, 32, 40, 40), (32, 32, 3, 3), strides=(2, 2))
     assert not plan((1, 8, 6, 6), (8, 4, 3, 3), group=2)
     assert not plan((1, 32, 8, 8), (64, 32, 3, 3))
+
+
+TOEPLITZ = list(itertools.product(
+    [(5, 5), (3, 3), (3, 5)], [(1, 1), (2, 2), (1, 2), (2, 1)], [(1, 1), (1, 2)],
+    [(1, (14, 14)), (2, (7, 9)), (1, (30, 6))]))
+
+
+@pytest.mark.parametrize("kernel,strides,dil,nhw", TOEPLITZ, ids=str)
+def test_depthwise_toeplitz_matches_im2col(kernel, strides, dil, nhw):
+    """Depthwise convs on narrow images (padded width <= 4x the kernel's) take the banded
+    Toeplitz GEMM; it gives im2col's result, strides, width dilation and batches included."""
+    from edgeflow.kernels.conv import _plan
+
+    n, hw = nhw
+    c = 12
+    pads = tuple(k // 2 for k in kernel) * 2
+    x = RNG.standard_normal((n, c) + hw).astype(np.float32)
+    w = RNG.standard_normal((c, 1) + kernel).astype(np.float32)
+    b = RNG.standard_normal(c).astype(np.float32)
+    attrs = dict(auto_pad="NOTSET", dilations=dil, kernel_shape=None, pads=pads, strides=strides)
+    mode = _plan(x.shape, w.shape, c, "NOTSET", dil, None, pads, strides)[1]
+    assert mode == ("depthwise_toeplitz" if hw[1] + 2 * pads[1] <= 4 * kernel[1] else mode)
+    ref = _conv_columns(x, w, b, c, attrs)[0]
+    conv = get_kernel("Conv", opset=13)
+    got = conv(x, w, b, group=c, dilations=dil, pads=pads, strides=strides)
+    assert got.shape == ref.shape and got.flags.c_contiguous
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    # the Toeplitz matrices are kept per weight: a weight changed in place must be seen
+    w *= -0.5
+    ref2 = _conv_columns(x, w, b, c, attrs)[0]
+    np.testing.assert_allclose(conv(x, w, b, group=c, dilations=dil, pads=pads, strides=strides), ref2,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_depthwise_toeplitz_is_taken_only_on_narrow_images():
+    from edgeflow.kernels.conv import _plan
+
+    def mode(hw, k=5):
+        p = k // 2
+        return _plan((1, 256) + hw, (256, 1, k, k), 256, "NOTSET", None, None, (p, p, p, p), None)[1]
+
+    assert mode((14, 14)) == mode((7, 7)) == "depthwise_toeplitz"  # PP-LCNet
+    assert mode((2, 96)) == "depthwise_columns"  # the PP-OCR classifier's wide strips: 20x the flops
+    assert mode((28, 28), k=3) == "depthwise_columns"
