@@ -28,7 +28,11 @@ from statistics import mean
 TARGET_RATIO = 0.005
 TARGET_DROP = 0.005
 
-SETTINGS: list[tuple[str, str, dict[str, object]]] = [
+FEDAVGM = ["--strategy", "fedavgm", "--strategy-param", "server_lr=1.0", "--strategy-param"]
+"""Server momentum (FedAvgM, Hsu et al. 2019) on the gateway: the sparse rows with it keep what top-k sends
+moving across rounds, as DGC's momentum correction does on the device."""
+
+SETTINGS: list[tuple] = [
     ("dense", "dense", {}),
     ("int8", "int8", {}),
     ("topk-int8 1%", "topk-int8", {"ratio": 0.01}),
@@ -53,15 +57,33 @@ SETTINGS: list[tuple[str, str, dict[str, object]]] = [
     ("topk-packed 3% 1b digest", "topk-packed", {"ratio": 0.03, "bits": 1, "layout": "digest"}),
     ("topk-packed 3% 2b digest", "topk-packed", {"ratio": 0.03, "bits": 2, "layout": "digest"}),
     ("auto digest", "auto", {"layout": "digest"}),
+    ("dense fedavgm 0.5", "dense", {}, [*FEDAVGM, "server_momentum=0.5"]),
+    ("topk-packed 2% 2b digest fedavgm 0.5", "topk-packed", {"ratio": 0.02, "bits": 2, "layout": "digest"},
+     [*FEDAVGM, "server_momentum=0.5"]),
+    ("topk-packed 2% 1b digest fedavgm 0.5", "topk-packed", {"ratio": 0.02, "bits": 1, "layout": "digest"},
+     [*FEDAVGM, "server_momentum=0.5"]),
+    ("topk-packed 1.5% 2b digest fedavgm 0.5", "topk-packed", {"ratio": 0.015, "bits": 2, "layout": "digest"},
+     [*FEDAVGM, "server_momentum=0.5"]),
+    ("topk-packed 1% 2b digest fedavgm 0.5", "topk-packed", {"ratio": 0.01, "bits": 2, "layout": "digest"},
+     [*FEDAVGM, "server_momentum=0.5"]),
+    ("topk-packed 0.5% 1b digest fedavgm 0.5", "topk-packed", {"ratio": 0.005, "bits": 1, "layout": "digest"},
+     [*FEDAVGM, "server_momentum=0.5"]),
+    ("topk-packed 0.5% 2b digest fedavgm 0.7", "topk-packed", {"ratio": 0.005, "bits": 2, "layout": "digest"},
+     [*FEDAVGM, "server_momentum=0.7"]),
+    ("topk-packed 0.25% 1b digest fedavgm 0.7", "topk-packed", {"ratio": 0.0025, "bits": 1, "layout": "digest"},
+     [*FEDAVGM, "server_momentum=0.7"]),
 ]
+"""(label, codec, codec options[, more `edgeflow simulate` arguments]); the first is every seed's reference."""
 
 
-def run_one(codec: str, opts: dict[str, object], seed: int, args: argparse.Namespace) -> dict[str, float]:
+def run_one(codec: str, opts: dict[str, object], seed: int, args: argparse.Namespace,
+            extra: list[str] | None = None) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="moonshot-") as out:
         cmd = [sys.executable, "-m", "edgeflow", "simulate", "--devices", str(args.devices), "--rounds",
                str(args.rounds), "--model", args.model, "--seed", str(seed), "--codec", codec, "--out", out, "--json"]
         for k, v in opts.items():
             cmd += ["--codec-opt", f"{k}={v}"]
+        cmd += extra or []
         env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
         if proc.returncode != 0:
@@ -228,11 +250,12 @@ def main() -> int:
         return 0
     args.params = model_params(args.model)
     rows = []
-    for label, codec, opts in SETTINGS:
+    for label, codec, opts, *more in SETTINGS:
         if args.only and label not in args.only and label != "dense":
             continue
-        runs = [run_one(codec, opts, s, args) for s in args.seeds]
-        rows.append({"setting": label, "codec": codec, "options": opts, "runs": runs})
+        extra = more[0] if more else []
+        runs = [run_one(codec, opts, s, args, extra) for s in args.seeds]
+        rows.append({"setting": label, "codec": codec, "options": opts, "simulate_args": extra, "runs": runs})
         print(f"  {label}: " + ", ".join(f"{r['accuracy']:.4f}@{r['ratio']:.4f}" for r in runs), file=sys.stderr)
     print_table(rows, args)
     if args.json:
