@@ -10,9 +10,14 @@ accuracy >= dense's final accuracy - 0.005 (seed by seed, and on the mean).
 
     python benchmarks/codec_moonshot.py [--seeds 0 1 2] [--model mlp] [--rounds 30] [--json out.json]
     python benchmarks/codec_moonshot.py --overhead [--model mlp]   # bytes per update before any value
+    python benchmarks/codec_moonshot.py --table out.json           # the table of a saved run again
+
+Settings may add ``edgeflow simulate`` arguments (the FedAvgM rows: server momentum on the gateway);
+``accuracy ok`` is always against the first row, dense with FedAvg. ``payload B`` is B/update less the
+envelope of a simulated device's update (its real metadata, device id and sequence number).
 
 Run it with ``nice -n 10`` and OMP_NUM_THREADS=1 on a shared machine: about
-10 s per run for the MLP (2-core EPYC), 27 settings x seeds.
+10 s per run for the MLP (2-core EPYC) when the machine is idle, 37 settings x seeds.
 """
 
 from __future__ import annotations
