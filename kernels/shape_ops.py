@@ -180,6 +180,13 @@ def size(x: np.ndarray) -> np.ndarray:
 def gather(x: np.ndarray, indices: np.ndarray, *, axis: int = 0) -> np.ndarray:
     idx = np.asarray(indices)
     dim = x.shape[axis]
+    if idx.ndim == 0 and idx.dtype.kind in "iu":
+        # one index: a basic-indexing copy of that slice. np.take first copies a non-contiguous x
+        # whole (an unrolled RNN's per-step Gather from a transposed (20, 1, 4096): 53 us, this ~3)
+        i = int(idx)
+        if i < -dim or i >= dim:
+            raise IndexError(f"Gather index out of range [-{dim}, {dim - 1}] on axis {axis}")
+        return x[(slice(None),) * (axis % x.ndim) + (i,)].copy()
     if idx.size and (idx.min() < -dim or idx.max() >= dim):
         raise IndexError(f"Gather index out of range [-{dim}, {dim - 1}] on axis {axis}")
     return np.take(x, idx.astype(np.intp), axis=axis)  # intp: 32-bit numpy (armv7) refuses int64 here

@@ -64,3 +64,20 @@ def test_split_follows_each_call_shape_and_constants():
                 (1, x.shape[1]), (x.shape[0] - 1, x.shape[1])]
         with pytest.raises(IndexError):
             split13(a, axis=2, n_outputs=2)
+
+
+def test_gather_of_one_index_is_np_take_on_any_layout():
+    gather = get_kernel("Gather", opset=13).forward
+    base = np.arange(4 * 3 * 5, dtype=np.float32).reshape(4, 3, 5)
+    for x in (base, base.transpose(2, 1, 0), base[:, :, ::2]):  # contiguous, transposed, strided
+        for axis in range(-x.ndim, x.ndim):
+            for i in (0, 1, -1, -x.shape[axis]):
+                got = gather(x, np.array(i, np.int64), axis=axis)
+                want = np.take(x, i, axis=axis)
+                assert got.shape == want.shape and got.flags.c_contiguous
+                np.testing.assert_array_equal(got, want)
+                assert not np.shares_memory(got, x)  # a fresh array, as np.take gives
+        with pytest.raises(IndexError):
+            gather(x, np.array(x.shape[0], np.int64), axis=0)
+        with pytest.raises(IndexError):
+            gather(x, np.array(-x.shape[0] - 1, np.int64), axis=0)
