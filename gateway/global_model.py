@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 from edgeflow.errors import ConfigError
 
 __all__ = ["classification_metrics", "load_initial_parameters", "model_weights", "model_with_weights",
-           "parameters_model"]
+           "parameters_model", "trained_weight_names"]
 
 MAX_PARAMETERS = 4096
 """The most tensors a parameters-only global model may hold."""
@@ -42,6 +42,26 @@ def model_weights(model: onnx.ModelProto) -> dict[str, np.ndarray]:
         if a.dtype.kind == "f":
             out[t.name] = np.array(a, dtype=np.float32)
     return out
+
+
+def trained_weight_names(model: onnx.ModelProto) -> list[str] | None:
+    """The float initializers devices train and exchange of ``model`` (edgeflow.train's rule: those feeding
+    a differentiable input, and batch-norm statistics), or None where the trainer cannot say (a model it
+    refuses, a parameters-only model). A float constant in a non-differentiable slot -- a Clip bound, a
+    HardSigmoid's 3.0 -- is not one: federating it made every device refuse the global model ("weight(s)
+    the local model lacks"), so no round of a real model in full mode ever completed."""
+    import logging
+
+    from edgeflow.errors import EdgeflowError
+    from edgeflow.train import Trainer
+
+    try:
+        names = Trainer(model, save_workspace=False).weight_names
+    except EdgeflowError as exc:
+        logging.getLogger(__name__).debug("federating every float initializer: the trainer cannot say which "
+                                          "are trained (%s)", exc)
+        return None
+    return list(names) or None
 
 
 def model_with_weights(model: onnx.ModelProto, weights: Mapping[str, np.ndarray]) -> onnx.ModelProto:

@@ -102,7 +102,7 @@ from .async_rounds import AsyncRounds
 from .downlink import ModelDownlink
 from .evaluate_rounds import EvaluateRounds, aggregate_metrics, metric_value
 from .first_parameters import FirstParameters
-from .global_model import classification_metrics, model_weights, model_with_weights
+from .global_model import classification_metrics, model_weights, model_with_weights, trained_weight_names
 from .intake import CheckedUpdate, RoundView, check_update, screen
 from .open_round import OpenRound
 from .round_config import Candidate, RoundConfig
@@ -288,6 +288,11 @@ class RoundManager:
             except Exception as exc:  # noqa: BLE001 - a damaged blob must become one clear line
                 raise StateError(f"gateway state {store.path}: model v{self.version} cannot be loaded ({exc}); "
                                  "restore a backup or start without a state file (docs/security.md)") from None
+        if weight_names is None and self.weights and (model is not None or latest is not None):
+            trained = trained_weight_names(model if model is not None else self.base_model)
+            if trained is not None and set(trained) <= set(self.weights):
+                keep = set(trained)
+                self.weights = {n: w for n, w in self.weights.items() if n in keep}
         if weight_names is not None:
             names = list(dict.fromkeys(weight_names))
             unknown = [n for n in names if n not in self.weights]
