@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def run_one(downlink: str, *, devices: int, rounds: int, seed: int, alpha: float, codec: str) -> dict:
-    from fl_vs_flower import count_deliveries
+    from fl_vs_flower import count_deliveries, per_round_bytes_down
 
     from edgeflow.sim.simulation import SimConfig, SimulatedFleet
     from edgeflow.transport.broker import MosquittoBroker, find_mosquitto
@@ -68,10 +68,7 @@ def run_one(downlink: str, *, devices: int, rounds: int, seed: int, alpha: float
             fulls = sum(d.client.stats.full_models for d in fleet.devices)
         finally:
             fleet.close()
-    prev = 0
-    for r in rows:
-        r["bytes_down"], prev = r["down_total"] - prev, r["down_total"]
-        del r["down_total"]
+    per_round_bytes_down(rows)
     n = max(1, len(rows))
     return {"downlink": downlink, "seed": seed, "rounds": rows, "final_accuracy": rows[-1]["accuracy"] if rows else None,
             "bytes_down_per_round": round(sum(r["bytes_down"] for r in rows) / n),

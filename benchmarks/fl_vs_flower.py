@@ -136,10 +136,7 @@ def edgeflow_side(spec: dict, data_path: str, codec: str) -> dict:
             up_total = sum(d.client.stats.bytes_sent for d in fleet.devices)
         finally:
             fleet.close()
-    prev = 0
-    for r in rows:
-        r["bytes_down"], prev = r["down_total"] - prev, r["down_total"]
-        del r["down_total"]
+    per_round_bytes_down(rows)
     by_topic = {k: v for k, v in down.items() if k != "bytes"}
     return {"framework": "edgeflow", "codec": codec, "rounds": rows, "bytes_up_sent_by_devices": up_total,
             "downlink_by_topic": by_topic}
@@ -157,6 +154,15 @@ def check_same_inputs(fleet, data: dict[str, np.ndarray]) -> None:
     for n in data["names"]:
         if str(n) in inits and not np.array_equal(inits[str(n)], data[f"w_{n}"]):
             raise BenchmarkError(f"edgeflow's initial {n} differs from the benchmark's: the comparison is off")
+
+
+def per_round_bytes_down(rows: list[dict]) -> None:
+    """Each row's cumulative ``down_total`` (bytes delivered to devices so far) becomes ``bytes_down``, that
+    round's own bytes."""
+    prev = 0
+    for r in rows:
+        r["bytes_down"], prev = r["down_total"] - prev, r["down_total"]
+        del r["down_total"]
 
 
 def count_deliveries(transport, counter: dict, lock: threading.Lock) -> None:
