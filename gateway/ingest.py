@@ -507,9 +507,12 @@ class IngestWorker:
             if info is None:
                 continue
             view = info.view()
+            # the shapes of the model the round trains, as the live path and the round manager decode with:
+            # an update sent with the layout digest (envelope v3) carries no names or shapes of its own
+            like = self._like(info.model_version)
             for d in devices:
                 try:
-                    upd = check_update(self.db.envelope(r, d), view, keyring=self.keyring, like=None, seq_floor=None)
+                    upd = check_update(self.db.envelope(r, d), view, keyring=self.keyring, like=like, seq_floor=None)
                 except (CodecError, SignatureError) as exc:  # claimed ones were valid
                     log.warning("worker %s: stored claim of %s unreadable (%s); the coordinator folds it",
                                 self.cfg.name, d, exc)
