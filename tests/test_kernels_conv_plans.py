@@ -95,5 +95,38 @@ def test_depthwise_toeplitz_is_taken_only_on_narrow_images():
         return _plan((1, 256) + hw, (256, 1, k, k), 256, "NOTSET", None, None, (p, p, p, p), None)[1]
 
     assert mode((14, 14)) == mode((7, 7)) == "depthwise_toeplitz"  # PP-LCNet
-    assert mode((2, 96)) == "depthwise_columns"  # the PP-OCR classifier's wide strips: 20x the flops
+    assert mode((2, 96)) == "depthwise_short"  # the PP-OCR classifier's wide strips (Toeplitz: 20x the flops)
     assert mode((28, 28), k=3) == "depthwise_columns"
+
+
+SHORT = [(k, s, d, p, nh) for k, s, d, p, nh in itertools.product(
+    [(5, 5), (3, 3), (3, 5), (5, 1), (1, 3)], [(1, 1), (2, 1), (1, 2), (2, 2)], [(1, 1), (2, 1), (1, 2)],
+    [(2, 2, 2, 2), (0, 0, 0, 0), (1, 0, 2, 3)], [(1, 1), (2, 3), (1, 4), (2, 12)])
+    if nh[1] + p[0] + p[2] >= (k[0] - 1) * d[0] + 1]  # an output row at least
+
+
+@pytest.mark.parametrize("kernel,strides,dil,pads,nh", SHORT, ids=str)
+def test_depthwise_short_matches_im2col(kernel, strides, dil, pads, nh):
+    """Depthwise convs on short images (height <= 4x the kernel's) take the row-Toeplitz
+    GEMM; it gives im2col's result over strides, dilations, asymmetric pads and batches,
+    and sees a weight changed in place."""
+    from edgeflow.kernels.conv import _plan
+
+    n, h = nh
+    c, wd = 6, 23
+    x = RNG.standard_normal((n, c, h, wd)).astype(np.float32)
+    w = RNG.standard_normal((c, 1) + kernel).astype(np.float32)
+    b = RNG.standard_normal(c).astype(np.float32)
+    attrs = dict(auto_pad="NOTSET", dilations=dil, kernel_shape=None, pads=pads, strides=strides)
+    mode = _plan(x.shape, w.shape, c, "NOTSET", dil, None, pads, strides)[1]
+    assert mode == ("depthwise_short" if h <= 4 * kernel[0] else mode)
+    conv = get_kernel("Conv", opset=13)
+    for xi in (x, x[..., ::-1]):  # a non-contiguous input too
+        ref = _conv_columns(np.ascontiguousarray(xi), w, b, c, attrs)[0]
+        got = conv(xi, w, b, group=c, dilations=dil, pads=pads, strides=strides)
+        assert got.shape == ref.shape and got.flags.c_contiguous
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    w *= -0.5  # the matrices are kept per weight: a weight changed in place must be seen
+    ref2 = _conv_columns(x, w, b, c, attrs)[0]
+    np.testing.assert_allclose(conv(x, w, b, group=c, dilations=dil, pads=pads, strides=strides), ref2,
+                               rtol=1e-5, atol=1e-5)
