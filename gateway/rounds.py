@@ -108,7 +108,7 @@ from .open_round import OpenRound
 from .round_config import Candidate, RoundConfig
 from .secure_rounds import SecureRounds
 from .store import GatewayStore, StoreError
-from .strategies import folds_partials, make_aggregator
+from .strategies import StrategyChoice, folds_partials, make_aggregator
 
 log = logging.getLogger("edgeflow.gateway.rounds")
 
@@ -301,7 +301,13 @@ class RoundManager:
                                   f"it has {len(self.weights)} (e.g. {list(self.weights)[:3]})")
             self.weights = {n: self.weights[n] for n in names}
         self.epoch = self._new_epoch()
-        self._strategy = aggregator if aggregator is not None else self._make_strategy()
+        if aggregator is not None:
+            name = str(getattr(aggregator, "name", "") or type(aggregator).__name__)
+            self.strategy_choice = StrategyChoice(name, name)
+            self._strategy = aggregator
+        else:
+            self.strategy_choice = self._choose_strategy(contributions, ingest)
+            self._strategy = self._make_strategy()
         self._require_partial_folding(contributions, ingest)
         self._restore_run()
 
@@ -318,7 +324,7 @@ class RoundManager:
             who = "ingestion workers send the coordinator partial sums"
         else:
             return
-        raise ConfigError(f"strategy {self.config.strategy!r} needs each update (it holds them to compare); "
+        raise ConfigError(f"strategy {self.strategy_choice.name!r} needs each update (it holds them to compare); "
                           f"{who}: use fedavg (or another summing strategy) with them, or run without them")
 
     def _new_epoch(self) -> int:
@@ -332,6 +338,32 @@ class RoundManager:
         self.store.set_meta("epoch", str(epoch))
         log.info("gateway epoch %d (%s)", epoch, "new state" if prev is None else f"previous {prev}")
         return epoch
+
+    @property
+    def strategy_name(self) -> str:
+        """The strategy this manager runs (``auto`` resolved), for logs and the status."""
+        return self.strategy_choice.name
+
+    def _choose_strategy(self, contributions: str, ingest: UpdateSource | None) -> StrategyChoice:
+        """``[rounds] strategy`` resolved, once (``auto``: krum-reputation where this gateway sees each update,
+        FedAvg where it sees only sums; :meth:`RoundConfig.resolve_strategy`), and logged once."""
+        sums_only = ("site gateways send partial aggregates" if contributions == "partials" else
+                     "ingestion workers send the coordinator partial sums" if getattr(ingest, "folds_partials", False)
+                     else "")
+        stored: str | None = None
+        if self.config.strategy.strip().lower() == "auto":
+            saved = self.store.strategy_state()
+            if saved is not None:
+                try:
+                    stored = str(decode_state(saved[1]).get("strategy", ""))
+                except StateError:
+                    stored = ""  # _restore_run names the damage
+            elif any(rec.state == "closed" for rec in self.store.rounds()):
+                stored = ""  # rounds closed before strategy states were stored: FedAvg's
+        choice = self.config.resolve_strategy(sums_only=sums_only, stored=stored)
+        if choice.auto:
+            log.info("%s", choice.describe())
+        return choice
 
     def _make_strategy(self):
         params = dict(self.config.strategy_params)
@@ -348,13 +380,14 @@ class RoundManager:
         # A device told to train on at most max_samples cannot claim more.
         if self.config.train.max_samples and "sample_cap" not in params:
             params["sample_cap"] = int(self.config.train.max_samples)
+        name = self.strategy_choice.name
         try:
-            return make_aggregator(self.config.strategy, **params)
+            return make_aggregator(name, **params)
         except ConfigError:
             for k in ("check_finite", "sample_cap"):
                 if k not in self.config.strategy_params:
                     params.pop(k, None)
-            return make_aggregator(self.config.strategy, **params)
+            return make_aggregator(name, **params)
 
     def _restore_run(self) -> None:
         """Go on where the previous gateway process stopped: the strategy's cross-round state as the

@@ -201,9 +201,9 @@ def _roles() -> list[str]:
 
 
 def _strategies() -> list[str]:
-    from .strategies import available_aggregators
+    from .strategies import strategy_names
 
-    return available_aggregators()
+    return strategy_names()
 
 
 def _staleness() -> list[str]:
@@ -391,15 +391,18 @@ def _check_semantics(data: dict[str, Any], base: Path, problems: list[str]) -> N
             problems.append(str(exc))
             strategy_ok = False
     if strategy_ok and ("strategy" in rounds or "strategy_params" in rounds or rounds.get("dp")):
-        from .strategies import make_aggregator
+        from .strategies import make_aggregator, resolve_strategy
 
         def build() -> None:
             params = dict(rounds.get("strategy_params", {}))
+            chosen = resolve_strategy(rounds.get("strategy", "fedavg"), params, mode=rounds.get("mode", "sync"),
+                                      dp=bool(rounds.get("dp")),
+                                      sums_only="secagg" if rounds.get("secagg") is not None else "").name
             if rounds.get("dp"):
                 from .privacy import CentralDP
 
                 params["privacy"] = CentralDP(**rounds["dp"])
-            make_aggregator(rounds.get("strategy", "fedavg"), **params)
+            make_aggregator(chosen, **params)
 
         attempt("rounds.strategy_params" if "strategy_params" in rounds else
                 "rounds.dp" if rounds.get("dp") else "rounds.strategy", build)
@@ -663,6 +666,7 @@ class Gateway:
         from edgeflow.transport.topics import gateway_topic
 
         body = {"online": online, "fleet": self.fleet_id, "model_version": self.rounds.version,
+                "strategy": getattr(self.rounds, "strategy_name", None),
                 "devices_online": len(self.fleet.online_devices()) if online else 0, "ts": time.time()}
         try:
             self.transport.publish(str(gateway_topic(self.fleet_id, "state")), json.dumps(body), qos=1,

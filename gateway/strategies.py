@@ -37,6 +37,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -54,6 +55,8 @@ from edgeflow.gateway.privacy import CentralDP
 __all__ = [
     "CLIP_MULTIPLIER",
     "SAMPLE_MULTIPLIER",
+    "AUTO",
+    "AUTO_DEFENCE",
     "Bulyan",
     "FedAdagrad",
     "FedAdam",
@@ -70,6 +73,7 @@ __all__ = [
     "ServerAdam",
     "ServerMomentum",
     "ServerYogi",
+    "StrategyChoice",
     "TrimmedMean",
     "available_aggregators",
     "bounded_mean",
@@ -82,6 +86,8 @@ __all__ = [
     "proximal_gradient",
     "proximal_term",
     "register_aggregator",
+    "resolve_strategy",
+    "strategy_names",
     "trimmed_mean",
     "weighted_average",
 ]
@@ -1182,9 +1188,11 @@ def folds_partials(strategy: Any) -> bool:
     """The one rule for pre-added sums (site gateways' partial aggregates, ingestion workers' partial
     sums, a secure-aggregation total): a strategy -- an aggregator, its class or its registered
     name -- can take them only if it has ``add_partial``; one that holds each update to compare
-    (median, Krum-based, Bulyan) cannot."""
+    (median, Krum-based, Bulyan) cannot. ``auto`` can: :func:`resolve_strategy` makes it FedAvg there."""
     if isinstance(strategy, str):
         key = strategy.strip().lower().replace("_", "-")
+        if key == AUTO:
+            return True
         cls = _REGISTRY.get(key)
         if cls is None and ":" in strategy:
             from .custom_strategy import load_strategy
@@ -1197,6 +1205,84 @@ def folds_partials(strategy: Any) -> bool:
 def partial_folding_strategies() -> list[str]:
     """Registered names that :func:`folds_partials`, for messages."""
     return [k for k, cls in sorted(_REGISTRY.items()) if folds_partials(cls)]
+
+
+AUTO = "auto"
+"""``[rounds] strategy``'s default: the gateway picks, once at start, with :func:`resolve_strategy`."""
+
+AUTO_DEFENCE = KrumReputation.name
+"""What ``auto`` runs where the gateway sees each update: the backdoor defence of docs/security.md section 14."""
+
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    """The strategy a gateway runs, and for ``auto`` why (what the start-up log line and the status show)."""
+
+    name: str
+    """The registered name (or the user's ``module:Class``) that is built."""
+    configured: str
+    """What ``[rounds] strategy`` says (``auto`` by default)."""
+    why: str = ""
+    """Why ``auto`` chose ``name`` (empty for a strategy named in the configuration)."""
+
+    @property
+    def auto(self) -> bool:
+        return self.configured.strip().lower() == AUTO
+
+    def describe(self) -> str:
+        """``strategy auto -> krum-reputation (backdoor defence; ...)``, or ``strategy fedavg``."""
+        return f"strategy {AUTO} -> {self.name} ({self.why})" if self.auto else f"strategy {self.name}"
+
+
+def resolve_strategy(strategy: str, params: Mapping[str, Any] | None = None, *, sums_only: str = "",
+                     mode: str = "sync", dp: bool = False, stored: str | None = None) -> StrategyChoice:
+    """The one rule for ``strategy = "auto"`` (any other name is returned as it is): FedAvg where the gateway
+    sees only sums or the defence is not measured, :data:`AUTO_DEFENCE` (``num_byzantine`` 1 and its other
+    defaults) where it sees each update.
+
+    ``sums_only``: why the gateway sees only sums, empty when it sees each update (secure aggregation, site
+    gateways' partial aggregates, ingestion workers' partial sums: :func:`folds_partials`'s contexts);
+    ``mode``: ``async`` (FedBuff) gets FedAvg, the defence is not measured there; ``dp``: central DP is
+    FedAvg's mechanism (each update clipped and the mean noised), the defence does not take it;
+    ``stored``: the class name of the strategy state the gateway's state holds (``""`` for a state with rounds
+    and no strategy state, None for a fresh state): a run that began with another strategy (FedAvg, the
+    default before ``auto``) goes on with FedAvg, so a restart after an upgrade changes nothing; ``params``:
+    ``[rounds] strategy_params``, which go to the strategy chosen: keys only FedAvg takes (``clip``,
+    ``stage``, ...) choose FedAvg; keys neither takes raise ConfigError."""
+    if not isinstance(strategy, str) or strategy.strip().lower() != AUTO:
+        return StrategyChoice(strategy, strategy)
+    keys = set(params or {})
+    defence, plain = _accepted_params(KrumReputation), _accepted_params(FedAvg)
+    neither = sorted(keys - defence - plain)
+    if neither:
+        raise ConfigError(f"strategy 'auto': strategy_params {neither} are neither {AUTO_DEFENCE}'s nor fedavg's "
+                          f"(accepted: {', '.join(sorted(defence | plain))}); fix the name, or name the strategy")
+    if keys - defence and keys - plain:
+        raise ConfigError(f"strategy 'auto': strategy_params {sorted(keys - plain)} are only {AUTO_DEFENCE}'s and "
+                          f"{sorted(keys - defence)} only fedavg's; name the strategy (strategy = \"{AUTO_DEFENCE}\" "
+                          "or \"fedavg\")")
+    if sums_only:
+        why = f"the gateway sees only sums: {sums_only}; {AUTO_DEFENCE} needs each update"
+    elif mode != "sync":
+        why = f"mode {mode!r} (FedBuff): {AUTO_DEFENCE} is not measured there"
+    elif dp:
+        why = f"central DP clips and noises a FedAvg mean; {AUTO_DEFENCE} does not take it"
+    elif stored is not None and stored != KrumReputation.__name__:
+        why = (f"this state's run began with {stored or 'FedAvg'}, before 'auto'; a restart must not change "
+               f"the run: a new state gets {AUTO_DEFENCE}")
+    elif keys - defence:
+        why = f"strategy_params {sorted(keys - defence)} are FedAvg's, not {AUTO_DEFENCE}'s"
+    else:
+        return StrategyChoice(AUTO_DEFENCE, strategy, 'backdoor defence; set strategy = "fedavg" for plain FedAvg')
+    if keys - plain:
+        raise ConfigError(f"strategy 'auto' runs fedavg here ({why}); strategy_params {sorted(keys - plain)} are "
+                          "not fedavg's: remove them, or name the strategy")
+    return StrategyChoice(FedAvg.name, strategy, why)
+
+
+def strategy_names() -> list[str]:
+    """What ``[rounds] strategy`` may name: every registered aggregator and :data:`AUTO`."""
+    return [*available_aggregators(), AUTO]
 
 
 def _accepted_params(cls: type) -> set[str]:

@@ -21,7 +21,8 @@ FLAGS: dict[str, tuple[str, type, str]] = {
                    "from the previous version; the full model stays retained for devices that missed one) "
                    "(default full)"),
     "--strategy": ("strategy", str, "fedavg fedprox fedavgm fedadam fedyogi fedadagrad median trimmed-mean krum "
-                   "multi-krum (default fedavg)"),
+                   "multi-krum fedavg-krum krum-reputation, or auto (krum-reputation; FedAvg with --secagg, "
+                   "--mode async or central DP) (default fedavg)"),
     "--fraction": ("fraction", float, "share of online devices selected per round (default 1.0)"),
     "--min-clients": ("min_clients", int, "fewest devices a round may start with (default 2)"),
     "--overselect": ("overselect", float, "select this many times more devices than needed (default 1.0)"),
@@ -254,6 +255,8 @@ def cmd(args) -> int:
             except EdgeflowError:
                 progress.live.transient = True  # the error's line alone (an app that does not fit its model)
                 raise
+            if fleet.rounds.strategy_choice.auto:
+                say(fleet.rounds.strategy_choice.describe())
             web = None
             try:
                 if args.http:
@@ -266,6 +269,7 @@ def cmd(args) -> int:
                 except EdgeflowError:
                     progress.live.transient = True  # the error's line alone, not a half-drawn bar above it
                     raise
+                strategy = fleet.rounds.strategy_name
                 save_final_model(fleet, out)
                 devices = [{
                     "device": d.device_id, "profile": d.profile, "samples": _samples(d.client),
@@ -285,7 +289,7 @@ def cmd(args) -> int:
             "final_accuracy": round(accs[-1], 4) if accs else None,
             "best_accuracy": round(max(accs), 4) if accs else None, "wall_s": round(wall, 2),
             "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1), "uploaded_bytes": up, "dense_bytes": dense,
-            "upload_ratio": round(up / dense, 4) if dense else None, "strategy": cfg.strategy, "codec": cfg.codec,
+            "upload_ratio": round(up / dense, 4) if dense else None, "strategy": strategy, "codec": cfg.codec,
         }
         write_jsonl(out / "devices.jsonl", devices)
         (out / "devices.json").write_text(json.dumps(devices, indent=1) + "\n")

@@ -143,7 +143,7 @@ def _type_problems(cfg: SimConfig) -> list[str]:
 
 def _range_problems(cfg: SimConfig) -> list[str]:
     from ..codecs import available_codecs, get_codec
-    from ..gateway.strategies import available_aggregators
+    from ..gateway.strategies import strategy_names
     from ..profiles import list_profiles
 
     out = []
@@ -202,8 +202,8 @@ def _range_problems(cfg: SimConfig) -> list[str]:
         delta_codec(cfg.downlink)
     except EdgeflowError as exc:  # one line naming the valid settings
         out.append(str(exc))
-    if cfg.strategy not in available_aggregators() and ":" not in cfg.strategy:
-        out.append(f"strategy {cfg.strategy!r} is unknown; choose one of {', '.join(available_aggregators())}")
+    if cfg.strategy not in strategy_names() and ":" not in cfg.strategy:
+        out.append(f"strategy {cfg.strategy!r} is unknown; choose one of {', '.join(strategy_names())}")
     known = set(list_profiles())
     bad = [p for p in cfg.profiles if p not in known and not p.endswith(".toml")]
     if bad or not cfg.profiles:

@@ -435,7 +435,7 @@ class WebView:
         return {
             "fleet": self.fleet_id, "attached": attached, "ts": time.time(), "uptime_s": time.time() - self.started,
             "model_version": getattr(self.rounds, "version", None),
-            "rounds_planned": getattr(cfg, "rounds", None),
+            "rounds_planned": getattr(cfg, "rounds", None), "strategy": getattr(self.rounds, "strategy_name", None),
             "round_states": self.round_states_counts() if attached else {},
             "devices": devices,
             "summary": {"devices": len(devices), "online": sum(1 for d in devices if d["online"]),

@@ -29,6 +29,7 @@ STRATEGIES = {
     "central dp": {"strategy": "fedavg", "dp": {"clip_norm": 1.0, "noise_multiplier": 0.8, "seed": 7}},
     "fedavg-krum": {"strategy": "fedavg-krum", "min_clients": 5, "strategy_params": {"num_byzantine": 1}},
     "krum-reputation": {"strategy": "krum-reputation", "strategy_params": {"num_byzantine": 1}},  # suspicions + momentum
+    "auto": {"strategy": "auto"},  # krum-reputation here; the restart resolves it again from the stored state
 }
 
 
