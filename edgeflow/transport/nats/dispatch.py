@@ -55,7 +55,9 @@ class LocalHandler:
     nats_subs: list[object] = field(default_factory=list)
     """The client's subscriptions that feed this handler (owned by the event-loop thread)."""
     removed: bool = False
-    """Unsubscribed: a subscription still waiting for the connection is not made."""
+    """Unsubscribed: a subscription still waiting for the connection (or a retry) is not made."""
+    setup_timeouts: int = 0
+    """Tries to make the subscription that the server did not answer in time (the first one is logged)."""
 
 
 class HandlerTable:

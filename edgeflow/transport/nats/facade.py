@@ -307,7 +307,10 @@ class NatsTransport:
         The retained messages of the matching topics come first (not for ``$share/...``: MQTT sends
         none to shared subscriptions), then live ones. Chunked payloads arrive reassembled; the chunk
         sub-filter of a shared subscription is subscribed unshared (as on MQTT). Connected, waits for
-        the server and raises TransportError if it refused the subscription.
+        the server and raises TransportError if it refused the subscription; if it did not answer in
+        time (the core subscription or the read of the retained stream timed out), TransportError
+        says so too, but the subscription stays and is retried in the background with backoff
+        (0.5 s doubling to 10 s) until it is made, as one made offline is (on connect, then so).
         """
         if self._closed:
             raise TransportError("cannot subscribe: this transport is closed")
@@ -325,11 +328,16 @@ class NatsTransport:
         self._handlers.add(local)
         self._link.start_thread()
         online = self._link.up
-        try:
-            self._link.submit(self._link.register(local, parts), timeout if online else None)
+        wait_s = timeout if online else None
+        try:  # the link answers within wait_s; the margin is for a loop that does not answer at all
+            late = self._link.submit(self._link.register(local, parts, wait_s), None if wait_s is None else wait_s + 5)
         except TransportError:
             self._handlers.remove(sub)
             raise
+        if late is not None:  # as MqttTransport without a SUBACK: the subscription stays, the caller is told
+            msg = (f"subscription to {f.value} not made yet ({late}); it stays and is retried in the background "
+                   "(unsubscribe() to stop)")
+            raise TransportError(msg)
         return sub
 
     def unsubscribe(self, sub: Subscription | str, *, timeout: float | None = 10.0) -> None:

@@ -21,11 +21,18 @@ What happens here:
   Violation ...'``) fails its delivery at once, naming the subject;
 - subscribe: the core subscription first, then the retained messages of
   the matching subjects (a short-lived consumer on the retained stream,
-  last message per subject), then the live messages that came meanwhile;
+  last message per subject), then the live messages that came meanwhile.
+  A setup the server did not answer in time (the core subscription not
+  confirmed, the retained read timed out: a server busy with a thousand
+  devices connecting at once) is tried again, after :data:`RETRY_MIN_S`
+  doubling to :data:`RETRY_MAX_S` (jittered), until it is made, the handler
+  is unsubscribed or the transport closes; a refusal (permissions) is not;
 - resume: after a reconnect, what the live stream got for each unshared
   subscription since the drop is replayed (a consumer from that moment,
   minus :data:`GAP_MARGIN_S`), then the live messages held meanwhile; the
-  worker's id memory drops the ones handled before the drop;
+  worker's id memory drops the ones handled before the drop. A replay that
+  timed out is tried again like a subscription (the live messages go on
+  meanwhile; the replayed ones come after them);
 - a JetStream out of this server's reach (a site's uplink account on a leaf node, whose API calls
   are mapped to the hub's domain: the server's own domain differs from the JetStream's): the
   client's connection to its server does not drop when the leaf connection does, so nothing
@@ -82,7 +89,29 @@ Parts = list[tuple[list[str], "str | None", bool]]
 """What one handler subscribes: (subjects, queue group, replay retained) per part."""
 GAP_MARGIN_S = 10.0
 """How far before the moment a connection dropped the gap replay starts (clocks of client and server differ)."""
+RETRY_MIN_S = 0.5
+RETRY_MAX_S = 10.0
+"""A subscription or gap replay whose setup timed out is tried again after RETRY_MIN_S, doubling to
+RETRY_MAX_S (each wait drawn from the upper half of the step)."""
+_TRANSIENT: tuple[type[BaseException], ...] = (
+    TimeoutError,  # asyncio's and nats-py's timeouts (a request, a fetch, a flush)
+    nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError,
+    nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError, nats.errors.StaleConnectionError,
+    nats.errors.ConnectionDrainingError,
+)
+"""What the server may answer in time on a later try (no refusal among them)."""
 _PERM = re.compile(r'permissions violation for (publish|subscription) to "([^"]+)"', re.IGNORECASE)
+
+
+class _NotInTime(TransportError):
+    """A subscription's setup (or a gap replay) the server did not answer in time: tried again.
+    Never leaves this module (the facade gets the message)."""
+
+
+class _Caller:
+    """Whether the caller of :meth:`Link.register` still waits for its first try."""
+
+    gone = False
 
 
 class Owner(Protocol):
@@ -135,6 +164,8 @@ class Link:
         self._retry: list[tuple[int, NatsFrame]] = []
         self._seq = 0
         self._denied_subs: set[str] = set()
+        self._denied_api: set[str] = set()
+        """JetStream API subjects the server refused this user to publish to (``-ERR``, lower case; event-loop thread)."""
         self._main_task: asyncio.Task[None] | None = None
         self._pending: list[tuple[LocalHandler, Parts]] = []
         """Subscriptions made while not connected (event-loop thread only)."""
@@ -260,13 +291,18 @@ class Link:
         if m is None:
             log.info("%s: NATS error: %s", self.t.name, exc)
             return
-        kind, subject = m.groups()
+        kind, subject = m.groups()  # nats-py hands the -ERR line over in lower case: subjects compare so
+        subject = subject.lower()
         if kind.lower() == "subscription":
             self._denied_subs.add(subject)
             return
+        if subject.startswith("$js."):  # a JetStream API request: its caller times out, this is why
+            self._denied_api.add(subject)
+            return
         self._count("publish_denied")
         for frame in list(self._inflight.values()):
-            if subject in (topic_subject(frame.topic, self.t.prefix), retained_subject(frame.topic, self.t.prefix)):
+            if subject in (topic_subject(frame.topic, self.t.prefix).lower(),
+                           retained_subject(frame.topic, self.t.prefix).lower()):
                 if frame.delivery is not None:
                     frame.delivery._fail(TransportError(
                         f"publish to {frame.topic} refused: not authorized (NATS subject {subject}); "
@@ -432,26 +468,56 @@ class Link:
 
     # -------------------------------------------------------------- subscribe
 
-    async def register(self, local: LocalHandler, parts: Parts) -> None:
-        """Subscribe now when connected, else when the connection is (re)made."""
-        if self.connected_once and self.nc is not None and self.nc.is_connected:
-            await self._subscribe_local(local, parts)
-        else:
+    async def register(self, local: LocalHandler, parts: Parts, wait_s: float | None = None) -> str | None:
+        """Subscribe now when connected, else when the connection is (re)made. Connected, waits up to
+        ``wait_s`` for the first try: None when made (or pending), else why not yet (the server did not
+        answer in time, or not within ``wait_s``): the subscription then stays and is tried again in the
+        background (:meth:`_retry_subscription`). Raises TransportError when refused."""
+        if not (self.connected_once and self.nc is not None and self.nc.is_connected):
             self._pending.append((local, parts))
+            return None
+        caller = _Caller()
+        task = asyncio.get_running_loop().create_task(self._first_try(local, parts, caller))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no "never retrieved"
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), wait_s)
+        except TimeoutError:
+            caller.gone = True
+            return f"the server did not answer within {wait_s} s"
+        except asyncio.CancelledError:
+            caller.gone = True
+            raise
 
-    async def _subscribe_local(self, local: LocalHandler, parts: Parts) -> None:
+    async def _first_try(self, local: LocalHandler, parts: Parts, caller: _Caller) -> str | None:
+        """:meth:`register`'s try, run on to its end when the caller stops waiting: a timeout then
+        starts the retries, a refusal is logged (nobody else hears of it)."""
+        try:
+            await self._subscribe_local(local, parts)
+        except _NotInTime as exc:
+            self._not_made_yet(local, parts, exc)
+            return str(exc)
+        except TransportError as exc:
+            if not caller.gone:
+                raise
+            self._count("subscribe_errors")
+            log.warning("%s: subscription to %s not made: %s", self.t.name, local.sub.filter, exc)
+        return None
+
+    async def _subscribe_local(self, local: LocalHandler, parts: Parts) -> bool:
+        """Make ``local``'s subscriptions; False when it was unsubscribed meanwhile (nothing kept)."""
         subs: list[Any] = []
         try:
             for subjects, group, retained in parts:
                 subs += await self.subscribe(subjects, group, retained, self.dispatcher.put)
-        except TransportError:
-            await self.unsubscribe(subs)
+        except BaseException:  # a refusal, a timeout, or the caller gave up waiting (cancelled)
+            await asyncio.shield(self.unsubscribe(subs))
             raise
         if local.removed:
             await self.unsubscribe(subs)
-            return
+            return False
         local.nats_subs = subs
         self._active = [a for a in self._active if not a[0].removed] + [(local, parts)]
+        return True
 
     async def _drain_pending(self) -> None:
         pending, self._pending = self._pending, []
@@ -460,14 +526,65 @@ class Link:
                 continue
             try:
                 await self._subscribe_local(local, parts)
+            except _NotInTime as exc:
+                self._not_made_yet(local, parts, exc)
             except TransportError as exc:
                 self._count("subscribe_errors")
                 log.warning("%s: subscription to %s not made: %s", self.t.name, local.sub.filter, exc)
 
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` in the background until it ends or the transport closes (shutdown cancels it)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _not_made_yet(self, local: LocalHandler, parts: Parts, exc: TransportError) -> None:
+        """A subscription's setup timed out: count it, say so once per subscription, try again later."""
+        self._count("subscribe_timeouts")
+        local.setup_timeouts += 1
+        if local.setup_timeouts == 1:
+            log.warning("%s: subscription to %s not made yet (%s); tried again every %s to %s s until it is",
+                        self.t.name, local.sub.filter, exc, RETRY_MIN_S, RETRY_MAX_S)
+        else:
+            log.debug("%s: subscription to %s still not made (%s)", self.t.name, local.sub.filter, exc)
+        self._spawn(self._retry_subscription(local, parts))
+
+    def _connected(self) -> bool:
+        return self.nc is not None and self.nc.is_connected
+
+    async def _retry_subscription(self, local: LocalHandler, parts: Parts) -> None:
+        """Try a timed-out subscription again with backoff until it is made, refused or unsubscribed.
+        Disconnected meanwhile, it waits with the others for the next connection."""
+        backoff = Backoff(RETRY_MIN_S, RETRY_MAX_S)
+        while not self.ended and not local.removed:
+            await asyncio.sleep(backoff.next())
+            if self.ended or local.removed:
+                return
+            if not self._connected():
+                self._pending.append((local, parts))  # _on_reconnected drains it
+                return
+            try:
+                made = await self._subscribe_local(local, parts)
+            except _NotInTime as exc:
+                self._count("subscribe_timeouts")
+                local.setup_timeouts += 1
+                log.debug("%s: subscription to %s still not made (%s)", self.t.name, local.sub.filter, exc)
+                continue
+            except TransportError as exc:
+                self._count("subscribe_errors")
+                log.warning("%s: subscription to %s not made: %s", self.t.name, local.sub.filter, exc)
+                return
+            if made:
+                self._count("subscribe_retried")
+                log.info("%s: subscription to %s made after %d timed-out tries", self.t.name, local.sub.filter,
+                         local.setup_timeouts)
+            return
+
     async def subscribe(self, subjects: list[str], group: str | None, retained: bool, deliver: Callable[[Inbound], None]
                         ) -> list[Any]:
         """Core subscriptions for ``subjects`` (queue ``group``), then the retained messages of the
-        matching subjects, then what arrived live meanwhile. Raises TransportError when refused."""
+        matching subjects, then what arrived live meanwhile. Raises TransportError when refused
+        (:class:`_NotInTime` when the server did not answer in time)."""
         held: list[Inbound] | None = []
         prefix = self.t.prefix
 
@@ -485,36 +602,39 @@ class Link:
             else:
                 deliver(item)
 
-        subs = []
+        subs: list[Any] = []
         try:
-            for s in subjects:
-                self._denied_subs.discard(s)
-                subs.append(await self.nc.subscribe(s, queue=group or "", cb=on_msg))
-            await self.nc.flush(timeout=max(1, int(self.t.ack_timeout_s)))
-        except (nats.errors.Error, asyncio.TimeoutError) as exc:
-            await self.unsubscribe(subs)
-            msg = f"subscription to {', '.join(subjects)} not confirmed by the server: {exc!r}"
-            raise TransportError(msg) from None
-        await self._refuse_denied(subjects, subs)
-        if retained:
             try:
-                replay = [item for s in subjects for item in await self._retained(s)]
-            except TransportError:
-                # the server's refusal of the subscription may come after an unrelated PONG ended the
-                # flush above; when it has come by now, it is the reason
-                await self._refuse_denied(subjects, subs)
-                raise
-            for item in replay:
-                deliver(item)
+                for s in subjects:
+                    self._denied_subs.discard(s.lower())
+                    subs.append(await self.nc.subscribe(s, queue=group or "", cb=on_msg))
+                await self.nc.flush(timeout=max(1, int(self.t.ack_timeout_s)))
+            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                await self._refuse_denied(subjects, subs)  # a refusal that came meanwhile is the reason
+                msg = f"subscription to {', '.join(subjects)} not confirmed by the server: {exc!r}"
+                raise (_NotInTime if isinstance(exc, _TRANSIENT) else TransportError)(msg) from None
+            await self._refuse_denied(subjects, subs)
+            if retained:
+                try:
+                    replay = [item for s in subjects for item in await self._retained(s)]
+                except TransportError:
+                    # the server's refusal of the subscription may come after an unrelated PONG ended the
+                    # flush above; when it has come by now, it is the reason
+                    await self._refuse_denied(subjects, subs)
+                    raise
+                for item in replay:
+                    deliver(item)
+        except BaseException:  # nothing half made stays: the core subscriptions would hold messages for ever
+            await asyncio.shield(self.unsubscribe(subs))
+            raise
         pending, held = held, None
         for item in pending:
             deliver(item)
         return subs
 
     async def _refuse_denied(self, subjects: list[str], subs: list[Any]) -> None:
-        denied = [s for s in subjects if s in self._denied_subs]
-        if denied:
-            await self.unsubscribe(subs)
+        denied = [s for s in subjects if s.lower() in self._denied_subs]
+        if denied:  # subscribe() unsubscribes ``subs``
             msg = f"subscription to NATS subject {denied[0]} refused: not authorized; check this user's subscribe permissions"
             raise TransportError(msg)
 
@@ -540,23 +660,64 @@ class Link:
                             continue
                         for s in subjects:
                             try:
-                                items = await self._fetch(self.names.live, s, self.t.prefix, False,
-                                                          DeliverPolicy.BY_START_TIME, start)
+                                items = await self._gap(s, start)
                             except TransportError as exc:
-                                self._count("gap_replay_errors")
                                 if self.remote_jetstream:  # out of reach again: the next answer replays it
+                                    self._count("gap_replay_errors")
                                     self._lose_upstream(since)
                                     continue
+                                if isinstance(exc, _NotInTime):
+                                    self._count("gap_replay_timeouts")
+                                    log.warning("%s: messages missed on %s while disconnected not replayed yet "
+                                                "(%s); tried again every %s to %s s until they are", self.t.name,
+                                                s, exc, RETRY_MIN_S, RETRY_MAX_S)
+                                    self._spawn(self._retry_gap(local, s, start))
+                                    continue
+                                self._count("gap_replay_errors")
                                 log.warning("%s: messages missed on %s while disconnected not replayed: %s",
                                             self.t.name, s, exc)
                                 continue
-                            self._count("gap_replayed", len(items))
                             for item in items:
                                 self.dispatcher.put(item)
         finally:  # whatever happened, the live messages held back go on
             hold, self._hold = self._hold, None
             for deliver, item in hold or []:
                 deliver(item)
+
+    async def _gap(self, subject: str, start: datetime.datetime) -> list[Inbound]:
+        """What the live stream holds for ``subject`` since ``start`` (counted as ``gap_replayed``)."""
+        items = await self._fetch(self.names.live, subject, self.t.prefix, False, DeliverPolicy.BY_START_TIME, start)
+        self._count("gap_replayed", len(items))
+        return items
+
+    async def _retry_gap(self, local: LocalHandler, subject: str, start: datetime.datetime) -> None:
+        """Replay a gap whose replay timed out, with backoff, until it is done, refused, unsubscribed or
+        the transport closes. The live messages went on meanwhile: a replayed message handled before
+        is dropped by its id, the others come after newer live ones. While disconnected it waits; a
+        later reconnect replays its own gap besides (from a later moment: this one is still needed)."""
+        backoff = Backoff(RETRY_MIN_S, RETRY_MAX_S)
+        tries = 1
+        while not self.ended and not local.removed:
+            await asyncio.sleep(backoff.next())
+            if self.ended or local.removed or not self._connected():
+                continue
+            try:
+                items = await self._gap(subject, start)
+            except _NotInTime as exc:
+                tries += 1
+                self._count("gap_replay_timeouts")
+                log.debug("%s: messages missed on %s still not replayed (%s)", self.t.name, subject, exc)
+                continue
+            except TransportError as exc:
+                self._count("gap_replay_errors")
+                log.warning("%s: messages missed on %s while disconnected not replayed: %s", self.t.name, subject, exc)
+                return
+            self._count("gap_replay_retried")
+            log.info("%s: messages missed on %s replayed after %d timed-out tries (%d messages)", self.t.name,
+                     subject, tries, len(items))
+            for item in items:
+                self.dispatcher.put(item)
+            return
 
     # ------------------------------------------------------ remote JetStream
 
@@ -631,6 +792,8 @@ class Link:
                              ack_policy=AckPolicy.EXPLICIT, inactive_threshold=30.0, mem_storage=True,
                              max_ack_pending=-1)
         out: list[Inbound] = []
+        psub = None
+        self._denied_api = {s for s in self._denied_api if stream.lower() not in s.split(".")}
         try:
             info = await self.js.add_consumer(stream, cfg)
             pending = info.num_pending
@@ -646,10 +809,19 @@ class Link:
                         out.append(Inbound(topic, m.data, 1, retain, headers_in(hdrs), hdrs.get("Nats-Msg-Id")))
             if psub is not None:
                 await psub.unsubscribe()
+                psub = None
             await self.js.delete_consumer(stream, name)
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
-            msg = f"stream {stream} could not be read for {subject}: {exc!r}; check the user's JetStream permissions"
-            raise TransportError(msg) from None
+            if psub is not None:  # its inbox subscription would outlive the try; the consumer expires by itself
+                await self.unsubscribe([psub])
+            denied = sorted(s for s in self._denied_api if stream.lower() in s.split("."))
+            if denied:  # the server refused the request (-ERR) and nats-py waited for an answer in vain
+                raise TransportError(f"reading stream {stream} for {subject} refused: not authorized (NATS subject "
+                                     f"{denied[0]}); check the user's JetStream permissions") from None
+            msg = f"stream {stream} could not be read for {subject}: {exc!r}"
+            if isinstance(exc, _TRANSIENT):
+                raise _NotInTime(msg) from None
+            raise TransportError(f"{msg}; check the user's JetStream permissions") from None
         return out
 
     async def unsubscribe(self, subs: list[Any]) -> None:
