@@ -4,6 +4,7 @@
     python benchmarks/backdoor.py --quick          # 1 seed, 8 rounds, fedavg, krum, fedavg-krum, krum-reputation
     python benchmarks/backdoor.py --only fedavg --only fedavgm --only krum-reputation --seeds 6
     python benchmarks/backdoor.py --equal-size --only fedavg --only fedavg-krum --only krum-reputation
+    python benchmarks/backdoor.py --only fedavg --only auto      # strategy = "auto" as a gateway resolves it
     python benchmarks/backdoor.py --json out.json
 
 A real RoundManager and 10 real federated Clients (the digits MLP on Dirichlet 0.5 shards of
@@ -44,6 +45,7 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "fedavg-krum": {"strategy": "fedavg-krum", "strategy_params": {"num_byzantine": 1}, "min_clients": 5},
     "fedavgm": {"strategy": "fedavgm", "strategy_params": {"server_momentum": 0.9}},
     "krum-reputation": {"strategy": "krum-reputation", "strategy_params": {"num_byzantine": 1}},
+    "auto": {"strategy": "auto"},  # the opt-in default-to-be: krum-reputation here (each update seen, sync rounds)
 }
 TRIGGER = [54, 55, 62, 63]  # the 2x2 bottom-right corner of the 8x8 digit
 
