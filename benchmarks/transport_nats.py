@@ -36,11 +36,14 @@ machine falls on both. Per fleet:
   publish (stored on disk, PubAck); on MQTT a PUBLISH/PUBACK with Mosquitto.
 
 A NATS device subscribes after it connects (a core subscription, then a read of the retained stream);
-a fleet waits until every device's subscriptions are made. One that was refused or timed out (the
-transport counts ``subscribe_errors``, logs "subscription ... not made" and does not try again: at
-1,000 devices connecting at once this happened with the default 5 s ``ack_timeout_s``, which is also
-the JetStream API timeout) leaves that device deaf to rounds, so the fleet runs no round and is
-reported as failed (exit 1). ``--nats-ack-timeout S`` sets ``ack_timeout_s`` on every NATS connection.
+a fleet waits until every device's subscriptions are made. A setup the server did not answer in time
+(at 1,000 devices connecting at once a read of the retained stream can outlast the default 5 s
+``ack_timeout_s``, which is also the JetStream API timeout) is retried by the transport with backoff
+until it is made: ``subscribe_timeouts`` (timed-out tries, all fleets' devices) and
+``subscribe_retried`` (subscriptions made by a retry) say how often. One that was refused (the
+transport counts ``subscribe_errors`` and logs "subscription ... not made"), or still not made after
+300 s, leaves that device deaf to rounds, so the fleet runs no round and is reported as failed (exit 1).
+``--nats-ack-timeout S`` sets ``ack_timeout_s`` on every NATS connection.
 
 ``--faults clean partition broker_restart model_cut lossy`` instead runs the scenarios of
 benchmarks/network_faults.py (the real gateway and real federated devices, two sites behind
@@ -103,14 +106,19 @@ def _nats_transport(host: str, port: int, *, max_pending_messages: int | None = 
 
 def _settle_subscriptions(timeout: float = 300.0) -> dict[str, int]:
     """NATS subscribes once connected (core subscription, then a read of the retained stream): wait until
-    every device's subscriptions are made or one was refused (``subscribe_errors``, the transport logs
-    "subscription ... not made" and does not try again). MQTT: nothing to wait for (SUBSCRIBE follows CONNACK)."""
+    every device's subscriptions are made or one was refused (``subscribe_errors``: the transport logs
+    "subscription ... not made"); one that timed out is retried by the transport meanwhile
+    (``subscribe_timeouts``). MQTT: nothing to wait for (SUBSCRIBE follows CONNACK)."""
     end = time.monotonic() + timeout
     while True:
         made = sum(1 for t in _MADE if all(h.nats_subs for h in t._handlers.all()))
         failed = sum(1 for t in _MADE if t.stats().get("subscribe_errors"))
         if made + failed >= len(_MADE) or time.monotonic() > end:
-            return {"subscribed": made, "subscribe_failed": failed, "unsettled": len(_MADE) - made - failed}
+            stats = [t.stats() for t in _MADE]
+            return {"subscribed": made, "subscribe_failed": failed, "unsettled": len(_MADE) - made - failed,
+                    "subscribe_timeouts": sum(st.get("subscribe_timeouts", 0) for st in stats),
+                    "subscribe_retried": sum(st.get("subscribe_retried", 0) for st in stats),
+                    "devices_retried": sum(1 for st in stats if st.get("subscribe_retried"))}
         time.sleep(0.1)
 
 
@@ -280,9 +288,11 @@ def fleet(kind: str, n: int, *, rounds: int, procs: int, messages: int, workdir:
         row["client_threads"] = sum(r["threads_connected"] for r in readies)
         row["subscribe_failed"] = sum(r["subscribe_failed"] for r in readies)
         row["subscribe_unsettled"] = sum(r["unsettled"] for r in readies)
+        for key in ("subscribe_timeouts", "subscribe_retried", "devices_retried"):
+            row[key] = sum(r.get(key, 0) for r in readies)
         if row["subscribe_failed"] or row["subscribe_unsettled"]:
-            row["failed"] = (f"{row['subscribe_failed']} of {n} devices had a subscription refused or timed out "
-                             f"({row['subscribe_unsettled']} still pending after 300 s); no round run")
+            row["failed"] = (f"{row['subscribe_failed']} of {n} devices had a subscription refused "
+                             f"({row['subscribe_unsettled']} still not made after 300 s); no round run")
         if srv is not None and "failed" not in row:
             idle = rs._status(spid)
             row["server_rss_base_mb"] = round(srv_base.get("VmRSS", 0) / 2**20, 2)
@@ -328,6 +338,12 @@ def summarize(rows: list[dict[str, Any]], control: dict[str, Any] | None) -> dic
         s: dict[str, Any] = {"fleets": len(mine), "failed_fleets": sum(r["kind"] == kind and "failed" in r
                                                                        for r in rows)}
         rounds = [x for r in mine for x in r["round_s"]]
+        s["every_device_every_round"] = bool(mine) and s["failed_fleets"] == 0 and all(
+            p == r["devices"] for r in mine for p in r["participants"])
+        s["models_received"] = sum(r.get("models_received", 0) for r in mine)
+        s["models_expected"] = sum(r["devices"] * (len(r["round_s"]) + 1) for r in mine)  # the first one too
+        s["subscribe_timeouts"] = sum(r.get("subscribe_timeouts", 0) for r in rows if r["kind"] == kind)
+        s["devices_retried"] = sum(r.get("devices_retried", 0) for r in rows if r["kind"] == kind)
         if rounds:
             s.update({
                 "rounds": len(rounds),
@@ -344,8 +360,10 @@ def summarize(rows: list[dict[str, Any]], control: dict[str, Any] | None) -> dic
         if mine and all("msgs_per_s" in r for r in mine):
             s["msgs_per_s"] = statistics.median(r["msgs_per_s"] for r in mine)
         out[kind] = s
+    counts = ("fleets", "failed_fleets", "rounds", "every_device_every_round", "models_received", "models_expected",
+              "subscribe_timeouts", "devices_retried")
     out["nats_over_mqtt"] = {k: out["nats"][k] / out["mqtt"][k] for k in out["mqtt"]
-                             if k in out["nats"] and out["mqtt"][k] and k not in ("fleets", "failed_fleets", "rounds")}
+                             if k in out["nats"] and out["mqtt"][k] and k not in counts}
     return out
 
 
@@ -373,6 +391,12 @@ def table(n: int, summary: dict[str, Any], control: dict[str, Any] | None) -> li
         lines.append(f"| {name} | {vals[0]} | {vals[1]} | {r} |")
     lines.append(f"| fleets that ran / failed | {summary['mqtt']['fleets']} / {summary['mqtt']['failed_fleets']} | "
                  f"{summary['nats']['fleets']} / {summary['nats']['failed_fleets']} | |")
+    yes = {True: "yes", False: "NO"}
+    lines.append("| every device in every round; global models received / devices x (rounds + 1) | "
+                 + " | ".join(f"{yes[summary[k]['every_device_every_round']]}; {summary[k]['models_received']:,} / "
+                              f"{summary[k]['models_expected']:,}" for k in KINDS) + " | |")
+    lines.append(f"| NATS subscription setups timed out and retried (devices) | | "
+                 f"{summary['nats']['subscribe_timeouts']} ({summary['nats']['devices_retried']}) | |")
     if control is not None:
         lines.append(f"(control, no connection: {control['client_kb_per_conn']:.1f} KB per device for the "
                      f"device's own state)")
