@@ -101,6 +101,17 @@ def test_the_client_notices_a_wrong_vector(tmp_path: Path) -> None:
     packed = by_name["envelope-topk-packed"]["envelope"]["tensors"][0]["topk_packed"]
     packed["codes"][0] ^= 1  # an expectation the section does not hold
     by_name["envelope-topk-packed-signed"]["envelope"]["metadata"]["loss"] = 0.5
+    randk = by_name["envelope-randk-packed"]["envelope"]["tensors"][2]["randk_packed"]
+    randk["pcg64_raw"][1] = f"{int(randk['pcg64_raw'][1], 16) ^ 1:016x}"  # another PRNG output
+    randk["indices"][0] += 1
+    by_name["envelope-layout-digest"]["envelope"]["layout"]["tensors"][0][1] = [1, 3]  # another model's shape
+    delta = by_name["model-delta"]["delta"]
+    delta["result"][0]["f32"] = f"{int(delta['result'][0]['f32'][:2], 16) ^ 1:02x}" + delta["result"][0]["f32"][2:]
+    v3 = by_name["envelope-layout-digest-randk"]
+    data3 = bytearray((d / v3["file"]).read_bytes())
+    data3[v3["envelope"]["tensors"][0]["offset"] + 1] ^= 0x01  # the density of the first section
+    (d / v3["file"]).write_bytes(bytes(data3))
+    v3["sha256"] = hashlib.sha256(bytes(data3)).hexdigest()
 
     signed["sha256"] = hashlib.sha256(bytes(data)).hexdigest()
     (d / "manifest.json").write_text(json.dumps(manifest))
@@ -111,6 +122,11 @@ def test_the_client_notices_a_wrong_vector(tmp_path: Path) -> None:
     assert "envelope-dense-signed: WireError: bad envelope signature" in failures
     assert "envelope-topk-packed/fc.weight codes" in failures
     assert "envelope-topk-packed-signed metadata decoded" in failures
+    assert "envelope-randk-packed/w pcg64 raw outputs" in failures
+    assert "envelope-randk-packed/w indices" in failures
+    assert "envelope-layout-digest layout digest" in failures
+    assert "model-delta result:" in failures
+    assert "envelope-layout-digest-randk: WireError: CRC-32 mismatch" in failures
 
 
 PACKED_CASES = [  # (bits, options): every bit width the codec has a distinct path for, ratio and min_k
@@ -216,6 +232,152 @@ def test_edgeflow_topk_packed_updates_are_read_by_the_independent_client(tmp_pat
             assert t["shape"] == list(arr.shape) and t["dtype"] == "float32"
             np.testing.assert_array_equal(np.frombuffer(bytes.fromhex(t["f32"]), "<f4"), arr.reshape(-1),
                                           err_msg=f"{fname}/{tname}")
+
+
+RANDK_CASES = [  # (codec, bits, options, layout): every randk bit width path, densities up to 1, both envelope versions
+    ("randk-packed", 1, {"ratio": 0.1}, "names"), ("randk-packed", 2, {"ratio": 0.3}, "digest"),
+    ("randk-packed", 3, {"ratio": 0.05}, "names"), ("randk-packed", 4, {"ratio": 1.0}, "digest"),
+    ("randk-packed", 8, {"ratio": 0.5}, "names"), ("randk-packed", 5, {"ratio": 0.2}, "digest"),
+    ("topk-packed", 4, {"ratio": 0.1}, "digest"), ("topk-packed", 1, {"k": 3, "min_k": 2}, "digest"),
+]
+
+
+def _layout(tensors: dict[str, np.ndarray]) -> list:
+    return [[name, list(a.shape)] for name, a in tensors.items()]
+
+
+def test_edgeflow_randk_and_layout_digest_updates_are_read_by_the_independent_client(tmp_path: Path) -> None:
+    """edgeflow's signed randk-packed (codec 7, §8.7) and layout-digest (version 3, §7.7) envelopes on random inputs
+    decode in the independent client, with its own PCG64 and the model's layout, to exactly edgeflow's values;
+    without the layout, or tampered, they are refused."""
+    from edgeflow.codecs import ErrorFeedback, decode_update, encode_update
+    from edgeflow.signing import Signer
+
+    key = PrivateKey.from_bytes(bytes([7]) * 32)
+    signer = Signer("ef-dev", key)
+    rng = np.random.default_rng(71)
+    state = ErrorFeedback()
+    files, want, shapes = [], {}, None
+    for i, (codec, bits, options, layout) in enumerate(RANDK_CASES):
+        tensors = _interop_tensors(rng)
+        shapes = {n: a.shape for n, a in tensors.items()}
+        data = encode_update(tensors, codec, round_id=i, device_id="ef-dev", seq=200 + i, signer=signer,
+                             state=state, metadata={"num_samples": 3 + i}, rng=int(rng.integers(1 << 30)),
+                             bits=bits, layout=layout, **options)
+        assert data[4] == (3 if layout == "digest" else 2) and data[6] == (7 if codec == "randk-packed" else 6)
+        path = tmp_path / f"ef-{i}-{codec}-{bits}bit-{layout}.bin"
+        path.write_bytes(data)
+        files.append(str(path))
+        want[path.name] = decode_update(data, expected_shapes=shapes)
+    (tmp_path / "layout.json").write_text(json.dumps(_layout(_interop_tensors(rng))))
+    tampered = bytearray(Path(files[0]).read_bytes())
+    tampered[len(tampered) // 2] ^= 0x10
+    (tmp_path / "tampered.bin").write_bytes(bytes(tampered))
+    rc, result, out = run_client("decode-updates", key.public_key.hex, *files, str(tmp_path / "tampered.bin"),
+                                 "--layout", str(tmp_path / "layout.json"), cwd=tmp_path)
+    assert rc == 1 and set(result["refused"]) == {"tampered.bin"}, out
+    assert set(result["decoded"]) == set(want)
+    for fname, upd in want.items():
+        got = result["decoded"][fname]
+        assert (got["version"], got["codec"], got["round_id"], got["seq"]) == (
+            3 if fname.endswith("digest.bin") else 2, upd.codec, upd.round_id, upd.seq)
+        assert got["metadata"] == upd.metadata
+        assert set(got["tensors"]) == set(upd.tensors)
+        for tname, arr in upd.tensors.items():
+            t = got["tensors"][tname]
+            assert t["shape"] == list(arr.shape)
+            np.testing.assert_array_equal(np.frombuffer(bytes.fromhex(t["f32"]), "<f4"), arr.reshape(-1),
+                                          err_msg=f"{fname}/{tname}")
+    digest_files = [f for f in files if f.endswith("digest.bin")]
+    rc, result, out = run_client("decode-updates", key.public_key.hex, *digest_files, cwd=tmp_path)  # no layout
+    assert rc == 1 and not result["decoded"], out
+    assert all("needs the receiver's model" in why for why in result["refused"].values()), result["refused"]
+    other = _layout(_interop_tensors(rng))
+    other[0][1] = other[0][1][::-1]  # the same names, one shape transposed: another model
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    rc, result, out = run_client("decode-updates", key.public_key.hex, *digest_files, "--layout",
+                                 str(tmp_path / "other.json"), cwd=tmp_path)
+    assert rc == 1 and all("another model layout" in why for why in result["refused"].values()), out
+
+
+def test_independent_randk_and_layout_digest_updates_are_accepted_by_edgeflow(tmp_path: Path) -> None:
+    """The independent encoder's randk-packed sections (its PCG64, its seeds) and version-3 envelopes decode in
+    edgeflow, given the model's shapes, to exactly what it sent."""
+    from edgeflow.codecs import decode_update
+
+    seed = bytes([8]) * 32
+    ring = KeyRing({"ind-x": PrivateKey.from_bytes(seed).public_key})
+    rng = np.random.default_rng(81)
+    jobs, inputs = [], {}
+    for i, (codec, bits, options, layout) in enumerate(RANDK_CASES):
+        tensors = _interop_tensors(rng)
+        name = f"ind-{i}"
+        inputs[name] = tensors
+        jobs.append({"name": name, "codec": codec, "round_id": 60 + i, "seq": 2**35 + i, "device_id": "ind-x",
+                     "options": {"bits": bits, **options}, "rng_seed": 90 + i, "seed": seed.hex(), "layout": layout,
+                     "metadata": {"num_samples": 5, "round_nonce": "00ff"},
+                     "tensors": [{"name": n, "dtype_code": 2, "shape": list(a.shape),
+                                  "f32": a.astype("<f4").tobytes().hex()} for n, a in tensors.items()]})
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    rc, result, out = run_client("encode-updates", str(tmp_path / "jobs.json"), str(tmp_path), cwd=tmp_path)
+    assert rc == 0, out
+    for i, (codec, bits, options, layout) in enumerate(RANDK_CASES):
+        name = f"ind-{i}"
+        data = (tmp_path / f"{name}.bin").read_bytes()
+        assert data[4] == (3 if layout == "digest" else 2) and data[6] == (7 if codec == "randk-packed" else 6)
+        shapes = {n: a.shape for n, a in inputs[name].items()}
+        upd = decode_update(data, verifier=ring, require_signature=True, expected_shapes=shapes)
+        assert (upd.codec, upd.round_id, upd.seq, upd.metadata) == (codec, 60 + i, 2**35 + i, jobs[i]["metadata"])
+        for tname, x in inputs[name].items():
+            got = upd.tensors[tname]
+            sent = np.frombuffer(bytes.fromhex(result["encoded"][name]["decoded"][tname]), "<f4")
+            np.testing.assert_array_equal(got.reshape(-1), sent, err_msg=f"{name}/{tname}")
+            assert got.shape == x.shape
+            if codec == "randk-packed" and x.size:  # zero off the sample, within one quantization step on it
+                nz = np.flatnonzero(got.reshape(-1))
+                step = float(np.abs(x).max()) * (1 if bits == 1 else 1 / ((1 << (bits - 1)) - 1))
+                assert float(np.abs(got.reshape(-1)[nz] - x.reshape(-1)[nz]).max(initial=0)) <= 2 * step * (1 + 1e-5)
+
+
+DELTA_CODECS = [("int8", 0), ("topk-packed", 1), ("randk-packed", 2), ("dense", 3), ("fp16", 4), ("topk", 5)]
+
+
+def test_the_independent_client_applies_edgeflow_model_deltas_bit_for_bit(tmp_path: Path) -> None:
+    """§10.5 on random weights: every delta codec's model delta, applied by the independent client to the base,
+    gives exactly apply_model_delta's weights and the announced digest; a wrong epoch or base is refused by both."""
+    from edgeflow.codecs.model_delta import apply_model_delta, encode_model_delta
+    from edgeflow.signing import Signer
+
+    fleet = PrivateKey.from_bytes(bytes([9]) * 32)
+    ring = KeyRing({"gateway": fleet.public_key})
+    rng = np.random.default_rng(91)
+    jobs, want = [], {}
+    for codec, i in DELTA_CODECS:
+        base = {"fc1.weight": rng.standard_normal((12, 10)).astype(np.float32),
+                "fc1.bias": (rng.standard_normal(10) * 0.1).astype(np.float32),
+                "scale": np.array(1.5, np.float32)}
+        new = {k: (v + rng.standard_normal(v.shape).astype(np.float32) * 0.01).astype(np.float32)
+               for k, v in base.items()}
+        payload, result, digest = encode_model_delta(base, new, codec=codec, base_version=10 + i, version=11 + i,
+                                                     epoch=3, signer=Signer("gateway", fleet), seed=100 + i)
+        got = apply_model_delta(payload, weights=base, version=10 + i, epoch=3, keyring=ring)
+        assert got.digest == digest
+        want[codec] = got
+        (tmp_path / f"{codec}.bin").write_bytes(payload)
+        listed = [{"name": k, "shape": list(v.shape), "f32": v.astype("<f4").tobytes().hex()} for k, v in base.items()]
+        for name, version, epoch in ((codec, 10 + i, 3), (f"{codec}-epoch", 10 + i, 4), (f"{codec}-base", 9 + i, 3)):
+            jobs.append({"name": name, "file": str(tmp_path / f"{codec}.bin"), "fleet_key": fleet.public_key.hex,
+                         "version": version, "epoch": epoch, "base": listed})
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    rc, result, out = run_client("apply-deltas", str(tmp_path / "jobs.json"), cwd=tmp_path)
+    assert rc == 1, out
+    assert set(result["applied"]) == {c for c, _ in DELTA_CODECS}, out
+    for codec, got in want.items():
+        mine = result["applied"][codec]
+        assert (mine["version"], mine["digest"]) == (got.version, got.digest), codec
+        for name, arr in got.weights.items():
+            assert mine["weights"][name] == np.asarray(arr, "<f4").tobytes().hex(), (codec, name)
+        assert "epoch" in result["refused"][f"{codec}-epoch"] and "wrong_base" in result["refused"][f"{codec}-base"]
 
 
 def _hostile_compact_envelopes() -> dict[str, tuple[bytes, str]]:

@@ -81,25 +81,32 @@ def test_manifest_lists_every_file_with_its_hash(stored) -> None:
     for name, v in listed.items():
         assert v["size"] == len(files[name]) and v["sha256"] == hashlib.sha256(files[name]).hexdigest(), name
     kinds = {v["kind"] for v in manifest["vectors"]}
-    assert {"envelope", "chunk", "chunked_transfer", "signed_json", "secagg", "ota_artifact", "ota_offer"} <= kinds
+    assert {"envelope", "chunk", "chunked_transfer", "signed_json", "secagg", "ota_artifact", "ota_offer",
+            "model_delta"} <= kinds
     codecs = {v["envelope"]["codec"] for v in manifest["vectors"] if v["kind"] == "envelope"}
-    assert codecs == {"dense", "fp16", "int8", "topk", "topk-int8", "topk-packed"}, "one vector per codec at least"
+    assert codecs == {"dense", "fp16", "int8", "topk", "topk-int8", "topk-packed", "randk-packed"}, \
+        "one vector per codec at least"
     versions = {v["envelope"]["version"] for v in manifest["vectors"] if v["kind"] == "envelope"}
-    assert versions == {1, 2}, "both envelope versions have vectors"
+    assert versions == {1, 2, 3}, "every envelope version has vectors"
     assert any(v["kind"] == "envelope" and v["envelope"]["signed_by"] for v in manifest["vectors"])
 
 
 # ------------------------------------------------------------------ decode direction
 
 
+def _shapes(e: dict[str, Any]) -> dict[str, tuple[int, ...]] | None:
+    """A version-3 vector's layout (the receiver's model: names and shapes); None for versions 1 and 2."""
+    return {name: tuple(shape) for name, shape in e["layout"]["tensors"]} if e["version"] == 3 else None
+
+
 def test_edgeflow_decodes_every_envelope_vector(stored) -> None:
     files, manifest = stored
     keys = _keys(manifest)
     ring = KeyRing({"dev-1": keys["device"].public_key, "gateway": keys["fleet"].public_key})
-    for v in (v for v in manifest["vectors"] if v["kind"] == "envelope"):
+    for v in (v for v in manifest["vectors"] if v["kind"] in ("envelope", "model_delta")):
         e = v["envelope"]
         upd = decode_update(files[v["file"]], verifier=ring if e["signed_by"] else None,
-                            require_signature=bool(e["signed_by"]))
+                            require_signature=bool(e["signed_by"]), expected_shapes=_shapes(e))
         assert (upd.round_id, upd.seq, upd.device_id, upd.codec) == (e["round_id"], e["seq"], e["device_id"],
                                                                      e["codec"]), v["name"]
         if e["version"] == 1:
@@ -118,20 +125,20 @@ def test_edgeflow_rejects_every_altered_signed_vector(stored) -> None:
     files, manifest = stored
     keys = _keys(manifest)
     ring = KeyRing({"dev-1": keys["device"].public_key, "gateway": keys["fleet"].public_key})
-    signed = [v for v in manifest["vectors"] if v["kind"] == "envelope" and v["envelope"]["signed_by"]]
-    assert len(signed) >= 2
+    signed = [v for v in manifest["vectors"] if v["kind"] in ("envelope", "model_delta") and v["envelope"]["signed_by"]]
+    assert {v["envelope"]["version"] for v in signed} == {1, 2, 3} and "model-delta" in {v["name"] for v in signed}
     for v in signed:
         data = bytearray(files[v["file"]])
         data[-1] ^= 0x80  # inside the Ed25519 signature
         with pytest.raises(SignatureError):
-            decode_update(bytes(data), verifier=ring)
+            decode_update(bytes(data), verifier=ring, expected_shapes=_shapes(v["envelope"]))
         data = bytearray(files[v["file"]])
         # the round id (version 1: u64 at 12; version 2: the varint after the header length's varint at 7):
         # the CRC catches it before the signature is even checked
         e = v["envelope"]
         data[20 if e["version"] == 1 else 7 + (e["header_length"].bit_length() + 6) // 7] ^= 0x01
         with pytest.raises(CodecError, match="CRC"):
-            decode_update(bytes(data), verifier=ring)
+            decode_update(bytes(data), verifier=ring, expected_shapes=_shapes(e))
 
 
 def test_the_compact_vectors_pin_down_every_metadata_tag_and_packed_field(stored) -> None:
@@ -139,7 +146,8 @@ def test_the_compact_vectors_pin_down_every_metadata_tag_and_packed_field(stored
     from edgeflow.codecs.metadata import pack_metadata, unpack_metadata
 
     files, manifest = stored
-    compact = [v for v in manifest["vectors"] if v["kind"] == "envelope" and v["envelope"]["version"] == 2]
+    compact = [v for v in manifest["vectors"] if v["kind"] == "envelope" and v["envelope"]["version"] == 2
+               and v["envelope"]["codec"] == "topk-packed"]
     assert {"envelope-topk-packed", "envelope-topk-packed-signed", "envelope-topk-packed-edge"} <= {
         v["name"] for v in compact}
     tags, bits, ks = set(), set(), set()
@@ -157,6 +165,99 @@ def test_the_compact_vectors_pin_down_every_metadata_tag_and_packed_field(stored
             ks.add(p["k"])
     assert tags == set(range(12)), f"metadata tags without a vector: {sorted(set(range(12)) - tags)}"
     assert {1, 2, 3, 4, 5, 8} <= bits and 0 in ks
+
+
+def test_the_randk_vectors_pin_down_the_pcg64_sample_and_the_packed_codes(stored) -> None:
+    """randk-packed (docs §8.7): the section's fields, the raw PCG64 outputs and the sampled indices as listed."""
+    from edgeflow.codecs.randk_packed import sample_indices
+
+    files, manifest = stored
+    randk = [v for v in manifest["vectors"] if v["kind"] == "envelope" and v["envelope"]["codec"] == "randk-packed"]
+    assert {v["envelope"]["version"] for v in randk} == {2, 3}
+    densities, ks, bits = set(), set(), set()
+    for v in randk:
+        e, data = v["envelope"], files[v["file"]]
+        for t in e["tensors"]:
+            r, n = t["randk_packed"], int(np.prod(t["shape"]))
+            section = data[t["offset"]:t["offset"] + t["length"]]
+            assert struct.unpack_from("<BHI", section) == (r["bits"], r["density"], r["seed"]), (v["name"], t["name"])
+            assert section[7:11].hex() == r["scale"] and len(section) == 11 + (r["k"] * r["bits"] + 7) // 8
+            raw = np.random.PCG64(r["seed"]).random_raw(min(n, 4)) if n else []
+            assert [f"{int(x):016x}" for x in raw] == r["pcg64_raw"], (v["name"], t["name"])
+            assert sample_indices(r["seed"], n, r["density"] or 1 << 16).tolist() == r["indices"]
+            assert r["k"] == len(r["indices"]) == len(r["codes"])
+            codes = int.from_bytes(section[11:], "little")
+            assert [(codes >> (i * r["bits"])) & ((1 << r["bits"]) - 1) for i in range(r["k"])] == r["codes"]
+            decoded = _values(t["decoded"])
+            assert set(np.flatnonzero(decoded).tolist()) <= set(r["indices"])
+            densities.add(r["density"])
+            ks.add(r["k"])
+            bits.add(r["bits"])
+    assert 0 in densities and 0 in ks and {1, 2, 3} <= bits  # density 65536 written as 0, an empty sample
+
+
+def test_the_layout_digest_vectors_name_the_layout_and_need_it(stored) -> None:
+    """Version 3 (docs §7.7): digest, dtype code and section lengths as listed; refused without the model."""
+    from edgeflow.codecs import peek_update
+    from edgeflow.codecs.envelope import layout_digest
+
+    files, manifest = stored
+    v3 = [v for v in manifest["vectors"] if v["kind"] == "envelope" and v["envelope"]["version"] == 3]
+    assert {v["envelope"]["codec"] for v in v3} == {"topk-packed", "randk-packed"}
+    for v in v3:
+        e, data = v["envelope"], files[v["file"]]
+        lay = e["layout"]
+        shapes = [(name, tuple(shape)) for name, shape in lay["tensors"]]
+        assert layout_digest(shapes).hex() == lay["digest"]
+        assert hashlib.sha256(b"edgeflow:layout/v1\0" + bytes.fromhex(lay["hashed"])).digest()[:8].hex() == lay["digest"]
+        head = peek_update(data)
+        assert (head.version, head.layout.hex(), head.tensors) == (3, lay["digest"], ())
+        assert list(head.section_lengths) == lay["section_lengths"] == [t["length"] for t in e["tensors"]]
+        at = data.index(bytes.fromhex(lay["digest"])) + 8
+        assert data[at] == lay["dtype_code"] and data[at + 1] == len(shapes)  # dtype, then the tensor count
+        assert [t["name"] for t in e["tensors"]] == sorted(t["name"] for t in e["tensors"])  # sections in name order
+        with pytest.raises(CodecError) as err:
+            decode_update(data)
+        assert err.value.reason == "shape_mismatch"  # type: ignore[attr-defined]
+        other = dict(shapes)
+        first = next(iter(other))
+        other[first] = other[first][::-1] if len(other[first]) > 1 else (*other[first], 1)
+        with pytest.raises(CodecError, match="another model layout"):
+            decode_update(data, expected_shapes=other)
+
+
+def _weights_of(listed: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+    return {t["name"]: np.frombuffer(bytes.fromhex(t["f32"]), "<f4").reshape(t["shape"]) for t in listed}
+
+
+def test_the_model_delta_vector_applies_to_its_base_exactly(stored) -> None:
+    """§10.5: applied to the listed base the delta gives the listed result, bit for bit, with both digests;
+    anything else is refused with the spec's reason."""
+    from edgeflow.codecs.model_delta import apply_model_delta, weights_digest
+
+    files, manifest = stored
+    (v,) = [v for v in manifest["vectors"] if v["kind"] == "model_delta"]
+    d, data = v["delta"], files[v["file"]]
+    assert v["topic"] == "edgeflow/lab/gateway/model_delta"
+    ring = KeyRing({"gateway": _keys(manifest)["fleet"].public_key})
+    base = _weights_of(d["base"])
+    assert weights_digest(base) == d["base_sha256"]
+    got = apply_model_delta(data, weights=base, version=d["base_version"], epoch=d["epoch"], keyring=ring)
+    assert (got.version, got.epoch, got.digest) == (d["model_version"], d["epoch"], d["model_sha256"])
+    want = _weights_of(d["result"])
+    for name, w in want.items():
+        assert got.weights[name].view(np.uint32).tolist() == w.view(np.uint32).tolist(), name
+    assert any(not np.array_equal(want[k], _weights_of(d["new"])[k]) for k in want)  # fp16 is lossy: result != new
+    meta = decode_update(data).metadata
+    assert {k: meta[k] for k in ("kind", "model_version", "epoch", "base_version", "base_sha256", "model_sha256")} == {
+        "kind": "model_delta", "model_version": d["model_version"], "epoch": d["epoch"],
+        "base_version": d["base_version"], "base_sha256": d["base_sha256"], "model_sha256": d["model_sha256"]}
+    for kw, reason in (({"epoch": d["epoch"] + 1}, "epoch"), ({"version": d["base_version"] - 1}, "wrong_base"),
+                       ({"weights": want}, "base_digest")):
+        args = {"weights": base, "version": d["base_version"], "epoch": d["epoch"], **kw}
+        with pytest.raises(CodecError) as err:
+            apply_model_delta(data, keyring=ring, **args)
+        assert err.value.reason == reason  # type: ignore[attr-defined]
 
 
 def _metadata_tags(raw: bytes) -> set[int]:
@@ -295,7 +396,9 @@ def test_the_generator_is_deterministic() -> None:
 
 
 @pytest.mark.parametrize("change", ["codec id", "envelope layout", "chunk byte order", "fp16 rounding",
-                                    "signed json", "round body", "packed scale byte order", "metadata key table"])
+                                    "signed json", "round body", "packed scale byte order", "metadata key table",
+                                    "randk header byte order", "randk index stream", "layout digest",
+                                    "layout digest size", "weights digest", "delta metadata"])
 def test_the_guard_catches_a_format_change_without_a_version_bump(stored, monkeypatch, change) -> None:
     from edgeflow.codecs import envelope, fp16
     from edgeflow.codecs.dense import DenseCodec
@@ -335,8 +438,36 @@ def test_the_guard_catches_a_format_change_without_a_version_bump(stored, monkey
     elif change == "round body":
         real_body = messages.RoundAnnouncement.to_body
         monkeypatch.setattr(messages.RoundAnnouncement, "to_body", lambda self: {**real_body(self), "extra": 1})
-    if change == "packed scale byte order":  # the generator's step-by-step reference of §8.6 catches it first
-        with pytest.raises(AssertionError, match="topk-packed reference layout disagrees"):
+    elif change == "randk header byte order":
+        from edgeflow.codecs import randk_packed
+
+        monkeypatch.setattr(randk_packed, "_HEAD", struct.Struct(">BHIf"))
+    elif change == "randk index stream":  # another PRNG (or seeding) for the sample
+        from edgeflow.codecs import randk_packed
+
+        real_sample = randk_packed.sample_indices
+        monkeypatch.setattr(randk_packed, "sample_indices", lambda seed, n, density: real_sample(seed ^ 1, n, density))
+    elif change == "layout digest":
+        real_digest = envelope.layout_digest
+        monkeypatch.setattr(envelope, "layout_digest", lambda shapes: real_digest(list(shapes)[::-1] + [("x", ())]))
+    elif change == "layout digest size":  # 16 bytes of SHA-256, written and read consistently by edgeflow
+        monkeypatch.setattr(envelope, "LAYOUT_DIGEST_SIZE", 16)
+    elif change == "weights digest":
+        from edgeflow.codecs import model_delta
+
+        monkeypatch.setattr(model_delta, "DIGEST_CONTEXT", b"edgeflow-weights-v2\0")
+    elif change == "delta metadata":
+        from edgeflow.codecs import model_delta
+
+        monkeypatch.setattr(model_delta, "DELTA_KIND", "delta")
+    caught_by_reference = {"packed scale byte order": "topk-packed reference layout disagrees",
+                           "randk header byte order": "randk-packed reference layout disagrees",
+                           "randk index stream": "randk-packed reference layout disagrees",
+                           "layout digest": "layout digest reference disagrees",
+                           "layout digest size": "layout digest reference disagrees",
+                           "weights digest": "weights digest reference disagrees"}
+    if change in caught_by_reference:  # the generator's step-by-step reference of the spec catches it first
+        with pytest.raises(AssertionError, match=caught_by_reference[change]):
             gen.build_all()
         return
     files, manifest = gen.build_all()

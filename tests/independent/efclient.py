@@ -3,7 +3,8 @@
     python -I -S efclient.py selfcheck
     python -I -S efclient.py vectors tests/vectors
     python -I -S efclient.py encode-updates jobs.json OUT_DIR     # envelope files from float32 inputs
-    python -I -S efclient.py decode-updates <public key hex> FILE...
+    python -I -S efclient.py decode-updates <public key hex> FILE... [--layout LAYOUT.json]
+    python -I -S efclient.py apply-deltas jobs.json                # model deltas (§10.5) applied to a base
     python -I -S efclient.py join --host 127.0.0.1 --port 1883 --fleet lab --device ind-a \\
         --seed <64 hex> --fleet-key <64 hex> [--codec int8] [--max-payload 256]
 
@@ -78,10 +79,35 @@ def vector_uniform(seed: int, i: int) -> float:
     return int.from_bytes(h[:3], "big") / float(1 << 24)
 
 
-def check_envelope(v: dict, data: bytes, keys: dict, c: Check) -> None:
+def vector_seed(seed: int, j: int) -> int:
+    """§8.7: the vectors' j-th randk seed."""
+    return int.from_bytes(hashlib.sha256(b"randk-seed" + seed.to_bytes(8, "little") + j.to_bytes(8, "little"))
+                          .digest()[:4], "little")
+
+
+def _packed(t: dict) -> dict:
+    return t.get("int8") or t.get("topk_int8") or t.get("topk_packed") or t.get("randk_packed") or {}
+
+
+def check_envelope(v: dict, data: bytes, keys: dict, c: Check) -> dict:
     e = v["envelope"]
-    env = w.parse_envelope(data)
-    compact = e["version"] == w.VERSION_COMPACT
+    layout = None
+    if e["version"] == w.VERSION_LAYOUT:  # §7.7: the receiver's model names the tensors
+        lay = e["layout"]
+        layout = [(name, shape) for name, shape in lay["tensors"]]
+        c.eq(f"{v['name']} layout hashed", w.layout_hashed(layout).hex(), lay["hashed"])
+        c.eq(f"{v['name']} layout digest", w.layout_digest(layout).hex(), lay["digest"])
+        try:
+            w.parse_envelope(data)
+            c.eq(f"{v['name']} refused without the model", "decoded", "refused")
+        except w.WireError:
+            c.eq(f"{v['name']} refused without the model", "refused", "refused")
+    env = w.parse_envelope(data, layout=layout)
+    if layout is not None:
+        c.eq(f"{v['name']} layout digest read", env["layout_digest"].hex(), e["layout"]["digest"])
+        c.eq(f"{v['name']} dtype code", env["dtype_code"], e["layout"]["dtype_code"])
+        c.eq(f"{v['name']} section lengths", env["section_lengths"], e["layout"]["section_lengths"])
+    compact = e["version"] in (w.VERSION_COMPACT, w.VERSION_LAYOUT)
     meta_field = "metadata_hex" if compact else "metadata_json"
     for field in ("version", "flags", "codec", "codec_id", "round_id", "seq", "device_id", meta_field,
                   "header_length", "crc_offset"):
@@ -102,14 +128,20 @@ def check_envelope(v: dict, data: bytes, keys: dict, c: Check) -> None:
         c.eq(f"{v['name']}/{want['name']} decoded values", w.f32_bytes(t["values"]),
              w.f32_bytes(_values_from(want["decoded"])))
         rebuilt.append((t["name"], t["dtype_code"], t["shape"], w.encode_section(env["codec"], t["fields"])))
-        extra = want.get("int8") or want.get("topk_int8") or want.get("topk_packed")
-        if compact:
+        extra = _packed(want) or None
+        options = e.get("options")
+        if env["codec"] == "topk-packed":
             _check_packed_fields(f"{v['name']}/{want['name']}", t["fields"], want["topk_packed"], c)
+        elif env["codec"] == "randk-packed":
+            r = want["randk_packed"]
+            _check_randk_fields(f"{v['name']}/{want['name']}", t["fields"], r, c)
+            c.eq(f"{v['name']}/{want['name']} seed follows §8.7", r["seed"],
+                 vector_seed(e["rng_seed"], len(from_inputs)))
+            options = {**(options or {}), "seed": r["seed"]}  # the sender's choice, as the uniforms are
         fields = w.encode_values(env["codec"], _values_from(want["input"]), uniforms=_uniforms(extra),
-                                 k=e.get("k"), options=e.get("options"))
+                                 k=e.get("k"), options=options)
         from_inputs.append((t["name"], t["dtype_code"], t["shape"], w.encode_section(env["codec"], fields)))
-    listed = b"".join(bytes.fromhex((t.get("int8") or t.get("topk_int8") or t.get("topk_packed") or {})
-                                    .get("uniform", "")) for t in e["tensors"])
+    listed = b"".join(bytes.fromhex(_packed(t).get("uniform", "")) for t in e["tensors"])
     if e["rng_seed"] is not None:  # §8.3: the vectors' uniforms come from a SHA-256 counter
         derived = [vector_uniform(e["rng_seed"], i) for i in range(len(listed) // 4)]
         c.eq(f"{v['name']} uniforms follow §8.3", w.f32_bytes(derived), listed)
@@ -117,7 +149,7 @@ def check_envelope(v: dict, data: bytes, keys: dict, c: Check) -> None:
         c.eq(f"{v['name']} metadata decoded", env["metadata"], e["metadata"])
         meta = w.pack_metadata(e["metadata"])
         c.eq(f"{v['name']} metadata re-encoded", meta.hex(), e["metadata_hex"])
-        build = w.build_compact_envelope
+        build = w.build_layout_envelope if layout is not None else w.build_compact_envelope
     else:
         meta = w.metadata_json(json.loads(e["metadata_json"])) if e["metadata_json"] else b""
         c.eq(f"{v['name']} metadata is canonical", meta.decode(), e["metadata_json"])
@@ -125,6 +157,41 @@ def check_envelope(v: dict, data: bytes, keys: dict, c: Check) -> None:
     for label, parts in (("re-encoded from its fields", rebuilt), ("encoded from the inputs", from_inputs)):
         out = build(env["codec"], env["round_id"], env["seq"], env["device_id"], meta, parts, secret)
         c.eq(f"{v['name']} {label}", out.hex(), data.hex())
+    return env
+
+
+def _check_randk_fields(what: str, got: dict, want: dict, c: Check) -> None:
+    """§8.7 field by field, and the first raw PCG64 outputs of the seed."""
+    for field in ("k", "bits", "density", "seed", "indices", "codes"):
+        c.eq(f"{what} {field}", got[field], want[field])
+    c.eq(f"{what} scale", w.f32_bytes([got["scale"]]).hex(), want["scale"])
+    gen = w.PCG64(want["seed"])
+    c.eq(f"{what} pcg64 raw outputs", [f"{gen.next():016x}" for _ in want["pcg64_raw"]], want["pcg64_raw"])
+
+
+def _weights(listed: list) -> list:
+    return [(t["name"], t["shape"], w.f32_list(bytes.fromhex(t["f32"]))) for t in listed]
+
+
+def check_delta(v: dict, data: bytes, keys: dict, c: Check) -> None:
+    """§10.5: the envelope as any vector, then the delta applied to the listed base."""
+    check_envelope(v, data, keys, c)
+    d = v["delta"]
+    base = _weights(d["base"])
+    c.eq(f"{v['name']} base digest", w.weights_digest(base), d["base_sha256"])
+    meta, result = w.apply_model_delta(data, keys["fleet"][1], base, d["base_version"], d["epoch"])
+    for k in w.DELTA_KEYS[1:]:
+        c.eq(f"{v['name']} metadata {k}", meta[k], d[k])
+    c.eq(f"{v['name']} result", [(n, s, w.f32_bytes(x).hex()) for n, s, x in result],
+         [(t["name"], t["shape"], t["f32"]) for t in d["result"]])
+    c.eq(f"{v['name']} result digest", w.weights_digest(result), d["model_sha256"])
+    for label, args in (("another epoch", (d["base_version"], d["epoch"] + 1)),
+                        ("another base", (d["base_version"] - 1, d["epoch"]))):
+        try:
+            w.apply_model_delta(data, keys["fleet"][1], base, *args)
+            c.eq(f"{v['name']} refused for {label}", "applied", "refused")
+        except w.WireError:
+            c.eq(f"{v['name']} refused for {label}", "refused", "refused")
 
 
 def _check_packed_fields(what: str, got: dict, want: dict, c: Check) -> None:
@@ -160,6 +227,8 @@ def _check_one(v: dict, data: bytes, files: dict[str, bytes], keys: dict, c: Che
     kind = v["kind"]
     if kind == "envelope":
         check_envelope(v, data, keys, c)
+    elif kind == "model_delta":
+        check_delta(v, data, keys, c)
     elif kind == "chunked_payload":
         env = w.parse_envelope(data)
         w.verify_envelope(env, keys["fleet"][1])
@@ -414,20 +483,28 @@ def encode_updates(spec_file: str, out_dir: str) -> dict:
     """Encode each job of a JSON file into ``out_dir/<name>.bin``; report what a receiver must decode.
 
     A job: name, codec, round_id, seq, device_id, metadata, options, rng_seed, seed (hex secret or null),
-    tensors: [{name, dtype_code, shape, f32 (hex)}]. Uniforms come from SplitMix64(rng_seed)."""
+    layout ("names" or "digest": envelope version 3), tensors: [{name, dtype_code, shape, f32 (hex)}].
+    Uniforms come from SplitMix64(rng_seed), randk seeds (§8.7) from SplitMix64(rng_seed + 1)."""
     with open(spec_file, encoding="utf-8") as fh:
         jobs = json.load(fh)
     report = {}
     for job in jobs:
         uniforms = iter(SplitMix64(job["rng_seed"]).uniform, None)
+        seeds = SplitMix64(job["rng_seed"] + 1)
         sections, decoded = [], {}
         for t in job["tensors"]:
             x = w.f32_list(bytes.fromhex(t["f32"]))
-            fields = w.encode_values(job["codec"], x, uniforms=uniforms, options=job.get("options"))
+            options = dict(job.get("options") or {})
+            if job["codec"] == "randk-packed":
+                options["seed"] = seeds.next() & 0xFFFFFFFF
+            fields = w.encode_values(job["codec"], x, uniforms=uniforms, options=options)
             sections.append((t["name"], t["dtype_code"], t["shape"], w.encode_section(job["codec"], fields)))
             decoded[t["name"]] = w.f32_bytes(w.section_values(job["codec"], fields, len(x))).hex()
         secret = bytes.fromhex(job["seed"]) if job.get("seed") else None
-        if job["codec"] in w.COMPACT_ONLY:
+        if job.get("layout") == "digest":
+            data = w.build_layout_envelope(job["codec"], job["round_id"], job["seq"], job["device_id"],
+                                           w.pack_metadata(job.get("metadata") or {}), sections, secret)
+        elif job["codec"] in w.COMPACT_ONLY:
             data = w.build_compact_envelope(job["codec"], job["round_id"], job["seq"], job["device_id"],
                                             w.pack_metadata(job.get("metadata") or {}), sections, secret)
         else:
@@ -439,15 +516,20 @@ def encode_updates(spec_file: str, out_dir: str) -> dict:
     return {"encoded": report}
 
 
-def decode_updates(public_key: str, paths: list[str]) -> dict:
-    """Parse, check and verify (with ``public_key``, hex) each envelope file; the values as f32 hex."""
+def decode_updates(public_key: str, paths: list[str], layout_file: str | None = None) -> dict:
+    """Parse, check and verify (with ``public_key``, hex) each envelope file; the values as f32 hex.
+    ``layout_file``: JSON [[name, shape], ...], the model that version-3 envelopes need (§7.7)."""
     pub = bytes.fromhex(public_key)
+    layout = None
+    if layout_file:
+        with open(layout_file, encoding="utf-8") as fh:
+            layout = [(name, shape) for name, shape in json.load(fh)]
     out, refused = {}, {}
     for path in paths:
         with open(path, "rb") as fh:
             data = fh.read()
         try:
-            env = w.parse_envelope(data)
+            env = w.parse_envelope(data, layout=layout)
             w.verify_envelope(env, pub)
         except (w.WireError, ValueError) as exc:
             refused[os.path.basename(path)] = f"{type(exc).__name__}: {exc}"
@@ -458,6 +540,26 @@ def decode_updates(public_key: str, paths: list[str]) -> dict:
             "tensors": {t["name"]: {"shape": t["shape"], "dtype": t["dtype"], "f32": w.f32_bytes(t["values"]).hex()}
                         for t in env["tensors"]}}
     return {"decoded": out, "refused": refused}
+
+
+def apply_deltas(spec_file: str) -> dict:
+    """§10.5 for each job of a JSON file: {name, file, fleet_key (hex), version, epoch, base: [{name, shape,
+    f32}]}; the new weights (f32 hex per tensor) and their digest, or why the delta was refused."""
+    with open(spec_file, encoding="utf-8") as fh:
+        jobs = json.load(fh)
+    applied, refused = {}, {}
+    for job in jobs:
+        with open(job["file"], "rb") as fh:
+            data = fh.read()
+        try:
+            meta, result = w.apply_model_delta(data, bytes.fromhex(job["fleet_key"]), _weights(job["base"]),
+                                               job["version"], job["epoch"])
+        except (w.WireError, ValueError) as exc:
+            refused[job["name"]] = f"{type(exc).__name__}: {exc}"
+            continue
+        applied[job["name"]] = {"version": meta["model_version"], "digest": w.weights_digest(result),
+                                "weights": {n: w.f32_bytes(x).hex() for n, _, x in result}}
+    return {"applied": applied, "refused": refused}
 
 
 # ------------------------------------------------------------------ CLI
@@ -486,6 +588,9 @@ def main(argv: list[str]) -> int:
     pd = sub.add_parser("decode-updates", help="decode and verify envelope files with a device's public key")
     pd.add_argument("public_key")
     pd.add_argument("files", nargs="+")
+    pd.add_argument("--layout", help="JSON file [[name, shape], ...]: the model version-3 envelopes need")
+    pa = sub.add_parser("apply-deltas", help="apply model delta files to listed base weights (§10.5)")
+    pa.add_argument("jobs")
     pj = sub.add_parser("join")
     pj.add_argument("--host", default="127.0.0.1")
     pj.add_argument("--port", type=int, default=1883)
@@ -511,7 +616,10 @@ def main(argv: list[str]) -> int:
         result = encode_updates(args.jobs, args.out_dir)
         ok = True
     elif args.cmd == "decode-updates":
-        result = decode_updates(args.public_key, args.files)
+        result = decode_updates(args.public_key, args.files, args.layout)
+        ok = not result["refused"]
+    elif args.cmd == "apply-deltas":
+        result = apply_deltas(args.jobs)
         ok = not result["refused"]
     else:
         result = join(args)

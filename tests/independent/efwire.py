@@ -21,9 +21,10 @@ import ed25519
 MAGIC = b"EFUP"
 VERSION = 1
 VERSION_COMPACT = 2  # §7.6
+VERSION_LAYOUT = 3  # §7.7
 FLAG_SIGNED = 0x01
-CODECS = {1: "dense", 2: "fp16", 3: "int8", 4: "topk", 5: "topk-int8", 6: "topk-packed"}
-COMPACT_ONLY = {"topk-packed"}  # §8.6: travels in the compact envelope only
+CODECS = {1: "dense", 2: "fp16", 3: "int8", 4: "topk", 5: "topk-int8", 6: "topk-packed", 7: "randk-packed"}
+COMPACT_ONLY = {"topk-packed", "randk-packed"}  # §8.6, §8.7: travel in versions 2 and 3 only
 CODEC_IDS = {v: k for k, v in CODECS.items()}
 DTYPES = {1: "float16", 2: "float32", 3: "float64"}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
@@ -32,6 +33,9 @@ MAX_METADATA = 65536
 MAX_DEVICE_ID = 256
 UPDATE_CONTEXT = "update/v1"
 UPDATE_COMPACT_CONTEXT = "update/v2"
+UPDATE_LAYOUT_CONTEXT = "update/v3"
+UPDATE_CONTEXTS = {VERSION: UPDATE_CONTEXT, VERSION_COMPACT: UPDATE_COMPACT_CONTEXT, VERSION_LAYOUT: UPDATE_LAYOUT_CONTEXT}
+LAYOUT_CONTEXT = b"edgeflow:layout/v1\0"
 
 # §5 chunks -----------------------------------------------------------------
 CHUNK_MAGIC = b"EFCK"
@@ -183,6 +187,8 @@ def decode_section(codec: str, section: bytes, size: int) -> dict:
         return out
     if codec == "topk-packed":
         return _decode_packed(section, size)
+    if codec == "randk-packed":
+        return _decode_randk(section, size)
     raise WireError(f"unknown codec {codec!r}")
 
 
@@ -225,6 +231,117 @@ def _decode_packed(section: bytes, size: int) -> dict:
     if bits > 1 and any(c > 2 * packed_qmax(bits) for c in codes):
         raise WireError("topk-packed code above 2 qmax")
     return {"k": k, "bits": bits, "scale": scale, "indices": indices, "codes": codes}
+
+
+def _codes(data: bytes, k: int, bits: int, what: str) -> list[int]:
+    """§8.6: k codes of ``bits`` bits, LSB first; exactly ceil(k b / 8) bytes, zero padding bits, c <= 2 qmax."""
+    need = (k * bits + 7) // 8
+    if len(data) != need:
+        raise WireError(f"{what} codes take {len(data)} bytes, expected {need}")
+    bitstring = int.from_bytes(data, "little")
+    mask = (1 << bits) - 1
+    codes = [(bitstring >> (i * bits)) & mask for i in range(k)]
+    if bitstring >> (k * bits):
+        raise WireError(f"{what} padding bits are not zero")
+    if bits > 1 and any(c > 2 * packed_qmax(bits) for c in codes):
+        raise WireError(f"{what} code above 2 qmax")
+    return codes
+
+
+def _pack_codes(codes: list[int], bits: int) -> bytes:
+    bitstring = 0
+    for i, c in enumerate(codes):
+        bitstring |= c << (i * bits)
+    return bitstring.to_bytes((len(codes) * bits + 7) // 8, "little")
+
+
+# §8.7: PCG64 from a u32 seed, step by step as the document states it
+_M32, _M64, _M128 = (1 << 32) - 1, (1 << 64) - 1, (1 << 128) - 1
+PCG64_MULTIPLIER = 0x2360ED051FC65DA44385DF649FCCF645
+
+
+def pcg64_state_words(seed: int) -> list[int]:
+    """§8.7 steps 1-2: the four u64 words q_0..q_3 a u32 seed expands to."""
+    if not 0 <= seed <= _M32:
+        raise WireError("a randk seed is a u32")
+    h = 0x43B0D7E5
+
+    def hashmix(v: int) -> int:
+        nonlocal h
+        v ^= h
+        h = (h * 0x931E8875) & _M32
+        v = (v * h) & _M32
+        return v ^ (v >> 16)
+
+    def mix(x: int, y: int) -> int:
+        t = (0xCA01F9DD * x - 0x4973F715 * y) & _M32
+        return t ^ (t >> 16)
+
+    pool = [hashmix(seed), hashmix(0), hashmix(0), hashmix(0)]
+    for i in range(4):
+        for j in range(4):
+            if i != j:
+                pool[j] = mix(pool[j], hashmix(pool[i]))
+    g, words = 0x8B51F9DD, []
+    for i in range(8):
+        v = pool[i % 4] ^ g
+        g = (g * 0x58F38DED) & _M32
+        v = (v * g) & _M32
+        words.append(v ^ (v >> 16))
+    return [words[2 * m] | words[2 * m + 1] << 32 for m in range(4)]
+
+
+class PCG64:
+    """§8.7 steps 3-4: PCG64 (128-bit LCG, XSL-RR output) seeded from a u32."""
+
+    def __init__(self, seed: int) -> None:
+        q = pcg64_state_words(seed)
+        self.inc = ((q[2] << 64 | q[3]) << 1 | 1) & _M128
+        self.state = 0
+        self._step()
+        self.state = (self.state + (q[0] << 64 | q[1])) & _M128
+        self._step()
+
+    def _step(self) -> None:
+        self.state = (self.state * PCG64_MULTIPLIER + self.inc) & _M128
+
+    def next(self) -> int:
+        self._step()
+        x = ((self.state >> 64) ^ self.state) & _M64
+        rot = self.state >> 122
+        return ((x >> rot) | (x << ((64 - rot) & 63))) & _M64
+
+
+def randk_indices(seed: int, n: int, density: int) -> list[int]:
+    """§8.7: entry i of n is kept when the i-th raw output >> 48 is below the density (0 on the wire: 65536)."""
+    d = density or 1 << 16
+    gen = PCG64(seed)
+    return [i for i in range(n) if gen.next() >> 48 < d]
+
+
+def randk_density(ratio: float) -> int:
+    """§8.7 (sender): ratio x 65536 rounded to nearest, ties to even (Python's round), in [1, 65536]."""
+    return max(1, min(1 << 16, round(ratio * (1 << 16))))
+
+
+def _decode_randk(section: bytes, size: int) -> dict:
+    if len(section) < 11:
+        raise WireError("randk-packed section shorter than its 11-byte header")
+    bits, density, seed, scale = struct.unpack_from("<BHIf", section, 0)
+    if not 1 <= bits <= 8:
+        raise WireError(f"randk-packed bits {bits} not in 1..8")
+    _check_scale(scale)
+    if packed_qmax(bits) * scale > 1e9 * (1 + 1e-6):
+        raise WireError("randk-packed scale beyond 10^9 / qmax")
+    indices = randk_indices(seed, size, density)
+    codes = _codes(section[11:], len(indices), bits, "randk-packed")
+    return {"k": len(indices), "bits": bits, "density": density, "seed": seed, "scale": scale, "indices": indices,
+            "codes": codes}
+
+
+def _encode_randk(fields: dict) -> bytes:
+    return struct.pack("<BHIf", fields["bits"], fields["density"], fields["seed"], fields["scale"]) + \
+        _pack_codes(fields["codes"], fields["bits"])
 
 
 def _encode_packed(fields: dict) -> bytes:
@@ -295,6 +412,8 @@ def encode_section(codec: str, fields: dict) -> bytes:
         return out + struct.pack(f"<{k}b", *fields["q"])
     if codec == "topk-packed":
         return _encode_packed(fields)
+    if codec == "randk-packed":
+        return _encode_randk(fields)
     raise WireError(f"unknown codec {codec!r}")
 
 
@@ -309,7 +428,7 @@ def section_values(codec: str, fields: dict, size: int) -> list[float]:
     if codec == "int8":
         return dequantize(fields["scale"], fields["q"])
     out = [0.0] * size
-    if codec == "topk-packed":
+    if codec in ("topk-packed", "randk-packed"):
         scale, bits = fields["scale"], fields["bits"]
         if bits == 1:
             vals = [scale if c else -scale for c in fields["codes"]]
@@ -349,6 +468,14 @@ def topk_select(x: list[float], k: int) -> list[int]:
 def encode_values(codec: str, x: list[float], *, uniforms=None, k: int | None = None,
                   options: dict | None = None) -> dict:
     """Section fields for float32 values ``x`` (already rounded to binary32); ``options`` for topk-packed."""
+    if codec == "randk-packed":  # options: seed (the sender's u32), ratio (default 0.1), bits (default 1)
+        opts = dict(options or {})
+        bits = int(opts.get("bits", 1))
+        density = randk_density(float(opts.get("ratio", 0.1)))
+        idx = randk_indices(int(opts["seed"]), len(x), density)
+        scale, codes = quantize_packed([x[i] for i in idx], bits, uniforms)
+        return {"k": len(idx), "bits": bits, "density": density & 0xFFFF, "seed": int(opts["seed"]), "scale": scale,
+                "indices": idx, "codes": codes}
     if codec == "topk-packed":
         opts = dict(options or {})
         if k is not None:
@@ -382,11 +509,14 @@ def encode_values(codec: str, x: list[float], *, uniforms=None, k: int | None = 
 # ------------------------------------------------------------------ §7 envelope
 
 
-def parse_envelope(data: bytes, *, max_elements: int = 1 << 28) -> dict:
-    """Header, tensor sections and signature block of an envelope; checks structure and CRC."""
+def parse_envelope(data: bytes, *, max_elements: int = 1 << 28, layout: list | None = None) -> dict:
+    """Header, tensor sections and signature block of an envelope; checks structure and CRC. ``layout``: the
+    receiver's model as (name, shape) pairs, which a version-3 envelope needs (§7.7)."""
     n = len(data)
     if n >= 7 and data[:4] == MAGIC and data[4] == VERSION_COMPACT:
         return parse_compact_envelope(data, max_elements=max_elements)
+    if n >= 7 and data[:4] == MAGIC and data[4] == VERSION_LAYOUT:
+        return parse_layout_envelope(data, layout, max_elements=max_elements)
     if n < 12:
         raise WireError("shorter than the 12-byte prefix")
     magic, version, flags, codec_id, reserved, header_len = struct.unpack_from("<4sBBBBI", data, 0)
@@ -479,7 +609,7 @@ def _finish(data: bytes, out: dict, body: int) -> dict:
         raise WireError("CRC-32 mismatch")
     out.update({"crc_offset": body, "crc32": crc, "key_id": None, "signature": None, "signing_message": None})
     if signed:
-        context = UPDATE_COMPACT_CONTEXT if out["version"] == VERSION_COMPACT else UPDATE_CONTEXT
+        context = UPDATE_CONTEXTS[out["version"]]
         out["key_id"] = data[body + 4:body + 12]
         out["signature"] = data[body + 12:body + 76]
         out["signing_message"] = signing_message(context, hashlib.sha256(data[:body + 4]).digest())
@@ -577,6 +707,175 @@ def build_compact_envelope(codec: str, round_id: int, seq: int, device_id: str, 
         msg = signing_message(UPDATE_COMPACT_CONTEXT, hashlib.sha256(bytes(out)).digest())
         out += key_id(ed25519.public_key(secret)) + ed25519.sign(secret, msg)
     return bytes(out)
+
+
+def layout_hashed(layout: list) -> bytes:
+    """§7.7: what the layout digest hashes after its context: per tensor in UTF-8 name order, varint name
+    length, name, varint ndim, the dims as varints."""
+    out = b""
+    for name, shape in sorted(layout, key=lambda t: t[0].encode("utf-8")):
+        nb = name.encode("utf-8")
+        out += varint(len(nb)) + nb + varint(len(shape)) + b"".join(varint(d) for d in shape)
+    return out
+
+
+def layout_digest(layout: list) -> bytes:
+    return hashlib.sha256(LAYOUT_CONTEXT + layout_hashed(layout)).digest()[:8]
+
+
+def parse_layout_envelope(data: bytes, layout: list | None, *, max_elements: int = 1 << 28) -> dict:
+    """§7.7: the version-3 envelope; the tensors' names and shapes come from ``layout`` (the receiver's model)."""
+    n = len(data)
+    magic, version, flags, codec_id = struct.unpack_from("<4sBBB", data, 0)
+    if magic != MAGIC or version != VERSION_LAYOUT:
+        raise WireError("not a version-3 envelope")
+    if flags & ~FLAG_SIGNED:
+        raise WireError("unknown flags")
+    if codec_id not in CODECS:
+        raise WireError(f"unknown codec id {codec_id}")
+    header_len, pos = read_varint(data, 7, n)
+    header_end = pos + header_len
+    if header_end > n:
+        raise WireError("header longer than the envelope")
+    round_id, pos = read_varint(data, pos, header_end)
+    seq, pos = read_varint(data, pos, header_end)
+    dev_len, pos = read_varint(data, pos, header_end)
+    if dev_len > MAX_DEVICE_ID or pos + dev_len > header_end:
+        raise WireError("device id too long")
+    device_id = data[pos:pos + dev_len].decode("utf-8")
+    pos += dev_len
+    meta_len, pos = read_varint(data, pos, header_end)
+    if meta_len > MAX_METADATA or pos + meta_len > header_end:
+        raise WireError("metadata too long")
+    meta_raw = data[pos:pos + meta_len]
+    pos += meta_len
+    metadata = unpack_metadata(meta_raw)
+    if pos + 9 > header_end:
+        raise WireError("header ends inside the layout digest")
+    digest, dtype_code = data[pos:pos + 8], data[pos + 8]
+    pos += 9
+    if dtype_code not in DTYPES:
+        raise WireError(f"unknown dtype code {dtype_code}")
+    count, pos = read_varint(data, pos, header_end)
+    if count > 0xFFFF:
+        raise WireError("more than 65535 tensors")
+    lengths = []
+    for _ in range(count):
+        length, pos = read_varint(data, pos, header_end)
+        lengths.append(length)
+    if pos != header_end:
+        raise WireError("header length disagrees with its contents")
+    body = header_end + sum(lengths)
+    if body + 4 > n:
+        raise WireError("section beyond the end")
+    if layout is None:
+        raise WireError("a layout-digest envelope (version 3) needs the receiver's model to decode")
+    ordered = sorted(((name, list(shape)) for name, shape in layout), key=lambda t: t[0].encode("utf-8"))
+    if layout_digest(ordered) != digest or len(ordered) != count:
+        raise WireError(f"encoded for another model layout (digest {digest.hex()}, {count} tensors)")
+    tensors, at, elements = [], header_end, 0
+    for (name, shape), length in zip(ordered, lengths):
+        size = 1
+        for d in shape:
+            size *= d
+        elements += size
+        if elements > max_elements:
+            raise WireError("too many elements")
+        tensors.append({"name": name, "dtype_code": dtype_code, "dtype": DTYPES[dtype_code], "shape": shape,
+                        "size": size, "offset": at, "length": length, "section": data[at:at + length]})
+        at += length
+    out = {"version": version, "flags": flags, "codec_id": codec_id, "codec": CODECS[codec_id],
+           "round_id": round_id, "seq": seq, "device_id": device_id, "metadata": metadata,
+           "metadata_hex": meta_raw.hex(), "tensors": tensors, "header_length": header_len,
+           "layout_digest": digest, "dtype_code": dtype_code, "section_lengths": lengths}
+    return _finish(data, out, body)
+
+
+def build_layout_envelope(codec: str, round_id: int, seq: int, device_id: str, metadata_bin: bytes,
+                          tensors: list[tuple[str, int, list[int], bytes]], secret: bytes | None = None) -> bytes:
+    """§7.7: ``tensors`` as for :func:`build_compact_envelope`, one dtype code for all; sections in name order."""
+    ordered = sorted(tensors, key=lambda t: t[0].encode("utf-8"))
+    codes = {t[1] for t in ordered}
+    if len(codes) > 1:
+        raise WireError("a layout-digest envelope declares one dtype for every tensor")
+    dev = device_id.encode("utf-8")
+    header = b"".join([varint(round_id), varint(seq), varint(len(dev)), dev, varint(len(metadata_bin)),
+                       metadata_bin, layout_digest([(t[0], t[2]) for t in ordered]),
+                       bytes([codes.pop() if codes else 2]), varint(len(ordered))]
+                      + [varint(len(t[3])) for t in ordered])
+    out = bytearray(struct.pack("<4sBBB", MAGIC, VERSION_LAYOUT, FLAG_SIGNED if secret else 0, CODEC_IDS[codec]))
+    out += varint(len(header)) + header
+    for *_, section in ordered:
+        out += section
+    out += struct.pack("<I", zlib.crc32(bytes(out)))
+    if secret is not None:
+        msg = signing_message(UPDATE_LAYOUT_CONTEXT, hashlib.sha256(bytes(out)).digest())
+        out += key_id(ed25519.public_key(secret)) + ed25519.sign(secret, msg)
+    return bytes(out)
+
+
+# §10.5 model delta ------------------------------------------------------------
+DELTA_KEYS = ("kind", "model_version", "epoch", "base_version", "base_sha256", "model_sha256")
+
+
+def weights_digest(weights: list) -> str:
+    """§10.5: ``weights`` as (name, shape, float32 values); hex SHA-256."""
+    h = hashlib.sha256(b"edgeflow-weights-v1\0")
+    for name, shape, values in sorted(weights, key=lambda t: t[0].encode("utf-8")):
+        shape = list(shape) or [1]  # a 0-d weight counts as rank 1, dimension 1
+        nb = name.encode("utf-8")
+        h.update(struct.pack("<H", len(nb)) + nb + struct.pack("<B", len(shape))
+                 + b"".join(struct.pack("<I", d) for d in shape) + f32_bytes(values))
+    return h.hexdigest()
+
+
+def apply_model_delta(data: bytes, fleet_public: bytes, base: list, version: int, epoch: int) -> tuple[dict, list]:
+    """§10.5: verify a delta against the held ``base`` ((name, shape, values) of ``version``, gateway ``epoch``)
+    and return (its metadata, the new weights as (name, shape, values)); WireError names the rule broken."""
+    limit = sum(4 * _count(shape) + len(name.encode("utf-8")) + 64 for name, shape, _ in base) + 65536
+    if len(data) > limit:
+        raise WireError("oversized: the delta is larger than the dense model")
+    layout = [(name, shape) for name, shape, _ in base]
+    env = parse_envelope(data, layout=layout)
+    verify_envelope(env, fleet_public)
+    if env["device_id"] != "gateway":
+        raise WireError("wrong_key: the delta is not the gateway's")
+    if sorted((t["name"], t["shape"]) for t in env["tensors"]) != sorted((n, list(s)) for n, s in layout):
+        raise WireError("shape_mismatch: the delta's tensors are not the held weights'")
+    meta = env["metadata"]
+    if any(k not in meta for k in DELTA_KEYS):
+        raise WireError(f"malformed: the delta's metadata lacks {[k for k in DELTA_KEYS if k not in meta]}")
+    for k in ("base_sha256", "model_sha256"):  # binary metadata (§7.6) carries lowercase hex as bytes
+        if isinstance(meta[k], (bytes, bytearray)):
+            meta[k] = bytes(meta[k]).hex()
+    if meta["kind"] != "model_delta":
+        raise WireError("not_delta")
+    if meta["epoch"] != epoch:
+        raise WireError("epoch: another gateway epoch")
+    if meta["model_version"] <= version:
+        raise WireError("held" if meta["model_version"] == version else "replay")
+    if meta["base_version"] != version:
+        raise WireError("wrong_base")
+    if weights_digest(base) != meta["base_sha256"]:
+        raise WireError("base_digest: the held weights are not the delta's base")
+    delta = {t["name"]: t["values"] for t in env["tensors"]}
+    result = []
+    for name, shape, values in base:
+        new = [f32(a + b) for a, b in zip(values, delta[name])]  # one binary32 addition per value (§3)
+        _check_finite(new, f"weight {name!r} once applied")
+        if any(abs(v) > 1e9 for v in new):
+            raise WireError(f"out_of_range: weight {name!r} once applied")
+        result.append((name, list(shape), new))
+    if weights_digest(result) != meta["model_sha256"]:
+        raise WireError("digest_mismatch: the result is not the announced model")
+    return meta, result
+
+
+def _count(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 # §7.6 binary metadata: the table of known keys (append only)

@@ -51,7 +51,7 @@ from edgeflow.transport.topics import chunk_topic, device_topic, gateway_topic
 HERE = Path(__file__).resolve().parent
 MANIFEST = "manifest.json"
 
-SPEC_REVISION = 3
+SPEC_REVISION = 4
 """The revision of docs/wire-format.md these vectors belong to. Bump it (and say
 what changed in the document's change log) when a format that has no version
 field of its own changes, e.g. the JSON of a death message."""
@@ -92,6 +92,8 @@ def current_versions() -> dict[str, Any]:
         "update_context": envelope_mod.SIGN_CONTEXT,
         "envelope_compact": envelope_mod.VERSION_COMPACT,
         "update_compact_context": envelope_mod.SIGN_CONTEXTS[envelope_mod.VERSION_COMPACT],
+        "envelope_layout": envelope_mod.VERSION_LAYOUT,
+        "update_layout_context": envelope_mod.SIGN_CONTEXTS[envelope_mod.VERSION_LAYOUT],
         "chunk": chunking.VERSION,
         "signed_json": probe["v"],
         "round_context": round_messages.ROUND_CONTEXT,
@@ -156,6 +158,11 @@ def vector_uniform(seed: int, i: int) -> float:
     return int.from_bytes(h[:3], "big") / float(1 << 24)
 
 
+def vector_seed(seed: int, j: int) -> int:
+    """The j-th randk-packed seed of a vector: SHA-256("randk-seed" | seed u64 LE | j u64 LE), first 4 bytes as u32 LE."""
+    return int.from_bytes(hashlib.sha256(b"randk-seed" + struct.pack("<QQ", seed, j)).digest()[:4], "little")
+
+
 class VectorUniforms(np.random.Generator):
     """A Generator whose ``random`` returns :func:`vector_uniform` draws in order.
 
@@ -173,6 +180,13 @@ class VectorUniforms(np.random.Generator):
         draws = [vector_uniform(self.seed, self.count + i) for i in range(n)]
         self.count += n
         return np.array(draws, dtype=dtype).reshape(() if size is None else size)
+
+    def integers(self, low, high=None, size=None, dtype=np.int64, endpoint=False):  # noqa: D102
+        # randk-packed draws one u32 seed per tensor with integers(0, 2**32): the j-th is vector_seed(seed, j)
+        if high is None or size is not None or endpoint or (int(low), int(high)) != (0, 1 << 32):
+            raise NotImplementedError("the vectors' generator draws only integers(0, 2**32) (randk seeds)")
+        self.seeds = getattr(self, "seeds", 0) + 1
+        return vector_seed(self.seed, self.seeds - 1)
 
 
 def _uniforms(seed: int, sizes: list[int]) -> list[np.ndarray]:
@@ -386,9 +400,31 @@ def _packed_count(n: int, options: dict[str, Any]) -> int:
     return max(k, min(n, options.get("min_k", 1)))
 
 
+def _randk_density(ratio: float) -> int:
+    """§8.7: the density a sender writes for a ``ratio``: ratio x 65536 rounded to nearest (ties to even), in [1, 65536]."""
+    return max(1, min(1 << 16, round(ratio * (1 << 16))))
+
+
+def _randk_reference(seed: int, n: int, density: int) -> tuple[np.ndarray, list[int]]:
+    """§8.7's index sample written out: entry i is kept when the i-th raw PCG64 output >> 48 is below the density.
+    Returns the indices and the first raw outputs (for implementers checking their PCG64)."""
+    raw = np.random.PCG64(seed).random_raw(n) if n else np.zeros(0, np.uint64)
+    return np.flatnonzero((raw >> np.uint64(48)) < np.uint64(density)), [int(r) for r in raw[:4]]
+
+
+def _layout_reference(shapes: list[tuple[str, tuple[int, ...]]]) -> tuple[bytes, bytes]:
+    """§7.7's layout digest written out: (the bytes hashed after the context, the 8-byte digest)."""
+    body = b"".join(_leb128(len(nm.encode())) + nm.encode() + _leb128(len(sh)) + b"".join(_leb128(d) for d in sh)
+                    for nm, sh in sorted(shapes, key=lambda t: t[0].encode()))
+    return body, hashlib.sha256(b"edgeflow:layout/v1\0" + body).digest()[:8]
+
+
 def _describe_compact(data: bytes, tensors: dict[str, np.ndarray], metadata: dict[str, Any], *,
-                      seed: int | None, options: dict[str, Any], signed_by: str | None) -> dict[str, Any]:
-    head = peek_update(data)
+                      seed: int | None, options: dict[str, Any], signed_by: str | None,
+                      codec: str = "topk-packed") -> dict[str, Any]:
+    shapes = [(name, tuple(int(d) for d in np.shape(a))) for name, a in tensors.items()]
+    version = peek_update(data).version
+    head = envelope_mod.parse_envelope(data, max_elements=1 << 28, layout=shapes if version == 3 else None)
     mv = memoryview(data)
     header_len, pos = _read_varint(data, 7)
     for _ in range(2):  # round id, seq
@@ -398,9 +434,9 @@ def _describe_compact(data: bytes, tensors: dict[str, np.ndarray], metadata: dic
     meta_raw = data[pos:pos + meta_len]
     if meta_raw != pack_metadata(metadata):
         raise AssertionError("the compact envelope's metadata is not pack_metadata of the input")
-    bits = options.get("bits", 4)
+    bits = options.get("bits", 4 if codec == "topk-packed" else 1)
     out: dict[str, Any] = {
-        "version": head.version, "flags": head.flags, "codec": "topk-packed", "codec_id": head.codec_id,
+        "version": head.version, "flags": head.flags, "codec": codec, "codec_id": head.codec_id,
         "round_id": head.round_id, "seq": head.seq, "device_id": head.device_id,
         "metadata": metadata, "metadata_hex": meta_raw.hex(),
         "header_length": header_len, "crc_offset": head.crc_at,
@@ -411,41 +447,67 @@ def _describe_compact(data: bytes, tensors: dict[str, np.ndarray], metadata: dic
         "signing_message": (envelope_mod.signed_message(mv, head).hex() if head.signed else None),
         "rng_seed": seed, "options": options, "tensors": [],
     }
-    decoded = decode_update(data).tensors
+    if version == 3:
+        if list(tensors) != sorted(tensors, key=str.encode):
+            raise AssertionError("list a layout-digest vector's inputs in name order: the draws follow the input order")
+        body, digest = _layout_reference(shapes)
+        if digest != head.layout:
+            raise AssertionError("the layout digest reference disagrees with the codec")
+        dtype_at = pos + meta_len + 8
+        out["layout"] = {"tensors": [[nm, list(sh)] for nm, sh in sorted(shapes, key=lambda t: t[0].encode())],
+                         "hashed": body.hex(), "digest": digest.hex(), "dtype_code": data[dtype_at],
+                         "section_lengths": list(head.section_lengths)}
+    decoded = decode_update(data, expected_shapes=dict(shapes) if version == 3 else None).tensors
     rng = VectorUniforms(seed or 0)
-    for spec in head.tensors:
+    for j, spec in enumerate(head.tensors):
         x = np.ascontiguousarray(tensors[spec.name], dtype=np.float32).reshape(-1)
-        sel = _topk_indices(x, _packed_count(x.size, options))
+        if codec == "topk-packed":
+            sel = _topk_indices(x, _packed_count(x.size, options))
+        else:
+            tensor_seed = vector_seed(seed or 0, j)
+            density = _randk_density(options.get("ratio", 0.1))
+            sel, first_raw = _randk_reference(tensor_seed, x.size, density)
         vals = x[sel]
         draws = bits > 1 and vals.size and np.abs(vals).max() > 0
         u = rng.random(vals.size, dtype=np.float32) if draws else np.zeros(0, np.float32)
         scale, codes = _packed_reference(vals, bits, u)
-        gaps = np.diff(sel, prepend=-1).tolist()
-        expect = _leb128(sel.size) + struct.pack("<Bf", bits, scale) + b"".join(_leb128(g) for g in gaps)
-        expect += _pack_lsb_first(codes, bits)
         section = bytes(mv[spec.offset:spec.offset + spec.length])
+        t = {"name": spec.name, "dtype": np.dtype(spec.dtype).name,
+             "dtype_code": envelope_mod.dtype_code(spec.dtype), "shape": list(spec.shape),
+             "offset": spec.offset, "length": spec.length,
+             "input": _values(x),
+             "decoded": _values(np.asarray(decoded[spec.name], dtype=np.float32))}
+        if codec == "topk-packed":
+            gaps = np.diff(sel, prepend=-1).tolist()
+            expect = _leb128(sel.size) + struct.pack("<Bf", bits, scale) + b"".join(_leb128(g) for g in gaps)
+            t["topk_packed"] = {"k": int(sel.size), "bits": bits, "scale": f32_hex(scale), "indices": sel.tolist(),
+                                "gaps": gaps, "codes": codes, "uniform": f32_hex(u)}
+        else:
+            expect = struct.pack("<BHIf", bits, density & 0xFFFF, tensor_seed, scale)
+            t["randk_packed"] = {"k": int(sel.size), "bits": bits, "density": density & 0xFFFF, "seed": tensor_seed,
+                                 "pcg64_raw": [f"{r:016x}" for r in first_raw], "scale": f32_hex(scale),
+                                 "indices": sel.tolist(), "codes": codes, "uniform": f32_hex(u)}
+        expect += _pack_lsb_first(codes, bits)
         if expect != section:
-            raise AssertionError(f"topk-packed reference layout disagrees with the codec on {spec.name}")
-        out["tensors"].append({
-            "name": spec.name, "dtype": np.dtype(spec.dtype).name,
-            "dtype_code": envelope_mod.dtype_code(spec.dtype), "shape": list(spec.shape),
-            "offset": spec.offset, "length": spec.length,
-            "input": _values(x),
-            "decoded": _values(np.asarray(decoded[spec.name], dtype=np.float32)),
-            "topk_packed": {"k": int(sel.size), "bits": bits, "scale": f32_hex(scale), "indices": sel.tolist(),
-                            "gaps": gaps, "codes": codes, "uniform": f32_hex(u)},
-        })
+            raise AssertionError(f"{codec} reference layout disagrees with the codec on {spec.name}")
+        out["tensors"].append(t)
     return out
 
 
 def _compact(b: Builder, name: str, description: str, tensors: dict[str, np.ndarray], *, round_id: int,
              seq: int, metadata: dict[str, Any], options: dict[str, Any], seed: int | None = None,
-             signer: Signer | None = None, signed_by: str | None = None) -> bytes:
-    data = encode_update(tensors, "topk-packed", round_id=round_id, device_id=DEVICE, seq=seq, signer=signer,
-                         metadata=metadata, rng=VectorUniforms(seed or 0), **options)
-    deps = ["envelope_compact"] + (["update_compact_context"] if signer is not None else [])
+             signer: Signer | None = None, signed_by: str | None = None, codec: str = "topk-packed",
+             layout: bool = False) -> bytes:
+    data = encode_update(tensors, codec, round_id=round_id, device_id=DEVICE, seq=seq, signer=signer,
+                         metadata=metadata, rng=VectorUniforms(seed or 0), **options,
+                         **({"layout": "digest"} if layout else {}))
+    if layout:
+        deps = ["envelope_layout"] + (["update_layout_context"] if signer is not None else [])
+    else:
+        deps = ["envelope_compact"] + (["update_compact_context"] if signer is not None else [])
     b.add(name, data, "envelope", deps, description,
-          envelope=_describe_compact(data, tensors, metadata, seed=seed, options=options, signed_by=signed_by))
+          envelope=_describe_compact(data, tensors, metadata, seed=seed, options=options, signed_by=signed_by,
+                                     codec=codec))
     return data
 
 
@@ -486,6 +548,72 @@ def build_compact(b: Builder) -> None:
     _compact(b, "envelope-topk-packed-signed", "topk-packed signed by the device test key (context update/v2), "
              "binary metadata with every tag (0-11), known and literal keys", base, round_id=7, seq=1106,
              metadata=tags, options={"k": 2, "bits": 4}, seed=27, signer=device_signer(), signed_by="device")
+
+
+def build_randk_and_layout(b: Builder) -> None:
+    """Codec 7 (randk-packed, §8.7) and the layout-digest envelope (version 3, §7.7)."""
+    meta = {"base_version": 3, "loss": 0.25, "num_samples": 32}
+    base = _base_tensors()
+    w = np.array([(-1) ** i * (0.05 + 0.01 * i) for i in range(40)], np.float32).reshape(5, 8)
+    _compact(b, "envelope-randk-packed", "randk-packed (codec 7) in the compact envelope: ratio 0.25 (density "
+             "16384), 3-bit codes; the indices come from PCG64 seeded with each section's seed (the first raw "
+             "outputs are listed), the uniforms from the SHA-256 counter", {**base, "w": w}, round_id=7, seq=1201,
+             metadata=meta, options={"ratio": 0.25, "bits": 3}, seed=31, codec="randk-packed")
+    _compact(b, "envelope-randk-packed-1bit", "randk-packed at 1 bit (signs, scale = mean |x|, no draws) with "
+             "ratio 1: density 65536 is written as 0 and every entry is kept; an empty tensor (k 0)",
+             {"fc.bias": base["fc.bias"], "none": np.zeros((0, 2), np.float32), "w": np.array([0.5, -0.25, 1.0,
+                                                                                               -0.25], np.float32)},
+             round_id=7, seq=1202, metadata=meta, options={"ratio": 1.0, "bits": 1}, seed=32, codec="randk-packed")
+    sorted_base = {k: base[k] for k in sorted(base)}
+    _compact(b, "envelope-layout-digest", "the layout-digest envelope (version 3): topk-packed k=2 at 4 bits, no "
+             "names or shapes on the wire, sections in name order; signed by the device test key (context "
+             "update/v3)", sorted_base, round_id=7, seq=1301, metadata=meta, options={"k": 2, "bits": 4}, seed=41,
+             signer=device_signer(), signed_by="device", layout=True)
+    _compact(b, "envelope-layout-digest-randk", "version 3 with randk-packed (ratio 0.5, 2 bits): neither names, "
+             "shapes nor indices travel", {**sorted_base, "w": w}, round_id=8, seq=1302, metadata={"num_samples": 9},
+             options={"ratio": 0.5, "bits": 2}, seed=42, codec="randk-packed", layout=True)
+
+
+def _weights_digest_reference(weights: dict[str, np.ndarray]) -> str:
+    """§10.5's weights digest written out from the text."""
+    h = hashlib.sha256(b"edgeflow-weights-v1\0")
+    for name in sorted(weights, key=str.encode):
+        a = np.asarray(weights[name], dtype="<f4")
+        shape = a.shape or (1,)  # a 0-d weight counts as rank 1, dimension 1
+        raw = name.encode("utf-8")
+        h.update(struct.pack("<H", len(raw)) + raw + struct.pack("<B", len(shape))
+                 + b"".join(struct.pack("<I", d) for d in shape) + a.tobytes())
+    return h.hexdigest()
+
+
+def _weights(weights: dict[str, np.ndarray]) -> list[dict[str, Any]]:
+    return [{"name": k, "shape": list(np.shape(v)), "f32": f32_hex(v)} for k, v in weights.items()]
+
+
+def build_delta(b: Builder) -> None:
+    """The model delta (§10.5): version 4 -> 5 as fp16 (deterministic: no draws), signed by the fleet key."""
+    from edgeflow.codecs.model_delta import encode_model_delta, weights_digest
+
+    base = {**_base_tensors(), "gain": np.array(1.5, np.float32)}  # a 0-d weight: hashed as rank 1, dim 1
+    new = {"fc.weight": base["fc.weight"] + np.array([[0.01, -0.02, 0.003], [0.1, -1e-4, 0.5]], np.float32),
+           "fc.bias": base["fc.bias"] + np.array([-0.03125, 0.2, 1e-3], np.float32),
+           "gain": base["gain"] + np.float32(0.1)}
+    payload, result, digest = encode_model_delta(base, new, codec="fp16", base_version=4, version=5, epoch=2,
+                                                 signer=Signer("gateway", fleet_key()), seed=0)
+    diff = {k: np.subtract(new[k], base[k], dtype=np.float32) for k in base}
+    want = {k: np.add(base[k], np.asarray(decode_update(payload).tensors[k], np.float32), dtype=np.float32)
+            for k in base}
+    if any(not np.array_equal(want[k].view(np.uint32), result[k].view(np.uint32)) for k in base):
+        raise AssertionError("the delta's result is not base + decode(delta) in binary32")
+    if _weights_digest_reference(result) != digest or _weights_digest_reference(base) != weights_digest(base):
+        raise AssertionError("the weights digest reference disagrees with edgeflow")
+    b.add("model-delta", payload, "model_delta", ["envelope", "update_context"],
+          "a model delta on gateway/model_delta: v4 -> v5, fp16, device id 'gateway', round id = seq = 5, signed "
+          "by the fleet key; the device adds the decoded delta to v4 in binary32 and checks both digests",
+          envelope=_describe_envelope(payload, diff, "fp16", seed=None, k=None, signed_by="fleet"),
+          delta={"base_version": 4, "model_version": 5, "epoch": 2, "base": _weights(base), "new": _weights(new),
+                 "result": _weights(result), "base_sha256": weights_digest(base), "model_sha256": digest},
+          topic=gateway_topic(FLEET, "model_delta").value)
 
 
 # ---------------------------------------------------------------- chunking
@@ -609,7 +737,8 @@ def build_ota(b: Builder) -> None:
           artifact_file="ota-artifact.bin")
 
 
-BUILDERS: tuple[Callable[[Builder], None], ...] = (build_envelopes, build_compact, build_chunked, build_control, build_secagg, build_ota)
+BUILDERS: tuple[Callable[[Builder], None], ...] = (build_envelopes, build_compact, build_randk_and_layout,
+                                                   build_delta, build_chunked, build_control, build_secagg, build_ota)
 
 
 def build_all() -> tuple[dict[str, bytes], dict[str, Any]]:
