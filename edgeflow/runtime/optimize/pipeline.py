@@ -13,7 +13,7 @@ Two stages:
    ``for_training=True`` (trainable weights and Dropout stay).
 2. :func:`optimize_compiled` — numpy-backend passes on the graph bound to
    kernels (QDQ patterns to integer kernels, pre-transposed Gemm weights,
-   activation fusion); :func:`edgeflow.runtime.graph.compile_graph` runs both.
+   prepacked LSTM weights, activation fusion); :func:`edgeflow.runtime.graph.compile_graph` runs both.
 
 :func:`optimize` returns the model with an :class:`OptimizeReport` (op
 counts before and after, what each pass removed) — ``edgeflow inspect
@@ -43,6 +43,7 @@ from .passes import (
     inline_constant_if,
     optimize_subgraphs,
     prepack_gemm,
+    prepack_lstm,
     remove_dead_nodes,
     remove_identity,
 )
@@ -66,6 +67,7 @@ MODEL_PASSES: tuple[tuple[str, ModelPass], ...] = (
 NUMPY_PASSES = (
     ("fuse_qdq", fuse_qdq),
     ("prepack_gemm", prepack_gemm),
+    ("prepack_lstm", prepack_lstm),
     ("fuse_layernorm", fuse_layernorm),
     ("fuse_activation", fuse_activation),
 )

@@ -7,7 +7,8 @@ result is a valid ONNX model any backend runs): :mod:`.constants`,
 
 numpy-backend passes (``CompiledGraph -> CompiledGraph``, on the node list
 bound to kernels; the result runs only on the numpy executor):
-:mod:`.fuse_qdq`, :mod:`.prepack_gemm`, :mod:`.fuse_layernorm`, :mod:`.fuse_activation`.
+:mod:`.fuse_qdq`, :mod:`.prepack_gemm`, :mod:`.prepack_lstm`, :mod:`.fuse_layernorm`,
+:mod:`.fuse_activation`.
 """
 
 from .constants import constants_to_initializers
@@ -20,6 +21,7 @@ from .fuse_layernorm import fuse_layernorm
 from .fuse_qdq import fuse_qdq
 from .identity import remove_identity
 from .prepack_gemm import prepack_gemm
+from .prepack_lstm import prepack_lstm
 from .subgraphs import inline_constant_if, optimize_subgraphs
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "inline_constant_if",
     "optimize_subgraphs",
     "prepack_gemm",
+    "prepack_lstm",
     "remove_dead_nodes",
     "remove_identity",
 ]
