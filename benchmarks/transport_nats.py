@@ -340,8 +340,8 @@ def summarize(rows: list[dict[str, Any]], control: dict[str, Any] | None) -> dic
         rounds = [x for r in mine for x in r["round_s"]]
         s["every_device_every_round"] = bool(mine) and s["failed_fleets"] == 0 and all(
             p == r["devices"] for r in mine for p in r["participants"])
-        s["models_received"] = sum(r.get("models_received", 0) for r in mine)
-        s["models_expected"] = sum(r["devices"] * (len(r["round_s"]) + 1) for r in mine)  # the first one too
+        s["updates_sent"] = sum(r.get("updates_sent", 0) for r in mine)
+        s["updates_expected"] = sum(r["devices"] * len(r["round_s"]) for r in mine)
         s["subscribe_timeouts"] = sum(r.get("subscribe_timeouts", 0) for r in rows if r["kind"] == kind)
         s["devices_retried"] = sum(r.get("devices_retried", 0) for r in rows if r["kind"] == kind)
         if rounds:
@@ -360,7 +360,7 @@ def summarize(rows: list[dict[str, Any]], control: dict[str, Any] | None) -> dic
         if mine and all("msgs_per_s" in r for r in mine):
             s["msgs_per_s"] = statistics.median(r["msgs_per_s"] for r in mine)
         out[kind] = s
-    counts = ("fleets", "failed_fleets", "rounds", "every_device_every_round", "models_received", "models_expected",
+    counts = ("fleets", "failed_fleets", "rounds", "every_device_every_round", "updates_sent", "updates_expected",
               "subscribe_timeouts", "devices_retried")
     out["nats_over_mqtt"] = {k: out["nats"][k] / out["mqtt"][k] for k in out["mqtt"]
                              if k in out["nats"] and out["mqtt"][k] and k not in counts}
@@ -392,9 +392,9 @@ def table(n: int, summary: dict[str, Any], control: dict[str, Any] | None) -> li
     lines.append(f"| fleets that ran / failed | {summary['mqtt']['fleets']} / {summary['mqtt']['failed_fleets']} | "
                  f"{summary['nats']['fleets']} / {summary['nats']['failed_fleets']} | |")
     yes = {True: "yes", False: "NO"}
-    lines.append("| every device in every round; global models received / devices x (rounds + 1) | "
-                 + " | ".join(f"{yes[summary[k]['every_device_every_round']]}; {summary[k]['models_received']:,} / "
-                              f"{summary[k]['models_expected']:,}" for k in KINDS) + " | |")
+    lines.append("| every device trained in every round; updates sent / devices x rounds | "
+                 + " | ".join(f"{yes[summary[k]['every_device_every_round']]}; {summary[k]['updates_sent']:,} / "
+                              f"{summary[k]['updates_expected']:,}" for k in KINDS) + " | |")
     lines.append(f"| NATS subscription setups timed out and retried (devices) | | "
                  f"{summary['nats']['subscribe_timeouts']} ({summary['nats']['devices_retried']}) | |")
     if control is not None:
