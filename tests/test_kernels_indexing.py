@@ -272,3 +272,24 @@ def test_topk_partitioned_path_keeps_the_tie_rule(largest, values):
         if values != "nan" or row != 1:
             assert idx[row].tolist() == order
             np.testing.assert_array_equal(vals[row], x[row, order])
+
+
+@pytest.mark.parametrize("shape,axis", [((1,), 0), ((3, 1), 1), ((1, 4), 0), ((2, 1, 3), -2)])
+@pytest.mark.parametrize("largest", [1, 0])
+def test_topk_of_a_one_element_axis_is_the_input_without_a_sort(monkeypatch, shape, axis, largest):
+    """K = 1 over an axis of one element (thai2rom's batch-1 length sorts, 3 per run): the
+    values are a copy of the input, the indices 0, and no sort runs (~5 us each)."""
+    from edgeflow.kernels import selection
+
+    def no_sort(*a, **kw):
+        raise AssertionError("sorted a one-element axis")
+
+    monkeypatch.setattr(selection, "_sorted_order", no_sort)
+    for dtype in (np.float32, np.int64):
+        x = RNG.standard_normal(shape).astype(dtype)
+        vals, idx = k("TopK", 11, np.dtype(dtype).name)(x, np.array([1]), axis=axis, largest=largest)
+        assert vals.dtype == dtype and idx.dtype == np.int64 and vals.shape == idx.shape == x.shape
+        np.testing.assert_array_equal(vals, x)
+        np.testing.assert_array_equal(idx, np.zeros(shape, np.int64))
+        vals[...] = 7
+        assert not np.any(x == 7)  # a copy, not the input
