@@ -534,6 +534,9 @@ class Link:
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` in the background until it ends or the transport closes (shutdown cancels it)."""
+        if self.ended:  # closing: shutdown may have cancelled the others already
+            coro.close()
+            return
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
