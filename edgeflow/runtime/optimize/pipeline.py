@@ -13,7 +13,7 @@ Two stages:
    ``for_training=True`` (trainable weights and Dropout stay).
 2. :func:`optimize_compiled` — numpy-backend passes on the graph bound to
    kernels (QDQ patterns to integer kernels, pre-transposed Gemm weights,
-   prepacked LSTM weights, activation fusion); :func:`edgeflow.runtime.graph.compile_graph` runs both.
+   prepacked LSTM weights, squeeze-and-excitation blocks, activation fusion); :func:`edgeflow.runtime.graph.compile_graph` runs both.
 
 :func:`optimize` returns the model with an :class:`OptimizeReport` (op
 counts before and after, what each pass removed) — ``edgeflow inspect
@@ -40,6 +40,7 @@ from .passes import (
     fuse_hardswish,
     fuse_layernorm,
     fuse_qdq,
+    fuse_se,
     inline_constant_if,
     optimize_subgraphs,
     prepack_gemm,
@@ -68,6 +69,7 @@ NUMPY_PASSES = (
     ("fuse_qdq", fuse_qdq),
     ("prepack_gemm", prepack_gemm),
     ("prepack_lstm", prepack_lstm),
+    ("fuse_se", fuse_se),
     ("fuse_layernorm", fuse_layernorm),
     ("fuse_activation", fuse_activation),
 )

@@ -7,8 +7,8 @@ result is a valid ONNX model any backend runs): :mod:`.constants`,
 
 numpy-backend passes (``CompiledGraph -> CompiledGraph``, on the node list
 bound to kernels; the result runs only on the numpy executor):
-:mod:`.fuse_qdq`, :mod:`.prepack_gemm`, :mod:`.prepack_lstm`, :mod:`.fuse_layernorm`,
-:mod:`.fuse_activation`.
+:mod:`.fuse_qdq`, :mod:`.prepack_gemm`, :mod:`.prepack_lstm`, :mod:`.fuse_se`,
+:mod:`.fuse_layernorm`, :mod:`.fuse_activation`.
 """
 
 from .constants import constants_to_initializers
@@ -19,6 +19,7 @@ from .fuse_bn import fuse_batchnorm, fuse_conv_affine
 from .fuse_hardswish import fuse_hardswish
 from .fuse_layernorm import fuse_layernorm
 from .fuse_qdq import fuse_qdq
+from .fuse_se import fuse_se
 from .identity import remove_identity
 from .prepack_gemm import prepack_gemm
 from .prepack_lstm import prepack_lstm
@@ -33,6 +34,7 @@ __all__ = [
     "fuse_hardswish",
     "fuse_layernorm",
     "fuse_qdq",
+    "fuse_se",
     "inline_constant_if",
     "optimize_subgraphs",
     "prepack_gemm",
