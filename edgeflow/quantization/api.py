@@ -29,14 +29,14 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import onnx
 
-from ..errors import BackendError, EdgeflowError, QuantizationError
+from ..errors import EdgeflowError, QuantizationError
 from ..runtime.model import ModelSource, TensorInfo, graph_inputs, load_model
 from ..profiles import (DeviceProfile, HostFacts, get_profile, host_differs, host_facts,
                         saturates_where_board_does_not)
 
 if TYPE_CHECKING:
     from ..data.preprocess import AudioPrep, ImagePrep
-from .analysis import (QUANTIZABLE, QuantPlan, activations_after, clamps_as_clip, name_nodes, plan_quantization,
+from .analysis import (QUANTIZABLE, QuantPlan, clamps_as_clip, name_nodes, plan_quantization,
                        pool_before_relu)
 from .boxes import BOX_MEASURES, box_agreement
 from .calibration import METHODS as CALIBRATION_METHODS
@@ -44,6 +44,7 @@ from .calibration import collect_ranges
 from .data import CalibrationSet, DataSource, as_calibration_set, fixed_batch, full_batches
 from .gate import LOSS_MEASURES, Evidence
 from .report import LatencyComparison, QuantizationReport, accuracy, model_bytes, output_error
+from .static_build import BIAS_CORRECTION_SAMPLES, StaticBuilder, one_line  # noqa: F401  (BIAS_CORRECTION_SAMPLES: public name)
 
 log = logging.getLogger("edgeflow.quantization")
 
@@ -135,7 +136,7 @@ def runnable_batch(evaluator: _Evaluator, model: onnx.ModelProto, data: Calibrat
     try:
         sess.run(data.take(slice(0, 1)).arrays, [first])
     except EdgeflowError as exc:
-        raise QuantizationError(f"the model does not run on the calibration data ({_one_line(exc)}); check that "
+        raise QuantizationError(f"the model does not run on the calibration data ({one_line(exc)}); check that "
                                 "the samples have the input's shape and dtype (edgeflow inspect MODEL)") from None
     cause = batched if len(batched) <= 200 else f"{batched[:80]} ... {batched[-110:]}"
     return 1, (f"the model runs only one sample at a time although its input's batch dimension is free (a batch "
@@ -197,8 +198,8 @@ def _opset_for_int8(model: onnx.ModelProto, per_channel: bool) -> tuple[onnx.Mod
         up = version_converter.convert_version(model, QDQ_OPSET)
         up = load_model(up)
     except Exception as exc:  # noqa: BLE001 - the converter raises assorted types; per-tensor still works
-        log.warning("opset upgrade to %d failed (%s): weights per tensor", QDQ_OPSET, _one_line(exc))
-        return model, False, (f"opset {opset} < {QDQ_OPSET} and the upgrade failed ({_one_line(exc)}): "
+        log.warning("opset upgrade to %d failed (%s): weights per tensor", QDQ_OPSET, one_line(exc))
+        return model, False, (f"opset {opset} < {QDQ_OPSET} and the upgrade failed ({one_line(exc)}): "
                               "weights quantized per tensor instead of per channel")
     return up, True, f"model upgraded from opset {opset} to {QDQ_OPSET} for per-channel int8 weights"
 
@@ -219,8 +220,8 @@ def preprocess_graph(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | Non
     except EdgeflowError:
         raise
     except Exception as exc:  # noqa: BLE001 - a pass that fails leaves the model as it came
-        log.warning("graph preprocessing failed, quantizing the model as it came: %s", _one_line(exc), exc_info=True)
-        return model, f"graph preprocessing skipped ({_one_line(exc)})"
+        log.warning("graph preprocessing failed, quantizing the model as it came: %s", one_line(exc), exc_info=True)
+        return model, f"graph preprocessing skipped ({one_line(exc)})"
     r = res.report
     if r.nodes_after == r.nodes_before and r.before == r.after:
         return model, None
@@ -438,9 +439,6 @@ def _fallback(fp32, decision, targets, prof, backend, evaluator, ev, labels, *, 
     return copy.deepcopy(fp32), decision
 
 
-BIAS_CORRECTION_SAMPLES = 32
-"""Calibration samples that bias correction runs (one pass per int8 conv)."""
-
 DEFAULT_MAX_LOSS = 1.0
 """--max-loss of the bench gate that static int8 gets by default, on every profile (percent)."""
 
@@ -466,10 +464,6 @@ def _timing(prof: DeviceProfile, backend: str, host: HostFacts, time_on_host: bo
                      f"figures are this host's, not the {prof.name} board's")
         return None
     return differs
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())[:300]
 
 
 def quantize(
@@ -545,37 +539,11 @@ def quantize(
     bench gate also tries a bias-corrected variant and keeps it only if its
     measured loss makes it the better choice; ``True``: always; ``False``: never.
     """
-    if engine not in ENGINES:
-        raise QuantizationError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
-    if loss not in LOSS_MEASURES:
-        raise QuantizationError(f"unknown loss measure {loss!r}; use one of {', '.join(LOSS_MEASURES)}")
-    if batch_size < 1:
-        raise QuantizationError(f"batch_size must be >= 1, got {batch_size}")
-    if isinstance(max_loss, str) and max_loss != "auto":
-        raise QuantizationError(f"max_loss must be a percentage, 'auto' or None, got {max_loss!r}")
-    src = copy.deepcopy(model) if isinstance(model, onnx.ModelProto) else model
-    fp32 = load_model(src)
-    prof = get_profile(profile)
-    kind, calib = resolve_method(method, prof)
+    _check_arguments(engine, loss, batch_size, max_loss)
     notes: list[str] = []
-    if optimize_graph:
-        fp32, note = preprocess_graph(fp32)
-        if note:
-            notes.append(note)
-    fp32 = name_nodes(fp32)
-    inputs = graph_inputs(fp32)
-    if loss == "auto" and kind == "static":
-        from .gate import ctc_space_class
-
-        outs = fp32.graph.output
-        per_step = bool(outs) and len(outs[0].type.tensor_type.shape.dim) >= 3  # (N, T, C): not a classifier
-        if per_step and ctc_space_class(fp32) is not None:  # a PaddleOCR text recognizer: judge the text it reads
-            loss = "ctc"
-            notes.append("the model carries a CTC character table (PaddleOCR convention): the gate's loss is the "
-                         "share of samples whose decoded text differs from fp32's (--loss ctc), not the cosine, "
-                         "which can stay above 0.99 while characters change")
+    fp32, prof, kind, calib, inputs = _prepare(model, profile, method, optimize_graph, notes)
+    loss = _loss_measure(fp32, loss, kind, notes)
     per_channel = prof.quantization.weights == "per-channel"
-    activations = prof.quantization.activations
     if kind != "fp16":
         fp32, per_channel, note = _opset_for_int8(fp32, per_channel)
         if note:
@@ -585,30 +553,130 @@ def quantize(
         if n_clip:
             notes.append(f"{n_clip} Max/Min with a constant rewritten as Clip (exact; onnxruntime folds a Clip "
                          "into the int8 range of the op before it instead of running it in float)")
+    engine = _choose_engine(engine, kind)
+    fp32, plan = _plan(fp32, kind, keep_fp32=keep_fp32, keep_first=keep_first, keep_last=keep_last,
+                       min_int8_channels=min_int8_channels)
+    data = _data(calibration, eval_data, labels, inputs, kind, holdout=holdout, seed=seed, preprocess=preprocess,
+                 notes=notes)
+    bench = _bench(fp32, prof, backend, kind, inputs, data, batch_size, time_on_host, notes)
+    max_loss = _gate_limit(max_loss, kind, bench.backend, notes)
 
+    gate = builder = None
+    if kind == "static":
+        qm, gate, builder = _quantize_static(
+            fp32, plan, prof, data, bench, engine=engine, calib=calib, per_channel=per_channel,
+            percentile=percentile, batch_size=batch_size, bias_correction=bias_correction, max_loss=max_loss,
+            fallback=fallback, gate_rounds=gate_rounds, seed=seed, inputs=inputs, loss=loss, notes=notes)
+    elif kind == "dynamic":
+        qm = _quantize_dynamic(fp32, plan, engine, per_channel)
+    else:
+        from .fp16 import convert_fp16
+
+        qm = convert_fp16(fp32)
+    int8_written = builder is not None and (gate is None or gate.choice == "int8")
+    if int8_written:
+        _note_int8_rewrites(notes, builder.rewrites_of(qm), builder.readouts)  # before the copy below: by id
+    qm = load_model(qm)  # checker + shape inference: fail here, not on the board
+
+    report = _report(prof, kind, engine, calib, per_channel, data, fp32, qm, plan, notes)
+    if gate is not None:
+        _apply_gate(report, gate)
+    if data.ev is not None:
+        _evaluate(report, fp32, qm, plan, data, bench, kind, calib=calib,
+                  activations=prof.quantization.activations, percentile=percentile,
+                  batch_size=batch_size, per_channel=per_channel, sensitivity=sensitivity,
+                  qparams=builder.qparams if builder is not None else None)
+    if latency_runs > 0:
+        _time(report, fp32, qm, prof, inputs, data, bench, batch_size=batch_size, runs=latency_runs, seed=seed)
+    result = QuantizedModel(qm, report)
+    if output is not None:
+        result.save(output)
+    return result
+
+
+def _check_arguments(engine: str, loss: str, batch_size: int, max_loss: "float | None | str") -> None:
+    if engine not in ENGINES:
+        raise QuantizationError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
+    if loss not in LOSS_MEASURES:
+        raise QuantizationError(f"unknown loss measure {loss!r}; use one of {', '.join(LOSS_MEASURES)}")
+    if batch_size < 1:
+        raise QuantizationError(f"batch_size must be >= 1, got {batch_size}")
+    if isinstance(max_loss, str) and max_loss != "auto":
+        raise QuantizationError(f"max_loss must be a percentage, 'auto' or None, got {max_loss!r}")
+
+
+def _prepare(model: ModelSource, profile: "str | DeviceProfile", method: str | None, optimize_graph: bool,
+             notes: list[str]) -> tuple[onnx.ModelProto, DeviceProfile, str, str | None, list[TensorInfo]]:
+    """The fp32 graph (a copy, optimized, every node named), the profile, the method and the inputs."""
+    src = copy.deepcopy(model) if isinstance(model, onnx.ModelProto) else model
+    fp32 = load_model(src)
+    prof = get_profile(profile)
+    kind, calib = resolve_method(method, prof)
+    if optimize_graph:
+        fp32, note = preprocess_graph(fp32)
+        if note:
+            notes.append(note)
+    fp32 = name_nodes(fp32)
+    return fp32, prof, kind, calib, graph_inputs(fp32)
+
+
+def _loss_measure(fp32: onnx.ModelProto, loss: str, kind: str, notes: list[str]) -> str:
+    """``loss``, with "auto" made "ctc" for a PaddleOCR text recognizer (static int8 only)."""
+    if loss != "auto" or kind != "static":
+        return loss
+    from .gate import ctc_space_class
+
+    outs = fp32.graph.output
+    per_step = bool(outs) and len(outs[0].type.tensor_type.shape.dim) >= 3  # (N, T, C): not a classifier
+    if per_step and ctc_space_class(fp32) is not None:  # a PaddleOCR text recognizer: judge the text it reads
+        notes.append("the model carries a CTC character table (PaddleOCR convention): the gate's loss is the "
+                     "share of samples whose decoded text differs from fp32's (--loss ctc), not the cosine, "
+                     "which can stay above 0.99 while characters change")
+        return "ctc"
+    return loss
+
+
+def _choose_engine(engine: str, kind: str) -> str:
     from . import ort_backend
 
     if engine == "auto":
         engine = "ort" if ort_backend.available() and kind != "fp16" else "numpy"
     if engine == "ort" and not ort_backend.available():
         raise QuantizationError("engine='ort' needs onnxruntime, which is not installed here; use engine='numpy'")
+    return "numpy" if kind == "fp16" else engine
+
+
+def _plan(fp32: onnx.ModelProto, kind: str, *, keep_fp32: Sequence[str], keep_first: bool, keep_last: bool,
+          min_int8_channels: int) -> tuple[onnx.ModelProto, QuantPlan | None]:
+    """Which layers become int8 (None for fp16); a conv kept fp32 gets its pooling moved before its Relu."""
     if kind == "fp16":
-        engine = "numpy"
-
-    plan: QuantPlan | None = None
-    if kind != "fp16":
-        plan_kw = dict(
-            ops=("Gemm", "MatMul") if kind == "dynamic" else QUANTIZABLE,
-            keep_fp32=tuple(keep_fp32), keep_first=keep_first, keep_last=keep_last,
-            min_int8_channels=min_int8_channels if kind == "static" else 0,
-        )
+        return fp32, None
+    plan_kw = dict(
+        ops=("Gemm", "MatMul") if kind == "dynamic" else QUANTIZABLE,
+        keep_fp32=tuple(keep_fp32), keep_first=keep_first, keep_last=keep_last,
+        min_int8_channels=min_int8_channels if kind == "static" else 0,
+    )
+    plan = plan_quantization(fp32, **plan_kw)
+    kept_convs = [n.name for n in fp32.graph.node if n.op_type == "Conv" and n.name in plan.kept_fp32]
+    if kind == "static" and kept_convs:
+        fp32 = load_model(pool_before_relu(fp32, kept_convs))
         plan = plan_quantization(fp32, **plan_kw)
-        kept_convs = [n.name for n in fp32.graph.node if n.op_type == "Conv" and n.name in plan.kept_fp32]
-        if kind == "static" and kept_convs:
-            fp32 = load_model(pool_before_relu(fp32, kept_convs))
-            plan = plan_quantization(fp32, **plan_kw)
+    return fp32, plan
 
-    # Data: calibration, held-out evaluation, labels.
+
+@dataclass
+class _Data:
+    """Calibration samples, the evaluation set with its labels, and where the evaluation set came from."""
+
+    cal: CalibrationSet | None
+    ev: CalibrationSet | None
+    ev_labels: np.ndarray | None
+    source: str
+
+
+def _data(calibration: DataSource | None, eval_data: DataSource | None, labels, inputs: list[TensorInfo],
+          kind: str, *, holdout: float, seed: int, preprocess, notes: list[str]) -> _Data:
+    """Read the samples; for static int8 without ``eval_data`` hold out a share of the calibration set."""
     if isinstance(preprocess, (str, os.PathLike)):
         from ..errors import InputError
         from ..data.preprocess import load_prep
@@ -624,28 +692,37 @@ def quantize(
             "static int8 quantization needs calibration data: pass calibration= a few hundred "
             "representative input samples (array, dict or .npz), or use method='dynamic'"
         )
-    ev: CalibrationSet | None = None
-    ev_labels = None
     if eval_data is not None:
         ev = as_calibration_set(eval_data, inputs, what="evaluation data", prep=preprocess, notes=notes)
-        ev_labels = _labels(labels, ev.n) if labels is not None else None
-        source = "eval_data"
-    elif cal is not None:
-        y = _labels(labels, cal.n) if labels is not None else None
-        n_hold = int(round(cal.n * holdout)) if kind == "static" and cal.n >= 10 and holdout > 0 else 0
-        if n_hold:
-            perm = np.random.default_rng(seed).permutation(cal.n)
-            ev, cal = cal.take(perm[:n_hold]), cal.take(perm[n_hold:])
-            ev_labels = y[perm[:n_hold]] if y is not None else None
-            source = f"held out: {n_hold} of {cal.n + n_hold} calibration samples"
-        else:
-            ev, ev_labels = cal, y
-            source = "the calibration samples (too few to hold out)" if kind == "static" else "the given samples"
-    else:
-        source = "none"
+        return _Data(cal, ev, _labels(labels, ev.n) if labels is not None else None, "eval_data")
+    if cal is None:
         if labels is not None:
             raise QuantizationError("labels given without data: pass eval_data= (or calibration=) with them")
+        return _Data(None, None, None, "none")
+    y = _labels(labels, cal.n) if labels is not None else None
+    n_hold = int(round(cal.n * holdout)) if kind == "static" and cal.n >= 10 and holdout > 0 else 0
+    if n_hold:
+        perm = np.random.default_rng(seed).permutation(cal.n)
+        return _Data(cal.take(perm[n_hold:]), cal.take(perm[:n_hold]), y[perm[:n_hold]] if y is not None else None,
+                     f"held out: {n_hold} of {cal.n} calibration samples")
+    return _Data(cal, cal, y,
+                 "the calibration samples (too few to hold out)" if kind == "static" else "the given samples")
 
+
+@dataclass
+class _Bench:
+    """Where the report and the gate run: the backend, the batch the model fixes, and why nothing is timed."""
+
+    backend: str
+    fixed: int | None
+    evaluator: _Evaluator
+    untimed: str | None
+
+
+def _bench(fp32: onnx.ModelProto, prof: DeviceProfile, backend: str | None, kind: str, inputs: list[TensorInfo],
+           data: _Data, batch_size: int, time_on_host: bool | None, notes: list[str]) -> _Bench:
+    """Choose the report's backend and the batch the model really runs (a graph may fix it); a fixed batch
+    cuts the calibration set to whole batches (``data.cal`` is replaced)."""
     from ..runtime.session import choose_backend
 
     be = choose_backend(fp32, prof, backend).name
@@ -653,8 +730,9 @@ def quantize(
     host = host_facts()  # read once: /proc/cpuinfo decides both notes below
     exact = be == "ort" and kind == "static" and saturates_where_board_does_not(prof, host)
     evaluator = _Evaluator(prof, be, batch_size, fixed, exact_int8=exact)
-    if fixed is None and (cal if cal is not None else ev) is not None:
-        fixed, note = runnable_batch(evaluator, fp32, cal if cal is not None else ev)
+    probe = data.cal if data.cal is not None else data.ev
+    if fixed is None and probe is not None:
+        fixed, note = runnable_batch(evaluator, fp32, probe)
         if fixed:
             notes.append(note)
             evaluator = _Evaluator(prof, be, batch_size, fixed, exact_int8=exact)
@@ -662,140 +740,81 @@ def quantize(
         notes.append(f"outputs for the report and the gate's loss computed with onnxruntime's exact int8 path "
                      f"(session.x64quantprecision): this host has no VNNI, so its fast u8 x s8 kernels saturate "
                      f"int16 pair sums, which a {prof.name} board (VNNI) does not; speed is timed on the fast path")
-    if fixed and cal is not None and kind == "static":
-        cal, note = full_batches(cal, fixed)
+    if fixed and data.cal is not None and kind == "static":
+        data.cal, note = full_batches(data.cal, fixed)
         if note:
             notes.append(note)
+    return _Bench(be, fixed, evaluator, _timing(prof, be, host, time_on_host, notes))
 
-    untimed = _timing(prof, be, host, time_on_host, notes)
+
+def _gate_limit(max_loss: "float | None | str", kind: str, backend: str, notes: list[str]) -> float | None:
+    """The gate's --max-loss: "auto" is :data:`DEFAULT_MAX_LOSS` for static int8; None says the gate is off."""
     if max_loss == "auto":
-        max_loss = DEFAULT_MAX_LOSS if kind == "static" else None
-    elif max_loss is None and kind == "static":
+        return DEFAULT_MAX_LOSS if kind == "static" else None
+    if max_loss is None and kind == "static":
         notes.append("the bench gate is off (max_loss=None): static int8 written without checking its loss or "
                      "speed against fp32")
-        if be == "numpy":
+        if backend == "numpy":
             log.warning("static int8 on the numpy backend without the bench gate: expected to be slower than fp32 "
                         "(numpy has no integer GEMM)")
             notes.append("static int8 is expected to be slower than fp32 on the numpy backend (numpy has no "
                          "integer GEMM: int8 runs on the same float sgemm plus requantization passes)")
+    return max_loss  # type: ignore[return-value]
 
-    ranges = qparams = None
-    gate = None
-    int8_rewrites: dict[int, tuple[int, int, int]] = {}  # id(model build() wrote) -> (HardSwish/HardSigmoid
-    # it runs in int8, scalar Mul/Add chains folded into zero points, convs whose bias was corrected)
-    shifts: dict[tuple, dict[str, np.ndarray]] = {}  # (calibration, op types, kept fp32) -> conv -> bias shift
-    readouts: list[str] = []
-    if kind == "static":
-        assert plan is not None and cal is not None
-        if engine == "numpy":
-            from .qdq import tensor_qparams
 
-            ranges = collect_ranges(fp32, plan.calibrated_tensors, cal, evaluator.runner, method=calib,
-                                    percentile=percentile, batch_size=fixed or batch_size)
-            qparams = tensor_qparams(plan, ranges, activations)
-            if prof.quantization.format == "qoperator":
-                notes.append("the profile asks for QOperator format; the numpy engine writes QDQ (same arithmetic)")
+def _quantize_static(fp32: onnx.ModelProto, plan: QuantPlan | None, prof: DeviceProfile, data: _Data,
+                     bench: _Bench, *, engine: str, calib: str | None, per_channel: bool, percentile: float,
+                     batch_size: int, bias_correction: bool | None, max_loss: float | None, fallback: str,
+                     gate_rounds: int, seed: int, inputs: list[TensorInfo], loss: str, notes: list[str]):
+    """Static int8: calibrate (numpy engine), then the every-layer model, or the bench gate's choice."""
+    assert plan is not None and data.cal is not None
+    cal, fixed, be = data.cal, bench.fixed, bench.backend
+    activations = prof.quantization.activations
+    qparams = None
+    if engine == "numpy":
+        from .qdq import tensor_qparams
 
-        from .readout import float_readouts
+        ranges = collect_ranges(fp32, plan.calibrated_tensors, cal, bench.evaluator.runner, method=calib,
+                                percentile=percentile, batch_size=fixed or batch_size)
+        qparams = tensor_qparams(plan, ranges, activations)
+        if prof.quantization.format == "qoperator":
+            notes.append("the profile asks for QOperator format; the numpy engine writes QDQ (same arithmetic)")
+    builder = StaticBuilder(fp32, plan, cal, engine=engine, backend=be, profile=prof, calib=calib,
+                            activations=activations, per_channel=per_channel, percentile=percentile,
+                            batch_size=batch_size, fixed=fixed, evaluator=bench.evaluator, qparams=qparams,
+                            bias_correction=bias_correction, notes=notes)
+    if max_loss is None:
+        return builder(), None, builder
+    qm, gate = _gated(fp32, plan, builder, prof, be, bench.evaluator, data.ev if data.ev is not None else cal,
+                      data.ev_labels,
+                      formats=("qdq", "qoperator") if engine == "ort" and be == "ort" else (None,),
+                      retry_method="percentile" if engine == "ort" and calib == "minmax" else None,
+                      max_loss=max_loss, fallback=fallback, per_channel=per_channel, cal=cal, calib=calib,
+                      percentile=percentile, activations=activations, batch=fixed or 1,
+                      rounds=gate_rounds, seed=seed, inputs=inputs, loss_measure=loss,
+                      corrected=bias_correction is None and be == "ort", untimed=bench.untimed)
+    if gate.evidence is not None and not gate.evidence.enough:
+        notes.append(gate.evidence.format())
+    return qm, gate, builder
 
-        readouts = float_readouts(fp32) if be == "ort" else []
-        # a layer the gate keeps fp32 keeps its activation float with it (fused into the fp32 conv), so that
-        # its output is not quantized just for an int8 activation to read it
-        acts = activations_after(fp32, [t.node for t in plan.targets])
 
-        raw: dict[tuple, onnx.ModelProto] = {}  # _build's every-layer models (the gate's variants, a few), and
-        # the latest one: the bias-corrected variant starts from the plain QDQ variant's quantization
+def _quantize_dynamic(fp32: onnx.ModelProto, plan: QuantPlan | None, engine: str, per_channel: bool
+                      ) -> onnx.ModelProto:
+    assert plan is not None
+    if engine == "ort":
+        from . import ort_backend
 
-        def build(extra: frozenset = frozenset(), fmt: str | None = None, cmethod: str | None = None,
-                  ops: tuple | None = None, bc: bool | None = None) -> onnx.ModelProto:
-            args = (extra, fmt, cmethod, ops)
-            if args not in raw:
-                for k in [k for k in raw if k[0]]:  # keep no more than one model with layers kept fp32
-                    del raw[k]
-                raw[args] = _build(*args)
-            qm_ = raw[args]  # not changed below: each rewrite returns a new model
-            if be != "ort":
-                return qm_
-            qdq = (fmt or prof.quantization.format) != "qoperator"
-            # onnxruntime has no int8 HardSwish/HardSigmoid: as int8 Add (+ Mul) they skip three float passes.
-            # A scalar a * x + b after an activation: read through the integers' scale and zero point.
-            from .affine import fold_scalar_affine
-            from .hardswish import hardswish_as_qlinear
-            from .readout import dequantize_readouts
+        return ort_backend.quantize_dynamic_ort(
+            fp32, per_channel=per_channel, nodes=[t.node for t in plan.targets],
+            gemms=[t.node for t in plan.targets if t.op_type == "Gemm"],
+        )
+    from .dynamic import quantize_dynamic_graph
 
-            qm_, n_hsw = hardswish_as_qlinear(qm_)
-            qm_, n_aff = fold_scalar_affine(qm_)
-            qm_, _ = dequantize_readouts(qm_, readouts)
-            n_bias = 0
-            if (bias_correction if bc is None else bc) and qdq:
-                # measured for each model built: shifts measured with every layer int8 over-correct the convs
-                # after a layer kept fp32 (PP-OCRv4's detector: 1.5% loss with every layer int8, 9.3% with its
-                # most sensitive conv fp32 and the other convs' shifts reused)
-                from .bias_correction import apply_corrections, measure_corrections
+    return quantize_dynamic_graph(fp32, plan, per_channel=per_channel)
 
-                key = (cmethod or calib, ops, extra)
-                if key not in shifts:
-                    k = min(cal.n, BIAS_CORRECTION_SAMPLES)
-                    sub = cal.take(slice(0, max(fixed, k - k % fixed) if fixed else k))  # whole fixed batches
-                    try:
-                        shifts[key] = measure_corrections(qm_, fp32, lambda: sub.batches(evaluator.batch_size),
-                                                          evaluator.runner)
-                    except BackendError as exc:  # the model is still a valid int8 model: go on uncorrected
-                        shifts[key] = {}
-                        log.warning("bias correction skipped: %s", exc)
-                        notes.append(f"bias correction skipped: {_one_line(exc)}")
-                qm_, n_bias = apply_corrections(qm_, shifts[key])
-            int8_rewrites[id(qm_)] = (n_hsw, n_aff, n_bias)
-            return qm_
 
-        def _build(extra: frozenset, fmt: str | None, cmethod: str | None, ops: tuple | None) -> onnx.ModelProto:
-            if engine == "ort":
-                return ort_backend.quantize_static_ort(
-                    fp32, cal, method=cmethod or calib, op_types=list(ops) if ops else None, activations=activations, per_channel=per_channel,
-                    exclude=list(plan.kept_fp32) + sorted(extra) + [a for e in sorted(extra) for a in acts.get(e, [])]
-                    + readouts, percentile=percentile,
-                    batch_size=fixed or batch_size, fixed=fixed is not None,
-                    qoperator=(fmt or prof.quantization.format) == "qoperator", hard_activations=be == "ort",
-                )
-            from .qdq import insert_qdq
-
-            sub = plan if not extra else plan.subset([t.node for t in plan.targets if t.node not in extra], fp32)
-            qm_, more = insert_qdq(fp32, sub, {k: qparams[k] for k in sub.quantized_tensors}, per_channel=per_channel)
-            if not extra:
-                notes.extend(more)
-            return qm_
-
-        if max_loss is None:
-            qm = build()
-        else:
-            qm, gate = _gated(fp32, plan, build, prof, be, evaluator, ev if ev is not None else cal, ev_labels,
-                              formats=("qdq", "qoperator") if engine == "ort" and be == "ort" else (None,),
-                              retry_method="percentile" if engine == "ort" and calib == "minmax" else None,
-                              max_loss=max_loss, fallback=fallback, per_channel=per_channel, cal=cal, calib=calib,
-                              percentile=percentile, activations=activations, batch=fixed or 1,
-                              rounds=gate_rounds, seed=seed, inputs=inputs, loss_measure=loss,
-                              corrected=bias_correction is None and be == "ort", untimed=untimed)
-            if gate.evidence is not None and not gate.evidence.enough:
-                notes.append(gate.evidence.format())
-    elif kind == "dynamic":
-        assert plan is not None
-        if engine == "ort":
-            qm = ort_backend.quantize_dynamic_ort(
-                fp32, per_channel=per_channel, nodes=[t.node for t in plan.targets],
-                gemms=[t.node for t in plan.targets if t.op_type == "Gemm"],
-            )
-        else:
-            from .dynamic import quantize_dynamic_graph
-
-            qm = quantize_dynamic_graph(fp32, plan, per_channel=per_channel)
-    else:
-        from .fp16 import convert_fp16
-
-        qm = convert_fp16(fp32)
-    # only a model build() wrote has an entry (a freed model's id can be reused by a weight-only/fp32 copy)
-    int8_written = kind == "static" and (gate is None or gate.choice == "int8")
-    n_hsw, n_aff, n_bias = int8_rewrites.get(id(qm), (0, 0, 0)) if int8_written else (0, 0, 0)
-    qm = load_model(qm)  # checker + shape inference: fail here, not on the board
+def _note_int8_rewrites(notes: list[str], counts: tuple[int, int, int], readouts: list[str]) -> None:
+    n_hsw, n_aff, n_bias = counts
     if n_hsw:
         notes.append(f"{n_hsw} HardSwish/HardSigmoid run in int8 as QLinearAdd (+ QLinearMul) on onnxruntime, "
                      "which has no int8 kernel for them (the clamp is the int8 range's saturation)")
@@ -805,64 +824,81 @@ def quantize(
     if n_bias:
         notes.append(f"bias correction: {n_bias} int8 conv(s) had their mean output error on the calibration data "
                      "taken out of their bias")
-    if readouts and int8_written:
+    if readouts:
         notes.append(f"{len(readouts)} Softmax writing a model output kept float ({', '.join(readouts)}): "
                      "read in float anyway, and onnxruntime's int8 Softmax is slower")
 
-    report = QuantizationReport(
+
+def _report(prof: DeviceProfile, kind: str, engine: str, calib: str | None, per_channel: bool, data: _Data,
+            fp32: onnx.ModelProto, qm: onnx.ModelProto, plan: QuantPlan | None, notes: list[str]
+            ) -> QuantizationReport:
+    activations = prof.quantization.activations
+    return QuantizationReport(
         profile=prof.name, method=kind, engine=engine, calibration=calib,
         activations=activations if kind == "static" else ("uint8 (dynamic)" if kind == "dynamic" else None),
         weights=("int8 " + ("per-channel" if per_channel else "per-tensor")) if kind != "fp16" else "float16",
-        n_calibration=cal.n if (cal is not None and kind == "static") else 0,
-        n_eval=ev.n if ev is not None else 0, eval_source=source,
+        n_calibration=data.cal.n if (data.cal is not None and kind == "static") else 0,
+        n_eval=data.ev.n if data.ev is not None else 0, eval_source=data.source,
         fp32_bytes=model_bytes(fp32), quantized_bytes=model_bytes(qm),
         quantized_nodes=[t.node for t in plan.targets] if plan else [],
         kept_fp32=dict(plan.kept_fp32) if plan else {},
         notes=notes,
     )
-    if gate is not None:
-        report.gate = gate
-        report.kept_fp32.update(gate.kept_fp32)
-        if gate.choice == "int8":
-            report.quantized_nodes = [n for n in report.quantized_nodes if n not in gate.kept_fp32]
-        else:
-            report.activations = "float32 (weight-only int8)" if gate.choice == "weight-only" else None
-            report.weights = "int8 (weight-only)" if gate.choice == "weight-only" else "float32"
-            if gate.choice == "fp32":
-                report.quantized_nodes = []
-        if gate.sensitivity:
-            report.sensitivity = gate.sensitivity
-    if ev is not None:
-        ref = evaluator.predict(fp32, ev)
-        got = evaluator.predict(qm, ev)
-        report.error = output_error(ref, got)
-        if ev_labels is not None:
-            report.accuracy_fp32 = accuracy(ref, ev_labels)
-            report.accuracy_quantized = accuracy(got, ev_labels)
-        if sensitivity is None:
-            sensitivity = ev_labels is not None and kind == "static"
-        if sensitivity and kind == "static" and not report.sensitivity:
-            assert plan is not None and cal is not None
-            from .qdq import tensor_qparams
-            from .sensitivity import layer_sensitivity
 
-            if qparams is None:  # onnxruntime calibrated: measure ranges once more, our way
-                ranges = collect_ranges(fp32, plan.calibrated_tensors, cal, evaluator.runner, method=calib,
-                                        percentile=percentile, batch_size=fixed or batch_size)
-                qparams = tensor_qparams(plan, ranges, activations)
-            report.sensitivity = layer_sensitivity(
-                fp32, plan, qparams, ev, ref, evaluator.predict, labels=ev_labels, per_channel=per_channel
-            )
-    if latency_runs > 0 and untimed:
-        report.notes.append(f"latency not measured: {untimed}; pass --time-on-host (time_on_host=True) for "
+
+def _apply_gate(report: QuantizationReport, gate) -> None:
+    """The report of the model the gate chose: its layers kept fp32, or weight-only / fp32."""
+    report.gate = gate
+    report.kept_fp32.update(gate.kept_fp32)
+    if gate.choice == "int8":
+        report.quantized_nodes = [n for n in report.quantized_nodes if n not in gate.kept_fp32]
+    else:
+        report.activations = "float32 (weight-only int8)" if gate.choice == "weight-only" else None
+        report.weights = "int8 (weight-only)" if gate.choice == "weight-only" else "float32"
+        if gate.choice == "fp32":
+            report.quantized_nodes = []
+    if gate.sensitivity:
+        report.sensitivity = gate.sensitivity
+
+
+def _evaluate(report: QuantizationReport, fp32: onnx.ModelProto, qm: onnx.ModelProto, plan: QuantPlan | None,
+              data: _Data, bench: _Bench, kind: str, *, calib: str | None, activations: str, percentile: float,
+              batch_size: int, per_channel: bool, sensitivity: bool | None, qparams: dict | None) -> None:
+    """Output error and accuracy on the evaluation set; per-layer sensitivity where asked (default: with labels)."""
+    ev, ev_labels, evaluator = data.ev, data.ev_labels, bench.evaluator
+    assert ev is not None
+    ref = evaluator.predict(fp32, ev)
+    got = evaluator.predict(qm, ev)
+    report.error = output_error(ref, got)
+    if ev_labels is not None:
+        report.accuracy_fp32 = accuracy(ref, ev_labels)
+        report.accuracy_quantized = accuracy(got, ev_labels)
+    if sensitivity is None:
+        sensitivity = ev_labels is not None and kind == "static"
+    if not (sensitivity and kind == "static" and not report.sensitivity):
+        return
+    assert plan is not None and data.cal is not None
+    from .qdq import tensor_qparams
+    from .sensitivity import layer_sensitivity
+
+    if qparams is None:  # onnxruntime calibrated: measure ranges once more, our way
+        ranges = collect_ranges(fp32, plan.calibrated_tensors, data.cal, evaluator.runner, method=calib,
+                                percentile=percentile, batch_size=bench.fixed or batch_size)
+        qparams = tensor_qparams(plan, ranges, activations)
+    report.sensitivity = layer_sensitivity(
+        fp32, plan, qparams, ev, ref, evaluator.predict, labels=ev_labels, per_channel=per_channel
+    )
+
+
+def _time(report: QuantizationReport, fp32: onnx.ModelProto, qm: onnx.ModelProto, prof: DeviceProfile,
+          inputs: list[TensorInfo], data: _Data, bench: _Bench, *, batch_size: int, runs: int, seed: int) -> None:
+    """fp32 vs the written model's latency where this host times the board (else a note says why not)."""
+    if bench.untimed:
+        report.notes.append(f"latency not measured: {bench.untimed}; pass --time-on-host (time_on_host=True) for "
                             "this host's figures")
-    elif latency_runs > 0:
-        feeds = _latency_feeds(inputs, ev, fixed or batch_size, seed)
-        try:
-            report.latency = _measure_latency(fp32, qm, prof, be, feeds, latency_runs)
-        except EdgeflowError as exc:
-            report.notes.append(f"latency not measured on {be}: {exc}")
-    result = QuantizedModel(qm, report)
-    if output is not None:
-        result.save(output)
-    return result
+        return
+    feeds = _latency_feeds(inputs, data.ev, bench.fixed or batch_size, seed)
+    try:
+        report.latency = _measure_latency(fp32, qm, prof, bench.backend, feeds, runs)
+    except EdgeflowError as exc:
+        report.notes.append(f"latency not measured on {bench.backend}: {exc}")
