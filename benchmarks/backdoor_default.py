@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         if arm not in arms:
             continue
         for strategy, seed, codec, params in runs:
-            row = fn(strategy, seed, codec, params)
+            row = {**fn(strategy, seed, codec, params), "arm": arm}
             rows.append(row)
             print(json.dumps(row), flush=True)
     print("\n| arm | codec | seed | strategy (resolved) | final accuracy |\n|---|---|---:|---|---:|")
