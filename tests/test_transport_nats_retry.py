@@ -8,8 +8,9 @@ for the gap replay after a reconnect (a consumer on ``EF_LIVE``): a timed-out re
 The timeouts here are real: the devices reach a real nats-server through :class:`JsApiSink`, a
 proxy that speaks enough of the NATS client protocol to swallow the first N JetStream API
 requests that create a consumer on a given stream. The server never sees them, so nats-py's
-request times out exactly as when an overloaded server does not answer in time. A permission
-refusal (the server's ``-ERR 'Permissions Violation'``) is not retried.
+request times out exactly as when an overloaded server does not answer in time; or it holds what
+the server sends for a while (a PONG that comes late). A permission refusal (the server's
+``-ERR 'Permissions Violation'``) is not retried.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class JsApiSink:
     """A TCP proxy to a nats-server that drops the first ``drops[stream]`` client requests creating a
     consumer on ``stream`` (``PUB``/``HPUB $JS.API.CONSUMER.[DURABLE.]CREATE.<stream>...``); every
     other byte passes unchanged. ``refuse`` closes new connections at once (the server away);
-    :meth:`cut` aborts the open ones."""
+    :meth:`cut` aborts the open ones; :meth:`hold` keeps what the server sends until released."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
@@ -58,7 +59,12 @@ class JsApiSink:
         self.port = asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result(10)
         return self
 
+    def hold(self, on: bool) -> None:
+        self._loop.call_soon_threadsafe(self._down_open.clear if on else self._down_open.set)
+
     async def _listen(self) -> int:
+        self._down_open = asyncio.Event()
+        self._down_open.set()
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         return int(self._server.sockets[0].getsockname()[1])
 
@@ -100,6 +106,7 @@ class JsApiSink:
 
         async def down() -> None:  # server -> client: as is
             while data := await sreader.read(65536):
+                await self._down_open.wait()
                 cwriter.write(data)
                 await cwriter.drain()
 
@@ -208,6 +215,24 @@ def test_a_subscribe_that_outlasts_its_timeout_stays_and_is_made_later(
     assert inbox.wait(1, timeout=20)[0].payload == b"global model v1"
     assert wait_until(lambda: dev.stats().get("subscribe_retried") == 1, 5)
     assert dev.stats()["subscribe_timeouts"] == 1
+
+
+def test_a_pong_that_comes_after_the_flush_timed_out_does_not_deafen_the_connection(
+        server: NatsServer, sink: JsApiSink, made: list[NatsTransport]) -> None:
+    """The core subscription's PING/PONG times out (the server's answers held for a while), then the
+    PONG comes. nats-py's own flush left the cancelled future queued and the late PONG stopped its
+    read loop: the connection stayed "connected" and read nothing, the retries timed out until
+    nats-py's pings found it stale (a minute). Seen with 1,000 devices and a 0.5 s ack timeout."""
+    _publish_model(server, b"global model v1")
+    dev = NatsTransport(port=sink.port, client_id="dev-6", **FAST).connect(10)  # flush timeout: 1 s
+    made.append(dev)
+    sink.hold(True)
+    inbox = Inbox()
+    with pytest.raises(TransportError, match="not confirmed by the server.*retried in the background"):
+        dev.subscribe(MODEL, inbox)
+    sink.hold(False)  # the PONG (and whatever else was held) arrives late
+    assert inbox.wait(1, timeout=15)[0].payload == b"global model v1"
+    assert wait_until(lambda: dev.stats().get("subscribe_retried") == 1, 5)
 
 
 def test_an_unsubscribe_stops_the_retries(server: NatsServer, sink: JsApiSink, made: list[NatsTransport]) -> None:

@@ -100,6 +100,8 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
     nats.errors.ConnectionDrainingError,
 )
 """What the server may answer in time on a later try (no refusal among them)."""
+_PONG_WAIT_S = 600
+"""How long :meth:`Link._flush`'s PONG is waited for after the caller stopped waiting."""
 _PERM = re.compile(r'permissions violation for (publish|subscription) to "([^"]+)"', re.IGNORECASE)
 
 
@@ -457,7 +459,7 @@ class Link:
             return
         self._probing = True
         try:
-            await self.nc.flush(timeout=max(1, int(self.t.ack_timeout_s)))
+            await self._flush(max(1, int(self.t.ack_timeout_s)))
         except (nats.errors.Error, asyncio.TimeoutError):
             self._count("stale_connections")
             log.info("%s: no PONG within %s s after an ack timeout; reconnecting", self.t.name, self.t.ack_timeout_s)
@@ -465,6 +467,17 @@ class Link:
             await self.nc.force_reconnect()
         finally:
             self._probing = False
+
+    async def _flush(self, timeout: float) -> None:
+        """``nc.flush(timeout)`` (a PING, wait for its PONG) without nats-py 2.16's trap: its flush cancels
+        the PONG's future on a timeout but leaves it queued, and the PONG that comes later makes the
+        client's read loop stop (``InvalidStateError``: "nats: encountered error"), so the connection
+        reads nothing more, pings included, until nats-py finds it stale a minute later. Here the PONG
+        is waited for in a task of its own that outlives the timeout (the reconnect forgets it)."""
+        pong = asyncio.get_running_loop().create_task(self.nc.flush(timeout=_PONG_WAIT_S))
+        self._tasks.add(pong)
+        pong.add_done_callback(_forget(self._tasks))
+        await asyncio.wait_for(asyncio.shield(pong), timeout)
 
     # -------------------------------------------------------------- subscribe
 
@@ -611,7 +624,7 @@ class Link:
                 for s in subjects:
                     self._denied_subs.discard(s.lower())
                     subs.append(await self.nc.subscribe(s, queue=group or "", cb=on_msg))
-                await self.nc.flush(timeout=max(1, int(self.t.ack_timeout_s)))
+                await self._flush(max(1, int(self.t.ack_timeout_s)))
             except (nats.errors.Error, asyncio.TimeoutError) as exc:
                 await self._refuse_denied(subjects, subs)  # a refusal that came meanwhile is the reason
                 msg = f"subscription to {', '.join(subjects)} not confirmed by the server: {exc!r}"
@@ -879,6 +892,15 @@ class Link:
         self._thread.join(timeout)
         if not self._thread.is_alive():
             self.loop.close()
+
+
+def _forget(tasks: set[asyncio.Task[None]]) -> Callable[[asyncio.Task[None]], None]:
+    """A done callback: drop the task from ``tasks`` and retrieve its outcome (nobody else waits for it)."""
+    def done(task: asyncio.Task[None]) -> None:
+        tasks.discard(task)
+        if not task.cancelled():
+            task.exception()
+    return done
 
 
 def _inbox_token(client_id: str) -> str:
