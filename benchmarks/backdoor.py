@@ -5,6 +5,7 @@
     python benchmarks/backdoor.py --only fedavg --only fedavgm --only krum-reputation --seeds 6
     python benchmarks/backdoor.py --equal-size --only fedavg --only fedavg-krum --only krum-reputation
     python benchmarks/backdoor.py --only fedavg --only auto      # strategy = "auto" as a gateway resolves it
+    python benchmarks/backdoor.py --only fedavg --only auto --auto-param server_momentum=0.5   # auto's params
     python benchmarks/backdoor.py --json out.json
 
 A real RoundManager and 10 real federated Clients (the digits MLP on Dirichlet 0.5 shards of
@@ -56,8 +57,35 @@ def stamp(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def one_run(name: str, seed: int, rounds: int, attack: bool, equal_size: bool = False) -> dict[str, Any]:
-    """``equal_size``: the poisoner trains on as many samples as its honest shard holds (half of them its own,
+def parse_params(items: list[str] | None) -> dict[str, Any]:
+    """``["server_momentum=0.5", ...]`` -> ``{"server_momentum": 0.5}`` (values read as JSON, else as text)."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"--auto-param {item!r}: expected NAME=VALUE, e.g. server_momentum=0.5")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+def check_auto_params(params: dict[str, Any]) -> None:
+    """Refuse ``--auto-param`` names that ``strategy = "auto"`` would refuse, as one line (not mid-run)."""
+    from edgeflow.errors import EdgeflowError
+    from edgeflow.gateway.strategies import resolve_strategy
+
+    try:
+        resolve_strategy("auto", params)
+    except EdgeflowError as exc:
+        raise SystemExit(f"--auto-param: {exc}") from None
+
+
+def one_run(name: str, seed: int, rounds: int, attack: bool, equal_size: bool = False,
+            auto_params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``auto_params``: ``strategy_params`` for the ``auto`` strategy (ignored for the others).
+    ``equal_size``: the poisoner trains on as many samples as its honest shard holds (half of them its own,
     half stamped 7s labelled 1), so its delta is as long as an honest device's, not on its shard plus every 7."""
     from edgeflow.runtime.session import load
 
@@ -77,7 +105,10 @@ def one_run(name: str, seed: int, rounds: int, attack: bool, equal_size: bool = 
 
         poison = {0: poison_shard}
     with tempfile.TemporaryDirectory() as tmp:
-        fl = loopback_fleet(str(Path(tmp) / "gw.sqlite"), {**STRATEGIES[name], "seed": seed}, rounds, seed,
+        cfg = dict(STRATEGIES[name])
+        if name == "auto" and auto_params:
+            cfg["strategy_params"] = {**cfg.get("strategy_params", {}), **auto_params}
+        fl = loopback_fleet(str(Path(tmp) / "gw.sqlite"), {**cfg, "seed": seed}, rounds, seed,
                             devices=10, alpha=0.5, poison=poison)
         rm, gt = fl["manager"]()
         try:
@@ -91,8 +122,11 @@ def one_run(name: str, seed: int, rounds: int, attack: bool, equal_size: bool = 
     sevens = split.x_test[split.y_test == 7]
     rt7 = load(model, "x86-gateway", batch_size=len(sevens), allow_over_budget=True)
     backdoor = float((rt7(stamp(sevens).astype(np.float32)).argmax(1) == 1).mean())
-    return {"strategy": name, "seed": seed, "attack": attack, "clean_accuracy": clean, "backdoor_success": backdoor,
-            "rounds": len(history), "equal_size": equal_size}
+    row = {"strategy": name, "seed": seed, "attack": attack, "clean_accuracy": clean, "backdoor_success": backdoor,
+           "rounds": len(history), "equal_size": equal_size}
+    if name == "auto" and auto_params:
+        row["auto_params"] = dict(auto_params)
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the figures as JSON to this path")
     ap.add_argument("--equal-size", action="store_true",
                     help="the poisoner trains on as many samples as an honest shard (half stamped 7s), not more")
+    ap.add_argument("--auto-param", action="append", metavar="NAME=VALUE",
+                    help="a strategy_params entry for the auto strategy, e.g. server_momentum=0.5 (repeatable)")
     args = ap.parse_args(argv)
+    auto_params = parse_params(args.auto_param)
+    if auto_params:
+        check_auto_params(auto_params)
     if args.quick:
         args.seeds, args.rounds, args.only = 1, 8, args.only or ["fedavg", "krum", "fedavg-krum", "krum-reputation"]
     logging.basicConfig(level=logging.ERROR)
@@ -113,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.only or list(STRATEGIES):
         for seed in range(args.first_seed, args.first_seed + args.seeds):
             for attack in (False, True):
-                row = one_run(name, seed, args.rounds, attack, args.equal_size)
+                row = one_run(name, seed, args.rounds, attack, args.equal_size, auto_params)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     table = mean_table(rows, args.only or list(STRATEGIES))

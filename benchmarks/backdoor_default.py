@@ -5,6 +5,8 @@ than 0.5 point of final accuracy against plain FedAvg (the default).
     python benchmarks/backdoor_default.py                 # every arm below, JSON lines then a table
     python benchmarks/backdoor_default.py --only demo     # only the demo arms (about 45 s each)
     python benchmarks/backdoor_default.py --json out.json
+    python benchmarks/backdoor_default.py --auto-param server_momentum=0.5 --strategy auto   # auto's params
+    python benchmarks/backdoor_default.py --only demo --demo-seeds 3 4 --codec topk-int8     # other seeds
 
 Arms, each run as a user runs it:
 - ``demo``: ``edgeflow demo`` (8 boards, CNN, 15 rounds, top-k int8 3% updates, seeds 0 and 1) and the same with
@@ -30,11 +32,36 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
-DEMO = [(s, seed, codec, {}) for codec in ("topk-int8", "int8") for seed in ((0, 1) if codec == "topk-int8" else (0,))
-        for s in ("fedavg", "auto")]
+DEMO_SEEDS = {"topk-int8": (0, 1), "int8": (0,)}
+DEMO = [(s, seed, codec, {}) for codec in DEMO_SEEDS for seed in DEMO_SEEDS[codec] for s in ("fedavg", "auto")]
 DEMO_WHY = [("fedavgm", 0, "topk-int8", {"server_momentum": 0.9}),
             ("krum-reputation", 0, "topk-int8", {"server_momentum": 0.0})]
 SIMULATE = [(s, 0, codec, {}) for codec in ("int8", "topk-int8") for s in ("fedavg", "auto")]
+
+
+def parse_params(items: list[str] | None) -> dict[str, Any]:
+    """``["server_momentum=0.5", ...]`` -> ``{"server_momentum": 0.5}`` (values read as JSON, else as text)."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"--auto-param {item!r}: expected NAME=VALUE, e.g. server_momentum=0.5")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+def check_auto_params(params: dict[str, Any]) -> None:
+    """Refuse ``--auto-param`` names that ``strategy = "auto"`` would refuse, as one line (not mid-run)."""
+    from edgeflow.errors import EdgeflowError
+    from edgeflow.gateway.strategies import resolve_strategy
+
+    try:
+        resolve_strategy("auto", params)
+    except EdgeflowError as exc:
+        raise SystemExit(f"--auto-param: {exc}") from None
 
 
 def run_demo(strategy: str, seed: int, codec: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -64,6 +91,7 @@ def run_simulate(strategy: str, seed: int, codec: str, params: dict[str, Any]) -
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "edgeflow.cli.main", "simulate", "--devices", "20", "--rounds", "30", "--seed",
                str(seed), "--strategy", strategy, "--codec", codec, "--out", tmp, "--json"]
+        cmd += [f"--strategy-param={k}={json.dumps(v)}" for k, v in params.items()]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
         if proc.returncode != 0:
             raise SystemExit(f"{' '.join(cmd[2:])} failed: {proc.stderr.strip().splitlines()[-1:]}")
@@ -76,13 +104,30 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=["demo", "demo-why", "simulate"], action="append")
     ap.add_argument("--json", help="write the rows as JSON to this path")
+    ap.add_argument("--auto-param", action="append", metavar="NAME=VALUE",
+                    help="a strategy_params entry for the auto arms, e.g. server_momentum=0.5 (repeatable)")
+    ap.add_argument("--strategy", choices=["fedavg", "auto"], action="append",
+                    help="only these strategies' demo and simulate arms (default both)")
+    ap.add_argument("--demo-seeds", type=int, nargs="+", metavar="SEED",
+                    help="the demo arms' seeds (default: 0 and 1 for top-k, 0 for int8)")
+    ap.add_argument("--codec", choices=["int8", "topk-int8"], action="append",
+                    help="only the demo and simulate arms with this codec (default both)")
     args = ap.parse_args(argv)
     arms = args.only or ["demo", "demo-why", "simulate"]
+    auto_params = parse_params(args.auto_param)
+    if auto_params:
+        check_auto_params(auto_params)
+    demo = DEMO if args.demo_seeds is None else [
+        (s, seed, codec, {}) for codec in DEMO_SEEDS for seed in args.demo_seeds for s in ("fedavg", "auto")]
     rows = []
-    for arm, runs, fn in (("demo", DEMO, run_demo), ("demo-why", DEMO_WHY, run_demo),
+    for arm, runs, fn in (("demo", demo, run_demo), ("demo-why", DEMO_WHY, run_demo),
                           ("simulate", SIMULATE, run_simulate)):
         if arm not in arms:
             continue
+        if arm != "demo-why":
+            runs = [(s, seed, codec, {**params, **auto_params} if s == "auto" else params)
+                    for s, seed, codec, params in runs
+                    if (not args.strategy or s in args.strategy) and (not args.codec or codec in args.codec)]
         for strategy, seed, codec, params in runs:
             row = {**fn(strategy, seed, codec, params), "arm": arm}
             rows.append(row)
