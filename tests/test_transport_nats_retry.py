@@ -39,7 +39,8 @@ FAST: dict[str, Any] = {"ack_timeout_s": 0.5, "reconnect_min_s": 0.05, "connect_
 
 class JsApiSink:
     """A TCP proxy to a nats-server that drops the first ``drops[stream]`` client requests creating a
-    consumer on ``stream`` (``PUB``/``HPUB $JS.API.CONSUMER.[DURABLE.]CREATE.<stream>...``); every
+    consumer on ``stream`` (``PUB``/``HPUB $JS.API.CONSUMER.[DURABLE.]CREATE.<stream>...``), and the
+    first ``drops["info:<stream>"]`` asking for that stream's info; every
     other byte passes unchanged. ``refuse`` closes new connections at once (the server away);
     :meth:`cut` aborts the open ones; :meth:`hold` keeps what the server sends until released."""
 
@@ -85,9 +86,12 @@ class JsApiSink:
 
     def _swallow(self, subject: str) -> bool:
         words = subject.split(".")
-        if words[:3] != ["$JS", "API", "CONSUMER"]:
+        if words[:4] == ["$JS", "API", "STREAM", "INFO"] and len(words) == 5:
+            stream: str | None = f"info:{words[4]}"  # drops["info:EF_LIVE"]: the stream checks on connect
+        elif words[:3] != ["$JS", "API", "CONSUMER"]:
             return False
-        stream = words[5] if words[3:5] == ["DURABLE", "CREATE"] else words[4] if words[3] == "CREATE" else None
+        else:
+            stream = words[5] if words[3:5] == ["DURABLE", "CREATE"] else words[4] if words[3] == "CREATE" else None
         if stream is None:
             return False
         self.seen[stream] = self.seen.get(stream, 0) + 1
@@ -233,6 +237,27 @@ def test_a_pong_that_comes_after_the_flush_timed_out_does_not_deafen_the_connect
     sink.hold(False)  # the PONG (and whatever else was held) arrives late
     assert inbox.wait(1, timeout=15)[0].payload == b"global model v1"
     assert wait_until(lambda: dev.stats().get("subscribe_retried") == 1, 5)
+
+
+def test_a_first_connect_whose_stream_check_timed_out_does_not_hold_live_messages_back(
+        server: NatsServer, sink: JsApiSink, made: list[NatsTransport]) -> None:
+    """The first connection's stream check times out, so that connection is closed and the next one
+    made. Closing it ran the disconnect handler, which started holding live messages back until a
+    reconnect's replay; no reconnect came, so the device never saw a live message (22 of 1,000
+    devices in a run with a 0.5 s ack timeout never got the round announcement)."""
+    _publish_model(server, b"global model v1")
+    sink.drops["info:EF_LIVE"] = 1
+    dev = NatsTransport(port=sink.port, client_id="dev-7", **FAST)
+    made.append(dev)
+    models, rounds = Inbox(), Inbox()
+    dev.subscribe(MODEL, models)
+    dev.subscribe(ROUND, rounds)
+    dev.connect(10)
+    assert sink.dropped["info:EF_LIVE"] == 1 and dev.stats()["connects"] == 1
+    assert models.wait(1)[0].payload == b"global model v1"
+    with NatsTransport(port=server.port, client_id="gateway") as gw:
+        gw.publish(ROUND, b"round 1").wait(10)
+    assert rounds.wait(1, timeout=10)[0].payload == b"round 1"
 
 
 def test_an_unsubscribe_stops_the_retries(server: NatsServer, sink: JsApiSink, made: list[NatsTransport]) -> None:

@@ -311,6 +311,11 @@ class Link:
                         "check this user's publish permissions"))
 
     async def _on_disconnected(self) -> None:
+        if not self.connected_once:
+            # a first connection that failed half way (its JetStream check timed out) and was closed:
+            # nothing to replay, and a hold set here would keep every live message of the next
+            # connection back for ever (no reconnect would come to release it)
+            return
         if self._down_since is None:
             self._down_since = time.time()
             if self._hold is None:
