@@ -102,7 +102,7 @@ def _log_sum_exp(x, ax, keep):
 _PLAIN = ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd")
 
 _FNS = {
-    "ReduceSum": lambda x, ax, keep: np.sum(x, axis=ax, keepdims=keep, dtype=x.dtype),
+    "ReduceSum": lambda x, ax, keep: np.add.reduce(x, axis=ax, keepdims=keep, dtype=x.dtype),  # np.sum, unwrapped
     "ReduceMean": _mean,
     "ReduceMax": _max,
     "ReduceMin": _min,

@@ -14,9 +14,11 @@ from .registry import register
 
 
 def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
-    e = np.subtract(x, np.max(x, axis=axis, keepdims=True), out=np.empty_like(x))
+    # the ufuncs' reduce methods: what np.max / np.sum call, without their Python wrappers
+    # (~2 us each: a third of a (1, 9) softmax, thai2rom-decoder's attention)
+    e = np.subtract(x, np.maximum.reduce(x, axis=axis, keepdims=True), out=np.empty_like(x))
     np.exp(e, out=e)
-    return np.divide(e, np.sum(e, axis=axis, keepdims=True), out=e)
+    return np.divide(e, np.add.reduce(e, axis=axis, keepdims=True), out=e)
 
 
 def _log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
