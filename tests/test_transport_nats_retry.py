@@ -299,6 +299,41 @@ def test_a_gap_replay_that_times_out_is_retried(server: NatsServer, sink: JsApiS
     assert st["gap_replay_timeouts"] == 1 and st["gap_replay_retried"] == 1 and st["gap_replayed"] == 1
 
 
+def _outage(sink: JsApiSink, dev: NatsTransport, during: Any = None) -> None:
+    sink.refuse = True
+    sink.cut()
+    assert wait_until(lambda: not dev.is_connected, 10)
+    if during is not None:
+        during()
+    sink.refuse = False
+    assert wait_until(lambda: dev.is_connected, 20)
+
+
+def test_gap_replays_that_keep_timing_out_are_one_retry_from_the_oldest_gap(
+        server: NatsServer, sink: JsApiSink, made: list[NatsTransport]) -> None:
+    """Three outages whose replays all time out: one retry per subject (not one more per reconnect),
+    replaying from the first outage, so what was published then still arrives."""
+    dev = NatsTransport(port=sink.port, client_id="dev-8", **FAST).connect(10)
+    made.append(dev)
+    inbox = Inbox()
+    dev.subscribe(ROUND, inbox)
+    sink.drops["EF_LIVE"] = 1_000
+
+    def announce() -> None:
+        with NatsTransport(port=server.port, client_id="gateway") as gw:
+            gw.publish(ROUND, b"round 1").wait(10)
+
+    _outage(sink, dev, announce)
+    assert wait_until(lambda: dev.stats().get("gap_replay_timeouts", 0) >= 1, 10)
+    for merged in (2, 4):  # two subjects each time: the topic's and its chunk sub-filter's
+        _outage(sink, dev)
+        assert wait_until(lambda: dev.stats().get("gap_replay_merged", 0) == merged, 10)
+    sink.drops["EF_LIVE"] = 0
+    assert inbox.wait(1, timeout=30)[0].payload == b"round 1"
+    assert wait_until(lambda: dev.stats().get("gap_replay_retried") == 2, 15)  # one per subject
+    assert dev.stats()["gap_replay_merged"] == 4
+
+
 DENIED_CONFIG = """
 accounts {
   FLEET {

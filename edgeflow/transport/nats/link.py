@@ -100,8 +100,9 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
     nats.errors.ConnectionDrainingError,
 )
 """What the server may answer in time on a later try (no refusal among them)."""
-_PONG_WAIT_S = 600
-"""How long :meth:`Link._flush`'s PONG is waited for after the caller stopped waiting."""
+_PONG_WAIT_S = 120
+"""How long :meth:`Link._flush`'s PONG is waited for after the caller stopped waiting (nats-py finds a
+connection without PONGs stale sooner: 3 pings 20 s apart; the reconnect forgets the wait)."""
 _PERM = re.compile(r'permissions violation for (publish|subscription) to "([^"]+)"', re.IGNORECASE)
 
 
@@ -167,6 +168,8 @@ class Link:
         self._seq = 0
         self._denied_subs: set[str] = set()
         self._denied_api: set[str] = set()
+        self._gap_retries: dict[tuple[int, str], datetime.datetime] = {}
+        """(handler id, subject) -> start of the gap a pending retry replays (event-loop thread only)."""
         """JetStream API subjects the server refused this user to publish to (``-ERR``, lower case; event-loop thread)."""
         self._main_task: asyncio.Task[None] | None = None
         self._pending: list[tuple[LocalHandler, Parts]] = []
@@ -689,10 +692,16 @@ class Link:
                                     continue
                                 if isinstance(exc, _NotInTime):
                                     self._count("gap_replay_timeouts")
+                                    key = (id(local), s)
+                                    if key in self._gap_retries:  # one retry per subject, from the oldest gap
+                                        self._gap_retries[key] = min(self._gap_retries[key], start)
+                                        self._count("gap_replay_merged")
+                                        continue
                                     log.warning("%s: messages missed on %s while disconnected not replayed yet "
                                                 "(%s); tried again every %s to %s s until they are", self.t.name,
                                                 s, exc, RETRY_MIN_S, RETRY_MAX_S)
-                                    self._spawn(self._retry_gap(local, s, start))
+                                    self._gap_retries[key] = start
+                                    self._spawn(self._retry_gap(local, s, key))
                                     continue
                                 self._count("gap_replay_errors")
                                 log.warning("%s: messages missed on %s while disconnected not replayed: %s",
@@ -711,11 +720,18 @@ class Link:
         self._count("gap_replayed", len(items))
         return items
 
-    async def _retry_gap(self, local: LocalHandler, subject: str, start: datetime.datetime) -> None:
+    async def _retry_gap(self, local: LocalHandler, subject: str, key: tuple[int, str]) -> None:
         """Replay a gap whose replay timed out, with backoff, until it is done, refused, unsubscribed or
         the transport closes. The live messages went on meanwhile: a replayed message handled before
         is dropped by its id, the others come after newer live ones. While disconnected it waits; a
-        later reconnect replays its own gap besides (from a later moment: this one is still needed)."""
+        later reconnect replays its own gap besides; one that times out too is merged into this retry
+        (``_gap_retries[key]``: the oldest start), so reconnects do not pile retries up."""
+        try:
+            await self._retry_gap_loop(local, subject, key)
+        finally:
+            self._gap_retries.pop(key, None)
+
+    async def _retry_gap_loop(self, local: LocalHandler, subject: str, key: tuple[int, str]) -> None:
         backoff = Backoff(RETRY_MIN_S, RETRY_MAX_S)
         tries = 1
         while not self.ended and not local.removed:
@@ -723,7 +739,7 @@ class Link:
             if self.ended or local.removed or not self._connected():
                 continue
             try:
-                items = await self._gap(subject, start)
+                items = await self._gap(subject, self._gap_retries[key])
             except _NotInTime as exc:
                 tries += 1
                 self._count("gap_replay_timeouts")
