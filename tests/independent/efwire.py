@@ -619,12 +619,13 @@ def _finish(data: bytes, out: dict, body: int) -> dict:
     return out
 
 
-def parse_compact_envelope(data: bytes, *, max_elements: int = 1 << 28) -> dict:
-    """§7.6: the version-2 envelope (varint header, unpadded sections, binary metadata)."""
+def _varint_header(data: bytes, version_expected: int) -> tuple[dict, int, int]:
+    """§7.6/§7.7: what versions 2 and 3 share: prefix, header length, round, seq, device id, metadata.
+    Returns the fields read, the position after the metadata and the header's end."""
     n = len(data)
     magic, version, flags, codec_id = struct.unpack_from("<4sBBB", data, 0)
-    if magic != MAGIC or version != VERSION_COMPACT:
-        raise WireError("not a version-2 envelope")
+    if magic != MAGIC or version != version_expected:
+        raise WireError(f"not a version-{version_expected} envelope")
     if flags & ~FLAG_SIGNED:
         raise WireError("unknown flags")
     if codec_id not in CODECS:
@@ -645,7 +646,16 @@ def parse_compact_envelope(data: bytes, *, max_elements: int = 1 << 28) -> dict:
         raise WireError("metadata too long")
     meta_raw = data[pos:pos + meta_len]
     pos += meta_len
-    metadata = unpack_metadata(meta_raw)
+    head = {"version": version, "flags": flags, "codec_id": codec_id, "codec": CODECS[codec_id],
+            "round_id": round_id, "seq": seq, "device_id": device_id, "metadata": unpack_metadata(meta_raw),
+            "metadata_hex": meta_raw.hex(), "header_length": header_len}
+    return head, pos, header_end
+
+
+def parse_compact_envelope(data: bytes, *, max_elements: int = 1 << 28) -> dict:
+    """§7.6: the version-2 envelope (varint header, unpadded sections, binary metadata)."""
+    n = len(data)
+    head, pos, header_end = _varint_header(data, VERSION_COMPACT)
     count, pos = read_varint(data, pos, header_end)
     if count > 0xFFFF:
         raise WireError("more than 65535 tensors")
@@ -681,10 +691,7 @@ def parse_compact_envelope(data: bytes, *, max_elements: int = 1 << 28) -> dict:
         body += length
     if pos != header_end:
         raise WireError("header length disagrees with its contents")
-    out = {"version": version, "flags": flags, "codec_id": codec_id, "codec": CODECS[codec_id],
-           "round_id": round_id, "seq": seq, "device_id": device_id, "metadata": metadata,
-           "metadata_hex": meta_raw.hex(), "tensors": tensors, "header_length": header_len}
-    return _finish(data, out, body)
+    return _finish(data, {**head, "tensors": tensors}, body)
 
 
 def build_compact_envelope(codec: str, round_id: int, seq: int, device_id: str, metadata_bin: bytes,
@@ -726,30 +733,7 @@ def layout_digest(layout: list) -> bytes:
 def parse_layout_envelope(data: bytes, layout: list | None, *, max_elements: int = 1 << 28) -> dict:
     """§7.7: the version-3 envelope; the tensors' names and shapes come from ``layout`` (the receiver's model)."""
     n = len(data)
-    magic, version, flags, codec_id = struct.unpack_from("<4sBBB", data, 0)
-    if magic != MAGIC or version != VERSION_LAYOUT:
-        raise WireError("not a version-3 envelope")
-    if flags & ~FLAG_SIGNED:
-        raise WireError("unknown flags")
-    if codec_id not in CODECS:
-        raise WireError(f"unknown codec id {codec_id}")
-    header_len, pos = read_varint(data, 7, n)
-    header_end = pos + header_len
-    if header_end > n:
-        raise WireError("header longer than the envelope")
-    round_id, pos = read_varint(data, pos, header_end)
-    seq, pos = read_varint(data, pos, header_end)
-    dev_len, pos = read_varint(data, pos, header_end)
-    if dev_len > MAX_DEVICE_ID or pos + dev_len > header_end:
-        raise WireError("device id too long")
-    device_id = data[pos:pos + dev_len].decode("utf-8")
-    pos += dev_len
-    meta_len, pos = read_varint(data, pos, header_end)
-    if meta_len > MAX_METADATA or pos + meta_len > header_end:
-        raise WireError("metadata too long")
-    meta_raw = data[pos:pos + meta_len]
-    pos += meta_len
-    metadata = unpack_metadata(meta_raw)
+    head, pos, header_end = _varint_header(data, VERSION_LAYOUT)
     if pos + 9 > header_end:
         raise WireError("header ends inside the layout digest")
     digest, dtype_code = data[pos:pos + 8], data[pos + 8]
@@ -784,11 +768,8 @@ def parse_layout_envelope(data: bytes, layout: list | None, *, max_elements: int
         tensors.append({"name": name, "dtype_code": dtype_code, "dtype": DTYPES[dtype_code], "shape": shape,
                         "size": size, "offset": at, "length": length, "section": data[at:at + length]})
         at += length
-    out = {"version": version, "flags": flags, "codec_id": codec_id, "codec": CODECS[codec_id],
-           "round_id": round_id, "seq": seq, "device_id": device_id, "metadata": metadata,
-           "metadata_hex": meta_raw.hex(), "tensors": tensors, "header_length": header_len,
-           "layout_digest": digest, "dtype_code": dtype_code, "section_lengths": lengths}
-    return _finish(data, out, body)
+    return _finish(data, {**head, "tensors": tensors, "layout_digest": digest, "dtype_code": dtype_code,
+                          "section_lengths": lengths}, body)
 
 
 def build_layout_envelope(codec: str, round_id: int, seq: int, device_id: str, metadata_bin: bytes,
