@@ -10,18 +10,16 @@ import threading
 import numpy as np
 import pytest
 
+from _ingest_fleet import digits_clients
 from _brokers import FAST, Inbox, mosquitto_factory, wait_until  # noqa: F401
-from edgeflow import zoo
 from edgeflow.codecs import peek_update
-from edgeflow.data.datasets import dirichlet_partition, load_digits
-from edgeflow.federated import Client
 from edgeflow.gateway.ingest import IngestPool, IngestStore, SharedIngest, WorkerConfig
 from edgeflow.gateway.intake import RoundView, check_update
 from edgeflow.gateway.rounds import Candidate, RoundConfig, RoundManager
 from edgeflow.gateway.store import GatewayStore
 from edgeflow.gateway.strategies import bounded_mean
 from edgeflow.protocol.rounds import TrainConfig
-from edgeflow.signing import KeyRing, PrivateKey, Signer
+from edgeflow.signing import PrivateKey
 from edgeflow.transport import MqttTransport
 
 pytestmark = pytest.mark.integration
@@ -33,18 +31,7 @@ DEVICES = 4
 def test_a_restarted_worker_rebuilds_digest_layout_claims(mosquitto_factory, tmp_path):  # noqa: F811
     broker = mosquitto_factory()
     fleet_key = PrivateKey.generate()
-    model = zoo.digits_mlp(seed=5)
-    split = load_digits(seed=0).flat()
-    parts = dirichlet_partition(split.y_train, DEVICES, alpha=1.0, seed=1)
-    ring = KeyRing()
-    clients: list[Client] = []
-    for i, idx in enumerate(parts):
-        s = Signer.generate(f"d{i}")
-        ring.register(s.device_id, s.public_key)
-        t = MqttTransport.from_url(broker.url, client_id=f"{FLEET}-{s.device_id}", clean_start=True, **FAST)
-        clients.append(Client(t, fleet=FLEET, device_id=s.device_id, signer=s, fleet_key=fleet_key.public_key,
-                              model=model, data=(split.x_train[idx], split.y_train[idx]), seed=i))
-    ring.save(tmp_path / "ring.json")
+    model, clients, ring = digits_clients(broker.url, FLEET, DEVICES, fleet_key, tmp_path / "ring.json", id_format="d{}")
     state = tmp_path / "gw.sqlite"
     store = GatewayStore(state)
     ingest = SharedIngest(merge_timeout_s=20, dead_after_s=5)

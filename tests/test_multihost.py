@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _ingest_fleet import digits_clients
 from _brokers import FAST, wait_until
 from _netns import pg_cluster, testnet  # noqa: F401
 from _stores import pg_schema_url
@@ -53,19 +54,7 @@ def test_a_worker_host_killed_mid_round_loses_nothing(testnet, pg_cluster, tmp_p
     broker = MosquittoBroker(host=net.gateway_ip, binary=find_mosquitto(), workdir=tmp_path / "broker").start()
     state = pg_schema_url("gw", pg_cluster.url)
     fleet_key = PrivateKey.generate()
-    model = zoo.digits_mlp(seed=5)
-    split = load_digits(seed=0).flat()
-    parts = dirichlet_partition(split.y_train, DEVICES, alpha=1.0, seed=1)
-    ring = KeyRing()
-    clients: list[Client] = []
-    for i, idx in enumerate(parts):
-        s = Signer.generate(f"d{i:02d}")
-        ring.register(s.device_id, s.public_key)
-        t = MqttTransport.from_url(broker.url, client_id=f"{FLEET}-{s.device_id}", clean_start=True,
-                                   max_payload=4096 if i == 0 else 256 * 1024, **FAST)
-        clients.append(Client(t, fleet=FLEET, device_id=s.device_id, signer=s, fleet_key=fleet_key.public_key,
-                              model=model, data=(split.x_train[idx], split.y_train[idx]), seed=i))
-    ring.save(tmp_path / "ring.json")
+    model, clients, ring = digits_clients(broker.url, FLEET, DEVICES, fleet_key, tmp_path / "ring.json", chunk_first=True)
     store = GatewayStore(state)
     assert store.engine == "postgresql"
     ingest = SharedIngest(merge_timeout_s=20, dead_after_s=3)
@@ -161,8 +150,6 @@ def test_site_gateways_on_their_own_hosts_reproduce_flat_fedavg(testnet, pg_clus
     the site's state on the shared PostgreSQL (its own schema) over the veth link and a direct
     uplink to the central broker; the root runs here. Two root rounds equal flat FedAvg over
     every device of both sites."""
-    import socket
-    import time
 
     from edgeflow.gateway.hierarchy import root_manager
 

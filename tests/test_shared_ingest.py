@@ -11,17 +11,16 @@ import threading
 import numpy as np
 import pytest
 
+from _ingest_fleet import digits_clients
 from _brokers import FAST, Inbox, mosquitto_factory, transport_factory, wait_until  # noqa: F401
 from edgeflow import zoo
-from edgeflow.data.datasets import dirichlet_partition, load_digits
 from edgeflow.errors import ConfigError
-from edgeflow.federated import Client
 from edgeflow.protocol.rounds import TrainConfig
 from edgeflow.gateway.ingest import IngestPool, IngestStore, SharedIngest, WorkerConfig, shared_filter
 from edgeflow.gateway.rounds import Candidate, RoundConfig, RoundManager
 from edgeflow.gateway.store import GatewayStore
 from edgeflow.gateway.strategies import bounded_mean
-from edgeflow.signing import KeyRing, PrivateKey, Signer
+from edgeflow.signing import KeyRing, PrivateKey
 from edgeflow.transport import MqttTransport
 
 pytestmark = pytest.mark.integration
@@ -69,20 +68,7 @@ def _flat(before, clients, m):
 def test_worker_killed_mid_round_loses_no_update(mosquitto_factory, tmp_path):  # noqa: F811
     broker = mosquitto_factory()
     fleet_key = PrivateKey.generate()
-    model = zoo.digits_mlp(seed=5)
-    split = load_digits(seed=0).flat()
-    parts = dirichlet_partition(split.y_train, DEVICES, alpha=1.0, seed=1)
-    ring = KeyRing()
-    clients: list[Client] = []
-    for i, idx in enumerate(parts):
-        s = Signer.generate(f"d{i:02d}")
-        ring.register(s.device_id, s.public_key)
-        # d00's update (26 KB dense) goes in 4 KB chunks: every worker reassembles it, one claims it
-        t = MqttTransport.from_url(broker.url, client_id=f"{FLEET}-{s.device_id}", clean_start=True,
-                                   max_payload=4096 if i == 0 else 256 * 1024, **FAST)
-        clients.append(Client(t, fleet=FLEET, device_id=s.device_id, signer=s, fleet_key=fleet_key.public_key,
-                              model=model, data=(split.x_train[idx], split.y_train[idx]), seed=i))
-    ring.save(tmp_path / "ring.json")
+    model, clients, ring = digits_clients(broker.url, FLEET, DEVICES, fleet_key, tmp_path / "ring.json", chunk_first=True)
     state = tmp_path / "gw.sqlite"
     store = GatewayStore(state)
     ingest = SharedIngest(merge_timeout_s=10, dead_after_s=3)
