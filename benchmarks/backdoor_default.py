@@ -31,37 +31,15 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from backdoor import check_auto_params, parse_params  # noqa: E402  (one --auto-param parser for both scripts)
 
 DEMO_SEEDS = {"topk-int8": (0, 1), "int8": (0,)}
 DEMO = [(s, seed, codec, {}) for codec in DEMO_SEEDS for seed in DEMO_SEEDS[codec] for s in ("fedavg", "auto")]
 DEMO_WHY = [("fedavgm", 0, "topk-int8", {"server_momentum": 0.9}),
             ("krum-reputation", 0, "topk-int8", {"server_momentum": 0.0})]
 SIMULATE = [(s, 0, codec, {}) for codec in ("int8", "topk-int8") for s in ("fedavg", "auto")]
-
-
-def parse_params(items: list[str] | None) -> dict[str, Any]:
-    """``["server_momentum=0.5", ...]`` -> ``{"server_momentum": 0.5}`` (values read as JSON, else as text)."""
-    out: dict[str, Any] = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise SystemExit(f"--auto-param {item!r}: expected NAME=VALUE, e.g. server_momentum=0.5")
-        try:
-            out[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.strip()] = value
-    return out
-
-
-def check_auto_params(params: dict[str, Any]) -> None:
-    """Refuse ``--auto-param`` names that ``strategy = "auto"`` would refuse, as one line (not mid-run)."""
-    from edgeflow.errors import EdgeflowError
-    from edgeflow.gateway.strategies import resolve_strategy
-
-    try:
-        resolve_strategy("auto", params)
-    except EdgeflowError as exc:
-        raise SystemExit(f"--auto-param: {exc}") from None
 
 
 def run_demo(strategy: str, seed: int, codec: str, params: dict[str, Any]) -> dict[str, Any]:
