@@ -178,10 +178,8 @@ class RoundConfig:
         becomes krum-reputation or FedAvg). ``sums_only``: why the gateway sees only sums besides secure
         aggregation (site partials, ingestion workers' partial sums); ``stored``: the class name of the stored
         strategy state (None: a fresh state). The RoundManager calls it once, at start."""
-        if self.secagg is not None and not sums_only:
-            sums_only = "secure aggregation reveals only the sum"
-        return resolve_strategy(self.strategy, self.strategy_params, sums_only=sums_only, mode=self.mode,
-                                dp=bool(self.dp), stored=stored)
+        return resolve_strategy(self.strategy, self.strategy_params, sums_only=sums_only,
+                                secagg=self.secagg is not None, mode=self.mode, dp=bool(self.dp), stored=stored)
 
     _INTS = ("rounds", "min_clients", "max_extensions", "async_buffer", "seed", "min_evaluate_clients")
     _OPT_INTS = ("max_clients", "max_staleness")

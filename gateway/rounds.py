@@ -108,7 +108,7 @@ from .open_round import OpenRound
 from .round_config import Candidate, RoundConfig
 from .secure_rounds import SecureRounds
 from .store import GatewayStore, StoreError
-from .strategies import StrategyChoice, folds_partials, make_aggregator
+from .strategies import AUTO, StrategyChoice, folds_partials, make_aggregator
 
 log = logging.getLogger("edgeflow.gateway.rounds")
 
@@ -351,7 +351,7 @@ class RoundManager:
                      "ingestion workers send the coordinator partial sums" if getattr(ingest, "folds_partials", False)
                      else "")
         stored: str | None = None
-        if self.config.strategy.strip().lower() == "auto":
+        if self.config.strategy.strip().lower() == AUTO:
             saved = self.store.strategy_state()
             if saved is not None:
                 try:

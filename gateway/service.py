@@ -396,8 +396,7 @@ def _check_semantics(data: dict[str, Any], base: Path, problems: list[str]) -> N
         def build() -> None:
             params = dict(rounds.get("strategy_params", {}))
             chosen = resolve_strategy(rounds.get("strategy", "fedavg"), params, mode=rounds.get("mode", "sync"),
-                                      dp=bool(rounds.get("dp")),
-                                      sums_only="secagg" if rounds.get("secagg") is not None else "").name
+                                      dp=bool(rounds.get("dp")), secagg=rounds.get("secagg") is not None).name
             if rounds.get("dp"):
                 from .privacy import CentralDP
 

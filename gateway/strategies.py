@@ -1235,13 +1235,15 @@ class StrategyChoice:
 
 
 def resolve_strategy(strategy: str, params: Mapping[str, Any] | None = None, *, sums_only: str = "",
-                     mode: str = "sync", dp: bool = False, stored: str | None = None) -> StrategyChoice:
+                     secagg: bool = False, mode: str = "sync", dp: bool = False,
+                     stored: str | None = None) -> StrategyChoice:
     """The one rule for ``strategy = "auto"`` (any other name is returned as it is): FedAvg where the gateway
     sees only sums or the defence is not measured, :data:`AUTO_DEFENCE` (``num_byzantine`` 1 and its other
     defaults) where it sees each update.
 
     ``sums_only``: why the gateway sees only sums, empty when it sees each update (secure aggregation, site
     gateways' partial aggregates, ingestion workers' partial sums: :func:`folds_partials`'s contexts);
+    ``secagg``: the rounds run secure aggregation (the gateway sees only the sum);
     ``mode``: ``async`` (FedBuff) gets FedAvg, the defence is not measured there; ``dp``: central DP is
     FedAvg's mechanism (each update clipped and the mean noised), the defence does not take it;
     ``stored``: the class name of the strategy state the gateway's state holds (``""`` for a state with rounds
@@ -1261,6 +1263,8 @@ def resolve_strategy(strategy: str, params: Mapping[str, Any] | None = None, *, 
         raise ConfigError(f"strategy 'auto': strategy_params {sorted(keys - plain)} are only {AUTO_DEFENCE}'s and "
                           f"{sorted(keys - defence)} only fedavg's; name the strategy (strategy = \"{AUTO_DEFENCE}\" "
                           "or \"fedavg\")")
+    if secagg and not sums_only:
+        sums_only = "secure aggregation reveals only the sum"
     if sums_only:
         why = f"the gateway sees only sums: {sums_only}; {AUTO_DEFENCE} needs each update"
     elif mode != "sync":
