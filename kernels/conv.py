@@ -168,25 +168,33 @@ def _toeplitz_weights(w: np.ndarray, g: spatial.WindowGeometry, wp: int, dtype) 
     Built once per weight and geometry; kept while the weight's values are the same
     (compared on every call: ~1 us for a model's depthwise kernels, against a rebuild
     that would cost a Python loop over the kernel)."""
-    key = (id(w), g, wp, np.dtype(dtype).str)
+    def build() -> np.ndarray:
+        c = w.shape[0]
+        kh, kw = g.kernel
+        ow = g.out_shape[1]
+        sw, dw = g.strides[1], g.dilations[1]
+        t = np.zeros((c, kh, wp, ow), dtype)
+        cols = np.arange(ow)
+        wk = w.reshape(c, kh, kw).astype(dtype, copy=False)
+        for i in range(kh):
+            for j in range(kw):
+                t[:, i, cols * sw + j * dw, cols] = wk[:, i, j][:, None]
+        return t.reshape(c, kh * wp, ow)
+
+    return _kept_for(w, (id(w), g, wp, np.dtype(dtype).str), build)
+
+
+def _kept_for(w: np.ndarray, key: tuple, build) -> np.ndarray:
+    """``build()``'s matrices for weight ``w`` under ``key``, kept in :data:`_TOEPLITZ` while ``w``'s values
+    are the same (compared on every call; at most 256 entries, then the cache starts over)."""
     hit = _TOEPLITZ.get(key)
     if hit is not None and hit[0].shape == w.shape and np.array_equal(hit[0], w):
         return hit[1]
-    c = w.shape[0]
-    kh, kw = g.kernel
-    ow = g.out_shape[1]
-    sw, dw = g.strides[1], g.dilations[1]
-    t = np.zeros((c, kh, wp, ow), dtype)
-    cols = np.arange(ow)
-    wk = w.reshape(c, kh, kw).astype(dtype, copy=False)
-    for i in range(kh):
-        for j in range(kw):
-            t[:, i, cols * sw + j * dw, cols] = wk[:, i, j][:, None]
-    t = t.reshape(c, kh * wp, ow)
+    out = build()
     if len(_TOEPLITZ) >= 256:
         _TOEPLITZ.clear()
-    _TOEPLITZ[key] = (w.copy(), t)
-    return t
+    _TOEPLITZ[key] = (w.copy(), out)
+    return out
 
 
 def _depthwise_toeplitz(x: np.ndarray, w: np.ndarray, g: spatial.WindowGeometry) -> np.ndarray:
@@ -227,26 +235,21 @@ def _short_weights(w: np.ndarray, g: spatial.WindowGeometry, h: int, dtype) -> n
     w[i, j] of the kernel row i that reads input row r = o * s_h - pad_top + i * d_h,
     zeros where no kernel row does (the padding rows are never stored). Kept like
     :func:`_toeplitz_weights`: per weight and geometry, rebuilt when its values change."""
-    key = ("short", id(w), g, h, np.dtype(dtype).str)
-    hit = _TOEPLITZ.get(key)
-    if hit is not None and hit[0].shape == w.shape and np.array_equal(hit[0], w):
-        return hit[1]
-    c = w.shape[0]
-    kh, kw = g.kernel
-    oh = g.out_shape[0]
-    sh, dh, pt = g.strides[0], g.dilations[0], g.pads_begin[0]
-    a = np.zeros((c, oh, kw, h), dtype)
-    wk = w.reshape(c, kh, kw).astype(dtype, copy=False)
-    for o in range(oh):
-        for i in range(kh):
-            r = o * sh - pt + i * dh
-            if 0 <= r < h:
-                a[:, o, :, r] = wk[:, i, :]
-    a = a.reshape(c, oh, kw * h)
-    if len(_TOEPLITZ) >= 256:
-        _TOEPLITZ.clear()
-    _TOEPLITZ[key] = (w.copy(), a)
-    return a
+    def build() -> np.ndarray:
+        c = w.shape[0]
+        kh, kw = g.kernel
+        oh = g.out_shape[0]
+        sh, dh, pt = g.strides[0], g.dilations[0], g.pads_begin[0]
+        a = np.zeros((c, oh, kw, h), dtype)
+        wk = w.reshape(c, kh, kw).astype(dtype, copy=False)
+        for o in range(oh):
+            for i in range(kh):
+                r = o * sh - pt + i * dh
+                if 0 <= r < h:
+                    a[:, o, :, r] = wk[:, i, :]
+        return a.reshape(c, oh, kw * h)
+
+    return _kept_for(w, ("short", id(w), g, h, np.dtype(dtype).str), build)
 
 
 def _depthwise_short(x: np.ndarray, w: np.ndarray, g: spatial.WindowGeometry) -> np.ndarray:
@@ -363,13 +366,8 @@ def conv(
                         _hashable(pads), _hashable(strides))
     if mode == "check":
         check_conv_shapes(x, w, group)
-    if mode == "depthwise_toeplitz" or mode == "depthwise_short":
-        y = _depthwise_toeplitz(x, w, g) if mode == "depthwise_toeplitz" else _depthwise_short(x, w, g)
-        if b is not None:
-            y += b.reshape(1, -1, 1, 1).astype(y.dtype, copy=False)
-        return y
-    if mode == "shifted" or mode == "depthwise_columns":
-        y = _conv2d_shifted(x, w, group, g) if mode == "shifted" else _depthwise_columns(x, w, g)
+    if mode == "shifted" or mode in _DEPTHWISE_PLANS:
+        y = _conv2d_shifted(x, w, group, g) if mode == "shifted" else _DEPTHWISE_PLANS[mode](x, w, g)
         if b is not None:
             y += b.reshape(1, -1, 1, 1).astype(y.dtype, copy=False)
         return y
