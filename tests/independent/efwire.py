@@ -560,12 +560,7 @@ def parse_envelope(data: bytes, *, max_elements: int = 1 << 28, layout: list | N
             raise WireError("bad dtype code or too many dimensions")
         shape = list(struct.unpack_from(f"<{ndim}Q", data, pos))
         pos += 8 * ndim
-        size = 1
-        for d in shape:
-            size *= d
-        elements += size
-        if elements > max_elements:
-            raise WireError("too many elements")
+        size, elements = _counted(shape, elements, max_elements)
         offset = align8(body)
         if offset + length > n:
             raise WireError("section beyond the end")
@@ -617,6 +612,17 @@ def _finish(data: bytes, out: dict, body: int) -> dict:
         t["fields"] = decode_section(out["codec"], t["section"], t["size"])
         t["values"] = section_values(out["codec"], t["fields"], t["size"])
     return out
+
+
+def _counted(shape: list[int], elements: int, max_elements: int) -> tuple[int, int]:
+    """A tensor's element count and the envelope's running total, refused past ``max_elements``."""
+    size = 1
+    for d in shape:
+        size *= d
+    elements += size
+    if elements > max_elements:
+        raise WireError("too many elements")
+    return size, elements
 
 
 def _varint_header(data: bytes, version_expected: int) -> tuple[dict, int, int]:
@@ -678,12 +684,7 @@ def parse_compact_envelope(data: bytes, *, max_elements: int = 1 << 28) -> dict:
             d, pos = read_varint(data, pos, header_end)
             shape.append(d)
         length, pos = read_varint(data, pos, header_end)
-        size = 1
-        for d in shape:
-            size *= d
-        elements += size
-        if elements > max_elements:
-            raise WireError("too many elements")
+        size, elements = _counted(shape, elements, max_elements)
         if body + length > n:
             raise WireError("section beyond the end")
         tensors.append({"name": name, "dtype_code": dtype_code, "dtype": DTYPES[dtype_code], "shape": shape,
@@ -759,12 +760,7 @@ def parse_layout_envelope(data: bytes, layout: list | None, *, max_elements: int
         raise WireError(f"encoded for another model layout (digest {digest.hex()}, {count} tensors)")
     tensors, at, elements = [], header_end, 0
     for (name, shape), length in zip(ordered, lengths):
-        size = 1
-        for d in shape:
-            size *= d
-        elements += size
-        if elements > max_elements:
-            raise WireError("too many elements")
+        size, elements = _counted(shape, elements, max_elements)
         tensors.append({"name": name, "dtype_code": dtype_code, "dtype": DTYPES[dtype_code], "shape": shape,
                         "size": size, "offset": at, "length": length, "section": data[at:at + length]})
         at += length
