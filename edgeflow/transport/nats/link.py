@@ -168,9 +168,9 @@ class Link:
         self._seq = 0
         self._denied_subs: set[str] = set()
         self._denied_api: set[str] = set()
+        """JetStream API subjects the server refused this user to publish to (``-ERR``, lower case; event-loop thread)."""
         self._gap_retries: dict[tuple[int, str], datetime.datetime] = {}
         """(handler id, subject) -> start of the gap a pending retry replays (event-loop thread only)."""
-        """JetStream API subjects the server refused this user to publish to (``-ERR``, lower case; event-loop thread)."""
         self._main_task: asyncio.Task[None] | None = None
         self._pending: list[tuple[LocalHandler, Parts]] = []
         """Subscriptions made while not connected (event-loop thread only)."""
@@ -494,7 +494,7 @@ class Link:
         ``wait_s`` for the first try: None when made (or pending), else why not yet (the server did not
         answer in time, or not within ``wait_s``): the subscription then stays and is tried again in the
         background (:meth:`_retry_subscription`). Raises TransportError when refused."""
-        if not (self.connected_once and self.nc is not None and self.nc.is_connected):
+        if not (self.connected_once and self._connected()):
             self._pending.append((local, parts))
             return None
         caller = _Caller()
@@ -520,8 +520,7 @@ class Link:
         except TransportError as exc:
             if not caller.gone:
                 raise
-            self._count("subscribe_errors")
-            log.warning("%s: subscription to %s not made: %s", self.t.name, local.sub.filter, exc)
+            self._refused(local, exc)
         return None
 
     async def _subscribe_local(self, local: LocalHandler, parts: Parts) -> bool:
@@ -550,8 +549,7 @@ class Link:
             except _NotInTime as exc:
                 self._not_made_yet(local, parts, exc)
             except TransportError as exc:
-                self._count("subscribe_errors")
-                log.warning("%s: subscription to %s not made: %s", self.t.name, local.sub.filter, exc)
+                self._refused(local, exc)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` in the background until it ends or the transport closes (shutdown cancels it)."""
@@ -564,6 +562,11 @@ class Link:
 
     def _not_made_yet(self, local: LocalHandler, parts: Parts, exc: TransportError) -> None:
         """A subscription's setup timed out: count it, say so once per subscription, try again later."""
+        self._timed_out(local, exc)
+        self._spawn(self._retry_subscription(local, parts))
+
+    def _timed_out(self, local: LocalHandler, exc: TransportError) -> None:
+        """Count a timed-out setup of ``local``; the first is a warning, the others DEBUG."""
         self._count("subscribe_timeouts")
         local.setup_timeouts += 1
         if local.setup_timeouts == 1:
@@ -571,7 +574,11 @@ class Link:
                         self.t.name, local.sub.filter, exc, RETRY_MIN_S, RETRY_MAX_S)
         else:
             log.debug("%s: subscription to %s still not made (%s)", self.t.name, local.sub.filter, exc)
-        self._spawn(self._retry_subscription(local, parts))
+
+    def _refused(self, local: LocalHandler, exc: TransportError) -> None:
+        """A subscription the server refused (or could not make): counted and logged, not tried again."""
+        self._count("subscribe_errors")
+        log.warning("%s: subscription to %s not made: %s", self.t.name, local.sub.filter, exc)
 
     def _connected(self) -> bool:
         return self.nc is not None and self.nc.is_connected
@@ -590,13 +597,10 @@ class Link:
             try:
                 made = await self._subscribe_local(local, parts)
             except _NotInTime as exc:
-                self._count("subscribe_timeouts")
-                local.setup_timeouts += 1
-                log.debug("%s: subscription to %s still not made (%s)", self.t.name, local.sub.filter, exc)
+                self._timed_out(local, exc)
                 continue
             except TransportError as exc:
-                self._count("subscribe_errors")
-                log.warning("%s: subscription to %s not made: %s", self.t.name, local.sub.filter, exc)
+                self._refused(local, exc)
                 return
             if made:
                 self._count("subscribe_retried")
