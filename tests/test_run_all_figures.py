@@ -56,6 +56,15 @@ def test_the_real_model_summary_rows_are_there() -> None:
     assert len(figures) == len(RECORDED["real_models"]["rows"]) + 2
 
 
+def test_the_summary_rows_name_the_targets_they_were_judged_by() -> None:
+    data = json.loads(json.dumps(RECORDED["real_models"]))
+    data["summary"].update(median_ratio=1.7, worst_ratio=3.4, median_target=1.6, worst_target=3.0,
+                           median_met=False, worst_met=False)
+    rows = {f.what.split(" latency")[0]: f.row() for f in RUN_ALL.fig_real_models(data)}
+    assert "| <= 1.6 (every model) | **FAIL** |" in rows["median numpy/ort"]
+    assert "| <= 3 (every model) | **FAIL** |" in rows["worst numpy/ort"]
+
+
 def test_a_speedup_timed_off_the_board_is_not_judged_against_the_boards_target() -> None:
     real = [dict(r) for r in RECORDED["quantization"]["real"]]
     assert real and any(r["kind"] == "conv" for r in real)
