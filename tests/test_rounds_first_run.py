@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from typing import Any
 
 import numpy as np
@@ -21,7 +20,7 @@ from _fleet import FLEET, PROFILE, artifact, fleet_env, mlp_bytes, wait_until  #
 
 from edgeflow import zoo
 from edgeflow.codecs import encode_update
-from edgeflow.protocol.rounds import RoundAnnouncement, TrainConfig
+from edgeflow.protocol.rounds import RoundAnnouncement
 from edgeflow.gateway.rounds import Candidate, RoundConfig, RoundManager, model_weights
 from edgeflow.gateway.store import GatewayStore
 from edgeflow.signing import KeyRing, PrivateKey, Signer
@@ -145,7 +144,6 @@ def test_the_why_names_the_devices_the_configuration_leaves_out(caplog):
 def test_a_round_without_updates_says_why_and_stops_waiting_for_devices_that_left(caplog):
     pool = {d: Candidate(d, note="round 1: global model v1 never arrived" if d == "d1" else "") for d in DEVICES[:3]}
     rm, fk, _ = _manager(lambda: list(pool.values()), deadline_s=1.0, max_extensions=5)
-    t0 = time.monotonic()
     t, out, ann = _open_round(rm, fk)
     # during the round: d0 goes offline, d2 stops training; d1 still trains but reports an error
     del pool["d0"]
@@ -158,19 +156,22 @@ def test_a_round_without_updates_says_why_and_stops_waiting_for_devices_that_lef
     assert "no update arrived from the 3 selected device(s)" in reason
     assert "d0 went offline" in reason and "d2 stopped training (training is switched off" in reason
     assert "d1: round 1: global model v1 never arrived" in reason
-    assert time.monotonic() - t0 < 8, "five extensions of 1 s for a device that keeps training, then it fails"
+    extended = [r.getMessage() for r in caplog.records if "quorum not reached at the deadline; extended" in r.getMessage()]
+    assert len(extended) == 5 and extended[-1].endswith("(5/5)"), "five extensions for a device that keeps training"
     assert json.loads(rm.store.get_meta("rounds_status"))["state"] == "failed"
 
 
-def test_no_extension_for_devices_that_can_no_longer_answer():
+def test_no_extension_for_devices_that_can_no_longer_answer(caplog):
     pool = {d: Candidate(d) for d in DEVICES[:2]}
     rm, fk, _ = _manager(lambda: list(pool.values()), deadline_s=1.0, max_extensions=10)
-    t0 = time.monotonic()
     t, out, _ = _open_round(rm, fk)
     pool.clear()  # both went offline
-    t.join(30)
+    with caplog.at_level(logging.WARNING, logger="edgeflow.gateway.rounds"):
+        t.join(30)
     assert out[0].extra.get("failed") == 1.0
-    assert time.monotonic() - t0 < 5, "it did not wait out ten extensions for devices that are gone"
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any("extended" in m for m in messages), "it extended the round for devices that are gone"
+    assert any("none of the selected devices still missing can train" in m for m in messages)
 
 
 def test_the_client_refuses_a_global_model_that_does_not_fit_and_says_so():
