@@ -47,6 +47,10 @@ Variants of the rule kept as ``krum-reputation`` (measured with the kept one by 
 - ``krum-momentum``: fedavg-krum with FedAvgM's server momentum 0.9 (``krum-reputation`` with memory 0: the
   suspicion is this round's Krum ratio alone, so the Krum-farthest is dropped);
 - ``reputation-no-momentum`` / ``reputation-momentum-0.5``: the suspicion over rounds without momentum / with 0.5;
+- ``reputation-threshold-1.4`` / ``-1.6`` / ``-1.8`` / ``-2.0``: the suspicion over rounds without momentum, but the
+  most suspicious device is dropped only when its suspicion is at least 1.4x / ... / 2.0x the median suspicion of
+  the round's devices (an honest round would then be plain FedAvg's bounded mean: no momentum needed to win back
+  a dropped honest device); ``--drops`` prints how often each device was dropped;
 - ``flame-full``: FLAME's whole recipe: the HDBSCAN filter, clipping to the median norm, then Gaussian noise of
   ``lam`` x the median norm per coordinate (lam 0.001, the paper's value for image classification);
 - ``dnc``: Divide-and-Conquer (Shejwalkar and Houmansadr, NDSS 2021): 5 times, on 1000 random coordinates of
@@ -292,6 +296,33 @@ class KrumThreshold(_Bounded):
         return x, s
 
 
+class ReputationThreshold(strategies.KrumReputation):
+    """krum-reputation (no momentum) that drops the most suspicious device only when its suspicion is at least ``t``
+    x the median suspicion of the round's devices."""
+
+    name = "reputation-threshold"
+    dropped: list[list[str]] = []
+    """Who was dropped, per round (for ``--drops``)."""
+
+    def __init__(self, t: float = 1.6, **kw: Any) -> None:
+        super().__init__(server_momentum=0.0, **kw)
+        self.t = t
+
+    def _reduce(self):
+        from edgeflow.gateway.aggregate import krum_bounded_mean, krum_ratios, update_suspicion
+
+        stack, ids = np.stack(self._held), list(self._client_ids)
+        self._pending = update_suspicion(self.suspicion, ids, krum_ratios(stack, self.num_byzantine), self.memory)
+        s = np.array([self._pending[c] for c in ids])
+        drop = [int(i) for i in np.argsort(-s, kind="stable")[:self.num_byzantine] if s[i] >= self.t * np.median(s)]
+        r = krum_bounded_mean(stack, self._samples, self.num_byzantine, clip_multiplier=self.clip_multiplier,
+                              sample_multiplier=self.sample_multiplier, sample_cap=self.sample_cap,
+                              weighted=self.weighted, drop=np.array(sorted(drop), dtype=np.int64))
+        self.selected_clients = tuple(ids[i] for i in r.chosen)
+        ReputationThreshold.dropped.append([ids[i] for i in drop])
+        return self._as_tensors(r.mean), {"num_selected": float(len(r.chosen)), "dropped": float(len(drop))}
+
+
 class ResidualProject(_Bounded):
     name = "residual-project"
     log: list[tuple[list[str], list[float]]] = []
@@ -378,6 +409,8 @@ RULES: dict[str, dict[str, Any]] = {
     "reputation-no-momentum": {"strategy": "krum-reputation", "strategy_params": {"server_momentum": 0.0}},
     "reputation-momentum-0.5": {"strategy": "krum-reputation", "strategy_params": {"server_momentum": 0.5}},
     "flame-full": {"strategy": "flame-full", "strategy_params": {"lam": 0.001}},
+    **{f"reputation-threshold-{t}": {"strategy": "reputation-threshold", "strategy_params": {"t": float(t)}}
+       for t in ("1.4", "1.6", "1.8", "2.0")},
     "dnc": {"strategy": "dnc", "min_clients": 5},
 }
 
@@ -423,18 +456,22 @@ class ReputationLog(strategies.KrumReputation):
         return out
 
 
-def drops(seeds: int, rounds: int) -> None:
-    """Per seed, with and without the attacker: how many rounds krum-reputation dropped each device."""
+def drops(seeds: int, rounds: int, rules: list[str] | None = None) -> None:
+    """Per seed, with and without the attacker: how many rounds krum-reputation (or each of ``rules``, of the
+    ``reputation-threshold-*`` family) dropped each device, with the run's clean accuracy and backdoor success."""
     from collections import Counter
 
     backdoor.STRATEGIES["krum-reputation-log"] = {"strategy": "krum-reputation-log"}
-    for seed in range(seeds):
-        for attack in (False, True):
-            ReputationLog.dropped.clear()
-            row = backdoor.one_run("krum-reputation-log", seed, rounds, attack)
-            print(json.dumps({"seed": seed, "attack": attack, "clean_accuracy": round(row["clean_accuracy"], 3),
-                              "rounds_dropped": dict(Counter(c for r in ReputationLog.dropped for c in r))}),
-                  flush=True)
+    for name in rules or ["krum-reputation-log"]:
+        log = ReputationLog.dropped if name == "krum-reputation-log" else ReputationThreshold.dropped
+        for seed in range(seeds):
+            for attack in (False, True):
+                log.clear()
+                row = backdoor.one_run(name, seed, rounds, attack)
+                print(json.dumps({"rule": name, "seed": seed, "attack": attack,
+                                  "clean_accuracy": round(row["clean_accuracy"], 3),
+                                  "backdoor_success": round(row["backdoor_success"], 3),
+                                  "rounds_dropped": dict(Counter(c for r in log for c in r))}), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -449,14 +486,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.ERROR)
     for cls in (RobustLearningRate, Flame, FLTrust, CenteredClip, CoordinateClip, AdaptiveNoise, KrumDownweight,
                 ResidualProject, KrumProject, KrumAfterBound, KrumThreshold, FlameFull, DivideAndConquer,
-                ReputationLog):
+                ReputationLog, ReputationThreshold):
         strategies.register_aggregator(cls.name, cls)
     backdoor.STRATEGIES.update(RULES)
     if args.shares:
         shares(args.seeds, args.rounds)
         return 0
     if args.drops:
-        drops(args.seeds, args.rounds)
+        if any(not n.startswith("reputation-threshold") for n in args.only or []):
+            ap.error("--drops takes only --only reputation-threshold-* (or no --only: krum-reputation)")
+        drops(args.seeds, args.rounds, args.only)
         return 0
     rows = []
     for name in args.only or list(RULES):
