@@ -705,14 +705,19 @@ def build_compact_envelope(codec: str, round_id: int, seq: int, device_id: str, 
         nb = name.encode("utf-8")
         head += [varint(len(nb)), nb, bytes([dtype_code, len(shape)])] + [varint(d) for d in shape]
         head.append(varint(len(section)))
-    header = b"".join(head)
-    out = bytearray(struct.pack("<4sBBB", MAGIC, VERSION_COMPACT, FLAG_SIGNED if secret else 0, CODEC_IDS[codec]))
+    return _sealed(VERSION_COMPACT, codec, b"".join(head), [t[3] for t in tensors], secret, UPDATE_COMPACT_CONTEXT)
+
+
+def _sealed(version: int, codec: str, header: bytes, sections: list, secret: bytes | None, context: str) -> bytes:
+    """§7.6/§7.7: prefix, varint header length, header, sections, CRC-32; signed: key id and the Ed25519
+    signature over ``context`` and SHA-256 of everything before it."""
+    out = bytearray(struct.pack("<4sBBB", MAGIC, version, FLAG_SIGNED if secret else 0, CODEC_IDS[codec]))
     out += varint(len(header)) + header
-    for *_, section in tensors:
+    for section in sections:
         out += section
     out += struct.pack("<I", zlib.crc32(bytes(out)))
     if secret is not None:
-        msg = signing_message(UPDATE_COMPACT_CONTEXT, hashlib.sha256(bytes(out)).digest())
+        msg = signing_message(context, hashlib.sha256(bytes(out)).digest())
         out += key_id(ed25519.public_key(secret)) + ed25519.sign(secret, msg)
     return bytes(out)
 
@@ -780,15 +785,7 @@ def build_layout_envelope(codec: str, round_id: int, seq: int, device_id: str, m
                        metadata_bin, layout_digest([(t[0], t[2]) for t in ordered]),
                        bytes([codes.pop() if codes else 2]), varint(len(ordered))]
                       + [varint(len(t[3])) for t in ordered])
-    out = bytearray(struct.pack("<4sBBB", MAGIC, VERSION_LAYOUT, FLAG_SIGNED if secret else 0, CODEC_IDS[codec]))
-    out += varint(len(header)) + header
-    for *_, section in ordered:
-        out += section
-    out += struct.pack("<I", zlib.crc32(bytes(out)))
-    if secret is not None:
-        msg = signing_message(UPDATE_LAYOUT_CONTEXT, hashlib.sha256(bytes(out)).digest())
-        out += key_id(ed25519.public_key(secret)) + ed25519.sign(secret, msg)
-    return bytes(out)
+    return _sealed(VERSION_LAYOUT, codec, header, [t[3] for t in ordered], secret, UPDATE_LAYOUT_CONTEXT)
 
 
 # §10.5 model delta ------------------------------------------------------------
