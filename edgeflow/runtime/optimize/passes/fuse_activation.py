@@ -21,6 +21,8 @@ import dataclasses
 
 import numpy as np
 
+from .readers import readers
+
 PRODUCERS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "Add", "Sum", "BatchNormalization",
                        "LayerNorm(fused)"})
 ACTIVATIONS = frozenset({"Relu", "Clip", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid", "HardSwish",
@@ -88,7 +90,7 @@ def _self_gate(gate, mul):
     return dataclasses.replace(gate, outputs=[mul.outputs[0]], kernel=kernel, free_after=[])
 
 
-def _fuse_self_gates(graph, outputs: set, readers: dict):
+def _fuse_self_gates(graph, outputs: set, read_by: dict):
     gates = {n.outputs[0]: n for n in graph.nodes
              if n.op_type in GATES and not n.domain and len(n.inputs) == 1 and len(n.outputs) == 1}
     replace: dict[int, object] = {}
@@ -100,7 +102,7 @@ def _fuse_self_gates(graph, outputs: set, readers: dict):
         for h, x in ((a, b), (b, a)):
             gate = gates.get(h)
             if (gate is not None and x and gate.inputs[0] == x and h not in outputs and id(gate) not in dropped
-                    and len(readers.get(h, [])) == 1):
+                    and len(read_by.get(h, [])) == 1):
                 replace[id(n)] = _self_gate(gate, n)
                 dropped.add(id(gate))
                 break
@@ -113,17 +115,8 @@ def fuse_activation(graph):
     """CompiledGraph -> CompiledGraph with producer -> activation pairs fused (a
     ``Mul(x, HardSigmoid(x))`` or ``Mul(x, Sigmoid(x))`` first made one node)."""
     outputs = set(graph.output_names)
-    readers0: dict[str, list] = {}
-    for n in graph.nodes:
-        for x in n.inputs:
-            if x:
-                readers0.setdefault(x, []).append(n)
-    graph = _fuse_self_gates(graph, outputs, readers0)
-    readers: dict[str, list] = {}
-    for n in graph.nodes:
-        for x in n.inputs:
-            if x:
-                readers.setdefault(x, []).append(n)
+    graph = _fuse_self_gates(graph, outputs, readers(graph))
+    read_by = readers(graph)
     inits = graph.initializers
     dropped: set[int] = set()
     fused: dict[int, object] = {}
@@ -131,7 +124,7 @@ def fuse_activation(graph):
         if n.op_type not in PRODUCERS or n.domain or len(n.outputs) != 1 or "+" in n.kernel.op_type:
             continue
         y = n.outputs[0]
-        rs = readers.get(y, [])
+        rs = read_by.get(y, [])
         if len(rs) != 1 or y in outputs:
             continue
         act = rs[0]

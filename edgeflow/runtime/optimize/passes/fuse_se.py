@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .readers import readers
+
 FUSED = "SE(fused)"
 ACTIVATIONS = frozenset({"Relu", "Sigmoid", "HardSigmoid", "HardSwish", "LeakyRelu", "Tanh"})
 
@@ -72,19 +74,17 @@ def fuse_se(graph):
     outputs = set(graph.output_names)
     inits = graph.initializers
     producer: dict[str, object] = {}
-    readers: dict[str, int] = {}
     for n in graph.nodes:
         for o in n.outputs:
             if o:
                 producer[o] = n
-        for x in n.inputs:
-            if x:
-                readers[x] = readers.get(x, 0) + 1
+    read_by = readers(graph)
 
     def only(value, op_types):
         """The node that makes ``value`` if it is one of ``op_types`` and ``value`` has one reader."""
         n = producer.get(value)
-        if n is None or n.domain or n.op_type not in op_types or value in outputs or readers.get(value) != 1:
+        if (n is None or n.domain or n.op_type not in op_types or value in outputs
+                or len(read_by.get(value, ())) != 1):
             return None
         return n
 

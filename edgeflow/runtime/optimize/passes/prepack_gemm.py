@@ -12,21 +12,19 @@ import dataclasses
 
 import numpy as np
 
+from .readers import readers
+
 
 def prepack_gemm(graph):
     """CompiledGraph -> CompiledGraph with transB weights pre-transposed."""
-    readers: dict[str, int] = {}
-    for n in graph.nodes:
-        for x in n.inputs:
-            if x:
-                readers[x] = readers.get(x, 0) + 1
+    read_by = readers(graph)
     inits = dict(graph.initializers)
     nodes = []
     changed = False
     for n in graph.nodes:
         b = n.inputs[1] if len(n.inputs) > 1 else ""
         if (n.op_type == "Gemm" and not n.domain and n.attrs.get("transB") and b in inits
-                and readers.get(b) == 1 and inits[b].ndim == 2):
+                and len(read_by.get(b, ())) == 1 and inits[b].ndim == 2):
             inits[b] = np.ascontiguousarray(inits[b].T)
             n = dataclasses.replace(n, attrs={**n.attrs, "transB": 0}, free_after=[])
             changed = True
