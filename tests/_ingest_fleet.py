@@ -31,3 +31,26 @@ def digits_clients(broker_url: str, fleet: str, devices: int, fleet_key: Private
                               model=model, data=(split.x_train[idx], split.y_train[idx]), seed=i))
     ring.save(ring_path)
     return model, clients, ring
+
+
+def start_fleet(pool, clients, rm, gateway_transport) -> None:
+    """Start the ingestion workers (and wait until each is ready), the clients, the round manager and its
+    transport, in that order: a device's first update must find a worker subscribed."""
+    pool.start()
+    assert pool.wait_ready(60), pool.logs()
+    for c in clients:
+        c.start()
+        c.transport.connect(timeout=10)
+    rm.start()
+    gateway_transport.connect(timeout=10)
+
+
+def stop_fleet(rm, clients, transports, pool) -> None:
+    """Stop what :func:`start_fleet` started (and the test's other ``transports``) without waiting on the broker."""
+    rm.stop()
+    for c in clients:
+        c.stop(timeout=2)
+        c.transport.close(timeout=1, flush=False)
+    for t in transports:
+        t.close(timeout=1, flush=False)
+    pool.stop()

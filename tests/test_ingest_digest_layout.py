@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from _ingest_fleet import digits_clients
+from _ingest_fleet import digits_clients, start_fleet, stop_fleet
 from _brokers import FAST, Inbox, mosquitto_factory, wait_until  # noqa: F401
 from edgeflow.codecs import peek_update
 from edgeflow.gateway.ingest import IngestPool, IngestStore, SharedIngest, WorkerConfig
@@ -66,13 +66,7 @@ def test_a_restarted_worker_rebuilds_digest_layout_claims(mosquitto_factory, tmp
     try:
         ear.connect(timeout=10)
         ear.subscribe(f"edgeflow/{FLEET}/+/update", heard)
-        pool.start()
-        assert pool.wait_ready(60), pool.logs()
-        for c in clients:
-            c.start()
-            c.transport.connect(timeout=10)
-        rm.start()
-        gt.connect(timeout=10)
+        start_fleet(pool, clients, rm, gt)
         k = threading.Thread(target=killer, daemon=True)
         k.start()
         rm.on_round = on_round
@@ -104,11 +98,5 @@ def test_a_restarted_worker_rebuilds_digest_layout_claims(mosquitto_factory, tmp
             np.testing.assert_allclose(befores[1][name], w.astype(np.float64) + step[name], rtol=1e-5, atol=1e-6,
                                        err_msg=name)
     finally:
-        rm.stop()
-        for c in clients:
-            c.stop(timeout=2)
-            c.transport.close(timeout=1, flush=False)
-        for t in (gt, ear):
-            t.close(timeout=1, flush=False)
-        pool.stop()
+        stop_fleet(rm, clients, (gt, ear), pool)
         db.close()

@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from _ingest_fleet import digits_clients
+from _ingest_fleet import digits_clients, start_fleet, stop_fleet
 from _brokers import FAST, Inbox, mosquitto_factory, transport_factory, wait_until  # noqa: F401
 from edgeflow import zoo
 from edgeflow.errors import ConfigError
@@ -94,13 +94,7 @@ def test_worker_killed_mid_round_loses_no_update(mosquitto_factory, tmp_path):  
             killed["pid"] = pool.kill("w1")
 
     try:
-        pool.start()
-        assert pool.wait_ready(60), pool.logs()
-        for c in clients:
-            c.start()
-            c.transport.connect(timeout=10)
-        rm.start()
-        gt.connect(timeout=10)
+        start_fleet(pool, clients, rm, gt)
         k = threading.Thread(target=killer, daemon=True)
         k.start()
         expected, befores = [], [dict(rm.weights)]
@@ -134,12 +128,7 @@ def test_worker_killed_mid_round_loses_no_update(mosquitto_factory, tmp_path):  
         assert sum(s["duplicate"] for s in stats.values()) >= 1, stats
         assert history[0].duplicates == 0 and history[1].duplicates == 0
     finally:
-        rm.stop()
-        for c in clients:
-            c.stop(timeout=2)
-            c.transport.close(timeout=1, flush=False)
-        gt.close(timeout=1, flush=False)
-        pool.stop()
+        stop_fleet(rm, clients, (gt,), pool)
         db.close()
 
 
