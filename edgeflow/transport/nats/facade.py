@@ -39,7 +39,7 @@ from edgeflow.transport.limits import check_limits, payload_limit
 from edgeflow.transport.dispatching import ConnectionListeners, Counters, check_subscribe
 from edgeflow.transport.nats.dispatch import Dispatcher, HandlerTable, LocalHandler
 from edgeflow.transport.nats.jetstream import NatsFrame
-from edgeflow.transport.nats.link import Link
+from edgeflow.transport.nats.link import CloseBudget, Link
 from edgeflow.transport.nats.subjects import DEFAULT_PREFIX, check_prefix, filter_subjects
 from edgeflow.transport.outbox import Outbox
 from edgeflow.transport.topics import TopicFilter, chunk_filter, match_filter
@@ -246,23 +246,21 @@ class NatsTransport:
         return self._outbox.wait_empty(timeout)
 
     def close(self, timeout: float = 5.0, *, flush: bool = True, abort: bool = False) -> None:
-        """Stop. ``flush`` waits for queued messages first; a normal close deletes the will record
-        (the will is never published), ``abort=True`` leaves it, like a crash."""
+        """Stop, within ``timeout``. ``flush`` waits for queued messages first (half the timeout at
+        most); a normal close deletes the will record (the will is never published), ``abort=True``
+        leaves it, like a crash. Every task the transport started (nats-py's too) is cancelled and
+        awaited before its event loop is closed; what does not end in time is logged
+        (:class:`~.link.CloseBudget`, docs/transport.md, "NATS")."""
         if self._closed:
             return
+        budget = CloseBudget.of(timeout)
         if flush and self._started and self._link.up:
-            self._outbox.wait_empty(timeout)
+            self._outbox.wait_empty(budget.left(budget.flushed_by))
         self._closed = True
-        if self._started:
-            try:
-                self._link.submit(self._link.shutdown(abort=abort), timeout)
-            except TransportError as exc:
-                self._counters.add("close_errors")
-                self._link.last_error = exc
-            self._link.stop_loop(timeout)
+        self._link.close(budget, abort=abort)
         self._outbox.abandon()
         self._link.fail_inflight()
-        self._dispatch.stop(timeout)
+        self._dispatch.stop(budget.left(budget.end))
         self._link._set(up=False)
 
     def __enter__(self) -> NatsTransport:

@@ -58,6 +58,7 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import nats
@@ -81,7 +82,7 @@ from edgeflow.transport.nats.subjects import (
 )
 from edgeflow.transport.outbox import Outbox
 
-__all__ = ["Link"]
+__all__ = ["CloseBudget", "Link"]
 
 log = logging.getLogger("edgeflow.transport")
 T = TypeVar("T")
@@ -103,7 +104,32 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
 _PONG_WAIT_S = 120
 """How long :meth:`Link._flush`'s PONG is waited for after the caller stopped waiting (nats-py finds a
 connection without PONGs stale sooner: 3 pings 20 s apart; the reconnect forgets the wait)."""
+_END_TASKS_S = 0.5
+"""At most this much of close()'s timeout is kept for cancelling and awaiting the loop's tasks (a
+cancelled task ends in a step or two; the rest is for a busy machine)."""
 _PERM = re.compile(r'permissions violation for (publish|subscription) to "([^"]+)"', re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class CloseBudget:
+    """How ``close(timeout)`` spends its timeout (monotonic clock): the flush of queued messages until
+    ``flushed_by`` (the first half), the goodbye (will record deleted, nats-py's client closed) until
+    ``goodbye_by``, then ending every task on the loop and closing it until ``end`` (the last
+    quarter of the timeout, at most :data:`_END_TASKS_S`)."""
+
+    flushed_by: float
+    goodbye_by: float
+    end: float
+
+    @classmethod
+    def of(cls, timeout: float) -> CloseBudget:
+        now, timeout = time.monotonic(), max(0.0, timeout)
+        end = now + timeout
+        return cls(now + timeout / 2, end - min(_END_TASKS_S, timeout / 4), end)
+
+    @staticmethod
+    def left(until: float) -> float:
+        return max(0.0, until - time.monotonic())
 
 
 class _NotInTime(TransportError):
@@ -152,8 +178,9 @@ class Link:
         self.backoff = backoff
         self.names = StreamNames(owner.prefix)
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=f"edgeflow-nats-loop-{owner.name}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"edgeflow-nats-loop-{owner.name}", daemon=True)
+        self._close_by = 0.0
+        """When the loop's leftover tasks must have ended (set by :meth:`_stop_loop`; monotonic clock)."""
         self._cv = threading.Condition()
         self.up = False
         self.ended = False
@@ -182,6 +209,7 @@ class Link:
         """While reconnecting: live messages held back until the gap's messages were delivered."""
         self._down_since: float | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        """The link's background tasks, held (asyncio keeps only weak references); close ends them with the rest."""
         self._probing = False
         self.remote_jetstream = False
         """The JetStream is behind a leaf connection (its domain is not the server's): see _watch_upstream."""
@@ -212,7 +240,7 @@ class Link:
             return fut.result(timeout)
         except TimeoutError:
             fut.cancel()
-            raise TransportError(f"NATS operation did not finish within {timeout} s") from None
+            raise TransportError(f"NATS operation did not finish within {timeout:.3g} s") from None
 
     def wake(self) -> None:
         if self._wake is not None and not self.loop.is_closed():
@@ -874,36 +902,53 @@ class Link:
 
     # ------------------------------------------------------------------ close
 
-    async def shutdown(self, *, abort: bool) -> None:
-        """Stop sending; a clean close deletes the will record first, an abort leaves it."""
+    def close(self, budget: CloseBudget, *, abort: bool) -> None:
+        """Say goodbye (:meth:`shutdown`), then stop the loop, end every task on it and close it, all by
+        ``budget.end``; what does not end in time is logged once, with why."""
+        with self._thread_lock:  # a loop never started (no connect, no subscribe) is closed here
+            if not self._thread.is_alive():
+                if not self.loop.is_closed():
+                    self.loop.close()
+                return
+        try:
+            self.submit(self.shutdown(abort=abort, by=budget.goodbye_by), budget.left(budget.end))
+        except TransportError as exc:  # the loop did not answer in time: its tasks are ended once it stops
+            self._count("close_errors")
+            self.last_error = exc
+            log.warning("%s: NATS close: %s; the connection is dropped with the loop", self.t.name, exc)
+        self._stop_loop(budget.end)
+
+    async def shutdown(self, *, abort: bool, by: float) -> None:
+        """Stop sending and say goodbye by ``by`` (:meth:`_goodbye`). A goodbye the server does not
+        answer in time is logged and the connection dropped; its tasks end with the others."""
         self.ended = True
         if self._wake is not None:
             self._wake.set()
         nc = self.nc
         if nc is None:
-            await self._cancel_tasks()
             return
-        if not abort:
+        try:
+            await asyncio.wait_for(self._goodbye(nc, abort=abort), CloseBudget.left(by))
+        except TimeoutError:
+            will = " (the will record stays: the will may be published)" if self.t.will and not abort else ""
+            log.warning("%s: NATS close did not finish within its timeout (the server did not answer); "
+                        "the connection is dropped%s", self.t.name, will)
+            _drop(nc)
+
+    async def _goodbye(self, nc: Any, *, abort: bool) -> None:
+        """A clean close deletes the will record, then closes nats-py's client; an abort drops the
+        connection first (the will record stays, like a crash)."""
+        if abort:
+            _drop(nc)
+        else:
             try:
                 await self.clear_will()
             except TransportError as exc:
                 log.warning("%s: will record not deleted on close (%s): the will may be published", self.t.name, exc)
-        await self._cancel_tasks()
-        if abort:
-            writer = getattr(getattr(nc, "_transport", None), "_io_writer", None)
-            if writer is not None:
-                writer.transport.abort()
         try:
             await nc.close()
         except (nats.errors.Error, OSError) as exc:
             log.info("%s: NATS close: %r", self.t.name, exc)
-        await self._cancel_tasks()
-
-    async def _cancel_tasks(self) -> None:
-        tasks = [t for t in (*self._tasks, self._main_task) if t is not None and not t.done()]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
     def fail_inflight(self) -> None:
         for frame in list(self._inflight.values()) + [f for _, f in self._retry]:
@@ -912,11 +957,49 @@ class Link:
         self._inflight.clear()
         self._retry.clear()
 
-    def stop_loop(self, timeout: float) -> None:
+    def _stop_loop(self, by: float) -> None:
+        """Stop the loop; its thread then ends what is left on it by ``by`` and closes it (:meth:`_run`)."""
+        self._close_by = by
         self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout)
-        if not self._thread.is_alive():
-            self.loop.close()
+        self._thread.join(CloseBudget.left(by))
+        if self._thread.is_alive():
+            log.warning("%s: the NATS event loop did not stop within close's timeout (a busy machine, or a "
+                        "callback that blocks it); its thread ends its tasks and closes it by itself", self.t.name)
+
+    def _run(self) -> None:
+        """The loop thread: run the loop until :meth:`_stop_loop`, then end every task still on it and
+        close it (nats-py's close cancels its reader, pinger, flusher and subscription tasks without
+        waiting for them; a loop closed with them pending has them destroyed pending)."""
+        self.loop.run_forever()
+        self.loop.run_until_complete(self._end_tasks(self._close_by))
+        self.loop.close()
+
+    async def _end_tasks(self, by: float) -> None:
+        """Cancel every other task on this (private) loop, the link's and nats-py's, and wait for them
+        until ``by``; again for tasks their cancellation started, while time is left. What still runs
+        then is logged."""
+        me = asyncio.current_task()
+        while tasks := {t for t in asyncio.all_tasks() if t is not me}:
+            for t in tasks:
+                t.cancel()
+            done, pending = await asyncio.wait(tasks, timeout=CloseBudget.left(by))
+            for t in done:  # retrieved: no "exception was never retrieved" when they are collected
+                if not t.cancelled():
+                    t.exception()
+            late = pending or ({t for t in asyncio.all_tasks() if t is not me} if not CloseBudget.left(by) else set())
+            if late:
+                names = ", ".join(sorted(t.get_coro().__qualname__ for t in late))
+                log.warning("%s: %d NATS task(s) did not end within close's timeout after being cancelled (%s); "
+                            "they are dropped with the loop", self.t.name, len(late), names)
+                return
+
+
+def _drop(nc: Any) -> None:
+    """Drop nats-py's TCP connection at once, like a crash, and keep nats-py from reconnecting."""
+    nc.options["allow_reconnect"] = False
+    writer = getattr(getattr(nc, "_transport", None), "_io_writer", None)
+    if writer is not None:
+        writer.transport.abort()
 
 
 def _forget(tasks: set[asyncio.Task[None]]) -> Callable[[asyncio.Task[None]], None]:
