@@ -321,19 +321,32 @@ def _lstm_plain(x, w, r, b, h0, c0, direction, n_dirs, seq, batch, hs, wd):
     for k in range(n_dirs):
         xs[:, k] = xp[::-1, :, k] if rev[k] else xp[:, :, k]
     rt = np.swapaxes(r, 1, 2).astype(wd, copy=False)  # (dirs, H, 4H): BLAS reads the transpose in place
-    h = h0
-    c = c0.copy()
     gates = np.empty((n_dirs, batch, g4), wd)
-    tmp = np.empty((n_dirs, batch, hs), wd)
-    ys = np.empty((seq, n_dirs, batch, hs), wd)
     sig = gates[..., : 3 * hs]  # i, o, f
-    si, so, sf = sig[..., :hs], sig[..., hs:2 * hs], sig[..., 2 * hs:]
-    gc = gates[..., 3 * hs:]
-    with np.errstate(over="ignore"):
-        for t in range(seq):
+    views = (sig, sig[..., :hs], sig[..., hs:2 * hs], sig[..., 2 * hs:], gates[..., 3 * hs:])
+    return _lstm_steps(xs, rt, h0, c0.copy(), gates, views, rev, negated=False)
+
+
+def _lstm_steps(xs, rt, h, c, gates, views, rev, negated):
+    """The time loop of :func:`_lstm_plain` and :func:`lstm_packed`: step t of every
+    direction at once, ``gates = h @ rt + xs[t]`` into ``gates`` (whose layout the
+    caller chose), then the sigmoid over ``sig`` = i, o, f (``views``: sig, i, o, f and
+    the cell gate, all views of ``gates``), the cell and hidden state. ``negated``:
+    the weights already hold -i, -o, -f (:func:`pack_lstm`), so the sigmoid skips its
+    negation. ``c`` is updated in place. Returns Y (seq, dirs, B, H) in time order
+    (directions in ``rev`` flipped back) and the final H and C (dirs, B, H)."""
+    sig, si, so, sf, gc = views
+    tmp = np.empty_like(c)
+    ys = np.empty((len(xs),) + c.shape, c.dtype)
+    with np.errstate(over="ignore"):  # exp overflows to inf for very negative gates: 1 / inf = 0 is right
+        for t in range(len(xs)):
             np.matmul(h, rt, out=gates)
             gates += xs[t]
-            _sigmoid_(sig)
+            if not negated:
+                np.negative(sig, out=sig)
+            np.exp(sig, out=sig)
+            sig += 1
+            np.reciprocal(sig, out=sig)
             np.tanh(gc, out=gc)
             c *= sf
             np.multiply(si, gc, out=tmp)
@@ -342,10 +355,9 @@ def _lstm_plain(x, w, r, b, h0, c0, direction, n_dirs, seq, batch, hs, wd):
             np.tanh(c, out=h)
             h *= so
     h_n = h.copy()
-    if any(rev):
-        for k in range(n_dirs):
-            if rev[k]:
-                ys[:, k] = ys[::-1, k].copy()
+    for k, flip in enumerate(rev):
+        if flip:
+            ys[:, k] = ys[::-1, k].copy()
     return ys, h_n, c
 
 
@@ -431,31 +443,9 @@ def lstm_packed(pack: LSTMPack, x: np.ndarray, sequence_lens=None, initial_h=Non
             np.add(src, pack.bias[:, k], out=xs[:, :, k])
     h = np.zeros(state, wd) if initial_h is None else initial_h
     c = np.zeros(state, wd) if initial_c is None else initial_c.copy()
-    rt = pack.rt
     gates = np.empty((4, n_dirs, batch, hs), wd)
-    tmp = np.empty(state, wd)
-    ys = np.empty((seq, n_dirs, batch, hs), wd)
-    sig = gates[:3]  # -i, -o, -f: sigmoid(-g) = 1 / (1 + exp(g))
-    si, so, sf, gc = gates[0], gates[1], gates[2], gates[3]
-    with np.errstate(over="ignore"):  # exp overflows to inf for very negative gates: 1 / inf = 0 is right
-        for t in range(seq):
-            np.matmul(h, rt, out=gates)
-            gates += xs[t]
-            np.exp(sig, out=sig)
-            sig += 1
-            np.reciprocal(sig, out=sig)
-            np.tanh(gc, out=gc)
-            c *= sf
-            np.multiply(si, gc, out=tmp)
-            c += tmp
-            h = ys[t]
-            np.tanh(c, out=h)
-            h *= so
-    h_n = h.copy()
-    for k in range(n_dirs):
-        if pack.rev[k]:
-            ys[:, k] = ys[::-1, k].copy()
-    return ys, h_n, c
+    views = (gates[:3], gates[0], gates[1], gates[2], gates[3])  # -i, -o, -f: sigmoid(-g) = 1 / (1 + exp(g))
+    return _lstm_steps(xs, pack.rt, h, c, gates, views, pack.rev, negated=True)
 
 
 @lstm.workspace
