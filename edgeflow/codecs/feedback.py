@@ -6,6 +6,11 @@ participation in a federation (rounds are minutes to hours apart), so it
 is an explicit object the device agent owns and may persist across restarts
 with :meth:`save`/:meth:`load` (``.npz`` without pickle).
 
+A codec may keep more than the residual per tensor (``Codec.state_size``):
+``topk-packed`` with ``momentum`` keeps ``[residual, velocity]``; a stored
+state whose size no longer matches (the model or that option changed) is
+dropped with a warning, as below.
+
 Updates to the state are all-or-nothing per encode: :func:`encode_update`
 computes every tensor's new residual first and commits them together, so a
 failed encode (NaN in the third tensor, say) leaves the state untouched.
@@ -81,7 +86,8 @@ class ErrorFeedback:
             return name in self._residual
 
     def norm(self) -> float:
-        """L2 norm of everything not yet sent: a health signal (it should stay bounded)."""
+        """L2 norm of the state -- everything not yet sent (and a momentum codec's velocity): a health signal
+        (it should stay bounded)."""
         with self._lock:
             return float(np.sqrt(sum(float(np.dot(r, r)) for r in self._residual.values())))
 

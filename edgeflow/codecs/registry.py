@@ -52,10 +52,11 @@ class Codec:
     """Base class. Subclasses set ``name``, ``codec_id`` and implement encode/decode.
 
     ``encode`` receives a 1-D, C-contiguous, finite float32 array and, for
-    codecs with ``uses_feedback``, the device's residual for that tensor (or
-    None). It returns the section as a list of buffers (joined once by the
+    codecs with ``uses_feedback``, the device's state for that tensor (or
+    None): :meth:`state_size` floats, the residual unless the codec says
+    more. It returns the section as a list of buffers (joined once by the
     envelope, so a dense codec can hand over the array without a copy) and
-    the new residual (None for codecs without error feedback).
+    the new state (None for codecs without error feedback).
 
     ``decode`` receives the section and the declared element count and must
     return a 1-D float32 array of exactly that many finite values, or raise
@@ -74,6 +75,11 @@ class Codec:
     envelope_version: ClassVar[int] = 1
     """The envelope a sender writes with this codec: 1, or 2 (compact, docs/wire-format.md) for codecs
     newer than version 1 receivers (which could not decode them anyway)."""
+
+    def state_size(self, size: int, options: dict[str, Any]) -> int:
+        """Floats of error-feedback state this codec keeps for a tensor of ``size`` values with these
+        (checked) options: the residual's ``size``, more for a codec that also keeps a velocity."""
+        return size
 
     def check_options(self, options: dict[str, Any]) -> dict[str, Any]:
         unknown = sorted(set(options) - set(self.option_names))

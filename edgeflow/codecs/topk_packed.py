@@ -16,6 +16,16 @@ not send and adds it next round). The bytes per kept entry are what change:
 ``min_k`` (default 1) keeps at least that many entries of every tensor: a
 ratio of 2% leaves a 10-value bias one entry per round.
 
+``momentum`` (default 0: off) is DGC's momentum correction on the device
+(Lin et al., ICLR 2018, "Deep Gradient Compression"), with a round's update
+standing for the gradient: the device keeps a velocity ``u`` beside the
+residual ``v``; each round ``u = momentum * u + update``, ``v = v + u``, the
+top-k of ``v`` is sent and subtracted from ``v`` as above, and ``u`` is zeroed
+where an entry was sent (momentum factor masking), so what was sent stops
+moving. Top-k then ships where the update keeps heading, not only where it
+is large this round; the server's aggregation is unchanged (plain FedAvg).
+The per-tensor state is ``[v, u]``, twice the tensor's size.
+
 Section layout: varint k | u8 bits | ``<f4`` scale | k varint gaps | the k
 codes packed LSB-first in ``ceil(k * bits / 8)`` bytes. Gap i is
 ``index[i] - index[i-1]`` (``index[-1] = -1``), so a gap of 0 would be a
@@ -88,6 +98,14 @@ def check_packed_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _check_momentum(name: str, momentum: Any) -> float:
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float, np.floating)) \
+            or not 0.0 <= float(momentum) < 1.0:
+        raise codec_error("bad_option", f"codec {name!r}: momentum must be a number in [0, 1) (0: off; DGC uses "
+                                        f"0.5-0.9), got {momentum!r}")
+    return float(momentum)
+
+
 def _check_scale(scale: float, bits: int, what: str = "topk-packed") -> None:
     if not np.isfinite(scale) or scale < 0.0:
         raise codec_error("non_finite", f"{what} section has scale {scale!r}; a scale must be finite and >= 0")
@@ -111,15 +129,30 @@ def _indices_from_gaps(gaps: np.ndarray, size: int) -> np.ndarray:
 class TopKPackedCodec(Codec):
     name = "topk-packed"
     codec_id = 6
-    option_names = ("ratio", "k", "bits", "min_k", "layout")
+    option_names = ("ratio", "k", "bits", "min_k", "layout", "momentum")
     uses_feedback = True
     envelope_version = 2  # the compact envelope: this codec exists for updates where every byte counts
 
     def check_options(self, options: dict[str, Any]) -> dict[str, Any]:
-        out = check_packed_options(self.name, check_layout(self.name, options))
+        opts = dict(options)
+        momentum = _check_momentum(self.name, opts.pop("momentum", 0.0))
+        out = check_packed_options(self.name, check_layout(self.name, opts))
+        if momentum:
+            out["momentum"] = momentum
         return {**out, "layout": options["layout"]} if "layout" in options else out
 
+    def state_size(self, size: int, options: dict[str, Any]) -> int:
+        return 2 * size if options.get("momentum") else size  # [residual, velocity] with momentum correction
+
     def encode(self, x: np.ndarray, ctx: EncodeContext, residual: np.ndarray | None = None):
+        momentum = ctx.options.get("momentum", 0.0)
+        velocity = None
+        if momentum:  # DGC: u = m u + x; v = v + u; send top-k of v (the module docstring)
+            velocity = np.array(residual[x.size:]) if residual is not None else np.zeros_like(x)
+            velocity *= np.float32(momentum)
+            velocity += x
+            residual = residual[:x.size] if residual is not None else None
+            x = velocity
         bits = ctx.options.get("bits", DEFAULT_BITS)
         acc = x + residual if residual is not None else x
         k = max(topk_count(acc.size, ctx.options), min(acc.size, ctx.options.get("min_k", 1)))
@@ -131,6 +164,9 @@ class TopKPackedCodec(Codec):
         if ctx.feedback:
             new_residual = acc.copy() if acc is x else acc
             new_residual[idx] -= dequantize_bits(scale, codes, bits)
+            if velocity is not None:
+                velocity[idx] = 0.0  # momentum factor masking: a sent entry stops moving
+                new_residual = np.concatenate([new_residual, velocity])
         return parts, new_residual
 
     def decode(self, section: memoryview, size: int) -> np.ndarray:

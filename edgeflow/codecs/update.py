@@ -178,7 +178,7 @@ def encode_update(
     sections: list[SectionInput] = []
     new_residuals: dict[str, np.ndarray] = {}
     for name, code, shape, x in flat:
-        residual = state.residual(name, x.size) if use_state and state is not None else None
+        residual = state.residual(name, impl.state_size(x.size, options)) if use_state and state is not None else None
         parts, new_res = impl.encode(x, ctx, residual)
         if use_state and new_res is not None:
             new_residuals[name] = new_res
