@@ -12,7 +12,8 @@ accuracy >= dense's final accuracy - 0.005 (seed by seed, and on the mean).
     python benchmarks/codec_moonshot.py --overhead [--model mlp]   # bytes per update before any value
     python benchmarks/codec_moonshot.py --table out.json           # the table of a saved run again
 
-Settings may add ``edgeflow simulate`` arguments (the FedAvgM rows: server momentum on the gateway);
+Settings may add ``edgeflow simulate`` arguments (the FedAvgM rows: server momentum on the gateway; the
+``dgc`` rows instead set topk-packed's ``momentum``, DGC's momentum correction on the device, with FedAvg);
 ``accuracy ok`` is always against the first row, dense with FedAvg. ``payload B`` is B/update less the
 envelope of a simulated device's update (its real metadata, device id and sequence number).
 
@@ -87,6 +88,12 @@ SETTINGS: list[tuple] = [
      [*FEDAVGM, "server_momentum=0.7"]),
     ("topk-packed 0.25% 1b digest fedavgm 0.7", "topk-packed", {"ratio": 0.0025, "bits": 1, "layout": "digest"},
      [*FEDAVGM, "server_momentum=0.7"]),
+    # DGC's momentum correction on the device (topk-packed's momentum option), FedAvg on the gateway
+    *[(f"topk-packed {r}% {b}b digest dgc {m}", "topk-packed",
+       {"ratio": float(r) / 100, "bits": b, "layout": "digest", "momentum": m})
+      for r, b, m in [("3", 2, 0.5), ("2", 2, 0.5), ("2", 1, 0.5), ("1.5", 2, 0.5), ("1.5", 1, 0.5), ("1", 2, 0.5),
+                      ("1", 1, 0.5), ("0.5", 1, 0.5), ("1", 2, 0.3), ("1.5", 2, 0.3), ("1", 1, 0.7), ("0.5", 1, 0.7),
+                      ("1", 1, 0.9)]],
 ]
 """(label, codec, codec options[, more `edgeflow simulate` arguments]); the first is every seed's reference."""
 
