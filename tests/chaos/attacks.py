@@ -398,11 +398,14 @@ def a08_host_faults(c: Checks, arena: Arena) -> None:
     db = _sqlite_of(arena.gw.store)
     if c.must(db is not None, "cannot reach the state's SQLite connection"):
         rm = arena.gw.rounds
-        db.execute("VACUUM")  # no free pages left to reuse
-        pages = db.execute("PRAGMA page_count").fetchone()[0]
+        # under the store's lock: the gateway's threads share this connection, and VACUUM inside one of their
+        # transactions fails ("cannot VACUUM from within a transaction": once in a clean-clone CI run)
+        with arena.gw.store._lock:
+            db.execute("VACUUM")  # no free pages left to reuse
+            pages = db.execute("PRAGMA page_count").fetchone()[0]
+            db.execute(f"PRAGMA max_page_count = {pages}")
         s0 = arena.counters().get("rejected_store", 0)
         keep = rm.config.deadline_s
-        db.execute(f"PRAGMA max_page_count = {pages}")
         rm.config.deadline_s = 4.0
         try:
             for i in range(50):
