@@ -32,6 +32,11 @@ def _sigmoid(x):
 def _sigmoid_(x):
     """In place on a view."""
     np.negative(x, out=x)
+    return _sigmoid_of_negated_(x)
+
+
+def _sigmoid_of_negated_(x):
+    """sigmoid(-x) = 1 / (1 + exp(x)), in place on a view: for gates whose weights already hold the negation."""
     np.exp(x, out=x)
     x += 1
     return np.reciprocal(x, out=x)
@@ -336,17 +341,14 @@ def _lstm_steps(xs, rt, h, c, gates, views, rev, negated):
     negation. ``c`` is updated in place. Returns Y (seq, dirs, B, H) in time order
     (directions in ``rev`` flipped back) and the final H and C (dirs, B, H)."""
     sig, si, so, sf, gc = views
+    sigmoid_ = _sigmoid_of_negated_ if negated else _sigmoid_
     tmp = np.empty_like(c)
     ys = np.empty((len(xs),) + c.shape, c.dtype)
     with np.errstate(over="ignore"):  # exp overflows to inf for very negative gates: 1 / inf = 0 is right
         for t in range(len(xs)):
             np.matmul(h, rt, out=gates)
             gates += xs[t]
-            if not negated:
-                np.negative(sig, out=sig)
-            np.exp(sig, out=sig)
-            sig += 1
-            np.reciprocal(sig, out=sig)
+            sigmoid_(sig)
             np.tanh(gc, out=gc)
             c *= sf
             np.multiply(si, gc, out=tmp)
