@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("prometheus_client", reason="the web view needs prometheus_client (pip install 'edgeflow[web]')")
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _fleet import wait_until  # noqa: E402
 from _webfleet import HOSTILE_ID, web_fleet  # noqa: E402
 
 
@@ -314,7 +315,9 @@ def test_an_operator_deploys_a_global_model_version_then_rolls_it_back(site):
     code, _, out = c.request("api/deploy", {"model_version": latest, "to": "all"})
     assert code == 202 and out["artifact_version"] == 2 and out["model_version"] == latest
     assert site.server.actions.wait_deploy(timeout=120)
-    assert {d: site.fm.device(d).model_version for d in site.agents} == dict.fromkeys(site.agents, 2)
+    # the rollout ends on the devices' acks; the registry follows each device's birth, sent after its ack
+    assert wait_until(lambda: {d: site.fm.device(d).model_version for d in site.agents}
+                      == dict.fromkeys(site.agents, 2), 20), {d: site.fm.device(d).model_version for d in site.agents}
     recorded = site.store.rollouts()[-1]
     assert recorded["artifact_version"] == 2 and recorded["state"] == "completed"
     assert recorded["report"]["operator"] == "admin" and recorded["name"] == f"global model v{latest}"
@@ -426,7 +429,7 @@ def test_actions_on_a_real_mosquitto_fleet(tmp_path_factory):
     import hashlib
     from types import SimpleNamespace
 
-    from _fleet import FLEET, make_fleet_env, mlp_bytes, wait_until
+    from _fleet import FLEET, make_fleet_env, mlp_bytes
 
     from edgeflow.gateway.store import GatewayStore
     from edgeflow.gateway.web import WebServer
@@ -473,7 +476,7 @@ def test_edgeflow_gateway_serves_the_actions_from_gateway_toml(tmp_path_factory)
     import subprocess
     import threading
 
-    from _fleet import make_fleet_env, mlp_bytes, wait_until
+    from _fleet import make_fleet_env, mlp_bytes
 
     root = tmp_path_factory.mktemp("cli-actions")
     env = make_fleet_env(root, pool=2)

@@ -29,6 +29,7 @@ pytestmark = [
 ]
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _fleet import wait_until  # noqa: E402
 from _webfleet import HOSTILE_BACKEND, HOSTILE_ID, HOSTILE_PROFILE, web_fleet  # noqa: E402
 
 
@@ -191,7 +192,8 @@ def test_an_operator_logs_in_and_acts_in_chromium(tmp_path):
             page.click("#deploy-button")
             expect(page.locator("#action-result")).to_contain_text("as artifact v2", timeout=30_000)
             assert wf.server.actions.wait_deploy(timeout=120)
-            assert {wf.fm.device(d).model_version for d in wf.agents} == {2}
+            # the registry follows each device's birth, which comes after its ack
+            assert wait_until(lambda: {wf.fm.device(d).model_version for d in wf.agents} == {2}, 20)
             page.goto(wf.url + "#/rollouts")
             expect(page.locator("#rollouts .rollout").first).to_contain_text("artifact v2", timeout=20_000)
             expect(page.locator("#rollouts .rollout").first).to_contain_text("completed")
