@@ -8,6 +8,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from _flower import run_flower
 
 from edgeflow.errors import AggregationError, ConfigError
 from edgeflow.gateway import make_aggregator
@@ -57,12 +58,12 @@ def test_fedavg_is_the_sample_weighted_mean_of_deltas():
 
 
 def test_fedavg_matches_flower_aggregate():
-    agg_mod = pytest.importorskip("flwr.server.strategy.aggregate")
     rng = np.random.default_rng(1)
     g = _model(rng)
     ups = _updates(rng, g, 5)
     ns = [5, 1, 8, 2, 4]
-    flower = agg_mod.aggregate([([u[n] for n in g], k) for u, k in zip(ups, ns)])
+    flower = run_flower("aggregate", fn="aggregate", args=[[([u[n] for n in g], k) for u, k in zip(ups, ns)]],
+                        kwargs={})
     agg = make_aggregator("fedavg", **UNBOUNDED)
     agg.begin_round(g, 0)
     for u, k in zip(ups, ns):

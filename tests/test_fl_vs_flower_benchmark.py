@@ -2,7 +2,8 @@
 one split, every round has bytes both ways, and Flower's byte count is exactly its serialized tensors.
 
 Flower lives in its own venv (it pins typer < 0.21, which breaks amqtt here): the run skips, saying how to
-make it, when ``FLOWER_PYTHON`` (default /work/venvs/flwr/bin/python) cannot import flwr and ray."""
+make it, when no interpreter can import flwr and ray (tests/_flower.py: ``FLOWER_PYTHON``, /work/venvs/flwr,
+~/.cache/edgeflow/flwr-venv; .ci/run makes the last)."""
 
 from __future__ import annotations
 
@@ -15,18 +16,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _flower import MAKE_VENV, flower_python
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "fl_vs_flower.py"
-FLOWER_PYTHON = os.environ.get("FLOWER_PYTHON", "/work/venvs/flwr/bin/python")
-MAKE_VENV = ("python -m venv --system-site-packages /work/venvs/flwr && "
-             "/work/venvs/flwr/bin/pip install 'flwr[simulation]==1.42.0'")
-
-
-def _flower_ready() -> bool:
-    if not Path(FLOWER_PYTHON).exists():
-        return False
-    return subprocess.run([FLOWER_PYTHON, "-c", "import flwr, ray"], capture_output=True).returncode == 0
+FLOWER_PYTHON = flower_python()
 
 
 def _mosquitto() -> bool:
@@ -73,8 +67,7 @@ def test_an_interpreter_without_flower_is_refused_with_the_fix(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.skipif(not _flower_ready(), reason=f"no Flower venv at {FLOWER_PYTHON} (flwr + ray); make it with: "
-                    f"{MAKE_VENV}, or set FLOWER_PYTHON")
+@pytest.mark.skipif(FLOWER_PYTHON is None, reason=f"no Flower interpreter (flwr + ray); make it with: {MAKE_VENV}")
 @pytest.mark.skipif(not _mosquitto(), reason="no mosquitto binary (apt install mosquitto): edgeflow's side needs one")
 def test_both_sides_run_on_one_split_with_bytes_each_way(tmp_path):
     out = tmp_path / "out"
