@@ -32,18 +32,27 @@ import onnx
 
 from ..data import Dataset, as_loader, check_inputs, check_labels, from_arrays
 from ..errors import InputError, MemoryBudgetError, ShapeError, TrainingError
+from ..profiles import DeviceProfile, get_profile
 from ..runtime.graph import compile_graph
 from ..runtime.model import ModelSource, load_model
-from ..profiles import DeviceProfile, get_profile
 from .autograd import NON_DIFFERENTIABLE_INPUTS, Tape, refuse_control_flow
 from .export import save as save_model
-from .feeds import batch_len, check_known, convert, labels, missing_message, read_split
 from .export import with_weights
+from .feeds import batch_len, check_known, convert, labels, missing_message, read_split
 from .losses import Loss, get_loss
 from .memory import BudgetDecision, TrainingMemoryPlan, fit_budget, plan_training_step
 from .optim import Optimizer, clip_by_global_norm, global_norm, make_optimizer
-from .transfer import (Mode, describe, find_layers, fuse_hardswish, largest_fitting, logits_of, parse_mode,
-                       prepare_model, select)
+from .transfer import (
+    Mode,
+    describe,
+    find_layers,
+    fuse_hardswish,
+    largest_fitting,
+    logits_of,
+    parse_mode,
+    prepare_model,
+    select,
+)
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +124,15 @@ def _matches(name: str, patterns: Sequence[str]) -> bool:
     return any(name == p or name.startswith(p) for p in patterns)
 
 
+def _check_settings(batch_size: int, epochs: int, clip_norm: float | None, proximal_mu: float) -> None:
+    if int(batch_size) < 1 or int(epochs) < 0:
+        raise InputError(f"batch_size must be >= 1 and epochs >= 0; got {batch_size} and {epochs}")
+    if clip_norm is not None and clip_norm <= 0:
+        raise InputError(f"clip_norm must be > 0, got {clip_norm}")
+    if proximal_mu < 0:
+        raise InputError(f"proximal_mu must be >= 0, got {proximal_mu}")
+
+
 class Trainer:
     """Trains the initializers of an ONNX model in numpy.
 
@@ -181,16 +199,32 @@ class Trainer:
         feeds: Mapping[str, np.ndarray] | None = None,
         compact_activations: bool | None = None,
     ) -> None:
-        if int(batch_size) < 1 or int(epochs) < 0:
-            raise InputError(f"batch_size must be >= 1 and epochs >= 0; got {batch_size} and {epochs}")
-        if clip_norm is not None and clip_norm <= 0:
-            raise InputError(f"clip_norm must be > 0, got {clip_norm}")
-        if proximal_mu < 0:
-            raise InputError(f"proximal_mu must be >= 0, got {proximal_mu}")
+        _check_settings(batch_size, epochs, clip_norm, proximal_mu)
+        self._load(model, mode, blocks)
+        self._set_settings(dtype, batch_size, epochs, seed, clip_norm, proximal_mu, grad_accumulation)
+        self._set_loss_and_optimizer(loss, loss_options, optimizer, lr, momentum, weight_decay, nesterov)
+        self._bind_inputs(input, dict(feeds or {}))
+        self._bind_output(output, logits_for_mode=mode is not None)
+        self._set_budget(profile, budget_bytes)
+        self._choose_trainable(trainable, freeze, bn_training, compact_activations)
+        self._build_tape(save_workspace)
+        self._report_trainable(announce_mode=mode is not None)
+        self.n_classes = self._output_classes()
+        self._set_qat(qat)
+        self._fit_step_to_budget()
+        self._start_counters()
+
+    # ------------------------------------------------------------ construction steps
+
+    def _load(self, model: ModelSource, mode: "str | Mode | None", blocks: int | None) -> None:
+        """The checked model, its training mode and its compiled graph (no control flow)."""
         self.model = prepare_model(load_model(model))  # Constant-node weights -> initializers
         self.mode = parse_mode(mode, blocks)
         self.graph = fuse_hardswish(compile_graph(self.model, optimize=False))
         refuse_control_flow(self.graph)
+
+    def _set_settings(self, dtype: str | np.dtype, batch_size: int, epochs: int, seed: int,
+                      clip_norm: float | None, proximal_mu: float, grad_accumulation: bool) -> None:
         self.dtype = np.dtype(dtype)
         if self.dtype.kind != "f":
             raise InputError(f"dtype must be a float type, got {self.dtype}")
@@ -200,22 +234,31 @@ class Trainer:
         self.clip_norm = clip_norm
         self.proximal_mu = float(proximal_mu)
         self.grad_accumulation = grad_accumulation
+
+    def _set_loss_and_optimizer(self, loss: str | Loss, loss_options: Mapping[str, Any] | None,
+                                optimizer: str | Optimizer, lr: float | None, momentum: float,
+                                weight_decay: float | None, nesterov: bool) -> None:
         self.loss = loss if isinstance(loss, Loss) else get_loss(loss, **dict(loss_options or {}))
         self.optimizer = optimizer if isinstance(optimizer, Optimizer) else make_optimizer(
             optimizer, lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
 
+    def _bind_inputs(self, name: str | None, feeds: dict[str, Any]) -> None:
+        """The model's inputs (per-sample ones freed of a fixed batch), the one a plain ``x`` feeds, and ``feeds``."""
         self.inputs = {t.name: t for t in self.graph.inputs}
-        check_known(dict(feeds or {}), list(self.inputs), "feeds=")
-        self.fixed_batch = _fixed_batch([t for t in self.graph.inputs if t.name not in dict(feeds or {})])
+        check_known(feeds, list(self.inputs), "feeds=")
+        self.fixed_batch = _fixed_batch([t for t in self.graph.inputs if t.name not in feeds])
         """The batch the exported graph fixes on its per-sample inputs (None: free): steps then run in
         micro-batches of exactly that size with gradient accumulation, and the data may hold any number of
         samples (issue 30: a model exported with batch 1 could not be trained)."""
         if self.fixed_batch:
-            self.inputs = {k: (replace(t, shape=(None, *t.shape[1:])) if k not in dict(feeds or {}) else t)
+            self.inputs = {k: (replace(t, shape=(None, *t.shape[1:])) if k not in feeds else t)
                            for k, t in self.inputs.items()}
-        self.input_name, self.input_shape = self._pick_input(input)
+        self.input_name, self.input_shape = self._pick_input(name)
         self.feeds: dict[str, np.ndarray] = {k: convert(k, v, self.inputs[k], self.dtype)
-                                             for k, v in dict(feeds or {}).items()}
+                                             for k, v in feeds.items()}
+
+    def _bind_output(self, output: str | None, *, logits_for_mode: bool) -> None:
+        """The value the loss reads: ``output``, the only output, or (a mode and a classifying loss) its logits."""
         if output is None and len(self.graph.output_names) > 1:
             shapes = {o.name: o.shape for o in self.graph.outputs}
             listed = ", ".join(f"{n} {list(shapes.get(n, ()))}" for n in self.graph.output_names)
@@ -223,7 +266,7 @@ class Trainer:
                                 "labels train with output= (--target NAME); training the first one silently could "
                                 "train a box regressor on class labels")
         self.output_name = output or self.graph.output_names[0]
-        if (output is None or output in self.graph.output_names) and mode is not None and self.loss.classifies:
+        if (output is None or output in self.graph.output_names) and logits_for_mode and self.loss.classifies:
             self.output_name = logits_of(self.graph, self.output_name)  # cross-entropy wants the logits
         produced = {o for n in self.graph.nodes for o in n.outputs if o}
         if self.output_name not in produced:
@@ -232,11 +275,23 @@ class Trainer:
                 "(an intermediate value such as the logits before a final Softmax may be named too)"
             )
 
+    def _set_budget(self, profile: "str | os.PathLike | DeviceProfile | None", budget_bytes: int | None) -> None:
+        """The device profile and the step's memory budget (``budget_bytes``, else the profile's)."""
         self.profile = get_profile(profile) if profile is not None else None
         self.budget_bytes = (int(budget_bytes) if budget_bytes is not None else
                              self.profile.train_memory_budget_bytes if self.profile is not None else None)
+
+    def _choose_trainable(self, trainable: Sequence[str] | None, freeze: Sequence[str],
+                          bn_training: bool | None, compact_activations: bool | None) -> None:
+        """The layers, how activations and BatchNorm train in this mode, and the weights that train."""
         self.layers = find_layers(self.graph, self._candidates(), self.output_name)
         self.sparse_k: int | None = None
+        self._set_activation_options(bn_training, compact_activations)
+        if self.mode.name == "sparse":
+            self.sparse_k = self._fit_sparse(trainable, freeze)
+        self.trainable_names = self._select_trainable(trainable, freeze)
+
+    def _set_activation_options(self, bn_training: bool | None, compact_activations: bool | None) -> None:
         self._bn_given = bn_training
         if compact_activations not in (None, True, False):
             raise InputError(f"compact_activations takes True, False or None (the mode's default), "
@@ -244,9 +299,9 @@ class Trainer:
         self._compact_given = compact_activations
         self.compact_activations = self._compact_for(self.mode)
         self.bn_training = (self.mode.name == "full") if bn_training is None else bool(bn_training)
-        if self.mode.name == "sparse":
-            self.sparse_k = self._fit_sparse(trainable, freeze)
-        self.trainable_names = self._select_trainable(trainable, freeze)
+
+    def _build_tape(self, save_workspace: bool) -> None:
+        """Copies of the trainable weights in the compute dtype, the rest as constants, and the tape over them."""
         inits = self.graph.initializers
         self._orig_dtypes = {n: a.dtype for n, a in inits.items()}
         self.params: dict[str, np.ndarray] = {
@@ -259,14 +314,17 @@ class Trainer:
         self.tape = Tape(self.graph, set(self.trainable_names), self.output_name,
                          save_workspace=save_workspace, constants=constants, bn_training=self.bn_training,
                          compact_activations=self.compact_activations)
-        if mode is not None:
+
+    def _report_trainable(self, *, announce_mode: bool) -> None:
+        """Log what the mode trains (when one was given) and warn of weights that cannot change."""
+        if announce_mode:
             log.info("mode %s: %s", self.mode, self.describe_trainable())
         unused = sorted(set(self.trainable_names) - self.tape.reaches_target)
         if unused:
             log.warning("trainable weight(s) %s do not influence output %s; they will not change",
                         unused, self.output_name)
-        self.n_classes = self._output_classes()
 
+    def _set_qat(self, qat: Any) -> None:
         self.qat = None
         if qat:
             from .qat import FakeQuantizer, QATConfig
@@ -274,11 +332,14 @@ class Trainer:
             cfg = qat if isinstance(qat, QATConfig) else QATConfig()
             self.qat = FakeQuantizer(self.tape, cfg, self.trainable_names)
 
+    def _fit_step_to_budget(self) -> None:
+        """The micro-batch a step runs in: the fixed batch, the batch, or what the profile's budget allows."""
         self.micro_batch = self.fixed_batch or self.batch_size
         self.memory: BudgetDecision | None = None
         if self.profile is not None:
             self._apply_profile(self.profile)
 
+    def _start_counters(self) -> None:
         self._rng = np.random.default_rng(self.seed)
         self.skipped_samples = 0
         """Samples left out because a batch was not a multiple of :attr:`fixed_batch`."""
