@@ -88,12 +88,17 @@ def _elements(info: dict, name: str) -> int:
     return 0 if shp is None else int(np.prod(shp, dtype=np.int64))
 
 
+def _input_shapes(st, shape_of: dict[str, tuple[int, ...] | None], consts: dict[str, np.ndarray]) -> list:
+    """The shapes of step ``st``'s inputs (None for an absent or unknown one)."""
+    return [None if not x else (consts[x].shape if x in consts else shape_of.get(x)) for x in st.inputs]
+
+
 def _workspace(st, shape_of: dict[str, tuple[int, ...] | None], consts: dict[str, np.ndarray],
                unknown: list[str]) -> int:
     fn = st.kernel.workspace_fn
     if fn is None:
         return 0
-    shapes = [None if not x else (consts[x].shape if x in consts else shape_of.get(x)) for x in st.inputs]
+    shapes = _input_shapes(st, shape_of, consts)
     try:
         return int(fn(shapes, st.bwd_attrs) or 0)
     except Exception as exc:  # noqa: BLE001 - planning goes on; the gap is reported, not hidden as 0 bytes
@@ -104,133 +109,185 @@ def _workspace(st, shape_of: dict[str, tuple[int, ...] | None], consts: dict[str
         return 0
 
 
-def plan_training_step(tape: Tape, batch_size: int, *, trainable_bytes: int, optimizer_slots: int,
-                       itemsize: int = 4) -> TrainingMemoryPlan:
-    """Replay ``tape``'s schedule at ``batch_size`` and return the peak."""
-    graph = tape.graph
-    shapes = concrete_shapes(graph.inputs, batch_size)
-    info = infer_values(graph.model, shapes)
-    shape_of: dict[str, tuple[int, ...] | None] = {k: v[0] for k, v in info.items()}
-    shape_of.update({k: tuple(a.shape) for k, a in graph.initializers.items()})
-    consts = tape.constants
-    unknown: list[str] = []
+class _StepReplay:
+    """One replay of a tape's schedule: the bytes of each value, what is live, and the peak so far."""
 
-    def nbytes(name: str) -> int:
-        if not name or name in consts or name in tape.trainable:
+    def __init__(self, tape: Tape, batch_size: int, itemsize: int) -> None:
+        graph = tape.graph
+        self.tape, self.batch_size, self.itemsize = tape, batch_size, itemsize
+        self.shapes = concrete_shapes(graph.inputs, batch_size)
+        self.info = infer_values(graph.model, self.shapes)
+        self.shape_of: dict[str, tuple[int, ...] | None] = {k: v[0] for k, v in self.info.items()}
+        self.shape_of.update({k: tuple(a.shape) for k, a in graph.initializers.items()})
+        self.consts = tape.constants
+        self.unknown: list[str] = []
+        self.live: dict[str, int] = {n: self.nbytes(n) for n in self.shapes}
+        self.saved: dict[int, int] = {}  # step -> what its training forward saved for the backward
+        self.peak, self.phase, self.where = sum(self.live.values()), "forward", "(inputs)"
+
+    def nbytes(self, name: str) -> int:
+        if not name or name in self.consts or name in self.tape.trainable:
             return 0
-        shp, item = info.get(name, (None, 4))
+        shp, item = self.info.get(name, (None, 4))
         if shp is None:
             if name.startswith("__train."):
                 return 0  # running stats (per channel) or a mask (counted with its Dropout)
-            unknown.append(name)
+            self.unknown.append(name)
             return 0
         if item == 4:  # float32 values run in the compute dtype
-            item = itemsize
+            item = self.itemsize
         return int(np.prod(shp, dtype=np.int64)) * item
 
-    live: dict[str, int] = {n: nbytes(n) for n in shapes}
-    peak, phase, where = sum(live.values()), "forward", "(inputs)"
-    saved: dict[int, int] = {}
-    for i, st in enumerate(tape.steps):
+    def _reach(self, total: int, phase: str, where: str) -> None:
+        """Record ``total`` bytes at ``where`` when they are a new peak."""
+        if total > self.peak:
+            self.peak, self.phase, self.where = total, phase, where
+
+    def _held(self) -> int:
+        return sum(self.live.values()) + sum(self.saved.values())
+
+    # ---------------------------------------------------------------- forward
+
+    def forward(self) -> int:
+        """Replay the training forward; return the bytes kept for the backward at its end."""
+        for i, st in enumerate(self.tape.steps):
+            self._forward_step(i, st)
+            self._keep_for_backward(st)
+        return self._held()
+
+    def _forward_step(self, i: int, st) -> None:
+        """Step ``st``'s outputs and workspace, and what its training forward saves."""
+        itemsize = self.itemsize
         for o in st.outputs:
             if o:
-                live[o] = nbytes(o)
+                self.live[o] = self.nbytes(o)
                 if o.endswith(".mask"):
-                    live[o] = nbytes(st.inputs[0]) // itemsize  # bool mask, one byte per element
-        ws = _workspace(st, shape_of, consts, unknown) * itemsize // 4
-        in_shapes = [None if not x else (consts[x].shape if x in consts else shape_of.get(x)) for x in st.inputs]
-        k = pieces_for(st, in_shapes, itemsize) if ws else 1
+                    self.live[o] = self.nbytes(st.inputs[0]) // itemsize  # bool mask, one byte per element
+        ws = _workspace(st, self.shape_of, self.consts, self.unknown) * itemsize // 4
+        k = pieces_for(st, _input_shapes(st, self.shape_of, self.consts), itemsize) if ws else 1
         if k > 1:  # run over groups of samples: one group's workspace and output at a time
-            ws = -(-ws // k) + -(-nbytes(st.outputs[0]) // k)
+            ws = -(-ws // k) + -(-self.nbytes(st.outputs[0]) // k)
         if st.save and st.differentiable:
             if st.node.op_type == "Conv":
-                saved[i] = ws
+                self.saved[i] = ws
                 ws = 0
             elif st.node.op_type == "MaxPool":
-                saved[i] = nbytes(st.outputs[0]) // itemsize
-        total = sum(live.values()) + sum(saved.values()) + ws
-        if total > peak:
-            peak, phase, where = total, "forward", st.node.name
+                self.saved[i] = self.nbytes(st.outputs[0]) // itemsize
+        self._reach(self._held() + ws, "forward", st.node.name)
+
+    def _keep_for_backward(self, st) -> None:
+        """Free what no backward reads; keep the rest as it is stored (packed bits, 8-bit codes, float16)."""
         for name in st.free_train:
-            live.pop(name, None)
+            self.live.pop(name, None)
         for name in st.pack_train:  # kept as packed bits (a Relu output read as output > 0)
-            shp = info.get(name, (None, 4))[0]
+            shp = self.info.get(name, (None, 4))[0]
             if shp is not None:
-                live[name] = (int(np.prod(shp, dtype=np.int64)) + 7) // 8
+                self.live[name] = (int(np.prod(shp, dtype=np.int64)) + 7) // 8
         if st.compact_train:  # kept as 8-bit codes or float16 (compact_activations)
-            now = sum(live.values()) + sum(saved.values())
+            now = self._held()
             for name, _, half in st.compact_train:
-                small = _elements(info, name) * (2 if half else 1)
+                small = _elements(self.info, name) * (2 if half else 1)
                 now += small  # made while the value is still there, a slice at a time (temporaries)
-                chunk = min(_elements(info, name), _ENCODE_CHUNK) * (itemsize + 2)
-                if now + chunk > peak:
-                    peak, phase, where = now + chunk, "forward", st.node.name
-                now -= live.get(name, 0)
-                if name in live:
-                    live[name] = small
-    kept = sum(live.values()) + sum(saved.values())
-    compacted = tape.compacted_values
-    slice_bytes = _ENCODE_CHUNK * itemsize * 4  # a slice's decoded input and the kernel's temporaries
-    grads: dict[str, int] = {tape.target: nbytes(tape.target)}
-    for i in range(len(tape.steps) - 1, -1, -1):
-        st = tape.steps[i]
-        if not st.differentiable:
-            continue
+                chunk = min(_elements(self.info, name), _ENCODE_CHUNK) * (self.itemsize + 2)
+                self._reach(now + chunk, "forward", st.node.name)
+                now -= self.live.get(name, 0)
+                if name in self.live:
+                    self.live[name] = small
+
+    # ---------------------------------------------------------------- backward
+
+    def backward(self) -> None:
+        """Replay the backward, last step first, with the gradients in flight."""
+        grads: dict[str, int] = {self.tape.target: self.nbytes(self.tape.target)}
+        for i in range(len(self.tape.steps) - 1, -1, -1):
+            st = self.tape.steps[i]
+            if st.differentiable:
+                self._backward_step(i, st, grads)
+
+    def _backward_step(self, i: int, st, grads: dict[str, int]) -> None:
         for name, _ in st.recompute:  # made again from its kept input for this backward
-            live.setdefault(name, nbytes(name))  # (from a compacted input: a slice at a time)
-        new = {x: nbytes(x) for x, need in zip(st.inputs, st.needs) if need and x not in tape.trainable}
-        # Kernel temporaries: about one array the size of the largest gradient made here
-        # (masks, products), plus Conv's column gradient and per-sample weight gradients.
-        # An element-wise backward on a compacted input runs a slice at a time (or by table lookup).
-        on_codes = st.keep_inputs and len(st.inputs) == 1 and st.inputs[0] in compacted
-        scratch = slice_bytes if on_codes else max(new.values(), default=0)
-        if st.recompute and any(x in compacted for _, j in st.recompute for x in tape.steps[j].inputs):
-            scratch = max(scratch, slice_bytes)
-        w_shape = shape_of.get(st.inputs[1]) if st.node.op_type == "Conv" and len(st.inputs) > 1 else None
-        x_shape = shape_of.get(st.inputs[0]) if st.node.op_type == "Conv" else None
-        depthwise = (w_shape is not None and x_shape is not None and len(w_shape) > 1 and w_shape[1] == 1
-                     and st.bwd_attrs.get("group", 1) == x_shape[1] == w_shape[0])
-        if depthwise:  # the offset loop (kernels/conv.py): a padded dx and one dy-sized temporary
-            scratch += nbytes(st.inputs[0]) + nbytes(st.outputs[0])
-        elif st.node.op_type == "Conv":
-            cols = saved.get(i) or _workspace(st, shape_of, consts, unknown) * itemsize // 4
-            wants_w = len(st.needs) > 1 and st.needs[1]
-            wants_x = bool(st.needs) and st.needs[0]
-            # dcols (passing the gradient on) + recomputed cols (weight gradient, when not saved)
-            scratch += (cols if wants_x else 0) + (cols if wants_w and i not in saved else 0)
-            if wants_w:
-                w_shape = shape_of.get(st.inputs[1]) or ()
-                n = shapes[graph.inputs[0].name][0] if graph.inputs else batch_size
-                scratch += int(n) * int(np.prod(w_shape, dtype=np.int64)) * itemsize  # (N, M, CK) before the sum
-        total = sum(live.values()) + sum(saved.values()) + sum(grads.values()) + sum(new.values()) + scratch
-        if total > peak:
-            peak, phase, where = total, "backward", st.node.name
+            self.live.setdefault(name, self.nbytes(name))  # (from a compacted input: a slice at a time)
+        new = {x: self.nbytes(x) for x, need in zip(st.inputs, st.needs) if need and x not in self.tape.trainable}
+        scratch = self._scratch(i, st, new)
+        self._reach(self._held() + sum(grads.values()) + sum(new.values()) + scratch, "backward", st.node.name)
         for o in st.outputs:
             grads.pop(o, None)
         for x, b in new.items():
             grads[x] = grads.get(x, 0) or b
-        saved.pop(i, None)
+        self.saved.pop(i, None)
         for name in st.free_backward:
-            live.pop(name, None)
-    # The optimizer runs after the backward, when only gradients are live: its
-    # element-wise temporaries (1 array for SGD, ~3 for Adam) of the largest weight.
-    largest = max((int(a.size) for n, a in graph.initializers.items() if n in tape.trainable), default=0)
-    opt_peak = largest * itemsize * (1 if optimizer_slots < 2 else 3)  # + the gradients (gradient_bytes)
-    if opt_peak > peak:
-        peak, phase, where = opt_peak, "optimizer", "(update)"
+            self.live.pop(name, None)
+
+    def _scratch(self, i: int, st, new: dict[str, int]) -> int:
+        """Kernel temporaries: about one array the size of the largest gradient made here
+        (masks, products), plus Conv's column gradient and per-sample weight gradients.
+        An element-wise backward on a compacted input runs a slice at a time (or by table lookup)."""
+        compacted = self.tape.compacted_values
+        slice_bytes = _ENCODE_CHUNK * self.itemsize * 4  # a slice's decoded input and the kernel's temporaries
+        on_codes = st.keep_inputs and len(st.inputs) == 1 and st.inputs[0] in compacted
+        scratch = slice_bytes if on_codes else max(new.values(), default=0)
+        if st.recompute and any(x in compacted for _, j in st.recompute for x in self.tape.steps[j].inputs):
+            scratch = max(scratch, slice_bytes)
+        return scratch + self._conv_scratch(i, st)
+
+    def _conv_scratch(self, i: int, st) -> int:
+        """A Conv backward's temporaries (0 for other ops)."""
+        if st.node.op_type != "Conv":
+            return 0
+        itemsize, shape_of = self.itemsize, self.shape_of
+        w_shape = shape_of.get(st.inputs[1]) if len(st.inputs) > 1 else None
+        x_shape = shape_of.get(st.inputs[0])
+        depthwise = (w_shape is not None and x_shape is not None and len(w_shape) > 1 and w_shape[1] == 1
+                     and st.bwd_attrs.get("group", 1) == x_shape[1] == w_shape[0])
+        if depthwise:  # the offset loop (kernels/conv.py): a padded dx and one dy-sized temporary
+            return self.nbytes(st.inputs[0]) + self.nbytes(st.outputs[0])
+        cols = self.saved.get(i) or _workspace(st, shape_of, self.consts, self.unknown) * itemsize // 4
+        wants_w = len(st.needs) > 1 and st.needs[1]
+        wants_x = bool(st.needs) and st.needs[0]
+        # dcols (passing the gradient on) + recomputed cols (weight gradient, when not saved)
+        scratch = (cols if wants_x else 0) + (cols if wants_w and i not in self.saved else 0)
+        if wants_w:
+            w_shape = shape_of.get(st.inputs[1]) or ()
+            graph = self.tape.graph
+            n = self.shapes[graph.inputs[0].name][0] if graph.inputs else self.batch_size
+            scratch += int(n) * int(np.prod(w_shape, dtype=np.int64)) * itemsize  # (N, M, CK) before the sum
+        return scratch
+
+    # ---------------------------------------------------------------- optimizer
+
+    def optimizer(self, optimizer_slots: int) -> None:
+        """The optimizer runs after the backward, when only gradients are live: its
+        element-wise temporaries (1 array for SGD, ~3 for Adam) of the largest weight."""
+        largest = max((int(a.size) for n, a in self.tape.graph.initializers.items() if n in self.tape.trainable),
+                      default=0)
+        opt_peak = largest * self.itemsize * (1 if optimizer_slots < 2 else 3)  # + the gradients (gradient_bytes)
+        self._reach(opt_peak, "optimizer", "(update)")
+
+
+def _weights_bytes(consts: dict[str, np.ndarray], itemsize: int, trainable_bytes: int) -> int:
+    """Frozen float weights in the compute dtype, other constants as stored, and the trainable weights."""
     weights = sum(int(a.size) * itemsize for n, a in consts.items() if np.issubdtype(a.dtype, np.floating))
     weights += sum(int(a.size) * a.itemsize for a in consts.values() if not np.issubdtype(a.dtype, np.floating))
-    weights += trainable_bytes
+    return weights + trainable_bytes
+
+
+def plan_training_step(tape: Tape, batch_size: int, *, trainable_bytes: int, optimizer_slots: int,
+                       itemsize: int = 4) -> TrainingMemoryPlan:
+    """Replay ``tape``'s schedule at ``batch_size`` and return the peak."""
+    replay = _StepReplay(tape, batch_size, itemsize)
+    kept = replay.forward()
+    replay.backward()
+    replay.optimizer(optimizer_slots)
     return TrainingMemoryPlan(
         batch_size=batch_size,
-        weights_bytes=int(weights),
+        weights_bytes=int(_weights_bytes(tape.constants, itemsize, trainable_bytes)),
         gradient_bytes=int(trainable_bytes),
         optimizer_bytes=int(trainable_bytes * optimizer_slots),
         kept_bytes=int(kept),
-        peak_activation_bytes=int(peak),
-        peak_phase=phase,
-        peak_node=where,
-        unknown=tuple(dict.fromkeys(unknown)),
+        peak_activation_bytes=int(replay.peak),
+        peak_phase=replay.phase,
+        peak_node=replay.where,
+        unknown=tuple(dict.fromkeys(replay.unknown)),
     )
 
 
