@@ -55,7 +55,6 @@ round manager gets device keys from :attr:`keyring` and its candidates from
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import queue
@@ -72,7 +71,7 @@ from edgeflow.broker.bridge import UPLINK_LEVEL
 from edgeflow.protocol.fleet import ACK_CONTEXT, MAX_BIRTH_BYTES, Ack, Birth, Command, Death
 from edgeflow.protocol.ota import OtaOffer, deploy_command
 from edgeflow.protocol.signed_json import loads, open_signed, peek_signed
-from edgeflow.errors import CodecError, ConfigError, FleetError, SignatureError
+from edgeflow.errors import CodecError, FleetError, SignatureError
 from edgeflow.signing import KeyRing, PrivateKey
 from edgeflow.transport.base import Transport
 from edgeflow.transport.topics import device_filter, device_topic, parse_topic
@@ -599,7 +598,8 @@ class FleetManager:
                 self._births[device] = birth
                 last_death = self._deaths.get(device, -1)
                 online = birth.bdseq > last_death
-                self._online[device] = online
+                if not online:
+                    self._online[device] = False
                 self._interval[device] = max(0.05, birth.telemetry_interval_s)
                 self._last_seen[device] = time.monotonic()
                 self._seq[device] = (birth.bdseq, 0)
@@ -612,8 +612,19 @@ class FleetManager:
                                     model_version=birth.model_version, bdseq=birth.bdseq)
             if not online:
                 self.store.set_online(device, False, bdseq=last_death)
+        if online:
+            self._announce_online(device, birth)
         self._count("births")
         self._emit("birth", device, record)
+
+    def _announce_online(self, device: str, birth: Birth) -> None:
+        """A birth's device goes online only once its registry row is written: whoever waits for it
+        (:meth:`wait_online`, a rollout's target list) then reads the birth's profile and model version, never
+        the previous session's row or none. Skipped when a newer birth or a death came in meanwhile."""
+        with self._lock:
+            if self._mark.get(device, (None, None))[:2] == (birth.bdseq, birth.seq) and \
+                    birth.bdseq > self._deaths.get(device, -1):
+                self._online[device] = True
 
     def _on_death(self, msg: Any) -> None:
         device = self._device_of(msg.topic, "death")

@@ -124,3 +124,33 @@ def test_round_candidates_come_from_the_registry(lb_env, tmp_path):
     other.crash()
     lb_env.hub.settle()
     assert wait_until(lambda: other.device_id not in {c.device_id for c in fm.round_candidates()}, 5)
+
+
+def test_a_device_is_online_only_once_its_registry_row_is_written(lb_env):
+    """wait_online() returning means fm.device() holds the new birth's row: the birth's store write is held
+    here until the test releases it, and until then the device is not online."""
+    import threading
+
+    fm = lb_env.gateway()
+    entered, release = threading.Event(), threading.Event()
+    write = fm.store.upsert_birth
+
+    def held(*args, **kwargs):
+        entered.set()
+        assert release.wait(10), "the test never released the registry write"
+        return write(*args, **kwargs)
+
+    fm.store.upsert_birth = held
+    a = lb_env.agent(start=False)
+    starting = threading.Thread(target=a.start, daemon=True)
+    starting.start()
+    try:
+        assert entered.wait(10), "the birth never reached the registry write"
+        assert not fm.is_online(a.device_id) and fm.device(a.device_id) is None
+        assert not fm.wait_online([a.device_id], 0.2)
+    finally:
+        release.set()
+    assert fm.wait_online([a.device_id], 5)
+    rec = fm.device(a.device_id)
+    assert rec is not None and rec.online and rec.bdseq == a.bdseq
+    starting.join(10)
