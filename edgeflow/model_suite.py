@@ -33,7 +33,6 @@ import json
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tarfile

@@ -107,7 +107,7 @@ def scatter_elements(
 
 @scatter_elements.backward(uses="inputs")
 def _(grads, inputs, outputs, *, axis=0, reduction="none"):
-    dy, (data, indices, updates) = grads[0], inputs[:3]
+    dy, (data, indices, _updates) = grads[0], inputs[:3]
     if dy is None:
         return (None, None, None)
     if reduction not in ("none", "add"):
@@ -187,7 +187,7 @@ def scatter_nd(
 
 @scatter_nd.backward(uses="inputs")
 def _(grads, inputs, outputs, *, reduction="none"):
-    dy, (data, indices, updates) = grads[0], inputs[:3]
+    dy, (data, indices, _updates) = grads[0], inputs[:3]
     if dy is None:
         return (None, None, None)
     if reduction not in ("none", "add"):
