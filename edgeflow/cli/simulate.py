@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 ORDER = 2
 
 # flag -> (SimConfig field, type, help)
@@ -55,7 +57,6 @@ COORDINATE_ROBUST = ("median", "trimmed-mean")
 
 def register(sub) -> None:
     import argparse
-
     import textwrap
 
     description = textwrap.fill(
@@ -102,40 +103,46 @@ def register(sub) -> None:
     p.set_defaults(func=cmd)
 
 
-def build_config(args):
+def _read_config_file(path) -> dict:
+    """The settings of a --config TOML file, checked: top-level keys that SimConfig (or broker) knows."""
     import dataclasses
     import sys
-
-    from ._common import parse_key_values
 
     from ..errors import ConfigError
     from ..sim.simulation import SimConfig
 
-    settings: dict = {}
-    if args.config:
-        if sys.version_info >= (3, 11):
-            import tomllib
-        else:  # pragma: no cover
-            import tomli as tomllib
-        try:
-            with open(args.config, "rb") as f:
-                settings = tomllib.load(f)
-        except OSError as exc:
-            raise ConfigError(f"cannot read {args.config}: {exc}") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{args.config}: not valid TOML: {exc}") from exc
-        known = set(SimConfig.__dataclass_fields__) | {"broker"}
-        tables = {f.name for f in dataclasses.fields(SimConfig) if "dict" in str(f.type)}  # codec_opts = {...}
-        stray = sorted(k for k, v in settings.items() if isinstance(v, dict) and k not in tables)
-        if stray:
-            example = next((f"{k} = {v!r}".replace("'", '"') for k, v in settings[stray[0]].items()
-                            if k in known and not isinstance(v, dict)), "rounds = 10")
-            raise ConfigError(f"{args.config}: simulate's TOML has no tables ({', '.join(f'[{k}]' for k in stray)}): "
-                              f"put the settings at the top level, e.g. {example}, not under a [section] "
-                              "(only codec_opts, strategy_params, dp, secagg and run_config take tables)")
-        unknown = sorted(set(settings) - known)
-        if unknown:
-            raise ConfigError(f"{args.config}: unknown setting(s) {unknown}; known: {sorted(known)}")
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as f:
+            settings = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    known = set(SimConfig.__dataclass_fields__) | {"broker"}
+    tables = {f.name for f in dataclasses.fields(SimConfig) if "dict" in str(f.type)}  # codec_opts = {...}
+    stray = sorted(k for k, v in settings.items() if isinstance(v, dict) and k not in tables)
+    if stray:
+        example = next((f"{k} = {v!r}".replace("'", '"') for k, v in settings[stray[0]].items()
+                        if k in known and not isinstance(v, dict)), "rounds = 10")
+        raise ConfigError(f"{path}: simulate's TOML has no tables ({', '.join(f'[{k}]' for k in stray)}): "
+                          f"put the settings at the top level, e.g. {example}, not under a [section] "
+                          "(only codec_opts, strategy_params, dp, secagg and run_config take tables)")
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ConfigError(f"{path}: unknown setting(s) {unknown}; known: {sorted(known)}")
+    return settings
+
+
+def build_config(args):
+    from ..errors import ConfigError
+    from ..sim.simulation import SimConfig
+    from ._common import parse_key_values
+
+    settings: dict = _read_config_file(args.config) if args.config else {}
     for flag, (field, _, _) in FLAGS.items():
         v = getattr(args, flag.lstrip("-").replace("-", "_"))
         if v is not None:
@@ -184,37 +191,16 @@ def save_final_model(fleet, out) -> None:
 
 
 def cmd(args) -> int:
-    import dataclasses
-    import json
     import sys
     import time
     from pathlib import Path
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from ..data.datasets import require_digits
-    from ..errors import EdgeflowError
     from ..sim.demo import describe_broker, select_broker
-    from ..sim.report import make_plots, write_jsonl, write_report
-    from ..sim.simulation import SimulatedFleet
-    from ..timing import peak_rss_bytes
     from ._common import console
 
     cfg, broker_spec = build_config(args)
-    if not cfg.app:
-        require_digits()  # the stock clients' data: one line, before a broker or the progress bar starts
-    apps = initial = None
-    if cfg.app:  # the user's clients, built and checked before any broker starts: a mistake is one line
-        from ..sim.simulation import initial_model, make_apps
-
-        apps = make_apps(cfg)
-        initial = initial_model(cfg, apps)
-    if args.http:
-        from ..gateway.web import parse_listen
-        from ..gateway.web.metrics import require_prometheus
-
-        parse_listen(args.http)  # a bad address or a missing prometheus_client before anything starts
-        require_prometheus()
+    apps, initial = _prepare_clients(cfg)
+    _check_http(args)
     c = console(min_width=120)
     out = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
@@ -223,81 +209,185 @@ def cmd(args) -> int:
     broker = select_broker(broker_spec)
     try:
         say(describe_broker(broker))
-        if cfg.codec in SPARSE and cfg.strategy in COORDINATE_ROBUST:
-            say(f"warning: {cfg.strategy} over {cfg.codec} updates: coordinate-wise robust statistics of sparse "
-                "updates are mostly zero, so the model barely moves; use int8/fp16/dense or a mean-type strategy")
-        if (cfg.skip_rate or cfg.dropout or cfg.stragglers) and cfg.deadline_s >= 20:
-            say(f"note: with devices that drop out or straggle, a round waits its whole deadline "
-                f"({cfg.deadline_s:g} s) before closing on the quorum; --deadline 5 is enough for the digits models")
-        conf = {**dataclasses.asdict(cfg), "broker": broker.url}
-        (out / "config.json").write_text(json.dumps(conf, indent=2, default=list) + "\n")
-        rounds: list[dict] = []
+        _warn_about_settings(cfg, say)
+        conf = _write_config(cfg, broker, out)
         t0 = time.perf_counter()
-        progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), console=console(stderr=True), disable=args.json)
-        with progress:
-            task = progress.add_task("rounds", total=cfg.rounds)
-
-            def on_round(m) -> None:
-                if cfg.app and m.accuracy is None:  # an app run: the clients' own evaluation (docs/flower.md)
-                    acc = m.extra.get("fed_eval_accuracy")
-                    m.accuracy = acc if isinstance(acc, float) else None
-                rounds.append(m.to_dict())
-                with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
-                    f.write(json.dumps(m.to_dict()) + "\n")
-                acc = "n/a" if m.accuracy is None else f"{m.accuracy:.3f}"
-                progress.update(task, advance=1, description=f"rounds (accuracy {acc})")
-
-            (out / "metrics.jsonl").write_text("")
-            try:
-                fleet = SimulatedFleet(cfg, broker.url, on_round=on_round, apps=apps, initial=initial,
-                                       protocol=getattr(broker, "protocol", "auto") or "auto")
-            except EdgeflowError:
-                progress.live.transient = True  # the error's line alone (an app that does not fit its model)
-                raise
-            if fleet.rounds.strategy_choice.auto:
-                say(fleet.rounds.strategy_choice.describe())
-            web = None
-            try:
-                if args.http:
-                    from ..gateway.web import WebServer
-
-                    web = WebServer(fleet, args.http).start()
-                    say(f"dashboard {web.url}  metrics {web.url}metrics")
-                try:
-                    fleet.run()
-                except EdgeflowError:
-                    progress.live.transient = True  # the error's line alone, not a half-drawn bar above it
-                    raise
-                strategy = fleet.rounds.strategy_name
-                save_final_model(fleet, out)
-                devices = [{
-                    "device": d.device_id, "profile": d.profile, "samples": _samples(d.client),
-                    "byzantine": d.byzantine, "straggler": d.straggler, "vanished": d.vanished,
-                    "updates_sent": d.client.stats.updates_sent, "bytes_sent": d.client.stats.bytes_sent,
-                    "mean_train_ms": 1000 * d.client.stats.train_s_total / max(1, d.client.stats.rounds_trained),
-                } for d in fleet.devices]
-                up, dense = fleet.upload_bytes()
-            finally:
-                if web is not None:
-                    web.stop()
-                fleet.close()
+        rounds, devices, up, dense, strategy = _run_fleet(cfg, args, broker, out, apps, initial, say)
         wall = time.perf_counter() - t0
-        accs = [r["accuracy"] for r in rounds if r.get("accuracy") is not None]
-        summary = {
-            "devices": cfg.devices, "rounds_completed": len(rounds),
-            "final_accuracy": round(accs[-1], 4) if accs else None,
-            "best_accuracy": round(max(accs), 4) if accs else None, "wall_s": round(wall, 2),
-            "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1), "uploaded_bytes": up, "dense_bytes": dense,
-            "upload_ratio": round(up / dense, 4) if dense else None, "strategy": strategy, "codec": cfg.codec,
-        }
-        write_jsonl(out / "devices.jsonl", devices)
-        (out / "devices.json").write_text(json.dumps(devices, indent=1) + "\n")
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        plots = make_plots(out, rounds, devices)
-        report = write_report(out, conf, rounds, devices, summary, plots)
+        summary = _summary(cfg, rounds, wall, up, dense, strategy)
+        plots, report = _write_run_folder(out, conf, rounds, devices, summary)
     finally:
         broker.stop()
+    return _report_outcome(args, cfg, c, out, summary, wall, plots, report)
+
+
+def _prepare_clients(cfg):
+    """The stock clients' data, or the user's app clients and their first model: built and checked
+    before a broker or the progress bar starts, so that a mistake is one line."""
+    from ..data.datasets import require_digits
+
+    if not cfg.app:
+        require_digits()
+    apps = initial = None
+    if cfg.app:
+        from ..sim.simulation import initial_model, make_apps
+
+        apps = make_apps(cfg)
+        initial = initial_model(cfg, apps)
+    return apps, initial
+
+
+def _check_http(args) -> None:
+    """A bad --http address or a missing prometheus_client, before anything starts."""
+    if args.http:
+        from ..gateway.web import parse_listen
+        from ..gateway.web.metrics import require_prometheus
+
+        parse_listen(args.http)
+        require_prometheus()
+
+
+def _warn_about_settings(cfg, say) -> None:
+    if cfg.codec in SPARSE and cfg.strategy in COORDINATE_ROBUST:
+        say(f"warning: {cfg.strategy} over {cfg.codec} updates: coordinate-wise robust statistics of sparse "
+            "updates are mostly zero, so the model barely moves; use int8/fp16/dense or a mean-type strategy")
+    if (cfg.skip_rate or cfg.dropout or cfg.stragglers) and cfg.deadline_s >= 20:
+        say(f"note: with devices that drop out or straggle, a round waits its whole deadline "
+            f"({cfg.deadline_s:g} s) before closing on the quorum; --deadline 5 is enough for the digits models")
+
+
+def _write_config(cfg, broker, out) -> dict:
+    """config.json: the settings and the broker's URL."""
+    import dataclasses
+    import json
+
+    conf = {**dataclasses.asdict(cfg), "broker": broker.url}
+    (out / "config.json").write_text(json.dumps(conf, indent=2, default=list) + "\n")
+    return conf
+
+
+@contextlib.contextmanager
+def _error_line_alone(progress):
+    """On an EdgeflowError the progress bar is erased, so that the error's line stands alone (not under a
+    half-drawn bar)."""
+    from ..errors import EdgeflowError
+
+    try:
+        yield
+    except EdgeflowError:
+        progress.live.transient = True
+        raise
+
+
+def _run_fleet(cfg, args, broker, out, apps, initial, say):
+    """The rounds under a progress bar: (round metrics, device records, uploaded bytes, dense bytes, strategy)."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    from ..sim.simulation import SimulatedFleet
+    from ._common import console
+
+    rounds: list[dict] = []
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=console(stderr=True), disable=args.json)
+    with progress:
+        on_round = _round_recorder(cfg, out, rounds, progress, progress.add_task("rounds", total=cfg.rounds))
+        (out / "metrics.jsonl").write_text("")
+        with _error_line_alone(progress):  # e.g. an app that does not fit its model
+            fleet = SimulatedFleet(cfg, broker.url, on_round=on_round, apps=apps, initial=initial,
+                                   protocol=getattr(broker, "protocol", "auto") or "auto")
+        if fleet.rounds.strategy_choice.auto:
+            say(fleet.rounds.strategy_choice.describe())
+        devices, up, dense, strategy = _run_rounds(fleet, args, out, progress, say)
+    return rounds, devices, up, dense, strategy
+
+
+def _round_recorder(cfg, out, rounds: list[dict], progress, task):
+    """on_round: each round's metrics appended to ``rounds`` and metrics.jsonl, and the bar advanced."""
+    import json
+
+    def on_round(m) -> None:
+        if cfg.app and m.accuracy is None:  # an app run: the clients' own evaluation (docs/flower.md)
+            acc = m.extra.get("fed_eval_accuracy")
+            m.accuracy = acc if isinstance(acc, float) else None
+        rounds.append(m.to_dict())
+        with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(m.to_dict()) + "\n")
+        acc = "n/a" if m.accuracy is None else f"{m.accuracy:.3f}"
+        progress.update(task, advance=1, description=f"rounds (accuracy {acc})")
+
+    return on_round
+
+
+def _run_rounds(fleet, args, out, progress, say):
+    """Run the fleet (with the dashboard on --http), save the final model, and close the fleet:
+    (device records, uploaded bytes, dense bytes, strategy)."""
+    web = None
+    try:
+        if args.http:
+            from ..gateway.web import WebServer
+
+            web = WebServer(fleet, args.http).start()
+            say(f"dashboard {web.url}  metrics {web.url}metrics")
+        with _error_line_alone(progress):
+            fleet.run()
+        strategy = fleet.rounds.strategy_name
+        save_final_model(fleet, out)
+        devices = _device_records(fleet)
+        up, dense = fleet.upload_bytes()
+    finally:
+        if web is not None:
+            web.stop()
+        fleet.close()
+    return devices, up, dense, strategy
+
+
+def _device_records(fleet) -> list[dict]:
+    return [{
+        "device": d.device_id, "profile": d.profile, "samples": _samples(d.client),
+        "byzantine": d.byzantine, "straggler": d.straggler, "vanished": d.vanished,
+        "updates_sent": d.client.stats.updates_sent, "bytes_sent": d.client.stats.bytes_sent,
+        "mean_train_ms": 1000 * d.client.stats.train_s_total / max(1, d.client.stats.rounds_trained),
+    } for d in fleet.devices]
+
+
+def _summary(cfg, rounds: list[dict], wall: float, up: int, dense: int, strategy) -> dict:
+    from ..timing import peak_rss_bytes
+
+    accs = [r["accuracy"] for r in rounds if r.get("accuracy") is not None]
+    return {
+        "devices": cfg.devices, "rounds_completed": len(rounds),
+        "final_accuracy": round(accs[-1], 4) if accs else None,
+        "best_accuracy": round(max(accs), 4) if accs else None, "wall_s": round(wall, 2),
+        "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1), "uploaded_bytes": up, "dense_bytes": dense,
+        "upload_ratio": round(up / dense, 4) if dense else None, "strategy": strategy, "codec": cfg.codec,
+    }
+
+
+def _write_run_folder(out, conf: dict, rounds: list[dict], devices: list[dict], summary: dict):
+    """devices.jsonl, devices.json, summary.json, the charts and the report: (plots, report path)."""
+    import json
+
+    from ..sim.report import make_plots, write_jsonl, write_report
+
+    write_jsonl(out / "devices.jsonl", devices)
+    (out / "devices.json").write_text(json.dumps(devices, indent=1) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plots = make_plots(out, rounds, devices)
+    report = write_report(out, conf, rounds, devices, summary, plots)
+    return plots, report
+
+
+def _report_outcome(args, cfg, c, out, summary: dict, wall: float, plots, report) -> int:
+    """The summary (JSON with --json, else two lines) and the exit status: 1 when no accuracy came."""
+    import json
+    import sys
+
     # an app's clients may report no accuracy: the run failed when no round completed
     failed = summary["rounds_completed"] == 0 if cfg.app else summary["final_accuracy"] is None
     if args.json:
@@ -307,6 +397,7 @@ def cmd(args) -> int:
                   "not reported (no 'accuracy' in the clients' evaluate)")
         acc = ("none (no round completed)" if failed else unseen
                if summary["final_accuracy"] is None else f"{summary['final_accuracy']:.3f}")
+        up = summary["uploaded_bytes"]
         c.print(f"{summary['rounds_completed']} rounds on {cfg.devices} devices in {wall:.1f} s, peak RSS "
                 f"{summary['peak_rss_mb']} MiB; final accuracy {acc}; uploaded "
                 f"{up / 1024:.0f} KiB ({(summary['upload_ratio'] or 0):.1%} of dense)")
