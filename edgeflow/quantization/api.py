@@ -24,26 +24,51 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
 import onnx
 
 from ..errors import EdgeflowError, QuantizationError
+from ..profiles import (
+    DeviceProfile,
+    HostFacts,
+    get_profile,
+    host_differs,
+    host_facts,
+    saturates_where_board_does_not,
+)
 from ..runtime.model import ModelSource, TensorInfo, graph_inputs, load_model
-from ..profiles import (DeviceProfile, HostFacts, get_profile, host_differs, host_facts,
-                        saturates_where_board_does_not)
 
 if TYPE_CHECKING:
     from ..data.preprocess import AudioPrep, ImagePrep
-from .analysis import (QUANTIZABLE, QuantPlan, clamps_as_clip, name_nodes, plan_quantization,
-                       pool_before_relu)
+    from .gate import GateDecision, Trial
+from .analysis import (
+    QUANTIZABLE,
+    QuantPlan,
+    clamps_as_clip,
+    name_nodes,
+    plan_quantization,
+    pool_before_relu,
+)
 from .boxes import BOX_MEASURES, box_agreement
 from .calibration import METHODS as CALIBRATION_METHODS
 from .calibration import collect_ranges
-from .data import CalibrationSet, DataSource, as_calibration_set, fixed_batch, full_batches
+from .data import (
+    CalibrationSet,
+    DataSource,
+    as_calibration_set,
+    fixed_batch,
+    full_batches,
+)
 from .gate import LOSS_MEASURES, Evidence
-from .report import LatencyComparison, QuantizationReport, accuracy, model_bytes, output_error
+from .report import (
+    LatencyComparison,
+    QuantizationReport,
+    accuracy,
+    model_bytes,
+    output_error,
+)
 from .static_build import BIAS_CORRECTION_SAMPLES, StaticBuilder, one_line  # noqa: F401  (BIAS_CORRECTION_SAMPLES: public name)
 
 log = logging.getLogger("edgeflow.quantization")
@@ -241,155 +266,256 @@ def _gated(fp32, plan, build, prof, backend, evaluator, ev, labels, *, max_loss,
            loss_measure="auto", corrected: bool = False, untimed: str | None = None):
     """The bench-gated choice (:mod:`.gate`): the model it picked and the decision (``untimed``: why
     nothing is timed here; accuracy alone then decides)."""
-    from ..runtime.session import load
-    from .gate import GateDecision, Trial, choose, confirm, ctc_space_class, layer_groups, loss_percent, time_pair, \
-        time_rounds
-    from .weight_only import weight_only_int8
-
     if untimed and backend == "numpy":
-        # numpy has no integer GEMM: static int8 runs slower than fp32 on every host measured
-        # (docs/quantization.md); without timings here, that is what decides
-        targets = [t.node for t in plan.targets]
-        decision = GateDecision(
-            fallback, backend, float("nan"), None, None, max_loss, {}, [],
-            f"static int8 is slower than fp32 on the numpy backend (no integer GEMM), and it is not timed here "
-            f"({untimed}; --time-on-host times it on this host): {fallback} chosen", timed=False)
-        return _fallback(fp32, decision, targets, prof, backend, evaluator, ev, labels, max_loss=max_loss,
-                         fallback=fallback, per_channel=per_channel, batch=batch, rounds=rounds, seed=seed,
-                         inputs=inputs, loss_measure=loss_measure)
+        return _numpy_untimed(fp32, plan, prof, backend, evaluator, ev, labels, max_loss=max_loss, fallback=fallback,
+                              per_channel=per_channel, batch=batch, rounds=rounds, seed=seed, inputs=inputs,
+                              loss_measure=loss_measure, untimed=untimed)
+    run = _GateRun(fp32, plan, build, prof, backend, evaluator, ev, labels, max_loss=max_loss, fallback=fallback,
+                   per_channel=per_channel, cal=cal, calib=calib, percentile=percentile, activations=activations,
+                   batch=batch, rounds=rounds, seed=seed, inputs=inputs, loss_measure=loss_measure, untimed=untimed,
+                   variant=[formats[0], None, None, None])
+    first = run.search_variants(formats, retry_method, corrected) if len(formats) > 1 or retry_method else None
+    decision = run.decide(first)
+    if decision.choice == "int8":
+        q = run.int8(decision)
+        if q is not None:
+            return q, decision
+    return run.without_int8(decision)
 
-    feeds = _latency_feeds(inputs, ev, batch, seed)
-    ref = evaluator.predict(fp32, ev)
-    space = ctc_space_class(fp32) if loss_measure == "ctc" else None
-    strip = () if space is None else (space,)
-    rt32 = load(fp32, prof, backend=backend, batch_size=batch, allow_over_budget=True)
-    from ..runtime.session import session_options
 
-    cpu = backend == "ort" and session_options(prof).threads == 1  # runs in our thread: CPU time ignores other load
-    built: dict[frozenset, onnx.ModelProto] = {}
-    base: dict[str, float] = {}
+def _numpy_untimed(fp32, plan, prof, backend, evaluator, ev, labels, *, max_loss, fallback, per_channel, batch, rounds,
+                   seed, inputs, loss_measure, untimed):
+    """The gate's choice on an untimed numpy board: ``fallback``."""
+    from .gate import GateDecision
 
-    # format, calibration method (None: the profile's), op types, bias correction
-    fmt_box: list = [formats[0], None, None, None]
+    # numpy has no integer GEMM: static int8 runs slower than fp32 on every host measured
+    # (docs/quantization.md); without timings here, that is what decides
+    targets = [t.node for t in plan.targets]
+    decision = GateDecision(
+        fallback, backend, float("nan"), None, None, max_loss, {}, [],
+        f"static int8 is slower than fp32 on the numpy backend (no integer GEMM), and it is not timed here "
+        f"({untimed}; --time-on-host times it on this host): {fallback} chosen", timed=False)
+    return _fallback(fp32, decision, targets, prof, backend, evaluator, ev, labels, max_loss=max_loss,
+                     fallback=fallback, per_channel=per_channel, batch=batch, rounds=rounds, seed=seed,
+                     inputs=inputs, loss_measure=loss_measure)
 
-    def measure(kept: frozenset) -> Trial:
-        m = built.get(kept)
+
+class _Variant(NamedTuple):
+    """One variant of the every-layer int8 model, as the gate measured it."""
+
+    over: bool  # its loss is over --max-loss
+    rank: float  # its latency (its loss where nothing is timed)
+    args: tuple  # format, calibration method (None: the call's), op types (None: every one), bias correction
+    trial: "Trial"
+    model: onnx.ModelProto
+
+
+@dataclass
+class _GateRun:
+    """One bench-gate search (:func:`_gated`'s arguments): the candidate int8 models, each built once, and
+    their trials against fp32 on the evaluation set (timed unless ``untimed`` says why not)."""
+
+    fp32: onnx.ModelProto
+    plan: QuantPlan
+    build: StaticBuilder
+    prof: DeviceProfile
+    backend: str
+    evaluator: _Evaluator
+    ev: CalibrationSet
+    labels: np.ndarray | None
+    max_loss: float
+    fallback: str
+    per_channel: bool
+    cal: CalibrationSet
+    calib: str | None
+    percentile: float
+    activations: str
+    batch: int
+    rounds: int
+    seed: int
+    inputs: list[TensorInfo]
+    loss_measure: str
+    untimed: str | None
+    variant: list  # the one built: format, calibration method (None: the profile's), op types, bias correction
+
+    def __post_init__(self) -> None:
+        from ..runtime.session import load, session_options
+        from .gate import ctc_space_class
+
+        self.feeds = _latency_feeds(self.inputs, self.ev, self.batch, self.seed)
+        self.ref = self.evaluator.predict(self.fp32, self.ev)
+        space = ctc_space_class(self.fp32) if self.loss_measure == "ctc" else None
+        self.strip = () if space is None else (space,)
+        self.rt32 = load(self.fp32, self.prof, backend=self.backend, batch_size=self.batch, allow_over_budget=True)
+        # runs in our thread: CPU time ignores other load
+        self.cpu = self.backend == "ort" and session_options(self.prof).threads == 1
+        self.targets = [t.node for t in self.plan.targets]
+        self.built: dict[frozenset, onnx.ModelProto] = {}
+        self.base: dict[str, float] = {}
+        self.sens: list = []
+        self.steps: list[str] = []  # the variants tried, before the search's own steps
+        self.wo: onnx.ModelProto | None = None  # the weight-only model, once built
+
+    def measure(self, kept: frozenset) -> "Trial":
+        """The current variant with ``kept`` fp32 (built once): its loss, and its latency on the scale of
+        the first fp32 timing (NaN where nothing is timed)."""
+        from ..runtime.session import load
+        from .gate import Trial, loss_percent, time_pair
+
+        m = self.built.get(kept)
         if m is None:
-            m = built[kept] = build(kept, *fmt_box)
-        loss = loss_percent(ref, evaluator.predict(m, ev), labels, loss_measure, strip)
-        if untimed:
-            base.setdefault("fp32", float("nan"))
+            m = self.built[kept] = self.build(kept, *self.variant)
+        loss = loss_percent(self.ref, self.evaluator.predict(m, self.ev), self.labels, self.loss_measure, self.strip)
+        if self.untimed:
+            self.base.setdefault("fp32", float("nan"))
             return Trial(kept, float("nan"), loss)
-        rt = load(m, prof, backend=backend, batch_size=batch, allow_over_budget=True)
-        t32, t8 = time_pair(lambda: rt32.run(feeds), lambda: rt.run(feeds), rounds=rounds, cpu=cpu)
-        base.setdefault("fp32", t32)
-        return Trial(kept, t8 * base["fp32"] / t32, loss)
+        rt = load(m, self.prof, backend=self.backend, batch_size=self.batch, allow_over_budget=True)
+        rt32, feeds = self.rt32, self.feeds
+        t32, t8 = time_pair(lambda: rt32.run(feeds), lambda: rt.run(feeds), rounds=self.rounds, cpu=self.cpu)
+        self.base.setdefault("fp32", t32)
+        return Trial(kept, t8 * self.base["fp32"] / t32, loss)
 
-    sens_box: list = []
-
-    def sensitivity() -> list[str]:
+    def sensitivity(self) -> list[str]:
+        """The layers, worst first."""
         from .qdq import tensor_qparams
         from .sensitivity import layer_sensitivity
 
-        ranges = collect_ranges(fp32, plan.calibrated_tensors, cal, evaluator.runner, method=calib,
-                                percentile=percentile, batch_size=evaluator.batch_size)
-        qp = tensor_qparams(plan, ranges, activations)
+        ev, labels, evaluator = self.ev, self.labels, self.evaluator
+        ranges = collect_ranges(self.fp32, self.plan.calibrated_tensors, self.cal, evaluator.runner,
+                                method=self.calib, percentile=self.percentile, batch_size=evaluator.batch_size)
+        qp = tensor_qparams(self.plan, ranges, self.activations)
         k = min(ev.n, 16)  # one model per layer: rank on a few samples (the loss is checked on all)
-        sens_box[:] = layer_sensitivity(fp32, plan, qp, ev.take(slice(0, k)), ref[:k], evaluator.predict,
-                                        labels=labels[:k] if labels is not None else None,
-                                        per_channel=per_channel)
-        return [s.node for s in sens_box]
+        self.sens[:] = layer_sensitivity(self.fp32, self.plan, qp, ev.take(slice(0, k)), self.ref[:k],
+                                         evaluator.predict, labels=labels[:k] if labels is not None else None,
+                                         per_channel=self.per_channel)
+        return [s.node for s in self.sens]
 
-    targets = [t.node for t in plan.targets]
-    fmt_steps: list[str] = []
-    first = None
-    if len(formats) > 1 or retry_method:
-        # onnxruntime: QDQ and QOperator differ per model by up to 4x, so both are measured; where
-        # MinMax ranges lose too much (one outlier coarsens a whole tensor), percentile ranges are tried.
-        tried = []
+    def search_variants(self, formats, retry_method, corrected: bool) -> "Trial":
+        """Measure the variants and build the one chosen from now on; its every-layer trial.
 
-        def variant(fmt, cmethod, ops=None, bc=None):
-            fmt_box[:] = [fmt, cmethod, ops, bc]
-            built.pop(frozenset(), None)
-            t = measure(frozenset())
-            tried.append((t.loss > max_loss, t.loss if untimed else t.latency_ms, (fmt, cmethod, ops, bc), t,
-                          built[frozenset()]))
-            fmt_steps.append(f"{fmt} format, {cmethod or calib} calibration{', bias-corrected' if bc else ''}, "
-                             f"{'only ' + '/'.join(ops) if ops else 'every op onnxruntime quantizes'} int8, "
-                             f"all layers int8: {'not timed' if untimed else f'{t.latency_ms:.3f} ms'}, "
-                             f"loss {t.loss:.2f}%")
-
+        onnxruntime: QDQ and QOperator differ per model by up to 4x, so both are measured; where
+        MinMax ranges lose too much (one outlier coarsens a whole tensor), percentile ranges are tried."""
+        tried: list[_Variant] = []
         for fmt in formats:
-            variant(fmt, None)
+            tried.append(self.try_variant(fmt, None))
         if corrected:
             # bias correction helps some models a great deal (PP-OCRv4's detector) and hurts others
             # (PicoDet): a variant of its own, judged by its measured loss like the others
-            variant("qdq", None, None, True)
-        if retry_method and all(r[0] for r in tried):
+            tried.append(self.try_variant("qdq", None, None, True))
+        if retry_method and all(r.over for r in tried):
             for fmt in formats:
-                variant(fmt, retry_method)
-        if all(r[0] for r in tried):
+                tried.append(self.try_variant(fmt, retry_method))
+        if all(r.over for r in tried):
             # onnxruntime also quantizes Add/Mul/Softmax/...; keeping those float is the next thing to try,
             # and it makes the per-layer steps below (Conv/MatMul/Gemm) cover everything that is int8.
             for fmt in formats:
-                variant(fmt, None, ("Conv", "MatMul", "Gemm"))
-        pool = tried
-        if all(r[0] for r in tried) and any(r[2][2] for r in tried):
-            # Every variant is over --max-loss: the per-layer steps below only return Conv/MatMul/Gemm to
-            # fp32, so a variant that also has other ops int8 can end within it only if its loss with every
-            # one of those layers fp32 is (PicoDet's best such variant: 51%, a dead end). The one that loses
-            # least is checked so; the others are left to the Conv/MatMul/Gemm-only variants.
-            pool = [r for r in tried if r[2][2]]
-            rest = [r for r in tried if not r[2][2]]
-            best = min(rest, key=lambda r: r[3].loss, default=None)
-            if best is not None and best[3].loss < min(r[3].loss for r in pool):
-                fmt_box[:] = list(best[2])
-                built.clear()
-                floor = measure(frozenset(targets))
-                fmt_steps.append(f"{best[2][0]} format, {best[2][1] or calib} calibration"
-                                 f"{', bias-corrected' if best[2][3] else ''}: with every Conv/MatMul/Gemm fp32 "
-                                 f"and the other ops int8, loss {floor.loss:.2f}%"
-                                 f"{' -> a start the per-layer steps can finish from' if floor.loss <= max_loss else ''}")
-                if floor.loss <= max_loss:
-                    pool = pool + [best]
-        _, _, chosen, first, model = min(pool, key=lambda r: (r[0], r[1] if not r[0] else r[3].loss))
-        fmt_box[:] = list(chosen)
-        built.clear()
-        built[frozenset()] = model
-        fmt_steps.append(f"{chosen[0]} format, {chosen[1] or calib} calibration"
-                         f"{', bias-corrected' if chosen[3] else ''}"
-                         f"{', only ' + '/'.join(chosen[2]) if chosen[2] else ''} chosen")
-    if first is None:
-        first = measure(frozenset())
-    decision = choose(targets, layer_groups(fp32, targets), lambda k: first if not k else measure(k),
-                      base["fp32"], sensitivity, max_loss=max_loss, fallback=fallback, backend=backend,
-                      untimed=untimed)
-    decision.steps[:0] = fmt_steps
-    decision.int8_format = fmt_box[0] or prof.quantization.format
-    decision.calibration = fmt_box[1] or calib
-    decision.sensitivity = list(sens_box)
-    wo = None
-    if decision.choice == "int8" and not decision.timed:
-        q = built[frozenset(decision.kept_fp32)]
-        decision.evidence = _evidence(ref, evaluator.predict(q, ev), max_loss, loss_measure, strip)
-        return q, decision
-    if decision.choice == "int8":
-        # The search's figure is the best of many noisy timings: re-time the one int8 model against
-        # the model that would be written without it, in more rounds, before writing it.
-        q = built[frozenset(decision.kept_fp32)]
-        rt8 = load(q, prof, backend=backend, batch_size=batch, allow_over_budget=True)
-        rt_alt = rt32
-        if fallback == "weight-only":
-            wo = load_model(weight_only_int8(fp32, targets, per_channel=per_channel, optimize=False))
-            rt_alt = load(wo, prof, backend=backend, batch_size=batch, allow_over_budget=True)
+                tried.append(self.try_variant(fmt, None, ("Conv", "MatMul", "Gemm")))
+        return self.pick(self.candidates(tried))
+
+    def label(self, variant) -> str:
+        fmt, cmethod, _, bc = variant
+        return f"{fmt} format, {cmethod or self.calib} calibration{', bias-corrected' if bc else ''}"
+
+    def try_variant(self, fmt, cmethod, ops=None, bc=None) -> _Variant:
+        """The every-layer int8 model of one variant, measured (a step says how it did)."""
+        self.variant[:] = [fmt, cmethod, ops, bc]
+        self.built.pop(frozenset(), None)
+        t = self.measure(frozenset())
+        tried = _Variant(t.loss > self.max_loss, t.loss if self.untimed else t.latency_ms, (fmt, cmethod, ops, bc),
+                         t, self.built[frozenset()])
+        self.steps.append(f"{self.label(tried.args)}, "
+                          f"{'only ' + '/'.join(ops) if ops else 'every op onnxruntime quantizes'} int8, "
+                          f"all layers int8: {'not timed' if self.untimed else f'{t.latency_ms:.3f} ms'}, "
+                          f"loss {t.loss:.2f}%")
+        return tried
+
+    def candidates(self, tried: list[_Variant]) -> list[_Variant]:
+        """The variants the search may start from.
+
+        Every variant is over --max-loss: the per-layer steps only return Conv/MatMul/Gemm to fp32, so
+        a variant that also has other ops int8 can end within it only if its loss with every one of those
+        layers fp32 is (PicoDet's best such variant: 51%, a dead end). The one that loses least is checked
+        so; the others are left to the Conv/MatMul/Gemm-only variants."""
+        if not (all(r.over for r in tried) and any(r.args[2] for r in tried)):
+            return tried
+        pool = [r for r in tried if r.args[2]]
+        rest = [r for r in tried if not r.args[2]]
+        best = min(rest, key=lambda r: r.trial.loss, default=None)
+        if best is not None and best.trial.loss < min(r.trial.loss for r in pool):
+            if self.floor(best).loss <= self.max_loss:
+                pool = pool + [best]
+        return pool
+
+    def floor(self, best: _Variant) -> "Trial":
+        """``best`` with every Conv/MatMul/Gemm fp32 and the other ops int8."""
+        self.variant[:] = list(best.args)
+        self.built.clear()
+        floor = self.measure(frozenset(self.targets))
+        self.steps.append(f"{self.label(best.args)}: with every Conv/MatMul/Gemm fp32 "
+                          f"and the other ops int8, loss {floor.loss:.2f}%"
+                          f"{' -> a start the per-layer steps can finish from' if floor.loss <= self.max_loss else ''}")
+        return floor
+
+    def pick(self, pool: list[_Variant]) -> "Trial":
+        """The variant within --max-loss that runs fastest (else the one that loses least), built from now on."""
+        chosen = min(pool, key=lambda r: (r.over, r.rank if not r.over else r.trial.loss))
+        self.variant[:] = list(chosen.args)
+        self.built.clear()
+        self.built[frozenset()] = chosen.model
+        ops = chosen.args[2]
+        self.steps.append(f"{self.label(chosen.args)}{', only ' + '/'.join(ops) if ops else ''} chosen")
+        return chosen.trial
+
+    def decide(self, first: "Trial | None") -> "GateDecision":
+        """The search over layers (:func:`.gate.choose`) from the every-layer trial ``first`` (measured here
+        when None), its steps after the variants'."""
+        from .gate import choose, layer_groups
+
+        if first is None:
+            first = self.measure(frozenset())
+        decision = choose(self.targets, layer_groups(self.fp32, self.targets),
+                          lambda k: first if not k else self.measure(k), self.base["fp32"], self.sensitivity,
+                          max_loss=self.max_loss, fallback=self.fallback, backend=self.backend, untimed=self.untimed)
+        decision.steps[:0] = self.steps
+        decision.int8_format = self.variant[0] or self.prof.quantization.format
+        decision.calibration = self.variant[1] or self.calib
+        decision.sensitivity = list(self.sens)
+        return decision
+
+    def int8(self, decision: "GateDecision") -> onnx.ModelProto | None:
+        """The int8 model chosen, with the evidence of its loss; None where re-timing takes the choice back."""
+        q = self.built[frozenset(decision.kept_fp32)]
+        if decision.timed:
+            self.retime(decision, q)
+            if decision.choice != "int8":
+                return None
+        decision.evidence = _evidence(self.ref, self.evaluator.predict(q, self.ev), self.max_loss, self.loss_measure,
+                                      self.strip)
+        return q
+
+    def retime(self, decision: "GateDecision", q: onnx.ModelProto) -> None:
+        """The search's figure is the best of many noisy timings: re-time the one int8 model against
+        the model that would be written without it, in more rounds, before writing it."""
+        from ..runtime.session import load
+        from .gate import confirm, time_rounds
+        from .weight_only import weight_only_int8
+
+        rt8 = load(q, self.prof, backend=self.backend, batch_size=self.batch, allow_over_budget=True)
+        rt_alt = self.rt32
+        if self.fallback == "weight-only":
+            self.wo = load_model(weight_only_int8(self.fp32, self.targets, per_channel=self.per_channel,
+                                                  optimize=False))
+            rt_alt = load(self.wo, self.prof, backend=self.backend, batch_size=self.batch, allow_over_budget=True)
+        feeds = self.feeds
         confirm(decision, lambda: time_rounds(lambda: rt_alt.run(feeds), lambda: rt8.run(feeds),
-                                              rounds=max(7, 3 * rounds), cpu=cpu), fallback=fallback)
-        if decision.choice == "int8":
-            decision.evidence = _evidence(ref, evaluator.predict(q, ev), max_loss, loss_measure, strip)
-            return q, decision
-    return _fallback(fp32, decision, targets, prof, backend, evaluator, ev, labels, max_loss=max_loss,
-                     fallback=fallback, per_channel=per_channel, batch=batch, rounds=rounds, seed=seed, inputs=inputs,
-                     loss_measure=loss_measure, wo=wo, ref=ref, rt32=rt32, cpu=cpu)
+                                              rounds=max(7, 3 * self.rounds), cpu=self.cpu), fallback=self.fallback)
+
+    def without_int8(self, decision: "GateDecision"):
+        """The model written when int8 is not chosen (:func:`_fallback`)."""
+        return _fallback(self.fp32, decision, self.targets, self.prof, self.backend, self.evaluator, self.ev,
+                         self.labels, max_loss=self.max_loss, fallback=self.fallback, per_channel=self.per_channel,
+                         batch=self.batch, rounds=self.rounds, seed=self.seed, inputs=self.inputs,
+                         loss_measure=self.loss_measure, wo=self.wo, ref=self.ref, rt32=self.rt32, cpu=self.cpu)
 
 
 def _evidence(ref, got, max_loss: float, loss_measure: str, strip) -> "Evidence | None":
@@ -543,16 +669,7 @@ def quantize(
     notes: list[str] = []
     fp32, prof, kind, calib, inputs = _prepare(model, profile, method, optimize_graph, notes)
     loss = _loss_measure(fp32, loss, kind, notes)
-    per_channel = prof.quantization.weights == "per-channel"
-    if kind != "fp16":
-        fp32, per_channel, note = _opset_for_int8(fp32, per_channel)
-        if note:
-            notes.append(note)
-    if kind == "static":
-        fp32, n_clip = clamps_as_clip(fp32)
-        if n_clip:
-            notes.append(f"{n_clip} Max/Min with a constant rewritten as Clip (exact; onnxruntime folds a Clip "
-                         "into the int8 range of the op before it instead of running it in float)")
+    fp32, per_channel = _int8_graph(fp32, prof, kind, notes)
     engine = _choose_engine(engine, kind)
     fp32, plan = _plan(fp32, kind, keep_fp32=keep_fp32, keep_first=keep_first, keep_last=keep_last,
                        min_int8_channels=min_int8_channels)
@@ -560,23 +677,10 @@ def quantize(
                  notes=notes)
     bench = _bench(fp32, prof, backend, kind, inputs, data, batch_size, time_on_host, notes)
     max_loss = _gate_limit(max_loss, kind, bench.backend, notes)
-
-    gate = builder = None
-    if kind == "static":
-        qm, gate, builder = _quantize_static(
-            fp32, plan, prof, data, bench, engine=engine, calib=calib, per_channel=per_channel,
-            percentile=percentile, batch_size=batch_size, bias_correction=bias_correction, max_loss=max_loss,
-            fallback=fallback, gate_rounds=gate_rounds, seed=seed, inputs=inputs, loss=loss, notes=notes)
-    elif kind == "dynamic":
-        qm = _quantize_dynamic(fp32, plan, engine, per_channel)
-    else:
-        from .fp16 import convert_fp16
-
-        qm = convert_fp16(fp32)
-    int8_written = builder is not None and (gate is None or gate.choice == "int8")
-    if int8_written:
-        _note_int8_rewrites(notes, builder.rewrites_of(qm), builder.readouts)  # before the copy below: by id
-    qm = load_model(qm)  # checker + shape inference: fail here, not on the board
+    qm, gate, builder = _quantized(
+        fp32, plan, prof, kind, data, bench, engine=engine, calib=calib, per_channel=per_channel,
+        percentile=percentile, batch_size=batch_size, bias_correction=bias_correction, max_loss=max_loss,
+        fallback=fallback, gate_rounds=gate_rounds, seed=seed, inputs=inputs, loss=loss, notes=notes)
 
     report = _report(prof, kind, engine, calib, per_channel, data, fp32, qm, plan, notes)
     if gate is not None:
@@ -592,6 +696,47 @@ def quantize(
     if output is not None:
         result.save(output)
     return result
+
+
+def _int8_graph(fp32: onnx.ModelProto, prof: DeviceProfile, kind: str, notes: list[str]
+                ) -> tuple[onnx.ModelProto, bool]:
+    """The graph int8 is written from, and whether its weights are per channel: opset 13 for per-channel
+    weights (int8 only), and Max/Min by a constant as Clip (static int8 only)."""
+    per_channel = prof.quantization.weights == "per-channel"
+    if kind != "fp16":
+        fp32, per_channel, note = _opset_for_int8(fp32, per_channel)
+        if note:
+            notes.append(note)
+    if kind == "static":
+        fp32, n_clip = clamps_as_clip(fp32)
+        if n_clip:
+            notes.append(f"{n_clip} Max/Min with a constant rewritten as Clip (exact; onnxruntime folds a Clip "
+                         "into the int8 range of the op before it instead of running it in float)")
+    return fp32, per_channel
+
+
+def _quantized(fp32: onnx.ModelProto, plan: QuantPlan | None, prof: DeviceProfile, kind: str, data: _Data,
+               bench: _Bench, *, engine: str, calib: str | None, per_channel: bool, percentile: float,
+               batch_size: int, bias_correction: bool | None, max_loss: float | None, fallback: str,
+               gate_rounds: int, seed: int, inputs: list[TensorInfo], loss: str, notes: list[str]):
+    """The model of ``kind`` (checked: onnx.checker and shape inference fail here, not on the board), the
+    gate's decision and the static int8 builder (None where there is none)."""
+    gate = builder = None
+    if kind == "static":
+        qm, gate, builder = _quantize_static(
+            fp32, plan, prof, data, bench, engine=engine, calib=calib, per_channel=per_channel,
+            percentile=percentile, batch_size=batch_size, bias_correction=bias_correction, max_loss=max_loss,
+            fallback=fallback, gate_rounds=gate_rounds, seed=seed, inputs=inputs, loss=loss, notes=notes)
+    elif kind == "dynamic":
+        qm = _quantize_dynamic(fp32, plan, engine, per_channel)
+    else:
+        from .fp16 import convert_fp16
+
+        qm = convert_fp16(fp32)
+    int8_written = builder is not None and (gate is None or gate.choice == "int8")
+    if int8_written:
+        _note_int8_rewrites(notes, builder.rewrites_of(qm), builder.readouts)  # before the copy below: by id
+    return load_model(qm), gate, builder  # checker + shape inference: fail here, not on the board
 
 
 def _check_arguments(engine: str, loss: str, batch_size: int, max_loss: "float | None | str") -> None:
@@ -678,8 +823,8 @@ def _data(calibration: DataSource | None, eval_data: DataSource | None, labels, 
           kind: str, *, holdout: float, seed: int, preprocess, notes: list[str]) -> _Data:
     """Read the samples; for static int8 without ``eval_data`` hold out a share of the calibration set."""
     if isinstance(preprocess, (str, os.PathLike)):
-        from ..errors import InputError
         from ..data.preprocess import load_prep
+        from ..errors import InputError
 
         try:
             preprocess = load_prep(preprocess)
