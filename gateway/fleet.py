@@ -369,7 +369,6 @@ class FleetManager:
             self._cleared.move_to_end(msg.topic)
             while len(self._cleared) > 4096:
                 self._cleared.popitem(last=False)
-        self._count("retained_junk_cleared")
         self._count(f"retained_junk_{channel.replace('/', '_')}")
         try:
             self.transport.publish(msg.topic, b"", qos=1, retain=True, raw=True)
@@ -379,6 +378,7 @@ class FleetManager:
         if not again:
             log.warning("cleared retained junk on %s (%d bytes: %s); a device left it there, or someone with "
                         "write access to that topic", msg.topic, len(msg.payload), why)
+        self._count("retained_junk_cleared")  # last: whoever waits for the count finds the log line written
 
     def _retained_junk(self, msg: Any, channel: str) -> bool:
         """True (and cleared) when ``msg`` is a retained message that does not belong on ``channel``."""

@@ -154,3 +154,41 @@ def test_a_device_is_online_only_once_its_registry_row_is_written(lb_env):
     rec = fm.device(a.device_id)
     assert rec is not None and rec.online and rec.bdseq == a.bdseq
     starting.join(10)
+
+
+def test_retained_junk_is_counted_cleared_only_once_deleted_and_logged(lb_env, caplog, monkeypatch):
+    """``retained_junk_cleared`` counts junk deleted at the broker and reported: while the deleting publish
+    is held, the count stays 0; once it goes out, the count and the one log line are both there (the last CI
+    run found the count ahead of the log line)."""
+    import logging
+    import threading
+
+    from edgeflow.transport.loopback import LoopbackTransport
+
+    junk_topic = device_topic(FLEET, "dev-9", "telemetry").value
+    lb_env.hub.transport("attacker").connect().publish(junk_topic, b"junk", retain=True, raw=True).wait(5)
+    entered, release = threading.Event(), threading.Event()
+    publish = LoopbackTransport.publish
+
+    def held(self, topic, payload, *args, **kwargs):
+        if topic == junk_topic and payload == b"" and kwargs.get("retain"):
+            entered.set()
+            assert release.wait(10), "the test never released the delete"
+        return publish(self, topic, payload, *args, **kwargs)
+
+    monkeypatch.setattr(LoopbackTransport, "publish", held)
+    caplog.set_level(logging.WARNING, logger="edgeflow.gateway.fleet")
+    made = []
+    starting = threading.Thread(target=lambda: made.append(lb_env.gateway()), daemon=True)
+    starting.start()
+    try:
+        assert entered.wait(10), "the retained junk never reached the delete"
+        starting.join(5)
+        assert made and made[0].stats().get("retained_junk_cleared", 0) == 0
+    finally:
+        release.set()
+    starting.join(10)
+    fm = made[0]
+    assert wait_until(lambda: fm.stats().get("retained_junk_cleared", 0) == 1, 5)
+    assert [r.getMessage().split()[4] for r in caplog.records if "cleared retained junk" in r.getMessage()] == \
+        [junk_topic]
