@@ -78,6 +78,12 @@ class WillKeeper:
         self._thread = threading.Thread(target=self._loop.run_forever, name="edgeflow-nats-will-keeper", daemon=True)
         self._conns: list[Any] = []
         self._js: Any = None
+        self._handling: set[asyncio.Task[None]] = set()
+
+    @property
+    def pending(self) -> int:
+        """Wills being handled now (waiting out a delay or talking to JetStream)."""
+        return len(self._handling)
 
     def start(self, timeout: float = 10.0) -> WillKeeper:
         self._thread.start()
@@ -101,7 +107,12 @@ class WillKeeper:
         await sys_nc.flush()
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Ends the wills still being handled (a will whose delay has not run out is not published),
+        closes the connections and the event loop; no task is left pending on it."""
         async def close() -> None:
+            for task in list(self._handling):
+                task.cancel()
+            await asyncio.gather(*self._handling, return_exceptions=True)
             for nc in self._conns:
                 try:
                     await nc.close()
@@ -112,6 +123,8 @@ class WillKeeper:
             asyncio.run_coroutine_threadsafe(close(), self._loop).result(timeout)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout)
+        if not self._thread.is_alive() and not self._loop.is_closed():
+            self._loop.close()
 
     async def _on_event(self, msg: Any) -> None:
         try:
@@ -121,7 +134,9 @@ class WillKeeper:
             return
         name, cid = client.get("name"), client.get("id")
         if name and cid is not None and self._js is not None:
-            asyncio.get_running_loop().create_task(self._handle(str(name), int(cid), client.get("user")))
+            task = asyncio.get_running_loop().create_task(self._handle(str(name), int(cid), client.get("user")))
+            self._handling.add(task)
+            task.add_done_callback(self._handling.discard)
 
     async def _record(self, subject: str) -> tuple[int, dict[str, Any]] | None:
         try:
