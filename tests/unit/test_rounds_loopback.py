@@ -166,3 +166,42 @@ def test_a_selector_that_picks_an_ineligible_device_is_one_clear_error():
     fleet = LoopbackFleet(2, selector=lambda eligible, n, rng: ["nobody"])
     with pytest.raises(ConfigError, match="not eligible"):
         fleet.rounds.select([Candidate("d0"), Candidate("d1")])
+
+
+def _run_keeping(keep_bytes: int) -> tuple[dict[str, np.ndarray], int, list[int]]:
+    """Two rounds of 6 devices whose open round keeps at most ``keep_bytes`` of checked updates; the
+    model, the most the round held at once and the size of each checked update (tensors + envelope)."""
+    fleet = LoopbackFleet(6, config={"rounds": 2})
+    held, sizes = [0], []
+    keep = fleet.rounds.open.keep
+
+    def spy(upd):  # the round keeps an update, or not; what it holds after is what we watch
+        keep(upd)
+        sizes.append(sum(v.nbytes for v in upd.tensors.values()) + len(upd.payload))
+        held[0] = max(held[0], fleet.rounds.open.kept_bytes)
+
+    fleet.rounds.open.keep_bytes = keep_bytes
+    fleet.rounds.open.keep = spy  # type: ignore[method-assign]
+    with fleet:
+        fleet.rounds.run()
+        assert fleet.rounds.open.kept_bytes == 0  # released at the close
+        return dict(fleet.rounds.weights), held[0], sizes
+
+
+def test_the_open_round_keeps_decoded_updates_only_within_its_budget_and_the_model_is_the_same():
+    """A round of 1,000 devices held every decoded update (256 MiB budget: the gateway grew 40.7 MB in
+    benchmarks/round_scaling.py); what is not kept is re-read from the state at the close, and the
+    model does not depend on which were kept."""
+    everything, held_all, sizes = _run_keeping(1 << 30)
+    assert len(sizes) == 12 and held_all == max(sum(sizes[:6]), sum(sizes[6:]))  # every update kept
+    budget = 2 * max(sizes) + min(sizes) // 2
+    two, held_two, _ = _run_keeping(budget)
+    assert 2 * min(sizes) <= held_two <= budget  # two of six
+    none, held_none, _ = _run_keeping(0)
+    assert held_none == 0
+    for name, w in everything.items():
+        np.testing.assert_array_equal(two[name], w)
+        np.testing.assert_array_equal(none[name], w)
+    from edgeflow.gateway.open_round import KEEP_BYTES
+
+    assert KEEP_BYTES <= 16 << 20  # the default bound is a few MB, whatever the fleet size
