@@ -268,38 +268,10 @@ class RoundManager:
         self._staged: _Staged | None = None
         self.downlink = ModelDownlink(config.downlink)
         """What devices get of each new version: the full model, and a delta first (gateway/downlink.py)."""
-        # global model
-        latest = store.latest_model()
         self.first_parameters = FirstParameters(self)
         """Asks one device for the first parameters when there is no model yet (gateway/first_parameters.py)."""
-        if latest is None and model is None:
-            if weight_names is not None:
-                raise ConfigError("weight_names need a model; without one the first parameters come from a device")
-            self.version, self.weights = 0, {}  # run() asks a device first (Flower's get_parameters)
-        elif latest is None:
-            self.version = store.add_model(model.SerializeToString(), hashlib.sha256(model.SerializeToString()).hexdigest())
-            self.weights = model_weights(model)
-        else:
-            if model is None:
-                self.base_model = onnx.load_model_from_string(latest[1])
-            self.version = latest[0]
-            try:
-                self.weights = model_weights(onnx.load_model_from_string(latest[1]))
-            except Exception as exc:  # noqa: BLE001 - a damaged blob must become one clear line
-                raise StateError(f"gateway state {store.path}: model v{self.version} cannot be loaded ({exc}); "
-                                 "restore a backup or start without a state file (docs/security.md)") from None
-        if weight_names is None and self.weights and (model is not None or latest is not None):
-            trained = trained_weight_names(model if model is not None else self.base_model)
-            if trained is not None and set(trained) <= set(self.weights):
-                keep = set(trained)
-                self.weights = {n: w for n, w in self.weights.items() if n in keep}
-        if weight_names is not None:
-            names = list(dict.fromkeys(weight_names))
-            unknown = [n for n in names if n not in self.weights]
-            if unknown or not names:
-                raise ConfigError(f"weight_names {unknown[:4] or '(none)'} are not float weights of the model; "
-                                  f"it has {len(self.weights)} (e.g. {list(self.weights)[:3]})")
-            self.weights = {n: self.weights[n] for n in names}
+        self.version, self.weights = self._global_model(model)
+        self.weights = self._federated(self.weights, model, weight_names)
         self.epoch = self._new_epoch()
         if aggregator is not None:
             name = str(getattr(aggregator, "name", "") or type(aggregator).__name__)
@@ -310,6 +282,46 @@ class RoundManager:
             self._strategy = self._make_strategy()
         self._require_partial_folding(contributions, ingest)
         self._restore_run()
+
+    # -- the global model at start ----------------------------------------------
+    def _global_model(self, model: onnx.ModelProto | None) -> tuple[int, dict[str, np.ndarray]]:
+        """The version and weights the rounds start from: the state's latest model, else ``model``
+        (stored as version 1), else none yet (run() asks a device for the first parameters)."""
+        latest = self.store.latest_model()
+        if latest is None and model is None:
+            return 0, {}
+        if latest is None:
+            assert model is not None
+            blob = model.SerializeToString()
+            return self.store.add_model(blob, hashlib.sha256(blob).hexdigest()), model_weights(model)
+        version, blob = latest[0], latest[1]
+        if model is None:
+            self.base_model = onnx.load_model_from_string(blob)
+        try:
+            return version, model_weights(onnx.load_model_from_string(blob))
+        except Exception as exc:  # noqa: BLE001 - a damaged blob must become one clear line
+            raise StateError(f"gateway state {self.store.path}: model v{version} cannot be loaded ({exc}); "
+                             "restore a backup or start without a state file (docs/security.md)") from None
+
+    def _federated(self, weights: dict[str, np.ndarray], model: onnx.ModelProto | None,
+                   weight_names: Iterable[str] | None) -> dict[str, np.ndarray]:
+        """The weights the rounds federate: ``weight_names``, else those the model marks as trained,
+        else every float initializer."""
+        if self.base_model is None:  # no model yet: the first parameters come from a device
+            if weight_names is not None:
+                raise ConfigError("weight_names need a model; without one the first parameters come from a device")
+            return weights
+        if weight_names is None:
+            trained = trained_weight_names(model if model is not None else self.base_model)
+            if trained is not None and set(trained) <= set(weights):
+                return {n: w for n, w in weights.items() if n in set(trained)}
+            return weights
+        names = list(dict.fromkeys(weight_names))
+        unknown = [n for n in names if n not in weights]
+        if unknown or not names:
+            raise ConfigError(f"weight_names {unknown[:4] or '(none)'} are not float weights of the model; "
+                              f"it has {len(weights)} (e.g. {list(weights)[:3]})")
+        return {n: weights[n] for n in names}
 
     # -- plumbing -----------------------------------------------------------
     def _require_partial_folding(self, contributions: str, ingest: UpdateSource | None) -> None:
