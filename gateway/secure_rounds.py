@@ -157,57 +157,19 @@ class SecureRounds:
 
     def run(self, ann: RoundAnnouncement, t_start: float) -> Any:  # RoundMetrics
         """Bonawitz et al. over MQTT; the aggregator only ever receives the unmasked sum."""
-        from edgeflow.protocol import secagg_wire as secure
-
-
-        phase_s = float(dict(self.rm.config.secagg or {}).get("phase_timeout_s", 10.0))
         rnd = self.rm.open
         with rnd.cv:
             server = self.server if self.server is not None and self.server.round_id == ann.round_id else None
         if server is None:  # not prepared before the announcement (e.g. a caller of _collect_and_close)
             self.prepare(ann)
             server = self.server
-        selected = set(ann.selected)
         result = None
         reason = "stopped"
         final, guilty = None, {}
         try:
-            adv = self._phase("AdvertiseKeys", selected, min(ann.deadline, time.time() + phase_s))
-            with rnd.lock:
-                directory = server.key_directory()
-            self._broadcast(secure.encode(directory))
-            self._phase("ShareKeys", adv, min(ann.deadline, time.time() + phase_s))
-            with rnd.lock:
-                bundles = server.share_bundles()
-            self._broadcast(secure.pack_bundles([secure.encode(b) for b in bundles.values()]))
-            # round 1b: every holder checks its shares; a sender whose share fails (verified with the
-            # accuser's evidence) is left out, and so is a false accuser; the rest mask against the final list
-            self._phase("ShareCheck", set(bundles), min(ann.deadline, time.time() + phase_s))
-            with rnd.lock:
-                final = server.final_holders()
-                guilty = server.guilty
-            for who, why in sorted(guilty.items()):
-                rnd.count("rejected_secagg_shares")
-                log.warning("round %d: secure aggregation: %s is left out of the round: %s", ann.round_id, who, why)
-            self._broadcast(secure.encode(final))
-            # the check may have waited for silent holders until the deadline: the masked inputs still get a phase
-            self._phase("MaskedInput", set(final.holders), max(ann.deadline, time.time() + phase_s))
-            with rnd.lock:
-                request = server.unmask_request()
-            self._broadcast(secure.encode(request))
-            self._phase("UnmaskResponse", set(request.survivors), time.time() + phase_s)
-            with rnd.lock:
-                sa_result = server.finish()
+            sa_result, final, guilty = self._phases(ann, server)
             t0 = time.perf_counter()
-            with rnd.lock:
-                summed = {k: np.asarray(v, dtype=self.rm.weights[k].dtype) for k, v in sa_result.sum.items()}
-                total = int(round(sa_result.total_weight))
-                if total < 1:
-                    raise AggregationError(f"the survivors' weights sum to {sa_result.total_weight:g}; nothing to "
-                                           "average")
-                rnd.agg.add_partial(summed, total_samples=total, num_clients=sa_result.num_clients,
-                                    client_id="secagg")
-                result = rnd.agg.finish()
+            result = self._fold_sum(sa_result)
             agg_s = time.perf_counter() - t0
         except AggregationError as exc:  # SecAggError, or a non-finite sum
             log.error("round %d: secure aggregation failed: %s", ann.round_id, exc)
@@ -228,3 +190,50 @@ class SecureRounds:
         return self.rm.finish_round(ann, result, agg_s, t_start,
                                     extra={"secagg_dropped": float(len(sa_result.dropped) + len(excluded)),
                                            "secagg_excluded": float(len(guilty))})
+
+    def _phases(self, ann: RoundAnnouncement, server: Any) -> tuple[Any, Any, dict[str, str]]:
+        """The protocol's phases, each broadcast and collected in turn: the unmasked sum, the final
+        list of holders and the senders left out for shares that failed their check."""
+        from edgeflow.protocol import secagg_wire as secure
+
+        phase_s = float(dict(self.rm.config.secagg or {}).get("phase_timeout_s", 10.0))
+        rnd = self.rm.open
+        adv = self._phase("AdvertiseKeys", set(ann.selected), min(ann.deadline, time.time() + phase_s))
+        with rnd.lock:
+            directory = server.key_directory()
+        self._broadcast(secure.encode(directory))
+        self._phase("ShareKeys", adv, min(ann.deadline, time.time() + phase_s))
+        with rnd.lock:
+            bundles = server.share_bundles()
+        self._broadcast(secure.pack_bundles([secure.encode(b) for b in bundles.values()]))
+        # round 1b: every holder checks its shares; a sender whose share fails (verified with the
+        # accuser's evidence) is left out, and so is a false accuser; the rest mask against the final list
+        self._phase("ShareCheck", set(bundles), min(ann.deadline, time.time() + phase_s))
+        with rnd.lock:
+            final = server.final_holders()
+            guilty = server.guilty
+        for who, why in sorted(guilty.items()):
+            rnd.count("rejected_secagg_shares")
+            log.warning("round %d: secure aggregation: %s is left out of the round: %s", ann.round_id, who, why)
+        self._broadcast(secure.encode(final))
+        # the check may have waited for silent holders until the deadline: the masked inputs still get a phase
+        self._phase("MaskedInput", set(final.holders), max(ann.deadline, time.time() + phase_s))
+        with rnd.lock:
+            request = server.unmask_request()
+        self._broadcast(secure.encode(request))
+        self._phase("UnmaskResponse", set(request.survivors), time.time() + phase_s)
+        with rnd.lock:
+            return server.finish(), final, guilty
+
+    def _fold_sum(self, sa_result: Any) -> Any:
+        """The unmasked sum into the round's aggregator, as one partial of the survivors' total weight."""
+        rnd = self.rm.open
+        with rnd.lock:
+            summed = {k: np.asarray(v, dtype=self.rm.weights[k].dtype) for k, v in sa_result.sum.items()}
+            total = int(round(sa_result.total_weight))
+            if total < 1:
+                raise AggregationError(f"the survivors' weights sum to {sa_result.total_weight:g}; nothing to "
+                                       "average")
+            rnd.agg.add_partial(summed, total_samples=total, num_clients=sa_result.num_clients,
+                                client_id="secagg")
+            return rnd.agg.finish()
