@@ -168,34 +168,46 @@ class SecAggClient:
         d = self._require_directory()
         if self._masked_sent:
             raise SecAggError(f"client {self.client_id!r}: masked input already sent in this session")
-        if isinstance(bundle, FinalHolders):
-            if self._checked is None:
-                raise SecAggError(f"client {self.client_id!r}: final holders before check_bundle()")
-            checked, received, bad = self._checked
-            holders = tuple(bundle.holders)
-            if bundle.session_id != d.session_id or self.client_id not in holders \
-                    or not set(holders) <= set(checked) or len(set(holders)) != len(holders):
-                raise SecAggError(f"client {self.client_id!r}: final holders are inconsistent with the shares")
-            kept_bad = sorted(set(bad) & set(holders))
-            if kept_bad:
-                raise SecAggError(f"client {self.client_id!r}: the server keeps {kept_bad[0]!r}, whose share to "
-                                  "this client failed authentication; refusing to mask")
-            if len(holders) < d.config.threshold:
-                raise SecAggError(f"only {len(holders)} holders remain; at least {d.config.threshold} are needed")
-            received = {k: v for k, v in received.items() if k in holders}
-        else:
-            holders, received, bad = self._open_bundle(bundle)
-            if bad:
-                raise SecAggError(f"client {self.client_id!r}: share from {bad[0]!r} fails authentication")
-        self._received = received
-        self._holders = holders
-
-        schema = Layout.of(d.layout)
+        self._holders, self._received = self._mask_against(bundle)
         cfg = d.config
         if not math.isfinite(weight) or weight < 0:
             raise SecAggError(f"client {self.client_id!r}: weight must be a finite number >= 0, got {weight}")
         if cfg.weight_cap is not None and weight > cfg.weight_cap:
             weight = float(cfg.weight_cap)  # the session's cap on a client's weight (the gateway's sample cap)
+        y = self._masked(self._weighted(update, weight))
+        self._masked_sent = True
+        return MaskedInput(self.client_id, d.session_id, y, weight=weight if cfg.weight_cap is not None else None)
+
+    def _mask_against(self, bundle: ShareBundle | FinalHolders) -> tuple[tuple[str, ...], dict[str, tuple[bytes, bytes]]]:
+        """The holders to mask against and their shares received: the server's final list, checked
+        against what :meth:`check_bundle` found, or the bundle itself (every share must authenticate)."""
+        d = self._require_directory()
+        if not isinstance(bundle, FinalHolders):
+            holders, received, bad = self._open_bundle(bundle)
+            if bad:
+                raise SecAggError(f"client {self.client_id!r}: share from {bad[0]!r} fails authentication")
+            return holders, received
+        if self._checked is None:
+            raise SecAggError(f"client {self.client_id!r}: final holders before check_bundle()")
+        checked, received, bad = self._checked
+        holders = tuple(bundle.holders)
+        if bundle.session_id != d.session_id or self.client_id not in holders \
+                or not set(holders) <= set(checked) or len(set(holders)) != len(holders):
+            raise SecAggError(f"client {self.client_id!r}: final holders are inconsistent with the shares")
+        kept_bad = sorted(set(bad) & set(holders))
+        if kept_bad:
+            raise SecAggError(f"client {self.client_id!r}: the server keeps {kept_bad[0]!r}, whose share to "
+                              "this client failed authentication; refusing to mask")
+        if len(holders) < d.config.threshold:
+            raise SecAggError(f"only {len(holders)} holders remain; at least {d.config.threshold} are needed")
+        return holders, {k: v for k, v in received.items() if k in holders}
+
+    def _weighted(self, update: Weights, weight: float) -> np.ndarray:
+        """The update in the directory's layout, clipped to the session's norm bound, times its weight
+        (or its fraction of the cap), with that factor as the last value; refused beyond the fixed point."""
+        d = self._require_directory()
+        schema = Layout.of(d.layout)
+        cfg = d.config
         flat = np.empty(schema.size + 1, dtype=np.float64)
         for name in schema.names:
             if name not in update:
@@ -222,11 +234,17 @@ class SecAggClient:
             raise SecAggError(f"client {self.client_id!r}: weighted update reaches {over:g}, beyond the session's "
                               f"fixed-point range +-{cfg.clip:g}; the gateway must set secagg weight_cap (or a larger "
                               "clip)")
+        return flat
+
+    def _masked(self, flat: np.ndarray) -> np.ndarray:
+        """The fixed-point vector plus the self mask and, per other holder, the pairwise mask
+        (added towards a higher index, subtracted towards a lower one)."""
+        d = self._require_directory()
         fp = d.config.fixed_point
         y = fp.encode(flat)
         y += prg_mask(self._self_seed, y.size, fp.bits, d.session_id, b"self-mask")
         me = d.participant(self.client_id)
-        for h in holders:
+        for h in self._holders:
             if h == self.client_id:
                 continue
             peer = d.participant(h)
@@ -236,8 +254,7 @@ class SecAggClient:
                 y += mask
             else:
                 y -= mask
-        self._masked_sent = True
-        return MaskedInput(self.client_id, d.session_id, y, weight=weight if cfg.weight_cap is not None else None)
+        return y
 
     def unmask(self, request: UnmaskRequest) -> UnmaskResponse:
         """Reveal b-shares of survivors and key-shares of dropped clients - once,
