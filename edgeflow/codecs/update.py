@@ -35,7 +35,7 @@ from edgeflow.codecs.envelope import (
 from edgeflow.codecs.dense import MAX_VALUE
 from edgeflow.codecs.feedback import ErrorFeedback
 from edgeflow.codecs.metadata import pack_metadata
-from edgeflow.codecs.registry import EncodeContext, codec_by_id, get_codec
+from edgeflow.codecs.registry import Codec, EncodeContext, codec_by_id, get_codec
 from edgeflow.codecs.rejects import RejectStats, codec_error, reason_of, rejections
 from edgeflow.errors import CodecError, SignatureError
 from edgeflow.signing import KeyRing, ReplayGuard, Signer
@@ -125,23 +125,60 @@ def encode_update(
     by_digest = options.pop("layout", "names") == "digest"
     round_id = _check_int("round_id", round_id)
     seq = _check_int("seq", seq)
+    _check_sender(device_id, signer)
+    meta = dict(metadata or {})
+    if num_samples is not None:
+        meta["num_samples"] = _check_int("num_samples", num_samples)
+    meta_json = _metadata_json(meta)
+    # Validate everything before encoding anything, so a bad tensor cannot
+    # leave the error-feedback state half-updated.
+    flat = _checked_tensors(tensors)
+    meta_bytes = _metadata_bytes(meta, meta_json)
+    if impl.selector:  # "auto": pick the real codec from the tensors' sizes (edgeflow.codecs.auto)
+        def overhead(version: int) -> int:
+            v = VERSION_LAYOUT if by_digest else version
+            return _overhead(v, impl.codec_id, round_id, seq, device_id, meta_bytes[v], flat, signer)
+
+        impl, options = impl.resolve([x.size for *_, x in flat], options, overhead)
+    version = VERSION_LAYOUT if by_digest else impl.envelope_version
+    feedback = state if state is not None and impl.uses_feedback else None
+    ctx = EncodeContext(rng=_as_rng(rng), options=options, feedback=feedback is not None)
+    sections, new_residuals = _encoded_sections(impl, flat, ctx, feedback)
+    data = build_envelope(
+        codec_id=impl.codec_id,
+        round_id=round_id,
+        seq=seq,
+        device_id=device_id,
+        metadata_json=meta_bytes[version],
+        sections=sections,
+        signer=signer,
+        version=version,
+    )
+    if feedback is not None:
+        feedback.commit(new_residuals)
+    return data
+
+
+_Flat = list[tuple[str, int, tuple[int, ...], np.ndarray]]
+"""Checked tensors: name, dtype code, shape, values as flat float32."""
+
+
+def _check_sender(device_id: str, signer: Signer | None) -> None:
+    """The device id is a bounded non-empty string, and the signer's."""
     if not isinstance(device_id, str) or not device_id or len(device_id.encode("utf-8")) > MAX_DEVICE_ID:
         raise _encode_error("bad_input", f"device_id must be a non-empty string of at most {MAX_DEVICE_ID} bytes")
     if signer is not None and signer.device_id != device_id:
         msg = f"signer belongs to device {signer.device_id!r} but the update claims device {device_id!r}"
         raise _encode_error("bad_input", msg)
-    meta = dict(metadata or {})
-    if num_samples is not None:
-        meta["num_samples"] = _check_int("num_samples", num_samples)
-    meta_json = _metadata_json(meta)
+
+
+def _checked_tensors(tensors: Mapping[str, np.ndarray]) -> _Flat:
+    """Every tensor checked (name, float dtype, rank, finite and bounded values) before any is encoded."""
     if not isinstance(tensors, Mapping):
         raise _encode_error("bad_input", "tensors must be a dict of name -> numpy array")
     if len(tensors) > 0xFFFF:
         raise _encode_error("too_large", f"{len(tensors)} tensors in one update; the envelope holds at most 65535")
-
-    # Validate everything before encoding anything, so a bad tensor cannot
-    # leave the error-feedback state half-updated.
-    flat: list[tuple[str, int, tuple[int, ...], np.ndarray]] = []
+    flat: _Flat = []
     for name, array in tensors.items():
         if not isinstance(name, str) or not name or len(name.encode("utf-8")) > 0xFFFF:
             raise _encode_error("bad_input", f"tensor names must be non-empty strings, got {name!r}")
@@ -160,42 +197,31 @@ def encode_update(
                    f"receivers refuse updates beyond {MAX_VALUE:g} (the training step diverged)")
             raise _encode_error("out_of_range", msg)
         flat.append((name, code, tuple(int(d) for d in arr.shape), x))
+    return flat
 
+
+def _metadata_bytes(meta: Mapping[str, Any], meta_json: bytes) -> dict[int, bytes]:
+    """The metadata as each envelope version carries it (JSON in version 1, binary after), bounded."""
     meta_bytes = {1: meta_json, 2: pack_metadata(meta)}
     meta_bytes[VERSION_LAYOUT] = meta_bytes[2]
     if len(meta_bytes[2]) > MAX_METADATA:
         msg = f"metadata is {len(meta_bytes[2])} bytes in binary; keep it under {MAX_METADATA}"
         raise _encode_error("too_large", msg)
-    if impl.selector:  # "auto": pick the real codec from the tensors' sizes (edgeflow.codecs.auto)
-        def overhead(version: int) -> int:
-            v = VERSION_LAYOUT if by_digest else version
-            return _overhead(v, impl.codec_id, round_id, seq, device_id, meta_bytes[v], flat, signer)
+    return meta_bytes
 
-        impl, options = impl.resolve([x.size for *_, x in flat], options, overhead)
-    version = VERSION_LAYOUT if by_digest else impl.envelope_version
-    use_state = state is not None and impl.uses_feedback
-    ctx = EncodeContext(rng=_as_rng(rng), options=options, feedback=use_state)
+
+def _encoded_sections(impl: Codec, flat: _Flat, ctx: EncodeContext,
+                      feedback: ErrorFeedback | None) -> tuple[list[SectionInput], dict[str, np.ndarray]]:
+    """Each tensor through the codec (with its error-feedback residual), and the new residuals."""
     sections: list[SectionInput] = []
     new_residuals: dict[str, np.ndarray] = {}
     for name, code, shape, x in flat:
-        residual = state.residual(name, impl.state_size(x.size, options)) if use_state and state is not None else None
+        residual = feedback.residual(name, impl.state_size(x.size, ctx.options)) if feedback is not None else None
         parts, new_res = impl.encode(x, ctx, residual)
-        if use_state and new_res is not None:
+        if feedback is not None and new_res is not None:
             new_residuals[name] = new_res
         sections.append(SectionInput(name, code, shape, parts))
-    data = build_envelope(
-        codec_id=impl.codec_id,
-        round_id=round_id,
-        seq=seq,
-        device_id=device_id,
-        metadata_json=meta_bytes[version],
-        sections=sections,
-        signer=signer,
-        version=version,
-    )
-    if use_state and state is not None:
-        state.commit(new_residuals)
-    return data
+    return sections, new_residuals
 
 
 def _overhead(version: int, codec_id: int, round_id: int, seq: int, device_id: str, meta_json: bytes,
