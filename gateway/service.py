@@ -334,33 +334,46 @@ def _check_table(data: Any, name: str, problems: list[str]) -> None:
 def _check_semantics(data: dict[str, Any], base: Path, problems: list[str]) -> None:
     """What a type and range cannot say: ids, the strategy with its parameters, the codec's options, the
     central DP settings, URLs; and key pairs (max_clients >= min_clients)."""
+    gw, rounds, hi, st, web = (data.get(k, {}) for k in ("gateway", "rounds", "hierarchy", "store", "http"))
+    _check_places(gw, hi, st, base, problems)
+    _check_http(web, problems)
+    _check_rounds(rounds, problems)
+
+
+def _attempt(problems: list[str], key: str, fn: Callable[[], Any]) -> None:
+    """Run one check; a refusal becomes the line ``key: why``."""
+    try:
+        fn()
+    except ConfigError as exc:
+        problems.append(f"{key}: {exc}")
+    except (TypeError, ValueError) as exc:  # a constructor refusing a value the schema let through
+        problems.append(f"{key}: {exc}")
+    except EdgeflowError as exc:  # CodecError and the like from a dry run
+        problems.append(f"{key}: {exc}")
+
+
+def _check_places(gw: dict[str, Any], hi: dict[str, Any], st: dict[str, Any], base: Path,
+                  problems: list[str]) -> None:
+    """The fleet, client and site ids, the uplink's URL and the store's URL."""
     from edgeflow.transport.topics import validate_id
 
-    gw, rounds, hi, st, web = (data.get(k, {}) for k in ("gateway", "rounds", "hierarchy", "store", "http"))
-
-    def attempt(key: str, fn: Callable[[], Any]) -> None:
-        try:
-            fn()
-        except ConfigError as exc:
-            problems.append(f"{key}: {exc}")
-        except (TypeError, ValueError) as exc:  # a constructor refusing a value the schema let through
-            problems.append(f"{key}: {exc}")
-        except EdgeflowError as exc:  # CodecError and the like from a dry run
-            problems.append(f"{key}: {exc}")
-
     if "fleet" in gw:
-        attempt("gateway.fleet", lambda: validate_id(gw["fleet"], "fleet id"))
+        _attempt(problems, "gateway.fleet", lambda: validate_id(gw["fleet"], "fleet id"))
     if "client_id" in gw and len(gw["client_id"]) > 256:
         problems.append("gateway.client_id must be at most 256 characters")
     if "site_id" in hi and hi["site_id"] is not None:
-        attempt("hierarchy.site_id", lambda: validate_id(hi["site_id"], "site id"))
+        _attempt(problems, "hierarchy.site_id", lambda: validate_id(hi["site_id"], "site id"))
     for s in hi.get("sites", []):
-        attempt("hierarchy.sites", lambda s=s: validate_id(s, "site id"))
+        _attempt(problems, "hierarchy.sites", lambda s=s: validate_id(s, "site id"))
     if "uplink" in hi and hi["uplink"] != "bridge" and not _Rule("url", schemes=_MQTT).ok(hi["uplink"]):
         problems.append(f"hierarchy.uplink must be \"bridge\" or the central broker's URL (mqtts://HOST:PORT), "
                         f"got {_shown(hi['uplink'])}")
     if "url" in st:
-        attempt("store.url", lambda: parse_store_url(st["url"], base_dir=base))
+        _attempt(problems, "store.url", lambda: parse_store_url(st["url"], base_dir=base))
+
+
+def _check_http(web: dict[str, Any], problems: list[str]) -> None:
+    """The dashboard's listen address, and TLS where it acts."""
     if "listen" in web:
         from .web.server import parse_listen
 
@@ -372,6 +385,10 @@ def _check_semantics(data: dict[str, Any], base: Path, problems: list[str]) -> N
         problems.append("http.tls_cert and http.tls_key go together: a PEM certificate and its private key")
     if web.get("actions") and "tls_cert" not in web:
         problems.append("http.actions = true needs http.tls_cert and http.tls_key: the dashboard acts only over HTTPS")
+
+
+def _check_rounds(rounds: dict[str, Any], problems: list[str]) -> None:
+    """min/max clients, the codec's options, and the strategy with its parameters and DP, built as a dry run."""
     lo, hi_n = rounds.get("min_clients", 2), rounds.get("max_clients")
     if hi_n is not None and hi_n < lo:
         problems.append(f"rounds.max_clients ({hi_n}) must be >= rounds.min_clients ({lo}): no round could start")
@@ -379,8 +396,8 @@ def _check_semantics(data: dict[str, Any], base: Path, problems: list[str]) -> N
     if "codec_opts" in train:
         from edgeflow.codecs.registry import get_codec
 
-        attempt("rounds.train.codec_opts",
-                lambda: get_codec(train.get("codec", "int8")).check_options(dict(train["codec_opts"])))
+        _attempt(problems, "rounds.train.codec_opts",
+                 lambda: get_codec(train.get("codec", "int8")).check_options(dict(train["codec_opts"])))
     strategy_ok = True
     if ":" in rounds.get("strategy", ""):  # a user's class: its own line naming rounds.strategy
         from .custom_strategy import load_strategy
@@ -391,20 +408,22 @@ def _check_semantics(data: dict[str, Any], base: Path, problems: list[str]) -> N
             problems.append(str(exc))
             strategy_ok = False
     if strategy_ok and ("strategy" in rounds or "strategy_params" in rounds or rounds.get("dp")):
-        from .strategies import make_aggregator, resolve_strategy
+        _attempt(problems, "rounds.strategy_params" if "strategy_params" in rounds else
+                 "rounds.dp" if rounds.get("dp") else "rounds.strategy", lambda: _build_strategy(rounds))
 
-        def build() -> None:
-            params = dict(rounds.get("strategy_params", {}))
-            chosen = resolve_strategy(rounds.get("strategy", "fedavg"), params, mode=rounds.get("mode", "sync"),
-                                      dp=bool(rounds.get("dp")), secagg=rounds.get("secagg") is not None).name
-            if rounds.get("dp"):
-                from .privacy import CentralDP
 
-                params["privacy"] = CentralDP(**rounds["dp"])
-            make_aggregator(chosen, **params)
+def _build_strategy(rounds: dict[str, Any]) -> None:
+    """The configured strategy as the gateway would make it (a dry run: its refusals are the config's)."""
+    from .strategies import make_aggregator, resolve_strategy
 
-        attempt("rounds.strategy_params" if "strategy_params" in rounds else
-                "rounds.dp" if rounds.get("dp") else "rounds.strategy", build)
+    params = dict(rounds.get("strategy_params", {}))
+    chosen = resolve_strategy(rounds.get("strategy", "fedavg"), params, mode=rounds.get("mode", "sync"),
+                              dp=bool(rounds.get("dp")), secagg=rounds.get("secagg") is not None).name
+    if rounds.get("dp"):
+        from .privacy import CentralDP
+
+        params["privacy"] = CentralDP(**rounds["dp"])
+    make_aggregator(chosen, **params)
 
 
 def check_config(data: Mapping[str, Any], where: str = "<config>", base: Path | None = None) -> None:
