@@ -77,6 +77,29 @@ SKEW_WINDOW_S = 900.0
 """... received within this many seconds (a clock that was corrected is followed after that)."""
 
 
+def _local_training(device_id: str, app: NumPyClient | None, model: Any, data: tuple[np.ndarray, np.ndarray] | None,
+                    profile: Any, seed: int, trainer_options: Mapping[str, Any] | None) -> tuple[Any, Any, Any]:
+    """Who trains on this device: the user's app (then no trainer, x or y), or edgeflow's trainer on
+    ``model`` with the local ``data``; one clear error for any other combination."""
+    if app is not None:
+        if not isinstance(app, NumPyClient):
+            raise EdgeflowError(f"device {device_id}: app must be an edgeflow.NumPyClient (fit/evaluate), "
+                                f"got {type(app).__name__}")
+        if model is not None or data is not None:
+            raise EdgeflowError(f"device {device_id}: give either app= (your own training loop) or "
+                                "model= and data= (edgeflow's trainer), not both")
+        return None, None, None
+    from ..train import Trainer  # numpy-only, but heavy: import where used
+
+    if model is None or data is None:
+        raise EdgeflowError(f"device {device_id}: a client needs model= and data=, or app= "
+                            "(a NumPyClient with your own training loop)")
+    x, y = data
+    if len(x) != len(y) or len(x) == 0:
+        raise EdgeflowError(f"device {device_id}: local data needs matching, non-empty x and y")
+    return Trainer(model, profile=profile, seed=seed, **dict(trainer_options or {})), x, y
+
+
 @dataclass
 class ClientStats:
     rounds_trained: int = 0
@@ -166,26 +189,7 @@ class Client:
         self.signer = signer
         self.keyring = KeyRing({GATEWAY_ID: fleet_key})
         self.app = app
-        self.trainer: Any = None
-        self.x: Any = None
-        self.y: Any = None
-        if app is not None:
-            if not isinstance(app, NumPyClient):
-                raise EdgeflowError(f"device {device_id}: app must be an edgeflow.NumPyClient (fit/evaluate), "
-                                    f"got {type(app).__name__}")
-            if model is not None or data is not None:
-                raise EdgeflowError(f"device {device_id}: give either app= (your own training loop) or "
-                                    "model= and data= (edgeflow's trainer), not both")
-        else:
-            from ..train import Trainer  # numpy-only, but heavy: import where used
-
-            if model is None or data is None:
-                raise EdgeflowError(f"device {device_id}: a client needs model= and data=, or app= "
-                                    "(a NumPyClient with your own training loop)")
-            self.x, self.y = data
-            if len(self.x) != len(self.y) or len(self.x) == 0:
-                raise EdgeflowError(f"device {device_id}: local data needs matching, non-empty x and y")
-            self.trainer = Trainer(model, profile=profile, seed=seed, **dict(trainer_options or {}))
+        self.trainer, self.x, self.y = _local_training(device_id, app, model, data, profile, seed, trainer_options)
         self.last_fit: dict[str, Any] | None = None
         """The app's last fit: ``{"round_id", "num_examples", "metrics"}`` (app clients only)."""
         self.last_evaluate: dict[str, Any] | None = None
