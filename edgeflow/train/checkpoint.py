@@ -98,6 +98,31 @@ def load_state(trainer, path: "str | os.PathLike", *, weights: bool = True) -> d
     BatchNorm statistics stay).
     """
     npz, meta = _files(path)
+    info = _read_record(trainer, npz, meta)
+    with np.load(npz, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    params, state, opt = _fitting_entries(trainer, arrays, npz.name)
+    if weights:
+        for name, arr in params.items():
+            np.copyto(trainer.params[name], arr, casting="unsafe")
+        for name, arr in state.items():
+            trainer.tape.constants[name] = np.array(arr, dtype=trainer.dtype)
+        trainer._pending_state = {}
+    trainer.optimizer.state.clear()
+    for name, slots in opt.items():
+        trainer.optimizer.state[name] = {s: np.array(a, dtype=trainer.params[name].dtype) for s, a in slots.items()}
+    trainer.optimizer.steps = int(info.get("optimizer_steps", 0))
+    trainer.global_step = int(info.get("global_step", 0))
+    if "rng" in info:
+        try:
+            trainer._rng.bit_generator.state = info["rng"]
+        except (TypeError, ValueError, KeyError):
+            pass  # another bit generator: shuffling restarts from the seed
+    return info
+
+
+def _read_record(trainer, npz: Path, meta: Path) -> dict:
+    """The JSON record beside the arrays: present, parseable, this format, this run's optimizer."""
     if not npz.exists() or not meta.exists():
         raise InputError(f"no training state at {npz} / {meta}: run once without --resume (resume=False) first")
     try:
@@ -110,8 +135,13 @@ def load_state(trainer, path: "str | os.PathLike", *, weights: bool = True) -> d
     if info.get("optimizer") != kind:
         raise TrainingError(f"the saved state is of optimizer {info.get('optimizer')}, this run uses {kind}: "
                             "resume with the same --optimizer, or start again without --resume")
-    with np.load(npz, allow_pickle=False) as z:
-        arrays = {k: z[k] for k in z.files}
+    return info
+
+
+def _fitting_entries(trainer, arrays: dict[str, np.ndarray], where: str) -> tuple[
+        dict[str, np.ndarray], dict[str, np.ndarray], dict[str, dict[str, np.ndarray]]]:
+    """The saved arrays sorted into weights, training-updated statistics and optimizer slots, each
+    checked against the model; one TrainingError naming every entry that does not fit."""
     current = {n: trainer._value(n) for n in trainer.weight_names}
     buffers = set(updated_buffers(trainer))
     params: dict[str, np.ndarray] = {}
@@ -151,23 +181,7 @@ def load_state(trainer, path: "str | os.PathLike", *, weights: bool = True) -> d
         uniq = list(dict.fromkeys(problems))
         shown = "; ".join(uniq[:4]) + (f" (+{len(uniq) - 4} more)" if len(uniq) > 4 else "")
         raise TrainingError(
-            f"the training state {npz.name} does not fit this model ({len(problems)} problem(s): {shown}); "
+            f"the training state {where} does not fit this model ({len(problems)} problem(s): {shown}); "
             "the base model changed shape (a new architecture or head): start again without --resume "
             "(resume=False), or keep the old base model")
-    if weights:
-        for name, arr in params.items():
-            np.copyto(trainer.params[name], arr, casting="unsafe")
-        for name, arr in state.items():
-            trainer.tape.constants[name] = np.array(arr, dtype=trainer.dtype)
-        trainer._pending_state = {}
-    trainer.optimizer.state.clear()
-    for name, slots in opt.items():
-        trainer.optimizer.state[name] = {s: np.array(a, dtype=trainer.params[name].dtype) for s, a in slots.items()}
-    trainer.optimizer.steps = int(info.get("optimizer_steps", 0))
-    trainer.global_step = int(info.get("global_step", 0))
-    if "rng" in info:
-        try:
-            trainer._rng.bit_generator.state = info["rng"]
-        except (TypeError, ValueError, KeyError):
-            pass  # another bit generator: shuffling restarts from the seed
-    return info
+    return params, state, opt
