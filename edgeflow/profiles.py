@@ -154,6 +154,35 @@ def _fail(src: str, fld: str, msg: str) -> ProfileError:
 
 def profile_from_dict(data: dict[str, Any], source: str = "<dict>") -> DeviceProfile:
     """Validate a parsed profile; every error names the source and field."""
+    _check_types(data, source)
+    arch = _ARCH_ALIASES.get(data["arch"], data["arch"])
+    _check_board(data, arch, source)
+    q = dict(data.get("quantization", {}))
+    _check_quantization(q, arch, source)
+    return DeviceProfile(
+        name=data["name"],
+        description=data["description"],
+        arch=arch,
+        cores=data["cores"],
+        memory_mb=data["memory_mb"],
+        memory_budget_mb=data["memory_budget_mb"],
+        threads=data["threads"],
+        backends=tuple(data["backends"]),
+        execution_providers=tuple(data.get("execution_providers", ("CPUExecutionProvider",))),
+        cpu_features=tuple(data.get("cpu_features", ())),
+        can_train=data.get("can_train", False),
+        train_memory_budget_mb=data.get("train_memory_budget_mb", 0),
+        memory_arena=data.get("memory_arena", True),
+        match=tuple(data.get("match", ())),
+        quantization=QuantizationScheme(**q),
+        source=source,
+        **{k: data[k] for k in ("max_loop_iterations", "max_run_seconds", "max_model_nodes", "max_model_file_mb")
+           if k in data},
+    )
+
+
+def _check_types(data: dict[str, Any], source: str) -> None:
+    """Known fields only, the required ones present, each of its type."""
     unknown = sorted(set(data) - set(_FIELDS))
     if unknown:
         raise _fail(source, unknown[0], f"unknown field (known fields: {', '.join(_FIELDS)})")
@@ -168,7 +197,10 @@ def profile_from_dict(data: dict[str, Any], source: str = "<dict>") -> DevicePro
             raise _fail(source, name, f"expected {types[0].__name__}, got {type(v).__name__} {v!r}")
         if types == (list,) and not all(isinstance(x, str) for x in v):
             raise _fail(source, name, "expected a list of strings")
-    arch = _ARCH_ALIASES.get(data["arch"], data["arch"])
+
+
+def _check_board(data: dict[str, Any], arch: str, source: str) -> None:
+    """The name, architecture, counts and budgets in range and consistent, and known backends."""
     if not _PROFILE_NAME.fullmatch(data["name"]) or ".." in data["name"]:
         raise _fail(source, "name", f"{data['name'][:80]!r} is not a valid profile name: use {PROFILE_NAME_RULE}")
     if arch not in ARCHES:
@@ -192,7 +224,10 @@ def profile_from_dict(data: dict[str, Any], source: str = "<dict>") -> DevicePro
     bad = [b for b in data["backends"] if b not in BACKENDS]
     if bad:
         raise _fail(source, "backends", f"unknown backend(s) {bad}; known: {', '.join(BACKENDS)}")
-    q = dict(data.get("quantization", {}))
+
+
+def _check_quantization(q: dict[str, Any], arch: str, source: str) -> None:
+    """The [quantization] table: known fields, allowed values, no combination known to be slow."""
     unknown_q = sorted(set(q) - _Q_FIELDS)
     if unknown_q:
         raise _fail(source, f"quantization.{unknown_q[0]}", f"unknown field (known: {', '.join(sorted(_Q_FIELDS))})")
@@ -208,26 +243,6 @@ def profile_from_dict(data: dict[str, Any], source: str = "<dict>") -> DevicePro
             source, "quantization.activations",
             "int8 activations in QOperator format are 20-30x slower than uint8 on x86 onnxruntime; use uint8",
         )
-    return DeviceProfile(
-        name=data["name"],
-        description=data["description"],
-        arch=arch,
-        cores=data["cores"],
-        memory_mb=data["memory_mb"],
-        memory_budget_mb=data["memory_budget_mb"],
-        threads=data["threads"],
-        backends=tuple(data["backends"]),
-        execution_providers=tuple(data.get("execution_providers", ("CPUExecutionProvider",))),
-        cpu_features=tuple(data.get("cpu_features", ())),
-        can_train=data.get("can_train", False),
-        train_memory_budget_mb=data.get("train_memory_budget_mb", 0),
-        memory_arena=data.get("memory_arena", True),
-        match=tuple(data.get("match", ())),
-        quantization=QuantizationScheme(**q),
-        source=source,
-        **{k: data[k] for k in ("max_loop_iterations", "max_run_seconds", "max_model_nodes", "max_model_file_mb")
-           if k in data},
-    )
 
 
 def load_profile_file(path: str | os.PathLike) -> DeviceProfile:
