@@ -145,90 +145,130 @@ def svg_chart(title: str, xs: Sequence[int], series: Sequence[tuple[str, Sequenc
     with ``xs``, and a missing value (None, NaN) draws nothing for that round. ``log``: a
     logarithmic y axis (positive values only). Every point and bar has a ``<title>`` tooltip and
     ``data-round``/``data-value`` attributes."""
-    left, right, top, bottom = 64, 16, 40, 44
-    pw, ph = width - left - right, height - top - bottom
-    vals = [v for _, ys, _ in series for v in (_finite(y) for y in ys) if v is not None and (not log or v > 0)]
-    if y_range is not None:
-        lo, hi = y_range
-    elif vals:
-        lo, hi = (min(vals), max(vals)) if log else (min(0.0, min(vals)), max(vals))
-    else:
-        lo, hi = (1.0, 10.0) if log else (0.0, 1.0)
-    if log:
-        lo, hi = 10 ** math.floor(math.log10(lo)), 10 ** math.ceil(math.log10(hi))
-        if hi <= lo:
-            hi = lo * 10
-
-        def ty(v: float) -> float:
-            return top + ph - (math.log10(v) - math.log10(lo)) / (math.log10(hi) - math.log10(lo)) * ph
-        yticks = [10.0 ** e for e in range(int(round(math.log10(lo))), int(round(math.log10(hi))) + 1)]
-    else:
-        if hi <= lo:
-            hi = lo + 1.0
-        yticks = _nice_ticks(lo, hi)
-        lo, hi = min(lo, yticks[0]), max(hi, yticks[-1])
-
-        def ty(v: float) -> float:
-            return top + ph - (v - lo) / (hi - lo) * ph
-    x_lo, x_hi = (min(xs), max(xs)) if xs else (0, 1)
+    chart = _Chart(xs, series, log=log, y_range=y_range, width=width, height=height)
+    out = chart.frame(title, xlabel, ylabel)
     n_bars = sum(1 for _, _, k in series if k == "bar")
-    slot = pw / max(1, len(xs))
-
-    def tx(x: float) -> float:
-        return left + slot / 2 + (x - x_lo) / max(1, x_hi - x_lo) * (pw - slot) if len(xs) > 1 else left + pw / 2
-
-    e = html.escape
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" role="img" aria-label="{e(title)}" '
-           'font-family="sans-serif" font-size="11">',
-           f"<title>{e(title)}</title>",
-           f'<rect x="0" y="0" width="{width}" height="{height}" fill="#fff"/>',
-           f'<text x="{width / 2:.1f}" y="16" text-anchor="middle" font-size="13">{e(title)}</text>']
-    for t in yticks:
-        y = ty(t)
-        out.append(f'<line x1="{left}" x2="{left + pw}" y1="{y:.1f}" y2="{y:.1f}" stroke="#ddd"/>'
-                   f'<text x="{left - 4}" y="{y + 4:.1f}" text-anchor="end">{e(_fmt_tick(t))}</text>')
-    step = max(1, math.ceil(len(xs) / 12))
-    for i, x in enumerate(xs):
-        if i % step == 0 or i == len(xs) - 1:
-            out.append(f'<text x="{tx(x):.1f}" y="{top + ph + 14}" text-anchor="middle">{int(x)}</text>')
-    out.append(f'<line x1="{left}" x2="{left}" y1="{top}" y2="{top + ph}" stroke="#444"/>'
-               f'<line x1="{left}" x2="{left + pw}" y1="{top + ph}" y2="{top + ph}" stroke="#444"/>')
-    out.append(f'<text x="{left + pw / 2:.1f}" y="{height - 6}" text-anchor="middle">{e(xlabel)}</text>')
-    out.append(f'<text transform="translate(14 {top + ph / 2:.1f}) rotate(-90)" text-anchor="middle">'
-               f"{e(ylabel)}{' (log scale)' if log else ''}</text>")
     bar_i = 0
-    base = ty(lo) if log else ty(max(lo, 0.0))
     for si, (label, ys, kind) in enumerate(series):
         color = _COLORS[si % len(_COLORS)]
-        pts = []
-        for x, y in zip(xs, ys):
-            v = _finite(y)
-            if v is None or (log and v <= 0):
-                continue
-            tip = f"<title>round {int(x)}: {e(label)} {v:.4g}</title>"
-            if kind == "bar":
-                bw = slot * 0.8 / max(1, n_bars)
-                bx = tx(x) - slot * 0.4 + bar_i * bw
-                top_y = ty(v)
-                out.append(f'<rect class="bar" data-series="{e(label)}" data-round="{int(x)}" data-value="{v:.6g}" '
-                           f'x="{bx:.1f}" y="{min(top_y, base):.1f}" width="{max(bw, 1):.1f}" '
-                           f'height="{abs(base - top_y):.1f}" fill="{color}">{tip}</rect>')
-            else:
-                pts.append((tx(x), ty(v), x, v, tip))
         if kind == "bar":
+            out += chart.bars(label, ys, color, bar_i, n_bars)
             bar_i += 1
+        else:
+            out += chart.line(label, ys, color)
+        lx = chart.left + 8 + si * 150
+        out.append(f'<rect x="{lx}" y="{chart.top - 14}" width="10" height="10" fill="{color}"/>'
+                   f'<text x="{lx + 14}" y="{chart.top - 5}">{html.escape(label)}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+class _Chart:
+    """The plot area of one chart: its y range and ticks, and the data -> pixel maps."""
+
+    left, right, top, bottom = 64, 16, 40, 44
+
+    def __init__(self, xs: Sequence[int], series: Sequence[tuple[str, Sequence[Any], str]], *, log: bool,
+                 y_range: tuple[float, float] | None, width: int, height: int) -> None:
+        self.xs, self.log, self.width, self.height = xs, log, width, height
+        self.pw, self.ph = width - self.left - self.right, height - self.top - self.bottom
+        vals = [v for _, ys, _ in series for v in (_finite(y) for y in ys) if v is not None and (not log or v > 0)]
+        if y_range is not None:
+            lo, hi = y_range
+        elif vals:
+            lo, hi = (min(vals), max(vals)) if log else (min(0.0, min(vals)), max(vals))
+        else:
+            lo, hi = (1.0, 10.0) if log else (0.0, 1.0)
+        if log:
+            lo, hi = 10 ** math.floor(math.log10(lo)), 10 ** math.ceil(math.log10(hi))
+            if hi <= lo:
+                hi = lo * 10
+            self.yticks = [10.0 ** e for e in range(int(round(math.log10(lo))), int(round(math.log10(hi))) + 1)]
+        else:
+            if hi <= lo:
+                hi = lo + 1.0
+            self.yticks = _nice_ticks(lo, hi)
+            lo, hi = min(lo, self.yticks[0]), max(hi, self.yticks[-1])
+        self.lo, self.hi = lo, hi
+        self.x_lo, self.x_hi = (min(xs), max(xs)) if xs else (0, 1)
+        self.slot = self.pw / max(1, len(xs))
+
+    def ty(self, v: float) -> float:
+        top, ph, lo, hi = self.top, self.ph, self.lo, self.hi
+        if self.log:
+            return top + ph - (math.log10(v) - math.log10(lo)) / (math.log10(hi) - math.log10(lo)) * ph
+        return top + ph - (v - lo) / (hi - lo) * ph
+
+    def tx(self, x: float) -> float:
+        left, pw, slot = self.left, self.pw, self.slot
+        if len(self.xs) > 1:
+            return left + slot / 2 + (x - self.x_lo) / max(1, self.x_hi - self.x_lo) * (pw - slot)
+        return left + pw / 2
+
+    def frame(self, title: str, xlabel: str, ylabel: str) -> list[str]:
+        """The document's head, title, grid with y ticks, x ticks, axes and axis labels."""
+        e = html.escape
+        left, top, pw, ph, width, height = self.left, self.top, self.pw, self.ph, self.width, self.height
+        out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+               f'viewBox="0 0 {width} {height}" role="img" aria-label="{e(title)}" '
+               'font-family="sans-serif" font-size="11">',
+               f"<title>{e(title)}</title>",
+               f'<rect x="0" y="0" width="{width}" height="{height}" fill="#fff"/>',
+               f'<text x="{width / 2:.1f}" y="16" text-anchor="middle" font-size="13">{e(title)}</text>']
+        for t in self.yticks:
+            y = self.ty(t)
+            out.append(f'<line x1="{left}" x2="{left + pw}" y1="{y:.1f}" y2="{y:.1f}" stroke="#ddd"/>'
+                       f'<text x="{left - 4}" y="{y + 4:.1f}" text-anchor="end">{e(_fmt_tick(t))}</text>')
+        xs = self.xs
+        step = max(1, math.ceil(len(xs) / 12))
+        for i, x in enumerate(xs):
+            if i % step == 0 or i == len(xs) - 1:
+                out.append(f'<text x="{self.tx(x):.1f}" y="{top + ph + 14}" text-anchor="middle">{int(x)}</text>')
+        out.append(f'<line x1="{left}" x2="{left}" y1="{top}" y2="{top + ph}" stroke="#444"/>'
+                   f'<line x1="{left}" x2="{left + pw}" y1="{top + ph}" y2="{top + ph}" stroke="#444"/>')
+        out.append(f'<text x="{left + pw / 2:.1f}" y="{height - 6}" text-anchor="middle">{e(xlabel)}</text>')
+        out.append(f'<text transform="translate(14 {top + ph / 2:.1f}) rotate(-90)" text-anchor="middle">'
+                   f"{e(ylabel)}{' (log scale)' if self.log else ''}</text>")
+        return out
+
+    def _values(self, ys: Sequence[Any]) -> list[tuple[Any, float]]:
+        """(x, value) for each value that can be drawn (finite; positive on a log axis)."""
+        drawn = []
+        for x, y in zip(self.xs, ys):
+            v = _finite(y)
+            if v is None or (self.log and v <= 0):
+                continue
+            drawn.append((x, v))
+        return drawn
+
+    def bars(self, label: str, ys: Sequence[Any], color: str, bar_i: int, n_bars: int) -> list[str]:
+        """One ``<rect class="bar">`` per value, side by side with the other bar series."""
+        e = html.escape
+        base = self.ty(self.lo) if self.log else self.ty(max(self.lo, 0.0))
+        out = []
+        for x, v in self._values(ys):
+            tip = f"<title>round {int(x)}: {e(label)} {v:.4g}</title>"
+            bw = self.slot * 0.8 / max(1, n_bars)
+            bx = self.tx(x) - self.slot * 0.4 + bar_i * bw
+            top_y = self.ty(v)
+            out.append(f'<rect class="bar" data-series="{e(label)}" data-round="{int(x)}" data-value="{v:.6g}" '
+                       f'x="{bx:.1f}" y="{min(top_y, base):.1f}" width="{max(bw, 1):.1f}" '
+                       f'height="{abs(base - top_y):.1f}" fill="{color}">{tip}</rect>')
+        return out
+
+    def line(self, label: str, ys: Sequence[Any], color: str) -> list[str]:
+        """A polyline through the values and one ``<circle class="point">`` per value."""
+        e = html.escape
+        pts = [(self.tx(x), self.ty(v), x, v, f"<title>round {int(x)}: {e(label)} {v:.4g}</title>")
+               for x, v in self._values(ys)]
+        out = []
         if len(pts) > 1:
             out.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="'
                        + " ".join(f"{px:.1f},{py:.1f}" for px, py, *_ in pts) + '"/>')
         for px, py, x, v, tip in pts:
             out.append(f'<circle class="point" data-series="{e(label)}" data-round="{int(x)}" data-value="{v:.6g}" '
                        f'cx="{px:.1f}" cy="{py:.1f}" r="3" fill="{color}">{tip}</circle>')
-        lx = left + 8 + si * 150
-        out.append(f'<rect x="{lx}" y="{top - 14}" width="10" height="10" fill="{color}"/>'
-                   f'<text x="{lx + 14}" y="{top - 5}">{e(label)}</text>')
-    out.append("</svg>")
-    return "\n".join(out)
+        return out
 
 
 def charts(rounds: Sequence[dict[str, Any]]) -> dict[str, str]:
