@@ -111,8 +111,6 @@ def _export(cfg, args) -> int:
 
 
 def cmd(args) -> int:
-    import json
-
     from edgeflow.gateway.service import Gateway, load_config
     from edgeflow.gateway.store.lease import take_gateway_lease
 
@@ -120,43 +118,20 @@ def cmd(args) -> int:
 
     cfg = load_config(args.config)
     if args.initial_parameters:
-        import dataclasses
-        from pathlib import Path
-
-        from edgeflow.gateway.global_model import load_initial_parameters
-
-        npz = Path(args.initial_parameters).expanduser().resolve()
-        load_initial_parameters(npz, what="--initial-parameters")  # a bad file is one line before connecting
-        cfg = dataclasses.replace(cfg, model=None, initial_parameters=str(npz))
+        cfg = _with_initial_parameters(cfg, args.initial_parameters)
     c = console()
     if args.export_model:
         return _export(cfg, args)
-
-    def on_round(m) -> None:
-        if args.json:
-            d = {k: round(v, 4) if isinstance(v, float) else v for k, v in m.to_dict().items()}
-            print(json.dumps(d), flush=True)
-        else:
-            acc = "n/a" if m.accuracy is None else f"{m.accuracy:.3f}"
-            c.print(f"round {m.round_id}: model v{m.model_version}, {m.participants}/{m.selected} devices, "
-                    f"{m.dropped} dropped, {m.late} late, {m.rejected} rejected, "
-                    f"{m.bytes_in / 1024:.1f} KiB in, accuracy {acc}, {m.round_s:.1f} s")
-
-    listen = args.http or cfg.http_listen
-    web, web_kw = None, {}
-    if listen:
-        from edgeflow.gateway.web import WebServer, parse_listen, web_options
-
-        parse_listen(listen, "--http" if args.http else "[http] listen")  # a bad address before connecting
-        web_kw = web_options(cfg, args.dir)  # [http] tls_cert/tls_key/actions: checked before connecting
+    listen, web_kw = _dashboard(cfg, args)
     # one gateway per state: a second one stops here, before it opens the state or takes the broker
     # session of the first (same client id); readers (rounds, fleet status/history) take no lease
     lease = take_gateway_lease(cfg.store_target())
     try:
-        gw = Gateway.from_config(cfg, broker=args.broker, fleet_dir=args.dir, on_round=on_round)
+        gw = Gateway.from_config(cfg, broker=args.broker, fleet_dir=args.dir, on_round=_round_printer(args, c))
     except BaseException:
         lease.release()
         raise
+    web = None
     rc = 0
     try:
         closed_before = sum(1 for r in gw.store.rounds() if r.state == "closed")
@@ -164,16 +139,11 @@ def cmd(args) -> int:
         if _nothing_to_do(cfg, args, gw, wanted):
             return _rounds_done(cfg, args, closed_before)
         if listen:
+            from edgeflow.gateway.web import WebServer
+
             web = WebServer(gw, listen, what="--http" if args.http else "[http] listen", **web_kw).start()
             _say(args, c, f"dashboard {web.url}  metrics {web.url}metrics")
-        _stop_when_transport_gives_up(gw)
-        gw.start()
-        if not args.json:
-            c.print(f"gateway for fleet {gw.fleet_id} on {getattr(gw.transport, 'url', gw.transport)}: "
-                    f"model v{gw.rounds.version}")
-        done = gw.run_rounds(args.rounds)
-        if cfg.role != "site" and wanted > 0 and not any(not m.extra.get("failed") for m in (done or [])):
-            rc = _no_round(gw)
+        rc = _run(gw, cfg, args, c, wanted)
         if args.serve:
             gw.serve()
     except KeyboardInterrupt:
@@ -187,6 +157,60 @@ def cmd(args) -> int:
     if gave_up is not None:  # e.g. another gateway process uses this client id: its one line, exit 2
         raise gave_up
     return rc
+
+
+def _with_initial_parameters(cfg, path: str):
+    """The configuration with ``--initial-parameters`` instead of its model (the file checked first:
+    a bad one is one line before connecting)."""
+    import dataclasses
+    from pathlib import Path
+
+    from edgeflow.gateway.global_model import load_initial_parameters
+
+    npz = Path(path).expanduser().resolve()
+    load_initial_parameters(npz, what="--initial-parameters")  # a bad file is one line before connecting
+    return dataclasses.replace(cfg, model=None, initial_parameters=str(npz))
+
+
+def _round_printer(args, c):
+    """What the command prints after each round: one JSON line (``--json``) or one sentence."""
+    import json
+
+    def on_round(m) -> None:
+        if args.json:
+            d = {k: round(v, 4) if isinstance(v, float) else v for k, v in m.to_dict().items()}
+            print(json.dumps(d), flush=True)
+        else:
+            acc = "n/a" if m.accuracy is None else f"{m.accuracy:.3f}"
+            c.print(f"round {m.round_id}: model v{m.model_version}, {m.participants}/{m.selected} devices, "
+                    f"{m.dropped} dropped, {m.late} late, {m.rejected} rejected, "
+                    f"{m.bytes_in / 1024:.1f} KiB in, accuracy {acc}, {m.round_s:.1f} s")
+
+    return on_round
+
+
+def _dashboard(cfg, args) -> tuple[str | None, dict]:
+    """The dashboard's address (``--http`` or ``[http] listen``) and options, checked before connecting."""
+    listen = args.http or cfg.http_listen
+    if not listen:
+        return listen, {}
+    from edgeflow.gateway.web import parse_listen, web_options
+
+    parse_listen(listen, "--http" if args.http else "[http] listen")  # a bad address before connecting
+    return listen, web_options(cfg, args.dir)  # [http] tls_cert/tls_key/actions: checked before connecting
+
+
+def _run(gw, cfg, args, c, wanted: int) -> int:
+    """Start the gateway and run the rounds asked for; the exit code (not 0 when none closed with a model)."""
+    _stop_when_transport_gives_up(gw)
+    gw.start()
+    if not args.json:
+        c.print(f"gateway for fleet {gw.fleet_id} on {getattr(gw.transport, 'url', gw.transport)}: "
+                f"model v{gw.rounds.version}")
+    done = gw.run_rounds(args.rounds)
+    if cfg.role != "site" and wanted > 0 and not any(not m.extra.get("failed") for m in (done or [])):
+        return _no_round(gw)
+    return 0
 
 
 def _stop_when_transport_gives_up(gw) -> None:
