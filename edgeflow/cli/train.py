@@ -133,49 +133,14 @@ def _check_shapes(model, x, batch_size: int, input_name: str | None) -> None:
 
 
 def cmd(args) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
-
-    from ..data import DataLoader, Dataset, from_arrays
-    from ..errors import InputError
-    from ..runtime.model import graph_inputs
-    from ..profiles import detect
-    from ..train import Trainer
+    from ..data import DataLoader, from_arrays
     from ..train.checkpoint import load_state, save_state, state_path
-    from ._common import check_output_path, console, emit_json, human_bytes, model_with_shapes, spinner
+    from ._common import check_output_path, console, emit_json
 
     check_output_path(args.output)
-    if args.epochs < 1 or args.batch_size < 1:
-        raise InputError("--epochs and --batch-size must be >= 1")
-    model = model_with_shapes(args.model, args.shape)
-    inputs = graph_inputs(model)
-    if args.input is not None and args.input not in {t.name for t in inputs}:
-        raise InputError(f"--input {args.input!r} is not an input of the model; its inputs: {[t.name for t in inputs]}")
-    x, y = _read(args.data, inputs, args)
-    val = _read(args.val, inputs, args) if args.val else None
+    model, x, y, val = _model_and_data(args)
     n = len(y)
-    if args.val_fraction:
-        if val is not None:
-            raise InputError("give --val or --val-fraction, not both")
-        keep, held = (d.x for d in Dataset(np.arange(n), np.asarray(y)).split(args.val_fraction, seed=args.seed))
-        take = (lambda a, i: {k: v[i] for k, v in a.items()}) if isinstance(x, dict) else (lambda a, i: a[i])
-        x, y, val = take(x, keep), y[keep], (take(x, held), y[held])
-        n = len(y)
-    model = _fill_from_data(model, x, inputs, args.input)
-    _check_shapes(model, x, args.batch_size, args.input)
-    profile = args.profile if args.profile is not None else detect()
-    if args.new_head:
-        from ..train.transfer import new_head
-
-        model = new_head(model, args.new_head, seed=args.seed, output=args.target)
-    budget = None if args.budget_mib is None else int(args.budget_mib * 2**20)
-    trainer = Trainer(
-        model, loss=args.loss, optimizer=args.optimizer, lr=args.lr,
-        momentum=args.momentum if args.optimizer == "sgd" else 0.0, weight_decay=args.weight_decay,
-        trainable=args.trainable, freeze=args.freeze, batch_size=args.batch_size, seed=args.seed,
-        clip_norm=args.clip_norm, qat=args.qat, profile=profile, grad_accumulation=args.grad_accumulation,
-        mode=args.mode, budget_bytes=budget, input=args.input, output=args.target,
-        compact_activations=False if args.exact_activations else None,
-    )
+    trainer = _trainer(args, model)
     state_file = state_path(args.output)
     resumed = None
     if args.resume:
@@ -189,20 +154,99 @@ def cmd(args) -> int:
     out = console()
     plan = trainer.memory.plan if trainer.memory else trainer.plan_memory()
     if not args.json:
-        out.print(f"{args.model}: {len(trainer.trainable_names)} trainable weight(s), {n} samples, "
-                  f"profile {trainer.profile.name if trainer.profile else '-'}")
-        if resumed is not None:
-            out.print(f"  resumed from step {resumed} ({state_file}.npz)")
-        if args.mode:
-            out.print(f"  mode {trainer.mode}: {trainer.describe_trainable()}", soft_wrap=True)
-        micro = f", micro-batches of {trainer.micro_batch}" if trainer.micro_batch < args.batch_size else ""
-        compact = len(trainer.tape.compacted_values)
-        compact = (f", {compact} activation(s) kept in 8/16 bits (--exact-activations: exact)" if compact else "")
-        out.print(f"  planned step memory {human_bytes(plan.peak_bytes)} at batch {args.batch_size}{micro}{compact}")
-        if trainer.fixed_batch:
-            out.print(f"  the model fixes a batch of {trainer.fixed_batch}: each step of {args.batch_size} samples runs "
-                      f"as micro-batches of {trainer.fixed_batch} with gradient accumulation (the exported graph is "
-                      "unchanged)", soft_wrap=True)
+        _describe(out, args, trainer, plan, n, resumed, state_file)
+    history = _fit(out, args, trainer, data, steps, val)
+    trainer.export(args.output)
+    npz, meta = save_state(trainer, state_file)
+    if args.json:
+        emit_json({"model": args.model, "output": args.output, "profile": trainer.profile.name if trainer.profile else None,
+                   "trainable": trainer.trainable_names, "micro_batch": trainer.micro_batch,
+                   "fixed_batch": trainer.fixed_batch, "skipped_samples": trainer.skipped_samples,
+                   "mode": str(trainer.mode), "step": trainer.global_step, "resumed_from": resumed,
+                   "state": [str(npz), str(meta)], "memory_plan": plan.to_dict(), **history.to_dict()})
+        return 0
+    if trainer.skipped_samples:
+        out.print(f"  {trainer.skipped_samples} sample(s) left out over the run: batches that were not a multiple of "
+                  f"the model's fixed batch of {trainer.fixed_batch} (choose --batch-size and the data size as "
+                  "multiples of it to use every sample)", soft_wrap=True)
+    out.print(f"saved {args.output}")
+    out.print(f"train state (step {trainer.global_step}) saved to {npz} and {meta.name}; continue with --resume")
+    return 0
+
+
+def _model_and_data(args):
+    """The model (shapes given, open dimensions taken from the data) and the training and validation data,
+    every mismatch one InputError before training starts."""
+    from ..data import Dataset
+    from ..errors import InputError
+    from ..runtime.model import graph_inputs
+    from ._common import model_with_shapes
+
+    if args.epochs < 1 or args.batch_size < 1:
+        raise InputError("--epochs and --batch-size must be >= 1")
+    model = model_with_shapes(args.model, args.shape)
+    inputs = graph_inputs(model)
+    if args.input is not None and args.input not in {t.name for t in inputs}:
+        raise InputError(f"--input {args.input!r} is not an input of the model; its inputs: {[t.name for t in inputs]}")
+    x, y = _read(args.data, inputs, args)
+    val = _read(args.val, inputs, args) if args.val else None
+    if args.val_fraction:
+        if val is not None:
+            raise InputError("give --val or --val-fraction, not both")
+        keep, held = (d.x for d in Dataset(np.arange(len(y)), np.asarray(y)).split(args.val_fraction, seed=args.seed))
+        take = (lambda a, i: {k: v[i] for k, v in a.items()}) if isinstance(x, dict) else (lambda a, i: a[i])
+        x, y, val = take(x, keep), y[keep], (take(x, held), y[held])
+    model = _fill_from_data(model, x, inputs, args.input)
+    _check_shapes(model, x, args.batch_size, args.input)
+    return model, x, y, val
+
+
+def _trainer(args, model):
+    """The Trainer the options describe (a new head first with ``--new-head``), on the profile given or detected."""
+    from ..profiles import detect
+    from ..train import Trainer
+
+    profile = args.profile if args.profile is not None else detect()
+    if args.new_head:
+        from ..train.transfer import new_head
+
+        model = new_head(model, args.new_head, seed=args.seed, output=args.target)
+    budget = None if args.budget_mib is None else int(args.budget_mib * 2**20)
+    return Trainer(
+        model, loss=args.loss, optimizer=args.optimizer, lr=args.lr,
+        momentum=args.momentum if args.optimizer == "sgd" else 0.0, weight_decay=args.weight_decay,
+        trainable=args.trainable, freeze=args.freeze, batch_size=args.batch_size, seed=args.seed,
+        clip_norm=args.clip_norm, qat=args.qat, profile=profile, grad_accumulation=args.grad_accumulation,
+        mode=args.mode, budget_bytes=budget, input=args.input, output=args.target,
+        compact_activations=False if args.exact_activations else None,
+    )
+
+
+def _describe(out, args, trainer, plan, n: int, resumed: int | None, state_file) -> None:
+    """What will train, on what, resumed from where, and the planned memory of one step."""
+    from ._common import human_bytes
+
+    out.print(f"{args.model}: {len(trainer.trainable_names)} trainable weight(s), {n} samples, "
+              f"profile {trainer.profile.name if trainer.profile else '-'}")
+    if resumed is not None:
+        out.print(f"  resumed from step {resumed} ({state_file}.npz)")
+    if args.mode:
+        out.print(f"  mode {trainer.mode}: {trainer.describe_trainable()}", soft_wrap=True)
+    micro = f", micro-batches of {trainer.micro_batch}" if trainer.micro_batch < args.batch_size else ""
+    compact = len(trainer.tape.compacted_values)
+    compact = (f", {compact} activation(s) kept in 8/16 bits (--exact-activations: exact)" if compact else "")
+    out.print(f"  planned step memory {human_bytes(plan.peak_bytes)} at batch {args.batch_size}{micro}{compact}")
+    if trainer.fixed_batch:
+        out.print(f"  the model fixes a batch of {trainer.fixed_batch}: each step of {args.batch_size} samples runs "
+                  f"as micro-batches of {trainer.fixed_batch} with gradient accumulation (the exported graph is "
+                  "unchanged)", soft_wrap=True)
+
+
+def _fit(out, args, trainer, data, steps: int, val):
+    """Train for ``--epochs`` with a progress bar per epoch and one line per finished epoch."""
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+
+    from ._common import spinner
 
     with spinner(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                  TextColumn("loss {task.fields[loss]}"), disable=args.json) as prog:
@@ -225,20 +269,4 @@ def cmd(args) -> int:
                 out.print(f"epoch {e.epoch}/{args.epochs}  loss {e.loss:.4f}{acc}{vl}{va}  ({e.seconds:.1f} s)",
                           soft_wrap=True)
 
-        history = trainer.fit(data, args.epochs, validation=val, on_batch=on_batch, on_epoch=on_epoch)
-    trainer.export(args.output)
-    npz, meta = save_state(trainer, state_file)
-    if args.json:
-        emit_json({"model": args.model, "output": args.output, "profile": trainer.profile.name if trainer.profile else None,
-                   "trainable": trainer.trainable_names, "micro_batch": trainer.micro_batch,
-                   "fixed_batch": trainer.fixed_batch, "skipped_samples": trainer.skipped_samples,
-                   "mode": str(trainer.mode), "step": trainer.global_step, "resumed_from": resumed,
-                   "state": [str(npz), str(meta)], "memory_plan": plan.to_dict(), **history.to_dict()})
-        return 0
-    if trainer.skipped_samples:
-        out.print(f"  {trainer.skipped_samples} sample(s) left out over the run: batches that were not a multiple of "
-                  f"the model's fixed batch of {trainer.fixed_batch} (choose --batch-size and the data size as "
-                  "multiples of it to use every sample)", soft_wrap=True)
-    out.print(f"saved {args.output}")
-    out.print(f"train state (step {trainer.global_step}) saved to {npz} and {meta.name}; continue with --resume")
-    return 0
+        return trainer.fit(data, args.epochs, validation=val, on_batch=on_batch, on_epoch=on_epoch)
