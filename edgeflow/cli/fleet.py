@@ -1191,13 +1191,127 @@ def _vword(v: Any) -> str:
 
 
 def cmd_history(args) -> int:
-    from ..errors import ConfigError, FleetError
-    from ..protocol.fleet import printable
-    from ._common import console, emit_json, human_bytes
-    from ._history import global_model_line, when
+    from ..errors import ConfigError
+    from ._common import emit_json
 
     if args.last < 0:
         raise ConfigError(f"--last {args.last}: give how many telemetry rows to list, 0 or more")
+    h = _read_history(args)
+    if args.json:
+        emit_json(h.record())
+        return 0
+    h.print()
+    return 0
+
+
+class _History:
+    """One device's history as the gateway's state holds it (``edgeflow fleet history``)."""
+
+    def __init__(self, args, rec, telemetry, rounds, models, rollouts, read) -> None:
+        self.device, self.last = args.device, args.last
+        self.rec, self.telemetry, self.models, self.read = rec, telemetry, models, read
+        self.mapping = _artifact_models(rollouts, models)
+        self.spans = _version_spans(telemetry)
+        for sp in self.spans:
+            m = self.mapping.get(sp["artifact_version"]) if sp["artifact_version"] is not None else None
+            sp["model_version"] = None if m is None else m["model_version"]
+        self.offered = []
+        for r in rollouts:
+            d = (r["report"].get("devices") or {}).get(args.device)
+            if isinstance(d, dict):
+                self.offered.append(self._offer(r, d))
+        self.selected = [r.round_id for r in rounds if isinstance(r.selected, list) and args.device in r.selected]
+        last_t = telemetry[-1][1] if telemetry else {}
+        self.part = last_t.get("participant") if isinstance(last_t.get("participant"), dict) else {}
+        self.rows = [{"ts": round(ts, 3), **{k: t.get(k) for k in _TELEMETRY_FIELDS if k in t},
+                      **({"rounds_trained": t["participant"].get("rounds_trained")}
+                         if isinstance(t.get("participant"), dict) else {})}
+                     for ts, t in (telemetry[-args.last:] if args.last else [])]
+
+    @staticmethod
+    def _offer(r: dict, d: dict) -> dict:
+        """What one rollout offered the device, and what became of it."""
+        return {"rollout_id": r["rollout_id"], "artifact_version": r["artifact_version"],
+                "model_version": (r.get("model") or {}).get("version"),
+                "started": round(r["started"], 3), "rollout_state": r["state"], "state": d.get("state"),
+                "code": d.get("code") or None, "error": d.get("error") or None, "wave": d.get("wave"),
+                "from_version": d.get("from_version"), "to_version": d.get("model_version"),
+                "evidence": d.get("evidence") or None, "rolled_back": bool(d.get("rolled_back"))}
+
+    def record(self) -> dict:
+        """The ``--json`` document."""
+        rec, telemetry, models, part = self.rec, self.telemetry, self.models, self.part
+        return {
+            "device": rec.device_id, "profile": rec.profile, "online": rec.online,
+            "first_seen": round(rec.first_seen, 3), "last_seen": round(rec.last_seen, 3),
+            "artifact_version": rec.model_version,
+            "artifact_model_version": (self.mapping.get(rec.model_version) or {}).get("model_version")
+            if rec.model_version is not None else None,
+            "global_model_version": models[-1]["version"] if models else None,
+            "birth": {"bdseq": rec.bdseq, "latest": rec.birth},
+            "telemetry": {"kept": len(telemetry), "first": round(telemetry[0][0], 3) if telemetry else None,
+                          "last": round(telemetry[-1][0], 3) if telemetry else None, "rows": self.rows},
+            "artifact_versions": self.spans, "rollouts": self.offered,
+            "rounds": {"selected_in": self.selected, "rounds_trained": part.get("rounds_trained"),
+                       "last_round": part.get("last_round"), "last_loss": part.get("last_loss")},
+            "rollouts_read_from": self.read, "not_recorded": list(NOT_RECORDED),
+        }
+
+    def print(self) -> None:
+        """The history for a person: the device, its telemetry, artifact versions, rollouts and rounds."""
+        from ._common import console
+        from ._history import global_model_line, when
+
+        c = console()
+        rec, mapping, models = self.rec, self.mapping, self.models
+        b = rec.birth if isinstance(rec.birth, dict) else {}
+        c.print(f"[bold]{_shown(rec.device_id)}[/] ({_shown(rec.profile or '-')}): "
+                f"{'online' if rec.online else 'offline'}, runs {_artifact_words(rec.model_version, mapping)}; "
+                + (f"gateway: global {global_model_line(models)}" if models else "the gateway has no global model yet"))
+        c.print(f"  registered {when(rec.first_seen)}, last seen {when(rec.last_seen)} (the state holds what the "
+                "gateway saw while it ran)")
+        c.print(f"  latest birth (bdseq {_shown(rec.bdseq)}): backend {_shown(b.get('backend') or '-')}, "
+                f"edgeflow {_shown((b.get('versions') or {}).get('edgeflow') or '-')}, "
+                f"can train {_shown(b.get('can_train'))}, trust {_shown(b.get('trust') or '-')}")
+        self._print_telemetry(c)
+        c.print("artifact versions over the kept telemetry:" if self.spans else "artifact versions: no telemetry kept")
+        for sp in self.spans:
+            v = "none" if sp["artifact_version"] is None else _artifact_words(sp["artifact_version"], mapping)
+            c.print(f"  {when(sp['from'])} .. {when(sp['to'])}: {v} ({sp['reports']} report(s))")
+        c.print(f"rollouts that offered it an artifact: {len(self.offered)}" + ("" if self.offered else " recorded"))
+        for o in self.offered:
+            err = f": {_shown(o['code'])} {_shown(o['error'] or '')}" if o["code"] and o["state"] != "ok" else ""
+            c.print(f"  {when(o['started'])} rollout {_shown(o['rollout_id'])}: artifact v{o['artifact_version']} "
+                    f"{_shown(o['state'])} ({_vword(o['from_version'])} -> {_vword(o['to_version'])}){err}")
+        part = self.part
+        c.print(f"rounds that selected it: {', '.join(map(str, self.selected)) if self.selected else 'none'}; it "
+                f"reports rounds_trained {_shown(part.get('rounds_trained', '-'))}, last round "
+                f"{_shown(part.get('last_round', '-'))}")
+        c.print("not recorded: " + _shown("; ".join(NOT_RECORDED), 2000))
+
+    def _print_telemetry(self, c) -> None:
+        """How many reports are kept, and the last ``--last`` of them, one line each."""
+        from ._common import human_bytes
+        from ._history import when
+
+        telemetry = self.telemetry
+        c.print(f"telemetry: {len(telemetry)} report(s) kept" + (f", {when(telemetry[0][0])} .. "
+                                                               f"{when(telemetry[-1][0])}" if telemetry else ""))
+        for r in self.rows:
+            lat = r.get("latency_p50_ms")
+            av = r.get("model_version")
+            c.print(f"  {when(r['ts'])}  {'no artifact' if av is None else f'artifact v{_shown(av)}'}  "
+                    f"inferences {_shown(r.get('inferences', '-'))}  "
+                    f"p50 {'-' if not isinstance(lat, (int, float)) else f'{lat:.2f} ms'}  "
+                    f"RSS {human_bytes(r['rss_bytes']) if isinstance(r.get('rss_bytes'), int) else '-'}  "
+                    f"train {_shown(r.get('train', '-'))}")
+
+
+def _read_history(args) -> _History:
+    """Everything the history shows, read from the state in one go (the device must be in the registry)."""
+    from ..errors import FleetError
+    from ..protocol.fleet import printable
+
     reader = state_reader(args)
     try:
         rec = reader.device(args.device)
@@ -1214,76 +1328,4 @@ def cmd_history(args) -> int:
         _match_models(rollouts, models, reader)
     finally:
         reader.close()
-    mapping = _artifact_models(rollouts, models)
-    spans = _version_spans(telemetry)
-    for sp in spans:
-        m = mapping.get(sp["artifact_version"]) if sp["artifact_version"] is not None else None
-        sp["model_version"] = None if m is None else m["model_version"]
-    offered = []
-    for r in rollouts:
-        d = (r["report"].get("devices") or {}).get(args.device)
-        if isinstance(d, dict):
-            offered.append({"rollout_id": r["rollout_id"], "artifact_version": r["artifact_version"],
-                            "model_version": (r.get("model") or {}).get("version"),
-                            "started": round(r["started"], 3), "rollout_state": r["state"], "state": d.get("state"),
-                            "code": d.get("code") or None, "error": d.get("error") or None, "wave": d.get("wave"),
-                            "from_version": d.get("from_version"), "to_version": d.get("model_version"),
-                            "evidence": d.get("evidence") or None, "rolled_back": bool(d.get("rolled_back"))})
-    selected = [r.round_id for r in rounds if isinstance(r.selected, list) and args.device in r.selected]
-    last_t = telemetry[-1][1] if telemetry else {}
-    part = last_t.get("participant") if isinstance(last_t.get("participant"), dict) else {}
-    rows = [{"ts": round(ts, 3), **{k: t.get(k) for k in _TELEMETRY_FIELDS if k in t},
-             **({"rounds_trained": t["participant"].get("rounds_trained")}
-                if isinstance(t.get("participant"), dict) else {})}
-            for ts, t in (telemetry[-args.last:] if args.last else [])]
-    out = {
-        "device": rec.device_id, "profile": rec.profile, "online": rec.online,
-        "first_seen": round(rec.first_seen, 3), "last_seen": round(rec.last_seen, 3),
-        "artifact_version": rec.model_version,
-        "artifact_model_version": (mapping.get(rec.model_version) or {}).get("model_version")
-        if rec.model_version is not None else None,
-        "global_model_version": models[-1]["version"] if models else None,
-        "birth": {"bdseq": rec.bdseq, "latest": rec.birth},
-        "telemetry": {"kept": len(telemetry), "first": round(telemetry[0][0], 3) if telemetry else None,
-                      "last": round(telemetry[-1][0], 3) if telemetry else None, "rows": rows},
-        "artifact_versions": spans, "rollouts": offered,
-        "rounds": {"selected_in": selected, "rounds_trained": part.get("rounds_trained"),
-                   "last_round": part.get("last_round"), "last_loss": part.get("last_loss")},
-        "rollouts_read_from": read, "not_recorded": list(NOT_RECORDED),
-    }
-    if args.json:
-        emit_json(out)
-        return 0
-    c = console()
-    b = rec.birth if isinstance(rec.birth, dict) else {}
-    c.print(f"[bold]{_shown(rec.device_id)}[/] ({_shown(rec.profile or '-')}): "
-            f"{'online' if rec.online else 'offline'}, runs {_artifact_words(rec.model_version, mapping)}; "
-            + (f"gateway: global {global_model_line(models)}" if models else "the gateway has no global model yet"))
-    c.print(f"  registered {when(rec.first_seen)}, last seen {when(rec.last_seen)} (the state holds what the "
-            "gateway saw while it ran)")
-    c.print(f"  latest birth (bdseq {_shown(rec.bdseq)}): backend {_shown(b.get('backend') or '-')}, "
-            f"edgeflow {_shown((b.get('versions') or {}).get('edgeflow') or '-')}, "
-            f"can train {_shown(b.get('can_train'))}, trust {_shown(b.get('trust') or '-')}")
-    c.print(f"telemetry: {len(telemetry)} report(s) kept" + (f", {when(telemetry[0][0])} .. {when(telemetry[-1][0])}"
-                                                           if telemetry else ""))
-    for r in rows:
-        lat = r.get("latency_p50_ms")
-        av = r.get("model_version")
-        c.print(f"  {when(r['ts'])}  {'no artifact' if av is None else f'artifact v{_shown(av)}'}  "
-                f"inferences {_shown(r.get('inferences', '-'))}  "
-                f"p50 {'-' if not isinstance(lat, (int, float)) else f'{lat:.2f} ms'}  "
-                f"RSS {human_bytes(r['rss_bytes']) if isinstance(r.get('rss_bytes'), int) else '-'}  "
-                f"train {_shown(r.get('train', '-'))}")
-    c.print("artifact versions over the kept telemetry:" if spans else "artifact versions: no telemetry kept")
-    for sp in spans:
-        v = "none" if sp["artifact_version"] is None else _artifact_words(sp["artifact_version"], mapping)
-        c.print(f"  {when(sp['from'])} .. {when(sp['to'])}: {v} ({sp['reports']} report(s))")
-    c.print(f"rollouts that offered it an artifact: {len(offered)}" + ("" if offered else " recorded"))
-    for o in offered:
-        err = f": {_shown(o['code'])} {_shown(o['error'] or '')}" if o["code"] and o["state"] != "ok" else ""
-        c.print(f"  {when(o['started'])} rollout {_shown(o['rollout_id'])}: artifact v{o['artifact_version']} "
-                f"{_shown(o['state'])} ({_vword(o['from_version'])} -> {_vword(o['to_version'])}){err}")
-    c.print(f"rounds that selected it: {', '.join(map(str, selected)) if selected else 'none'}; it reports "
-            f"rounds_trained {_shown(part.get('rounds_trained', '-'))}, last round {_shown(part.get('last_round', '-'))}")
-    c.print("not recorded: " + _shown("; ".join(NOT_RECORDED), 2000))
-    return 0
+    return _History(args, rec, telemetry, rounds, models, rollouts, read)
