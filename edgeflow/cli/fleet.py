@@ -702,53 +702,23 @@ def _check_deploy_args(args) -> tuple[bytes, Any, Any, Any]:
 
 
 def cmd_deploy(args) -> int:
-    from pathlib import Path
-
-    from ..errors import FleetError
-    from ..gateway.ota import Rollout, build_artifacts, profile_problem, select_devices
+    from ..gateway.ota import Rollout
     from ._common import console, emit_json
 
     model, policy, calibration, golden = _check_deploy_args(args)
     _check_record_target(args)
     s = _Session(args, purpose="deploy")
     try:
-        targets = select_devices(s.fm.devices(), args.to, online=None if args.include_offline else s.fm.is_online)
-        if not targets:
-            raise FleetError(f"no {'known' if args.include_offline else 'online'} device matches --to {args.to!r} "
-                             "(see `edgeflow fleet status`)")
-        # The profile is the device's claim: an invalid name (a path) or one unknown here skips that device
-        # (the Rollout reports it "skipped" with the reason); the rest of the rollout goes on.
-        skipped = {r.device_id: why for r in targets if (why := profile_problem(r.profile)) is not None}
-        deployable = [r for r in targets if r.device_id not in skipped]
-        if not deployable:
-            raise FleetError(f"none of the {len(targets)} device(s) matching --to {args.to!r} claims a profile an "
-                             "artifact can be built for: " + "; ".join(f"{d}: {why}" for d, why in
-                                                                      sorted(skipped.items())[:5]))
+        targets, deployable, skipped = _deploy_targets(s, args)
         version = args.version
         if version is None:
             known = [r.model_version for r in s.fm.devices() if r.model_version is not None]
             version = max(known, default=0) + 1
         notes: list[str] = []
         masters: dict[str, bytes] | None = None if args.no_train_master else {}
-        artifacts = build_artifacts(
-            model, {r.profile for r in deployable}, s.fleet_dir.fleet_key(), version=version, fleet=s.fleet_dir.fleet,
-            name=Path(args.model).stem, quantize=args.quantize, calibration=calibration,
-            golden_inputs=golden, atol=args.atol, rtol=args.rtol,
-            latency_budget_ms=args.latency_budget_ms, notes=notes, masters=masters,
-        )
-        if args.quantize and args.no_train_master:
-            notes.append("no fp32 training masters (--no-train-master): boards on the quantized model do not take "
-                         "part in federated rounds")
+        artifacts = _deploy_artifacts(s, args, model, deployable, version, calibration, golden, notes, masters)
         c = console(stderr=True)
-        for n in notes:
-            c.print(f"  {_shown(n)}")
-        if skipped and not args.json:
-            c.print(f"skipping {len(skipped)} device(s) whose profile no artifact can be built for:")
-            for d, why in sorted(skipped.items()):
-                c.print(f"  {_shown(d)}: {_shown(why)}")
-        if not args.json:
-            c.print(f"deploying artifact v{version} to {len(deployable)} device(s) "
-                    f"({_shown(', '.join(sorted(artifacts)))})")
+        _say_deploy_plan(c, args, notes, skipped, version, deployable, artifacts)
 
         def progress(rep, r) -> None:
             if not args.json:
@@ -760,18 +730,7 @@ def cmd_deploy(args) -> int:
     out = report.to_dict()
     out["notes"] = notes
     out["skipped"] = skipped
-    import hashlib
-
-    from ..errors import StateError
-
-    try:  # the rollout happened whatever the record does: a failed record is one line on stderr, not the exit code
-        out["source"] = {"file": Path(args.model).name, "sha256": hashlib.sha256(model).hexdigest(),
-                         "weights_sha256": weights_fingerprint(model)}
-        out["recorded_in"] = _record_rollout(args, out, source_sha256=out["source"]["sha256"],
-                                             name=Path(args.model).name)
-    except StateError as exc:
-        out["recorded_in"] = None
-        console(stderr=True).print(f"edgeflow fleet deploy: warning: the rollout was not recorded: {_shown(exc)}")
+    _record_deploy(args, out, model)
     if args.json:
         emit_json(out)
     else:
@@ -782,6 +741,78 @@ def cmd_deploy(args) -> int:
         if out["recorded_in"]:
             console().print(f"recorded in {_shown(out['recorded_in'])}: `edgeflow fleet rollouts` lists it")
     return 0 if report.state == "completed" and report.failure_rate == 0 else 1
+
+
+def _deploy_targets(s, args) -> tuple[list, list, dict[str, str]]:
+    """The devices ``--to`` selects, those an artifact can be built for, and why the others are skipped."""
+    from ..errors import FleetError
+    from ..gateway.ota import profile_problem, select_devices
+
+    targets = select_devices(s.fm.devices(), args.to, online=None if args.include_offline else s.fm.is_online)
+    if not targets:
+        raise FleetError(f"no {'known' if args.include_offline else 'online'} device matches --to {args.to!r} "
+                         "(see `edgeflow fleet status`)")
+    # The profile is the device's claim: an invalid name (a path) or one unknown here skips that device
+    # (the Rollout reports it "skipped" with the reason); the rest of the rollout goes on.
+    skipped = {r.device_id: why for r in targets if (why := profile_problem(r.profile)) is not None}
+    deployable = [r for r in targets if r.device_id not in skipped]
+    if not deployable:
+        raise FleetError(f"none of the {len(targets)} device(s) matching --to {args.to!r} claims a profile an "
+                         "artifact can be built for: " + "; ".join(f"{d}: {why}" for d, why in
+                                                                  sorted(skipped.items())[:5]))
+    return targets, deployable, skipped
+
+
+def _deploy_artifacts(s, args, model: bytes, deployable: list, version: int, calibration, golden,
+                      notes: list[str], masters: dict[str, bytes] | None) -> dict:
+    """One signed artifact per profile of the deployable devices (quantized for it with ``--quantize``)."""
+    from pathlib import Path
+
+    from ..gateway.ota import build_artifacts
+
+    artifacts = build_artifacts(
+        model, {r.profile for r in deployable}, s.fleet_dir.fleet_key(), version=version, fleet=s.fleet_dir.fleet,
+        name=Path(args.model).stem, quantize=args.quantize, calibration=calibration,
+        golden_inputs=golden, atol=args.atol, rtol=args.rtol,
+        latency_budget_ms=args.latency_budget_ms, notes=notes, masters=masters,
+    )
+    if args.quantize and args.no_train_master:
+        notes.append("no fp32 training masters (--no-train-master): boards on the quantized model do not take "
+                     "part in federated rounds")
+    return artifacts
+
+
+def _say_deploy_plan(c, args, notes: list[str], skipped: dict[str, str], version: int, deployable: list,
+                     artifacts: dict) -> None:
+    """The build's notes, the devices skipped and why, and what is about to be deployed (on stderr)."""
+    for n in notes:
+        c.print(f"  {_shown(n)}")
+    if skipped and not args.json:
+        c.print(f"skipping {len(skipped)} device(s) whose profile no artifact can be built for:")
+        for d, why in sorted(skipped.items()):
+            c.print(f"  {_shown(d)}: {_shown(why)}")
+    if not args.json:
+        c.print(f"deploying artifact v{version} to {len(deployable)} device(s) "
+                f"({_shown(', '.join(sorted(artifacts)))})")
+
+
+def _record_deploy(args, out: dict, model: bytes) -> None:
+    """The rollout into the record (``out["recorded_in"]``): it happened whatever the record does, so a
+    failed record is one line on stderr, not the exit code."""
+    import hashlib
+    from pathlib import Path
+
+    from ..errors import StateError
+    from ._common import console
+
+    try:
+        out["source"] = {"file": Path(args.model).name, "sha256": hashlib.sha256(model).hexdigest(),
+                         "weights_sha256": weights_fingerprint(model)}
+        out["recorded_in"] = _record_rollout(args, out, source_sha256=out["source"]["sha256"],
+                                             name=Path(args.model).name)
+    except StateError as exc:
+        out["recorded_in"] = None
+        console(stderr=True).print(f"edgeflow fleet deploy: warning: the rollout was not recorded: {_shown(exc)}")
 
 
 def cmd_rollback(args) -> int:
