@@ -180,72 +180,13 @@ def plan_memory(graph: CompiledGraph, batch_size: int = 1,
     """Plan the peak memory of one run at ``batch_size`` (or explicit shapes)."""
     shapes = concrete_shapes(graph.inputs, batch_size, input_shapes)
     fixed = fixed_shape_model(graph.model, shapes)
-    sizes = _sizes(fixed)
     types = dict(graph.types)
     _graph_types(fixed.graph, types)
-    weights_of: dict[str, np.ndarray] = dict(graph.initializers)
-    unknown: list[str] = []
-
-    def nbytes(name: str) -> int | None:
-        if name in weights_of:
-            return 0  # counted in weights
-        shp = sizes.get(name)
-        if shp is None:
-            return None
-        return int(np.prod(shp, dtype=np.int64)) * _itemsize(types.get(name, "float32"))
-
-    def workspace(node) -> int:
-        ws = 0
-        if node.kernel.workspace_fn is not None:
-            in_shapes = [sizes.get(x) if x and x not in weights_of
-                         else (weights_of[x].shape if x else None) for x in node.inputs]
-            try:
-                ws = int(node.kernel.workspace_fn(in_shapes, node.attrs) or 0)
-            except Exception as exc:  # noqa: BLE001 - planning goes on; the gap is reported, not hidden as 0 bytes
-                what = f"workspace of {node.op_type} node {node.name or '?'}"
-                log.warning("memory plan: the %s is not estimated (%s: %s); it is listed in the plan's unknown",
-                            what, type(exc).__name__, exc)
-                unknown.append(what)
-                ws = 0
-        if node.subgraphs:
-            ws += max(sub_peak(sg) for sg in node.subgraphs.values())
-            if node.op_type in _STACKING:
-                ws += sum(nbytes(o) or 0 for o in node.outputs if o)
-        return ws
-
-    def walk(nodes, live: dict[str, int]) -> tuple[int, str, int]:
-        peak, peak_node, peak_ws = sum(live.values()), "(inputs)", 0
-        for node in nodes:
-            for o in node.outputs:
-                if not o:
-                    continue
-                b = nbytes(o)
-                if b is None:
-                    unknown.append(o)
-                    b = 0
-                live[o] = b
-            ws = workspace(node)
-            total = sum(live.values()) + ws
-            if total > peak:
-                peak, peak_node, peak_ws = total, node.name, ws
-            for name in node.free_after:
-                live.pop(name, None)
-        return peak, peak_node, peak_ws
-
-    def sub_peak(sg) -> int:
-        weights_of.update(sg.initializers)
-        live = {}
-        for name in sg.input_names:
-            b = nbytes(name)
-            if b is None:
-                unknown.append(name)
-            live[name] = b or 0
-        return walk(sg.nodes, live)[0]
-
+    planner = _Planner(_sizes(fixed), types, dict(graph.initializers))
     live: dict[str, int] = {}
     for name in shapes:
         live[name] = int(np.prod(shapes[name], dtype=np.int64)) * _itemsize(types.get(name, "float32"))
-    peak, peak_node, peak_ws = walk(graph.nodes, live)
+    peak, peak_node, peak_ws = planner.walk(graph.nodes, live)
     weights = sum(int(a.nbytes) for a in graph.initializers.values())
     weights += sum(int(a.nbytes) for sg in _all_subgraphs(graph.nodes) for a in sg.initializers.values())
     return MemoryPlan(
@@ -253,9 +194,79 @@ def plan_memory(graph: CompiledGraph, batch_size: int = 1,
         peak_activation_bytes=peak,
         peak_node=peak_node,
         input_shapes=shapes,
-        unknown=tuple(dict.fromkeys(unknown)),
+        unknown=tuple(dict.fromkeys(planner.unknown)),
         workspace_bytes=peak_ws,
     )
+
+
+class _Planner:
+    """Walks a graph's nodes in order with the bytes of every live value; what it cannot size goes to
+    :attr:`unknown` (counted as 0 bytes, never hidden)."""
+
+    def __init__(self, sizes: dict[str, tuple[int, ...] | None], types: dict[str, str], weights_of: dict[str, np.ndarray]) -> None:
+        self.sizes, self.types, self.weights_of = sizes, types, weights_of
+        self.unknown: list[str] = []
+
+    def nbytes(self, name: str) -> int | None:
+        """The bytes of one value; 0 for a weight (counted in weights), None when its shape is unknown."""
+        if name in self.weights_of:
+            return 0  # counted in weights
+        shp = self.sizes.get(name)
+        if shp is None:
+            return None
+        return int(np.prod(shp, dtype=np.int64)) * _itemsize(self.types.get(name, "float32"))
+
+    def workspace(self, node) -> int:
+        """A node's scratch memory: its kernel's estimate, plus the peak of its subgraphs (and the stacked
+        outputs of a loop or scan)."""
+        ws = 0
+        if node.kernel.workspace_fn is not None:
+            in_shapes = [self.sizes.get(x) if x and x not in self.weights_of
+                         else (self.weights_of[x].shape if x else None) for x in node.inputs]
+            try:
+                ws = int(node.kernel.workspace_fn(in_shapes, node.attrs) or 0)
+            except Exception as exc:  # noqa: BLE001 - planning goes on; the gap is reported, not hidden as 0 bytes
+                what = f"workspace of {node.op_type} node {node.name or '?'}"
+                log.warning("memory plan: the %s is not estimated (%s: %s); it is listed in the plan's unknown",
+                            what, type(exc).__name__, exc)
+                self.unknown.append(what)
+                ws = 0
+        if node.subgraphs:
+            ws += max(self.sub_peak(sg) for sg in node.subgraphs.values())
+            if node.op_type in _STACKING:
+                ws += sum(self.nbytes(o) or 0 for o in node.outputs if o)
+        return ws
+
+    def walk(self, nodes, live: dict[str, int]) -> tuple[int, str, int]:
+        """The peak of live values plus workspace over ``nodes``: (bytes, the node at the peak, its workspace)."""
+        peak, peak_node, peak_ws = sum(live.values()), "(inputs)", 0
+        for node in nodes:
+            for o in node.outputs:
+                if not o:
+                    continue
+                b = self.nbytes(o)
+                if b is None:
+                    self.unknown.append(o)
+                    b = 0
+                live[o] = b
+            ws = self.workspace(node)
+            total = sum(live.values()) + ws
+            if total > peak:
+                peak, peak_node, peak_ws = total, node.name, ws
+            for name in node.free_after:
+                live.pop(name, None)
+        return peak, peak_node, peak_ws
+
+    def sub_peak(self, sg) -> int:
+        """The peak of one subgraph run, from its inputs."""
+        self.weights_of.update(sg.initializers)
+        live = {}
+        for name in sg.input_names:
+            b = self.nbytes(name)
+            if b is None:
+                self.unknown.append(name)
+            live[name] = b or 0
+        return self.walk(sg.nodes, live)[0]
 
 
 def _all_subgraphs(nodes):
