@@ -25,6 +25,7 @@ clients x 10M parameters through streaming FedAvg well under 1 GB
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -33,8 +34,12 @@ import subprocess
 import sys
 import time
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _flower_env import MAKE_VENV, flower_python  # noqa: E402
 
 TIME_TARGET, MEM_TARGET, BIG_LIMIT = 0.5, 0.1, 1 << 30
 
@@ -326,6 +331,14 @@ def main(argv=None) -> int:
         print(json.dumps(worker(args.worker, args.clients, args.params)))
         return 0
 
+    if importlib.util.find_spec("flwr") is None:  # Flower lives in its own venv: run this benchmark there
+        python = None if os.environ.get("EDGEFLOW_IN_FLOWER_VENV") else flower_python(("flwr", "edgeflow"))
+        if python is None:
+            print(f"aggregation: Flower (the peer) is not importable here and no venv has it; make one: {MAKE_VENV}",
+                  file=sys.stderr)
+            return 2
+        os.environ["EDGEFLOW_IN_FLOWER_VENV"] = python  # once: a venv that imports flwr does not come back here
+        os.execv(python, [python, __file__, *(sys.argv[1:] if argv is None else argv)])
     cmp_ = compare(args.clients, args.params, args.repeats)
     acc_rows = accumulator_choice(args.clients, args.params)
     big = None

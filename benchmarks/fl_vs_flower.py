@@ -2,7 +2,7 @@
 
     nice -n 10 python benchmarks/fl_vs_flower.py [--models mlp,cnn,finetune] [--alphas 0.3,0.1]
         [--clients 20] [--rounds 30] [--epochs 2] [--batch-size 16] [--lr 0.1] [--momentum 0]
-        [--codecs int8,dense] [--seed 0] [--flower-python /work/venvs/flwr/bin/python]
+        [--codecs int8,dense] [--seed 0] [--flower-python PATH]
         [--out runs/fl_vs_flower] [--svg-dir DIR] [--sanity-seeds 3] [--target-accuracy 0.9] [--json]
     python benchmarks/fl_vs_flower.py --render runs/fl_vs_flower/results.json [--target-accuracy 0.9] [--svg-dir DIR]
 
@@ -56,7 +56,8 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # _flower_side's numpy MLP, for the gradient check
-DEFAULT_FLOWER_PYTHON = "/work/venvs/flwr/bin/python"
+from _flower_env import MAKE_VENV, flower_python  # noqa: E402
+
 FLOWER_WHEEL_HINT = ("python -m venv --system-site-packages /work/venvs/flwr && "
                      "/work/venvs/flwr/bin/pip install 'flwr[simulation]==1.42.0'")
 FINETUNE_MODEL = "ocr-cls-ppocr-mobile-v2"
@@ -506,8 +507,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--train-mode", default="bias", help="finetune: head or bias (default bias)")
     ap.add_argument("--input-size", type=int, default=48, help="finetune: digits resized to this size (default 48)")
     ap.add_argument("--seed", type=int, default=0, help="fixes the split, the initial model and the shuffles (default 0)")
-    ap.add_argument("--flower-python", default=DEFAULT_FLOWER_PYTHON,
-                    help=f"an interpreter that imports flwr and ray (default {DEFAULT_FLOWER_PYTHON})")
+    ap.add_argument("--flower-python",
+                    help="an interpreter that imports flwr and ray (default: FLOWER_PYTHON, this one, or the venv "
+                         "benchmarks/_flower_env.py finds)")
     ap.add_argument("--ray-cpus", type=int, default=os.cpu_count() or 1, help="CPUs Ray may use (default: all)")
     ap.add_argument("--out", default="runs/fl_vs_flower", help="results.json and results.md go here "
                     "(default runs/fl_vs_flower)")
@@ -593,6 +595,9 @@ def render(path: Path, target: float, svg_dir: str | None) -> int:
 
 def compare(args: argparse.Namespace) -> int:
     say = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
+    args.flower_python = args.flower_python or flower_python(("flwr", "ray"))
+    if args.flower_python is None:
+        raise BenchmarkError(f"no interpreter here imports flwr and ray (Flower's simulation needs both): {MAKE_VENV}")
     version = check_flower_python(args.flower_python)
     out = Path(args.out)
     svg_dir = Path(args.svg_dir or args.out)

@@ -15,14 +15,11 @@ are in the table's own command (`python benchmarks/quantization.py
 
 The Flower peer (``flwr``) pins older typer, rich, protobuf and cryptography
 than edgeflow's own dependencies, so it lives in a venv that also sees the
-project's packages; run the whole suite with that venv's python:
-
-    python -m venv --system-site-packages /opt/flwr-bench
-    /opt/flwr-bench/bin/pip install flwr==1.42.0
-    /opt/flwr-bench/bin/python benchmarks/run_all.py
-
-Without flwr the aggregation benchmark fails (its row in RESULTS.md says it
-produced no results) and the rest runs as usual.
+project's packages (``.ci/run`` makes one at ~/.cache/edgeflow/flwr-venv;
+benchmarks/_flower_env.py says how). The aggregation benchmark runs itself
+under that venv's python when this one cannot import flwr; without any
+venv it fails with one line saying how to make it (its row in RESULTS.md
+says it produced no results) and the rest runs as usual.
 
 Each benchmark script runs in its own process and writes JSON; this script
 turns the figures into one table where every figure is a *ratio against its
@@ -400,6 +397,17 @@ def benches(quick: bool) -> list[Bench]:
 # -- the machine --------------------------------------------------------------------
 
 
+
+def _flower_version() -> str:
+    """flwr's version in the Flower venv the aggregation benchmark runs under (benchmarks/_flower_env.py)."""
+    from _flower_env import flower_python
+
+    python = flower_python(("flwr",))
+    if python is None:
+        return "flwr (not installed)"
+    out = subprocess.run([python, "-c", "import flwr; print(flwr.__version__)"], capture_output=True, text=True)
+    return f"flwr {out.stdout.strip() or '?'} ({python})"
+
 def machine() -> dict[str, str]:
     info: dict[str, str] = {}
     try:
@@ -424,7 +432,7 @@ def machine() -> dict[str, str]:
             m = __import__(mod, fromlist=["__version__"])
             versions.append(f"{mod} {getattr(m, '__version__', '?')}")
         except ImportError:
-            versions.append(f"{mod} (not installed)")
+            versions.append(_flower_version() if mod == "flwr" else f"{mod} (not installed)")
     info["packages"] = ", ".join(versions)
     mosq = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
     try:
