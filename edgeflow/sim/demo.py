@@ -215,40 +215,40 @@ class Demo:
 
     # -- set-up ---------------------------------------------------------------
     def _setup(self) -> None:
-        from .. import zoo
-        from ..data.datasets import dirichlet_partition, load_digits
-        from ..device.agent import AgentOptions, DeviceAgent
-        from ..protocol.rounds import TrainConfig
-        from ..gateway.fleet import FleetOptions
-        from ..gateway.rounds import RoundConfig
-        from ..gateway.service import Gateway
-        from ..gateway.store import GatewayStore
-        from ..profiles import get_profile
-        from ..signing import KeyRing, PrivateKey, Signer
-        from ..transport.factory import transport_from_url
-        from ..transport.message import Will
-        from ..transport.topics import gateway_topic
-
         cfg = self.cfg
         check_config(cfg)
-        if cfg.workdir:
-            work = Path(cfg.workdir)
-            work.mkdir(parents=True, exist_ok=True)
-        else:
-            work = Path(tempfile.mkdtemp(prefix="edgeflow-demo-"))
-            self._stack.callback(shutil.rmtree, work, True)
-        self.work = work
+        self.work = self._workdir()
         self.broker = select_broker(cfg.broker)
         self._stack.callback(self.broker.stop)
         self.say(describe_broker(self.broker))
         protocol = getattr(self.broker, "protocol", "auto") or "auto"
+        profiles = self._data_and_devices()
+        signers = self._start_gateway(protocol)
+        self._start_agents(profiles, signers, protocol)
 
+    def _workdir(self) -> Path:
+        """``--workdir``, or a temporary directory removed at the end."""
+        if self.cfg.workdir:
+            work = Path(self.cfg.workdir)
+            work.mkdir(parents=True, exist_ok=True)
+            return work
+        work = Path(tempfile.mkdtemp(prefix="edgeflow-demo-"))
+        self._stack.callback(shutil.rmtree, work, True)
+        return work
+
+    def _data_and_devices(self) -> list[str]:
+        """The digits, the model, each device's board profile and id, and the training boards' non-IID shards;
+        returns the profiles (by device, in the order of :attr:`device_ids`)."""
+        from .. import zoo
+        from ..data.datasets import dirichlet_partition, load_digits
+        from ..profiles import get_profile
+
+        cfg = self.cfg
         split = load_digits(seed=cfg.seed)
         if cfg.model == "mlp":
             split = split.flat()
         self.split = split
-        model = zoo.digits_cnn(seed=cfg.seed) if cfg.model == "cnn" else zoo.digits_mlp(seed=cfg.seed)
-        self.model = model
+        self.model = zoo.digits_cnn(seed=cfg.seed) if cfg.model == "cnn" else zoo.digits_mlp(seed=cfg.seed)
         profiles = [DEMO_PROFILES[i % len(DEMO_PROFILES)] for i in range(cfg.devices)]
         ids = [f"{SHORT.get(p, 'dev')}-{i}" for i, p in enumerate(profiles)]
         self.device_ids = ids
@@ -260,11 +260,26 @@ class Demo:
         parts = dirichlet_partition(split.y_train, len(trainers), alpha=cfg.alpha, seed=cfg.seed)
         self.shards = {d: (split.x_train[idx], split.y_train[idx]) for d, idx in zip(trainers, parts)}
         self.trainers = trainers
+        return profiles
 
+    def _start_gateway(self, protocol: str) -> dict[str, Any]:
+        """The fleet key, each device's signing key in the gateway's key ring, and the gateway, started;
+        returns the devices' signers."""
+        from ..gateway.fleet import FleetOptions
+        from ..gateway.rounds import RoundConfig
+        from ..gateway.service import Gateway
+        from ..gateway.store import GatewayStore
+        from ..protocol.rounds import TrainConfig
+        from ..signing import KeyRing, PrivateKey, Signer
+        from ..transport.factory import transport_from_url
+        from ..transport.message import Will
+        from ..transport.topics import gateway_topic
+
+        cfg = self.cfg
         fleet_key = PrivateKey.generate()
         self.fleet_key = fleet_key
         keyring = KeyRing()
-        signers = {d: Signer.generate(d) for d in ids}
+        signers = {d: Signer.generate(d) for d in self.device_ids}
         for d, s in signers.items():
             keyring.register(d, s.public_key)
 
@@ -273,27 +288,35 @@ class Demo:
             will=Will(str(gateway_topic(cfg.fleet, "state")), '{"online": false}'),
         )
         rounds = RoundConfig(
-            rounds=cfg.rounds, min_clients=max(2, len(trainers) // 2), quorum=1.0, deadline_s=cfg.deadline_s,
+            rounds=cfg.rounds, min_clients=max(2, len(self.trainers) // 2), quorum=1.0, deadline_s=cfg.deadline_s,
             strategy="fedavg", seed=cfg.seed, wait_for_devices_s=20.0,
             train=TrainConfig(epochs=cfg.epochs, batch_size=cfg.batch_size, lr=cfg.lr, codec=cfg.codec,
                               codec_opts={"ratio": cfg.ratio} if cfg.codec.startswith("topk") else {}),
         )
         self.gateway = Gateway(
-            gt, GatewayStore(work / "gateway.sqlite"), fleet=cfg.fleet, fleet_key=fleet_key, keyring=keyring,
-            model=model, rounds=rounds, fleet_options=FleetOptions(heartbeat_timeout_s=30.0),
-            eval_data=(split.x_test, split.y_test), metrics_path=work / "metrics.jsonl",
+            gt, GatewayStore(self.work / "gateway.sqlite"), fleet=cfg.fleet, fleet_key=fleet_key, keyring=keyring,
+            model=self.model, rounds=rounds, fleet_options=FleetOptions(heartbeat_timeout_s=30.0),
+            eval_data=(self.split.x_test, self.split.y_test), metrics_path=self.work / "metrics.jsonl",
             on_round=self._on_round,
         )
         self._stack.callback(self.gateway.stop)
         self.gateway.start()
+        return signers
 
+    def _start_agents(self, profiles: list[str], signers: dict[str, Any], protocol: str) -> None:
+        """One device agent per board (the training ones with a participant), until all are online."""
+        from ..device.agent import AgentOptions, DeviceAgent
+        from ..transport.factory import transport_from_url
+
+        cfg = self.cfg
+        ids = self.device_ids
         self.clients: dict[str, list] = {}
         make = _participant_factory(self.shards, cfg.seed, self.clients)
         self.agents = {}
         for d, p in zip(ids, profiles):
             t = transport_from_url(self.broker.url, client_id=d, protocol=protocol, clean_start=True)
             agent = DeviceAgent(t, device_id=d, fleet=cfg.fleet, profile=p, signer=signers[d],
-                                fleet_key=fleet_key.public_key, state_dir=work / "devices" / d,
+                                fleet_key=self.fleet_key.public_key, state_dir=self.work / "devices" / d,
                                 options=AgentOptions(telemetry_interval_s=2.0, health_runs=3),
                                 make_participant=make if d in self.shards else None)
             agent.start(timeout=30)
