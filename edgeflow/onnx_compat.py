@@ -468,60 +468,95 @@ def _from_array(proto: Any, arr: Any, name: str | None = None) -> Any:
 
 
 def _fill_helper(helper: types.ModuleType, proto: Any) -> None:
-    attr_t = proto.AttributeProto
+    """Put the ``onnx.helper`` subset, made over ``proto``'s message classes, into ``helper``."""
+    h = _Helper(proto)
+    helper.__dict__.update(
+        make_attribute=h.make_attribute, get_attribute_value=h.get_attribute_value, make_node=h.make_node,
+        make_opsetid=h.make_opsetid, make_tensor_type_proto=h.make_tensor_type_proto,
+        make_tensor_value_info=h.make_tensor_value_info, make_tensor=h.make_tensor, make_graph=h.make_graph,
+        make_model=h.make_model, tensor_dtype_to_np_dtype=_np_dtype, np_dtype_to_tensor_dtype=_tensor_dtype,
+    )
 
-    def make_attribute(key: str, value: Any, doc_string: str | None = None, attr_type: int | None = None) -> Any:
+
+class _Helper:
+    """The ``onnx.helper`` functions edgeflow calls, over one set of message classes (``proto``)."""
+
+    def __init__(self, proto: Any) -> None:
+        self.proto = proto
+        self.attr_t = proto.AttributeProto
+
+    def make_attribute(self, key: str, value: Any, doc_string: str | None = None,
+                       attr_type: int | None = None) -> Any:
+        """An AttributeProto named ``key``; its type told from ``value`` (checked against ``attr_type``)."""
         import numpy as np
 
-        a = attr_t()
+        a = self.attr_t()
         a.name = key
         if doc_string:
             a.doc_string = doc_string
         if isinstance(value, np.ndarray) and value.ndim == 0:
             value = value.item()
+        if not self._set_single(a, value):
+            self._set_list(a, key, value, attr_type)
+        if attr_type is not None and a.type != attr_type:
+            msg = f"attribute {key!r}: value {value!r} does not match attr_type {attr_type}"
+            raise TypeError(msg)
+        return a
+
+    def _set_single(self, a: Any, value: Any) -> bool:
+        """Set ``a`` from a number, string, tensor or graph; False when ``value`` is none of these."""
+        import numpy as np
+
+        attr_t = self.attr_t
         if isinstance(value, (bool, np.bool_)) or isinstance(value, (int, np.integer)):
             a.i, a.type = int(value), attr_t.INT
         elif isinstance(value, (float, np.floating)):
             a.f, a.type = float(value), attr_t.FLOAT
         elif isinstance(value, (str, bytes)):
             a.s, a.type = value.encode("utf-8") if isinstance(value, str) else value, attr_t.STRING
-        elif isinstance(value, proto.TensorProto):
+        elif isinstance(value, self.proto.TensorProto):
             a.t.CopyFrom(value)
             a.type = attr_t.TENSOR
-        elif isinstance(value, proto.GraphProto):
+        elif isinstance(value, self.proto.GraphProto):
             a.g.CopyFrom(value)
             a.type = attr_t.GRAPH
         else:
-            items = list(value)
-            if not items and attr_type is None:
-                msg = f"attribute {key!r}: an empty list needs attr_type"
-                raise ValueError(msg)
-            if attr_type == attr_t.INTS or (attr_type is None and all(isinstance(x, (int, np.integer)) for x in items)):
-                a.ints.extend(int(x) for x in items)
-                a.type = attr_t.INTS
-            elif attr_type == attr_t.FLOATS or (
-                attr_type is None and all(isinstance(x, (int, float, np.integer, np.floating)) for x in items)
-            ):
-                a.floats.extend(float(x) for x in items)
-                a.type = attr_t.FLOATS
-            elif attr_type == attr_t.STRINGS or all(isinstance(x, (str, bytes)) for x in items):
-                a.strings.extend(x.encode("utf-8") if isinstance(x, str) else x for x in items)
-                a.type = attr_t.STRINGS
-            elif all(isinstance(x, proto.TensorProto) for x in items):
-                a.tensors.extend(items)
-                a.type = attr_t.TENSORS
-            elif all(isinstance(x, proto.GraphProto) for x in items):
-                a.graphs.extend(items)
-                a.type = attr_t.GRAPHS
-            else:
-                msg = f"attribute {key!r}: cannot tell the ONNX type of {value!r}"
-                raise ValueError(msg)
-        if attr_type is not None and a.type != attr_type:
-            msg = f"attribute {key!r}: value {value!r} does not match attr_type {attr_type}"
-            raise TypeError(msg)
-        return a
+            return False
+        return True
 
-    def get_attribute_value(attr: Any) -> Any:
+    def _set_list(self, a: Any, key: str, value: Any, attr_type: int | None) -> None:
+        """Set ``a`` from an iterable: ints, floats, strings, tensors or graphs (an empty one needs attr_type)."""
+        import numpy as np
+
+        attr_t, proto = self.attr_t, self.proto
+        items = list(value)
+        if not items and attr_type is None:
+            msg = f"attribute {key!r}: an empty list needs attr_type"
+            raise ValueError(msg)
+        if attr_type == attr_t.INTS or (attr_type is None and all(isinstance(x, (int, np.integer)) for x in items)):
+            a.ints.extend(int(x) for x in items)
+            a.type = attr_t.INTS
+        elif attr_type == attr_t.FLOATS or (
+            attr_type is None and all(isinstance(x, (int, float, np.integer, np.floating)) for x in items)
+        ):
+            a.floats.extend(float(x) for x in items)
+            a.type = attr_t.FLOATS
+        elif attr_type == attr_t.STRINGS or all(isinstance(x, (str, bytes)) for x in items):
+            a.strings.extend(x.encode("utf-8") if isinstance(x, str) else x for x in items)
+            a.type = attr_t.STRINGS
+        elif all(isinstance(x, proto.TensorProto) for x in items):
+            a.tensors.extend(items)
+            a.type = attr_t.TENSORS
+        elif all(isinstance(x, proto.GraphProto) for x in items):
+            a.graphs.extend(items)
+            a.type = attr_t.GRAPHS
+        else:
+            msg = f"attribute {key!r}: cannot tell the ONNX type of {value!r}"
+            raise ValueError(msg)
+
+    def get_attribute_value(self, attr: Any) -> Any:
+        """The value of an AttributeProto, by its type (repeated fields as lists)."""
+        attr_t = self.attr_t
         kinds = {
             attr_t.FLOAT: lambda: attr.f, attr_t.INT: lambda: attr.i, attr_t.STRING: lambda: attr.s,
             attr_t.TENSOR: lambda: attr.t, attr_t.GRAPH: lambda: attr.g,
@@ -536,9 +571,10 @@ def _fill_helper(helper: types.ModuleType, proto: Any) -> None:
             raise ValueError(msg)
         return kinds[attr.type]()
 
-    def make_node(op_type: str, inputs: Any, outputs: Any, name: str | None = None,
+    def make_node(self, op_type: str, inputs: Any, outputs: Any, name: str | None = None,
                   doc_string: str | None = None, domain: str | None = None, **kwargs: Any) -> Any:
-        node = proto.NodeProto()
+        """A NodeProto; keyword arguments other than None become its attributes, sorted by name."""
+        node = self.proto.NodeProto()
         node.op_type = op_type
         node.input.extend(inputs)
         node.output.extend(outputs)
@@ -548,16 +584,18 @@ def _fill_helper(helper: types.ModuleType, proto: Any) -> None:
             node.doc_string = doc_string
         if domain is not None:
             node.domain = domain
-        node.attribute.extend(make_attribute(k, v) for k, v in sorted(kwargs.items()) if v is not None)
+        node.attribute.extend(self.make_attribute(k, v) for k, v in sorted(kwargs.items()) if v is not None)
         return node
 
-    def make_opsetid(domain: str, version: int) -> Any:
-        o = proto.OperatorSetIdProto()
+    def make_opsetid(self, domain: str, version: int) -> Any:
+        """An OperatorSetIdProto."""
+        o = self.proto.OperatorSetIdProto()
         o.domain, o.version = domain, int(version)
         return o
 
-    def make_tensor_type_proto(elem_type: int, shape: Any, shape_denotation: Any = None) -> Any:
-        tp = proto.TypeProto()
+    def make_tensor_type_proto(self, elem_type: int, shape: Any, shape_denotation: Any = None) -> Any:
+        """A tensor TypeProto; a str dim is symbolic, None unknown (shape None: no shape at all)."""
+        tp = self.proto.TypeProto()
         tt = tp.tensor_type
         tt.elem_type = int(elem_type)
         if shape is not None:
@@ -572,18 +610,21 @@ def _fill_helper(helper: types.ModuleType, proto: Any) -> None:
                     dim.denotation = shape_denotation[i]
         return tp
 
-    def make_tensor_value_info(name: str, elem_type: int, shape: Any, doc_string: str = "",
+    def make_tensor_value_info(self, name: str, elem_type: int, shape: Any, doc_string: str = "",
                                shape_denotation: Any = None) -> Any:
-        vi = proto.ValueInfoProto()
+        """A ValueInfoProto of a tensor."""
+        vi = self.proto.ValueInfoProto()
         vi.name = name
         if doc_string:
             vi.doc_string = doc_string
-        vi.type.CopyFrom(make_tensor_type_proto(elem_type, shape, shape_denotation))
+        vi.type.CopyFrom(self.make_tensor_type_proto(elem_type, shape, shape_denotation))
         return vi
 
-    def make_tensor(name: str, data_type: int, dims: Any, vals: Any, raw: bool = False) -> Any:
+    def make_tensor(self, name: str, data_type: int, dims: Any, vals: Any, raw: bool = False) -> Any:
+        """A TensorProto from values (stored as raw_data) or, with ``raw``, from bytes as they are."""
         import numpy as np
 
+        proto = self.proto
         if raw:
             t = proto.TensorProto()
             t.name, t.data_type = name, int(data_type)
@@ -593,9 +634,10 @@ def _fill_helper(helper: types.ModuleType, proto: Any) -> None:
         arr = np.asarray(vals, dtype=_np_dtype(data_type)).reshape(tuple(int(d) for d in dims))
         return _from_array(proto, arr, name)
 
-    def make_graph(nodes: Any, name: str, inputs: Any, outputs: Any, initializer: Any = None,
+    def make_graph(self, nodes: Any, name: str, inputs: Any, outputs: Any, initializer: Any = None,
                    doc_string: str | None = None, value_info: Any = (), sparse_initializer: Any = None) -> Any:
-        g = proto.GraphProto()
+        """A GraphProto."""
+        g = self.proto.GraphProto()
         g.node.extend(nodes)
         g.name = name
         g.input.extend(inputs)
@@ -607,25 +649,19 @@ def _fill_helper(helper: types.ModuleType, proto: Any) -> None:
             g.doc_string = doc_string
         return g
 
-    def make_model(graph: Any, **kwargs: Any) -> Any:
-        m = proto.ModelProto()
+    def make_model(self, graph: Any, **kwargs: Any) -> Any:
+        """A ModelProto at the embedded schema's IR version (default opset: its ai.onnx opset)."""
+        m = self.proto.ModelProto()
         m.ir_version = _IR_VERSION
         m.graph.CopyFrom(graph)
         opsets = kwargs.pop("opset_imports", None)
-        m.opset_import.extend(opsets if opsets is not None else [make_opsetid("", _OPSET)])
+        m.opset_import.extend(opsets if opsets is not None else [self.make_opsetid("", _OPSET)])
         functions = kwargs.pop("functions", None)
         if functions:
             m.functions.extend(functions)
         for k, v in kwargs.items():
             setattr(m, k, v)
         return m
-
-    helper.__dict__.update(
-        make_attribute=make_attribute, get_attribute_value=get_attribute_value, make_node=make_node,
-        make_opsetid=make_opsetid, make_tensor_type_proto=make_tensor_type_proto,
-        make_tensor_value_info=make_tensor_value_info, make_tensor=make_tensor, make_graph=make_graph,
-        make_model=make_model, tensor_dtype_to_np_dtype=_np_dtype, np_dtype_to_tensor_dtype=_tensor_dtype,
-    )
 
 
 # ------------------------------------------------ a structural check in Python
