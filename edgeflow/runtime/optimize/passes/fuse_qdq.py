@@ -137,8 +137,8 @@ def fuse_qdq(graph):
 def _fuse(nodes: list, inits: dict[str, np.ndarray], graph_outputs: set[str], opset: int,
           types: dict[str, str] | None) -> tuple[list, dict[str, np.ndarray]]:
     names_before = set(inits)
-    used_before = {x for n in nodes for x in n.inputs if x}
     g = _Graph(nodes, inits, graph_outputs, types or {})
+    used_before = set(g.readers)  # every value some node reads
     replace: dict[int, object] = {}  # id(old node) -> new node (or None: drop)
     for n in nodes:
         if n.domain or id(n) in replace:
@@ -213,123 +213,178 @@ def _bias(g: _Graph, name: str, acc_scale: np.ndarray, m: int) -> np.ndarray | N
 
 
 def _fuse_linear(g: _Graph, n, replace: dict) -> None:
-    if len(n.inputs) < 2 or len(n.outputs) != 1:
+    """DQ -> Conv/Gemm/MatMul [-> Relu] [-> Q] as one QConv/QGemm node, when the pattern matches exactly."""
+    f = _LinearFusion(g, n)
+    if not f.match():
         return
-    dq_x, px = g.dq_input(n.inputs[0])
-    if dq_x is None or not px.per_tensor or px.zero_point.dtype not in _INT8:
-        return
-    w, pw = _weight(g, n.inputs[1])
-    if w is None:
-        return
-    op = n.op_type
-    if op == "Gemm":
-        a = n.attrs
-        if a.get("transA", 0) or a.get("alpha", 1.0) != 1.0 or (len(n.inputs) > 2 and n.inputs[2] and a.get("beta", 1.0) != 1.0):
-            return
-        if w.ndim != 2:
-            return
-        trans_b = int(a.get("transB", 0))
-        wk = w.T if trans_b else w  # (K, N)
-        out_axis = 0 if trans_b else 1
-    elif op == "MatMul":
-        if w.ndim != 2:
-            return
-        wk, out_axis = w, 1
-    else:  # Conv
-        if w.ndim < 3:
-            return
-        wk, out_axis = None, 0
-    m = w.shape[out_axis]
-    if not pw.per_tensor:
-        if pw.scale.size != m or (pw.axis % w.ndim) != out_axis:
-            return  # scales along the reduction axis cannot be factored out
-    ws = np.broadcast_to(pw.scale.astype(np.float32).reshape(-1), (m,))
-    wzp = np.broadcast_to(pw.zero_point.astype(np.int64).reshape(-1), (m,))
-    xs = np.float32(px.scale.reshape(-1)[0])
-    xzp = int(px.zero_point.reshape(-1)[0])
-    acc_scale = (xs * ws).astype(np.float32)
-    bias = _bias(g, n.inputs[2] if len(n.inputs) > 2 else "", acc_scale, m)
+    f.requantization()
+    bias = _bias(g, n.inputs[2] if len(n.inputs) > 2 else "", f.acc_scale, f.m)
     if bias is False:
         return
-
-    # Output side: [Relu ->] Q with constant per-tensor parameters, or float.
-    y = n.outputs[0]
-    chain = []
-    relu = 0
-    nxt = g.sole_reader(y)
-    if nxt is not None and nxt.op_type == "Relu" and not nxt.domain:
-        chain.append(nxt)
-        relu = 1
-        y = nxt.outputs[0]
-        nxt = g.sole_reader(y)
-    pq = g.qparams(nxt) if nxt is not None and nxt.op_type == "QuantizeLinear" and nxt.inputs[0] == y else None
-    if pq is not None and (not pq.per_tensor or pq.zero_point.dtype not in _INT8):
-        pq = None
-
-    # Integer weights shifted by their zero point, with the output channel first.
-    if op == "Conv":
-        group = int(n.attrs.get("group", 1))
-        wsh = (w.astype(np.int64) - wzp.reshape((m,) + (1,) * (w.ndim - 1))).reshape(m, -1)  # (M, Ck)
-    else:
-        group = 1
-        wsh = (wk.astype(np.int64) - wzp.reshape(1, m)).T  # (N, K)
-    c = -xzp * wsh.sum(axis=1)
-    if bias is not None:
-        c = c + bias
-    # Bounds of every reduction term |x_k * w_mk| (raw inputs) and of the
-    # constant row; they decide which sums float32 provably gets exact.
-    terms = int_bound(px.zero_point.dtype) * np.abs(wsh)
-    c_in_gemm = bool(np.all(np.abs(c) <= F32_EXACT))
-    if c_in_gemm:
-        terms = np.concatenate([terms, np.abs(c)[:, None]], axis=1)
-    total = int(terms.sum(axis=1).max()) + (0 if c_in_gemm else int(np.abs(c).max()))
-    if total > F64_EXACT:
+    f.output_side()
+    if not f.integer_weights(bias):
         return  # beyond float64's exact range: leave the float pattern
-    blocks = k_blocks(terms)
-    if not c_in_gemm and not blocks:
-        blocks = (0, terms.shape[1])  # one exact block; c is added in float64
-    packed_mk = (np.concatenate([wsh, c[:, None]], axis=1) if c_in_gemm else wsh).astype(np.float32)
-    if op == "Conv":
-        packed = np.ascontiguousarray(packed_mk.reshape(group, m // group, -1))
-    else:
-        packed = np.ascontiguousarray(packed_mk.T)  # (K (+1), N)
-    w_name = f"{n.inputs[1]}::fused"
-    g.inits[w_name] = packed
+    w_name = f.pack()
+    f.rewire(replace, w_name, f.fused_attrs())
 
-    attrs: dict = {
-        "relu": relu,
-        "blocks": blocks,
-        "c64": None if c_in_gemm else c.astype(np.float64),
-        "wrap": int(total >= 2**31),
-    }
-    if pq is not None:
-        ys = np.float32(pq.scale.reshape(-1)[0])
-        attrs.update(
-            multiplier=(acc_scale / ys).astype(np.float32),
-            y_zero_point=int(pq.zero_point.reshape(-1)[0]),
-            y_dtype=pq.zero_point.dtype.name,
+
+class _LinearFusion:
+    """The steps of :func:`_fuse_linear` on one Conv/Gemm/MatMul node ``n``; each step keeps what it found."""
+
+    def __init__(self, g: _Graph, n) -> None:
+        self.g = g
+        self.n = n
+        self.op = n.op_type
+
+    def match(self) -> bool:
+        """Input from a per-tensor int8 DQ, weights a DQ'd int8 initializer laid out as the op needs."""
+        g, n = self.g, self.n
+        if len(n.inputs) < 2 or len(n.outputs) != 1:
+            return False
+        self.dq_x, self.px = g.dq_input(n.inputs[0])
+        if self.dq_x is None or not self.px.per_tensor or self.px.zero_point.dtype not in _INT8:
+            return False
+        self.w, self.pw = _weight(g, n.inputs[1])
+        if self.w is None:
+            return False
+        if not self._layout():
+            return False
+        w, pw = self.w, self.pw
+        self.m = w.shape[self.out_axis]
+        if not pw.per_tensor:
+            if pw.scale.size != self.m or (pw.axis % w.ndim) != self.out_axis:
+                return False  # scales along the reduction axis cannot be factored out
+        return True
+
+    def _layout(self) -> bool:
+        """The (K, N) weights ``wk`` (Gemm/MatMul; None for Conv) and the output-channel axis of ``w``."""
+        n, w = self.n, self.w
+        if self.op == "Gemm":
+            a = n.attrs
+            if a.get("transA", 0) or a.get("alpha", 1.0) != 1.0 or (
+                len(n.inputs) > 2 and n.inputs[2] and a.get("beta", 1.0) != 1.0
+            ):
+                return False
+            if w.ndim != 2:
+                return False
+            trans_b = int(a.get("transB", 0))
+            self.wk = w.T if trans_b else w  # (K, N)
+            self.out_axis = 0 if trans_b else 1
+        elif self.op == "MatMul":
+            if w.ndim != 2:
+                return False
+            self.wk, self.out_axis = w, 1
+        else:  # Conv
+            if w.ndim < 3:
+                return False
+            self.wk, self.out_axis = None, 0
+        return True
+
+    def requantization(self) -> None:
+        """Per-channel weight scales and zero points, the input's, and the accumulator scale x_scale * w_scale."""
+        m, pw, px = self.m, self.pw, self.px
+        ws = np.broadcast_to(pw.scale.astype(np.float32).reshape(-1), (m,))
+        self.wzp = np.broadcast_to(pw.zero_point.astype(np.int64).reshape(-1), (m,))
+        xs = np.float32(px.scale.reshape(-1)[0])
+        self.xzp = int(px.zero_point.reshape(-1)[0])
+        self.acc_scale = (xs * ws).astype(np.float32)
+
+    def output_side(self) -> None:
+        """Output side: [Relu ->] Q with constant per-tensor parameters, or float."""
+        g = self.g
+        y = self.n.outputs[0]
+        self.chain = []
+        self.relu = 0
+        nxt = g.sole_reader(y)
+        if nxt is not None and nxt.op_type == "Relu" and not nxt.domain:
+            self.chain.append(nxt)
+            self.relu = 1
+            y = nxt.outputs[0]
+            nxt = g.sole_reader(y)
+        pq = g.qparams(nxt) if nxt is not None and nxt.op_type == "QuantizeLinear" and nxt.inputs[0] == y else None
+        if pq is not None and (not pq.per_tensor or pq.zero_point.dtype not in _INT8):
+            pq = None
+        self.y, self.nxt, self.pq = y, nxt, pq
+
+    def integer_weights(self, bias: np.ndarray | None) -> bool:
+        """The shifted integer weights, constant row ``c`` and sum bounds; False beyond float64's exact range."""
+        w, m, n = self.w, self.m, self.n
+        # Integer weights shifted by their zero point, with the output channel first.
+        if self.op == "Conv":
+            self.group = int(n.attrs.get("group", 1))
+            wsh = (w.astype(np.int64) - self.wzp.reshape((m,) + (1,) * (w.ndim - 1))).reshape(m, -1)  # (M, Ck)
+        else:
+            self.group = 1
+            wsh = (self.wk.astype(np.int64) - self.wzp.reshape(1, m)).T  # (N, K)
+        c = -self.xzp * wsh.sum(axis=1)
+        if bias is not None:
+            c = c + bias
+        # Bounds of every reduction term |x_k * w_mk| (raw inputs) and of the
+        # constant row; they decide which sums float32 provably gets exact.
+        terms = int_bound(self.px.zero_point.dtype) * np.abs(wsh)
+        c_in_gemm = bool(np.all(np.abs(c) <= F32_EXACT))
+        if c_in_gemm:
+            terms = np.concatenate([terms, np.abs(c)[:, None]], axis=1)
+        total = int(terms.sum(axis=1).max()) + (0 if c_in_gemm else int(np.abs(c).max()))
+        self.wsh, self.c, self.terms, self.c_in_gemm, self.total = wsh, c, terms, c_in_gemm, total
+        return total <= F64_EXACT
+
+    def pack(self) -> str:
+        """The exact blocks; the packed float32 weights (``c`` as one more row if exact) as a new initializer."""
+        terms, c_in_gemm, wsh, c = self.terms, self.c_in_gemm, self.wsh, self.c
+        blocks = k_blocks(terms)
+        if not c_in_gemm and not blocks:
+            blocks = (0, terms.shape[1])  # one exact block; c is added in float64
+        self.blocks = blocks
+        packed_mk = (np.concatenate([wsh, c[:, None]], axis=1) if c_in_gemm else wsh).astype(np.float32)
+        if self.op == "Conv":
+            packed = np.ascontiguousarray(packed_mk.reshape(self.group, self.m // self.group, -1))
+        else:
+            packed = np.ascontiguousarray(packed_mk.T)  # (K (+1), N)
+        w_name = f"{self.n.inputs[1]}::fused"
+        self.g.inits[w_name] = packed
+        return w_name
+
+    def fused_attrs(self) -> dict:
+        """The fused node's attributes: requantization to the Q's parameters (or a float scale), conv geometry."""
+        n, pq = self.n, self.pq
+        attrs: dict = {
+            "relu": self.relu,
+            "blocks": self.blocks,
+            "c64": None if self.c_in_gemm else self.c.astype(np.float64),
+            "wrap": int(self.total >= 2**31),
+        }
+        if pq is not None:
+            ys = np.float32(pq.scale.reshape(-1)[0])
+            attrs.update(
+                multiplier=(self.acc_scale / ys).astype(np.float32),
+                y_zero_point=int(pq.zero_point.reshape(-1)[0]),
+                y_dtype=pq.zero_point.dtype.name,
+            )
+            self.out_name = self.nxt.outputs[0]
+            self.chain.append(self.nxt)
+        else:
+            attrs["out_scale"] = self.acc_scale
+            self.out_name = self.y
+        if self.op == "Conv":
+            attrs["x_zero_point"] = self.xzp
+            for k in ("auto_pad", "dilations", "group", "pads", "strides"):
+                if k in n.attrs:
+                    attrs[k] = n.attrs[k]
+            attrs["kernel_shape"] = tuple(n.attrs.get("kernel_shape") or self.w.shape[2:])
+        return attrs
+
+    def rewire(self, replace: dict, w_name: str, attrs: dict) -> None:
+        """The QConv/QGemm node in ``n``'s place, reading the quantized input; the Relu/Q it absorbed dropped."""
+        n = self.n
+        fused_op = "QConv" if self.op == "Conv" else "QGemm"
+        replace[id(n)] = dataclasses.replace(
+            n, name=f"{n.name}::fused", op_type=fused_op, domain=FUSED_DOMAIN,
+            inputs=[self.dq_x.inputs[0], w_name], outputs=[self.out_name], attrs=attrs,
+            kernel=get_kernel(fused_op, FUSED_DOMAIN, None, self.px.zero_point.dtype), free_after=[],
         )
-        out_name = nxt.outputs[0]
-        chain.append(nxt)
-    else:
-        attrs["out_scale"] = acc_scale
-        out_name = y
-    if op == "Conv":
-        attrs["x_zero_point"] = xzp
-        for k in ("auto_pad", "dilations", "group", "pads", "strides"):
-            if k in n.attrs:
-                attrs[k] = n.attrs[k]
-        attrs["kernel_shape"] = tuple(n.attrs.get("kernel_shape") or w.shape[2:])
-        fused_op = "QConv"
-    else:
-        fused_op = "QGemm"
-    replace[id(n)] = dataclasses.replace(
-        n, name=f"{n.name}::fused", op_type=fused_op, domain=FUSED_DOMAIN,
-        inputs=[dq_x.inputs[0], w_name], outputs=[out_name], attrs=attrs,
-        kernel=get_kernel(fused_op, FUSED_DOMAIN, None, px.zero_point.dtype), free_after=[],
-    )
-    for r in chain:
-        replace[id(r)] = None
+        for r in self.chain:
+            replace[id(r)] = None
 
 
 def _fold_constant_dq(nodes: list, inits: dict[str, np.ndarray]) -> list:
