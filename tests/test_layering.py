@@ -338,3 +338,28 @@ if __name__ == "__main__":  # python tests/test_layering.py: the room graph docs
     for _r in sorted(_rooms, key=lambda r: (_depth(r), r)):
         print(f"L{_depth(_r)}  {_r.removeprefix('edgeflow.'):14} -> "
               + ", ".join(sorted(t.removeprefix("edgeflow.") for t in _rooms[_r])))
+
+
+SERVICES = ("ota.py", "training.py", "telemetry.py", "inference.py", "health.py")
+
+
+def _private_reads_of_the_agent(path: Path) -> list[str]:
+    """``agent._x`` / ``a._x`` / ``self.agent._x`` in a device service: a read of the agent's private state."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id in ("a", "agent")) or (
+                    isinstance(owner, ast.Attribute) and owner.attr == "agent"):
+                found.append(f"{path.name}:{node.lineno} .{node.attr}")
+    return found
+
+
+def test_the_device_services_use_only_the_agents_public_core(tmp_path):
+    """The services of edgeflow/device receive the agent as an AgentCore (device/core.py) and read none of
+    its private fields (they used to read about 40); the check itself catches a planted read."""
+    reads = [r for name in SERVICES for r in _private_reads_of_the_agent(ROOT / "edgeflow" / "device" / name)]
+    assert reads == []
+    planted = tmp_path / "ota.py"
+    planted.write_text("def f(self, a):\n    return a._model, self.agent._stop, a.model_version\n")
+    assert _private_reads_of_the_agent(planted) == ["ota.py:2 ._model", "ota.py:2 ._stop"]

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 import tracemalloc
 from types import SimpleNamespace
@@ -95,19 +94,23 @@ FLEET_KEY = PrivateKey.generate()
 
 
 class _FakeAgent:
-    """What InferenceService uses of a DeviceAgent: the transport, topics, stop flag and run_named."""
+    """What InferenceService uses of a DeviceAgent's core (edgeflow/device/core.py): the transport, topics,
+    the stopping flag and run_named."""
+
+    stopping = False
 
     def __init__(self) -> None:
         self.replies: list[dict] = []
         self.runs = 0
-        self._stop = threading.Event()
-        self._topic = {"infer/reply": "edgeflow/lab/dev/infer/reply"}
         self.model_version = 1
         self.device_id = "dev"
         self.fleet_key = FLEET_KEY.public_key
         self.options = SimpleNamespace(infer_keys=())
         self.counters = {"infer_refused": 0}
         self.transport = SimpleNamespace(publish=lambda topic, body, **kw: self.replies.append(json.loads(body)))
+
+    def topic(self, channel: str) -> str:
+        return f"edgeflow/lab/dev/{channel}"
 
     def run_named(self, feeds):
         self.runs += 1

@@ -199,7 +199,7 @@ class _SessionWill:
 
     def __init__(self, agent: DeviceAgent) -> None:
         self._agent = weakref.proxy(agent)
-        self.topic = agent._topic["death"]
+        self.topic = agent.topic("death")
 
     @property
     def payload(self) -> bytes:
@@ -261,7 +261,7 @@ class DeviceAgent:
         self.options = dataclasses.replace(options or AgentOptions())
         self._owner_opted_out = not self.options.train
         """Started with ``train=False`` (``edgeflow device --no-train``): no command turns training on."""
-        self._load_config()
+        self.load_config()
         self.make_participant = make_participant
         self._topic = {ch: device_topic(fleet, device_id, ch).value
                        for ch in ("birth", "death", "telemetry", "cmd", "cmd/ack", "ota", "infer", "infer/reply")}
@@ -287,7 +287,7 @@ class DeviceAgent:
         self.counters: dict[str, int] = {"commands": 0, "refused": 0, "inferences": 0, "infer_refused": 0, "deploys": 0,
                                          "rollbacks": 0}
 
-    def _load_config(self) -> None:
+    def load_config(self) -> None:
         """The persisted ``set_config`` values over the given options (``train`` also from the
         ``training`` flag older agents persisted for train_start/train_stop)."""
         state = self.slots.state()
@@ -347,7 +347,7 @@ class DeviceAgent:
             return self
         self._started = True
         self.transport.will = _SessionWill(self)
-        self._boot_model()
+        self.boot_model()
         self._recovery = self.ota.recover_pending()
         self.transport.subscribe(self._topic["cmd"], self._on_cmd)
         self.transport.subscribe(self._topic["ota"], self.ota.on_offer)
@@ -434,6 +434,24 @@ class DeviceAgent:
         return self._model
 
     @property
+    def stopping(self) -> bool:
+        """True once :meth:`stop` (or :meth:`crash`) began: the services' threads end."""
+        return self._stop.is_set()
+
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    @property
+    def owner_opted_out(self) -> bool:
+        """The device's owner switched training off for good (``--no-train``): no command turns it on."""
+        return self._owner_opted_out
+
+    def topic(self, channel: str) -> str:
+        """This device's topic for ``channel`` ("telemetry", "infer/reply", "cmd/ack", ...)."""
+        return self._topic[channel]
+
+    @property
     def participant(self) -> Participant | None:
         return self.training_service.participant
 
@@ -451,16 +469,16 @@ class DeviceAgent:
         """(state, detail): one of :data:`TRAIN_STATES` and, unless training, what is wrong and what to do."""
         return self.training_service.status()
 
-    def _load(self, m: ActiveModel) -> Any:
+    def runtime_for(self, m: ActiveModel) -> Any:
         o = self.options
         return load_runtime(m.model_path, self.profile, memory_budget_mb=o.memory_budget_mb, backend=o.backend,
                             threads=o.threads)
 
-    def _boot_model(self) -> None:
+    def boot_model(self) -> None:
         loaded: dict[str, Any] = {}
 
         def usable(m: ActiveModel) -> None:
-            loaded[m.slot] = self._load(m)
+            loaded[m.slot] = self.runtime_for(m)
 
         model, notes = self.slots.boot(self.fleet_key, self.profile.name, usable=usable)
         self.boot_notes = notes
@@ -470,13 +488,13 @@ class DeviceAgent:
             self._model = model
             self._runtime = loaded.get(model.slot) if model is not None else None
 
-    def _switch_to_active(self) -> ActiveModel:
+    def switch_to_active(self) -> ActiveModel:
         """Verify and load the slot the pointer names; serve it."""
         slot = self.slots.pointer().active
         if slot is None:
             raise FleetError("no active model slot")
         m = self.slots.verify_slot(slot, self.fleet_key, self.profile.name)
-        rt = self._load(m)
+        rt = self.runtime_for(m)
         with self._rt_lock:
             self._model, self._runtime = m, rt
         return m
@@ -571,17 +589,17 @@ class DeviceAgent:
             log.warning("%s: ack for %s not sent: %s", self.device_id, ack.id, exc)
         return payload
 
-    def _ack(self, cmd_id: str, name: str, *, ok: bool, code: str = "ok", error: str = "",
+    def ack(self, cmd_id: str, name: str, *, ok: bool, code: str = "ok", error: str = "",
              result: dict[str, Any] | None = None, cache: bool = True, restarted: bool = False) -> None:
         if not ok:
             log.info("%s: command %s %s failed: %s (%s)", self.device_id, name, cmd_id, error, code)
         self._send_ack(Ack(cmd_id, name, self.device_id, ok, code, error, result or {}, time.time(), restarted),
                        cache=cache)
 
-    def _refuse(self, cmd_id: str, name: str, code: str, error: str) -> None:
+    def refuse(self, cmd_id: str, name: str, code: str, error: str) -> None:
         self.counters["refused"] += 1
         log.warning("%s: refused %s %s: %s", self.device_id, name or "message", cmd_id, error)
-        self._ack(cmd_id, name, ok=False, code=code, error=error, cache=False)
+        self.ack(cmd_id, name, ok=False, code=code, error=error, cache=False)
 
     def _seen_again(self, cmd: Command) -> None:
         """A command id this device accepted before (a QoS 1 redelivery, or a replay, maybe across a restart)."""
@@ -589,49 +607,49 @@ class DeviceAgent:
         if payload is not None:
             self.transport.publish(self._topic["cmd/ack"], payload, qos=1)  # the same answer, nothing runs again
         elif cmd.id not in self.ota.busy:
-            self._refuse(cmd.id, cmd.name, "replayed", f"command {cmd.id} was already received (its result is no "
+            self.refuse(cmd.id, cmd.name, "replayed", f"command {cmd.id} was already received (its result is no "
                          "longer kept); it does not run twice")
 
-    def _authenticate(self, data: bytes, *, expect: str | None = None) -> Command | None:
+    def authenticate(self, data: bytes, *, expect: str | None = None) -> Command | None:
         """The verified, fresh, never-seen command (recorded on disk before it runs), or None after acking."""
         try:
             _, body = peek_signed(data)
         except CodecError as exc:
             cid, cname = _plain_id(data)  # an unsigned command still gets a refusal it can be matched with
-            self._refuse(cid, cname, getattr(exc, "reason", "bad_message"), str(exc))
+            self.refuse(cid, cname, getattr(exc, "reason", "bad_message"), str(exc))
             return None
         cmd_id, name = str(body.get("id", ""))[:128], str(body.get("name", ""))[:64]
         try:
             cmd = Command.verify(data, self.fleet_key)
         except (SignatureError, CodecError) as exc:
             reason = getattr(exc, "reason", "bad_signature")
-            self._refuse(cmd_id, name, reason, f"command refused: {exc}; only commands signed by the fleet key "
+            self.refuse(cmd_id, name, reason, f"command refused: {exc}; only commands signed by the fleet key "
                          f"{self.fleet_key.key_id_hex} are obeyed")
             return None
         if cmd.device != self.device_id:
-            self._refuse(cmd.id, cmd.name, "wrong_device", f"command is addressed to {cmd.device!r}, not to this device")
+            self.refuse(cmd.id, cmd.name, "wrong_device", f"command is addressed to {cmd.device!r}, not to this device")
             return None
         if cmd.fleet != self.fleet:
-            self._refuse(cmd.id, cmd.name, "wrong_device", f"command is for fleet {cmd.fleet!r}, not {self.fleet!r}")
+            self.refuse(cmd.id, cmd.name, "wrong_device", f"command is for fleet {cmd.fleet!r}, not {self.fleet!r}")
             return None
         if cmd.id in self.seen:
             self._seen_again(cmd)
             return None
         if time.time() > cmd.expires + self.options.clock_skew_s:
-            self._refuse(cmd.id, cmd.name, "expired",
+            self.refuse(cmd.id, cmd.name, "expired",
                          f"command expired at {cmd.expires:.0f} (now {time.time():.0f}); check the device clock (NTP)")
             return None
         if self.seen.below_floor(cmd.issued):
-            self._refuse(cmd.id, cmd.name, "stale", f"command issued at {cmd.issued:.0f} is older than the commands "
+            self.refuse(cmd.id, cmd.name, "stale", f"command issued at {cmd.issued:.0f} is older than the commands "
                          "this device still remembers; send a new one")
             return None
         if expect is not None and cmd.name != expect:
-            self._refuse(cmd.id, cmd.name, "bad_message", f"only {expect!r} commands arrive on this topic")
+            self.refuse(cmd.id, cmd.name, "bad_message", f"only {expect!r} commands arrive on this topic")
             return None
         try:
             fresh = self.seen.remember(cmd.id, cmd.issued, cmd.expires)
         except OSError as exc:
-            self._refuse(cmd.id, cmd.name, "failed", f"cannot record the command id on disk ({exc}); not run, "
+            self.refuse(cmd.id, cmd.name, "failed", f"cannot record the command id on disk ({exc}); not run, "
                          "so that a replay could not run it again")
             return None
         if not fresh:
@@ -644,7 +662,7 @@ class DeviceAgent:
     def _on_cmd(self, msg: Message) -> None:
         if self._stop.is_set():
             return
-        cmd = self._authenticate(msg.payload)
+        cmd = self.authenticate(msg.payload)
         if cmd is None:
             return
         self.counters["commands"] += 1
@@ -652,7 +670,7 @@ class DeviceAgent:
         if lane == "ops":
             self.ota.enqueue(cmd, None, None)
             return
-        self._run_command(cmd, self._handler(cmd.name))
+        self.run_command(cmd, self.handler(cmd.name))
 
     # name -> (lane, handler). "quick": runs on the transport's thread and acks at once; "ops": queued
     # behind deployments on the OTA service's thread (it swaps slots). deploy arrives as an OTA offer with
@@ -668,7 +686,7 @@ class DeviceAgent:
         "reboot": ("ops", "_cmd_reboot"),
     }
 
-    def _handler(self, name: str) -> Callable[[Command], dict[str, Any] | None]:
+    def handler(self, name: str) -> Callable[[Command], dict[str, Any] | None]:
         entry = self._COMMAND_TABLE.get(name)
         if entry is None:
             return self._cmd_unknown
@@ -678,7 +696,7 @@ class DeviceAgent:
         return self.status()
 
     def _cmd_set_config(self, cmd: Command) -> dict[str, Any]:
-        return self._set_config(cmd.args)
+        return self.set_config(cmd.args)
 
     def _cmd_train_start(self, cmd: Command) -> dict[str, Any]:
         return self.training_service.start_training()
@@ -700,22 +718,22 @@ class DeviceAgent:
         raise CommandFailed("unknown_command", f"unknown command {cmd.name!r}; this agent understands "
                             f"{', '.join(COMMANDS)}")
 
-    def _run_command(self, cmd: Command, fn: Callable[[Command], dict[str, Any] | None]) -> None:
+    def run_command(self, cmd: Command, fn: Callable[[Command], dict[str, Any] | None]) -> None:
         """Run ``fn`` and ack its result; ``fn`` returns None when it acked itself."""
         try:
             result = fn(cmd)
         except CommandFailed as exc:
-            self._ack(cmd.id, cmd.name, ok=False, code=exc.code, error=str(exc), result=exc.result)
+            self.ack(cmd.id, cmd.name, ok=False, code=exc.code, error=str(exc), result=exc.result)
             return
         except EdgeflowError as exc:
-            self._ack(cmd.id, cmd.name, ok=False, code="failed", error=str(exc))
+            self.ack(cmd.id, cmd.name, ok=False, code="failed", error=str(exc))
             return
         except Exception as exc:  # noqa: BLE001 - a bug must still answer the gateway
             log.exception("%s: command %s crashed", self.device_id, cmd.name)
-            self._ack(cmd.id, cmd.name, ok=False, code="failed", error=f"{type(exc).__name__}: {exc}")
+            self.ack(cmd.id, cmd.name, ok=False, code="failed", error=f"{type(exc).__name__}: {exc}")
             return
         if result is not None:
-            self._ack(cmd.id, cmd.name, ok=True, result=result)
+            self.ack(cmd.id, cmd.name, ok=True, result=result)
 
     def status(self) -> dict[str, Any]:
         m = self._model
@@ -746,7 +764,8 @@ class DeviceAgent:
     def config(self) -> dict[str, Any]:
         return {k: getattr(self.options, k) for k in CONFIG_KEYS}
 
-    def _set_config(self, args: Mapping[str, Any]) -> dict[str, Any]:
+    def set_config(self, args: Mapping[str, Any]) -> dict[str, Any]:
+        """Apply and persist ``set_config`` values; CommandFailed names a bad key or value."""
         if not args:
             raise CommandFailed("bad_args", f"set_config needs at least one of {', '.join(CONFIG_KEYS)}")
         unknown = sorted(set(args) - set(CONFIG_KEYS))

@@ -22,6 +22,7 @@ from ..errors import CodecError, EdgeflowError, FleetError, SignatureError
 from ..protocol.fleet import decode_tensor, encode_tensor, open_inference_request
 from ..signing import PublicKey
 from ..transport.message import Message
+from .core import AgentCore
 
 log = logging.getLogger("edgeflow.device")
 
@@ -29,7 +30,7 @@ log = logging.getLogger("edgeflow.device")
 class InferenceService:
     """Inference over MQTT for a :class:`~edgeflow.device.agent.DeviceAgent` (``agent.inference``)."""
 
-    def __init__(self, agent: Any, maxsize: int) -> None:  # the agent (which imports this module)
+    def __init__(self, agent: AgentCore, maxsize: int) -> None:  # the agent's public core (device/core.py)
         self.agent = agent
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, maxsize))
 
@@ -61,15 +62,15 @@ class InferenceService:
         if "correlation_data" in msg.properties:
             props["correlation_data"] = msg.properties["correlation_data"]
         try:
-            self.agent.transport.publish(self.agent._topic["infer/reply"], json.dumps(body, separators=(",", ":")), qos=1,
+            self.agent.transport.publish(self.agent.topic("infer/reply"), json.dumps(body, separators=(",", ":")), qos=1,
                                    properties=props or None)
         except EdgeflowError as exc:
             log.warning("%s: inference reply not sent: %s", self.agent.device_id, exc)
 
     def loop(self) -> None:
-        while not self.agent._stop.is_set():
+        while not self.agent.stopping:
             item = self.queue.get()
-            if item is None or self.agent._stop.is_set():
+            if item is None or self.agent.stopping:
                 return
             req, msg = item
             rid = req.get("id")

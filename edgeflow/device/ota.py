@@ -28,6 +28,7 @@ from ..protocol.fleet import Ack, Command
 from ..protocol.ota import OtaOffer
 from ..transport.message import Message
 from .commands import CommandFailed
+from .core import AgentCore
 from .health import HealthReport, check_model
 
 __all__ = ["OtaService"]
@@ -38,12 +39,13 @@ log = logging.getLogger("edgeflow.device")
 class OtaService:
     """Deployments for a :class:`~edgeflow.device.agent.DeviceAgent` (``agent.ota``).
 
-    The agent owns the model (``_model``, ``_load``, ``_switch_to_active``, ``_boot_model``), the slots and
-    the command plumbing (``_authenticate``, ``_run_command``, ``_ack``); this service decides what a
-    deploy, rollback or reboot does with them and in which order.
+    The agent owns the model (``active_model``, ``runtime_for``, ``switch_to_active``, ``boot_model``), the
+    slots and the command plumbing (``authenticate``, ``run_command``, ``ack``: its
+    :class:`~edgeflow.device.core.AgentCore`); this service decides what a deploy, rollback or reboot does
+    with them and in which order.
     """
 
-    def __init__(self, agent: Any, maxsize: int = 4) -> None:  # the agent (which imports this module)
+    def __init__(self, agent: AgentCore, maxsize: int = 4) -> None:  # the agent's public core (device/core.py)
         self.agent = agent
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=maxsize)
         self.busy: set[str] = set()
@@ -58,23 +60,23 @@ class OtaService:
         try:
             self.queue.put_nowait((cmd, data, art))
         except queue.Full:
-            a._ack(cmd.id, cmd.name, ok=False, code="busy", cache=False,
+            a.ack(cmd.id, cmd.name, ok=False, code="busy", cache=False,
                    error="the device is busy with other deployments; retry later")
             return
         self.busy.add(cmd.id)
 
     def loop(self) -> None:
         a = self.agent
-        while not a._stop.is_set():
+        while not a.stopping:
             item = self.queue.get()
-            if item is None or a._stop.is_set():
+            if item is None or a.stopping:
                 return
             cmd, data, art = item
             try:
                 if cmd.name == "deploy":  # an OTA offer, with its artifact
-                    a._run_command(cmd, lambda c: self.deploy(c, data, art))
+                    a.run_command(cmd, lambda c: self.deploy(c, data, art))
                 else:
-                    a._run_command(cmd, a._handler(cmd.name))
+                    a.run_command(cmd, a.handler(cmd.name))
             finally:
                 self.busy.discard(cmd.id)
 
@@ -86,26 +88,26 @@ class OtaService:
     def on_offer(self, msg: Message) -> None:
         """A message on the ``ota`` topic: verify command and artifact (quick), queue the deploy."""
         a = self.agent
-        if a._stop.is_set():
+        if a.stopping:
             return
         try:
             offer = OtaOffer.from_bytes(msg.payload)
         except CodecError as exc:
-            a._refuse("", "deploy", "bad_message", str(exc))
+            a.refuse("", "deploy", "bad_message", str(exc))
             return
-        cmd = a._authenticate(offer.command, expect="deploy")
+        cmd = a.authenticate(offer.command, expect="deploy")
         if cmd is None:
             return
         a.counters["commands"] += 1
         want = str(cmd.args.get("artifact_sha256", ""))
         if hashlib.sha256(offer.artifact).hexdigest() != want:
-            a._refuse(cmd.id, cmd.name, "bad_artifact",
+            a.refuse(cmd.id, cmd.name, "bad_artifact",
                       "the artifact does not match the SHA-256 the signed deploy command names")
             return
         try:
             art = verify_artifact(offer.artifact, a.fleet_key, profile=a.profile.name, fleet=a.fleet)
         except (SignatureError, FleetError) as exc:
-            a._refuse(cmd.id, cmd.name, getattr(exc, "reason", "bad_artifact"), f"artifact refused: {exc}")
+            a.refuse(cmd.id, cmd.name, getattr(exc, "reason", "bad_artifact"), f"artifact refused: {exc}")
             return
         self.enqueue(cmd, offer.artifact, art)
 
@@ -150,7 +152,7 @@ class OtaService:
         if cmd.args.get("role") == "train_master":
             return self.store_master(art, data)
         a.counters["deploys"] += 1
-        cur = a._model
+        cur = a.active_model
         old_version = None if cur is None else cur.version
         if cur is not None and cur.sha256 == art.manifest.sha256 and cur.version == art.version:
             return {"model_version": cur.version, "unchanged": True, **self.evidence(cmd, art)}
@@ -182,11 +184,11 @@ class OtaService:
         a.slots.save_state(installed_issued=cmd.issued)
         self._hook("swapped")
         try:
-            m = a._switch_to_active()
+            m = a.switch_to_active()
         except EdgeflowError as exc:
             a.slots.rollback()
             if cur is not None:
-                a._switch_to_active()
+                a.switch_to_active()
             a.slots.clear_pending()
             raise CommandFailed("failed", f"v{art.version} passed its health check but did not load for serving "
                                 f"({exc}); rolled back to v{old_version}",
@@ -214,7 +216,7 @@ class OtaService:
     def finish(self, cmd: Command, result: dict[str, Any]) -> None:
         """Ack, then forget the journal, then re-announce: a crash in between repeats the ack, never loses it."""
         a = self.agent
-        a._ack(cmd.id, cmd.name, ok=True, result=result)
+        a.ack(cmd.id, cmd.name, ok=True, result=result)
         a.slots.clear_pending()
         if a.transport.is_connected:
             a.publish_birth()
@@ -231,7 +233,7 @@ class OtaService:
     def rollback(self, cmd: Command) -> dict[str, Any] | None:
         a = self.agent
         a.counters["rollbacks"] += 1
-        cur = a._model
+        cur = a.active_model
         cur_version = None if cur is None else cur.version
         self.check_fresh(cmd, cur_version)
         want_from = cmd.args.get("from_version")
@@ -244,7 +246,7 @@ class OtaService:
                                 {"model_version": cur_version})
         try:
             prev = a.slots.verify_slot(p.previous, a.fleet_key, a.profile.name)
-            a._load(prev)
+            a.runtime_for(prev)
         except EdgeflowError as exc:
             raise CommandFailed("failed", f"the previous model does not verify or load ({exc}); staying on "
                                 f"v{cur_version}", {"model_version": cur_version}) from exc
@@ -253,16 +255,16 @@ class OtaService:
                              "issued": cmd.issued, "expires": cmd.expires})
         a.slots.rollback()
         a.slots.save_state(installed_issued=cmd.issued)
-        m = a._switch_to_active()
+        m = a.switch_to_active()
         a.training_service.restart()
         return self.finish(cmd, {"model_version": m.version, "previous_version": cur_version})
 
     def reboot(self, cmd: Command) -> dict[str, Any] | None:
         """Restart the runtime: re-read config, re-verify and reload the model, restart training, re-announce."""
         a = self.agent
-        a._load_config()
+        a.load_config()
         a.training_service.stop_participant(locked=True)
-        a._boot_model()
+        a.boot_model()
         a.training_service.restart()
         return self.finish(cmd, {"model_version": a.model_version, "notes": list(a.boot_notes)})
 
@@ -276,7 +278,7 @@ class OtaService:
             if pending:
                 a.slots.clear_pending()
             return None
-        m = a._model
+        m = a.active_model
         now = None if m is None else m.version
         done = m is not None and m.version == pending.get("version") and m.sha256 == pending.get("sha256")
         name = str(pending.get("name", "deploy"))

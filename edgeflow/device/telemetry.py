@@ -31,6 +31,7 @@ import numpy as np
 
 from ..errors import EdgeflowError
 from ..timing import peak_rss_bytes
+from .core import AgentCore
 
 log = logging.getLogger("edgeflow.device")
 
@@ -133,7 +134,7 @@ class TelemetryService:
     """Telemetry for a :class:`~edgeflow.device.agent.DeviceAgent` (``agent.telemetry``): the collector the
     agent's inferences feed (:meth:`record`), the body of a report and the thread that sends it."""
 
-    def __init__(self, agent: Any, collector: TelemetryCollector) -> None:  # the agent (which imports this module)
+    def __init__(self, agent: AgentCore, collector: TelemetryCollector) -> None:  # the agent's public core (device/core.py)
         self.agent = agent
         self.collector = collector
         self._wake = threading.Event()
@@ -186,15 +187,15 @@ class TelemetryService:
 
     def loop(self) -> None:
         a = self.agent
-        while not a._stop.is_set():
+        while not a.stopping:
             self._wake.wait(max(0.05, float(a.options.telemetry_interval_s)))
             self._wake.clear()
-            if a._stop.is_set():
+            if a.stopping:
                 return
             if not a.transport.is_connected:
                 continue
             try:
                 data = json.dumps(self.body(), separators=(",", ":")).encode("utf-8")
-                a.transport.publish(a._topic["telemetry"], data, qos=int(a.options.telemetry_qos))
+                a.transport.publish(a.topic("telemetry"), data, qos=int(a.options.telemetry_qos))
             except EdgeflowError as exc:
                 log.debug("%s: telemetry not sent: %s", a.device_id, exc)

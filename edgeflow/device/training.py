@@ -17,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ..errors import EdgeflowError
 from .commands import CommandFailed
+from .core import AgentCore
 
 __all__ = ["TRAIN_STATES", "Participant", "TrainingService"]
 
@@ -50,7 +51,7 @@ class TrainingService:
     (``agent.options.train``) and the owner's opt-out (``edgeflow device --no-train``).
     """
 
-    def __init__(self, agent: Any) -> None:  # the agent (which imports this module)
+    def __init__(self, agent: AgentCore) -> None:  # the agent's public core (device/core.py)
         self.agent = agent
         self.participant: Participant | None = None
         self.lock = threading.RLock()
@@ -62,7 +63,7 @@ class TrainingService:
         """The fp32 model the participant trains: the deployed model itself, or, when the deployed model is
         quantized (manifest ``precision`` other than fp32), the fp32 master that came with it (None if none did)."""
         a = self.agent
-        m = a._model
+        m = a.active_model
         if m is None:
             return None
         meta = m.artifact.manifest.meta or {}
@@ -90,7 +91,7 @@ class TrainingService:
     def blocker(self) -> tuple[str, str] | None:
         """Why this device cannot take part in rounds now, or None."""
         a = self.agent
-        if a._owner_opted_out:
+        if a.owner_opted_out:
             return "off", "this device was started with --no-train: its owner opted out of federated rounds"
         if not a.options.train:
             return "off", ("training is switched off on this device (train_stop or set_config train=false); "
@@ -102,7 +103,7 @@ class TrainingService:
                                "with --train-data x_y.npz holding arrays x and y)")
         if not getattr(a.make_participant, "needs_model", True):
             return None  # a Flower-style app (edgeflow device --app) brings its own model
-        m = a._model
+        m = a.active_model
         if m is None:
             return "no_model", "no model is deployed yet; deploy one (`edgeflow fleet deploy MODEL --to ...`)"
         if self.model_path() is None:
@@ -149,7 +150,7 @@ class TrainingService:
             else:  # a choice or a board's nature is info; a model that should train and does not is a warning
                 level = logging.WARNING if state[0] in ("quantized", "untrainable") else logging.INFO
                 log.log(level, "%s: not taking part in federated rounds: %s", a.device_id, state[1])
-            if announce and a._started and a.transport.is_connected:
+            if announce and a.started and a.transport.is_connected:
                 try:
                     a.publish_birth()
                 except EdgeflowError as exc:
@@ -165,7 +166,7 @@ class TrainingService:
         """The participant's own state changed (e.g. the gateway's model does not fit; it logged why): tell the
         gateway now."""
         a = self.agent
-        if a._started and not a._stop.is_set() and a.transport.is_connected:
+        if a.started and not a.stopping and a.transport.is_connected:
             try:
                 a.publish_birth()
             except EdgeflowError:
@@ -190,7 +191,7 @@ class TrainingService:
     def start_training(self) -> dict[str, Any]:
         """``train_start``: switch training on and persist it, or refuse with why this board cannot train."""
         a = self.agent
-        if a._owner_opted_out:
+        if a.owner_opted_out:
             raise CommandFailed("not_supported", self.blocker()[1])  # type: ignore[index]
         was = a.options.train
         a.options.train = True

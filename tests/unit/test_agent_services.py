@@ -63,7 +63,7 @@ def test_set_config_reaches_the_telemetry_service(lb_env, tmp_path):
     a = lb_env.agent()
     battery = tmp_path / "battery"
     battery.write_text("42\n")
-    a._set_config({"battery_file": str(battery)})
+    a.set_config({"battery_file": str(battery)})
     assert a.telemetry.collector.battery_file == str(battery)
     assert a.telemetry_body()["battery"] == 0.42
 
