@@ -22,7 +22,7 @@ from onnx import helper, numpy_helper
 
 from ..errors import QuantizationError
 from ..runtime.model import model_opset
-from .analysis import QuantPlan, initializer_array
+from .analysis import QuantPlan, Target, initializer_array
 from .calibration import Range
 from .params import TensorQParams, activation_qparams, bias_safe_scale, quantize_bias, quantize_weight
 
@@ -102,6 +102,143 @@ def toposort_nodes(nodes: list[onnx.NodeProto], available: set[str]) -> list[onn
     return order
 
 
+class _QDQWriter:
+    """Rewrites a copy of a model into QDQ form, step by step, for :func:`insert_qdq`."""
+
+    def __init__(self, model: onnx.ModelProto, plan: QuantPlan, qparams: dict[str, TensorQParams],
+                 per_channel: bool) -> None:
+        self.model, self.plan, self.qparams, self.per_channel = model, plan, qparams, per_channel
+        self.m = ensure_opset(copy.deepcopy(model), MIN_QDQ_OPSET if per_channel else MIN_PER_TENSOR_OPSET)
+        self.g = self.m.graph
+        self.names = _Names(self.m)
+        self.notes: list[str] = []
+        self.new_inits: list[onnx.TensorProto] = []
+        self.new_nodes: list[onnx.NodeProto] = []
+        self.by_name = {n.name: n for n in self.g.node}
+        self.removed: set[str] = set()
+
+    def drop_relus(self) -> None:
+        """Removable Relus: the layer writes the Relu's output; the Q clamps at 0."""
+        for t in self.plan.targets:
+            if t.relu:
+                relu = self.by_name[t.relu]
+                self.by_name[t.node].output[0] = relu.output[0]
+                self.removed.add(t.relu)
+
+    def quantize_activations(self) -> None:
+        """Activations: T -> Q -> DQ -> (every reader of T)."""
+        names = self.names
+        dq_of: dict[str, str] = {}
+        for tensor in self.plan.quantized_tensors:
+            p = self.qparams[tensor]
+            s_name = names.new(f"{tensor}_scale")
+            z_name = names.new(f"{tensor}_zero_point")
+            q_out = names.new(f"{tensor}_QuantizeLinear_Output")
+            dq_out = names.new(f"{tensor}_DequantizeLinear_Output")
+            self.new_inits += [
+                numpy_helper.from_array(np.asarray(p.scale, np.float32), s_name),
+                numpy_helper.from_array(np.asarray(p.zero_point), z_name),
+            ]
+            self.new_nodes += [
+                helper.make_node("QuantizeLinear", [tensor, s_name, z_name], [q_out], name=names.new(f"{tensor}_QuantizeLinear")),
+                helper.make_node("DequantizeLinear", [q_out, s_name, z_name], [dq_out], name=names.new(f"{tensor}_DequantizeLinear")),
+            ]
+            dq_of[tensor] = dq_out
+        for n in self.g.node:
+            if n.name in self.removed:
+                continue
+            for i, x in enumerate(n.input):
+                if x in dq_of:
+                    n.input[i] = dq_of[x]
+
+    def quantize_weights(self) -> None:
+        """Weights and biases of each target (a weight shared with the same bias and input: one DQ)."""
+        weight_dq: dict[tuple[str, int], tuple[str, np.ndarray]] = {}
+        for t in self.plan.targets:
+            node = self.by_name[t.node]
+            key = (t.weight, t.weight_axis, t.bias, t.activation)
+            if key not in weight_dq:
+                weight_dq[key] = self._weight_dq(t)
+            w_out, w_scale = weight_dq[key]
+            node.input[1] = w_out
+            if t.bias:
+                node.input[2] = self._bias_dq(t, w_scale)
+
+    def _weight_dq(self, t: Target) -> tuple[str, np.ndarray]:
+        """The int8 weight of target ``t`` behind a DequantizeLinear: (its output, its scale)."""
+        names = self.names
+        min_scale = None
+        if t.bias:
+            min_scale = bias_safe_scale(initializer_array(self.model, t.bias), self.qparams[t.activation].scale)
+        qw = quantize_weight(initializer_array(self.model, t.weight), t.weight_axis, self.per_channel, min_scale)
+        wq_name = names.new(f"{t.weight}_quantized")
+        ws_name = names.new(f"{t.weight}_scale")
+        wz_name = names.new(f"{t.weight}_zero_point")
+        w_out = names.new(f"{t.weight}_DequantizeLinear_Output")
+        self.new_inits += [
+            numpy_helper.from_array(qw.values, wq_name),
+            numpy_helper.from_array(qw.scale, ws_name),
+            numpy_helper.from_array(np.zeros(qw.scale.shape, np.int8), wz_name),
+        ]
+        attrs = {"axis": t.weight_axis} if self.per_channel else {}
+        self.new_nodes.append(helper.make_node(
+            "DequantizeLinear", [wq_name, ws_name, wz_name], [w_out], name=names.new(f"{t.weight}_DequantizeLinear"), **attrs
+        ))
+        return w_out, qw.scale
+
+    def _bias_dq(self, t: Target, w_scale: np.ndarray) -> str:
+        """The int32 bias of target ``t`` behind a DequantizeLinear (scale x_scale * w_scale); its output."""
+        names = self.names
+        x_scale = self.qparams[t.activation].scale
+        bq, bs, clipped = quantize_bias(initializer_array(self.model, t.bias), x_scale, w_scale)
+        bias_attrs = {"axis": 0}
+        if not self.per_channel:  # one scale for every channel: a scalar, legal below opset 13
+            bs, bias_attrs = np.asarray(bs.reshape(-1)[0] if bs.size else np.float32(1.0), np.float32), {}
+        if clipped:
+            self.notes.append(f"{t.node}: bias clipped to the int32 range (very small input/weight scales)")
+        bq_name = names.new(f"{t.bias}_quantized")
+        bs_name = names.new(f"{t.bias}_quantized_scale")
+        bz_name = names.new(f"{t.bias}_quantized_zero_point")
+        b_out = names.new(f"{t.bias}_DequantizeLinear_Output")
+        self.new_inits += [
+            numpy_helper.from_array(bq, bq_name),
+            numpy_helper.from_array(bs, bs_name),
+            numpy_helper.from_array(np.zeros(bs.shape, np.int32), bz_name),
+        ]
+        self.new_nodes.append(helper.make_node(
+            "DequantizeLinear", [bq_name, bs_name, bz_name], [b_out], name=names.new(f"{t.bias}_DequantizeLinear"),
+            **bias_attrs
+        ))
+        return b_out
+
+    def rebuild_graph(self) -> None:
+        """The graph's nodes in order with the new ones, only the initializers and inputs still read."""
+        g, new_nodes, new_inits = self.g, self.new_nodes, self.new_inits
+        inits = {t.name for t in g.initializer}
+        kept = [n for n in g.node if n.name not in self.removed]
+        used = {x for n in kept + new_nodes for x in n.input if x} | {o.name for o in g.output}
+        keep_inits = [t for t in g.initializer if t.name in used]
+        available = {t.name for t in keep_inits} | {t.name for t in new_inits} | {i.name for i in g.input}
+        ordered = toposort_nodes(kept + new_nodes, available)
+        del g.node[:]
+        g.node.extend(ordered)
+        del g.initializer[:]
+        g.initializer.extend(keep_inits + new_inits)
+        del g.value_info[:]  # stale after the rewiring; re-inferred on load
+        # Initializers listed as graph inputs (old IR style) that are gone.
+        live_inputs = [i for i in g.input if i.name not in inits or i.name in used]
+        del g.input[:]
+        g.input.extend(live_inputs)
+
+    def checked(self) -> onnx.ModelProto:
+        """The written model, after onnx.checker accepts it."""
+        try:
+            onnx.checker.check_model(self.m)
+        except onnx.checker.ValidationError as exc:  # pragma: no cover - a bug here, not user error
+            raise QuantizationError(f"the QDQ model fails onnx.checker (internal error): {exc}") from exc
+        return self.m
+
+
 def insert_qdq(
     model: onnx.ModelProto,
     plan: QuantPlan,
@@ -114,112 +251,9 @@ def insert_qdq(
     Per-channel weights need opset 13 (DequantizeLinear's ``axis``); per tensor,
     every scale is a scalar and opset 10 is enough, so a model the version
     converter cannot upgrade still quantizes (``per_channel=False``)."""
-    m = ensure_opset(copy.deepcopy(model), MIN_QDQ_OPSET if per_channel else MIN_PER_TENSOR_OPSET)
-    g = m.graph
-    names = _Names(m)
-    notes: list[str] = []
-    new_inits: list[onnx.TensorProto] = []
-    new_nodes: list[onnx.NodeProto] = []
-    by_name = {n.name: n for n in g.node}
-    removed: set[str] = set()
-
-    # Removable Relus: the layer writes the Relu's output; the Q clamps at 0.
-    for t in plan.targets:
-        if t.relu:
-            relu = by_name[t.relu]
-            by_name[t.node].output[0] = relu.output[0]
-            removed.add(t.relu)
-
-    # Activations: T -> Q -> DQ -> (every reader of T).
-    dq_of: dict[str, str] = {}
-    for tensor in plan.quantized_tensors:
-        p = qparams[tensor]
-        s_name = names.new(f"{tensor}_scale")
-        z_name = names.new(f"{tensor}_zero_point")
-        q_out = names.new(f"{tensor}_QuantizeLinear_Output")
-        dq_out = names.new(f"{tensor}_DequantizeLinear_Output")
-        new_inits += [
-            numpy_helper.from_array(np.asarray(p.scale, np.float32), s_name),
-            numpy_helper.from_array(np.asarray(p.zero_point), z_name),
-        ]
-        new_nodes += [
-            helper.make_node("QuantizeLinear", [tensor, s_name, z_name], [q_out], name=names.new(f"{tensor}_QuantizeLinear")),
-            helper.make_node("DequantizeLinear", [q_out, s_name, z_name], [dq_out], name=names.new(f"{tensor}_DequantizeLinear")),
-        ]
-        dq_of[tensor] = dq_out
-    for n in g.node:
-        if n.name in removed:
-            continue
-        for i, x in enumerate(n.input):
-            if x in dq_of:
-                n.input[i] = dq_of[x]
-
-    # Weights and biases of each target.
-    inits = {t.name for t in g.initializer}
-    weight_dq: dict[tuple[str, int], tuple[str, np.ndarray]] = {}
-    for t in plan.targets:
-        node = by_name[t.node]
-        key = (t.weight, t.weight_axis, t.bias, t.activation)
-        if key not in weight_dq:
-            min_scale = None
-            if t.bias:
-                min_scale = bias_safe_scale(initializer_array(model, t.bias), qparams[t.activation].scale)
-            qw = quantize_weight(initializer_array(model, t.weight), t.weight_axis, per_channel, min_scale)
-            wq_name = names.new(f"{t.weight}_quantized")
-            ws_name = names.new(f"{t.weight}_scale")
-            wz_name = names.new(f"{t.weight}_zero_point")
-            w_out = names.new(f"{t.weight}_DequantizeLinear_Output")
-            new_inits += [
-                numpy_helper.from_array(qw.values, wq_name),
-                numpy_helper.from_array(qw.scale, ws_name),
-                numpy_helper.from_array(np.zeros(qw.scale.shape, np.int8), wz_name),
-            ]
-            attrs = {"axis": t.weight_axis} if per_channel else {}
-            new_nodes.append(helper.make_node(
-                "DequantizeLinear", [wq_name, ws_name, wz_name], [w_out], name=names.new(f"{t.weight}_DequantizeLinear"), **attrs
-            ))
-            weight_dq[key] = (w_out, qw.scale)
-        w_out, w_scale = weight_dq[key]
-        node.input[1] = w_out
-        if t.bias:
-            x_scale = qparams[t.activation].scale
-            bq, bs, clipped = quantize_bias(initializer_array(model, t.bias), x_scale, w_scale)
-            bias_attrs = {"axis": 0}
-            if not per_channel:  # one scale for every channel: a scalar, legal below opset 13
-                bs, bias_attrs = np.asarray(bs.reshape(-1)[0] if bs.size else np.float32(1.0), np.float32), {}
-            if clipped:
-                notes.append(f"{t.node}: bias clipped to the int32 range (very small input/weight scales)")
-            bq_name = names.new(f"{t.bias}_quantized")
-            bs_name = names.new(f"{t.bias}_quantized_scale")
-            bz_name = names.new(f"{t.bias}_quantized_zero_point")
-            b_out = names.new(f"{t.bias}_DequantizeLinear_Output")
-            new_inits += [
-                numpy_helper.from_array(bq, bq_name),
-                numpy_helper.from_array(bs, bs_name),
-                numpy_helper.from_array(np.zeros(bs.shape, np.int32), bz_name),
-            ]
-            new_nodes.append(helper.make_node(
-                "DequantizeLinear", [bq_name, bs_name, bz_name], [b_out], name=names.new(f"{t.bias}_DequantizeLinear"),
-                **bias_attrs
-            ))
-            node.input[2] = b_out
-
-    kept = [n for n in g.node if n.name not in removed]
-    used = {x for n in kept + new_nodes for x in n.input if x} | {o.name for o in g.output}
-    keep_inits = [t for t in g.initializer if t.name in used]
-    available = {t.name for t in keep_inits} | {t.name for t in new_inits} | {i.name for i in g.input}
-    ordered = toposort_nodes(kept + new_nodes, available)
-    del g.node[:]
-    g.node.extend(ordered)
-    del g.initializer[:]
-    g.initializer.extend(keep_inits + new_inits)
-    del g.value_info[:]  # stale after the rewiring; re-inferred on load
-    # Initializers listed as graph inputs (old IR style) that are gone.
-    live_inputs = [i for i in g.input if i.name not in inits or i.name in used]
-    del g.input[:]
-    g.input.extend(live_inputs)
-    try:
-        onnx.checker.check_model(m)
-    except onnx.checker.ValidationError as exc:  # pragma: no cover - a bug here, not user error
-        raise QuantizationError(f"the QDQ model fails onnx.checker (internal error): {exc}") from exc
-    return m, notes
+    w = _QDQWriter(model, plan, qparams, per_channel)
+    w.drop_relus()
+    w.quantize_activations()
+    w.quantize_weights()
+    w.rebuild_graph()
+    return w.checked(), w.notes
