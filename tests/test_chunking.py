@@ -323,7 +323,7 @@ def test_outbox_skips_frames_of_failed_deliveries() -> None:
     box.put(_frames(1, 100), online=True)
     first = box.pop()
     assert first is not None and first.delivery is d
-    d._fail(TransportError("refused"))
+    d.fail(TransportError("refused"))
     box.release(first)
     nxt = box.pop()
     assert nxt is not None and nxt.delivery is not d
@@ -335,13 +335,13 @@ def test_delivery_progress_and_errors() -> None:
     d = Delivery("t", 2, 10, 1)
     with pytest.raises(TransportError, match="not acknowledged within 0.01 s"):
         d.wait(0.01)
-    d._ack(0)
-    d._ack(0)
+    d.frame_acked(0)
+    d.frame_acked(0)
     assert d.acked == 1 and not d.done
-    d._ack(1)
+    d.frame_acked(1)
     assert d.wait(0).succeeded
     bad = Delivery("t", 1, 1, 1)
-    bad._fail(TransportError("nope"))
+    bad.fail(TransportError("nope"))
     with pytest.raises(TransportError, match="nope"):
         bad.wait(1)
 

@@ -655,7 +655,7 @@ class LoopbackTransport:
         if was is LinkState.CONNECTED:
             self.broker._detach(self, will=abort)
         for msg, _raw, delivery in backlog:
-            delivery._fail(TransportError(f"transport closed before {msg.topic} was delivered"))
+            delivery.fail(TransportError(f"transport closed before {msg.topic} was delivered"))
         self._work.put(_STOP)
         if self._worker is not None and self._worker is not threading.current_thread():
             self._worker.join(timeout)
@@ -706,11 +706,11 @@ class LoopbackTransport:
         error, ack_after = self.broker._publish(msg, raw=raw)
         if error is not None:
             self._count("publish_rejected")
-            delivery._fail(TransportError(error))
+            delivery.fail(TransportError(error))
         elif ack_after > 0:
-            self.broker._later(ack_after, lambda: delivery._ack(0))
+            self.broker._later(ack_after, lambda: delivery.frame_acked(0))
         else:
-            delivery._ack(0)
+            delivery.frame_acked(0)
         with self._changed:
             self._changed.notify_all()
 

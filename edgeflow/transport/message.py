@@ -197,7 +197,9 @@ class Delivery:
     def succeeded(self) -> bool:
         return self._event.is_set() and self._error is None
 
-    def _ack(self, index: int) -> None:
+    # -- the transport's side: it settles the delivery (as a future's set_result / set_exception) ----------
+    def frame_acked(self, index: int) -> None:
+        """Frame ``index`` was acknowledged by the broker (or written, at QoS 0); done after the last."""
         with self._lock:
             if self._event.is_set() or index in self._acked:
                 return
@@ -206,7 +208,8 @@ class Delivery:
                 self._event.set()
         self._run_callbacks()
 
-    def _fail(self, error: TransportError) -> None:
+    def fail(self, error: TransportError) -> None:
+        """The publish failed: :meth:`wait` raises ``error`` (a delivery already done stays as it is)."""
         with self._lock:
             if self._event.is_set():
                 return

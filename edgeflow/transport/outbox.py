@@ -129,7 +129,7 @@ class Outbox:
         """On close: remove every waiting frame and fail its delivery ("transport closed before ...")."""
         for frame in self.drain():
             if frame.delivery is not None:
-                frame.delivery._fail(TransportError(f"transport closed before {frame.topic} was delivered"))
+                frame.delivery.fail(TransportError(f"transport closed before {frame.topic} was delivered"))
 
     def wait_empty(self, timeout: float | None) -> bool:
         with self._lock:

@@ -195,7 +195,7 @@ class NetLoop:
         """After the loop ended: deliveries still in flight fail."""
         for frame in list(self._inflight.values()):
             if frame.delivery is not None:
-                frame.delivery._fail(TransportError(f"transport closed before {frame.topic} was acknowledged"))
+                frame.delivery.fail(TransportError(f"transport closed before {frame.topic} was acknowledged"))
         self._inflight.clear()
 
     # ------------------------------------------------------- paho client
@@ -628,7 +628,7 @@ class NetLoop:
                 )
                 log.warning("%s: %s", self.t.name, msg)
                 if frame.delivery is not None:
-                    frame.delivery._fail(TransportError(msg))
+                    frame.delivery.fail(TransportError(msg))
                 continue
             # paho writes to the socket inside publish(); if that write finds the connection gone it
             # runs on_disconnect before publish() returns. ``_handing`` lets _requeue_inflight put this
@@ -646,7 +646,7 @@ class NetLoop:
                 outbox.release(frame)
                 self._count("publish_failures")
                 if frame.delivery is not None:
-                    frame.delivery._fail(TransportError(f"cannot publish to {frame.topic}: {exc}"))
+                    frame.delivery.fail(TransportError(f"cannot publish to {frame.topic}: {exc}"))
                 continue
             requeued = self._handing is None
             self._handing = None
@@ -664,7 +664,7 @@ class NetLoop:
                 outbox.release(frame)
                 self._count("publish_failures")
                 if frame.delivery is not None:
-                    frame.delivery._fail(TransportError(f"paho refused publish to {frame.topic}: {paho.error_string(info.rc)}"))
+                    frame.delivery.fail(TransportError(f"paho refused publish to {frame.topic}: {paho.error_string(info.rc)}"))
                 continue
             self._count("published_frames")
             early = self._early_acks.pop(info.mid, None)
@@ -693,12 +693,12 @@ class NetLoop:
             hint = PUBACK_HINTS.get(value, "see the broker log")
             msg = f"broker rejected publish to {frame.topic}: {fmt_reason(reason)}; {hint}"
             log.warning("%s: %s", self.t.name, msg)
-            frame.delivery._fail(TransportError(msg))
+            frame.delivery.fail(TransportError(msg))
             return
         self._count("acked_frames")
         self._probe = False
         if frame.delivery is not None:
-            frame.delivery._ack(frame.index)
+            frame.delivery.frame_acked(frame.index)
 
     def _requeue_inflight(self, *, protocol_error: bool) -> None:
         """Put un-acknowledged frames back at the front of the queue, to re-send after reconnect.
@@ -723,7 +723,7 @@ class NetLoop:
             if frame.qos == 0:
                 self.outbox.release(frame)
                 if frame.delivery is not None:
-                    frame.delivery._fail(TransportError(f"connection lost before QoS 0 message on {frame.topic} was sent"))
+                    frame.delivery.fail(TransportError(f"connection lost before QoS 0 message on {frame.topic} was sent"))
                 continue
             if protocol_error and self._probe and len(frames) == 1:
                 self.outbox.release(frame)
@@ -735,7 +735,7 @@ class NetLoop:
                 )
                 log.warning("%s: %s", self.t.name, msg)
                 if frame.delivery is not None:
-                    frame.delivery._fail(TransportError(msg))
+                    frame.delivery.fail(TransportError(msg))
                 continue
             keep.append(frame)
         if protocol_error and keep:

@@ -337,7 +337,7 @@ class Link:
             if subject in (topic_subject(frame.topic, self.t.prefix).lower(),
                            retained_subject(frame.topic, self.t.prefix).lower()):
                 if frame.delivery is not None:
-                    frame.delivery._fail(TransportError(
+                    frame.delivery.fail(TransportError(
                         f"publish to {frame.topic} refused: not authorized (NATS subject {subject}); "
                         "check this user's publish permissions"))
 
@@ -423,7 +423,7 @@ class Link:
             ok = await self._publish_frame(frame)
         except asyncio.CancelledError:  # close(): the frame's delivery fails, its bytes are released
             if frame.delivery is not None:
-                frame.delivery._fail(TransportError(f"transport closed before {frame.topic} was acknowledged"))
+                frame.delivery.fail(TransportError(f"transport closed before {frame.topic} was acknowledged"))
             self.outbox.release(frame)
             raise
         finally:
@@ -433,7 +433,7 @@ class Link:
         if ok:
             self.outbox.release(frame)
             if frame.delivery is not None:
-                frame.delivery._ack(frame.index)
+                frame.delivery.frame_acked(frame.index)
                 self._count("acked_frames")
         elif frame.delivery is not None and frame.delivery.error is not None:
             self.outbox.release(frame)
@@ -465,13 +465,13 @@ class Link:
             return True
         except nats.errors.NoRespondersError:
             if frame.delivery is not None:
-                frame.delivery._fail(TransportError(
+                frame.delivery.fail(TransportError(
                     f"publish to {frame.topic}: no JetStream stream captures {subject}; "
                     f"create the stream {self.names.live} (any transport with stream rights does on connect)"))
             return False
         except nats.errors.MaxPayloadError as exc:
             if frame.delivery is not None:
-                frame.delivery._fail(TransportError(f"publish to {frame.topic}: {exc}; lower max_payload"))
+                frame.delivery.fail(TransportError(f"publish to {frame.topic}: {exc}; lower max_payload"))
             return False
         except nats.js.errors.NoStreamResponseError:  # what js.publish raises for "no responders" (not the above)
             # nothing captures the subject right now (a leaf node's uplink is down: the hub's stream is out of
@@ -953,7 +953,7 @@ class Link:
     def fail_inflight(self) -> None:
         for frame in list(self._inflight.values()) + [f for _, f in self._retry]:
             if frame.delivery is not None:
-                frame.delivery._fail(TransportError(f"transport closed before {frame.topic} was acknowledged"))
+                frame.delivery.fail(TransportError(f"transport closed before {frame.topic} was acknowledged"))
         self._inflight.clear()
         self._retry.clear()
 
