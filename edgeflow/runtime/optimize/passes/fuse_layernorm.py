@@ -81,94 +81,152 @@ def _make_forward(axes, two_is_pow: bool, pow_exp, eps, gamma, beta):
     return forward
 
 
+def _op(n, *types) -> bool:
+    """Whether ``n`` is a default-domain node of one of ``types``."""
+    return n is not None and not n.domain and n.kernel.op_type in types
+
+
+@dataclasses.dataclass(eq=False)
+class _Chain:
+    """A matched decomposed layer norm: its nodes in order and what the fused node computes."""
+
+    nodes: list
+    x: str
+    axes: tuple[int, ...]
+    two_is_pow: bool
+    pow_exp: object
+    eps: object
+    gamma: object = None
+    beta: object = None
+
+    @property
+    def last(self):
+        """The chain's last node (Div, or the Mul/Add of gamma/beta)."""
+        return self.nodes[-1]
+
+
+class _Matcher:
+    """Finds decomposed layer norms in a graph: who reads each value, and the chain from a ReduceMean."""
+
+    def __init__(self, graph) -> None:
+        self.inits = graph.initializers
+        self.outputs = set(graph.output_names)
+        self.readers: dict[str, list] = {}
+        for n in graph.nodes:
+            for x in n.inputs:
+                if x and all(r is not n for r in self.readers.get(x, [])):  # Mul(d, d) reads d once
+                    self.readers.setdefault(x, []).append(n)
+
+    def only(self, name, count=1):
+        """The readers of ``name`` when there are exactly ``count`` and it is no graph output."""
+        rs = self.readers.get(name, [])
+        return rs if len(rs) == count and name not in self.outputs else None
+
+    def match(self, mean1) -> _Chain | None:
+        """The layer norm whose first node is the ReduceMean ``mean1``, else None."""
+        axes = _axes(mean1, self.inits)
+        if axes is None:
+            return None
+        x, m = mean1.inputs[0], mean1.outputs[0]
+        rs = self.only(m)
+        if not rs or not _op(rs[0], "Sub") or rs[0].inputs[:2] != [x, m]:
+            return None
+        sub = rs[0]
+        d = sub.outputs[0]
+        found = self._square_and_div(d)
+        if found is None:
+            return None
+        sq, div, two_is_pow, pow_exp = found
+        found = self._variance_root(sq, div, axes)
+        if found is None:
+            return None
+        mean2, add_eps, sqrt, eps = found
+        chain = _Chain([mean1, sub, sq, mean2, add_eps, sqrt, div], x, axes, two_is_pow, pow_exp, eps)
+        self._affine_tail(chain)
+        return chain
+
+    def _square_and_div(self, d):
+        """d's two readers, d squared (Pow(d, 2) or Mul(d, d)) and Div(d, ...): (sq, div, two_is_pow, pow_exp)."""
+        rs = self.only(d, 2)
+        if not rs:
+            return None
+        sq = next((r for r in rs if _op(r, "Pow", "Mul")), None)
+        div = next((r for r in rs if _op(r, "Div")), None)
+        if sq is None or div is None or sq is div or div.inputs[0] != d:
+            return None
+        if _op(sq, "Pow"):
+            e = _scalar(self.inits, sq.inputs[1]) if sq.inputs[0] == d and len(sq.inputs) > 1 else None
+            if e is None or float(e.reshape(-1)[0]) != 2.0:
+                return None
+            return sq, div, True, e
+        if sq.inputs[:2] != [d, d]:
+            return None
+        return sq, div, False, None
+
+    def _variance_root(self, sq, div, axes):
+        """ReduceMean(sq) over ``axes``, + eps, Sqrt, read by ``div``: (mean2, add_eps, sqrt, eps)."""
+        rs = self.only(sq.outputs[0])
+        if not rs or not _op(rs[0], "ReduceMean") or _axes(rs[0], self.inits) != axes:
+            return None
+        mean2 = rs[0]
+        rs = self.only(mean2.outputs[0])
+        if not rs or not _op(rs[0], "Add"):
+            return None
+        add_eps = rs[0]
+        others = [i for i in add_eps.inputs if i != mean2.outputs[0]]
+        eps = _scalar(self.inits, others[0]) if len(others) == 1 else None
+        if eps is None:
+            return None
+        rs = self.only(add_eps.outputs[0])
+        if not rs or not _op(rs[0], "Sqrt"):
+            return None
+        sqrt = rs[0]
+        rs = self.only(sqrt.outputs[0])
+        if not rs or rs[0] is not div or div.inputs[1] != sqrt.outputs[0]:
+            return None
+        return mean2, add_eps, sqrt, eps
+
+    def _affine_tail(self, chain: _Chain) -> None:
+        """The optional Mul by gamma, then Add of beta, after the Div: appended to ``chain``."""
+        inits = self.inits
+        last = chain.last
+        rs = self.only(last.outputs[0])
+        if rs and _op(rs[0], "Mul") and _affine(rs[0], last.outputs[0], inits) is not None:
+            chain.gamma = _affine(rs[0], last.outputs[0], inits)
+            last = rs[0]
+            chain.nodes.append(last)
+            rs = self.only(last.outputs[0])
+        if rs and _op(rs[0], "Add") and _affine(rs[0], last.outputs[0], inits) is not None:
+            chain.beta = _affine(rs[0], last.outputs[0], inits)
+            last = rs[0]
+            chain.nodes.append(last)
+
+
+def _fused(chain: _Chain):
+    """The one node that replaces ``chain``, bound to the fused kernel."""
+    forward = _make_forward(chain.axes, chain.two_is_pow, chain.pow_exp, chain.eps, chain.gamma, chain.beta)
+    kernel = dataclasses.replace(chain.nodes[0].kernel, op_type=FUSED, forward=forward, backward_fn=None,
+                                 forward_train=None, attributes=())
+    # the fused node sits where the chain's last node was: every input is ready there
+    last = chain.last
+    return dataclasses.replace(last, op_type=FUSED, inputs=[chain.x], outputs=[last.outputs[0]],
+                               attrs={}, kernel=kernel, free_after=[])
+
+
 def fuse_layernorm(graph):
     """CompiledGraph -> CompiledGraph with decomposed layer norms as one node each."""
-    inits = graph.initializers
-    outputs = set(graph.output_names)
-    readers: dict[str, list] = {}
-    for n in graph.nodes:
-        for x in n.inputs:
-            if x and all(r is not n for r in readers.get(x, [])):  # Mul(d, d) reads d once
-                readers.setdefault(x, []).append(n)
-
-    def only(name, count=1):
-        """The readers of ``name`` when there are exactly ``count`` and it is no graph output."""
-        rs = readers.get(name, [])
-        return rs if len(rs) == count and name not in outputs else None
-
-    def op(n, *types):
-        return n is not None and not n.domain and n.kernel.op_type in types
-
+    matcher = _Matcher(graph)
     replaced: dict[int, object] = {}
     dropped: set[int] = set()
     for mean1 in graph.nodes:
-        if not op(mean1, "ReduceMean") or id(mean1) in dropped:
+        if not _op(mean1, "ReduceMean") or id(mean1) in dropped:
             continue
-        axes = _axes(mean1, inits)
-        if axes is None:
+        chain = matcher.match(mean1)
+        if chain is None or any(id(c) in dropped or id(c) in replaced for c in chain.nodes):
             continue
-        x, m = mean1.inputs[0], mean1.outputs[0]
-        rs = only(m)
-        if not rs or not op(rs[0], "Sub") or rs[0].inputs[:2] != [x, m]:
-            continue
-        sub = rs[0]
-        d = sub.outputs[0]
-        rs = only(d, 2)
-        if not rs:
-            continue
-        sq = next((r for r in rs if op(r, "Pow", "Mul")), None)
-        div = next((r for r in rs if op(r, "Div")), None)
-        if sq is None or div is None or sq is div or div.inputs[0] != d:
-            continue
-        if op(sq, "Pow"):
-            e = _scalar(inits, sq.inputs[1]) if sq.inputs[0] == d and len(sq.inputs) > 1 else None
-            if e is None or float(e.reshape(-1)[0]) != 2.0:
-                continue
-            two_is_pow, pow_exp = True, e
-        else:
-            if sq.inputs[:2] != [d, d]:
-                continue
-            two_is_pow, pow_exp = False, None
-        rs = only(sq.outputs[0])
-        if not rs or not op(rs[0], "ReduceMean") or _axes(rs[0], inits) != axes:
-            continue
-        mean2 = rs[0]
-        rs = only(mean2.outputs[0])
-        if not rs or not op(rs[0], "Add"):
-            continue
-        add_eps = rs[0]
-        others = [i for i in add_eps.inputs if i != mean2.outputs[0]]
-        eps = _scalar(inits, others[0]) if len(others) == 1 else None
-        if eps is None:
-            continue
-        rs = only(add_eps.outputs[0])
-        if not rs or not op(rs[0], "Sqrt"):
-            continue
-        sqrt = rs[0]
-        rs = only(sqrt.outputs[0])
-        if not rs or rs[0] is not div or div.inputs[1] != sqrt.outputs[0]:
-            continue
-        chain = [mean1, sub, sq, mean2, add_eps, sqrt, div]
-        last, gamma, beta = div, None, None
-        rs = only(last.outputs[0])
-        if rs and op(rs[0], "Mul") and _affine(rs[0], last.outputs[0], inits) is not None:
-            gamma = _affine(rs[0], last.outputs[0], inits)
-            last = rs[0]
-            chain.append(last)
-            rs = only(last.outputs[0])
-        if rs and op(rs[0], "Add") and _affine(rs[0], last.outputs[0], inits) is not None:
-            beta = _affine(rs[0], last.outputs[0], inits)
-            last = rs[0]
-            chain.append(last)
-        if any(id(c) in dropped or id(c) in replaced for c in chain):
-            continue
-        forward = _make_forward(axes, two_is_pow, pow_exp, eps, gamma, beta)
-        kernel = dataclasses.replace(mean1.kernel, op_type=FUSED, forward=forward, backward_fn=None,
-                                     forward_train=None, attributes=())
-        # the fused node sits where the chain's last node was: every input is ready there
-        replaced[id(last)] = dataclasses.replace(last, op_type=FUSED, inputs=[x], outputs=[last.outputs[0]],
-                                                 attrs={}, kernel=kernel, free_after=[])
-        dropped.update(id(c) for c in chain if c is not last)
+        last = chain.last
+        replaced[id(last)] = _fused(chain)
+        dropped.update(id(c) for c in chain.nodes if c is not last)
     if not replaced:
         return graph
     nodes = [replaced.get(id(n), n) for n in graph.nodes if id(n) not in dropped]
