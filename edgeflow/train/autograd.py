@@ -354,10 +354,23 @@ class Tape:
         return True
 
     def _lifetimes(self) -> None:
+        """Decide, per step, which values the forward frees, packs or compacts and the backward recomputes or frees."""
+        self._reset_lifetimes()
+        persistent = set(self.constants) | set(self.trainable) | {self.target}
+        kept, as_values, as_masks, piecewise = self._backward_reads()
+        compact, packed, recomputed, half = self._storage(persistent, kept, as_values, as_masks, piecewise)
+        self._free_after_last_read(persistent, kept, packed, compact, recomputed, half)
+        self._free_after_first_backward_reader(persistent, recomputed)
+        self._publish_lifetimes(persistent, kept, packed, recomputed)
+
+    def _reset_lifetimes(self) -> None:
+        """Empty every step's free / pack / compact / recompute lists."""
         for st in self.steps:
             st.free_train, st.free_eval, st.free_backward, st.pack_train, st.recompute = [], [], [], [], []
             st.compact_train = []
-        persistent = set(self.constants) | set(self.trainable) | {self.target}
+
+    def _backward_reads(self) -> "tuple[set[str], set[str], set[str], dict[str, list[tuple[int, Piecewise]]]]":
+        """The values the backward reads: (kept, read as numbers, read as > 0 masks, read by piecewise ops)."""
         kept: set[str] = set()
         as_values: set[str] = set()  # kept values some backward reads as numbers
         as_masks: set[str] = set()  # kept outputs read only as output > 0
@@ -377,19 +390,34 @@ class Tape:
                     kept.update(outs)
                     masks = st.node.op_type in OUTPUT_READ_AS_POSITIVE_MASK and not st.node.domain
                     (as_masks if masks else as_values).update(outs)
+        return kept, as_values, as_masks, piecewise
+
+    def _storage(self, persistent: set[str], kept: set[str], as_values: set[str], as_masks: set[str],
+                 piecewise: "dict[str, list[tuple[int, Piecewise]]]",
+                 ) -> "tuple[dict[str, Piecewise], set[str], dict[str, int], set[str]]":
+        """How kept values live between the passes: (compacted, packed, recomputed, recomputed-from inputs)."""
         # a value read by one piecewise op and by no other backward: compact (when asked), else as before
         compact = {x: r[0][1] for x, r in piecewise.items()
                    if len(r) == 1 and x not in as_values and x not in as_masks and x not in persistent}
         as_values.update(x for x in piecewise if x not in compact)
         packed = as_masks - as_values - persistent
         recomputed = self._recomputable(kept - persistent - packed)
+        half = self._settle_compact(compact, recomputed)
+        return compact, packed, recomputed, half
+
+    def _settle_compact(self, compact: "dict[str, Piecewise]", recomputed: dict[str, int]) -> set[str]:
+        """Drop recomputed values and exact-when-recomputed-from inputs from ``compact``; return the inputs
+        that recomputed outputs are made from."""
         for x in recomputed:
             compact.pop(x, None)
         # float16 where the op's output is recomputed from it: a later backward reads that output's values
         half = {self.steps[j].inputs[0] for j in recomputed.values()}
         for x in [x for x, pw in compact.items() if x in half and not pw.half_when_recomputed]:
             del compact[x]
-        state_outputs = {o for st in self.steps for o, _ in st.state_updates}
+        return half
+
+    def _last_reads(self) -> dict[str, int]:
+        """Each value's last forward reader (its producer when nothing reads it)."""
         last_read: dict[str, int] = {}
         for i, st in enumerate(self.steps):
             for x in st.inputs:
@@ -398,7 +426,13 @@ class Tape:
             for o in st.outputs:
                 if o and o not in last_read:
                     last_read[o] = i
-        for name, i in last_read.items():
+        return last_read
+
+    def _free_after_last_read(self, persistent: set[str], kept: set[str], packed: set[str],
+                              compact: "dict[str, Piecewise]", recomputed: dict[str, int], half: set[str]) -> None:
+        """After its last forward reader a value is freed, or (training) packed or compacted when kept."""
+        state_outputs = {o for st in self.steps for o, _ in st.state_updates}
+        for name, i in self._last_reads().items():
             if name in persistent or name in state_outputs:
                 continue
             self.steps[i].free_eval.append(name)
@@ -408,6 +442,9 @@ class Tape:
                 self.steps[i].pack_train.append(name)
             elif name in compact:
                 self.steps[i].compact_train.append((name, compact[name], name in half))
+
+    def _free_after_first_backward_reader(self, persistent: set[str], recomputed: dict[str, int]) -> None:
+        """Free each kept value after its first-scheduled backward reader; recompute values before their readers."""
         # During the backward a kept value dies after its earliest-scheduled reader ran.
         first_bwd: dict[str, int] = {}
         for i, st in enumerate(self.steps):
@@ -423,6 +460,10 @@ class Tape:
         for name, i in first_bwd.items():
             if name not in persistent:
                 self.steps[i].free_backward.append(name)
+
+    def _publish_lifetimes(self, persistent: set[str], kept: set[str], packed: set[str],
+                           recomputed: dict[str, int]) -> None:
+        """Set the tape's kept / packed / recomputed / compacted value sets."""
         self.kept_values = frozenset(kept - persistent - set(recomputed))
         self.packed_values = frozenset(packed)
         self.recomputed_values = frozenset(recomputed)
