@@ -104,18 +104,9 @@ def _per_dir(p, name: str, n_dirs: int, cols: int, dtype=None) -> np.ndarray:
     raise OpError(f"{_OP}: {name} must have shape ({n_dirs},) or ({n_dirs}, {cols}), got {p.shape}")
 
 
-@register(_OP, domain="com.microsoft", dtypes={"float32"})
-def dynamic_quantize_lstm(
-    x, w, r, b=None, sequence_lens=None, initial_h=None, initial_c=None, p=None,
-    w_scale=None, w_zero_point=None, r_scale=None, r_zero_point=None,
-    *, activation_alpha=None, activation_beta=None, activations=None, clip=None,
-    direction="forward", hidden_size=None, input_forget=0,
-):
-    d = text(direction, "forward")
-    if d not in ("forward", "reverse", "bidirectional"):
-        raise OpError(f"{_OP}: direction={d!r} is not forward, reverse or bidirectional")
-    n_dirs = 2 if d == "bidirectional" else 1
-    x, w, r = np.asarray(x), np.asarray(w), np.asarray(r)
+def _check_shapes(d: str, n_dirs: int, x: np.ndarray, w: np.ndarray, r: np.ndarray, b, p, initial_h, initial_c,
+                  hidden_size) -> tuple[int, int, int, int]:
+    """Refuse bad ranks, weight types and shapes in one line each; (seq, batch, input size, hidden size)."""
     if x.ndim != 3 or w.ndim != 3 or r.ndim != 3:
         raise OpError(f"{_OP}: X, W and R must be rank 3, got shapes {x.shape}, {w.shape}, {r.shape}")
     if w.dtype not in (np.int8, np.uint8) or r.dtype not in (np.int8, np.uint8):
@@ -137,6 +128,12 @@ def dynamic_quantize_lstm(
     for name, s in (("initial_h", initial_h), ("initial_c", initial_c)):
         if s is not None and np.shape(s) != (n_dirs, batch, hs):
             raise OpError(f"{_OP}: {name} must be ({n_dirs}, {batch}, {hs}), got {np.shape(s)}")
+    return seq, batch, n_in, hs
+
+
+def _weight_scales(w: np.ndarray, r: np.ndarray, w_scale, w_zero_point, r_scale, r_zero_point, n_dirs: int,
+                   g: int) -> tuple[np.ndarray, np.ndarray]:
+    """W's and R's scales as (dirs, 1) or (dirs, 4H), after checking that the zero points are 0."""
     ws, rs = _per_dir(w_scale, "W_scale", n_dirs, g, np.float32), _per_dir(r_scale, "R_scale", n_dirs, g, np.float32)
     wz, rz = _per_dir(w_zero_point, "W_zero_point", n_dirs, g), _per_dir(r_zero_point, "R_zero_point", n_dirs, g)
     if wz.dtype != w.dtype or rz.dtype != r.dtype:
@@ -145,6 +142,11 @@ def dynamic_quantize_lstm(
     if np.any(wz) or np.any(rz):
         raise OpError(f"{_OP}: W_zero_point and R_zero_point must be 0 (symmetric weights, as onnxruntime "
                       "requires); re-quantize the model with symmetric weights")
+    return ws, rs
+
+
+def _check_lengths(sequence_lens, batch: int, seq: int) -> None:
+    """Accept sequence_lens only when every sequence has the full length."""
     lens = None
     if sequence_lens is not None:
         lens = np.asarray(sequence_lens).reshape(-1).astype(np.int64)
@@ -155,40 +157,81 @@ def dynamic_quantize_lstm(
     if lens is not None:
         raise OpError(f"{_OP}: sequence_lens of different lengths are not supported by the numpy backend; "
                       "pad the batch to one length or run with the 'ort' backend")
+
+
+def _direction_state(k: int, b, p, initial_h, initial_c, batch: int, hs: int):
+    """Direction ``k``'s summed bias, peepholes (i, o, f) and initial (h, c), in float32."""
+    g = 4 * hs
+    bias = None if b is None else (np.asarray(b[k, :g], np.float32) + np.asarray(b[k, g:], np.float32))
+    peep = (None, None, None) if p is None else np.split(np.asarray(p[k], np.float32), 3)
+    h = np.zeros((batch, hs), np.float32) if initial_h is None else np.asarray(initial_h[k], np.float32)
+    c = np.zeros((batch, hs), np.float32) if initial_c is None else np.asarray(initial_c[k], np.float32)
+    return bias, peep, h, c
+
+
+def _cell(z: np.ndarray, c: np.ndarray, bias, lim, peep, acts, input_forget, hs: int):
+    """One time step from the gates' pre-activations ``z`` (i, o, f, c): the new (h, c) in float32."""
+    pi, po, pf = peep
+    f_act, g_act, h_act = acts
+    if bias is not None:
+        z = z + bias
+    if lim is not None:
+        z = np.clip(z, -lim, lim)
+    zi, zo, zf, zc = z[:, :hs], z[:, hs:2 * hs], z[:, 2 * hs:3 * hs], z[:, 3 * hs:]
+    if pi is not None:
+        zi, zf = zi + pi * c, zf + pf * c
+    i = f_act(zi)
+    f = 1 - i if input_forget else f_act(zf)
+    c = f * c + i * g_act(zc)
+    if pi is not None:
+        zo = zo + po * c
+    h = (f_act(zo) * h_act(c)).astype(np.float32, copy=False)
+    c = c.astype(np.float32, copy=False)
+    return h, c
+
+
+def _run_direction(k: int, reverse: bool, x: np.ndarray, w: np.ndarray, r: np.ndarray, ws, rs, b, p,
+                   initial_h, initial_c, acts, lim, input_forget):
+    """Direction ``k`` over the whole sequence: (Y in time order, last h, last c)."""
+    seq, batch, n_in = x.shape
+    hs = r.shape[1]
+    g = 4 * hs
+    xs = x[::-1] if reverse else x
+    gates_x = _qgemm(xs.reshape(seq * batch, n_in), _weights(w[k])[0], ws[k]).reshape(seq, batch, g)
+    rf = _weights(r[k])[0]
+    bias, peep, h, c = _direction_state(k, b, p, initial_h, initial_c, batch, hs)
+    y = np.empty((seq, batch, hs), np.float32)
+    for t in range(seq):
+        h, c = _cell(gates_x[t] + _qgemm(h, rf, rs[k]), c, bias, lim, peep, acts[k], input_forget, hs)
+        y[t] = h
+    return (y[::-1] if reverse else y), h, c
+
+
+@register(_OP, domain="com.microsoft", dtypes={"float32"})
+def dynamic_quantize_lstm(
+    x, w, r, b=None, sequence_lens=None, initial_h=None, initial_c=None, p=None,
+    w_scale=None, w_zero_point=None, r_scale=None, r_zero_point=None,
+    *, activation_alpha=None, activation_beta=None, activations=None, clip=None,
+    direction="forward", hidden_size=None, input_forget=0,
+):
+    """Y (seq, dirs, batch, H), Y_h and Y_c of an LSTM whose W and R are int8 / uint8."""
+    d = text(direction, "forward")
+    if d not in ("forward", "reverse", "bidirectional"):
+        raise OpError(f"{_OP}: direction={d!r} is not forward, reverse or bidirectional")
+    n_dirs = 2 if d == "bidirectional" else 1
+    x, w, r = np.asarray(x), np.asarray(w), np.asarray(r)
+    seq, batch, n_in, hs = _check_shapes(d, n_dirs, x, w, r, b, p, initial_h, initial_c, hidden_size)
+    ws, rs = _weight_scales(w, r, w_scale, w_zero_point, r_scale, r_zero_point, n_dirs, 4 * hs)
+    _check_lengths(sequence_lens, batch, seq)
     acts = _activations(activations, activation_alpha, activation_beta, n_dirs)
     lim = None if clip is None else float(clip)
     x = x.astype(np.float32, copy=False)
     ys, hfin, cfin = [], [], []
     with np.errstate(over="ignore"):
         for k in range(n_dirs):
-            reverse = d == "reverse" or k == 1
-            xs = x[::-1] if reverse else x
-            gates_x = _qgemm(xs.reshape(seq * batch, n_in), _weights(w[k])[0], ws[k]).reshape(seq, batch, g)
-            rf = _weights(r[k])[0]
-            bias = None if b is None else (np.asarray(b[k, :g], np.float32) + np.asarray(b[k, g:], np.float32))
-            pi, po, pf = (None, None, None) if p is None else np.split(np.asarray(p[k], np.float32), 3)
-            h = np.zeros((batch, hs), np.float32) if initial_h is None else np.asarray(initial_h[k], np.float32)
-            c = np.zeros((batch, hs), np.float32) if initial_c is None else np.asarray(initial_c[k], np.float32)
-            f_act, g_act, h_act = acts[k]
-            y = np.empty((seq, batch, hs), np.float32)
-            for t in range(seq):
-                z = gates_x[t] + _qgemm(h, rf, rs[k])
-                if bias is not None:
-                    z = z + bias
-                if lim is not None:
-                    z = np.clip(z, -lim, lim)
-                zi, zo, zf, zc = z[:, :hs], z[:, hs:2 * hs], z[:, 2 * hs:3 * hs], z[:, 3 * hs:]
-                if pi is not None:
-                    zi, zf = zi + pi * c, zf + pf * c
-                i = f_act(zi)
-                f = 1 - i if input_forget else f_act(zf)
-                c = f * c + i * g_act(zc)
-                if pi is not None:
-                    zo = zo + po * c
-                h = (f_act(zo) * h_act(c)).astype(np.float32, copy=False)
-                c = c.astype(np.float32, copy=False)
-                y[t] = h
-            ys.append(y[::-1] if reverse else y)
+            y, h, c = _run_direction(k, d == "reverse" or k == 1, x, w, r, ws, rs, b, p, initial_h, initial_c,
+                                     acts, lim, input_forget)
+            ys.append(y)
             hfin.append(h)
             cfin.append(c)
     return np.stack(ys, axis=1), np.stack(hfin), np.stack(cfin)
