@@ -196,6 +196,96 @@ def _(shapes, attrs):
     return 8 * int(b) * int(h) * int(sq) * int(t)
 
 
+class _Scores:
+    """The forward's scores and probabilities, recomputed from the inputs for the Attention backward."""
+
+    def __init__(self, q, k, v, attn_mask, past_key, past_value, nonpad, *, is_causal, kv_num_heads, q_num_heads,
+                 scale, softcap, left_window_size, right_window_size):
+        self.three_d = q.ndim == 3
+        if self.three_d:
+            q4 = _heads_4d(q, q_num_heads, "Q")
+            k4, v4 = _heads_4d(k, kv_num_heads, "K"), _heads_4d(v, kv_num_heads, "V")
+        else:
+            q4, k4, v4 = q, k, v
+        self.wd = _work(q.dtype)
+        self.batch, self.hq, self.q_len, self.dh = q4.shape
+        self.hkv, self.dv = k4.shape[1], v4.shape[3]
+        self.group = self.hq // self.hkv
+        self._raw_scores(q4, k4, v4, past_key, past_value, scale)
+        self._probabilities(attn_mask, past_key, nonpad, is_causal, softcap, left_window_size, right_window_size)
+
+    def _raw_scores(self, q4, k4, v4, past_key, past_value, scale) -> None:
+        """Keys and values with the past, the scaled queries and keys, and the raw scores Q K^T."""
+        wd, batch, hq, q_len, dh, hkv, group = self.wd, self.batch, self.hq, self.q_len, self.dh, self.hkv, self.group
+        kk = k4 if past_key is None else np.concatenate([past_key, k4], axis=2)
+        self.vv = v4 if past_value is None else np.concatenate([past_value, v4], axis=2)
+        self.kv_len = kv_len = kk.shape[2]
+        self.root = root = np.sqrt((1.0 / np.sqrt(dh)) if not scale else float(scale))
+        qs = q4.astype(wd) * root
+        self.ks = ks = kk.astype(wd) * root
+        self.qg = qg = qs.reshape(batch, hkv, group * q_len, dh)
+        self.raw = np.matmul(qg, np.swapaxes(ks, -1, -2)).reshape(batch, hq, q_len, kv_len)
+
+    def _probabilities(self, attn_mask, past_key, nonpad, is_causal, softcap, left_window_size,
+                       right_window_size) -> None:
+        """The softcapped scores and the softmax probabilities under the mask, causal frontier and window."""
+        wd, batch, q_len, kv_len, raw = self.wd, self.batch, self.q_len, self.kv_len, self.raw
+        offset = (np.asarray(nonpad).reshape(-1).astype(np.int64) - q_len) if nonpad is not None and past_key is None \
+            else (past_key.shape[2] if past_key is not None else 0)
+        bias = _bias(q_len, kv_len, batch, wd, attn_mask, is_causal, offset, left_window_size, right_window_size,
+                     nonpad)
+        self.capped = capped = wd.type(softcap) * np.tanh(raw / wd.type(softcap)) if softcap else raw
+        z = capped if bias is None else capped + bias
+        fully = None
+        if bias is not None:
+            shape = np.broadcast_shapes(np.shape(bias), (1, 1, q_len, kv_len))
+            fully = np.isneginf(np.max(np.broadcast_to(bias, shape), axis=-1, keepdims=True))
+        self.probs = _softmax_rows(z, fully)  # (B, Hq, Sq, T)
+
+
+def _through_softmax(sc: _Scores, gy: np.ndarray, dvv: np.ndarray, softcap):
+    """From Y's gradient: add V's into ``dvv`` (in place); return those of Q and of the keys (with the past)."""
+    wd, batch, hq, q_len, dh, hkv, dv = sc.wd, sc.batch, sc.hq, sc.q_len, sc.dh, sc.hkv, sc.dv
+    group, kv_len, probs, root = sc.group, sc.kv_len, sc.probs, sc.root
+    gy4 = gy.reshape(batch, q_len, hq, dv).transpose(0, 2, 1, 3) if sc.three_d else gy
+    gy4 = gy4.astype(wd)
+    pg = probs.reshape(batch, hkv, group * q_len, kv_len)
+    gyg = gy4.reshape(batch, hkv, group * q_len, dv)
+    dvv += np.matmul(np.swapaxes(pg, -1, -2), gyg)
+    dp = np.matmul(gyg, np.swapaxes(sc.vv.astype(wd), -1, -2)).reshape(batch, hq, q_len, kv_len)
+    dz = probs * (dp - np.sum(dp * probs, axis=-1, keepdims=True))
+    if softcap:
+        dz = dz * (1 - (sc.capped / wd.type(softcap)) ** 2)
+    dzg = dz.reshape(batch, hkv, group * q_len, kv_len)
+    dq4 = (np.matmul(dzg, sc.ks) * root).reshape(batch, hq, q_len, dh)
+    dkk = np.matmul(np.swapaxes(dzg, -1, -2), sc.qg) * root
+    return dq4, dkk
+
+
+def _input_grads(sc: _Scores, q, past_key, past_value, dq4, dkk, dvv, n_in: int) -> tuple:
+    """One gradient per input, in the inputs' layout and dtype: Q, K, V, none for the mask, then the past's."""
+    past_len = 0 if past_key is None else past_key.shape[2]
+    dk4 = None if dkk is None else dkk[:, :, past_len:]
+    dv4 = dvv[:, :, past_len:]
+    batch, three_d = sc.batch, sc.three_d
+
+    def back(a, heads):
+        """``a`` in the inputs' layout (3-D: heads merged back) and dtype."""
+        if a is None:
+            return None
+        if three_d:
+            a = a.transpose(0, 2, 1, 3).reshape(batch, a.shape[2], heads * a.shape[3])
+        return a.astype(q.dtype)
+
+    out = [back(dq4, sc.hq), back(dk4, sc.hkv), back(dv4, sc.hkv), None]
+    if n_in > 4:
+        out.append(None if past_key is None or dkk is None else dkk[:, :, :past_len].astype(past_key.dtype))
+    if n_in > 5:
+        out.append(None if past_value is None else dvv[:, :, :past_len].astype(past_value.dtype))
+    out += [None] * (n_in - len(out))
+    return tuple(out[:n_in])
+
+
 @attention.backward(uses="inputs")
 def _(grads, inputs, outputs, *, is_causal=0, kv_num_heads=None, q_num_heads=None, qk_matmul_output_mode=0,
       scale=None, softcap=0.0, softmax_precision=None, left_window_size=-1, right_window_size=-1):
@@ -210,70 +300,18 @@ def _(grads, inputs, outputs, *, is_causal=0, kv_num_heads=None, q_num_heads=Non
     n_in = len(inputs)
     if gy is None and g_pk is None and g_pv is None:
         return (None,) * n_in
-    three_d = q.ndim == 3
-    if three_d:
-        q4, k4, v4 = _heads_4d(q, q_num_heads, "Q"), _heads_4d(k, kv_num_heads, "K"), _heads_4d(v, kv_num_heads, "V")
-    else:
-        q4, k4, v4 = q, k, v
-    wd = _work(q.dtype)
-    batch, hq, q_len, dh = q4.shape
-    hkv, dv = k4.shape[1], v4.shape[3]
-    group = hq // hkv
-    kk = k4 if past_key is None else np.concatenate([past_key, k4], axis=2)
-    vv = v4 if past_value is None else np.concatenate([past_value, v4], axis=2)
-    kv_len = kk.shape[2]
-    root = np.sqrt((1.0 / np.sqrt(dh)) if not scale else float(scale))
-    qs = q4.astype(wd) * root
-    ks = kk.astype(wd) * root
-    qg = qs.reshape(batch, hkv, group * q_len, dh)
-    raw = np.matmul(qg, np.swapaxes(ks, -1, -2)).reshape(batch, hq, q_len, kv_len)
-    offset = (np.asarray(nonpad).reshape(-1).astype(np.int64) - q_len) if nonpad is not None and past_key is None \
-        else (past_key.shape[2] if past_key is not None else 0)
-    bias = _bias(q_len, kv_len, batch, wd, attn_mask, is_causal, offset, left_window_size, right_window_size, nonpad)
-    capped = wd.type(softcap) * np.tanh(raw / wd.type(softcap)) if softcap else raw
-    z = capped if bias is None else capped + bias
-    fully = None
-    if bias is not None:
-        fully = np.isneginf(np.max(np.broadcast_to(bias, np.broadcast_shapes(np.shape(bias), (1, 1, q_len, kv_len))),
-                                   axis=-1, keepdims=True))
-    probs = _softmax_rows(z, fully)  # (B, Hq, Sq, T)
+    sc = _Scores(q, k, v, attn_mask, past_key, past_value, nonpad, is_causal=is_causal, kv_num_heads=kv_num_heads,
+                 q_num_heads=q_num_heads, scale=scale, softcap=softcap, left_window_size=left_window_size,
+                 right_window_size=right_window_size)
     dq4 = dkk = None
-    dvv = np.zeros((batch, hkv, kv_len, dv), dtype=wd)
+    dvv = np.zeros((sc.batch, sc.hkv, sc.kv_len, sc.dv), dtype=sc.wd)
     if gy is not None:
-        gy4 = gy.reshape(batch, q_len, hq, dv).transpose(0, 2, 1, 3) if three_d else gy
-        gy4 = gy4.astype(wd)
-        pg = probs.reshape(batch, hkv, group * q_len, kv_len)
-        gyg = gy4.reshape(batch, hkv, group * q_len, dv)
-        dvv += np.matmul(np.swapaxes(pg, -1, -2), gyg)
-        dp = np.matmul(gyg, np.swapaxes(vv.astype(wd), -1, -2)).reshape(batch, hq, q_len, kv_len)
-        dz = probs * (dp - np.sum(dp * probs, axis=-1, keepdims=True))
-        if softcap:
-            dz = dz * (1 - (capped / wd.type(softcap)) ** 2)
-        dzg = dz.reshape(batch, hkv, group * q_len, kv_len)
-        dq4 = (np.matmul(dzg, ks) * root).reshape(batch, hq, q_len, dh)
-        dkk = np.matmul(np.swapaxes(dzg, -1, -2), qg) * root
+        dq4, dkk = _through_softmax(sc, gy, dvv, softcap)
     if g_pk is not None:
-        dkk = g_pk.astype(wd) if dkk is None else dkk + g_pk
+        dkk = g_pk.astype(sc.wd) if dkk is None else dkk + g_pk
     if g_pv is not None:
         dvv = dvv + g_pv
-    past_len = 0 if past_key is None else past_key.shape[2]
-    dk4 = None if dkk is None else dkk[:, :, past_len:]
-    dv4 = dvv[:, :, past_len:]
-
-    def back(a, heads):
-        if a is None:
-            return None
-        if three_d:
-            a = a.transpose(0, 2, 1, 3).reshape(batch, a.shape[2], heads * a.shape[3])
-        return a.astype(q.dtype)
-
-    out = [back(dq4, hq), back(dk4, hkv), back(dv4, hkv), None]
-    if n_in > 4:
-        out.append(None if past_key is None or dkk is None else dkk[:, :, :past_len].astype(past_key.dtype))
-    if n_in > 5:
-        out.append(None if past_value is None else dvv[:, :, :past_len].astype(past_value.dtype))
-    out += [None] * (n_in - len(out))
-    return tuple(out[:n_in])
+    return _input_grads(sc, q, past_key, past_value, dq4, dkk, dvv, n_in)
 
 
 @register("RotaryEmbedding", dtypes=FLOAT_TYPES, since=23)
