@@ -31,6 +31,6 @@ def imports(python: str, modules: tuple[str, ...]) -> bool:
 def flower_python(modules: tuple[str, ...] = ("flwr",)) -> str | None:
     """``FLOWER_PYTHON`` if set (and it imports ``modules``), else this interpreter or the first of
     :data:`CANDIDATES` that imports them; None when there is none."""
-    if os.environ.get("FLOWER_PYTHON"):
+    if "FLOWER_PYTHON" in os.environ:
         return os.environ["FLOWER_PYTHON"] if imports(os.environ["FLOWER_PYTHON"], modules) else None
     return next((p for p in (sys.executable, *CANDIDATES) if imports(p, modules)), None)

@@ -397,7 +397,6 @@ def benches(quick: bool) -> list[Bench]:
 # -- the machine --------------------------------------------------------------------
 
 
-
 def _flower_version() -> str:
     """flwr's version in the Flower venv the aggregation benchmark runs under (benchmarks/_flower_env.py)."""
     from _flower_env import flower_python
@@ -407,6 +406,7 @@ def _flower_version() -> str:
         return "flwr (not installed)"
     out = subprocess.run([python, "-c", "import flwr; print(flwr.__version__)"], capture_output=True, text=True)
     return f"flwr {out.stdout.strip() or '?'} ({python})"
+
 
 def machine() -> dict[str, str]:
     info: dict[str, str] = {}

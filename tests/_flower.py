@@ -7,7 +7,6 @@ pickled between two of our own processes (test data, never a device's)."""
 from __future__ import annotations
 
 import functools
-import os
 import pickle
 import subprocess
 import sys
@@ -17,24 +16,16 @@ from typing import Any
 import pytest
 
 RUNNER = Path(__file__).with_name("_flower_runner.py")
-CANDIDATES = ("/work/venvs/flwr/bin/python", str(Path.home() / ".cache" / "edgeflow" / "flwr-venv" / "bin" / "python"))
-MAKE_VENV = ("python -m venv --system-site-packages ~/.cache/edgeflow/flwr-venv && "
-             "~/.cache/edgeflow/flwr-venv/bin/pip install 'flwr[simulation]==1.42.0' (or set FLOWER_PYTHON)")
-
-
-def _imports_flower(python: str) -> bool:
-    if not Path(python).exists():
-        return False
-    return subprocess.run([python, "-c", "import flwr, ray"], capture_output=True, timeout=120).returncode == 0
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from _flower_env import MAKE_VENV  # noqa: E402
+from _flower_env import flower_python as _find_flower  # noqa: E402
 
 
 @functools.lru_cache(maxsize=1)
 def flower_python() -> str | None:
-    """The interpreter that runs Flower: ``FLOWER_PYTHON`` if set, else this one or the first venv of
-    :data:`CANDIDATES` that imports flwr and ray; None when there is none."""
-    if "FLOWER_PYTHON" in os.environ:
-        return os.environ["FLOWER_PYTHON"] if _imports_flower(os.environ["FLOWER_PYTHON"]) else None
-    return next((p for p in (sys.executable, *CANDIDATES) if _imports_flower(p)), None)
+    """The interpreter that runs Flower (flwr and ray), found as the benchmarks find it
+    (benchmarks/_flower_env.py: FLOWER_PYTHON, this one, or a known venv); None when there is none."""
+    return _find_flower(("flwr", "ray"))
 
 
 def run_flower(job: str, **args: Any) -> Any:
