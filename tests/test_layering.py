@@ -343,16 +343,21 @@ if __name__ == "__main__":  # python tests/test_layering.py: the room graph docs
 SERVICES = ("ota.py", "training.py", "telemetry.py", "inference.py", "health.py")
 
 
-def _private_reads_of_the_agent(path: Path) -> list[str]:
-    """``agent._x`` / ``a._x`` / ``self.agent._x`` in a device service: a read of the agent's private state."""
+def _private_reads(path: Path, names: tuple[str, ...]) -> list[str]:
+    """``x._y`` / ``self.x._y`` for x in ``names``: a read of another object's private state."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
             owner = node.value
-            if (isinstance(owner, ast.Name) and owner.id in ("a", "agent")) or (
-                    isinstance(owner, ast.Attribute) and owner.attr == "agent"):
+            if (isinstance(owner, ast.Name) and owner.id in names) or (
+                    isinstance(owner, ast.Attribute) and owner.attr in names):
                 found.append(f"{path.name}:{node.lineno} .{node.attr}")
     return found
+
+
+def _private_reads_of_the_agent(path: Path) -> list[str]:
+    """``agent._x`` / ``a._x`` / ``self.agent._x`` in a device service: a read of the agent's private state."""
+    return _private_reads(path, ("a", "agent"))
 
 
 def test_the_device_services_use_only_the_agents_public_core(tmp_path):
@@ -363,3 +368,18 @@ def test_the_device_services_use_only_the_agents_public_core(tmp_path):
     planted = tmp_path / "ota.py"
     planted.write_text("def f(self, a):\n    return a._model, self.agent._stop, a.model_version\n")
     assert _private_reads_of_the_agent(planted) == ["ota.py:2 ._model", "ota.py:2 ._stop"]
+
+
+LINKS = (("mqtt", "netloop.py"), ("nats", "link.py"))
+
+
+def test_the_transport_loops_use_only_their_owners_public_members(tmp_path):
+    """The MQTT network loop and the NATS link hold their transport as ``self.t`` (an ``Owner`` Protocol) and
+    call only its public members (``make_client``, ``notify_connection``, ``ssl_context``; they used to call
+    ``_make_client``, ``_notify`` and ``_ssl_context``); the check itself catches a planted call."""
+    reads = [r for pkg, name in LINKS
+             for r in _private_reads(ROOT / "edgeflow" / "transport" / pkg / name, ("t", "owner"))]
+    assert reads == []
+    planted = tmp_path / "link.py"
+    planted.write_text("def f(self, t):\n    self.t._notify(1)\n    return t._ssl_context(), t.name\n")
+    assert _private_reads(planted, ("t", "owner")) == ["link.py:2 ._notify", "link.py:3 ._ssl_context"]

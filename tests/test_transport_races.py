@@ -44,8 +44,8 @@ class CuttingTransport(MqttTransport):
         self.calls: dict[str, int] = {"publish": 0, "subscribe": 0, "unsubscribe": 0}
         self.cuts_done: list[tuple[str, int]] = []
 
-    def _make_client(self):  # noqa: ANN202 - paho.Client
-        client = super()._make_client()
+    def make_client(self):  # noqa: ANN202 - paho.Client
+        client = super().make_client()
         for name in ("publish", "subscribe", "unsubscribe"):
             setattr(client, name, self._wrap(client, name, getattr(client, name)))
         return client

@@ -227,10 +227,11 @@ class MqttTransport:
         """
         self._listeners.add(listener)
 
-    def _notify(self, event: ConnectionEvent) -> None:
+    def notify_connection(self, event: ConnectionEvent) -> None:
+        """Tell the connection listeners (called by the network loop on connect and disconnect)."""
         self._listeners.notify(event)
 
-    def _make_client(self) -> paho.Client:
+    def make_client(self) -> paho.Client:
         """The paho client for the next connection attempt (a seam for tests that wrap it)."""
         return self._net.build_client()
 
@@ -251,7 +252,7 @@ class MqttTransport:
         with self._lock:
             start = self._net_thread is None
             if start:
-                self._net.client = self._make_client()
+                self._net.client = self.make_client()
                 self._net_thread = threading.Thread(target=self._net.run, name=f"edgeflow-mqtt-net-{self.name}",
                                                     daemon=True)
         if start:

@@ -107,9 +107,9 @@ class Owner(Protocol):
     @property
     def protocol_version(self) -> str: ...
 
-    def _make_client(self) -> paho.Client: ...
+    def make_client(self) -> paho.Client: ...
 
-    def _notify(self, event: ConnectionEvent) -> None: ...
+    def notify_connection(self, event: ConnectionEvent) -> None: ...
 
 
 class NetLoop:
@@ -117,7 +117,7 @@ class NetLoop:
 
     ``owner`` gives the connection settings (read when a client is built, so
     a will set after construction counts) and builds the paho client
-    (``owner._make_client``, which tests may wrap).
+    (``owner.make_client``, which tests may wrap).
     """
 
     def __init__(self, owner: Owner, link: Link, outbox: Outbox, subs: SubscriptionTable,
@@ -351,7 +351,7 @@ class NetLoop:
         if self._client_used:
             # A fresh paho client per connection: un-acked frames are re-sent from our own queue,
             # so paho must not also replay its copies of them.
-            client = self.client = self.t._make_client()
+            client = self.client = self.t.make_client()
         self._client_used = True
         self._paho_error = None
         self.link.attempt_started = time.monotonic()
@@ -477,7 +477,7 @@ class NetLoop:
         self.link.attempt_started = None
         self.link.next_attempt = 0.0
         self.link.to(ConnState.BACKING_OFF)
-        self.client = self.t._make_client()
+        self.client = self.t.make_client()
         self._client_used = False
         if old is not None:
             self._drop_socket(old)
@@ -523,7 +523,7 @@ class NetLoop:
             "%s: connected to %s (MQTT %s, session %s)", self.t.name, self.t.url, self.t.protocol_version,
             "resumed" if link.session_present else "new",
         )
-        self.t._notify(ConnectionEvent(True, link.session_present, "connected"))
+        self.t.notify_connection(ConnectionEvent(True, link.session_present, "connected"))
 
     def _on_disconnect(self, client: paho.Client, userdata: object, flags: object, reason: ReasonCode,
                        properties: Properties | None) -> None:
@@ -573,7 +573,7 @@ class NetLoop:
         link.notify()
         self._lost_at, self._lost_reason, self._lost_warned = time.monotonic(), fmt_reason(reason), False
         log.info("%s: connection lost (%s); reconnecting in %.1f s", self.t.name, fmt_reason(reason), delay)
-        self.t._notify(ConnectionEvent(False, False, fmt_reason(reason)))
+        self.t.notify_connection(ConnectionEvent(False, False, fmt_reason(reason)))
 
     def _taken_over(self, url: str) -> bool:
         """The broker ended an accepted connection: told "session taken over" (0x8E) or closed it
@@ -596,7 +596,7 @@ class NetLoop:
         self.link.last_error = err
         self.link.fail(err)
         log.error("%s: %s", self.t.name, err)
-        self.t._notify(ConnectionEvent(False, False, str(err)))
+        self.t.notify_connection(ConnectionEvent(False, False, str(err)))
         return True
 
     def _on_log(self, client: paho.Client, userdata: object, level: int, buf: str) -> None:

@@ -164,7 +164,8 @@ class NatsTransport:
     def url(self) -> str:
         return self.servers[0]
 
-    def _ssl_context(self) -> ssl.SSLContext | None:
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The TLS context for the next connection (None without TLS); read by the link when it connects."""
         tls = self.tls
         if tls is None:
             return None
@@ -207,7 +208,8 @@ class NatsTransport:
     def add_connection_listener(self, listener: ConnectionListener) -> None:
         self._listeners.add(listener)
 
-    def _notify(self, event: ConnectionEvent) -> None:
+    def notify_connection(self, event: ConnectionEvent) -> None:
+        """Tell the connection listeners (called by the link on connect, loss and reconnect)."""
         self._listeners.notify(event)
 
     # -------------------------------------------------------------- lifecycle

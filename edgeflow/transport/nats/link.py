@@ -161,9 +161,9 @@ class Owner(Protocol):
     upstream_check_s: float
     name: str
 
-    def _ssl_context(self) -> Any: ...
+    def ssl_context(self) -> Any: ...
 
-    def _notify(self, event: ConnectionEvent) -> None: ...
+    def notify_connection(self, event: ConnectionEvent) -> None: ...
 
 
 class Link:
@@ -282,7 +282,7 @@ class Link:
         t = self.t
         try:
             nc = await nats.connect(
-                servers=t.servers, name=t.client_id, user=t.username, password=t.password, tls=t._ssl_context(),
+                servers=t.servers, name=t.client_id, user=t.username, password=t.password, tls=t.ssl_context(),
                 # allow_reconnect off for the first connection: nats-py would otherwise retry a refusal
                 # (bad password, untrusted certificate) for ever; on once connected (options are read per drop)
                 connect_timeout=max(1, int(t.connect_timeout_s)), allow_reconnect=False, max_reconnect_attempts=-1,
@@ -314,7 +314,7 @@ class Link:
         self.connected_once = True
         await self._drain_pending()
         self._set(up=True)
-        self.t._notify(ConnectionEvent(True, False, "connected"))
+        self.t.notify_connection(ConnectionEvent(True, False, "connected"))
         self._count("connects")
         if t.upstream_check_s > 0:  # in the background: the sender starts now
             self._tasks.add(asyncio.get_running_loop().create_task(self._watch_upstream()))
@@ -354,7 +354,7 @@ class Link:
         if self.up:
             self._set(up=False)
             self._count("disconnects")
-            self.t._notify(ConnectionEvent(False, False, "connection lost"))
+            self.t.notify_connection(ConnectionEvent(False, False, "connection lost"))
 
     async def _on_reconnected(self) -> None:
         try:
@@ -369,7 +369,7 @@ class Link:
         self._set(up=True)
         self._count("connects")
         self._count("reconnects")
-        self.t._notify(ConnectionEvent(True, False, "reconnected"))
+        self.t.notify_connection(ConnectionEvent(True, False, "reconnected"))
         assert self._wake is not None
         self._wake.set()
 
