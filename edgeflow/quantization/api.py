@@ -769,11 +769,9 @@ def _loss_measure(fp32: onnx.ModelProto, loss: str, kind: str, notes: list[str])
     """``loss``, with "auto" made "ctc" for a PaddleOCR text recognizer (static int8 only)."""
     if loss != "auto" or kind != "static":
         return loss
-    from .gate import ctc_space_class
+    from .gate import is_ctc_recognizer
 
-    outs = fp32.graph.output
-    per_step = bool(outs) and len(outs[0].type.tensor_type.shape.dim) >= 3  # (N, T, C): not a classifier
-    if per_step and ctc_space_class(fp32) is not None:  # a PaddleOCR text recognizer: judge the text it reads
+    if is_ctc_recognizer(fp32):  # a PaddleOCR text recognizer: judge the text it reads
         notes.append("the model carries a CTC character table (PaddleOCR convention): the gate's loss is the "
                      "share of samples whose decoded text differs from fp32's (--loss ctc), not the cosine, "
                      "which can stay above 0.99 while characters change")

