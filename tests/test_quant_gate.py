@@ -14,7 +14,7 @@ from edgeflow import zoo
 from edgeflow.cli.main import main
 from edgeflow.errors import QuantizationError
 from edgeflow.profiles import get_profile, host_differs
-from edgeflow.quantization.gate import (MIN_SPEEDUP, Trial, choose, confirm, ctc_greedy, ctc_space_class,
+from edgeflow.quantization.gate import (MIN_SPEEDUP, Trial, choose, confirm, ctc_greedy, ctc_space_class, ctc_strip,
                                         is_ctc_recognizer, layer_groups, loss_percent)
 from edgeflow.quantization.weight_only import weight_only_int8
 from edgeflow.runtime.session import load
@@ -151,9 +151,10 @@ def test_ctc_ignores_a_paddleocr_space_at_either_end_and_nowhere_else():
     assert loss_percent(a, b, measure="ctc") == 100.0  # without the model's space class: it counts
     assert loss_percent(a, c, measure="ctc", ctc_strip=(space,)) == 100.0
     m = onnx.ModelProto()
-    assert ctc_space_class(m) is None
+    assert ctc_space_class(m) is None and ctc_strip(m, "ctc") == ()
     onnx.helper.set_model_props(m, {"character": "a\nb\nc"})
     assert ctc_space_class(m) == 4  # blank, a, b, c, then the space
+    assert ctc_strip(m, "ctc") == (4,) and ctc_strip(m, "cosine") == ()  # what quantize's gate strips
 
 
 def test_an_unknown_loss_measure_is_one_clear_error():

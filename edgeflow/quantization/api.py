@@ -340,12 +340,11 @@ class _GateRun:
 
     def __post_init__(self) -> None:
         from ..runtime.session import load, session_options
-        from .gate import ctc_space_class
+        from .gate import ctc_strip
 
         self.feeds = _latency_feeds(self.inputs, self.ev, self.batch, self.seed)
         self.ref = self.evaluator.predict(self.fp32, self.ev)
-        space = ctc_space_class(self.fp32) if self.loss_measure == "ctc" else None
-        self.strip = () if space is None else (space,)
+        self.strip = ctc_strip(self.fp32, self.loss_measure)
         self.rt32 = load(self.fp32, self.prof, backend=self.backend, batch_size=self.batch, allow_over_budget=True)
         # runs in our thread: CPU time ignores other load
         self.cpu = self.backend == "ort" and session_options(self.prof).threads == 1
@@ -536,11 +535,10 @@ def _fallback(fp32, decision, targets, prof, backend, evaluator, ev, labels, *, 
     """The model written when int8 is not chosen: weight-only int8 if its loss is within ``max_loss``
     (timed against fp32 where the gate times), else fp32."""
     from ..runtime.session import load
-    from .gate import ctc_space_class, loss_percent, time_pair
+    from .gate import ctc_strip, loss_percent, time_pair
     from .weight_only import weight_only_int8
 
-    space = ctc_space_class(fp32) if loss_measure == "ctc" else None
-    strip = () if space is None else (space,)
+    strip = ctc_strip(fp32, loss_measure)
     if ref is None:
         ref = evaluator.predict(fp32, ev)
     if decision.choice == "weight-only":

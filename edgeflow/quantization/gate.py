@@ -248,6 +248,13 @@ def ctc_space_class(model: onnx.ModelProto) -> int | None:
     return len(chars.splitlines()) + 1 if chars else None
 
 
+def ctc_strip(model: onnx.ModelProto, measure: str) -> tuple[int, ...]:
+    """The classes :func:`loss_percent`'s ``ctc_strip`` ignores at either end of the text for ``model``
+    under ``measure``: the space class for "ctc" (:func:`ctc_space_class`), nothing otherwise."""
+    space = ctc_space_class(model) if measure == "ctc" else None
+    return () if space is None else (space,)
+
+
 def is_ctc_recognizer(model: onnx.ModelProto) -> bool:
     """True for a PaddleOCR-convention CTC text recognizer: a ``character`` table in the metadata and a first
     output of per-step class scores (N, T, C) whose C is what the convention makes of that table -- blank,
