@@ -3,6 +3,7 @@
     python benchmarks/backdoor_defences.py                 # every rule below, 3 seeds, 15 rounds
     python benchmarks/backdoor_defences.py --only flame --seeds 1
     python benchmarks/backdoor_defences.py --drops         # who krum-reputation drops, per seed
+    python benchmarks/backdoor_defences.py --demo --only reputation-project --demo-seeds 0 1  # on `edgeflow demo`
     python benchmarks/backdoor_defences.py --shares        # why: who is least contradicted, per round; each
                                                            # device's cosine to its own previous update
 
@@ -53,6 +54,9 @@ Variants of the rule kept as ``krum-reputation`` (measured with the kept one by 
   a dropped honest device); ``--drops`` prints how often each device was dropped;
 - ``flame-full``: FLAME's whole recipe: the HDBSCAN filter, clipping to the median norm, then Gaussian noise of
   ``lam`` x the median norm per coordinate (lam 0.001, the paper's value for image classification);
+- ``reputation-project`` / ``reputation-project-momentum-0.5``: krum-reputation's choice of the most suspicious
+  device over rounds (memory 0.7), but its update enters as its projection onto the span of the round's other
+  updates instead of being dropped; server momentum 0 / 0.5;
 - ``dnc``: Divide-and-Conquer (Shejwalkar and Houmansadr, NDSS 2021): 5 times, on 1000 random coordinates of
   the centred updates, the f updates with the largest squared projection on the top singular vector are
   flagged; the unflagged ones enter FedAvg's bounded mean (bounds from the round).
@@ -323,6 +327,32 @@ class ReputationThreshold(strategies.KrumReputation):
         return self._as_tensors(r.mean), {"num_selected": float(len(r.chosen)), "dropped": float(len(drop))}
 
 
+class ReputationProject(strategies.KrumReputation):
+    """krum-reputation's choice (the most suspicious device over rounds), but its update enters as its projection
+    onto the span of the round's other updates instead of being dropped (what an honest outlier shares with the
+    rest of this round comes in; what no one else pushed does not)."""
+
+    name = "reputation-project"
+
+    def _reduce(self):
+        from edgeflow.gateway.aggregate import krum_ratios, most_suspicious, update_suspicion
+
+        raw = np.stack(self._held).astype(np.float64)
+        ids = list(self._client_ids)
+        self._pending = update_suspicion(self.suspicion, ids, krum_ratios(raw, self.num_byzantine), self.memory)
+        far = [int(i) for i in most_suspicious([self._pending[c] for c in ids], self.num_byzantine)]
+        n = len(raw)
+        s = np.asarray(self._samples, dtype=np.float64)
+        s = np.minimum(s, 3.0 * np.sort(s)[(n - 1) // 2])
+        norms = np.linalg.norm(raw, axis=1)
+        x = raw * np.minimum(1.0, 1.5 * float(np.sort(norms)[(n - 1) // 2]) / np.maximum(norms, 1e-30))[:, None]
+        kept = [x[i] for i in range(n) if i not in far]
+        for i in far:
+            x[i] = project_onto_span(x[i], kept)
+        self.selected_clients = tuple(c for i, c in enumerate(ids) if i not in far)
+        return self._as_tensors((x * s[:, None]).sum(0) / s.sum()), {}
+
+
 class ResidualProject(_Bounded):
     name = "residual-project"
     log: list[tuple[list[str], list[float]]] = []
@@ -412,6 +442,8 @@ RULES: dict[str, dict[str, Any]] = {
     **{f"reputation-threshold-{t}": {"strategy": "reputation-threshold", "strategy_params": {"t": float(t)}}
        for t in ("1.4", "1.6", "1.8", "2.0")},
     "dnc": {"strategy": "dnc", "min_clients": 5},
+    "reputation-project": {"strategy": "reputation-project", "strategy_params": {"server_momentum": 0.0}},
+    "reputation-project-momentum-0.5": {"strategy": "reputation-project", "strategy_params": {"server_momentum": 0.5}},
 }
 
 
@@ -474,6 +506,28 @@ def drops(seeds: int, rounds: int, rules: list[str] | None = None) -> None:
                                   "rounds_dropped": dict(Counter(c for r in log for c in r))}), flush=True)
 
 
+def demo_arms(rules: list[str], seeds: list[int], codecs: list[str]) -> None:
+    """``edgeflow demo`` (benchmarks/backdoor_default.py's demo arm: the demo's RoundConfig built with the rule's
+    strategy) per codec and seed, FedAvg first, then each rule; a JSON line per run, then each rule's mean
+    difference from FedAvg in points."""
+    import backdoor_default
+
+    for codec in codecs:
+        diffs: dict[str, list[float]] = {r: [] for r in rules}
+        for seed in seeds:
+            base = backdoor_default.run_demo("fedavg", seed, codec, {})["final_accuracy"]
+            print(json.dumps({"rule": "fedavg", "codec": codec, "seed": seed, "final_accuracy": base}), flush=True)
+            for rule in rules:
+                cfg = RULES[rule]
+                acc = backdoor_default.run_demo(cfg["strategy"], seed, codec,
+                                                dict(cfg.get("strategy_params", {})))["final_accuracy"]
+                diffs[rule].append(100.0 * (acc - base))
+                print(json.dumps({"rule": rule, "codec": codec, "seed": seed, "final_accuracy": acc}), flush=True)
+        for rule, d in diffs.items():
+            print(json.dumps({"rule": rule, "codec": codec, "seeds": seeds,
+                              "mean_points_vs_fedavg": round(float(np.mean(d)), 2)}), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=15)
@@ -482,15 +536,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the figures as JSON to this path")
     ap.add_argument("--shares", action="store_true", help="print who is least contradicted per round, then exit")
     ap.add_argument("--drops", action="store_true", help="print who krum-reputation drops per seed, then exit")
+    ap.add_argument("--demo", action="store_true",
+                    help="run `edgeflow demo` with each --only rule (and FedAvg) instead of the backdoor benchmark")
+    ap.add_argument("--demo-seeds", type=int, nargs="+", default=[0, 1], metavar="SEED", help="--demo's seeds")
+    ap.add_argument("--codec", choices=["topk-int8", "int8"], action="append", help="--demo's codecs (default top-k)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     for cls in (RobustLearningRate, Flame, FLTrust, CenteredClip, CoordinateClip, AdaptiveNoise, KrumDownweight,
                 ResidualProject, KrumProject, KrumAfterBound, KrumThreshold, FlameFull, DivideAndConquer,
-                ReputationLog, ReputationThreshold):
+                ReputationLog, ReputationThreshold, ReputationProject):
         strategies.register_aggregator(cls.name, cls)
     backdoor.STRATEGIES.update(RULES)
     if args.shares:
         shares(args.seeds, args.rounds)
+        return 0
+    if args.demo:
+        if not args.only:
+            ap.error("--demo needs --only RULE (each demo run takes about 25 s)")
+        demo_arms(args.only, args.demo_seeds, args.codec or ["topk-int8"])
         return 0
     if args.drops:
         if any(not n.startswith("reputation-threshold") for n in args.only or []):
