@@ -57,6 +57,7 @@ Variants of the rule kept as ``krum-reputation`` (measured with the kept one by 
 - ``reputation-project`` / ``reputation-project-momentum-0.5``: krum-reputation's choice of the most suspicious
   device over rounds (memory 0.7), but its update enters as its projection onto the span of the round's other
   updates instead of being dropped; server momentum 0 / 0.5;
+- ``reputation-lr-1.3`` / ``-1.6``: krum-reputation without momentum, the server step 1.3x / 1.6x the mean;
 - ``dnc``: Divide-and-Conquer (Shejwalkar and Houmansadr, NDSS 2021): 5 times, on 1000 random coordinates of
   the centred updates, the f updates with the largest squared projection on the top singular vector are
   flagged; the unflagged ones enter FedAvg's bounded mean (bounds from the round).
@@ -442,6 +443,9 @@ RULES: dict[str, dict[str, Any]] = {
     **{f"reputation-threshold-{t}": {"strategy": "reputation-threshold", "strategy_params": {"t": float(t)}}
        for t in ("1.4", "1.6", "1.8", "2.0")},
     "dnc": {"strategy": "dnc", "min_clients": 5},
+    **{f"reputation-lr-{lr}": {"strategy": "krum-reputation", "strategy_params": {"server_momentum": 0.0,
+                                                                             "server_lr": float(lr)}}
+       for lr in ("1.3", "1.6")},
     "reputation-project": {"strategy": "reputation-project", "strategy_params": {"server_momentum": 0.0}},
     "reputation-project-momentum-0.5": {"strategy": "reputation-project", "strategy_params": {"server_momentum": 0.5}},
 }
