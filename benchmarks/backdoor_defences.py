@@ -57,6 +57,8 @@ Variants of the rule kept as ``krum-reputation`` (measured with the kept one by 
 - ``reputation-project`` / ``reputation-project-momentum-0.5``: krum-reputation's choice of the most suspicious
   device over rounds (memory 0.7), but its update enters as its projection onto the span of the round's other
   updates instead of being dropped; server momentum 0 / 0.5;
+- ``reputation-head`` / ``reputation-head-momentum-0.5``: krum-reputation's choice, but only the body of its update
+  is dropped; its last layer (classifier weight and bias) enters the mean as the others';
 - ``reputation-lr-1.3`` / ``-1.6``: krum-reputation without momentum, the server step 1.3x / 1.6x the mean;
 - ``dnc``: Divide-and-Conquer (Shejwalkar and Houmansadr, NDSS 2021): 5 times, on 1000 random coordinates of
   the centred updates, the f updates with the largest squared projection on the top singular vector are
@@ -354,6 +356,35 @@ class ReputationProject(strategies.KrumReputation):
         return self._as_tensors((x * s[:, None]).sum(0) / s.sum()), {}
 
 
+class ReputationHead(strategies.KrumReputation):
+    """krum-reputation's choice (the most suspicious device over rounds), but only the body of its update is
+    dropped: its last layer's (the last two tensors, the classifier's weight and bias) enters the mean as
+    everyone else's (an honest outlier's classes would still be learned at the head)."""
+
+    name = "reputation-head"
+
+    def _reduce(self):
+        from edgeflow.gateway.aggregate import krum_ratios, most_suspicious, update_suspicion
+
+        raw = np.stack(self._held).astype(np.float64)
+        ids = list(self._client_ids)
+        self._pending = update_suspicion(self.suspicion, ids, krum_ratios(raw, self.num_byzantine), self.memory)
+        far = [int(i) for i in most_suspicious([self._pending[c] for c in ids], self.num_byzantine)]
+        n = len(raw)
+        s = np.asarray(self._samples, dtype=np.float64)
+        s = np.minimum(s, 3.0 * np.sort(s)[(n - 1) // 2])
+        norms = np.linalg.norm(raw, axis=1)
+        x = raw * np.minimum(1.0, 1.5 * float(np.sort(norms)[(n - 1) // 2]) / np.maximum(norms, 1e-30))[:, None]
+        head = self._schema.offsets[self._schema.names[-2]][0]
+        body_w = s.copy()
+        body_w[far] = 0.0
+        out = np.empty(x.shape[1])
+        out[:head] = (x[:, :head] * body_w[:, None]).sum(0) / body_w.sum()
+        out[head:] = (x[:, head:] * s[:, None]).sum(0) / s.sum()
+        self.selected_clients = tuple(c for i, c in enumerate(ids) if i not in far)
+        return self._as_tensors(out), {}
+
+
 class ResidualProject(_Bounded):
     name = "residual-project"
     log: list[tuple[list[str], list[float]]] = []
@@ -446,6 +477,8 @@ RULES: dict[str, dict[str, Any]] = {
     **{f"reputation-lr-{lr}": {"strategy": "krum-reputation", "strategy_params": {"server_momentum": 0.0,
                                                                              "server_lr": float(lr)}}
        for lr in ("1.3", "1.6")},
+    "reputation-head": {"strategy": "reputation-head", "strategy_params": {"server_momentum": 0.0}},
+    "reputation-head-momentum-0.5": {"strategy": "reputation-head", "strategy_params": {"server_momentum": 0.5}},
     "reputation-project": {"strategy": "reputation-project", "strategy_params": {"server_momentum": 0.0}},
     "reputation-project-momentum-0.5": {"strategy": "reputation-project", "strategy_params": {"server_momentum": 0.5}},
 }
@@ -548,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.ERROR)
     for cls in (RobustLearningRate, Flame, FLTrust, CenteredClip, CoordinateClip, AdaptiveNoise, KrumDownweight,
                 ResidualProject, KrumProject, KrumAfterBound, KrumThreshold, FlameFull, DivideAndConquer,
-                ReputationLog, ReputationThreshold, ReputationProject):
+                ReputationLog, ReputationThreshold, ReputationProject, ReputationHead):
         strategies.register_aggregator(cls.name, cls)
     backdoor.STRATEGIES.update(RULES)
     if args.shares:
