@@ -57,8 +57,8 @@ Variants of the rule kept as ``krum-reputation`` (measured with the kept one by 
 - ``reputation-project`` / ``reputation-project-momentum-0.5``: krum-reputation's choice of the most suspicious
   device over rounds (memory 0.7), but its update enters as its projection onto the span of the round's other
   updates instead of being dropped; server momentum 0 / 0.5;
-- ``reputation-head`` / ``reputation-head-momentum-0.5``: krum-reputation's choice, but only the body of its update
-  is dropped; its last layer (classifier weight and bias) enters the mean as the others';
+- ``reputation-head``: krum-reputation's choice (momentum 0), but only the body of its update is dropped; its last
+  layer (classifier weight and bias) enters the mean as the others';
 - ``reputation-lr-1.3`` / ``-1.6``: krum-reputation without momentum, the server step 1.3x / 1.6x the mean;
 - ``dnc``: Divide-and-Conquer (Shejwalkar and Houmansadr, NDSS 2021): 5 times, on 1000 random coordinates of
   the centred updates, the f updates with the largest squared projection on the top singular vector are
@@ -478,7 +478,6 @@ RULES: dict[str, dict[str, Any]] = {
                                                                              "server_lr": float(lr)}}
        for lr in ("1.3", "1.6")},
     "reputation-head": {"strategy": "reputation-head", "strategy_params": {"server_momentum": 0.0}},
-    "reputation-head-momentum-0.5": {"strategy": "reputation-head", "strategy_params": {"server_momentum": 0.5}},
     "reputation-project": {"strategy": "reputation-project", "strategy_params": {"server_momentum": 0.0}},
     "reputation-project-momentum-0.5": {"strategy": "reputation-project", "strategy_params": {"server_momentum": 0.5}},
 }
