@@ -83,6 +83,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from edgeflow.child_python import module_command
 from edgeflow.codecs import peek_update
 from edgeflow.errors import AggregationError, CodecError, ConfigError, SignatureError, StateError
 from edgeflow.protocol.rounds import RoundAnnouncement
@@ -766,7 +767,8 @@ class IngestPool:
         path = self.workdir / f"ingest-{name}.json"
         path.write_text(json.dumps(asdict(cfg)), encoding="utf-8")
         log_file = open(self.workdir / f"ingest-{name}.log", "ab")  # noqa: SIM115 - owned by the child
-        proc = subprocess.Popen([self.python, "-m", "edgeflow.gateway.ingest", str(path)],  # noqa: S603
+        # not "-m": it would put the current directory first on the worker's path (edgeflow/child_python.py)
+        proc = subprocess.Popen(module_command("edgeflow.gateway.ingest", str(path), python=self.python),  # noqa: S603
                                 stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log_file.close()
         self.procs[name] = proc

@@ -43,6 +43,7 @@ import numpy as np
 
 from ..errors import EdgeflowError
 from ..artifact import Golden
+from ..child_python import child_env, python_command
 from ..profiles import DeviceProfile
 
 log = logging.getLogger("edgeflow.device")
@@ -128,12 +129,12 @@ def _check_in_child(kwargs: dict[str, Any]) -> HealthReport:
     profile: DeviceProfile = kwargs["profile"]
     runs = max(1, int(kwargs["runs"]))
     timeout = CHILD_START_S + (runs + 1) * float(profile.max_run_seconds)
-    cmd = [sys.executable, "-c", "from edgeflow.device.health import _child_main; _child_main()"]
-    # the child imports this same edgeflow, whatever sys.path the agent was started with
-    here = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p))
+    # the child imports this same edgeflow, whatever sys.path the agent was started with and whatever its
+    # current directory holds (a checkout's ./edgeflow shadowed a plain install: edgeflow/child_python.py)
+    cmd = python_command("from edgeflow.device.health import _child_main\n_child_main()\n")
     try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=child_env())
     except OSError as exc:
         return HealthReport(False, "load", f"could not start the health-check process ({exc}); free memory or "
                             "processes on the device and deploy again")
