@@ -330,59 +330,58 @@ class ReputationThreshold(strategies.KrumReputation):
         return self._as_tensors(r.mean), {"num_selected": float(len(r.chosen)), "dropped": float(len(drop))}
 
 
-class ReputationProject(strategies.KrumReputation):
+class _ReputationBounded(strategies.KrumReputation):
+    """krum-reputation's choice of the most suspicious devices over rounds, with FedAvg's bounds from the round;
+    :meth:`_combine` says what becomes of the suspects' bounded updates."""
+
+    def _combine(self, x: np.ndarray, s: np.ndarray, far: list[int]) -> np.ndarray:  # pragma: no cover - abstract
+        raise NotImplementedError("need _combine")
+
+    def _reduce(self):
+        from edgeflow.gateway.aggregate import krum_ratios, most_suspicious, update_suspicion
+
+        raw = np.stack(self._held).astype(np.float64)
+        ids = list(self._client_ids)
+        self._pending = update_suspicion(self.suspicion, ids, krum_ratios(raw, self.num_byzantine), self.memory)
+        far = [int(i) for i in most_suspicious([self._pending[c] for c in ids], self.num_byzantine)]
+        n = len(raw)
+        s = np.asarray(self._samples, dtype=np.float64)
+        s = np.minimum(s, 3.0 * np.sort(s)[(n - 1) // 2])
+        norms = np.linalg.norm(raw, axis=1)
+        x = raw * np.minimum(1.0, 1.5 * float(np.sort(norms)[(n - 1) // 2]) / np.maximum(norms, 1e-30))[:, None]
+        self.selected_clients = tuple(c for i, c in enumerate(ids) if i not in far)
+        return self._as_tensors(self._combine(x, s, far)), {}
+
+
+class ReputationProject(_ReputationBounded):
     """krum-reputation's choice (the most suspicious device over rounds), but its update enters as its projection
     onto the span of the round's other updates instead of being dropped (what an honest outlier shares with the
     rest of this round comes in; what no one else pushed does not)."""
 
     name = "reputation-project"
 
-    def _reduce(self):
-        from edgeflow.gateway.aggregate import krum_ratios, most_suspicious, update_suspicion
-
-        raw = np.stack(self._held).astype(np.float64)
-        ids = list(self._client_ids)
-        self._pending = update_suspicion(self.suspicion, ids, krum_ratios(raw, self.num_byzantine), self.memory)
-        far = [int(i) for i in most_suspicious([self._pending[c] for c in ids], self.num_byzantine)]
-        n = len(raw)
-        s = np.asarray(self._samples, dtype=np.float64)
-        s = np.minimum(s, 3.0 * np.sort(s)[(n - 1) // 2])
-        norms = np.linalg.norm(raw, axis=1)
-        x = raw * np.minimum(1.0, 1.5 * float(np.sort(norms)[(n - 1) // 2]) / np.maximum(norms, 1e-30))[:, None]
-        kept = [x[i] for i in range(n) if i not in far]
+    def _combine(self, x, s, far):
+        kept = [x[i] for i in range(len(x)) if i not in far]
         for i in far:
             x[i] = project_onto_span(x[i], kept)
-        self.selected_clients = tuple(c for i, c in enumerate(ids) if i not in far)
-        return self._as_tensors((x * s[:, None]).sum(0) / s.sum()), {}
+        return (x * s[:, None]).sum(0) / s.sum()
 
 
-class ReputationHead(strategies.KrumReputation):
+class ReputationHead(_ReputationBounded):
     """krum-reputation's choice (the most suspicious device over rounds), but only the body of its update is
     dropped: its last layer's (the last two tensors, the classifier's weight and bias) enters the mean as
     everyone else's (an honest outlier's classes would still be learned at the head)."""
 
     name = "reputation-head"
 
-    def _reduce(self):
-        from edgeflow.gateway.aggregate import krum_ratios, most_suspicious, update_suspicion
-
-        raw = np.stack(self._held).astype(np.float64)
-        ids = list(self._client_ids)
-        self._pending = update_suspicion(self.suspicion, ids, krum_ratios(raw, self.num_byzantine), self.memory)
-        far = [int(i) for i in most_suspicious([self._pending[c] for c in ids], self.num_byzantine)]
-        n = len(raw)
-        s = np.asarray(self._samples, dtype=np.float64)
-        s = np.minimum(s, 3.0 * np.sort(s)[(n - 1) // 2])
-        norms = np.linalg.norm(raw, axis=1)
-        x = raw * np.minimum(1.0, 1.5 * float(np.sort(norms)[(n - 1) // 2]) / np.maximum(norms, 1e-30))[:, None]
+    def _combine(self, x, s, far):
         head = self._schema.offsets[self._schema.names[-2]][0]
         body_w = s.copy()
         body_w[far] = 0.0
         out = np.empty(x.shape[1])
         out[:head] = (x[:, :head] * body_w[:, None]).sum(0) / body_w.sum()
         out[head:] = (x[:, head:] * s[:, None]).sum(0) / s.sum()
-        self.selected_clients = tuple(c for i, c in enumerate(ids) if i not in far)
-        return self._as_tensors(out), {}
+        return out
 
 
 class ResidualProject(_Bounded):
