@@ -21,6 +21,7 @@ Needs root and ``ip netns``; the fixtures skip with the reason otherwise.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -120,7 +121,9 @@ class TestNet:
     __test__ = False  # not a pytest class
 
     def __init__(self) -> None:
-        self.tag = f"{os.getpid() % 100000}{int(time.time() * 1000) % 1000}"[-7:]
+        # random, not pid + milliseconds % 1000: that repeats within one test process (1 in 1,000 for any two
+        # nets), and a repeated tag met a link of the same name: CI failed once on "ip link add efv...: File exists"
+        self.tag = secrets.token_hex(4)
         self.k = _free_subnet()
         self.bridge = f"efb{self.tag}"
         self.gateway_ip = f"10.231.{self.k}.1"
